@@ -1,0 +1,64 @@
+"""Capture and import: everything that produces a run.
+
+``load(path)`` reads a run folder, a Kineto / PyTorch-profiler JSON trace (``.json`` or
+``.json.gz``) or an Nsight Systems SQLite export, recognised by content, and returns a
+:class:`~decodescope.analysis.schema.Run`. ``range(name)`` is the NVTX range API the workloads
+use; it imports without CUPTI or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from decodescope.analysis.schema import Run
+from decodescope.tracer.errors import TraceError
+from decodescope.tracer.ranges import current_path, range
+from decodescope.tracer.store import is_run_dir, read_run, write_run
+
+__all__ = ["Run", "TraceError", "current_path", "detect", "load", "range", "read_run", "write_run"]
+
+_GZIP = b"\x1f\x8b"
+_SQLITE = b"SQLite format 3\x00"
+
+
+def detect(path: str | os.PathLike[str]) -> str:
+    """Name the format of ``path`` from its content: ``run``, ``kineto`` or ``nsys``."""
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(p, "no such file or directory")
+    if p.is_dir():
+        if is_run_dir(p):
+            return "run"
+        raise TraceError(p, "is a directory but not a decodescope run folder (no runs.parquet)")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise TraceError(p, f"cannot read: {e.strerror or e}") from None
+    if not head:
+        raise TraceError(p, "empty file")
+    if head.startswith(_SQLITE):
+        return "nsys"
+    if head.startswith(_GZIP):
+        return "kineto"
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if stripped.startswith((b"{", b"[")):
+        return "kineto"
+    raise TraceError(
+        p, "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder"
+    )
+
+
+def load(path: str | os.PathLike[str], **options) -> Run:
+    """Load any supported trace or run folder as a :class:`Run` (format detected from content)."""
+    kind = detect(path)
+    if kind == "run":
+        return read_run(path)
+    if kind == "kineto":
+        from decodescope.tracer.kineto import load_kineto
+
+        return load_kineto(path, **options)
+    from decodescope.tracer.nsys import load_nsys
+
+    return load_nsys(path, **options)

@@ -1,0 +1,1 @@
+"""The command line (typer + rich) and the Streamlit dashboard (plotly figures)."""
