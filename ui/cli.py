@@ -1,0 +1,75 @@
+"""The ``decodescope`` command line (typer + rich).
+
+Each subcommand lives in its own ``ui/cmd_*.py`` module and registers itself on ``app``.
+Every user-facing failure is a :class:`~decodescope.tracer.errors.TraceError` (or a
+``UsageError``): printed as one line on stderr, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from decodescope.tracer.errors import TraceError
+
+app = typer.Typer(
+    name="decodescope",
+    help="Per-layer kernel counts and microseconds for LLM decode steps: capture, import, compare.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+class UsageError(Exception):
+    """A wrong combination of arguments; one line for the user."""
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _register() -> None:
+    import importlib
+    import pkgutil
+
+    import decodescope.ui as ui_pkg
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(ui_pkg.__path__)):
+        if mod.startswith("cmd_"):
+            importlib.import_module(f"decodescope.ui.{mod}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except TraceError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except UsageError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # click's own usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()
