@@ -199,7 +199,9 @@ def from_pydict(columns: Mapping[str, Any], name: str) -> pa.Table:
         if k not in schema.names:
             raise SchemaError(f"table {name!r} has no column {k!r}")
         field = schema.field(k)
-        arr = v if isinstance(v, pa.Array | pa.ChunkedArray) else pa.array(v, type=_plain(field.type))
+        arr = (
+            v if isinstance(v, pa.Array | pa.ChunkedArray) else pa.array(v, type=_plain(field.type))
+        )
         if arr.type != field.type:
             arr = arr.cast(field.type)
         arrays[k] = arr

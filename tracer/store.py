@@ -56,7 +56,10 @@ def read_run(path: str | os.PathLike[str]) -> Run:
             raise TraceError(f, f"unreadable Parquet: {e}") from None
         version = (t.schema.metadata or {}).get(b"decodescope.schema_version")
         if version is not None and int(version) > SCHEMA_VERSION:
-            raise TraceError(f, f"schema version {int(version)} is newer than this decodescope's {SCHEMA_VERSION}")
+            raise TraceError(
+                f,
+                f"schema version {int(version)} is newer than this decodescope's {SCHEMA_VERSION}",
+            )
         try:
             tables[name] = conform(t, name)
         except SchemaError as e:
