@@ -1,0 +1,1 @@
+"""The standard decode path: vLLM's default Hopper kernel decomposition for Kimi K3."""
