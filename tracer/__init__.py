@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from decodescope.analysis.attribution import attribute
 from decodescope.analysis.schema import Run
 from decodescope.tracer.errors import TraceError
 from decodescope.tracer.ranges import current_path, range
@@ -46,19 +47,26 @@ def detect(path: str | os.PathLike[str]) -> str:
     if stripped.startswith((b"{", b"[")):
         return "kineto"
     raise TraceError(
-        p, "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder"
+        p,
+        "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder",
     )
 
 
 def load(path: str | os.PathLike[str], **options) -> Run:
-    """Load any supported trace or run folder as a :class:`Run` (format detected from content)."""
+    """Load any supported trace or run folder as a :class:`Run` (format detected from content).
+
+    Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`);
+    a run folder as it was written.
+    """
     kind = detect(path)
     if kind == "run":
         return read_run(path)
     if kind == "kineto":
         from decodescope.tracer.kineto import load_kineto
 
-        return load_kineto(path, **options)
-    from decodescope.tracer.nsys import load_nsys
+        raw = load_kineto(path, **options)
+    else:
+        from decodescope.tracer.nsys import load_nsys
 
-    return load_nsys(path, **options)
+        raw = load_nsys(path, **options)
+    return attribute(raw)

@@ -1,0 +1,299 @@
+"""Per-layer, per-op and per-kernel figures (DESIGN.md section 7), from an attributed kernels table.
+
+- kernels: kernel executions attributed to the layer in one step;
+- span_us: last kernel end - first kernel start of the layer in one step (GPU timeline);
+- busy_us: length of the union of the layer's kernel intervals; gaps_us = span_us - busy_us;
+- kernel_sum_us: sum of kernel durations (exceeds span when streams overlap).
+
+Per-step figures are summarised over steps as the median with min and max. Pure pyarrow + numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us")
+
+__all__ = [
+    "METRICS",
+    "layer_steps",
+    "layer_table",
+    "kind_table",
+    "op_table",
+    "kernel_table",
+    "group_stats",
+]
+
+
+def _num(col: pa.ChunkedArray | pa.Array, dtype=np.int64) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    return col.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _plain(t: pa.Table) -> pa.Table:
+    """Decode dictionary columns (group_by keys must be comparable across chunks)."""
+    cols = []
+    for c in t.columns:
+        if pa.types.is_dictionary(c.type):
+            c = c.cast(c.type.value_type)
+        cols.append(c)
+    return pa.Table.from_arrays(cols, names=t.column_names)
+
+
+def _group_ids(t: pa.Table, keys: list[str]) -> tuple[pa.Table, np.ndarray]:
+    """(one row per distinct key, sorted; group id of every row of t)."""
+    n = t.num_rows
+    tt = _plain(t.select(keys)).append_column("__row", pa.array(np.arange(n, dtype=np.int64)))
+    g = tt.group_by(keys, use_threads=False).aggregate([("__row", "list")])
+    g = g.sort_by([(k, "ascending") for k in keys])
+    rows = g["__row_list"].combine_chunks()
+    flat = _num(rows.flatten())
+    lens = _num(pc.list_value_length(rows))
+    gid = np.empty(n, dtype=np.int64)
+    gid[flat] = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    return g.drop_columns(["__row_list"]), gid
+
+
+def _median_min_max(values: np.ndarray, gid: np.ndarray, ngroups: int):
+    """Exact median, min and max of ``values`` per group (groups with no value give NaN)."""
+    order = np.lexsort((values, gid))
+    v = values[order]
+    g = gid[order]
+    counts = np.bincount(g, minlength=ngroups)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    med = np.full(ngroups, np.nan)
+    mn = np.full(ngroups, np.nan)
+    mx = np.full(ngroups, np.nan)
+    ok = counts > 0
+    lo = starts + (counts - 1) // 2
+    hi = starts + counts // 2
+    med[ok] = (v[lo[ok]] + v[hi[ok]]) / 2.0
+    mn[ok] = v[starts[ok]]
+    mx[ok] = v[starts[ok] + counts[ok] - 1]
+    return med, mn, mx
+
+
+def group_stats(
+    t: pa.Table, keys: list[str], metrics: tuple[str, ...] | list[str], count_name: str
+) -> pa.Table:
+    """One row per distinct ``keys``: the row count as ``count_name``, and for each metric m:
+    m (median), m_min, m_max."""
+    groups, gid = _group_ids(t, keys)
+    ng = groups.num_rows
+    out = groups.append_column(count_name, pa.array(np.bincount(gid, minlength=ng), pa.int64()))
+    for m in metrics:
+        med, mn, mx = _median_min_max(_num(t[m], np.float64), gid, ng)
+        out = out.append_column(m, pa.array(med))
+        out = out.append_column(f"{m}_min", pa.array(mn))
+        out = out.append_column(f"{m}_max", pa.array(mx))
+    return out
+
+
+def _attributed(kernels: pa.Table) -> pa.Table:
+    return kernels.filter(pc.is_valid(kernels["layer"]))
+
+
+def _interval_stats(
+    start: np.ndarray, end: np.ndarray, gid: np.ndarray, ngroups: int
+) -> dict[str, np.ndarray]:
+    """count, span, busy (union length) and kernel-sum per group, in ns (floats)."""
+    end = np.maximum(end, start)
+    counts = np.bincount(gid, minlength=ngroups)
+    first = np.full(ngroups, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(ngroups, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, gid, start)
+    np.maximum.at(last, gid, end)
+    ksum = np.bincount(gid, weights=(end - start).astype(np.float64), minlength=ngroups)
+    # busy: make groups disjoint on one axis (relative times, group g shifted by g * stride),
+    # then one running-max sweep merges overlapping intervals
+    rel_s = start - first[gid]
+    rel_e = end - first[gid]
+    stride = int(rel_e.max(initial=0)) + 2
+    s = rel_s + gid * stride
+    e = rel_e + gid * stride
+    order = np.lexsort((s, gid))
+    s = s[order]
+    e = e[order]
+    g = gid[order]
+    busy = np.zeros(ngroups)
+    if len(s):
+        prev_max = np.maximum.accumulate(e)
+        new = np.ones(len(s), dtype=bool)
+        new[1:] = s[1:] > prev_max[:-1]
+        block_starts = np.flatnonzero(new)
+        block_end = np.maximum.reduceat(e, block_starts)
+        lengths = (block_end - s[block_starts]).astype(np.float64)
+        busy = np.bincount(g[block_starts], weights=lengths, minlength=ngroups)
+    span = np.where(counts > 0, last - first, 0).astype(np.float64)
+    return {"kernels": counts, "span": span, "busy": busy, "kernel_sum": ksum}
+
+
+def _steps_of(kernels: pa.Table, keys: list[str]) -> pa.Table:
+    groups, gid = _group_ids(kernels, keys)
+    st = _interval_stats(_num(kernels["start_ns"]), _num(kernels["end_ns"]), gid, groups.num_rows)
+    return groups, gid, st
+
+
+def layer_steps(kernels: pa.Table) -> pa.Table:
+    """One row per (rank, step, layer): layer_kind, kernels, span_us, busy_us, gaps_us,
+    kernel_sum_us. Kernels without a layer are left out (they have no layer to count in)."""
+    k = _attributed(kernels)
+    k = k.append_column("__kind", pc.fill_null(_plain(k.select(["layer_kind"]))["layer_kind"], ""))
+    k = k.set_column(k.schema.get_field_index("step"), "step", pc.fill_null(k["step"], 0))
+    keys = ["rank", "step", "layer", "__kind"]
+    if k.num_rows == 0:
+        return pa.table(
+            {
+                "rank": pa.array([], pa.int32()),
+                "step": pa.array([], pa.int32()),
+                "layer": pa.array([], pa.int32()),
+                "layer_kind": pa.array([], pa.string()),
+                **{
+                    m: pa.array([], pa.int64() if m == "kernels" else pa.float64()) for m in METRICS
+                },
+            }
+        )
+    groups, _, st = _steps_of(k, keys)
+    kind = pc.if_else(
+        pc.equal(groups["__kind"], ""), pa.scalar(None, pa.string()), groups["__kind"]
+    )
+    return pa.table(
+        {
+            "rank": groups["rank"],
+            "step": groups["step"],
+            "layer": groups["layer"],
+            "layer_kind": kind,
+            "kernels": pa.array(st["kernels"], pa.int64()),
+            "span_us": pa.array(st["span"] / 1e3),
+            "busy_us": pa.array(st["busy"] / 1e3),
+            "gaps_us": pa.array((st["span"] - st["busy"]) / 1e3),
+            "kernel_sum_us": pa.array(st["kernel_sum"] / 1e3),
+        }
+    )
+
+
+def layer_table(kernels: pa.Table) -> pa.Table:
+    """One row per (rank, layer): layer_kind, steps, and for each metric m: m (median over steps),
+    m_min, m_max."""
+    ls = layer_steps(kernels)
+    ls = ls.set_column(3, "layer_kind", pc.fill_null(ls["layer_kind"], ""))
+    out = group_stats(ls, ["rank", "layer", "layer_kind"], METRICS, "steps")
+    kind = pc.if_else(
+        pc.equal(out["layer_kind"], ""), pa.scalar(None, pa.string()), out["layer_kind"]
+    )
+    out = out.set_column(2, "layer_kind", kind)
+    return out.sort_by([("rank", "ascending"), ("layer", "ascending")])
+
+
+def kind_table(kernels: pa.Table) -> pa.Table:
+    """One row per layer_kind: layers, steps (median per layer), and for each metric m: m (median
+    over the layers of that kind of the per-layer medians), m_min and m_max (the least and the
+    greatest per-layer median): the "a KDA layer: 23 kernels, 130 us" figure."""
+    lt = layer_table(kernels)
+    cols = ["layer_kind", "steps", *METRICS]
+    lt = lt.select(cols)
+    lt = lt.set_column(0, "layer_kind", pc.fill_null(lt["layer_kind"], "(none)"))
+    lt = lt.set_column(1, "steps", lt["steps"].cast(pa.float64()))
+    out = group_stats(lt, ["layer_kind"], ("steps", *METRICS), "layers")
+    out = out.drop_columns(["steps_min", "steps_max"])
+    return out.sort_by([("layer_kind", "ascending")])
+
+
+def _list_distinct(t: pa.Table, keys: list[str], col: str) -> pa.Table:
+    g = _plain(t.select([*keys, col])).group_by(keys, use_threads=False)
+    return g.aggregate([(col, "distinct")])
+
+
+def op_table(kernels: pa.Table) -> pa.Table:
+    """One row per (layer_kind, block, op): kernels per layer-step, span_us and kernel_sum_us
+    (medians over layer-steps, with min/max), layer_steps seen, and the kernel names."""
+    k = _attributed(kernels)
+    k = _plain(
+        k.select(
+            ["rank", "step", "layer", "layer_kind", "block", "op", "name", "start_ns", "end_ns"]
+        )
+    )
+    for c in ("layer_kind", "block", "op"):
+        k = k.set_column(k.schema.get_field_index(c), c, pc.fill_null(k[c], ""))
+    k = k.set_column(1, "step", pc.fill_null(k["step"], 0))
+    keys = ["layer_kind", "block", "op", "rank", "step", "layer"]
+    if k.num_rows == 0:
+        return pa.table(
+            {
+                "layer_kind": pa.array([], pa.string()),
+                "block": pa.array([], pa.string()),
+                "op": pa.array([], pa.string()),
+                "layer_steps": pa.array([], pa.int64()),
+                "kernels": pa.array([], pa.float64()),
+                "span_us": pa.array([], pa.float64()),
+                "kernel_sum_us": pa.array([], pa.float64()),
+                "kernel_names": pa.array([], pa.list_(pa.string())),
+            }
+        )
+    groups, _, st = _steps_of(k, keys)
+    per = groups.select(["layer_kind", "block", "op"])
+    per = per.append_column("kernels", pa.array(st["kernels"].astype(np.float64)))
+    per = per.append_column("span_us", pa.array(st["span"] / 1e3))
+    per = per.append_column("kernel_sum_us", pa.array(st["kernel_sum"] / 1e3))
+    out = group_stats(
+        per, ["layer_kind", "block", "op"], ("kernels", "span_us", "kernel_sum_us"), "layer_steps"
+    )
+    names = _list_distinct(k, ["layer_kind", "block", "op"], "name").rename_columns(
+        ["layer_kind", "block", "op", "kernel_names"]
+    )
+    out = out.join(names, ["layer_kind", "block", "op"], join_type="left outer")
+    for c in ("layer_kind", "block", "op"):
+        out = out.set_column(
+            out.schema.get_field_index(c),
+            c,
+            pc.if_else(pc.equal(out[c], ""), pa.scalar(None, pa.string()), out[c]),
+        )
+    return out.sort_by([("layer_kind", "ascending"), ("block", "ascending"), ("op", "ascending")])
+
+
+def kernel_table(kernels: pa.Table) -> pa.Table:
+    """One row per kernel name: calls, total_us, median_us, min_us, max_us, share of the total
+    kernel time, and the ops it ran in ("block.op"; "(unattributed)" outside any layer op)."""
+    if kernels.num_rows == 0:
+        return pa.table(
+            {
+                "name": pa.array([], pa.string()),
+                "calls": pa.array([], pa.int64()),
+                "total_us": pa.array([], pa.float64()),
+                "median_us": pa.array([], pa.float64()),
+                "min_us": pa.array([], pa.float64()),
+                "max_us": pa.array([], pa.float64()),
+                "share": pa.array([], pa.float64()),
+                "ops": pa.array([], pa.list_(pa.string())),
+            }
+        )
+    k = _plain(kernels.select(["name", "start_ns", "end_ns", "block", "op", "range_path"]))
+    dur = (_num(k["end_ns"]) - _num(k["start_ns"])).astype(np.float64) / 1e3
+    k = k.append_column("dur_us", pa.array(dur))
+    k = k.set_column(0, "name", pc.fill_null(k["name"], "(unnamed)"))
+    op = pc.binary_join_element_wise(k["block"], k["op"], ".")
+    op = pc.coalesce(op, k["op"], k["range_path"], pa.scalar("(unattributed)"))
+    k = k.append_column("op_label", op)
+    stats = group_stats(k, ["name"], ("dur_us",), "calls")
+    groups, gid = _group_ids(k, ["name"])
+    total = np.bincount(gid, weights=dur, minlength=groups.num_rows)
+    grand = float(dur.sum()) or 1.0
+    ops = _list_distinct(k, ["name"], "op_label").rename_columns(["name", "ops"])
+    out = pa.table(
+        {
+            "name": stats["name"],
+            "calls": stats["calls"],
+            "total_us": pa.array(total),
+            "median_us": stats["dur_us"],
+            "min_us": stats["dur_us_min"],
+            "max_us": stats["dur_us_max"],
+            "share": pa.array(total / grand),
+        }
+    )
+    out = out.join(ops, "name", join_type="left outer")
+    return out.sort_by([("total_us", "descending"), ("name", "ascending")])
