@@ -204,9 +204,11 @@ def kind_table(kernels: pa.Table) -> pa.Table:
     return out.sort_by([("layer_kind", "ascending")])
 
 
-def _list_distinct(t: pa.Table, keys: list[str], col: str) -> pa.Table:
+def _list_distinct(t: pa.Table, keys: list[str], col: str, out_name: str) -> pa.Table:
+    """Distinct values of ``col`` per key, rows sorted by the keys (aligned with group_stats)."""
     g = _plain(t.select([*keys, col])).group_by(keys, use_threads=False)
-    return g.aggregate([(col, "distinct")])
+    out = g.aggregate([(col, "distinct")]).rename_columns([*keys, out_name])
+    return out.sort_by([(k, "ascending") for k in keys])
 
 
 def op_table(kernels: pa.Table) -> pa.Table:
@@ -243,10 +245,8 @@ def op_table(kernels: pa.Table) -> pa.Table:
     out = group_stats(
         per, ["layer_kind", "block", "op"], ("kernels", "span_us", "kernel_sum_us"), "layer_steps"
     )
-    names = _list_distinct(k, ["layer_kind", "block", "op"], "name").rename_columns(
-        ["layer_kind", "block", "op", "kernel_names"]
-    )
-    out = out.join(names, ["layer_kind", "block", "op"], join_type="left outer")
+    names = _list_distinct(k, ["layer_kind", "block", "op"], "name", "kernel_names")
+    out = out.append_column("kernel_names", names["kernel_names"])
     for c in ("layer_kind", "block", "op"):
         out = out.set_column(
             out.schema.get_field_index(c),
@@ -283,7 +283,7 @@ def kernel_table(kernels: pa.Table) -> pa.Table:
     groups, gid = _group_ids(k, ["name"])
     total = np.bincount(gid, weights=dur, minlength=groups.num_rows)
     grand = float(dur.sum()) or 1.0
-    ops = _list_distinct(k, ["name"], "op_label").rename_columns(["name", "ops"])
+    ops = _list_distinct(k, ["name"], "op_label", "ops")
     out = pa.table(
         {
             "name": stats["name"],
@@ -293,7 +293,7 @@ def kernel_table(kernels: pa.Table) -> pa.Table:
             "min_us": stats["dur_us_min"],
             "max_us": stats["dur_us_max"],
             "share": pa.array(total / grand),
+            "ops": ops["ops"],
         }
     )
-    out = out.join(ops, "name", join_type="left outer")
     return out.sort_by([("total_us", "descending"), ("name", "ascending")])

@@ -1,0 +1,161 @@
+"""Results datasets on disk: append runs as Hive partitions, read them back (layout:
+:mod:`decodescope.analysis.dataset`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from decodescope.analysis import dataset as layout
+from decodescope.analysis.schema import TABLES, Run, RunMeta, SchemaError, conform
+from decodescope.tracer.errors import TraceError
+
+__all__ = ["append_run", "append_runs", "is_dataset", "read_table", "read_runs", "run_ids"]
+
+
+def is_dataset(path: str | os.PathLike[str]) -> bool:
+    """A folder holding ``runs/`` with at least one partition file."""
+    p = Path(path)
+    return p.is_dir() and (p / "runs").is_dir() and any((p / "runs").rglob("*.parquet"))
+
+
+def _run_dirs(root: Path, meta: RunMeta) -> dict[str, Path]:
+    rel = layout.partition_path(meta)
+    return {name: root / name / rel for name in TABLES}
+
+
+def run_ids(path: str | os.PathLike[str]) -> set[str]:
+    root = Path(path)
+    out: set[str] = set()
+    for f in (
+        (root / "runs").rglob(f"run_id=*/{layout.PART_FILE}") if (root / "runs").is_dir() else []
+    ):
+        rid = layout.decode_value(f.parent.name.split("=", 1)[1])
+        if rid is not None:
+            out.add(rid)
+    return out
+
+
+def append_run(run: Run, dataset: str | os.PathLike[str], *, replace: bool = False) -> Path:
+    """Append one run: each table into its partition folder (temporary name, then renamed);
+    ``runs`` last, so a run is listed only once all its tables are there. On failure nothing of
+    this run is left behind."""
+    root = Path(dataset)
+    if root.exists() and not root.is_dir():
+        raise TraceError(root, "exists and is not a folder: a dataset is a folder")
+    if root.is_dir() and any(root.iterdir()) and not (root / "runs").is_dir():
+        raise TraceError(root, "is a non-empty folder but not a decodescope dataset (no runs/)")
+    dirs = _run_dirs(root, run.meta)
+    if dirs["runs"].exists():
+        if not replace:
+            raise TraceError(root, f"already holds run {run.run_id!r} (pass replace to overwrite)")
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+    order = ["kernels", "ranges", "memops", "overheads", "runs"]
+    tables = run.tables()
+    done: list[Path] = []
+    try:
+        for name in order:
+            target = dirs[name]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+            try:
+                t = layout.strip_partitions(tables[name])
+                pq.write_table(t, tmp / layout.PART_FILE, compression="zstd")
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            done.append(target)
+    except BaseException:
+        for d in done:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    return dirs["runs"]
+
+
+def append_runs(
+    runs: Iterable[Run], dataset: str | os.PathLike[str], *, replace: bool = False
+) -> list[Path]:
+    return [append_run(r, dataset, replace=replace) for r in runs]
+
+
+def _partitioning() -> ds.Partitioning:
+    fields = [pa.field(k, pa.string()) for k in layout.PARTITIONS]
+    return ds.HivePartitioning(pa.schema(fields), null_fallback=layout.NULL_PARTITION)
+
+
+def read_table(
+    path: str | os.PathLike[str], table: str, run_ids: Sequence[str] | None = None
+) -> pa.Table:
+    """One table of the dataset, partition columns restored, conformed to the run schema.
+    ``run_ids`` limits it to those runs."""
+    root = Path(path)
+    if not is_dataset(root):
+        raise TraceError(root, "not a decodescope dataset (no runs/ partitions)")
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}")
+    sub = root / table
+    if not sub.is_dir():
+        return TABLES[table].empty_table()
+    try:
+        d = ds.dataset(
+            sub,
+            format="parquet",
+            partitioning=_partitioning(),
+            schema=_read_schema(table),
+            exclude_invalid_files=False,
+            ignore_prefixes=[".", "_"],
+        )
+        flt = None
+        if run_ids is not None:
+            flt = pc.field("run_id").isin(list(run_ids))
+        t = d.to_table(filter=flt)
+    except (pa.ArrowException, OSError) as e:
+        raise TraceError(sub, f"unreadable dataset table: {e}") from None
+    keep = [c for c in t.column_names if c in TABLES[table].names]
+    try:
+        return conform(t.select(keep), table)
+    except SchemaError as e:
+        raise TraceError(sub, str(e)) from None
+
+
+def _read_schema(table: str) -> pa.Schema:
+    """The file schema plus the partition columns, as plain strings."""
+    fs = layout.file_schema(table)
+    fields = list(fs)
+    fields += [pa.field(k, pa.string()) for k in layout.PARTITIONS]
+    return pa.schema(fields)
+
+
+def read_runs(path: str | os.PathLike[str], run_ids: Sequence[str] | None = None) -> list[Run]:
+    """Whole runs from a dataset (all of them, or those of ``run_ids``)."""
+    tables = {name: read_table(path, name, run_ids) for name in TABLES}
+    runs_t = tables["runs"]
+    out = []
+    for rid in runs_t["run_id"].to_pylist():
+        sel = {
+            name: t.filter(pc.equal(t["run_id"].cast(pa.string()), rid))
+            for name, t in tables.items()
+        }
+        meta = RunMeta.from_table(sel["runs"])
+        out.append(
+            Run(
+                meta=meta,
+                kernels=sel["kernels"],
+                ranges=sel["ranges"],
+                memops=sel["memops"],
+                overheads=sel["overheads"],
+            )
+        )
+    return out
