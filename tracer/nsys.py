@@ -84,12 +84,22 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 LOCK_TIMEOUT_S = 2.0  # how long to wait for a database another process holds locked
 
 _API_SUFFIX = re.compile(r"(?:_v\d+)?(?:_ptsz|_ptds)?(?:_v\d+)?$")
+_GRAPH_LAUNCH = r"^(cudaGraphLaunch|cuGraphLaunch)"  # launch_api, version suffix stripped
 _TID_MASK = 0xFFFFFF  # globalTid: tid in bits 0-23, pid in bits 24-47, VM / host above
 
 
-def load_nsys(path: str | os.PathLike[str], *, kernel_names: str = "short") -> Run:
+def load_nsys(
+    path: str | os.PathLike[str],
+    *,
+    run_id: str | None = None,
+    rank: int | None = None,
+    kernel_names: str = "short",
+) -> Run:
     """Read the Nsight Systems SQLite export at ``path`` as a raw :class:`Run`.
 
+    ``run_id`` defaults to a stable id derived from the file's content. ``rank`` defaults to the
+    CUDA device id of each kernel / memop (and of the process, for ranges); give it to import the
+    export of one rank of a distributed job, whose process saw its GPU as device 0.
     ``kernel_names``: ``"short"`` (default: the function name without template arguments or
     parameters, e.g. ``vectorized_elementwise_kernel``) or ``"demangled"`` (the full demangled
     signature). Raises :class:`TraceError` (one line naming the file) for anything unreadable,
@@ -115,7 +125,7 @@ def load_nsys(path: str | os.PathLike[str], *, kernel_names: str = "short") -> R
     except sqlite3.Error as e:
         raise TraceError(p, f"cannot open as SQLite: {e}") from None
     try:
-        return _Export(p, con, kernel_names).run()
+        run = _Export(p, con, kernel_names).run(run_id)
     except sqlite3.Error as e:
         raise TraceError(p, f"cannot read as an Nsight Systems SQLite export: {e}") from None
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
@@ -123,6 +133,9 @@ def load_nsys(path: str | os.PathLike[str], *, kernel_names: str = "short") -> R
         raise TraceError(p, f"unexpected values in the export ({type(e).__name__}: {e})") from None
     finally:
         con.close()
+    if rank is not None:
+        run = run.replace(**{name: _with_rank(getattr(run, name), rank) for name in _EVENT_TABLES})
+    return run
 
 
 def decode_text(raw: bytes) -> str:
@@ -180,7 +193,7 @@ class _Export:
 
     # -- the run ---------------------------------------------------------------------------------
 
-    def run(self) -> Run:
+    def run(self, run_id: str | None) -> Run:
         if KERNEL_TABLE not in self.tables:
             found = ", ".join(sorted(t for t in self.tables if not t.startswith("ENUM_"))[:8])
             raise TraceError(
@@ -193,7 +206,7 @@ class _Export:
         memops = self.memops()
         ranges = self.ranges(pid_device)
         overheads = self.overheads(pid_device)
-        meta = self.meta(kernels, pid_device)
+        meta = self.meta(kernels, pid_device, run_id)
         run_id = meta.run_id
         return Run(
             meta=meta,
@@ -242,7 +255,7 @@ class _Export:
             LEFT JOIN StringIds sn ON sn.id = {short}
             {launch_join}
             ORDER BY k.start, k.deviceId, k.streamId"""
-        cols = _columns(self.con.execute(sql).fetchall(), 21)
+        cols = _columns(self.con.execute(sql))
         (start, end, device, stream, corr, graph_id, node_id, gx, gy, gz, bx, by, bz, regs, smem_s,
          smem_d, name_id, mangled_id, gpid, api_id, launch_tid, launch_start) = cols  # fmt: skip
         strings = self.strings()
@@ -307,7 +320,7 @@ class _Export:
             return schema.empty("memops")
         sql = " UNION ALL ".join(parts) + " ORDER BY 1, 3, 4"
         start, end, device, stream, kind, nbytes, corr, graph_id, node_id = _columns(
-            self.con.execute(sql).fetchall(), 9
+            self.con.execute(sql)
         )
         kinds = {-1: "memset", **COPY_KINDS}
         device_arr = pa.array(device, pa.int32())
@@ -433,7 +446,7 @@ class _Export:
             return {}
         return {k: v for k, v in self.con.execute(f"SELECT {key}, value FROM {table}")}
 
-    def meta(self, kernels: pa.Table, pid_device: Mapping[int, int]) -> RunMeta:
+    def meta(self, kernels: pa.Table, pid_device: Mapping[int, int], run_id: str | None) -> RunMeta:
         export = self.key_values("META_DATA_EXPORT") or self.key_values("EXPORT_META_DATA")
         env = self.key_values("TARGET_INFO_SYSTEM_ENV")
         devices = sorted(pc.unique(kernels.column("device")).drop_null().to_pylist())
@@ -464,7 +477,7 @@ class _Export:
             **self.notes,
         }
         return RunMeta(
-            run_id=f"nsys-{_file_digest(self.path)[:16]}",
+            run_id=run_id or f"nsys-{_file_digest(self.path)}",
             source="nsys",
             created_at=created_at,
             source_path=str(self.path),
@@ -475,6 +488,7 @@ class _Export:
             cuda=_cuda_version(env.get("CudaDriverVersion")),
             host=env.get("Hostname") or None,
             config_json=json.dumps(config, sort_keys=True, default=str),
+            dropped_records=self.notes.get("nvtx_unclosed_ranges"),
         )
 
     def gpu_names(self, devices: Sequence[int]) -> dict[str, str]:
@@ -496,20 +510,33 @@ class _Export:
         return out
 
     def graph_mode(self, kernels: pa.Table) -> str:
-        launched = False
-        if {"nameId"} <= self.columns(RUNTIME_TABLE) and "StringIds" in self.tables:
-            row = self.con.execute(
+        """``graph``: every kernel ran from a CUDA graph; ``mixed``: some did; else ``eager``.
+
+        A kernel ran from a graph when it has a ``graphNodeId`` or its launch record is a graph
+        launch; ``mixed`` also where the export holds graph launches that no kernel is tied to.
+        """
+        n = kernels.num_rows
+        if not n:
+            return "unknown"
+        api = pc.cast(kernels.column("launch_api"), pa.string())
+        from_graph = pc.or_(
+            pc.is_valid(kernels.column("graph_node_id")),
+            pc.fill_null(pc.match_substring_regex(api, _GRAPH_LAUNCH), False),
+        )
+        graph_kernels = pc.sum(from_graph).as_py() or 0
+        if graph_kernels == n:
+            return "graph"
+        if graph_kernels:
+            return "mixed"
+        if "nameId" in self.columns(RUNTIME_TABLE):
+            (launched,) = self.con.execute(
                 f"""SELECT EXISTS (SELECT 1 FROM {RUNTIME_TABLE} r JOIN StringIds s ON s.id = r.nameId
                                    WHERE s.value LIKE 'cudaGraphLaunch%'
-                                      OR s.value LIKE 'cuGraphLaunch%'),
-                           EXISTS (SELECT 1 FROM {RUNTIME_TABLE})"""
+                                      OR s.value LIKE 'cuGraphLaunch%')"""
             ).fetchone()
-            if row[0]:
-                return "graph"
-            launched = bool(row[1])
-        if kernels.column("graph_node_id").null_count < kernels.num_rows:
-            return "graph"
-        return "eager" if launched and kernels.num_rows else "unknown"
+            if launched:
+                return "mixed"
+        return "eager"
 
     def process_names(self, pid_device: Mapping[int, int]) -> dict[str, str]:
         """OS pid -> name for the processes that ran kernels."""
@@ -525,9 +552,12 @@ class _Export:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def _columns(rows: list[tuple], n: int) -> list[tuple]:
-    """Rows from SQLite as ``n`` column tuples (empty tuples when there are no rows)."""
-    return list(zip(*rows, strict=True)) if rows else [()] * n
+def _columns(rows: sqlite3.Cursor | list[tuple], n: int | None = None) -> list[tuple]:
+    """A query's rows as column tuples, one per selected column (empty when there are no rows)."""
+    if isinstance(rows, sqlite3.Cursor):
+        n = len(rows.description)
+        rows = rows.fetchall()
+    return list(zip(*rows, strict=True)) if rows else [()] * (n or 0)
 
 
 def _interned(
@@ -585,6 +615,14 @@ def _nest(
     return parent, depth, path
 
 
+_EVENT_TABLES = ("kernels", "ranges", "memops", "overheads")
+
+
+def _with_rank(table: pa.Table, rank: int) -> pa.Table:
+    col = pa.array(np.full(table.num_rows, rank, dtype=np.int32))
+    return table.set_column(table.schema.get_field_index("rank"), "rank", col)
+
+
 def _with_run_id(table: pa.Table, run_id: str) -> pa.Table:
     n = table.num_rows
     col = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([run_id]))
@@ -592,7 +630,7 @@ def _with_run_id(table: pa.Table, run_id: str) -> pa.Table:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
+    h = hashlib.blake2b(digest_size=8)
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
