@@ -1,0 +1,661 @@
+"""The CUPTI capture: the session that runs inside the child, and the parent that runs the child.
+
+Child side, :class:`Session` (the one CUPTI session a process may hold):
+
+- activity tracing of CONCURRENT_KERNEL, MEMCPY, MEMSET, MARKER + MARKER_DATA (NVTX) and
+  OVERHEAD; no RUNTIME / DRIVER activity (too costly, DESIGN.md section 3);
+- callbacks enabled one by one for the launch APIs only (cudaLaunchKernel*, cudaGraphLaunch*,
+  cuLaunchKernel*, cuLaunchKernelEx*, cuGraphLaunch*, cooperative launches): each records
+  (correlation id, OS thread id, CUPTI timestamp, API name) on the host at API entry;
+- RESOURCE callbacks GRAPHNODE_CREATED / GRAPHNODE_CLONED: node id, thread, timestamp and the
+  host-side range stack of :mod:`decodescope.tracer.ranges` (the node's range path is resolved
+  later from the NVTX ranges open on that thread, which covers any program's own ranges);
+- buffer-completed callback that converts record by record (failures counted, never fatal) and
+  writes what it has as Arrow IPC chunk files into the child's folder, so a crash or a hang still
+  leaves everything flushed so far; forced flush and dropped-record count at the end.
+
+Parent side, :func:`run_capture`: starts the child (``python -m decodescope.tracer.child``) with
+``NVTX_INJECTION64_PATH`` naming the libcupti that cupti-python loads, waits with a timeout,
+reads the chunk files, assembles the run (:func:`decodescope.tracer.cupti_records.assemble`) and
+writes it. A crash, hang or CUDA error ends with one clear line and a run marked partial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from decodescope.analysis.schema import Run, RunMeta
+from decodescope.tracer import cupti_records as cr
+from decodescope.tracer.ranges import current_path
+
+SPEC_ENV = "DECODESCOPE_CAPTURE_SPEC"  # path of the child's spec JSON
+OWNER_ENV = "DECODESCOPE_CAPTURE_OWNER"  # pid of the process that holds the session
+
+# launch APIs whose callbacks we enable (matched by prefix against cupti's cbid enum names)
+RUNTIME_LAUNCH_PREFIXES = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cudaLaunchCooperativeKernel",
+    "cudaGraphLaunch",
+    "cudaLaunch_",
+)
+DRIVER_LAUNCH_PREFIXES = (
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cuLaunchCooperativeKernel",
+    "cuGraphLaunch",
+    "cuLaunchGrid",
+)
+ACTIVITY_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET", "MARKER", "MARKER_DATA", "OVERHEAD")
+
+
+def _api_short(name: str) -> str:
+    """``cudaLaunchKernel_v7000`` -> ``cudaLaunchKernel``; ``cuLaunchKernel_ptsz`` stays."""
+    head, _, tail = name.rpartition("_v")
+    return head if head and tail.isdigit() else name
+
+
+def launch_cbids(enum_members: dict[str, int], prefixes: Sequence[str]) -> dict[int, str]:
+    """cbid -> short API name for the launch APIs among a cupti cbid enum's members."""
+    out: dict[int, str] = {}
+    for name, value in enum_members.items():
+        if "HostFunc" in name or "MultiDevice" in name:
+            continue
+        if any(name == p or name.startswith(p) for p in prefixes):
+            out[int(value)] = _api_short(name)
+    return out
+
+
+def _ptr(obj: Any) -> int:
+    if isinstance(obj, int):
+        return obj
+    p = getattr(obj, "ptr", None)
+    return int(p) if p is not None else int(obj)
+
+
+def libcupti_path() -> str | None:
+    """The libcupti that cupti-python loads (what NVTX_INJECTION64_PATH must name)."""
+    try:
+        from cuda import pathfinder
+
+        return str(pathfinder.load_nvidia_dynamic_lib("cupti").abs_path)
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# child side
+
+
+class Session:
+    """The process's CUPTI session. ``start()``, run the work, ``stop()``; rows land in ``out``."""
+
+    def __init__(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        buffer_bytes: int = 8 << 20,
+        flush_period_ms: int = 0,
+        cupti_module: Any = None,
+    ) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.buffer_bytes = buffer_bytes
+        self.flush_period_ms = flush_period_ms
+        self._cupti = cupti_module
+        self.conv = cr.RecordConverter()
+        self._lock = threading.Lock()
+        self._rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self._launch: list[tuple[int, int, int, str]] = []
+        self._gnode: list[tuple[str, int | None, int | None, int, int, str | None]] = []
+        self.counts: dict[str, int] = defaultdict(int)
+        self._chunk = 0
+        self._subscriber: int | None = None
+        self._enabled: list[int] = []
+        self.running = False
+        self.errors: list[str] = []
+
+    # -- setup ---------------------------------------------------------------------------------
+    def start(self) -> Session:
+        if self._cupti is None:
+            from cupti import cupti
+
+            self._cupti = cupti
+        c = self._cupti
+        self._ts = c.get_timestamp
+        self._tid = threading.get_native_id
+        with contextlib.suppress(Exception):
+            c.set_thread_id_type(c.ActivityThreadIdType.SYSTEM)
+        # the record kinds cupti_records relies on
+        for name, want in (
+            ("CONCURRENT_KERNEL", cr.KIND_CONCURRENT_KERNEL),
+            ("MARKER", cr.KIND_MARKER),
+            ("MEMCPY", cr.KIND_MEMCPY),
+            ("MEMSET", cr.KIND_MEMSET),
+            ("OVERHEAD", cr.KIND_OVERHEAD),
+        ):
+            got = int(getattr(c.ActivityKind, name))
+            if got != want:
+                self._note(f"ActivityKind.{name} is {got}, expected {want}")
+        c.activity_register_callbacks(self._requested, self._completed)
+        for name in ACTIVITY_KINDS:
+            try:
+                kind = getattr(c.ActivityKind, name)
+                c.activity_enable(kind)
+                self._enabled.append(kind)
+            except Exception as e:
+                self.counts[f"enable_failed:{name}"] += 1
+                self._note(f"activity_enable({name}): {e}")
+        if self.flush_period_ms:
+            try:
+                c.activity_flush_period(int(self.flush_period_ms))
+            except Exception as e:
+                self._note(f"activity_flush_period: {e}")
+
+        D = c.CallbackDomain
+        self._dom_rt, self._dom_drv, self._dom_res = (
+            int(D.RUNTIME_API),
+            int(D.DRIVER_API),
+            int(D.RESOURCE),
+        )
+        self._enter = int(c.ApiCallbackSite.API_ENTER)
+        self._cb_created = int(c.CallbackIdResource.GRAPHNODE_CREATED)
+        self._cb_cloned = int(c.CallbackIdResource.GRAPHNODE_CLONED)
+        self._api = {
+            self._dom_rt: launch_cbids(
+                dict(c.RuntimeApiTraceCbid.__members__), RUNTIME_LAUNCH_PREFIXES
+            ),
+            self._dom_drv: launch_cbids(
+                dict(c.DriverApiTraceCbid.__members__), DRIVER_LAUNCH_PREFIXES
+            ),
+        }
+        self._subscriber = c.subscribe(self._callback, None)
+        for dom, apis in self._api.items():
+            for cbid, name in apis.items():
+                try:
+                    c.enable_callback(1, self._subscriber, dom, cbid)
+                except Exception as e:
+                    self.counts["enable_callback_failed"] += 1
+                    self._note(f"enable_callback({name}): {e}")
+        for cbid in (self._cb_created, self._cb_cloned):
+            try:
+                c.enable_callback(1, self._subscriber, self._dom_res, cbid)
+            except Exception as e:
+                self.counts["enable_callback_failed"] += 1
+                self._note(f"enable_callback(RESOURCE {cbid}): {e}")
+        self.running = True
+        return self
+
+    def _note(self, msg: str) -> None:
+        if len(self.errors) < 50:
+            self.errors.append(msg)
+
+    # -- CUPTI callbacks (never raise) ---------------------------------------------------------
+    def _requested(self, *args: Any) -> tuple[int, int]:
+        return self.buffer_bytes, 0
+
+    def _completed(self, *args: Any) -> None:
+        try:
+            activities = args[-1] if args else []
+            rows = self.conv.convert_all(activities if activities is not None else [])
+            with self._lock:
+                for k, v in rows.items():
+                    self._rows[k].extend(v)
+                self.counts["buffers_completed"] += 1
+            self._read_dropped()
+            if self.running and self.flush_period_ms:
+                self.write_chunk()
+        except Exception as e:
+            self.counts["buffer_callback_errors"] += 1
+            self._note(f"buffer completed: {type(e).__name__}: {e}")
+
+    def _callback(self, userdata: Any, domain: Any, cbid: Any, cbdata: Any) -> None:
+        try:
+            d = int(domain)
+            if d == self._dom_res:
+                self._on_resource(int(cbid), cbdata)
+                return
+            c = self._cupti
+            data = (
+                cbdata
+                if hasattr(cbdata, "callback_site")
+                else c.CallbackData.from_ptr(_ptr(cbdata))
+            )
+            if int(data.callback_site) != self._enter:
+                return
+            self._launch.append(
+                (
+                    int(data.correlation_id),
+                    self._tid(),
+                    self._ts(),
+                    self._api[d].get(int(cbid), str(cbid)),
+                )
+            )
+        except Exception as e:
+            self.counts["callback_errors"] += 1
+            self._note(f"callback: {type(e).__name__}: {e}")
+
+    def _on_resource(self, cbid: int, cbdata: Any) -> None:
+        c = self._cupti
+        if cbid not in (self._cb_created, self._cb_cloned):
+            return
+        res = (
+            cbdata
+            if hasattr(cbdata, "resource_descriptor")
+            else c.ResourceData.from_ptr(_ptr(cbdata))
+        )
+        g = c.GraphData.from_ptr(int(res.resource_descriptor))
+        node = c.get_graph_node_id(int(g.node))
+        if cbid == self._cb_created:
+            self._gnode.append(
+                ("created", node, None, self._tid(), self._ts(), current_path() or None)
+            )
+        else:
+            orig = c.get_graph_node_id(int(g.original_node))
+            self._gnode.append(("cloned", node, orig, self._tid(), self._ts(), None))
+
+    def _read_dropped(self) -> None:
+        import ctypes
+
+        try:
+            n = ctypes.c_size_t(0)
+            self._cupti.activity_get_num_dropped_records(0, 0, ctypes.addressof(n))
+            if n.value:
+                self.counts["dropped_records"] += int(n.value)
+        except Exception as e:
+            self.counts["dropped_records_unreadable"] = 1
+            self._note(f"activity_get_num_dropped_records: {e}")
+
+    # -- output --------------------------------------------------------------------------------
+    def _take(self) -> dict[str, pa.Table]:
+        with self._lock:
+            rows, self._rows = self._rows, defaultdict(list)
+            launch, self._launch = self._launch, []
+            gnode, self._gnode = self._gnode, []
+            counts = dict(self.counts)
+            self.counts = defaultdict(int)
+        for k, v in self.conv.errors.items():
+            counts[f"conversion_errors:{k}"] = counts.get(f"conversion_errors:{k}", 0) + v
+        self.conv.errors.clear()
+        out = {k: cr.raw_table(k, v) for k, v in rows.items() if v}
+        if launch:
+            out["launch"] = cr.raw_table(
+                "launch",
+                ({"correlation_id": a, "thread": b, "ts": t, "api": n} for a, b, t, n in launch),
+            )
+        if gnode:
+            keys = ("event", "node_id", "original_node_id", "thread", "ts", "host_path")
+            out["gnode"] = cr.raw_table("gnode", (dict(zip(keys, g, strict=True)) for g in gnode))
+        if counts:
+            out["count"] = cr.raw_table(
+                "count", ({"name": k, "value": v} for k, v in counts.items())
+            )
+        return out
+
+    def write_chunk(self) -> int:
+        """Write everything collected since the last chunk; returns the number of rows."""
+        tables = self._take()
+        n = 0
+        with self._lock:
+            self._chunk += 1
+            chunk = self._chunk
+        for kind, t in tables.items():
+            n += t.num_rows
+            write_ipc(t, self.out / f"chunk-{chunk:05d}-{kind}.arrow")
+        return n
+
+    def discard(self, keep: Sequence[str] = ("marker",)) -> None:
+        """Flush and drop what was recorded so far (warm-up), keeping graph-node rows, counts
+        and the raw kinds in ``keep`` (NVTX markers, so capture-time ranges stay resolvable)."""
+        self.flush()
+        with self._lock:
+            for k in list(self._rows):
+                if k not in keep:
+                    self._rows[k] = []
+            self._launch = []
+
+    def flush(self) -> None:
+        try:
+            self._cupti.activity_flush_all(
+                int(getattr(self._cupti.ActivityFlag, "FLUSH_FORCED", 1))
+            )
+        except Exception as e:
+            self._note(f"activity_flush_all: {e}")
+
+    def stop(self) -> None:
+        """Forced flush, unsubscribe, write the last chunk. Safe to call twice."""
+        if not self.running:
+            return
+        self.flush()
+        self._read_dropped()
+        self.running = False
+        c = self._cupti
+        if self._subscriber is not None:
+            with contextlib.suppress(Exception):
+                c.unsubscribe(self._subscriber)
+            self._subscriber = None
+        for kind in self._enabled:
+            with contextlib.suppress(Exception):
+                c.activity_disable(kind)
+        self._enabled = []
+        if self.errors:
+            self.counts["session_notes"] += len(self.errors)
+            (self.out / "session-notes.txt").write_text("\n".join(self.errors) + "\n")
+        self.write_chunk()
+
+
+def write_ipc(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name("." + path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as f, ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    os.replace(tmp, path)
+
+
+def read_chunks(folder: str | os.PathLike[str]) -> dict[str, pa.Table]:
+    """Concatenate a child's chunk files per raw kind (unreadable chunks are counted)."""
+    parts: dict[str, list[pa.Table]] = defaultdict(list)
+    bad = 0
+    for p in sorted(Path(folder).glob("chunk-*.arrow")):
+        kind = p.stem.split("-", 2)[2]
+        if kind not in cr.RAW_COLUMNS:
+            continue
+        try:
+            with pa.memory_map(str(p)) as src:
+                parts[kind].append(ipc.open_file(src).read_all())
+        except (pa.ArrowException, OSError):
+            bad += 1
+    out = {k: pa.concat_tables(v, promote_options="default") for k, v in parts.items()}
+    if bad:
+        extra = cr.raw_table("count", [{"name": "unreadable_chunks", "value": bad}])
+        out["count"] = pa.concat_tables([out["count"], extra]) if "count" in out else extra
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# parent side
+
+
+@dataclass
+class CaptureResult:
+    run: Run
+    out: Path | None
+    ok: bool
+    message: str | None  # one line when the child failed (the run is partial then)
+    returncode: int | None
+    child_dir: Path | None = None
+    stderr_tail: list[str] = field(default_factory=list)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    lib = libcupti_path()
+    if lib and "NVTX_INJECTION64_PATH" not in env:
+        env["NVTX_INJECTION64_PATH"] = lib
+    env.pop(OWNER_ENV, None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+_SITECUSTOMIZE = """\
+# written by decodescope capture: start the CUPTI session before the program runs
+import os as _os
+if _os.environ.get("{spec}") and not _os.environ.get("{owner}"):
+    try:
+        from decodescope.tracer.child import bootstrap as _b
+        _b()
+    except Exception as _e:  # never stop the program from starting
+        import sys as _sys
+        print("decodescope: capture bootstrap failed: %s" % (_e,), file=_sys.stderr)
+# chain to any other sitecustomize further down the path
+import sys as _sys, importlib as _il
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_saved = list(_sys.path)
+_sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+_sys.modules.pop("sitecustomize", None)
+try:
+    _il.import_module("sitecustomize")
+except ImportError:
+    pass
+finally:
+    _sys.path[:] = _saved
+"""
+
+
+def _python_command(cmd: Sequence[str]) -> list[str]:
+    """``python prog.py`` -> this interpreter (which has decodescope and cupti-python)."""
+    cmd = list(cmd)
+    if cmd and os.path.basename(cmd[0]) in ("python", "python3") and os.sep not in cmd[0]:
+        cmd[0] = sys.executable
+    return cmd
+
+
+def run_capture(
+    spec: dict[str, Any],
+    *,
+    out: str | os.PathLike[str] | None,
+    timeout: float | None = None,
+    command: Sequence[str] | None = None,
+    meta: dict[str, Any] | None = None,
+    keep_child_dir: bool = False,
+    env: dict[str, str] | None = None,
+    grace_s: float = 10.0,
+    echo: bool = True,
+) -> CaptureResult:
+    """Run one capture in a child process and write the run to ``out`` (unless ``None``).
+
+    ``spec`` is the child's job (see :mod:`decodescope.tracer.child`); with ``command`` the child
+    is that program, bootstrapped through a ``sitecustomize`` on ``PYTHONPATH``.
+    """
+    from decodescope.tracer.store import write_run
+
+    child_dir = Path(tempfile.mkdtemp(prefix="decodescope-capture-"))
+    spec = {**spec, "out": str(child_dir)}
+    spec_path = child_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    extra = {SPEC_ENV: str(spec_path), **(env or {})}
+    if command:
+        boot = child_dir / "boot"
+        boot.mkdir()
+        (boot / "sitecustomize.py").write_text(
+            _SITECUSTOMIZE.format(spec=SPEC_ENV, owner=OWNER_ENV)
+        )
+        pp = os.environ.get("PYTHONPATH")
+        extra["PYTHONPATH"] = str(boot) + (os.pathsep + pp if pp else "")
+        argv = _python_command(command)
+    else:
+        argv = [sys.executable, "-m", "decodescope.tracer.child", str(spec_path)]
+    stderr_path = child_dir / "stderr.txt"
+    started = time.time()
+    timed_out = False
+    with open(stderr_path, "wb") as errf:
+        try:
+            proc = subprocess.Popen(argv, env=child_env(extra), stderr=errf, start_new_session=True)
+        except OSError as e:
+            raise RuntimeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = _stop_child(proc, grace_s)
+        except KeyboardInterrupt:
+            _stop_child(proc, grace_s)
+            raise
+    tail = _tail(stderr_path)
+    if echo and tail and (rc != 0 or timed_out):
+        for line in tail[-15:]:
+            print(f"  child| {line}", file=sys.stderr)
+    raw = read_chunks(child_dir)
+    info = _read_json(child_dir / "env.json")
+    err = _read_json(child_dir / "error.json")
+    status = _read_json(child_dir / "status.json")
+    ok = rc == 0 and not timed_out and not err and bool(status.get("completed", not command))
+    message = None
+    if timed_out:
+        message = f"the capture child did not finish within {timeout:g} s and was stopped"
+    elif err:
+        message = f"the workload failed in the capture child: {err.get('message', 'unknown error')}"
+    elif rc is not None and rc < 0:
+        message = f"the capture child was killed by signal {-rc} ({_signame(-rc)})"
+    elif rc != 0:
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        message = f"the capture child exited with code {rc}" + (f": {last.strip()}" if last else "")
+    elif not ok:
+        message = "the capture child ended without reporting completion"
+    run_meta = _build_meta(
+        spec, info, meta or {}, started, partial=not ok, command=command, message=message
+    )
+    run = cr.assemble(raw, run_meta)
+    if message:
+        n = run.kernels.num_rows
+        message += f"; run marked partial with {n} kernel record{'s' if n != 1 else ''} flushed"
+    out_path = None
+    if out is not None:
+        out_path = write_run(run, out, overwrite=True)
+        notes = child_dir / "session-notes.txt"
+        if notes.exists():
+            with contextlib.suppress(OSError):
+                (out_path / "capture-notes.txt").write_text(
+                    notes.read_text() + "\n".join(tail[-40:]) + "\n"
+                )
+    if not keep_child_dir:
+        import shutil
+
+        shutil.rmtree(child_dir, ignore_errors=True)
+    return CaptureResult(
+        run, out_path, ok, message, rc, child_dir if keep_child_dir else None, tail
+    )
+
+
+def _stop_child(proc: subprocess.Popen, grace_s: float) -> int | None:
+    """SIGTERM the child's process group (it flushes and writes), then SIGKILL after grace."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return "unknown"
+
+
+def _tail(path: Path, n: int = 60) -> list[str]:
+    try:
+        data = path.read_bytes()[-16384:]
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-n:]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent.parent
+        r = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _build_meta(
+    spec: dict[str, Any],
+    info: dict[str, Any],
+    meta: dict[str, Any],
+    started: float,
+    *,
+    partial: bool,
+    command: Sequence[str] | None,
+    message: str | None,
+) -> RunMeta:
+    wl_meta = dict(info.get("workload_meta") or {})
+    workload = (
+        wl_meta.pop("workload", None)
+        or spec.get("workload")
+        or (Path(command[-1]).stem if command else None)
+    )
+    if command:
+        for a in command[1:]:
+            if a.endswith(".py"):
+                workload = Path(a).stem
+                break
+    stamp = _dt.datetime.fromtimestamp(started, tz=_dt.UTC)
+    run_id = (
+        meta.get("run_id")
+        or f"{workload or 'capture'}-{stamp:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+    )
+    fields = {f for f in RunMeta.__dataclass_fields__}
+    kw: dict[str, Any] = {k: v for k, v in wl_meta.items() if k in fields}
+    if "layer_bytes" in kw and kw["layer_bytes"] is not None:
+        kw["layer_bytes"] = {str(k): int(v) for k, v in dict(kw["layer_bytes"]).items()}
+    config = {"capture": {k: v for k, v in spec.items() if k != "out"}}
+    if command:
+        config["command"] = list(command)
+    if wl_meta.get("config_json"):
+        with contextlib.suppress(ValueError):
+            config["workload"] = json.loads(wl_meta["config_json"])
+    kw.pop("config_json", None)
+    notes = [n for n in (kw.pop("notes", None), message) if n]
+    kw.update({k: v for k, v in meta.items() if k in fields and k != "run_id"})
+    graph_mode = kw.pop("graph_mode", None) or (
+        None if command else ("graph" if spec.get("graph") else "eager")
+    )
+    return RunMeta(
+        run_id=run_id,
+        source="cupti",
+        created_at=stamp,
+        workload=workload,
+        graph_mode=graph_mode,
+        gpu=info.get("gpu"),
+        driver=info.get("driver"),
+        cuda=info.get("cuda"),
+        torch=info.get("torch"),
+        cutlass_dsl=info.get("cutlass_dsl"),
+        git_commit=_git_commit(),
+        host=socket.gethostname(),
+        notes="; ".join(notes) or None,
+        config_json=json.dumps(config, default=str),
+        partial=partial,
+        **{
+            k: v
+            for k, v in kw.items()
+            if k not in {"gpu", "driver", "cuda", "torch", "cutlass_dsl", "host"}
+        },
+    )
