@@ -61,6 +61,16 @@ MEMSET_CATS = frozenset({"gpu_memset", "Memset"})
 CPU_RANGE_CATS = frozenset({"user_annotation"})
 GPU_RANGE_CATS = frozenset({"gpu_user_annotation"})
 OVERHEAD_CATS = frozenset({"overhead"})
+# torch.profiler(with_modules=True) writes one python_function event per nn.Module call,
+# "nn.Module: Qwen2DecoderLayer_3": imported as cpu ranges, they give per-layer attribution
+PYTHON_CATS = frozenset({"python_function", "Python"})
+_MODULE_PREFIX = "nn.Module: "
+
+
+def _module_ranges(events: list) -> list:
+    return [e for e in events if type(e.name) is str and e.name.startswith(_MODULE_PREFIX)]
+
+
 # categories Kineto writes that hold nothing for the run's tables (host ops, Python frames, flow
 # arrows, instants, metadata); they are neither imported nor reported
 OTHER_CATS = frozenset(
@@ -630,7 +640,9 @@ class _Builder:
         launches = self._launches(pick(LAUNCH_CATS))
         kernels = self._kernels(pick(KERNEL_CATS), launches)
         memops = self._memops(pick(MEMCPY_CATS), pick(MEMSET_CATS))
-        ranges = self._ranges(pick(CPU_RANGE_CATS), pick(GPU_RANGE_CATS))
+        ranges = self._ranges(
+            pick(CPU_RANGE_CATS) + _module_ranges(pick(PYTHON_CATS)), pick(GPU_RANGE_CATS)
+        )
         overhead_rows = self._overhead_events(pick(OVERHEAD_CATS))
         for cat, n in counts.items():
             if isinstance(cat, str) or cat is None:  # a category this importer does not know
@@ -846,7 +858,7 @@ class _Builder:
             for nm in set(names):
                 if type(nm) is not str:
                     raise _BadValues("range name is not a string")
-            ncpu = sum(1 for e in evs if e.cat in CPU_RANGE_CATS)
+            ncpu = sum(1 for e in evs if e.cat not in GPU_RANGE_CATS)
             timeline = ["cpu"] * ncpu + ["gpu"] * (n - ncpu)
             threads: list[int | None] = [_int_or_none(e.tid) for e in evs[:ncpu]]
             for e in evs[ncpu:]:
