@@ -1,0 +1,685 @@
+"""The decodescope dashboard: two decode runs side by side (Streamlit + plotly).
+
+Run it through ``decodescope dashboard [RUN_OR_DATASET ...]`` (``ui/cmd_dashboard.py``), which
+passes the sources in the environment variable ``DECODESCOPE_DASHBOARD_SOURCES``
+(``os.pathsep``-separated); ``streamlit run ui/dashboard.py -- PATH ...`` works too. With no
+sources it opens :data:`DEFAULT_DATA`.
+
+This page renders; it computes nothing of its own: runs come from ``decodescope.tracer``, every
+figure from ``decodescope.analysis`` (metrics, compare, regress), every chart from
+``decodescope.ui.figures``. A source that cannot be read is a message in the page, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import streamlit as st
+
+from decodescope import tracer
+from decodescope.analysis import compare, metrics, regress
+from decodescope.analysis.schema import Run
+from decodescope.tracer.errors import TraceError
+from decodescope.ui import figures
+
+# The data a bare `decodescope dashboard` opens: run folders, traces or results datasets.
+# Point this at the committed H200 standard-vs-specialized runs once they exist.
+DEFAULT_DATA: tuple[Path, ...] = (Path(__file__).parent / "data" / "default",)
+SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"
+UPLOAD_DIR = Path(tempfile.gettempdir()) / "decodescope-uploads"
+UPLOAD_TYPES = ["json", "gz", "sqlite", "nsys-rep", "zip", "parquet"]
+
+META_FIELDS = (
+    ("gpu", "GPU"),
+    ("driver", "driver"),
+    ("cuda", "CUDA"),
+    ("torch", "torch"),
+    ("cutlass_dsl", "CuTe DSL"),
+    ("workload", "workload"),
+    ("backend", "backend"),
+    ("preset", "preset"),
+    ("tp_shape", "tp_shape"),
+    ("tp_world", "tp_world"),
+    ("batch", "batch"),
+    ("tokens_per_seq", "tokens/seq"),
+    ("graph_mode", "graph mode"),
+    ("dropped_records", "dropped records"),
+    ("partial", "partial"),
+    ("copy_bw_tbs", "copy bandwidth (TB/s)"),
+    ("source", "source"),
+    ("source_path", "source path"),
+    ("created_at", "created"),
+    ("git_commit", "git commit"),
+    ("host", "host"),
+    ("run_id", "run id"),
+    ("notes", "notes"),
+)
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One loadable run: where it came from (``origin``: the path the user named) and its path."""
+
+    origin: str
+    path: str
+
+
+def requested_sources() -> list[str]:
+    """The paths the dashboard was started with (environment, else argv), else DEFAULT_DATA."""
+    env = os.environ.get(SOURCES_ENV, "")
+    paths = [p for p in env.split(os.pathsep) if p]
+    if not paths and sys.argv and Path(sys.argv[0]).name == "dashboard.py":
+        paths = [a for a in sys.argv[1:] if not a.startswith("-")]
+    return paths or [str(p) for p in DEFAULT_DATA]
+
+
+def _dataset_module():
+    try:
+        from decodescope.tracer import dataset
+    except ImportError:
+        return None
+    return dataset
+
+
+def expand(source: str) -> tuple[list[Entry], list[str]]:
+    """The runs a source holds: a trace file or run folder is one; a folder of run folders
+    (or a results dataset) is each of them. Returns (entries, problems)."""
+    p = Path(source)
+    if not p.exists():
+        return [], [f"{source}: no such file or directory"]
+    if p.is_file() or tracer.store.is_run_dir(p):
+        return [Entry(source, str(p))], []
+    ds = _dataset_module()
+    if ds is not None and hasattr(ds, "is_dataset") and ds.is_dataset(p):
+        ids = _dataset_run_ids(str(p))
+        if not ids:
+            return [], [f"{source}: empty dataset: it holds no runs"]
+        return [Entry(source, f"{p}#{rid}") for rid in ids], []
+    runs = sorted(d.parent for d in p.rglob(tracer.store.RUN_FILES["runs"]))
+    runs = [d for d in runs if tracer.store.is_run_dir(d)]
+    if not runs:
+        return [], [
+            f"{source}: empty dataset: no run folders (no runs.parquet) and no traces in it"
+        ]
+    return [Entry(source, str(d)) for d in runs], []
+
+
+@st.cache_resource(show_spinner=False)
+def _dataset_run_ids(path: str) -> list[str]:
+    ds = _dataset_module()
+    return [str(r) for r in ds.run_ids(path)]
+
+
+def _stamp(path: str) -> float:
+    p = Path(path.split("#", 1)[0])
+    try:
+        if p.is_dir():
+            return max((f.stat().st_mtime for f in p.rglob("*.parquet")), default=p.stat().st_mtime)
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+@st.cache_resource(show_spinner=False, max_entries=64)
+def load_run(path: str, stamp: float) -> Run:
+    """The run at ``path`` (``DATASET#run_id`` for a run of a results dataset); cached per
+    path and modification time."""
+    del stamp  # part of the cache key only
+    if "#" in path and not Path(path).exists():
+        folder, rid = path.split("#", 1)
+        return _dataset_module().read_run(folder, rid)
+    return tracer.load(path)
+
+
+def try_load(entry: Entry) -> tuple[Run | None, str | None]:
+    """(run, None) or (None, a one-line message for the page)."""
+    try:
+        return load_run(entry.path, _stamp(entry.path)), None
+    except TraceError as e:
+        return None, str(e)
+    except Exception as e:  # an importer bug must not become a traceback in the page
+        return None, f"{entry.path}: could not be read ({type(e).__name__}: {e})"
+
+
+def save_upload(name: str, data: bytes) -> str:
+    """Write an uploaded file under UPLOAD_DIR (keyed by its content); a zip is unpacked and the
+    run folder inside it returned. Raises TraceError for a zip without one."""
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    folder = UPLOAD_DIR / digest
+    safe = Path(name).name or "upload"
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        out = folder / "unzipped"
+        if not out.exists():
+            UPLOAD_DIR.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=UPLOAD_DIR))
+            try:
+                with zipfile.ZipFile(io.BytesIO(data)) as z:
+                    for member in z.infolist():
+                        target = (tmp / member.filename).resolve()
+                        if not str(target).startswith(str(tmp.resolve())):
+                            raise TraceError(
+                                name, f"zip member {member.filename!r} leaves the folder"
+                            )
+                    z.extractall(tmp)
+                folder.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, out)
+            except zipfile.BadZipFile as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise TraceError(name, f"not a readable zip file: {e}") from None
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        runs = sorted(d.parent for d in out.rglob(tracer.store.RUN_FILES["runs"]))
+        if not runs:
+            raise TraceError(name, "zip holds no decodescope run folder (no runs.parquet)")
+        return str(runs[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / safe
+    if not target.exists():
+        tmp = target.with_name(f".{safe}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    return str(target)
+
+
+# ---- analysis, cached -------------------------------------------------------------------------
+
+
+def _rank_filter(kernels: pa.Table, rank: int | None) -> pa.Table:
+    if rank is None or kernels.num_rows == 0:
+        return kernels
+    return kernels.filter(pc.equal(kernels["rank"], rank))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def side_tables(path: str, stamp: float, rank: int | None) -> dict[str, pa.Table]:
+    """The per-run tables of the analysis for one run and rank."""
+    k = _rank_filter(load_run(path, stamp).kernels, rank)
+    return {
+        "kinds": metrics.kind_table(k),
+        "layers": metrics.layer_table(k),
+        "ops": metrics.op_table(k),
+        "kernels": metrics.kernel_table(k),
+    }
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def pair_tables(
+    path_a: str, stamp_a: float, path_b: str, stamp_b: float, rank: int | None
+) -> dict[str, pa.Table]:
+    """The comparison tables of two runs (``compare.*``)."""
+    ka = _rank_filter(load_run(path_a, stamp_a).kernels, rank)
+    kb = _rank_filter(load_run(path_b, stamp_b).kernels, rank)
+    return {
+        "kinds": compare.compare_kinds(ka, kb),
+        "layers": compare.compare_layers(ka, kb),
+        "ops": compare.compare_ops(ka, kb),
+        "fused": compare.fused_coverage(ka, kb),
+        "one_side": compare.only_one_side(ka, kb),
+    }
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+
+
+@st.cache_data(show_spinner=False)
+def png_export_works() -> bool:
+    """Whether kaleido is there and a Chromium it can drive (PNG export); checked without
+    starting the browser (that takes seconds), so a PNG is only rendered when asked for."""
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return False
+    return bool(os.environ.get("BROWSER_PATH")) or any(shutil.which(b) for b in BROWSERS)
+
+
+# ---- page pieces ------------------------------------------------------------------------------
+
+
+def run_label(run: Run) -> str:
+    m = run.meta
+    bits = [m.backend or m.source, m.preset, m.gpu, m.workload]
+    name = Path(m.source_path).name if m.source_path else None
+    bits.append(name if name and not m.workload else None)
+    text = " · ".join(str(b) for b in bits if b)
+    return f"{text} [{m.run_id[:20]}]"
+
+
+def default_pair(runs: list[Run]) -> tuple[int, int]:
+    """A = the first standard run (else the first), B = the first specialized run (else the
+    next one, else A)."""
+    backends = [r.meta.backend for r in runs]
+    a = backends.index("standard") if "standard" in backends else 0
+    if "specialized" in backends:
+        b = backends.index("specialized")
+    else:
+        b = next((i for i in range(len(runs)) if i != a), a)
+    return a, b
+
+
+def downloads(name: str, table: pa.Table, key: str) -> None:
+    """CSV and Parquet download buttons for a shown table."""
+    c1, c2, _ = st.columns([1, 1, 6])
+    c1.download_button(
+        "CSV",
+        data=figures.table_bytes(table, "csv"),
+        file_name=f"{name}.csv",
+        mime="text/csv",
+        key=f"{key}-csv",
+        on_click="ignore",
+    )
+    c2.download_button(
+        "Parquet",
+        data=lambda: figures.table_bytes(table, "parquet"),
+        file_name=f"{name}.parquet",
+        mime="application/octet-stream",
+        key=f"{key}-parquet",
+        on_click="ignore",
+    )
+
+
+def chart(fig, name: str, key: str) -> None:
+    """A plotly chart with HTML and PNG downloads (built when clicked)."""
+    st.plotly_chart(fig, key=key, config={"displaylogo": False})
+    c1, c2, _ = st.columns([1, 1, 6])
+    c1.download_button(
+        "HTML",
+        data=lambda: figures.to_html(fig),
+        file_name=f"{name}.html",
+        mime="text/html",
+        key=f"{key}-html",
+        on_click="ignore",
+    )
+    png_ok = png_export_works()
+    c2.download_button(
+        "PNG",
+        data=(lambda: figures.to_png(fig)) if png_ok else b"",
+        file_name=f"{name}.png",
+        mime="image/png",
+        key=f"{key}-png",
+        on_click="ignore",
+        disabled=not png_ok,
+        help=None if png_ok else "PNG export needs kaleido with a Chromium; none runs here",
+    )
+
+
+def _show(table: pa.Table, **kwargs: Any) -> None:
+    st.dataframe(figures.frame(table), hide_index=True, width="stretch", **kwargs)
+
+
+_NUM = st.column_config.NumberColumn
+
+
+def _layer_columns(t: pa.Table) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    for c in t.column_names:
+        if (
+            c.endswith("_us")
+            or c.endswith("_us_delta")
+            or c.startswith(("a_kernels", "b_kernels"))
+            or c == "kernels_delta"
+        ):
+            cfg[c] = _NUM(c, format="%.1f")
+        elif c == "ratio":
+            cfg[c] = _NUM("ratio A/B", format="%.2fx", help="A span / B span: B's speed-up")
+    return cfg
+
+
+def view_side_by_side(pair: dict[str, pa.Table], labels: tuple[str, str], single: bool) -> None:
+    kinds = pair["kinds"]
+    st.markdown("**Per layer kind** (medians over the layers of each kind)")
+    _show(kinds, column_config=_layer_columns(kinds))
+    downloads("layer_kinds", kinds, "dl-kinds")
+    layers = pair["layers"]
+    if layers.num_rows == 0:
+        st.warning(
+            "No kernel of these runs is attributed to a layer: the trace has no layer ranges "
+            "that the naming scheme recognises. The kernel table still shows every kernel."
+        )
+        return
+    st.markdown(f"**Per layer**: {labels[0]} (a_*) vs {labels[1]} (b_*), delta = B - A")
+    kind_col = layers["layer_kind"].to_pylist()
+    for kind in dict.fromkeys(kind_col):
+        sub = layers.filter(pa.array([k == kind for k in kind_col]))
+        st.markdown(f"*{kind or '(no kind)'}*: {sub.num_rows} layers")
+        _show(sub, column_config=_layer_columns(sub))
+    downloads("layers", layers, "dl-layers")
+    ops = pair["ops"]
+    if ops.num_rows:
+        with st.expander("Per op (kernels per layer-step, span and kernel-sum)"):
+            _show(ops, column_config=_layer_columns(ops))
+            downloads("ops", ops, "dl-ops")
+    if not single and pair["fused"].num_rows:
+        with st.expander("Fused ops of B and the ops of A they cover"):
+            _show(pair["fused"])
+            downloads("fused_coverage", pair["fused"], "dl-fused")
+    if not single and pair["one_side"].num_rows:
+        with st.expander("Kernels that ran on one side only"):
+            _show(pair["one_side"])
+            downloads("one_side", pair["one_side"], "dl-oneside")
+
+
+def view_charts(sa: dict, sb: dict, pair: dict, labels: tuple[str, str], single: bool) -> None:
+    fig = figures.layer_bars(sa["layers"], None if single else sb["layers"], labels)
+    chart(fig, "layer_bars", "fig-layers")
+    metric = st.radio(
+        "Per-op bars show",
+        ["kernel_sum_us", "kernels", "span_us"],
+        format_func=lambda m: figures.METRICS[m],
+        horizontal=True,
+        key="op-metric",
+    )
+    fig = figures.op_stack(
+        sa["ops"], None if single else sb["ops"], labels, metric=metric, coverage=pair["fused"]
+    )
+    chart(fig, "op_stack", "fig-ops")
+
+
+def _choices(values: list[Any]) -> list[Any]:
+    return sorted({v for v in values if v is not None})
+
+
+WHOLE_STEP = "(whole step)"
+
+
+def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool) -> None:
+    ka = _rank_filter(run_a.kernels, rank)
+    kb = _rank_filter(run_b.kernels, rank)
+    sides = (ka,) if single else (ka, kb)
+    layers = _choices([x for k in sides for x in k["layer"].to_pylist()])
+    c1, c2 = st.columns(2)
+    layer = c1.selectbox(
+        "Layer",
+        [*layers, WHOLE_STEP],
+        key="tl-layer",
+        help="a layer, or every kernel of the step (traces without layer ranges)",
+    )
+    chosen = None if layer == WHOLE_STEP else layer
+    steps_of = []
+    for k in sides:
+        sel = k if chosen is None else k.filter(pc.equal(k["layer"], chosen))
+        steps_of.append(set(sel["step"].to_pylist()))
+    common = set.intersection(*steps_of)
+    steps = sorted(s for s in (common or set.union(*steps_of)) if s is not None) or [None]
+    step = c2.selectbox("Step", steps, key="tl-step")
+    if chosen is None:
+        n = max(len(layer_rows(k, step)) for k in sides)
+        if n > 3000:
+            st.info(f"The step holds {n} kernels: the first 3000 of each side are drawn.")
+    fig = figures.timeline(
+        ka if chosen is not None else _first(ka, step),
+        None if single else (kb if chosen is not None else _first(kb, step)),
+        chosen,
+        step,
+        labels,
+    )
+    name = "step" if chosen is None else f"layer{chosen}"
+    chart(fig, f"timeline_{name}_step{step}", "fig-timeline")
+
+
+def layer_rows(k: pa.Table, step: int | None) -> pa.Table:
+    return k.filter(pc.is_null(k["step"]) if step is None else pc.equal(k["step"], step))
+
+
+def _first(k: pa.Table, step: int | None, n: int = 3000) -> pa.Table:
+    rows = layer_rows(k, step)
+    return rows.sort_by("start_ns").slice(0, n)
+
+
+def view_kernels(sa: dict, sb: dict, labels, single: bool) -> None:
+    c1, c2, c3 = st.columns([3, 2, 2])
+    query = c1.text_input("Search kernel names", key="k-search", placeholder="e.g. gemm, nccl")
+    side = c2.radio(
+        "Run", [labels[0]] if single else [labels[0], labels[1]], horizontal=True, key="k-side"
+    )
+    table = sa["kernels"] if side == labels[0] else sb["kernels"]
+    sort = c3.selectbox(
+        "Sort by", ["total_us", "calls", "median_us", "max_us", "name"], key="k-sort"
+    )
+    df = figures.frame(table)
+    if query:
+        df = df[df["name"].str.contains(query, case=False, regex=False, na=False)]
+    df = df.sort_values(sort, ascending=sort == "name", kind="stable")
+    st.caption(f"{len(df)} of {table.num_rows} kernel names; click a column header to sort")
+    st.dataframe(
+        df,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "share": st.column_config.ProgressColumn(
+                "share", format="percent", min_value=0, max_value=1
+            ),
+            "total_us": _NUM("total (us)", format="%.1f"),
+            "median_us": _NUM("median (us)", format="%.2f"),
+            "min_us": _NUM("min (us)", format="%.2f"),
+            "max_us": _NUM("max (us)", format="%.2f"),
+        },
+    )
+    downloads("kernels", pa.Table.from_pandas(df, preserve_index=False), "dl-kernels")
+
+
+@st.cache_data(show_spinner=False)
+def history_points(paths: tuple[tuple[str, float], ...]) -> pa.Table:
+    """One row per (run, layer kind) of a dataset: the run's metadata and its kind_table row."""
+    parts = []
+    for path, stamp in paths:
+        run = load_run(path, stamp)
+        kt = metrics.kind_table(run.kernels)
+        n = kt.num_rows
+        m = run.meta
+        created = m.created_at.isoformat() if m.created_at else None
+        meta_cols = {
+            "run_id": [m.run_id] * n,
+            "created_at": [created] * n,
+            "git_commit": [m.git_commit or ""] * n,
+            "backend": [m.backend or m.source] * n,
+        }
+        parts.append(pa.table({**meta_cols, **{c: kt[c] for c in kt.column_names}}))
+    return pa.concat_tables(parts) if parts else pa.table({})
+
+
+def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
+    origins = list(dict.fromkeys(e.origin for e in entries))
+    origin = st.selectbox("Results dataset", origins, key="h-origin")
+    members = [e for e in entries if e.origin == origin and e in runs]
+    if len(members) < 2:
+        st.info(f"{origin} holds {len(members)} run(s): a history needs two or more.")
+        return
+    points = history_points(tuple((e.path, _stamp(e.path)) for e in members))
+    if points.num_rows == 0:
+        st.warning("No run of this dataset has kernels attributed to a layer: no history to draw.")
+        return
+    c1, c2, c3, c4 = st.columns(4)
+    metric = c1.selectbox(
+        "Metric", list(figures.METRICS), index=1, format_func=figures.METRICS.get, key="h-metric"
+    )
+    x = c2.selectbox("Along", ["created_at", "git_commit"], key="h-x")
+    by_id = {runs[e].run_id: runs[e] for e in members}
+    ordered = sorted(by_id, key=lambda r: str(by_id[r].meta.created_at))
+    baseline = c3.selectbox(
+        "Baseline", ordered, key="h-base", format_func=lambda r: run_label(by_id[r])
+    )
+    pct = c4.number_input("Max regression %", 0.0, 1000.0, 5.0, step=1.0, key="h-pct")
+    regressed, reasons = [], {}
+    base = by_id[baseline]
+    for rid, run in by_id.items():
+        if rid == baseline or (run.meta.backend != base.meta.backend):
+            continue
+        try:
+            res = regress.check(run, base, pct, metrics=("span_us", "kernels"))
+        except ValueError as e:
+            reasons[rid] = [str(e)]
+            continue
+        if not res.ok:
+            regressed.append(rid)
+            reasons[rid] = res.reasons
+    fig = figures.history(points, metric, x=x, baseline=baseline, regressions=regressed)
+    chart(fig, "history", "fig-history")
+    if regressed:
+        st.error(f"{len(regressed)} run(s) regressed against the baseline (+{pct:g}%):")
+        for rid in regressed:
+            st.markdown(f"- `{rid}`: " + "; ".join(reasons[rid]))
+    else:
+        st.success(f"No run of the baseline's backend regressed beyond +{pct:g}%.")
+    _show(points)
+    downloads("history", points, "dl-history")
+
+
+def view_metadata(run_a: Run, run_b: Run, labels, single: bool) -> None:
+    runs = [run_a] if single else [run_a, run_b]
+    rows = []
+    for field, label in META_FIELDS:
+        row = {"field": label}
+        for lab, run in zip(labels, runs, strict=False):
+            v = getattr(run.meta, field)
+            row[lab] = "" if v is None else str(v)
+        rows.append(row)
+    meta = pa.Table.from_pylist(rows)
+    _show(meta, height=35 * (len(rows) + 1))
+    downloads("run_metadata", meta, "dl-meta")
+    for lab, run in zip(labels, runs, strict=False):
+        if run.overheads.num_rows:
+            with st.expander(f"{lab}: overhead and dropped-record counts"):
+                _show(run.overheads.select(["rank", "kind", "count", "detail"]))
+
+
+# ---- the page ---------------------------------------------------------------------------------
+
+
+def sidebar_sources() -> tuple[list[Entry], list[str]]:
+    problems: list[str] = []
+    entries: list[Entry] = []
+    for src in requested_sources():
+        got, bad = expand(src)
+        entries += got
+        problems += bad
+    st.sidebar.header("Runs")
+    uploads = st.sidebar.file_uploader(
+        "Add a trace (Kineto .json/.json.gz, nsys .sqlite) or a zipped run folder",
+        type=UPLOAD_TYPES,
+        accept_multiple_files=True,
+        key="upload",
+    )
+    for up in uploads or []:
+        try:
+            entries.append(Entry(f"upload: {up.name}", save_upload(up.name, up.getvalue())))
+        except TraceError as e:
+            problems.append(str(e))
+        except OSError as e:
+            problems.append(f"{up.name}: could not be stored ({e})")
+    return entries, problems
+
+
+def page() -> None:
+    st.set_page_config(page_title="decodescope", layout="wide")
+    st.title("decodescope: decode layers side by side")
+    entries, problems = sidebar_sources()
+    runs: dict[Entry, Run] = {}
+    for e in entries:
+        run, err = try_load(e)
+        if err:
+            problems.append(err)
+        else:
+            runs[e] = run
+    for p in problems:
+        st.error(p)
+    if not runs:
+        st.warning(
+            "No run to show. Start with `decodescope dashboard RUN_OR_DATASET ...` or add a "
+            "trace with the uploader in the sidebar."
+        )
+        return
+    loaded = list(runs)
+    run_list = [runs[e] for e in loaded]
+    da, db = default_pair(run_list)
+    names = [f"{i}: {run_label(r)}" for i, r in enumerate(run_list)]
+    ia = st.sidebar.selectbox(
+        "A", range(len(names)), index=da, format_func=names.__getitem__, key="run-a"
+    )
+    ib = st.sidebar.selectbox(
+        "B", range(len(names)), index=db, format_func=names.__getitem__, key="run-b"
+    )
+    ea, eb = loaded[ia], loaded[ib]
+    run_a, run_b = runs[ea], runs[eb]
+    single = ia == ib
+    ranks = _choices(run_a.kernels["rank"].to_pylist() + run_b.kernels["rank"].to_pylist())
+    rank = (
+        st.sidebar.selectbox("Rank", ranks, key="rank")
+        if len(ranks) > 1
+        else (ranks[0] if ranks else None)
+    )
+    if DEFAULT_DATA and all(e.origin in {str(p) for p in DEFAULT_DATA} for e in loaded):
+        st.sidebar.caption(f"Bundled default data: {', '.join(str(p) for p in DEFAULT_DATA)}")
+
+    labels = ("A", "B")
+    st.caption(f"**A**: {run_label(run_a)}  \n**B**: {run_label(run_b)}")
+    if single:
+        st.info("A and B are the same run: pick another run for B to compare, or upload one.")
+    pa_, pb_ = run_a.meta.preset, run_b.meta.preset
+    if not single and pa_ != pb_ and (pa_ or pb_):
+        st.warning(
+            f"A and B ran different presets ({pa_ or 'unknown'} vs {pb_ or 'unknown'}): their "
+            "layers have different shapes, so the comparison is not like for like."
+        )
+    for lab, run in zip(labels, [run_a] if single else [run_a, run_b], strict=False):
+        if run.meta.dropped_records:
+            st.warning(
+                f"{lab}: CUPTI dropped {run.meta.dropped_records} records: figures may be low."
+            )
+        if run.meta.partial:
+            st.warning(f"{lab}: the run is partial (the capture did not finish).")
+        if run.kernels.num_rows == 0:
+            st.warning(f"{lab}: the run holds no kernels.")
+
+    sa = side_tables(ea.path, _stamp(ea.path), rank)
+    sb = sa if single else side_tables(eb.path, _stamp(eb.path), rank)
+    pair = pair_tables(ea.path, _stamp(ea.path), eb.path, _stamp(eb.path), rank)
+    lines = figures.headline(sa["kinds"], None if single else sb["kinds"], labels)
+    for line in lines:
+        st.subheader(line)
+    if not lines:
+        st.subheader("No layers attributed: see the kernel table")
+
+    tabs = st.tabs(["Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata"])
+    with tabs[0]:
+        view_side_by_side(pair, labels, single)
+    with tabs[1]:
+        view_charts(sa, sb, pair, labels, single)
+    with tabs[2]:
+        view_timeline(run_a, run_b, rank, labels, single)
+    with tabs[3]:
+        view_kernels(sa, sb, labels, single)
+    with tabs[4]:
+        view_history(entries, runs)
+    with tabs[5]:
+        view_metadata(run_a, run_b, labels, single)
+
+
+def guarded(fn: Callable[[], None]) -> None:
+    """Run the page; an unexpected error becomes one message in the page, not a traceback."""
+    from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
+
+    try:
+        fn()
+    except ScriptControlException:  # st.stop / st.rerun: Streamlit's own control flow
+        raise
+    except Exception as e:
+        st.error(f"The dashboard hit an error it did not expect: {type(e).__name__}: {e}")
+
+
+guarded(page)
