@@ -258,7 +258,8 @@ def op_table(kernels: pa.Table) -> pa.Table:
 
 def kernel_table(kernels: pa.Table) -> pa.Table:
     """One row per kernel name: calls, total_us, median_us, min_us, max_us, share of the total
-    kernel time, and the ops it ran in ("block.op"; "(unattributed)" outside any layer op)."""
+    kernel time, and the ops it ran in ("block.op"; outside a layer op the innermost range's name,
+    "(unattributed)" outside every range)."""
     if kernels.num_rows == 0:
         return pa.table(
             {
@@ -272,12 +273,17 @@ def kernel_table(kernels: pa.Table) -> pa.Table:
                 "ops": pa.array([], pa.list_(pa.string())),
             }
         )
-    k = _plain(kernels.select(["name", "start_ns", "end_ns", "block", "op", "range_path"]))
+    k = _plain(kernels.select(["name", "start_ns", "end_ns", "block", "op", "range_path", "layer"]))
     dur = (_num(k["end_ns"]) - _num(k["start_ns"])).astype(np.float64) / 1e3
     k = k.append_column("dur_us", pa.array(dur))
     k = k.set_column(0, "name", pc.fill_null(k["name"], "(unnamed)"))
     op = pc.binary_join_element_wise(k["block"], k["op"], ".")
-    op = pc.coalesce(op, k["op"], k["range_path"], pa.scalar("(unattributed)"))
+    # outside a layer op: the innermost range's name ("(unattributed)" where there is none)
+    innermost = pc.struct_field(pc.extract_regex(k["range_path"], r"(?P<last>[^/]*)$"), [0])
+    in_layer = pc.if_else(
+        pc.is_valid(k["layer"]), pa.scalar("(layer)"), pa.scalar(None, pa.string())
+    )
+    op = pc.coalesce(op, k["op"], in_layer, innermost, pa.scalar("(unattributed)"))
     k = k.append_column("op_label", op)
     stats = group_stats(k, ["name"], ("dur_us",), "calls")
     groups, gid = _group_ids(k, ["name"])

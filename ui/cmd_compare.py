@@ -1,0 +1,103 @@
+"""``decodescope compare A B``: side by side per layer kind, per layer and per op, with a verdict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from decodescope.analysis import compare as cmp
+from decodescope.analysis.schema import Run
+from decodescope.ui.cli import app, console
+from decodescope.ui.cmd_import import load_with_progress
+from decodescope.ui.cmd_report import HEADERS, run_summary
+from decodescope.ui.render import arrow_table, dumps
+
+_SIDE = ["kernels", "span_us"]
+
+
+def _cols(prefix_keys: list[str], ms: list[str]) -> list[str]:
+    out = list(prefix_keys)
+    for m in ms:
+        out += [f"a_{m}", f"b_{m}", f"{m}_delta"]
+    return [*out, "ratio"]
+
+
+def compare_data(a: Run, b: Run) -> dict[str, Any]:
+    ak, bk = a.kernels, b.kernels
+    kinds = cmp.compare_kinds(ak, bk)
+    return {
+        "a": run_summary(a),
+        "b": run_summary(b),
+        "verdict": cmp.verdicts(kinds),
+        "kinds": kinds,
+        "layers": cmp.compare_layers(ak, bk),
+        "ops": cmp.compare_ops(ak, bk),
+        "fused": cmp.fused_coverage(ak, bk),
+        "only_one_side": cmp.only_one_side(ak, bk),
+    }
+
+
+@app.command("compare")
+def compare(
+    a: Path = typer.Argument(..., help="run A (run folder or trace)"),
+    b: Path = typer.Argument(..., help="run B (run folder or trace)"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    top: int = typer.Option(20, "--top", min=0, help="rows of the one-side kernel list"),
+) -> None:
+    """Compare run A with run B: kernels and span per layer kind, layer and op; ratio = A/B time."""
+    run_a = load_with_progress(a)
+    run_b = load_with_progress(b)
+    data = compare_data(run_a, run_b)
+    if json_out:
+        typer.echo(dumps(data))
+        return
+    console.print(
+        f"A: {a}  ({data['a']['run_id']}, {data['a']['kernels']} kernels)", highlight=False
+    )
+    console.print(
+        f"B: {b}  ({data['b']['run_id']}, {data['b']['kernels']} kernels)", highlight=False
+    )
+    if not data["verdict"]:
+        console.print(
+            "[yellow]no kernel is attributed to a layer on either side[/]: nothing to compare per "
+            "layer; kernels present on one side only follow.",
+            soft_wrap=True,
+        )
+    for line in data["verdict"]:
+        console.print(f"[bold]{line}[/]", highlight=False)
+    if data["kinds"].num_rows:
+        console.print(
+            arrow_table(
+                data["kinds"],
+                "per layer kind (ratio = A span / B span: speedup of B)",
+                _cols(["layer_kind", "a_layers", "b_layers"], [*_SIDE, "busy_us", "gaps_us"]),
+                HEADERS,
+            )
+        )
+        console.print(
+            arrow_table(
+                data["layers"], "per layer", _cols(["rank", "layer", "layer_kind"], _SIDE), HEADERS
+            )
+        )
+        console.print(
+            arrow_table(
+                data["ops"],
+                "per op (per layer-step medians)",
+                _cols(["layer_kind", "block", "op"], ["kernels", "span_us", "kernel_sum_us"]),
+                HEADERS,
+            )
+        )
+    if data["fused"].num_rows:
+        console.print(arrow_table(data["fused"], "fused ops of B and the ops of A they cover"))
+    console.print(
+        arrow_table(
+            data["only_one_side"],
+            "kernels present on one side only",
+            ["side", "name", "calls", "total_us", "ops"],
+            HEADERS,
+            limit=top,
+            max_width={"name": 80, "ops": 40},
+        )
+    )

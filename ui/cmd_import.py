@@ -1,0 +1,72 @@
+"""``decodescope import TRACE --out DIR``: read a trace (or run folder), attribute it, write a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+import typer
+
+from decodescope import tracer
+from decodescope.analysis.schema import UNATTRIBUTED, Run
+from decodescope.ui.cli import app, console, err_console
+from decodescope.ui.render import progress
+
+
+def load_with_progress(path: str | Path, **options) -> Run:
+    """``tracer.load`` behind a spinner on stderr (the output stays clean for --json)."""
+    with progress(err_console, f"reading {path}"):
+        return tracer.load(path, **options)
+
+
+def attributed_counts(run: Run) -> tuple[int, int, int]:
+    """(kernels, attributed to a range, attributed to a layer)."""
+    k = run.kernels
+    n = k.num_rows
+    if n == 0:
+        return 0, 0, 0
+    paths = k["range_path"].cast("string")
+    in_range = n - int(
+        pc.sum(pc.equal(pc.fill_null(paths, UNATTRIBUTED), UNATTRIBUTED)).as_py() or 0
+    )
+    in_layer = n - k["layer"].null_count
+    return n, in_range, in_layer
+
+
+@app.command("import")
+def import_(
+    trace: Path = typer.Argument(..., help="Kineto JSON(.gz), Nsight Systems SQLite or run folder"),
+    out: Path = typer.Option(..., "--out", "-o", help="run folder to write"),
+    run_id: str | None = typer.Option(None, help="run id (default: derived from the content)"),
+    workload: str | None = typer.Option(None, help="record the workload name"),
+    backend: str | None = typer.Option(
+        None, help="record the backend: standard | specialized | other"
+    ),
+    preset: str | None = typer.Option(None, help="record the model preset"),
+    notes: str | None = typer.Option(None, help="free-text notes kept with the run"),
+    overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+) -> None:
+    """Import a trace as a run folder (one Parquet file per table). Nothing is left on error."""
+    options = {"run_id": run_id} if run_id else {}
+    run = load_with_progress(trace, **options)
+    changes = {
+        k: v
+        for k, v in (
+            ("workload", workload),
+            ("backend", backend),
+            ("preset", preset),
+            ("notes", notes),
+        )
+        if v is not None
+    }
+    if changes:
+        run = run.replace(meta=run.meta.replace(**changes))
+    with progress(err_console, f"writing {out}"):
+        tracer.write_run(run, out, overwrite=overwrite)
+    n, in_range, in_layer = attributed_counts(run)
+    console.print(
+        f"wrote {out}: run {run.run_id}, {n} kernels ({in_range} in a range, {in_layer} in a layer), "
+        f"{run.ranges.num_rows} ranges, {run.memops.num_rows} memops",
+        highlight=False,
+        soft_wrap=True,
+    )

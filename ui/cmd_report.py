@@ -1,0 +1,160 @@
+"""``decodescope report RUN_OR_TRACE``: per layer kind, per layer, per op, top kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import typer
+
+from decodescope.analysis import metrics
+from decodescope.analysis.schema import Run
+from decodescope.ui.cli import app, console
+from decodescope.ui.cmd_import import attributed_counts, load_with_progress
+from decodescope.ui.render import arrow_table, dumps
+
+LAYER_COLS = ["kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us"]
+HEADERS = {
+    "layer_kind": "kind",
+    "span_us": "span us",
+    "busy_us": "busy us",
+    "gaps_us": "gaps us",
+    "kernel_sum_us": "kernel-sum us",
+    "span_us_min": "span min",
+    "span_us_max": "span max",
+    "total_us": "total us",
+    "median_us": "median us",
+    "min_us": "min us",
+    "max_us": "max us",
+    "kernel_names": "kernel names",
+}
+
+
+def dropped_records(run: Run) -> int:
+    """Records the source dropped: the run's own count plus overheads rows of that kind."""
+    n = run.meta.dropped_records or 0
+    o = run.overheads
+    if o.num_rows:
+        kinds = o["kind"].cast(pa.string())
+        mask = pc.fill_null(pc.match_substring(kinds, "dropped"), False)
+        n += int(pc.sum(pc.fill_null(o.filter(mask)["count"], 0)).as_py() or 0)
+    return n
+
+
+def overhead_summary(run: Run) -> list[dict[str, Any]]:
+    o = run.overheads
+    if o.num_rows == 0:
+        return []
+    t = o.select(["kind", "count"]).cast(pa.schema([("kind", pa.string()), ("count", pa.int64())]))
+    g = t.group_by("kind").aggregate([("count", "sum"), ("kind", "count")])
+    return [
+        {"kind": r["kind"], "records": r["kind_count"], "count": r["count_sum"]}
+        for r in g.to_pylist()
+    ]
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    m = run.meta
+    n, in_range, in_layer = attributed_counts(run)
+    return {
+        "run_id": m.run_id,
+        "source": m.source,
+        "source_path": m.source_path,
+        "workload": m.workload,
+        "backend": m.backend,
+        "preset": m.preset,
+        "batch": m.batch,
+        "tp_shape": m.tp_shape,
+        "tp_world": m.tp_world,
+        "graph_mode": m.graph_mode,
+        "gpu": m.gpu,
+        "cuda": m.cuda,
+        "torch": m.torch,
+        "kernels": n,
+        "kernels_in_range": in_range,
+        "kernels_in_layer": in_layer,
+        "kernels_unattributed": n - in_range,
+        "ranges": run.ranges.num_rows,
+        "memops": run.memops.num_rows,
+        "dropped_records": dropped_records(run),
+        "partial": m.partial,
+        "overheads": overhead_summary(run),
+    }
+
+
+def report_data(run: Run, top: int) -> dict[str, Any]:
+    k = run.kernels
+    return {
+        "run": run_summary(run),
+        "kinds": metrics.kind_table(k),
+        "layers": metrics.layer_table(k),
+        "ops": metrics.op_table(k),
+        "kernels": metrics.kernel_table(k).slice(0, top),
+    }
+
+
+def print_meta(summary: dict[str, Any], title: str = "run") -> None:
+    shown = {k: v for k, v in summary.items() if v is not None and k != "overheads"}
+    rows = pa.table({"field": list(shown), "value": [str(v) for v in shown.values()]})
+    console.print(arrow_table(rows, title=title))
+    if summary.get("overheads"):
+        console.print(arrow_table(pa.Table.from_pylist(summary["overheads"]), title="overheads"))
+
+
+@app.command("report")
+def report(
+    source: Path = typer.Argument(
+        ..., help="run folder, Kineto JSON(.gz) or Nsight Systems SQLite"
+    ),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    top: int = typer.Option(15, "--top", min=0, help="how many kernels to list (by total time)"),
+) -> None:
+    """Per-layer-kind and per-layer tables, ops and the top kernels of one run or trace."""
+    run = load_with_progress(source)
+    data = report_data(run, top)
+    if json_out:
+        typer.echo(dumps(data))
+        return
+    print_meta(data["run"])
+    if data["layers"].num_rows == 0:
+        console.print(
+            "[yellow]no kernel is attributed to a layer[/]: the trace has no layer ranges that the "
+            "naming scheme (analysis/naming.toml) recognises; only the kernel table follows.",
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            arrow_table(
+                data["kinds"],
+                "per layer kind (median over layers of the per-step medians)",
+                ["layer_kind", "layers", "steps", *LAYER_COLS],
+                HEADERS,
+            )
+        )
+        console.print(
+            arrow_table(
+                data["layers"],
+                "per layer (median over steps; span min/max)",
+                ["rank", "layer", "layer_kind", "steps", *LAYER_COLS, "span_us_min", "span_us_max"],
+                HEADERS,
+            )
+        )
+        console.print(
+            arrow_table(
+                data["ops"],
+                "per op (per layer-step medians)",
+                ["layer_kind", "block", "op", "layer_steps", "kernels", "span_us", "kernel_sum_us"],
+                HEADERS,
+            )
+        )
+    console.print(
+        arrow_table(
+            data["kernels"],
+            f"top {top} kernels by total time",
+            ["name", "calls", "total_us", "median_us", "min_us", "max_us", "share", "ops"],
+            HEADERS,
+            max_width={"name": 80, "ops": 40},
+        )
+    )
