@@ -1,0 +1,423 @@
+"""The capture's CPU half: record conversion, ranges, graph-node map, steps, drops, child failures.
+
+Records are namespace objects with the attribute names cupti-python's record classes have
+(``ActivityKernel9``, ``ActivityMarker2``, ``ActivityMemcpy5``, ``ActivityMemset4``,
+``ActivityOverhead3``), so the converter sees what it sees inside the buffer callback.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace as NS
+
+import pytest
+
+from decodescope.analysis.schema import RunMeta
+from decodescope.tracer import capture as cap
+from decodescope.tracer import cupti_records as cr
+from decodescope.tracer.store import read_run
+
+TID = 4242
+
+
+def kernel_rec(start, end, corr, name="_Z6gemv_kPfS_i", node=0, graph=0, stream=7):
+    return NS(
+        kind=10, start=start, end=end, name=name, correlation_id=corr, graph_id=graph, graph_node_id=node,
+        device_id=0, context_id=1, stream_id=stream, grid_x=4, grid_y=1, grid_z=1, block_x=128, block_y=1,
+        block_z=1, registers_per_thread=32, static_shared_memory=0, dynamic_shared_memory=1024,
+    )  # fmt: skip
+
+
+def marker_rec(mid, ts, flags, name=None, domain="decodescope", tid=TID):
+    return NS(
+        kind=12, id=mid, timestamp=ts, flags_=flags, name=name, domain=domain, object_kind=2,
+        object_id=NS(pt=NS(process_id=1, thread_id=tid), dcs=None),
+    )  # fmt: skip
+
+
+def markers_for(spans):
+    """[(name, start, end)] -> start/end marker records, ids in order."""
+    recs = []
+    for i, (name, s, e) in enumerate(spans):
+        recs.append(marker_rec(i + 1, s, 2, name))
+        recs.append(marker_rec(i + 1, e, 4, None, domain=None))
+    return recs
+
+
+def convert(records):
+    conv = cr.RecordConverter()
+    rows = conv.convert_all(records)
+    return conv, rows
+
+
+def test_record_conversion_kernel_memops_overhead_and_bad_record():
+    recs = [
+        kernel_rec(1000, 1500, 11),
+        NS(
+            kind=1,
+            start=10,
+            end=20,
+            copy_kind=1,
+            bytes=4096,
+            correlation_id=3,
+            device_id=0,
+            stream_id=7,
+            graph_id=0,
+            graph_node_id=0,
+        ),
+        NS(
+            kind=1,
+            start=30,
+            end=40,
+            copy_kind=8,
+            bytes=64,
+            correlation_id=4,
+            device_id=0,
+            stream_id=7,
+            graph_id=5,
+            graph_node_id=9,
+        ),
+        NS(
+            kind=2,
+            start=50,
+            end=60,
+            bytes=128,
+            value=0,
+            correlation_id=5,
+            device_id=0,
+            stream_id=7,
+            graph_id=0,
+            graph_node_id=0,
+        ),
+        NS(kind=17, start=70, end=90, overhead_kind=65536, object_kind=2, correlation_id=0),
+        NS(kind=13, id=1, flags_=0, color=0, category=0),  # MARKER_DATA: not kept
+        NS(kind=10, start=None, end=5, name="broken"),  # malformed: counted, not fatal
+        kernel_rec(2000, 2600, 12),
+    ]
+    conv, rows = convert(recs)
+    assert [k["correlation_id"] for k in rows["kernel"]] == [11, 12]
+    k = rows["kernel"][0]
+    assert (k["start_ns"], k["end_ns"], k["stream"], k["grid_x"], k["block_x"], k["registers"]) == (
+        1000,
+        1500,
+        7,
+        4,
+        128,
+        32,
+    )
+    assert k["graph_node_id"] is None and k["graph_id"] is None  # 0 means "not in a graph"
+    assert [m["kind"] for m in rows["memop"]] == ["memcpy_htod", "memcpy_dtod", "memset"]
+    assert rows["memop"][1]["graph_node_id"] == 9
+    assert rows["overhead"][0]["kind"] == "cupti_overhead:cupti_buffer_flush"
+    assert conv.errors == {"kernel": 1}
+
+
+def test_iteration_failure_does_not_lose_the_buffer():
+    def records():
+        yield kernel_rec(1, 2, 1)
+        raise RuntimeError("binding failed")
+
+    conv, rows = convert(records())
+    assert len(rows["kernel"]) == 1 and conv.errors["iterate"] == 1
+
+
+def test_short_names():
+    assert cr.short_name("_Z6gemv_kPfS_i") == "gemv_k"
+    assert cr.short_name("triton_poi_fused_add_0") == "triton_poi_fused_add_0"
+    n = cr.short_name(
+        "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEESt5arrayIPcLm1EEEEviT0_T1_"
+    )
+    assert n == "at::native::vectorized_elementwise_kernel"
+
+
+def test_ranges_from_markers_path_depth_parent():
+    spans = [("step", 0, 100), ("layer.0:kda", 5, 50), ("layer.0.attn.qkv_proj", 6, 20), ("layer.0.attn.o_proj", 21, 40),
+             ("layer.1:mla", 55, 95)]  # fmt: skip
+    _, rows = convert(markers_for(spans) + [marker_rec(99, 7, 1, "instant")])
+    ranges, counts = cr.build_ranges(rows["marker"])
+    by = {r["name"]: r for r in ranges}
+    assert by["layer.0.attn.o_proj"]["path"] == "step/layer.0:kda/layer.0.attn.o_proj"
+    assert by["layer.0.attn.o_proj"]["depth"] == 2
+    assert by["layer.0.attn.o_proj"]["parent"] == by["layer.0:kda"]["range_id"]
+    assert by["step"]["parent"] is None and by["layer.1:mla"]["depth"] == 1
+    assert all(r["thread"] == TID and r["timeline"] == "cpu" for r in ranges)
+    assert counts["instant_markers"] == 1
+    assert cr.innermost_paths(ranges, [(TID, 10), (TID, 52), (TID, 200), (1, 10)]) == [
+        "step/layer.0:kda/layer.0.attn.qkv_proj",
+        "step",
+        None,
+        None,
+    ]
+
+
+def _graph_raw(replays=3, drop_clone_of=None):
+    """A 2-layer graph: captured inside ranges, instantiated (clones), replayed ``replays`` times."""
+    ops = [("layer.0:kda", "layer.0.attn.qkv_proj"), ("layer.0:kda", "layer.0.moe.router"),
+           ("layer.1:mla", "layer.1.attn.qkv_proj"), ("layer.1:mla", "layer.1.moe.router")]  # fmt: skip
+    spans = [("step", 0, 1000), ("layer.0:kda", 5, 205), ("layer.1:mla", 206, 405)]
+    spans += [(op, 10 + 100 * i, 60 + 100 * i) for i, (_, op) in enumerate(ops)]
+    gnodes = [
+        {
+            "event": "created",
+            "node_id": 100 + i,
+            "thread": TID,
+            "ts": 20 + 100 * i,
+            "host_path": None,
+        }
+        for i in range(len(ops))
+    ]
+    for i in range(len(ops)):
+        if drop_clone_of == 100 + i:
+            continue
+        gnodes.append(
+            {
+                "event": "cloned",
+                "node_id": 200 + i,
+                "original_node_id": 100 + i,
+                "thread": TID,
+                "ts": 2000,
+            }
+        )
+    _, rows = convert(markers_for(spans))
+    kernels, launches, t0 = [], [], 10_000
+    for r in range(replays):
+        corr = 500 + 7 * r
+        launches.append(
+            {"correlation_id": corr, "thread": TID, "ts": t0 - 5, "api": "cudaGraphLaunch"}
+        )
+        for i in range(len(ops)):
+            kernels.append(kernel_rec(t0 + 10 * i, t0 + 10 * i + 8, corr, node=200 + i, graph=3))
+        t0 += 1000
+    _, krows = convert(kernels)
+    return {
+        "marker": cr.raw_table("marker", rows["marker"]),
+        "kernel": cr.raw_table("kernel", krows["kernel"]),
+        "launch": cr.raw_table("launch", launches),
+        "gnode": cr.raw_table("gnode", gnodes),
+    }
+
+
+def test_graph_replays_join_node_paths_and_number_steps():
+    run = cr.assemble(_graph_raw(replays=3), RunMeta(run_id="g", source="cupti"))
+    k = run.kernels.to_pylist()
+    assert len(k) == 12
+    assert [x["step"] for x in k] == [0] * 4 + [1] * 4 + [2] * 4
+    assert [x["range_path"] for x in k[:4]] == [
+        "step/layer.0:kda/layer.0.attn.qkv_proj",
+        "step/layer.0:kda/layer.0.moe.router",
+        "step/layer.1:mla/layer.1.attn.qkv_proj",
+        "step/layer.1:mla/layer.1.moe.router",
+    ]
+    assert [x["range_path"] for x in k[4:8]] == [x["range_path"] for x in k[:4]]
+    assert all(x["launch_api"] == "cudaGraphLaunch" for x in k)
+    assert run.meta.graph_mode == "graph"
+    ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
+    assert ov["graph_kernels_unmapped"] == 0
+
+
+def test_graph_kernel_without_node_entry_is_counted_not_guessed():
+    run = cr.assemble(_graph_raw(replays=2, drop_clone_of=101), RunMeta(run_id="g", source="cupti"))
+    k = run.kernels.to_pylist()
+    assert sum(x["range_path"] is None for x in k) == 2
+    ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
+    assert ov["graph_kernels_unmapped"] == 2
+
+
+def test_host_path_is_the_fallback_without_markers():
+    raw = _graph_raw(replays=1)
+    raw.pop("marker")
+    g = raw["gnode"].to_pylist()
+    for row in g:
+        if row["event"] == "created":
+            row["host_path"] = f"step/node{row['node_id']}"
+    raw["gnode"] = cr.raw_table("gnode", g)
+    run = cr.assemble(raw, RunMeta(run_id="g", source="cupti"))
+    assert run.kernels.column("range_path").to_pylist() == [
+        f"step/node{n}" for n in (100, 101, 102, 103)
+    ]
+
+
+def test_eager_steps_and_launch_join():
+    spans = [("step", 0, 100), ("layer.0", 1, 99), ("step", 200, 300), ("layer.0", 201, 299)]
+    _, rows = convert(markers_for(spans))
+    launches = [
+        {"correlation_id": 1, "thread": TID, "ts": 10, "api": "cudaLaunchKernel"},
+        {"correlation_id": 2, "thread": TID, "ts": 210, "api": "cuLaunchKernelEx"},
+        {"correlation_id": 3, "thread": TID, "ts": 150, "api": "cudaLaunchKernel"},  # between steps
+    ]
+    _, krows = convert(
+        [
+            kernel_rec(1000, 1100, 1),
+            kernel_rec(2000, 2100, 2),
+            kernel_rec(3000, 3100, 3),
+            kernel_rec(4000, 4100, 4),
+        ]
+    )
+    raw = {
+        "marker": cr.raw_table("marker", rows["marker"]),
+        "kernel": cr.raw_table("kernel", krows["kernel"]),
+        "launch": cr.raw_table("launch", launches),
+    }
+    run = cr.assemble(raw, RunMeta(run_id="e", source="cupti"))
+    k = run.kernels.to_pylist()
+    assert [x["step"] for x in k] == [0, 1, None, None]
+    assert [x["launch_api"] for x in k] == [
+        "cudaLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchKernel",
+        None,
+    ]
+    assert k[0]["launch_thread"] == TID and k[0]["launch_start_ns"] == 10
+    assert k[0]["range_path"] is None  # eager kernels are attributed by analysis.attribution
+    assert run.meta.graph_mode == "eager"
+    ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
+    assert ov["kernels_without_launch"] == 1
+
+
+def test_dropped_records_reach_meta_and_overheads():
+    raw = _graph_raw(replays=1)
+    raw["count"] = cr.raw_table(
+        "count",
+        [
+            {"name": "dropped_records", "value": 17},
+            {"name": "conversion_errors:kernel", "value": 2},
+        ],
+    )
+    run = cr.assemble(raw, RunMeta(run_id="d", source="cupti"))
+    assert run.meta.dropped_records == 17
+    ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
+    assert ov["dropped_records"] == 17 and ov["conversion_errors:kernel"] == 2
+
+
+class FakeCupti:
+    """Just enough of cupti-python's module for Session's bookkeeping paths."""
+
+    class ActivityFlag:
+        FLUSH_FORCED = 1
+
+    def __init__(self):
+        self.flushed = 0
+
+    def activity_flush_all(self, flag):
+        self.flushed += 1
+
+    def activity_get_num_dropped_records(self, ctx, stream, addr):
+        import ctypes
+
+        ctypes.c_size_t.from_address(addr).value = 5
+
+
+def test_session_buffer_callback_counts_drops_and_survives_bad_records(tmp_path):
+    s = cap.Session(tmp_path, cupti_module=FakeCupti())
+    s.running = True
+    s._completed([kernel_rec(1, 2, 1), NS(kind=10), marker_rec(1, 1, 2, "step")])
+    s._completed()  # a binding that passes nothing must not break us either
+    s.running = False
+    s.write_chunk()
+    raw = cap.read_chunks(tmp_path)
+    counts = {r["name"]: r["value"] for r in raw["count"].to_pylist()}
+    assert raw["kernel"].num_rows == 1 and raw["marker"].num_rows == 1
+    assert counts["dropped_records"] == 10 and counts["conversion_errors:kernel"] == 1
+
+
+def test_launch_cbids_pick_launch_apis_only():
+    members = {"cudaLaunchKernel_v7000": 211, "cudaLaunchHostFunc_v10000": 300, "cudaGraphLaunch_v10000": 311,
+               "cudaMemcpy_v3020": 31, "cudaLaunchKernelExC_v11060": 430}  # fmt: skip
+    got = cap.launch_cbids(members, cap.RUNTIME_LAUNCH_PREFIXES)
+    assert got == {211: "cudaLaunchKernel", 311: "cudaGraphLaunch", 430: "cudaLaunchKernelExC"}
+    drv = cap.launch_cbids(
+        {"cuLaunchKernel": 307, "cuLaunchKernelEx_ptsz": 653, "cuMemAlloc": 1},
+        cap.DRIVER_LAUNCH_PREFIXES,
+    )
+    assert drv == {307: "cuLaunchKernel", 653: "cuLaunchKernelEx_ptsz"}
+
+
+# --- the child process: failures give a partial run and one clear line, never a hang ----------
+
+_ROWS = {
+    "kernel": [
+        {
+            "device": 0,
+            "stream": 7,
+            "start_ns": 100,
+            "end_ns": 200,
+            "mangled": "_Z3fooi",
+            "correlation_id": 5,
+        }
+    ],
+    "launch": [{"correlation_id": 5, "thread": 11, "ts": 90, "api": "cudaLaunchKernel"}],
+}
+
+
+@pytest.mark.parametrize(
+    "fake, expect",
+    [
+        ("crash", "killed by signal 11 (SIGSEGV)"),
+        ("hang", "did not finish within 8 s"),
+        ("exit", "exited with code 7: fake workload: giving up"),
+        ("cuda_error", "RuntimeError: CUDA error: an illegal memory access"),
+    ],
+)
+def test_child_failures_give_partial_run_and_one_line(tmp_path, fake, expect):
+    t = time.monotonic()
+    res = cap.run_capture(
+        {"fake": fake, "fake_rows": _ROWS},
+        out=tmp_path / "run",
+        timeout=8 if fake == "hang" else 60,
+        grace_s=2,
+        echo=False,
+    )
+    assert time.monotonic() - t < 30
+    assert not res.ok and expect in res.message and "\n" not in res.message
+    assert "run marked partial with 1 kernel record flushed" in res.message
+    run = read_run(tmp_path / "run")
+    assert run.meta.partial is True and run.kernels.num_rows == 1
+    assert run.kernels.column("launch_api").to_pylist() == ["cudaLaunchKernel"]
+
+
+def test_child_ok(tmp_path):
+    res = cap.run_capture(
+        {"fake": "ok", "fake_rows": _ROWS}, out=tmp_path / "run", timeout=30, echo=False
+    )
+    assert res.ok and res.message is None
+    run = read_run(tmp_path / "run")
+    assert run.meta.partial is False and run.meta.source == "cupti"
+    assert run.kernels.column("name").to_pylist() == ["foo"]
+
+
+def test_program_mode_bootstrap_and_exit_code(tmp_path):
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import os, sys\nprint(os.environ.get('DECODESCOPE_CAPTURE_OWNER'))\nsys.exit(int(sys.argv[1]))\n"
+    )
+    # fake=ok: the bootstrap runs without CUPTI on this CPU machine
+    res = cap.run_capture(
+        {"fake": "ok", "program": True},
+        out=tmp_path / "r0",
+        timeout=30,
+        command=["python", str(prog), "0"],
+        echo=False,
+    )
+    assert res.ok, res.message
+    assert read_run(tmp_path / "r0").meta.workload == "prog"
+    res = cap.run_capture(
+        {"fake": "ok", "program": True},
+        out=tmp_path / "r1",
+        timeout=30,
+        command=["python", str(prog), "5"],
+        echo=False,
+    )
+    assert not res.ok and "exited with code 5" in res.message
+
+
+def test_program_that_raises(tmp_path):
+    prog = tmp_path / "boom.py"
+    prog.write_text("raise ValueError('bad shape (3, 4)')\n")
+    res = cap.run_capture(
+        {"fake": "ok", "program": True},
+        out=tmp_path / "r",
+        timeout=30,
+        command=["python", str(prog)],
+        echo=False,
+    )
+    assert not res.ok and "ValueError: bad shape (3, 4)" in res.message

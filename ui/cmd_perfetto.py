@@ -1,0 +1,25 @@
+"""``decodescope perfetto RUN --out trace.json``: a Chrome-trace JSON for ui.perfetto.dev."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from decodescope.ui.cli import app, console
+
+
+@app.command("perfetto")
+def perfetto_cmd(
+    run: Path = typer.Argument(..., help="A run folder, Kineto JSON or nsys SQLite export."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Chrome-trace JSON to write (.json or .json.gz)."
+    ),
+) -> None:
+    """Export a run as Chrome-trace JSON: kernels per stream, ranges on CPU and GPU tracks."""
+    from decodescope.tracer import load
+    from decodescope.tracer.chrome import write_chrome_trace
+
+    r = load(run)
+    n = write_chrome_trace(r, out)
+    console.print(f"{n} events -> {out} (open it in https://ui.perfetto.dev)", highlight=False)
