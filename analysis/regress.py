@@ -93,7 +93,7 @@ def check(
             rows.append(_row(kind, None, c, ms, None, "new"))
             continue
         if c is None:
-            reasons.append(f"{kind} layers: in the baseline, missing from the run")
+            reasons.append(f"{_noun(kind)}s: in the baseline, missing from the run")
             rows.append(_row(kind, b, None, ms, None, "missing"))
             continue
         status = "ok"
@@ -108,7 +108,7 @@ def check(
             if cv > limit + 1e-9:
                 pct = (cv / bv - 1) * 100 if bv else math.inf
                 reasons.append(
-                    f"{kind} layer {_label(m)}: {_fmt(cv)} vs baseline {_fmt(bv)} "
+                    f"{_noun(kind)} {_label(m)}: {_fmt(cv)} vs baseline {_fmt(bv)} "
                     f"(+{pct:.1f}%, limit +{limit_pct:g}%)"
                 )
                 status = "regression"
@@ -125,6 +125,13 @@ def _metrics_known() -> set[str]:
 
 def _kind_metrics(kernels: pa.Table, ms: Sequence[str]) -> pa.Table:
     return metrics.kind_table(kernels).select(["layer_kind", *ms])
+
+
+def _noun(kind: str) -> str:
+    """ "KDA layer", "layer" (for runs whose layers have no kind)."""
+    if kind in ("layer", "(none)"):
+        return "layer"
+    return f"{kind.upper() if kind in ('kda', 'mla') else kind} layer"
 
 
 def _label(m: str) -> str:

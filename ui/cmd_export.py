@@ -66,10 +66,14 @@ def query(
 
     con = _connect(dataset)
     try:
-        result = con.execute(sql).fetch_arrow_table()
+        rel = con.sql(sql)
+        if rel is None:  # a statement without rows (CREATE VIEW ...)
+            return
+        fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
+        result = fetch()
     except duckdb.Error as e:
         raise UsageError(f"query failed: {' '.join(str(e).split())}") from None
-    if hasattr(result, "read_all"):
+    if hasattr(result, "read_all"):  # a RecordBatchReader
         result = result.read_all()
     if json_out:
         typer.echo(dumps(result))

@@ -48,6 +48,18 @@ def fmt(value: Any, column: str = "") -> str:
     return str(value)
 
 
+def header(column: str) -> str:
+    """A readable column header: a_span_us -> "A span us", kernels_delta -> "Δ kernels"."""
+    c = column
+    prefix = ""
+    if c.startswith(("a_", "b_")):
+        prefix, c = c[0].upper() + " ", c[2:]
+    if c.endswith("_delta"):
+        prefix, c = "Δ ", c[: -len("_delta")]
+    c = c.replace("layer_kind", "kind").replace("kernel_sum", "kernel-sum").replace("_us", " us")
+    return prefix + c.replace("_", " ")
+
+
 def arrow_table(
     t: pa.Table,
     title: str | None = None,
@@ -63,7 +75,7 @@ def arrow_table(
         typ = t.schema.field(c).type
         numeric = pa.types.is_integer(typ) or pa.types.is_floating(typ)
         rt.add_column(
-            (headers or {}).get(c, c),
+            (headers or {}).get(c, header(c)),
             justify="right" if numeric else "left",
             overflow="fold",
             max_width=(max_width or {}).get(c),
@@ -99,8 +111,11 @@ def dumps(obj: Any) -> str:
 
 
 @contextlib.contextmanager
-def progress(console: Console, description: str) -> Iterator[Progress]:
+def progress(console: Console, description: str) -> Iterator[Progress | None]:
     """A transient spinner with elapsed time for one long step (to stderr's console)."""
+    if not console.is_terminal:  # nothing to animate in a pipe or a log
+        yield None
+        return
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
