@@ -31,6 +31,7 @@ import streamlit as st
 
 from decodescope import tracer
 from decodescope.analysis import compare, metrics, regress
+from decodescope.analysis.dataset import BASELINE_KEYS, same_setup
 from decodescope.analysis.schema import Run
 from decodescope.tracer.errors import TraceError
 from decodescope.ui import figures
@@ -413,20 +414,25 @@ def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool
     steps_of = []
     for k in sides:
         sel = k if chosen is None else k.filter(pc.equal(k["layer"], chosen))
-        steps_of.append(set(sel["step"].to_pylist()))
-    common = set.intersection(*steps_of)
-    steps = sorted(s for s in (common or set.union(*steps_of)) if s is not None) or [None]
-    step = c2.selectbox("Step", steps, key="tl-step")
+        steps_of.append(sorted(s for s in set(sel["step"].to_pylist()) if s is not None) or [None])
+    if len(steps_of) == 1 or steps_of[0] == steps_of[1]:
+        step = c2.selectbox("Step", steps_of[0], key="tl-step")
+        step_b = step
+    else:  # the runs number their steps differently (imported traces): one step each
+        c2a, c2b = c2.columns(2)
+        step = c2a.selectbox("Step of A", steps_of[0], key="tl-step")
+        step_b = c2b.selectbox("Step of B", steps_of[1], key="tl-step-b")
     if chosen is None:
-        n = max(len(layer_rows(k, step)) for k in sides)
+        n = max(len(layer_rows(k, s)) for k, s in zip(sides, (step, step_b), strict=False))
         if n > 3000:
             st.info(f"The step holds {n} kernels: the first 3000 of each side are drawn.")
     fig = figures.timeline(
         ka if chosen is not None else _first(ka, step),
-        None if single else (kb if chosen is not None else _first(kb, step)),
+        None if single else (kb if chosen is not None else _first(kb, step_b)),
         chosen,
         step,
         labels,
+        step_b=step_b,
     )
     name = "step" if chosen is None else f"layer{chosen}"
     chart(fig, f"timeline_{name}_step{step}", "fig-timeline")
@@ -493,6 +499,10 @@ def history_points(paths: tuple[tuple[str, float], ...]) -> pa.Table:
     return pa.concat_tables(parts) if parts else pa.table({})
 
 
+def vars_of(run: Run) -> dict[str, Any]:
+    return dataclasses.asdict(run.meta)
+
+
 def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
     origins = list(dict.fromkeys(e.origin for e in entries))
     origin = st.selectbox("Results dataset", origins, key="h-origin")
@@ -518,7 +528,7 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
     regressed, reasons = [], {}
     base = by_id[baseline]
     for rid, run in by_id.items():
-        if rid == baseline or (run.meta.backend != base.meta.backend):
+        if rid == baseline or not same_setup(vars_of(run), vars_of(base)):
             continue
         try:
             res = regress.check(run, base, pct, metrics=("span_us", "kernels"))
@@ -535,7 +545,10 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
         for rid in regressed:
             st.markdown(f"- `{rid}`: " + "; ".join(reasons[rid]))
     else:
-        st.success(f"No run of the baseline's backend regressed beyond +{pct:g}%.")
+        st.success(
+            f"No run of the baseline's setup ({', '.join(BASELINE_KEYS)}) regressed beyond "
+            f"+{pct:g}%."
+        )
     _show(points)
     downloads("history", points, "dl-history")
 

@@ -89,6 +89,14 @@ def _fmt(v: Any, digits: int = 0) -> str:
     return f"{float(v):,.{digits}f}"
 
 
+def kind_title(kind: Any) -> str:
+    """ "KDA layer", "MLA layer", "dense layer"; "Layer" for the default kind of other models."""
+    if kind is None or kind == "" or kind == "layer":
+        return "Layer"
+    k = str(kind)
+    return f"{k.upper() if k in ('kda', 'mla') else k} layer"
+
+
 # ---- headline -------------------------------------------------------------------------------
 
 
@@ -111,7 +119,7 @@ def headline(
     for kind in kinds:
         ra = a[a["layer_kind"] == kind] if not a.empty else a
         rb = b[b["layer_kind"] == kind] if not b.empty else b
-        name = f"{str(kind).upper() if kind and len(str(kind)) <= 5 else kind} layer"
+        name = kind_title(kind)
         if kinds_b is None:
             r = ra.iloc[0]
             lines.append(f"{name}: {_fmt(r['kernels'])} kernels / {_fmt(r['span_us'])} us")
@@ -348,13 +356,16 @@ def timeline(
     step: int | None,
     labels: Sequence[str] = ("A", "B"),
     rank: int | None = None,
+    step_b: int | None | str = "same",
 ) -> go.Figure:
     """Gantt of one layer's kernels in one step (``layer=None``: the whole step), A above B, on
     one time axis that starts at each side's first kernel of the layer; one lane per stream.
+    ``step_b`` is B's step where the two runs number their steps differently (default: ``step``).
     Hover: name, op, grid, block, registers, duration."""
+    sb = step if step_b == "same" else step_b
     sides = [(labels[0], layer_kernels(kernels_a, layer, step, rank), SIDE_COLORS[0])]
     if kernels_b is not None:
-        sides.append((labels[1], layer_kernels(kernels_b, layer, step, rank), SIDE_COLORS[1]))
+        sides.append((labels[1], layer_kernels(kernels_b, layer, sb, rank), SIDE_COLORS[1]))
     if all(df.empty for _, df, _ in sides):
         where = "the step" if layer is None else f"layer {layer}"
         return _empty(f"no kernels in {where}, step {step}")
