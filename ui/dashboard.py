@@ -695,4 +695,7 @@ def guarded(fn: Callable[[], None]) -> None:
         st.error(f"The dashboard hit an error it did not expect: {type(e).__name__}: {e}")
 
 
-guarded(page)
+# streamlit (and AppTest) run this file as "__main__"; importing it (tests, the benchmark) only
+# defines the functions
+if __name__ == "__main__":
+    guarded(page)

@@ -1,0 +1,166 @@
+"""The dashboard's page logic under Streamlit's AppTest (no browser): the default view, choosing
+runs, and bad input shown as a message in the page, never as an exception."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from decodescope import tracer
+from decodescope.tracer.errors import TraceError
+from decodescope.ui import dashboard
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "ui" / "dashboard.py"
+DEFAULT = ROOT / "ui" / "data" / "default"
+H100 = DEFAULT / "h100_hf_qwen1.5-0.5b_eager"
+B200 = DEFAULT / "b200_vllm_gpt-oss_tp8_prefill"
+TRACES = ROOT / "tests" / "data" / "traces"
+NSYS_2GPU = TRACES / "nsys_h100x2_fastvideo_nvtx_aten__nsys-ai_h100_2gpu_1s.sqlite"
+
+
+def run_app(monkeypatch, *sources: Path | str) -> AppTest:
+    monkeypatch.setenv(dashboard.SOURCES_ENV, os.pathsep.join(str(s) for s in sources))
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    return at
+
+
+def texts(elements) -> list[str]:
+    return [str(e.value) for e in elements]
+
+
+def no_exception(at: AppTest) -> None:
+    assert not at.exception, texts(at.exception)
+    assert not [e for e in texts(at.error) if "did not expect" in e], texts(at.error)
+
+
+def test_default_view_renders_the_bundled_runs(monkeypatch):
+    at = run_app(monkeypatch)  # no sources: DEFAULT_DATA
+    no_exception(at)
+    assert not at.error, texts(at.error)
+    # the headline: per layer kind, A vs B
+    heads = texts(at.subheader)
+    assert heads and heads[0].startswith("Layer: ") and " vs " in heads[0]
+    # side-by-side tables (kinds, per layer), charts, kernel table, metadata
+    assert len(at.dataframe) >= 4
+    kinds = at.dataframe[0].value
+    assert {"a_kernels", "b_kernels", "kernels_delta", "ratio"} <= set(kinds.columns)
+    layers = at.dataframe[1].value
+    assert {"a_span_us", "b_span_us", "a_busy_us", "a_gaps_us", "a_kernel_sum_us"} <= set(
+        layers.columns
+    )
+    charts = at.get("plotly_chart")
+    assert len(charts) >= 3  # layer bars, op stack, timeline (history too with 2 runs)
+    labels = [t.label for t in at.tabs]
+    assert labels == ["Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata"]
+
+
+def test_choosing_runs_changes_the_comparison(monkeypatch):
+    at = run_app(monkeypatch, H100, B200)
+    no_exception(at)
+    a = at.sidebar.selectbox(key="run-a")
+    b = at.sidebar.selectbox(key="run-b")
+    assert (a.value, b.value) == (0, 1)
+    first = texts(at.subheader)[0]
+    assert first.startswith("Layer: 42 kernels")  # A: HF Qwen on the H100
+    b.set_value(0).run()
+    no_exception(at)
+    assert any("same run" in t for t in texts(at.info))
+    assert texts(at.subheader)[0].startswith("Layer: 42 kernels /")
+    assert " vs " not in texts(at.subheader)[0]
+    at.sidebar.selectbox(key="run-a").set_value(1).run()
+    no_exception(at)
+    assert texts(at.subheader)[0].startswith("Layer: 21 kernels")  # A: vLLM gpt-oss on B200
+
+
+def test_timeline_and_kernel_search(monkeypatch):
+    at = run_app(monkeypatch, H100, B200)
+    at.selectbox(key="tl-layer").set_value(5).run()
+    no_exception(at)
+    at.text_input(key="k-search").set_value("gemm").run()
+    no_exception(at)
+    caption = next(t for t in texts(at.caption) if "kernel names" in t)
+    shown, total = int(caption.split()[0]), int(caption.split()[2])
+    assert 0 < shown < total
+
+
+def test_a_file_that_is_not_a_trace_is_a_message(monkeypatch, tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("this is not a trace\n")
+    at = run_app(monkeypatch, bad, H100)
+    no_exception(at)
+    errors = texts(at.error)
+    assert any(str(bad) in e and "unrecognised format" in e for e in errors), errors
+    assert texts(at.subheader)  # the good run still renders
+
+
+def test_a_broken_trace_is_a_message(monkeypatch, tmp_path):
+    # a real Kineto trace cut in half
+    data = (TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz").read_bytes()
+    cut = tmp_path / "cut.json"
+    import gzip
+
+    cut.write_bytes(gzip.decompress(data)[:100_000])
+    at = run_app(monkeypatch, cut)
+    no_exception(at)
+    assert any(str(cut) in e for e in texts(at.error)), texts(at.error)
+    assert any("No run to show" in w for w in texts(at.warning))
+
+
+def test_an_empty_dataset_is_a_message(monkeypatch, tmp_path):
+    empty = tmp_path / "results"
+    empty.mkdir()
+    at = run_app(monkeypatch, empty)
+    no_exception(at)
+    assert any("empty dataset" in e for e in texts(at.error)), texts(at.error)
+    assert any("No run to show" in w for w in texts(at.warning))
+
+
+def test_runs_with_different_presets_are_a_warning(monkeypatch, tmp_path):
+    a = tracer.read_run(H100)
+    b = tracer.read_run(B200)
+    tracer.write_run(
+        a.replace(meta=a.meta.replace(preset="kimi-k3", backend="standard")), tmp_path / "a"
+    )
+    tracer.write_run(
+        b.replace(meta=b.meta.replace(preset="tiny", backend="specialized")), tmp_path / "b"
+    )
+    at = run_app(monkeypatch, tmp_path)  # a folder of run folders
+    no_exception(at)
+    warnings = texts(at.warning)
+    assert any("different presets (kimi-k3 vs tiny)" in w for w in warnings), warnings
+
+
+def test_a_two_rank_trace_offers_a_rank_and_the_whole_step(monkeypatch):
+    at = run_app(monkeypatch, NSYS_2GPU)
+    no_exception(at)
+    assert at.sidebar.selectbox(key="rank").options == ["0", "1"]
+    # no layer ranges: the timeline offers the whole step
+    assert at.selectbox(key="tl-layer").options == [dashboard.WHOLE_STEP]
+    at.sidebar.selectbox(key="rank").set_value(1).run()
+    no_exception(at)
+
+
+def test_upload_of_a_zipped_run_folder_and_of_junk(tmp_path, monkeypatch):
+    monkeypatch.setattr(dashboard, "UPLOAD_DIR", tmp_path / "uploads")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in H100.iterdir():
+            z.write(f, f"myrun/{f.name}")
+    path = dashboard.save_upload("myrun.zip", buf.getvalue())
+    run, err = dashboard.try_load(dashboard.Entry("upload", path))
+    assert err is None and run.kernels.num_rows == tracer.read_run(H100).kernels.num_rows
+    junk = dashboard.save_upload("junk.json", b"\x00\x01 definitely not json")
+    run, err = dashboard.try_load(dashboard.Entry("upload", junk))
+    assert run is None and "junk.json" in err
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("readme.txt", "no run here")
+    with pytest.raises(TraceError, match="no decodescope run folder"):
+        dashboard.save_upload("empty.zip", buf.getvalue())
