@@ -54,7 +54,11 @@ ensure_arch()
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
+from cutlass.cute.runtime import (  # noqa: E402
+    make_fake_compact_tensor,
+    make_fake_stream,
+    make_fake_tensor,
+)
 
 TORCH_TO_CUTE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -85,6 +89,16 @@ def fake(dtype: torch.dtype | type, shape: Sequence[int], align: int = 16) -> An
     shape = tuple(int(s) for s in shape)
     order = tuple(range(len(shape) - 1, -1, -1))
     return make_fake_compact_tensor(ct, shape, stride_order=order, assumed_align=align)
+
+
+def fake_strided(
+    dtype: torch.dtype | type, shape: Sequence[int], stride: Sequence[int], align: int = 16
+) -> Any:
+    """A fake global tensor with a static shape and explicit static strides (in elements)."""
+    ct = cute_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype
+    return make_fake_tensor(
+        ct, tuple(int(s) for s in shape), tuple(int(s) for s in stride), assumed_align=align
+    )
 
 
 def env_stream() -> Any:

@@ -1,0 +1,429 @@
+"""Skinny GEMM for decode: ``out[m, n] = sum_k x'[m, k] * W[n, k]`` with few tokens m (1..64).
+
+One kernel family serves every dense projection of the specialized layers (``norm_qkv_proj``,
+``oproj_residual_norm``, MLA's ``q_b``). What it does, per CTA:
+
+- **Tile**: 16 weight rows (``W[n0 : n0 + 16, :]``) by all tokens by all of K. The CTA's ``ks``
+  warps split K into contiguous slices; each warp keeps a 16 x M FP32 accumulator in registers;
+  the slices are summed through shared memory at the end (no split across CTAs, so no atomics
+  and no second launch). Several weight tensors ("segments", e.g. MLA's ``qkv_a`` and
+  ``g_proj``) run in one launch: the grid is the concatenation of their row tiles.
+- **Tensor cores with swapped operands**: ``mma.sync.m16n8k16`` (bf16 in, fp32 accumulate) with
+  the weight rows as the MMA's M (16 rows) and the tokens as its N (8 per MMA, ``ceil(M/8)``
+  MMAs per k-step). K is *permuted* inside each 32-wide k-chunk so that every lane fetches its
+  A fragment as two 16-byte loads of contiguous weights (rows ``g`` and ``g + 8``, columns
+  ``8c .. 8c + 7``) and its B fragment as one 16-byte load of contiguous activations per 8
+  tokens: the sum over k does not care about the order, as long as A and B use the same one.
+  Lane (g = lane / 4, c = lane % 4) places chunk column ``8c + 4s + {0, 1}`` at MMA k
+  ``2c + {0, 1}`` and ``8c + 4s + {2, 3}`` at ``2c + 8 + {0, 1}`` for MMA step s in {0, 1}.
+- **Bytes in flight**: ``unroll`` chunks of weights (2 x 16 B per lane per chunk) are loaded
+  before their MMAs; 8 warps x 32 lanes x 4 chunks x 32 B = 32 KB per CTA, two or three CTAs
+  per SM.
+- **Fused prologue** (``norm=True``): residual add (``add_residual``: ``h = bf16(x + r)``, CTA 0
+  writes ``h`` as the new residual) and RMSNorm: every CTA computes the per-token ``rstd`` of
+  the whole row itself (a redundant read of ``M x K`` activations from L2, cheap next to the
+  weights at M <= 16, about as large as the weights' share at M = 64), then normalizes the B
+  fragments on the fly: ``bf16(bf16(h * rstd) * w_norm)``, the rounding vLLM's
+  ``fused_add_rms_norm`` applies.
+- **Fused epilogue** (``residual_epilogue``): ``out = bf16(bf16(acc) + res)``: o_proj writing
+  the new residual stream. The next RMSNorm needs the whole row (all CTAs' outputs): it is not
+  fused here; the next kernel recomputes ``rstd`` in its prologue, as this one does.
+
+Compile key: (m, k, segment widths, flags, x row stride). Shapes are static.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import torch  # noqa: E402
+from cutlass import BFloat16, Float32  # noqa: E402
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.utils import load_vec8, warp_sum  # noqa: E402
+
+ROWS = 16  # weight rows per CTA (the MMA's M)
+KCHUNK = 32  # k per chunk: two m16n8k16 steps
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Compile-time facts of one skinny GEMM launch."""
+
+    m: int  # tokens
+    k: int  # reduction length
+    segments: tuple[int, ...]  # output widths (rows of each weight), each a multiple of 16
+    norm: bool = False  # RMSNorm prologue on x (per-token rstd, times the norm weight)
+    add_residual: bool = False  # x' = x + r before the norm; CTA 0 writes it out
+    residual_epilogue: bool = False  # out = out + res (same shape as out)
+    x_stride: int = 0  # row stride of x in elements (0: compact, = k)
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.m <= 64:
+            raise ValueError(f"skinny GEMM supports 1..64 tokens, got {self.m}")
+        if self.k % KCHUNK:
+            raise ValueError(f"K must be a multiple of {KCHUNK}, got {self.k}")
+        for n in self.segments:
+            if n % ROWS:
+                raise ValueError(f"every output width must be a multiple of {ROWS}, got {n}")
+        if not 1 <= len(self.segments) <= 3:
+            raise ValueError("1..3 segments per launch")
+        if self.add_residual and not self.norm:
+            raise ValueError("add_residual needs norm (the fused residual-add + RMSNorm)")
+
+    @property
+    def ks(self) -> int:
+        """Warps per CTA, each on a contiguous slice of K."""
+        chunks = self.k // KCHUNK
+        for w in (8, 4, 2, 1):
+            if chunks % w == 0:
+                return w
+        return 1
+
+    @property
+    def unroll(self) -> int:
+        per_warp = self.k // KCHUNK // self.ks
+        for u in (4, 3, 2, 1):
+            if per_warp % u == 0:
+                return u
+        return 1
+
+    @property
+    def ntiles(self) -> int:
+        """8-token MMA tiles."""
+        return (self.m + 7) // 8
+
+    @property
+    def grid(self) -> int:
+        return sum(n // ROWS for n in self.segments)
+
+    @property
+    def ldx(self) -> int:
+        return self.x_stride or self.k
+
+
+class SkinnyGemm:
+    """``out_s = x' @ W_s^T`` for each segment s, x' optionally residual-added and RMS-normed."""
+
+    def __init__(self, plan: GemmPlan):
+        self.p = plan
+        self.threads = plan.ks * 32
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, ldx] bf16 (first K columns used)
+        mR: cute.Tensor,  # [M, K] residual in (add_residual) else any bf16 placeholder
+        mRout: cute.Tensor,  # [M, K] new residual out (add_residual) else placeholder
+        mNW: cute.Tensor,  # [K] norm weight (norm) else placeholder
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mW1: cute.Tensor,
+        mO1: cute.Tensor,
+        mW2: cute.Tensor,
+        mO2: cute.Tensor,
+        mE: cute.Tensor,  # [M, N0] residual for the epilogue (residual_epilogue) else placeholder
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        mp = p.ntiles * 8
+
+        @cute.struct
+        class Smem:
+            rstd: cute.struct.MemRange[Float32, mp]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, p.ks * ROWS * mp], 16]
+
+        self.smem_cls = Smem
+        self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
+            grid=[p.grid, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mR: cute.Tensor,
+        mRout: cute.Tensor,
+        mNW: cute.Tensor,
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mW1: cute.Tensor,
+        mO1: cute.Tensor,
+        mW2: cute.Tensor,
+        mO2: cute.Tensor,
+        mE: cute.Tensor,
+    ):
+        p = self.p
+        mp = p.ntiles * 8
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sRstd = st.rstd.get_tensor(cute.make_layout(mp))
+        sRed = st.red.get_tensor(cute.make_layout((p.ks, ROWS, mp), stride=(ROWS * mp, mp, 1)))
+
+        if cutlass.const_expr(p.norm):
+            self.prologue(mX, mR, mRout, sRstd, bidx, warp, lane)
+            cute.arch.sync_threads()
+
+        weights = (mW0, mW1, mW2)
+        outs = (mO0, mO1, mO2)
+        t0 = 0
+        for s in cutlass.range_constexpr(len(p.segments)):
+            nt = p.segments[s] // ROWS
+            if bidx >= t0 and bidx < t0 + nt:
+                self.tile(mX, mR, mNW, sRstd, sRed, weights[s], outs[s], mE, bidx - t0, warp, lane)
+            t0 += nt
+
+    @cute.jit
+    def prologue(self, mX, mR, mRout, sRstd, bidx, warp, lane):
+        """Per-token rstd of h = x (+ r); CTA 0 writes h to the new residual."""
+        p = self.p
+        nvec = p.k // 8
+        for mi in cutlass.range((p.m + p.ks - 1) // p.ks):
+            m = warp + mi * p.ks
+            if m < p.m:
+                ss = Float32(0.0)
+                for v in cutlass.range((nvec + 31) // 32, unroll=4):
+                    kv = v * 32 + lane
+                    if kv < nvec:
+                        xv = cute.make_rmem_tensor((8,), BFloat16)
+                        load_vec8(mX[m, None], kv * 8, xv)
+                        if cutlass.const_expr(p.add_residual):
+                            rv = cute.make_rmem_tensor((8,), BFloat16)
+                            load_vec8(mR[m, None], kv * 8, rv)
+                            for e in cutlass.range_constexpr(8):
+                                xv[e] = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                            if bidx == 0:
+                                cute.autovec_copy(xv, cute.local_tile(mRout[m, None], (8,), (kv,)))
+                        for e in cutlass.range_constexpr(8):
+                            f = xv[e].to(Float32)
+                            ss = ss + f * f
+                ss = warp_sum(ss)
+                if lane == 0:
+                    sRstd[m] = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
+
+    @cute.jit
+    def tile(self, mX, mR, mNW, sRstd, sRed, mW, mO, mE, tile_idx, warp, lane):
+        p = self.p
+        g = lane // 4
+        c = lane % 4
+        row_lo = tile_idx * ROWS + g
+        row_hi = row_lo + 8
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+        accs = []
+        for _j in cutlass.range_constexpr(p.ntiles):
+            a = cute.make_rmem_tensor((4, 1, 1), Float32)
+            a.fill(0.0)
+            accs.append(a)
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+
+        chunks_per_warp = p.k // KCHUNK // p.ks
+        u = p.unroll
+        chunk0 = warp * chunks_per_warp
+        for it in cutlass.range(chunks_per_warp // u):
+            wlo = []
+            whi = []
+            for q in cutlass.range_constexpr(u):
+                k0 = (chunk0 + it * u + q) * KCHUNK + c * 8
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                load_vec8(mW[row_lo, None], k0, lo)
+                load_vec8(mW[row_hi, None], k0, hi)
+                wlo.append(lo)
+                whi.append(hi)
+            for q in cutlass.range_constexpr(u):
+                k0 = (chunk0 + it * u + q) * KCHUNK + c * 8
+                nw = cute.make_rmem_tensor((8,), BFloat16)
+                if cutlass.const_expr(p.norm):
+                    load_vec8(mNW, k0, nw)
+                for j in cutlass.range_constexpr(p.ntiles):
+                    xb = self.load_b(mX, mR, sRstd, nw, j * 8 + g, k0, j)
+                    for s in cutlass.range_constexpr(2):
+                        fa[0] = wlo[q][4 * s + 0]
+                        fa[1] = wlo[q][4 * s + 1]
+                        fa[2] = whi[q][4 * s + 0]
+                        fa[3] = whi[q][4 * s + 1]
+                        fa[4] = wlo[q][4 * s + 2]
+                        fa[5] = wlo[q][4 * s + 3]
+                        fa[6] = whi[q][4 * s + 2]
+                        fa[7] = whi[q][4 * s + 3]
+                        for e in cutlass.range_constexpr(4):
+                            fb[e] = xb[4 * s + e]
+                        cute.gemm(atom, accs[j], fa, fb, accs[j])
+
+        # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same)
+        for j in cutlass.range_constexpr(p.ntiles):
+            n0 = j * 8 + 2 * c
+            sRed[warp, g, n0] = accs[j][0]
+            sRed[warp, g, n0 + 1] = accs[j][1]
+            sRed[warp, g + 8, n0] = accs[j][2]
+            sRed[warp, g + 8, n0 + 1] = accs[j][3]
+        cute.arch.sync_threads()
+
+        tidx, _, _ = cute.arch.thread_idx()
+        total = ROWS * p.m
+        for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+            idx = tidx + i * self.threads
+            if idx < total:
+                r = idx % ROWS
+                m = idx // ROWS
+                acc = Float32(0.0)
+                for w in cutlass.range_constexpr(p.ks):
+                    acc = acc + sRed[w, r, m]
+                n = tile_idx * ROWS + r
+                if cutlass.const_expr(p.residual_epilogue):
+                    acc = acc.to(BFloat16).to(Float32) + mE[m, n].to(Float32)
+                mO[m, n] = acc.to(BFloat16)
+
+    @cute.jit
+    def load_b(self, mX, mR, sRstd, nw, m, k0, j):
+        """The 8 (normalized) activations of token m at columns k0..k0+7, as bf16 registers."""
+        p = self.p
+        xv = cute.make_rmem_tensor((8,), BFloat16)
+        if cutlass.const_expr(j * 8 + 8 <= p.m):
+            self.load_b_row(mX, mR, sRstd, nw, m, k0, xv)
+        else:
+            xv.fill(0.0)
+            if m < p.m:
+                self.load_b_row(mX, mR, sRstd, nw, m, k0, xv)
+        return xv
+
+    @cute.jit
+    def load_b_row(self, mX, mR, sRstd, nw, m, k0, xv):
+        p = self.p
+        load_vec8(mX[m, None], k0, xv)
+        if cutlass.const_expr(p.add_residual):
+            rv = cute.make_rmem_tensor((8,), BFloat16)
+            load_vec8(mR[m, None], k0, rv)
+            for e in cutlass.range_constexpr(8):
+                xv[e] = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+        if cutlass.const_expr(p.norm):
+            rs = sRstd[m]
+            for e in cutlass.range_constexpr(8):
+                t = (xv[e].to(Float32) * rs).to(BFloat16)
+                xv[e] = (t.to(Float32) * nw[e].to(Float32)).to(BFloat16)
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+_PLACEHOLDER = (16, 16)
+
+
+def _fake_args(plan: GemmPlan):
+    bf = torch.bfloat16
+    M, K = plan.m, plan.k
+    ph = itf.fake(bf, _PLACEHOLDER)
+    x = itf.fake_strided(bf, (M, K), (plan.ldx, 1))
+    r = itf.fake(bf, (M, K)) if plan.add_residual else ph
+    rout = itf.fake(bf, (M, K)) if plan.add_residual else ph
+    nw = itf.fake(bf, (K,)) if plan.norm else itf.fake(bf, (16,))
+    segs = []
+    for s in range(3):
+        if s < len(plan.segments):
+            n = plan.segments[s]
+            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, n))]
+        else:
+            segs += [ph, ph]
+    e = itf.fake(bf, (M, plan.segments[0])) if plan.residual_epilogue else ph
+    return (x, r, rout, nw, *segs, e, itf.env_stream())
+
+
+def compile_plan(plan: GemmPlan):
+    """Compile (cached) the kernel of ``plan``; works without a GPU."""
+    return itf.compiled(("skinny_gemm", plan), lambda: (SkinnyGemm(plan), _fake_args(plan)))
+
+
+_PH_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    key = (str(device),)
+    t = _PH_CACHE.get(key)
+    if t is None:
+        t = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=device)
+        _PH_CACHE[key] = t
+    return t
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    epilogue_residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> None:
+    """Run one launch: ``outs[s] = norm(x (+ residual)) @ weights[s]^T (+ epilogue_residual)``.
+
+    ``x`` may be a row slice of a wider buffer (last stride 1, row stride = ``x.stride(0)``).
+    With ``residual``, ``residual_out`` receives ``bf16(x + residual)`` (the new residual
+    stream; may alias ``residual``? no: CTA 0 writes it while others read ``residual``).
+    """
+    M, K = x.shape
+    plan = GemmPlan(
+        m=M,
+        k=K,
+        segments=tuple(int(w.shape[0]) for w in weights),
+        norm=norm_weight is not None,
+        add_residual=residual is not None,
+        residual_epilogue=epilogue_residual is not None,
+        x_stride=0 if x.stride(0) == K else int(x.stride(0)),
+        eps=float(eps),
+    )
+    fn = compile_plan(plan)
+    ph = _placeholder(x.device)
+    segs: list[torch.Tensor] = []
+    for s in range(3):
+        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
+    fn(
+        x,
+        residual if residual is not None else ph,
+        residual_out if residual is not None else ph,
+        norm_weight if norm_weight is not None else ph[0],
+        *segs,
+        epilogue_residual if epilogue_residual is not None else ph,
+    )
+
+
+def skinny_gemm_ref(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    epilogue_residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Torch reference with the kernel's rounding points. Returns ``(outs, residual_out)``."""
+    h = x
+    rout = None
+    if residual is not None:
+        h = (x.float() + residual.float()).to(torch.bfloat16)
+        rout = h
+    if norm_weight is not None:
+        hf = h.float()
+        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        h = ((hf * rstd).to(torch.bfloat16).float() * norm_weight.float()).to(torch.bfloat16)
+    outs = []
+    for w in weights:
+        o = (h.float() @ w.float().T).to(torch.bfloat16)
+        if epilogue_residual is not None:
+            o = (o.float() + epilogue_residual.float()).to(torch.bfloat16)
+        outs.append(o)
+    return outs, rout

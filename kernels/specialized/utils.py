@@ -1,0 +1,76 @@
+"""Device helpers shared by the specialized kernels: vector loads, reductions, activations.
+
+All are ``@cute.jit`` functions inlined into the calling kernel. Reductions are over Float32.
+"""
+
+from __future__ import annotations
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+
+WARP = 32
+
+
+@cute.jit
+def load_vec8(row: cute.Tensor, k0: Int32, dst: cute.Tensor) -> None:
+    """Copy ``row[k0 : k0 + 8]`` (a 1-D global row, 16-byte aligned at k0) into ``dst`` (8 regs).
+
+    With static layouts and a 16-byte aligned base this is one 128-bit load for 16-bit types.
+    """
+    cute.autovec_copy(cute.local_tile(row, (8,), (k0 // 8,)), dst)
+
+
+@cute.jit
+def store_vec8(src: cute.Tensor, row: cute.Tensor, k0: Int32) -> None:
+    """Copy 8 registers into ``row[k0 : k0 + 8]`` (one 128-bit store for 16-bit types)."""
+    cute.autovec_copy(src, cute.local_tile(row, (8,), (k0 // 8,)))
+
+
+@cute.jit
+def warp_sum(x: Float32) -> Float32:
+    """Sum over the 32 lanes of a warp (butterfly: every lane gets the total)."""
+    return cute.arch.warp_reduction_sum(x)
+
+
+@cute.jit
+def warp_max(x: Float32) -> Float32:
+    return cute.arch.warp_reduction_max(x)
+
+
+@cute.jit
+def block_sum(x: Float32, sred: cute.Tensor, num_warps: cutlass.Constexpr[int]) -> Float32:
+    """Sum over all threads of the CTA; ``sred`` is a Float32 smem scratch of >= num_warps.
+
+    Every thread gets the total. Two barriers; ``sred`` may be reused after the call returns.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    w = warp_sum(x)
+    if num_warps == 1:
+        return w
+    lane = tidx % WARP
+    warp = tidx // WARP
+    if lane == 0:
+        sred[warp] = w
+    cute.arch.sync_threads()
+    total = Float32(0.0)
+    for i in cutlass.range_constexpr(num_warps):
+        total = total + sred[i]
+    cute.arch.sync_threads()
+    return total
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+
+@cute.jit
+def silu(x: Float32) -> Float32:
+    return x * sigmoid(x)
+
+
+@cute.jit
+def to_bf16_f32(x: Float32) -> Float32:
+    """Round a Float32 to the nearest BFloat16 and back (what storing to bf16 would do)."""
+    return x.to(cutlass.BFloat16).to(Float32)
