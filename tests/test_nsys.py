@@ -236,12 +236,16 @@ def test_non_utf8_strings_are_decoded(runs):
     with pytest.raises(sqlite3.OperationalError):  # what a default connection does with it
         _sql(NESTED, "SELECT value FROM EXPORT_META_DATA WHERE name = 'EXPORT_USER'")
     assert nsys.decode_text(raw) == raw.decode("latin-1")
-    con = nsys._connect(NESTED)
+    con = sqlite3.connect(f"{NESTED.resolve().as_uri()}?mode=ro", uri=True)
     try:
-        ((text,),) = con.execute("SELECT value FROM EXPORT_META_DATA WHERE name = 'EXPORT_USER'")
+        rows, ncols = nsys.query(
+            con, "SELECT name, value FROM EXPORT_META_DATA WHERE name LIKE 'EXPORT_%'"
+        )
     finally:
         con.close()
-    assert text == raw.decode("latin-1")
+    assert ncols == 2
+    assert dict(rows)["EXPORT_USER"] == raw.decode("latin-1")
+    assert dict(rows)["EXPORT_SCHEMA_VERSION"] == "2.9.1"  # UTF-8 text unchanged
     assert runs[NESTED].meta.config["export_schema_version"] == "2.9.1"
     assert nsys.decode_text("aten::mm ✓".encode()) == "aten::mm ✓"
 

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ def load_nsys(
         )
     try:
         con = _connect(p)
-    except sqlite3.Error as e:
+    except (sqlite3.Error, UnicodeDecodeError) as e:  # a damaged schema can fail to decode
         raise TraceError(p, f"cannot open as SQLite: {e}") from None
     try:
         run = _Export(p, con, kernel_names).run(run_id)
@@ -146,10 +146,34 @@ def decode_text(raw: bytes) -> str:
         return raw.decode("latin-1")
 
 
+def query(con: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> tuple[list[tuple], int]:
+    """Rows of ``sql`` and how many columns it selects; text decoded by :func:`decode_text`.
+
+    SQLite's own UTF-8 decoding runs first (a Python ``text_factory`` costs a call per value);
+    a query whose text is not all UTF-8 is run again with :func:`decode_text`.
+    """
+    con.text_factory = str
+    try:
+        cur = con.execute(sql, params)
+        return cur.fetchall(), len(cur.description or ())
+    except sqlite3.OperationalError as e:
+        if "decode" not in str(e).lower():
+            raise
+    con.text_factory = decode_text
+    try:
+        cur = con.execute(sql, params)
+        return cur.fetchall(), len(cur.description or ())
+    finally:
+        con.text_factory = str
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_TIMEOUT_S)
-    con.text_factory = decode_text
-    con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # "file is not a database" here
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # "not a database" here
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
@@ -160,13 +184,21 @@ class _Export:
         self.path = path
         self.con = con
         self.kernel_names = kernel_names
+        self._columns: dict[str, set[str]] = {}
+        self._strings: dict[int, str] = {}
+        self.notes: dict[str, Any] = {}
         self.tables = {
             r[0]
-            for r in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+            for r in self.rows("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
         }
-        self._columns: dict[str, set[str]] = {}
-        self._strings: dict[int, str] | None = None
-        self.notes: dict[str, Any] = {}
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        return query(self.con, sql, params)[0]
+
+    def cols(self, sql: str) -> list[tuple]:
+        """The query's result as column tuples (empty ones when there are no rows)."""
+        rows, n = query(self.con, sql)
+        return _columns(rows, n)
 
     # -- schema discovery ------------------------------------------------------------------------
 
@@ -175,7 +207,7 @@ class _Export:
             if table not in self.tables:
                 self._columns[table] = set()
             else:
-                rows = self.con.execute(f'PRAGMA table_info("{table}")').fetchall()
+                rows = self.rows(f'PRAGMA table_info("{table}")')
                 self._columns[table] = {r[1] for r in rows}
         return self._columns[table]
 
@@ -183,12 +215,16 @@ class _Export:
         """``alias.name`` where the column exists, else ``NULL`` (columns come and go by version)."""
         return f"{alias}.{name}" if name in self.columns(table) else "NULL"
 
-    def strings(self) -> dict[int, str]:
-        if self._strings is None:
-            if "StringIds" in self.tables:
-                self._strings = dict(self.con.execute("SELECT id, value FROM StringIds"))
-            else:
-                self._strings = {}
+    def strings(self, ids: Sequence[int | None]) -> dict[int, str]:
+        """``StringIds`` values of ``ids`` (only those: a large export holds many strings)."""
+        want = sorted({i for i in ids if i is not None and i not in self._strings})
+        if want and "StringIds" in self.tables:
+            for lo in range(0, len(want), 500):
+                chunk = want[lo : lo + 500]
+                marks = ", ".join("?" * len(chunk))
+                self._strings.update(
+                    self.rows(f"SELECT id, value FROM StringIds WHERE id IN ({marks})", chunk)
+                )
         return self._strings
 
     # -- the run ---------------------------------------------------------------------------------
@@ -255,11 +291,9 @@ class _Export:
             LEFT JOIN StringIds sn ON sn.id = {short}
             {launch_join}
             ORDER BY k.start, k.deviceId, k.streamId"""
-        cols = _columns(self.con.execute(sql))
+        cols = self.cols(sql)
         (start, end, device, stream, corr, graph_id, node_id, gx, gy, gz, bx, by, bz, regs, smem_s,
          smem_d, name_id, mangled_id, gpid, api_id, launch_tid, launch_start) = cols  # fmt: skip
-        strings = self.strings()
-        api_names = {i: _api_name(s) for i, s in strings.items()} if has_runtime else {}
         device_arr = pa.array(device, pa.int32())
         table = schema.from_pydict(
             {
@@ -268,8 +302,8 @@ class _Export:
                 "stream": pa.array(stream, pa.int64()),
                 "start_ns": pa.array(start, pa.int64()),
                 "end_ns": pa.array(end, pa.int64()),
-                "name": _interned(name_id, strings),
-                "mangled": _interned(mangled_id, strings),
+                "name": _interned(name_id, self.strings),
+                "mangled": _interned(mangled_id, self.strings),
                 "correlation_id": pa.array(corr, pa.int64()),
                 "graph_id": pa.array(graph_id, pa.int64()),
                 "graph_node_id": pa.array(node_id, pa.int64()),
@@ -282,7 +316,7 @@ class _Export:
                 "registers": pa.array(regs, pa.int32()),
                 "shared_static": pa.array(smem_s, pa.int32()),
                 "shared_dynamic": pa.array(smem_d, pa.int32()),
-                "launch_api": _interned(api_id, api_names),
+                "launch_api": _interned(api_id, self.strings, transform=_api_name),
                 "launch_thread": _tid(launch_tid),
                 "launch_start_ns": pa.array(launch_start, pa.int64()),
             },
@@ -319,17 +353,15 @@ class _Export:
         if not parts:
             return schema.empty("memops")
         sql = " UNION ALL ".join(parts) + " ORDER BY 1, 3, 4"
-        start, end, device, stream, kind, nbytes, corr, graph_id, node_id = _columns(
-            self.con.execute(sql)
-        )
-        kinds = {-1: "memset", **COPY_KINDS}
+        start, end, device, stream, kind, nbytes, corr, graph_id, node_id = self.cols(sql)
+        kinds = {-1: "memset", **COPY_KINDS}.get
         device_arr = pa.array(device, pa.int32())
         return schema.from_pydict(
             {
                 "rank": device_arr,
                 "device": device_arr,
                 "stream": pa.array(stream, pa.int64()),
-                "kind": _interned(kind, kinds, default="memcpy_other"),
+                "kind": _interned(kind, lambda ids: {i: kinds(i, "memcpy_other") for i in ids}),
                 "start_ns": pa.array(start, pa.int64()),
                 "end_ns": pa.array(end, pa.int64()),
                 "bytes": pa.array(nbytes, pa.int64()),
@@ -356,24 +388,24 @@ class _Export:
         domain = self.col(t, "e", "domainId")
         types = ", ".join(map(str, NVTX_RANGE_TYPES))
         marks = ", ".join(map(str, NVTX_MARK_TYPES))
-        n_marks, n_unclosed = self.con.execute(
+        ((n_marks, n_unclosed),) = self.rows(
             f"""SELECT count(*) FILTER (WHERE eventType IN ({marks})),
                        count(*) FILTER (WHERE eventType IN ({types}) AND end IS NULL)
                 FROM {t}"""
-        ).fetchone()
+        )
         domains = {
             (gtid >> 24 if gtid is not None else None, dom): name
-            for gtid, dom, name in self.con.execute(
+            for gtid, dom, name in self.rows(
                 f"SELECT e.globalTid, {domain}, {text} FROM {t} e {text_join} "
                 f"WHERE e.eventType = {NVTX_DOMAIN_CREATE}"
             )
         }
-        rows = self.con.execute(
+        rows = self.rows(
             f"""SELECT e.start, e.end, e.globalTid, {text}, {domain}
                 FROM {t} e {text_join}
                 WHERE e.eventType IN ({types}) AND e.end IS NOT NULL
                 ORDER BY e.globalTid, e.start, e.end DESC, e.rowid"""
-        ).fetchall()
+        )
         self.notes.update(
             nvtx_ranges=len(rows), nvtx_marks=n_marks, nvtx_unclosed_ranges=n_unclosed
         )
@@ -416,11 +448,11 @@ class _Export:
                 )
         if not parts:
             return schema.empty("overheads")
-        rows = self.con.execute(" UNION ALL ".join(parts) + " ORDER BY 1").fetchall()
+        rows = self.rows(" UNION ALL ".join(parts) + " ORDER BY 1")
         if not rows:
             return schema.empty("overheads")
         start, end, otype, gtid, name_id, table = _columns(rows, 6)
-        strings = self.strings()
+        strings = self.strings(name_id)
         detail = [
             f"{tab}: {strings[i]}" if i is not None and i in strings else tab
             for tab, i in zip(table, name_id, strict=True)
@@ -444,7 +476,7 @@ class _Export:
     def key_values(self, table: str, key: str = "name") -> dict[str, str]:
         if not {key, "value"} <= self.columns(table):
             return {}
-        return {k: v for k, v in self.con.execute(f"SELECT {key}, value FROM {table}")}
+        return {k: v for k, v in self.rows(f"SELECT {key}, value FROM {table}")}
 
     def meta(self, kernels: pa.Table, pid_device: Mapping[int, int], run_id: str | None) -> RunMeta:
         export = self.key_values("META_DATA_EXPORT") or self.key_values("EXPORT_META_DATA")
@@ -455,10 +487,8 @@ class _Export:
         processes = self.process_names(pid_device)
         session = None
         if "utcEpochNs" in self.columns("TARGET_INFO_SESSION_START_TIME"):
-            row = self.con.execute(
-                "SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME"
-            ).fetchone()
-            session = row[0] if row else None
+            rows = self.rows("SELECT utcEpochNs FROM TARGET_INFO_SESSION_START_TIME")
+            session = rows[0][0] if rows else None
         created_at = None
         if session is not None:
             created_at = pa.scalar(session // 1000, pa.timestamp("us", tz="UTC")).as_py()
@@ -495,10 +525,10 @@ class _Export:
         """CUDA device id -> GPU name, through TARGET_INFO_CUDA_DEVICE where the export has it."""
         if not {"id", "name"} <= self.columns("TARGET_INFO_GPU"):
             return {}
-        by_gpu_id = {i: n for i, n in self.con.execute("SELECT id, name FROM TARGET_INFO_GPU") if n}
+        by_gpu_id = {i: n for i, n in self.rows("SELECT id, name FROM TARGET_INFO_GPU") if n}
         cuda_to_gpu: dict[int, int] = {}
         if {"gpuId", "cudaId"} <= self.columns("TARGET_INFO_CUDA_DEVICE"):
-            for gpu_id, cuda_id in self.con.execute(
+            for gpu_id, cuda_id in self.rows(
                 "SELECT gpuId, cudaId FROM TARGET_INFO_CUDA_DEVICE WHERE gpuId IS NOT NULL"
             ):
                 cuda_to_gpu.setdefault(cuda_id, gpu_id)
@@ -529,11 +559,11 @@ class _Export:
         if graph_kernels:
             return "mixed"
         if "nameId" in self.columns(RUNTIME_TABLE):
-            (launched,) = self.con.execute(
+            ((launched,),) = self.rows(
                 f"""SELECT EXISTS (SELECT 1 FROM {RUNTIME_TABLE} r JOIN StringIds s ON s.id = r.nameId
                                    WHERE s.value LIKE 'cudaGraphLaunch%'
                                       OR s.value LIKE 'cuGraphLaunch%')"""
-            ).fetchone()
+            )
             if launched:
                 return "mixed"
         return "eager"
@@ -543,7 +573,7 @@ class _Export:
         if not {"globalPid", "pid", "name"} <= self.columns("PROCESSES") or not pid_device:
             return {}
         out = {}
-        for gpid, pid, name in self.con.execute("SELECT globalPid, pid, name FROM PROCESSES"):
+        for gpid, pid, name in self.rows("SELECT globalPid, pid, name FROM PROCESSES"):
             if gpid is not None and gpid >> 24 in pid_device:
                 out[str(pid)] = name
         return out
@@ -552,20 +582,24 @@ class _Export:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def _columns(rows: sqlite3.Cursor | list[tuple], n: int | None = None) -> list[tuple]:
-    """A query's rows as column tuples, one per selected column (empty when there are no rows)."""
-    if isinstance(rows, sqlite3.Cursor):
-        n = len(rows.description)
-        rows = rows.fetchall()
-    return list(zip(*rows, strict=True)) if rows else [()] * (n or 0)
+def _columns(rows: list[tuple], n: int) -> list[tuple]:
+    """Rows as ``n`` column tuples (empty ones when there are no rows)."""
+    return list(zip(*rows, strict=True)) if rows else [()] * n
 
 
 def _interned(
-    ids: Sequence[int | None], strings: Mapping[int, str], default: str | None = None
+    ids: Sequence[int | None],
+    lookup: Callable[[list[int]], Mapping[int, str]],
+    transform: Callable[[str], str] | None = None,
 ) -> pa.DictionaryArray:
     """Dictionary-encoded strings from ids: one lookup per distinct id, not per row."""
     enc = pa.array(ids, pa.int64()).dictionary_encode()
-    names = pa.array([strings.get(i, default) for i in enc.dictionary.to_pylist()], pa.string())
+    distinct = enc.dictionary.to_pylist()
+    strings = lookup(distinct)
+    values = [strings.get(i) for i in distinct]
+    if transform is not None:
+        values = [v if v is None else transform(v) for v in values]
+    names = pa.array(values, pa.string())
     uniq = names.dictionary_encode()  # distinct ids may share a string
     indices = pc.take(uniq.indices, enc.indices)
     return pa.DictionaryArray.from_arrays(indices.cast(pa.int32()), uniq.dictionary)
