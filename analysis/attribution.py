@@ -42,8 +42,19 @@ def _np(col: pa.ChunkedArray | pa.Array, fill: int = 0) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _strings(col: pa.ChunkedArray | pa.Array) -> list[str | None]:
-    return col.to_pylist()
+def _plain_strings(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A string column as one plain (non-dictionary) string array."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    return col
+
+
+def _is_gpu(ranges: pa.Table) -> np.ndarray:
+    """True for ranges on the gpu timeline (null counts as cpu)."""
+    tl = _plain_strings(ranges["timeline"])
+    return pc.fill_null(pc.equal(tl, "gpu"), False).to_numpy(zero_copy_only=False)
 
 
 class _Group:
@@ -98,6 +109,21 @@ def _parents(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return parent
 
 
+def _groups(*keys: np.ndarray) -> list[np.ndarray]:
+    """Positions of the rows of each distinct key tuple (one lexsort, no Python loop per row)."""
+    n = len(keys[0])
+    if n == 0:
+        return []
+    order = np.lexsort(keys[::-1])
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    for k in keys:
+        ks = k[order]
+        change[1:] |= ks[1:] != ks[:-1]
+    bounds = np.append(np.flatnonzero(change), n)
+    return [order[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
 class RangeIndex:
     """Innermost-range lookup over a ranges table, grouped by (rank, timeline, thread)."""
 
@@ -108,16 +134,17 @@ class RangeIndex:
             return
         rank = _np(ranges["rank"])
         thread = _np(ranges["thread"])
-        timeline = [t or "cpu" for t in _strings(ranges["timeline"])]
+        gpu = _is_gpu(ranges)
         start = _np(ranges["start_ns"])
         end = _np(ranges["end_ns"])
         keep = np.ones(n, dtype=bool) if mask is None else mask.copy()
         keep &= end >= start
-        buckets: dict[tuple[int, str, int], list[int]] = collections.defaultdict(list)
-        for i in np.flatnonzero(keep).tolist():
-            buckets[(int(rank[i]), timeline[i], int(thread[i]))].append(i)
-        for key, rows in buckets.items():
-            r = np.asarray(rows, dtype=np.int64)
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            return
+        for sel in _groups(rank[rows], gpu[rows].astype(np.int64), thread[rows]):
+            r = rows[sel]
+            key = (int(rank[r[0]]), "gpu" if gpu[r[0]] else "cpu", int(thread[r[0]]))
             self.groups[key] = _Group(r, start[r], end[r])
 
     def lookup(
@@ -127,16 +154,12 @@ class RangeIndex:
         out = np.full(len(t), -1, dtype=np.int64)
         if not want.any():
             return out
-        pairs = np.stack([rank[want], thread[want]], axis=1)
         where = np.flatnonzero(want)
-        uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
-        for gi, (rk, th) in enumerate(uniq.tolist()):
-            g = self.groups.get((int(rk), timeline, int(th)))
-            if g is None:
-                continue
-            sel = where[inv == gi]
-            out[sel] = g.innermost(t[sel])
+        for part in _groups(rank[where], thread[where]):
+            sel = where[part]
+            g = self.groups.get((int(rank[sel[0]]), timeline, int(thread[sel[0]])))
+            if g is not None:
+                out[sel] = g.innermost(t[sel])
         return out
 
 
@@ -173,10 +196,11 @@ def _null_mask(col: pa.ChunkedArray) -> np.ndarray:
     return pc.is_null(col).to_numpy(zero_copy_only=False)
 
 
-def _range_paths(ranges: pa.Table) -> list[str | None]:
-    paths = _strings(ranges["path"])
-    names = _strings(ranges["name"])
-    return [p if p else nm for p, nm in zip(paths, names, strict=True)]
+def _range_paths(ranges: pa.Table) -> pa.Array:
+    """Each range's path (its name where the path is missing), as a plain string array."""
+    if ranges.num_rows == 0:
+        return pa.array([], pa.string())
+    return pc.coalesce(_plain_strings(ranges["path"]), _plain_strings(ranges["name"]))
 
 
 def _step_numbers(ranges: pa.Table, scheme: naming.Scheme) -> tuple[np.ndarray, np.ndarray]:
@@ -187,18 +211,26 @@ def _step_numbers(ranges: pa.Table, scheme: naming.Scheme) -> tuple[np.ndarray, 
     if n == 0:
         return is_step, number
     names = ranges["name"]
-    # classify each distinct name once
+    # classify each distinct name once; a vectorised regex pass picks the candidates
     d = names.combine_chunks() if isinstance(names, pa.ChunkedArray) else names
     if not pa.types.is_dictionary(d.type):
         d = pc.dictionary_encode(d)
     idx = _np(d.indices, -1)
-    verdicts = [
-        scheme.step_number(s) if s is not None else (False, None) for s in d.dictionary.to_pylist()
-    ]
-    if not verdicts:
+    dictionary = d.dictionary
+    if len(dictionary) == 0:
         return is_step, number
-    flag = np.array([v[0] for v in verdicts] + [False], dtype=bool)
-    num = np.array([(-1 if v[1] is None else v[1]) for v in verdicts] + [-1], dtype=np.int64)
+    patterns = [r.pattern.pattern for r in (*scheme.unwrap, *scheme.step)]
+    candidates = _regex_prefilter(dictionary, patterns)
+    if candidates is None:
+        candidates = np.arange(len(dictionary))
+    flag = np.zeros(len(dictionary) + 1, dtype=bool)
+    num = np.full(len(dictionary) + 1, -1, dtype=np.int64)
+    for i in candidates.tolist():
+        v = dictionary[i].as_py()
+        if v is not None:
+            ok, k = scheme.step_number(v)
+            flag[i] = ok
+            num[i] = -1 if k is None else k
     is_step = flag[idx]
     number = num[idx]
     # unnumbered step ranges ("step"): numbered in order of start per (rank, timeline)
@@ -206,13 +238,26 @@ def _step_numbers(ranges: pa.Table, scheme: naming.Scheme) -> tuple[np.ndarray, 
     if unnumbered.any():
         rank = _np(ranges["rank"])
         start = _np(ranges["start_ns"])
-        timeline = np.array([t or "cpu" for t in _strings(ranges["timeline"])])
+        gpu = _is_gpu(ranges)
         rows = np.flatnonzero(unnumbered)
-        for key in {(int(rank[r]), timeline[r]) for r in rows.tolist()}:
-            sel = rows[(rank[rows] == key[0]) & (timeline[rows] == key[1])]
+        for key in {(int(rank[r]), bool(gpu[r])) for r in rows.tolist()}:
+            sel = rows[(rank[rows] == key[0]) & (gpu[rows] == key[1])]
             sel = sel[np.argsort(start[sel], kind="stable")]
             number[sel] = np.arange(len(sel))
     return is_step, number
+
+
+def _regex_prefilter(values: pa.Array, patterns: list[str]) -> np.ndarray | None:
+    """Indices of the strings any pattern may match (Arrow's RE2, vectorised), or None where a
+    pattern is beyond RE2 (then every string goes through Python's re)."""
+    hit = np.zeros(len(values), dtype=bool)
+    for pat in patterns:
+        try:
+            m = pc.match_substring_regex(values, pat)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        hit |= pc.fill_null(m, False).to_numpy(zero_copy_only=False)
+    return np.flatnonzero(hit)
 
 
 def _event_arrays(t: pa.Table, with_launch: bool) -> dict[str, np.ndarray | None]:
@@ -231,22 +276,15 @@ def _event_arrays(t: pa.Table, with_launch: bool) -> dict[str, np.ndarray | None
     return out
 
 
-def _fill_paths(t: pa.Table, found: np.ndarray, range_paths: list[str | None]) -> pa.Array:
+def _fill_paths(t: pa.Table, found: np.ndarray, range_paths: pa.Array) -> pa.Array:
     """range_path: kept where set, the found range's path, else UNATTRIBUTED (dictionary)."""
-    existing = t["range_path"].combine_chunks()
-    if pa.types.is_dictionary(existing.type):
-        existing = existing.cast(existing.type.value_type)
-    keep = ~_null_mask(t["range_path"])
-    # dictionary: every range path, then UNATTRIBUTED, then the existing values
-    rp = pa.array(range_paths, type=pa.string())
-    codes = np.where(found >= 0, found, len(range_paths)).astype(np.int64)
-    ex_enc = pc.dictionary_encode(existing)
-    ex_idx = _np(ex_enc.indices, 0) + len(range_paths) + 1
-    codes = np.where(keep, ex_idx, codes)
-    values = pa.concat_arrays([rp, pa.array([UNATTRIBUTED]), ex_enc.dictionary])
-    arr = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), values)
-    # compact the dictionary to what is used, and map null range names to UNATTRIBUTED
-    plain = pc.fill_null(arr.cast(pa.string()), UNATTRIBUTED)
+    existing = _plain_strings(t["range_path"])
+    if len(range_paths):
+        from_range = range_paths.take(pa.array(np.where(found >= 0, found, 0)))
+        from_range = pc.if_else(pa.array(found >= 0), from_range, pa.scalar(None, pa.string()))
+    else:
+        from_range = pa.nulls(len(found), pa.string())
+    plain = pc.coalesce(existing, from_range, pa.scalar(UNATTRIBUTED))
     return pc.dictionary_encode(plain)
 
 
@@ -313,7 +351,7 @@ def _attribute_table(
     ranges: pa.Table,
     index: RangeIndex,
     step_index: RangeIndex,
-    range_paths: list[str | None],
+    range_paths: pa.Array,
     step_number: np.ndarray,
     scheme: naming.Scheme,
     default_step: int,
