@@ -1,0 +1,295 @@
+"""``decodescope bench``: both decode paths under the same load, captured, side by side.
+
+For each backend and batch: build the decode step (both layer kinds), capture it under a CUDA
+graph with the tracer, append the run to a results dataset, then print the per-layer-kind table
+(kernels, span, bytes floor, efficiency), the projected decode step of the full model and the
+reference figures, each labelled with its hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from decodescope.analysis import projection as proj
+from decodescope.ui.cli import UsageError, app, console, err_console
+
+
+def _ints(s: str, what: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} expects comma-separated integers, got {s!r}") from None
+    if not out or any(x <= 0 for x in out):
+        raise UsageError(f"{what} expects positive integers, got {s!r}")
+    return out
+
+
+def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
+    """Per layer kind of one captured run: kernels, span, floor and efficiency."""
+    from decodescope.analysis.metrics import kind_table
+
+    kt = kind_table(run.kernels).to_pylist()
+    bw = run.meta.copy_bw_tbs
+    lb = run.meta.layer_bytes or {}
+    rows = []
+    for r in kt:
+        kind = r["layer_kind"]
+        floor = proj.bytes_floor_us(lb[kind], bw) if (bw and lb.get(kind)) else None
+        rows.append(
+            {
+                "backend": backend,
+                "batch": batch,
+                "tokens_per_seq": tokens_per_seq,
+                "layer_kind": kind,
+                "layers": r["layers"],
+                "kernels": r["kernels"],
+                "span_us": r["span_us"],
+                "span_us_min": r["span_us_min"],
+                "span_us_max": r["span_us_max"],
+                "busy_us": r["busy_us"],
+                "gaps_us": r["gaps_us"],
+                "layer_bytes": lb.get(kind),
+                "copy_bw_tbs": bw,
+                "floor_us": floor,
+                "efficiency": (r["span_us"] / floor) if floor else None,
+                "run_id": run.run_id,
+            }
+        )
+    return rows
+
+
+def _fmt(x, nd=1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return f"{x:,}"
+
+
+def _layer_table(rows: list[dict], meta_line: str) -> Table:
+    t = Table(
+        title=f"Per layer (one layer + its MoE block, one step; {meta_line})", title_justify="left"
+    )
+    for c in (
+        "kind",
+        "batch",
+        "tok/seq",
+        "std kernels",
+        "spec kernels",
+        "std us",
+        "spec us",
+        "speedup",
+        "floor us",
+        "std x floor",
+        "spec x floor",
+    ):
+        t.add_column(c, justify="left" if c == "kind" else "right")
+    keyed = {(r["backend"], r["layer_kind"], r["batch"], r["tokens_per_seq"]): r for r in rows}
+    keys = sorted({(r["layer_kind"], r["batch"], r["tokens_per_seq"]) for r in rows})
+    for kind, batch, tps in keys:
+        s = keyed.get(("standard", kind, batch, tps))
+        p = keyed.get(("specialized", kind, batch, tps))
+        floor = (s or p or {}).get("floor_us")
+        t.add_row(
+            kind,
+            str(batch),
+            str(tps),
+            _fmt(s and s["kernels"]),
+            _fmt(p and p["kernels"]),
+            _fmt(s and s["span_us"]),
+            _fmt(p and p["span_us"]),
+            f"{s['span_us'] / p['span_us']:.2f}x" if (s and p) else "-",
+            _fmt(floor),
+            f"{s['efficiency']:.2f}" if (s and s.get("efficiency")) else "-",
+            f"{p['efficiency']:.2f}" if (p and p.get("efficiency")) else "-",
+        )
+    return t
+
+
+def projections(rows: list[dict], acceptance: float) -> list[dict]:
+    """Projected full-model decode steps per (backend, batch, tokens_per_seq)."""
+    out = []
+    groups: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        groups.setdefault((r["backend"], r["batch"], r["tokens_per_seq"]), {})[r["layer_kind"]] = r[
+            "span_us"
+        ]
+    for (backend, batch, tps), spans in sorted(groups.items()):
+        accepted = acceptance if tps > 1 else 1.0
+        try:
+            p = proj.project_step(spans, batch, tokens_per_seq=accepted)
+        except ValueError:
+            continue
+        out.append(
+            {
+                "backend": backend,
+                "batch": batch,
+                "tokens_per_seq": tps,
+                "accepted_per_step": accepted,
+                "step_us": p.step_us,
+                "tok_s": p.tok_s,
+                "label": p.label,
+            }
+        )
+    return out
+
+
+def _projection_table(prows: list[dict], meta_line: str) -> Table:
+    t = Table(
+        title=f"PROJECTION: full model (69 KDA + 24 MLA + dense) from per-layer spans; {meta_line}",
+        title_justify="left",
+    )
+    for c in (
+        "batch",
+        "tok/seq",
+        "std step ms",
+        "spec step ms",
+        "std tok/s",
+        "spec tok/s",
+        "ratio",
+    ):
+        t.add_column(c, justify="right")
+    keyed = {(r["backend"], r["batch"], r["tokens_per_seq"]): r for r in prows}
+    for batch, tps in sorted({(r["batch"], r["tokens_per_seq"]) for r in prows}):
+        s = keyed.get(("standard", batch, tps))
+        p = keyed.get(("specialized", batch, tps))
+        t.add_row(
+            str(batch),
+            str(tps),
+            _fmt(s and s["step_us"] / 1e3, 2),
+            _fmt(p and p["step_us"] / 1e3, 2),
+            _fmt(s and s["tok_s"]),
+            _fmt(p and p["tok_s"]),
+            f"{p['tok_s'] / s['tok_s']:.2f}x" if (s and p) else "-",
+        )
+    labels = sorted({r["label"] for r in prows})
+    t.caption = "; ".join(labels) + ". Not a served-request measurement."
+    return t
+
+
+def _reference_table() -> Table:
+    ref = proj.REFERENCE
+    t = Table(title=f"Reference (published): {proj.REFERENCE_HARDWARE}", title_justify="left")
+    for c in ("figure", "standard", "specialized", "ratio"):
+        t.add_column(c, justify="left" if c == "figure" else "right")
+    pl = ref["per_layer"]
+    t.add_row(
+        "per-layer trace",
+        f"{pl['standard']['kernels']} kernels, {pl['standard']['span_us']:.0f} us",
+        f"{pl['specialized']['kernels']} kernels, {pl['specialized']['span_us']:.0f} us",
+        f"{pl['ratio']:.2f}x",
+    )
+    for what, batch, std, spec, ratio in ref["tok_s"]:
+        t.add_row(f"decode tok/s, batch {batch}, {what}", _fmt(std), _fmt(spec), f"{ratio:.2f}x")
+    return t
+
+
+@app.command("bench")
+def bench_cmd(
+    preset: str = typer.Option("kimi-k3", help="Model preset (kernels/config.py)."),
+    tp_shape: int = typer.Option(8, "--tp-shape", help="Per-rank shapes of this TP size."),
+    batch: str = typer.Option("1,8,32,64", help="Comma-separated batch sizes."),
+    spec_verify: int = typer.Option(
+        0, "--spec-verify", help="Also run the verify step with 1+K tokens per sequence."
+    ),
+    acceptance: float = typer.Option(
+        6.0, help="Synthetic acceptance length for --spec-verify (tokens accepted per step)."
+    ),
+    backends: str = typer.Option("standard,specialized", help="Backends to run."),
+    layers: str = typer.Option("kda,mla", help="Layer kinds in the captured step."),
+    replays: int = typer.Option(30, help="Graph replays captured per run (medians over them)."),
+    warmup: int = typer.Option(5, help="Warm-up steps before capture."),
+    out: Path | None = typer.Option(None, "--out", help="Results dataset to append the runs to."),
+    runs_dir: Path | None = typer.Option(None, "--runs-dir", help="Keep the run folders here."),
+    timeout: float = typer.Option(900.0, help="Seconds allowed per capture."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write all tables as JSON here."),
+) -> None:
+    """Run both decode paths under CUDA graphs, capture, and print the reference-style table."""
+    from decodescope import tracer
+    from decodescope.tracer.capture import run_capture
+
+    batches = _ints(batch, "--batch")
+    bks = [b.strip() for b in backends.split(",") if b.strip()]
+    if spec_verify < 0 or spec_verify > 7:
+        raise UsageError("--spec-verify takes 0..7 draft tokens")
+    tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
+    jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
+    root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))
+    rows: list[dict] = []
+    failures: list[str] = []
+    runs = []
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err_console,
+    ) as progress:
+        task = progress.add_task("bench", total=len(jobs))
+        for backend, n, tps in jobs:
+            name = f"{backend}-{preset}-tp{tp_shape}-b{n}-t{tps}"
+            progress.update(task, description=name)
+            spec = {
+                "workload": backend,
+                "opts": {
+                    "preset": preset,
+                    "tp_shape": tp_shape,
+                    "batch": n,
+                    "tokens_per_seq": tps,
+                    "layers": layers,
+                },
+                "graph": True,
+                "steps": replays,
+                "warmup": warmup,
+                "copy_bw": True,
+            }
+            try:
+                res = run_capture(spec, out=root / name, timeout=timeout, echo=False)
+            except Exception as e:  # a run that fails is reported; the others go on
+                failures.append(f"{name}: {' '.join(str(e).split())}")
+                progress.advance(task)
+                continue
+            if not res.ok:
+                failures.append(f"{name}: {res.message}")
+                progress.advance(task)
+                continue
+            run = tracer.load(res.out)
+            runs.append(run)
+            rows.extend(kind_rows(run, backend, n, tps))
+            progress.advance(task)
+    if out is not None and runs:
+        from decodescope.tracer.dataset import append_runs
+
+        append_runs(runs, out, replace=True)
+    meta = runs[0].meta if runs else None
+    meta_line = (
+        f"{meta.gpu or 'GPU ?'} x1, tp_shape {tp_shape}, tp_world {meta.tp_world or 1}, {preset}"
+        if meta
+        else f"tp_shape {tp_shape}, {preset}"
+    )
+    if rows:
+        console.print(_layer_table(rows, meta_line))
+        prows = projections(rows, acceptance)
+        if prows:
+            console.print(_projection_table(prows, meta_line))
+    else:
+        prows = []
+    console.print(_reference_table())
+    if json_out is not None:
+        payload = {"layers": rows, "projections": prows, "failures": failures, "meta": meta_line}
+        json_out.write_text(json.dumps(payload, indent=1, default=str))
+    for f in failures:
+        err_console.print(f"[bold red]failed:[/] {f}", highlight=False, soft_wrap=True)
+    if out is not None:
+        console.print(f"{len(runs)} run(s) appended to {out}")
+    if failures and not rows:
+        raise typer.Exit(1)
+
+
+__all__ = ["bench_cmd", "kind_rows", "projections"]
