@@ -67,7 +67,7 @@ COPY_KINDS = {
     13: "memcpy_dtod",  # Unified Device-to-Device
 }  # 0 (unknown), 9 (host-to-host) and anything newer: memcpy_other
 
-# ENUM_CUPTI_OVERHEAD_TYPE (not exported by old schemas, so kept here).
+# ENUM_CUPTI_OVERHEAD_TYPE, for exports without that table; rows without a type: "profiler".
 OVERHEAD_KINDS = {
     0: "undefined",
     1: "unknown",
@@ -440,9 +440,10 @@ class _Export:
     def overheads(self, pid_device: Mapping[int, int]) -> pa.Table:
         parts = []
         for table in ("CUPTI_ACTIVITY_KIND_OVERHEAD", "PROFILER_OVERHEAD"):
-            if {"start", "end", "overheadType"} <= self.columns(table):
+            if {"start", "end"} <= self.columns(table):  # overheadType: not before schema 3
                 parts.append(
-                    f"""SELECT start, end, overheadType, {self.col(table, table, "globalTid")},
+                    f"""SELECT start, end, {self.col(table, table, "overheadType")},
+                               {self.col(table, table, "globalTid")},
                                {self.col(table, table, "nameId")}, '{table}'
                         FROM {table}"""
                 )
@@ -457,7 +458,11 @@ class _Export:
             f"{tab}: {strings[i]}" if i is not None and i in strings else tab
             for tab, i in zip(table, name_id, strict=True)
         ]
-        kinds = [OVERHEAD_KINDS.get(o, f"overhead_{o}") for o in otype]
+        names = dict(OVERHEAD_KINDS)
+        if {"id", "name"} <= self.columns("ENUM_CUPTI_OVERHEAD_TYPE"):  # the export's own names
+            for i, name in self.rows("SELECT id, name FROM ENUM_CUPTI_OVERHEAD_TYPE"):
+                names[i] = name.lower().removeprefix("overhead_")
+        kinds = [("profiler" if o is None else names.get(o, f"overhead_{o}")) for o in otype]
         ranks = [pid_device.get(g >> 24, 0) if g is not None else 0 for g in gtid]
         return schema.from_pydict(
             {
