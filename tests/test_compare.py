@@ -1,0 +1,193 @@
+"""Comparison and regression check on pairs of real runs, plus derived tables where a known
+answer is needed (times scaled by a factor: stated where used)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from decodescope import tracer
+from decodescope.analysis import compare, regress, schema
+
+TRACES = Path(__file__).parent / "data" / "traces"
+HF_QWEN = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
+VLLM_B200 = TRACES / "kineto_b200_vllm_tp8_rank0_prefill_eager__TraceLens.json.gz"
+RESNET = TRACES / "kineto_v100_resnet50_2021_legacy__kineto_tb_plugin.pt.trace.json.gz"
+
+
+@pytest.fixture(scope="module")
+def hf() -> schema.Run:
+    return tracer.load(HF_QWEN)
+
+
+@pytest.fixture(scope="module")
+def vllm() -> schema.Run:
+    return tracer.load(VLLM_B200)
+
+
+def scaled(run: schema.Run, factor: float) -> schema.Run:
+    """DERIVED from a real run: every kernel's start and end moved so that all durations and
+    distances on the GPU timeline are multiplied by ``factor`` (a run ``factor`` times slower)."""
+    k = run.kernels
+    s = np.asarray(k["start_ns"].to_pylist(), dtype=np.int64)
+    e = np.asarray(k["end_ns"].to_pylist(), dtype=np.int64)
+    t0 = s.min()
+    s2 = t0 + np.round((s - t0) * factor).astype(np.int64)
+    e2 = t0 + np.round((e - t0) * factor).astype(np.int64)
+    k = k.set_column(k.schema.get_field_index("start_ns"), "start_ns", pa.array(s2))
+    k = k.set_column(k.schema.get_field_index("end_ns"), "end_ns", pa.array(e2))
+    return run.replace(kernels=k, meta=run.meta.replace(run_id=run.run_id + f"-x{factor}"))
+
+
+def test_same_run_twice(hf):
+    again = tracer.load(HF_QWEN)  # imported twice: the same figures
+    kinds = compare.compare_kinds(hf.kernels, again.kernels).to_pylist()
+    assert len(kinds) == 1
+    (k,) = kinds
+    assert k["ratio"] == pytest.approx(1.0)
+    assert k["kernels_delta"] == 0 and k["span_us_delta"] == 0
+    layers = compare.compare_layers(hf.kernels, again.kernels)
+    assert layers.num_rows == 24
+    assert set(layers["ratio"].to_pylist()) == {1.0}
+    assert compare.only_one_side(hf.kernels, again.kernels).num_rows == 0
+    assert compare.verdict(hf.kernels, again.kernels).startswith("B is as fast as A per layer")
+    ops = compare.compare_ops(hf.kernels, again.kernels)
+    assert ops.num_rows > 0 and all(d == 0 for d in ops["kernels_delta"].to_pylist())
+
+
+def test_two_different_real_runs(hf, vllm):
+    kinds = compare.compare_kinds(hf.kernels, vllm.kernels).to_pylist()
+    (k,) = kinds
+    assert (k["a_layers"], k["b_layers"]) == (24, 36)
+    assert (k["a_kernels"], k["b_kernels"], k["kernels_delta"]) == (42, 21, -21)
+    assert k["ratio"] == pytest.approx(k["a_span_us"] / k["b_span_us"])
+    layers = compare.compare_layers(hf.kernels, vllm.kernels).to_pylist()
+    assert len(layers) == 36
+    only_b = [r for r in layers if r["a_span_us"] is None]
+    assert [r["layer"] for r in only_b] == list(range(24, 36))
+    assert all(r["b_span_us"] is not None and r["ratio"] is None for r in only_b)
+    # kernels on one side: exactly the set differences of the kernel names
+    names_a = set(hf.kernels["name"].to_pylist())
+    names_b = set(vllm.kernels["name"].to_pylist())
+    one = compare.only_one_side(hf.kernels, vllm.kernels).to_pylist()
+    assert {r["name"] for r in one if r["side"] == "a"} == names_a - names_b
+    assert {r["name"] for r in one if r["side"] == "b"} == names_b - names_a
+    calls_a = collections.Counter(hf.kernels["name"].to_pylist())
+    assert all(r["calls"] == calls_a[r["name"]] for r in one if r["side"] == "a")
+    v = compare.verdict(hf.kernels, vllm.kernels)
+    assert "42 -> 21 kernels" in v
+
+
+def test_scaled_run_gives_the_ratio(hf):
+    slow = scaled(hf, 2.0)  # DERIVED: HF run with every GPU time doubled
+    (k,) = compare.compare_kinds(slow.kernels, hf.kernels).to_pylist()
+    assert k["ratio"] == pytest.approx(2.0, rel=1e-4)
+    assert compare.verdicts(compare.compare_kinds(slow.kernels, hf.kernels))[0].startswith(
+        "B is 2.00x faster per layer: 42 -> 42 kernels"
+    )
+    assert compare.verdicts(compare.compare_kinds(hf.kernels, slow.kernels))[0].startswith(
+        "B is 2.00x slower per layer"
+    )
+
+
+def test_layers_without_names_compare_to_nothing():
+    run = tracer.load(RESNET)  # no ranges at all: nothing per layer, kernels still compared
+    assert compare.compare_kinds(run.kernels, run.kernels).num_rows == 0
+    assert compare.verdict(run.kernels, run.kernels).startswith("no layers")
+
+
+# -- the reference figures and fused ops (SYNTHETIC tables: not a real trace) --------------------
+
+
+def _layer(kind: str, ops: dict[str, int], total_us: float, step: int = 0, layer: int = 0):
+    """SYNTHETIC: one layer-step whose ops launch the given kernel counts back to back, spanning
+    ``total_us`` in all."""
+    n = sum(ops.values())
+    dur = int(total_us * 1000 / n)
+    rows = collections.defaultdict(list)
+    t = step * 10_000_000
+    i = 0
+    for op, count in ops.items():
+        for _ in range(count):
+            rows["rank"].append(0)
+            rows["step"].append(step)
+            rows["layer"].append(layer)
+            rows["layer_kind"].append(kind)
+            rows["block"].append("attn")
+            rows["op"].append(op)
+            rows["name"].append(f"{op}_kernel")
+            rows["start_ns"].append(t + i * dur)
+            rows["end_ns"].append(t + (i + 1) * dur if i < n - 1 else t + int(total_us * 1000))
+            rows["range_path"].append(f"step/layer.{layer}:{kind}/layer.{layer}.attn.{op}")
+            i += 1
+    return schema.from_pydict(dict(rows), "kernels")
+
+
+def test_reference_verdict_and_fused_coverage():
+    a = _layer(
+        "kda",
+        {"qkv_proj": 5, "kda_recurrence": 6, "o_proj": 2, "allreduce": 1, "residual_norm": 9},
+        130,
+    )
+    b = _layer("kda", {"qkv_proj": 5, "kda_recurrence": 4, "o_proj+allreduce+residual_norm": 4}, 69)
+    (line,) = compare.verdicts(compare.compare_kinds(a, b))
+    assert line == "B is 1.88x faster per KDA layer: 23 -> 13 kernels, 130 -> 69 us"
+    (f,) = compare.fused_coverage(a, b).to_pylist()
+    assert f["b_op"] == "o_proj+allreduce+residual_norm"
+    assert f["covers"] == ["o_proj", "allreduce", "residual_norm"] and f["missing"] == []
+    assert f["a_kernels"] == 12 and f["b_kernels"] == 4
+    ops = {r["op"]: r for r in compare.compare_ops(a, b).to_pylist()}
+    assert ops["o_proj"]["b_kernels"] is None and ops["o_proj"]["a_kernels"] == 2
+    assert ops["o_proj+allreduce+residual_norm"]["a_kernels"] is None
+
+
+# -- regression check ---------------------------------------------------------------------------
+
+
+def test_check_same_run_is_ok(hf):
+    again = tracer.load(HF_QWEN)
+    res = regress.check(again, hf, max_regression_pct=1.0)
+    assert res.ok and res.reasons == []
+    assert res.table.to_pylist()[0]["status"] == "ok"
+
+
+def test_check_scaled_run_regresses(hf):
+    slow = scaled(hf, 1.10)  # DERIVED: 10% slower everywhere
+    res = regress.check(slow, hf, max_regression_pct=5.0)
+    assert not res.ok
+    assert len(res.reasons) == 1 and "span" in res.reasons[0] and "+10.0%" in res.reasons[0]
+    assert regress.check(slow, hf, max_regression_pct=15.0).ok
+    # faster is never a regression
+    assert regress.check(scaled(hf, 0.5), hf, max_regression_pct=0.0).ok
+
+
+def test_check_against_several_baselines_takes_the_median(hf):
+    # DERIVED baselines: 1.0x, 1.2x and 3.0x the real run: the median is the 1.2x one
+    bases = [hf, scaled(hf, 1.2), scaled(hf, 3.0)]
+    res = regress.check(scaled(hf, 1.25), bases, max_regression_pct=5.0)
+    assert res.ok, res.reasons
+    row = res.table.to_pylist()[0]
+    assert row["baseline_runs"] == 3
+    assert row["baseline_span_us"] == pytest.approx(
+        1.2 * compare.compare_kinds(hf.kernels, hf.kernels)["a_span_us"][0].as_py(), rel=1e-4
+    )
+    assert not regress.check(scaled(hf, 1.4), bases, max_regression_pct=5.0).ok
+
+
+def test_check_kernel_count_and_missing_kind(hf, vllm):
+    # vLLM layers launch 21 kernels, HF layers 42: against vLLM as the baseline, HF regresses on
+    # kernels; with the kernel threshold raised it regresses on span only if slower
+    res = regress.check(hf, vllm, max_regression_pct=10.0)
+    assert not res.ok and any("kernels: 42 vs baseline 21" in r for r in res.reasons)
+    res2 = regress.check(hf, vllm, max_regression_pct=10.0, max_kernel_increase_pct=150)
+    assert all("kernels" not in r for r in res2.reasons)
+    # a run without layers against a baseline with layers: the layers went missing
+    resnet = tracer.load(RESNET)
+    res3 = regress.check(resnet, hf, max_regression_pct=10.0)
+    assert not res3.ok and "missing from the run" in res3.reasons[0]
+    with pytest.raises(ValueError):
+        regress.check(hf, hf, max_regression_pct=-1)
