@@ -1,0 +1,150 @@
+"""The specialized LatentMoE block: three CuTe DSL launches per layer (standard path: 12-14).
+
+=====  ==========================================================  ===========================
+ #      range (``layer.{i}.moe.<ops>``)                              kernel
+=====  ==========================================================  ===========================
+ 1      ``router+latent_down+shared_experts``                        ``router_topk.FrontGemv``:
+        (router logits, latent z, shared gate/up; zeroes the          one GEMV over the packed
+        routed-sum buffer and the expert counters)                    [router; latent_down;
+                                                                      shared_w13] rows
+ 2      ``grouped_topk+align+routed_experts+shared_experts+topk_sum`` ``moe_experts.MoeExperts``:
+                                                                      persistent, top-k in its
+                                                                      prologue
+ 3      ``latent_norm+latent_up+add``                                ``up_proj_shared_add``
+=====  ==========================================================  ===========================
+
+``shared_experts`` appears in ranges 1 and 2: its gate_up GEMM rides with the router (same
+input), its activation and down GEMM run inside the expert kernel beside the routed tiles.
+Everything runs on torch's current stream, with fixed buffers, no host sync: one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.config import Config
+from decodescope.kernels.specialized import moe_experts as _me
+from decodescope.kernels.specialized import router_topk as _rt
+from decodescope.kernels.specialized import up_proj_shared_add as _up
+from decodescope.tracer import range as _range
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+
+OPS = (
+    "router+latent_down+shared_experts",
+    "grouped_topk+align+routed_experts+shared_experts+topk_sum",
+    "latent_norm+latent_up+add",
+)
+
+
+def _check_cfg(cfg: Config) -> None:
+    e = cfg.moe
+    if not e.latent_dim or not cfg.shared_inter:
+        raise ValueError("the specialized MoE block needs LatentMoE with shared experts")
+    if e.n_group != 1 or e.scoring != "sigmoid" or e.activation != "situ":
+        raise ValueError("the specialized MoE block implements sigmoid routing (one group), SiTU")
+
+
+class SpecializedMoE:
+    """One layer's LatentMoE block for ``n_tokens`` rows; owns its packed weights and buffers."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        w: dict[str, torch.Tensor],
+        n_tokens: int,
+        layer: int = 0,
+        device: torch.device | str | None = None,
+    ):
+        _check_cfg(cfg)
+        e = cfg.moe
+        dev = torch.device(device) if device is not None else w["router"].device
+        self.cfg, self.layer, self.N = cfg, layer, n_tokens
+        N, H, E, k = n_tokens, cfg.hidden, e.num_experts, e.top_k
+        L, Ie, S = cfg.expert_dim, cfg.expert_inter, cfg.shared_inter
+        self.w_front = _rt.pack_front_weights(w).to(dev)
+        self.bias = w["router_bias"].to(dev, F32).contiguous()
+        self.w13 = w["w13"].to(dev, BF16).contiguous()
+        self.w2 = w["w2"].to(dev, BF16).contiguous()
+        self.shared_w2 = w["shared_w2"].to(dev, BF16).contiguous()
+        self.latent_norm = w["latent_norm"].to(dev, BF16).contiguous()
+        self.latent_up = w["latent_up"].to(dev, BF16).contiguous()
+        self.y_front = torch.empty(N, E + L + 2 * S, dtype=F32, device=dev)
+        self.acc = torch.empty(N, L, dtype=F32, device=dev)
+        self.done = torch.empty(E, dtype=torch.int32, device=dev)
+        self.h = torch.empty(N * k, Ie, dtype=BF16, device=dev)
+        self.shared_out = torch.empty(N, H, dtype=F32, device=dev)
+        self.topk_ids = torch.empty(N, k, dtype=torch.int32, device=dev)
+        self.topk_weights = torch.empty(N, k, dtype=F32, device=dev)
+        self.top_k = k
+        self.scaling = float(e.routed_scaling)
+        self.beta, self.lbeta = float(cfg.model.situ_beta), float(cfg.model.situ_linear_beta)
+
+    def _r(self, op: str):
+        return _range(f"layer.{self.layer}.moe.{op}")
+
+    def front(self, h: torch.Tensor) -> None:
+        with self._r(OPS[0]):
+            _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
+
+    def experts(self) -> None:
+        with self._r(OPS[1]):
+            _me.moe_experts(
+                self.y_front,
+                self.bias,
+                self.w13,
+                self.w2,
+                self.shared_w2,
+                self.h,
+                self.acc,
+                self.shared_out,
+                self.done,
+                self.topk_ids,
+                self.topk_weights,
+                top_k=self.top_k,
+                scaling=self.scaling,
+                beta=self.beta,
+                lbeta=self.lbeta,
+            )
+
+    def back(self, out: torch.Tensor) -> None:
+        with self._r(OPS[2]):
+            _up.up_proj_shared_add(
+                self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps
+            )
+
+    def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
+        """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""
+        self.front(h)
+        self.experts()
+        self.back(out)
+
+
+def moe_block_ref(
+    cfg: Config, w: dict[str, torch.Tensor], h: torch.Tensor, topk_ids: torch.Tensor | None = None
+):
+    """The three kernels' torch references chained (FP32, the kernels' BF16 roundings).
+
+    Returns ``(out [N, H] bf16, topk_ids [N, k])``; with ``topk_ids`` given, routes with them."""
+    e = cfg.moe
+    E, L = e.num_experts, cfg.expert_dim
+    y = _rt.front_gemv_ref(h, _rt.pack_front_weights(w))
+    ids, tw = _rt.router_topk_ref(y[:, :E], w["router_bias"], e.top_k, e.routed_scaling)
+    if topk_ids is not None:
+        ids = topk_ids.to(torch.int32)
+        sc = torch.sigmoid(y[:, :E].double()).gather(1, ids.long())
+        tw = (sc / sc.sum(-1, keepdim=True) * e.routed_scaling).float()
+    acc, sh = _me.moe_experts_ref(
+        y[:, E : E + L],
+        y[:, E + L :],
+        ids,
+        tw,
+        w["w13"],
+        w["w2"],
+        w["shared_w2"],
+        cfg.model.situ_beta,
+        cfg.model.situ_linear_beta,
+    )
+    out = _up.up_proj_shared_add_ref(acc, w["latent_norm"], w["latent_up"], sh, cfg.eps)
+    return out, ids

@@ -1,0 +1,120 @@
+"""Device helpers shared by the specialized LatentMoE kernels (router, experts, up-projection).
+
+The one building block is a warp-level skinny GEMV: a warp computes ``R`` weight rows against
+``TT`` tokens staged in shared memory. Its lanes split into groups of ``LPR`` lanes (lanes per
+row); each group owns one row at a time and walks K in 16-byte chunks (8 bf16), so a warp reads
+``32 * 16`` contiguous bytes of a row per step when ``LPR`` is 32. All of a lane's weight chunks
+are loaded before the first FMA (``NCH * R`` independent 16-byte loads in flight per lane), the
+token vectors come from shared memory, and the partial sums are reduced inside each lane group
+with butterfly shuffles. Tokens past ``ntok`` read zeros staged by the caller and are never
+stored.
+
+SIMT on purpose: at decode batch sizes an expert sees 1-2 tokens and the dense projections up to
+8 tokens per staged tile; tensor-core MMA for larger token counts is the next step (see
+notes/specialized_moe.md).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+VEC = 8  # bf16 elements per 16-byte access
+WARP = 32
+
+
+def lanes_per_row(k: int) -> int:
+    """Lanes that share one weight row of width ``k``: the largest power of two <= 32 dividing
+    the number of 16-byte chunks of the row."""
+    if k % VEC:
+        raise ValueError(f"row width {k} is not a multiple of {VEC} (16-byte chunks)")
+    chunks = k // VEC
+    lpr = WARP
+    while chunks % lpr:
+        lpr //= 2
+    return lpr
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+
+@cute.jit
+def situ(g: Float32, u: Float32, beta: cutlass.Constexpr[float], lbeta: cutlass.Constexpr[float]):
+    """SiTU-and-mul: ``beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)``."""
+    a = Float32(beta) * cute.math.tanh(g * Float32(1.0 / beta), fastmath=True) * sigmoid(g)
+    return a * (Float32(lbeta) * cute.math.tanh(u * Float32(1.0 / lbeta), fastmath=True))
+
+
+@cute.jit
+def warp_gemv(
+    gWv: cute.Tensor,
+    row0,
+    row_step,
+    sXv: cute.Tensor,
+    acc: cute.Tensor,
+    li,
+    R: cutlass.Constexpr[int],
+    TT: cutlass.Constexpr[int],
+    LPR: cutlass.Constexpr[int],
+    NCH: cutlass.Constexpr[int],
+):
+    """``acc[r, t] = sum_k W[row0 + r*row_step, k] * X[t, k]`` for this lane's group.
+
+    ``gWv`` / ``sXv``: the weight matrix [rows, K] and the staged tokens [TT, K], both divided
+    into 16-byte chunks (``zipped_divide(x, (1, 8))``); ``li`` the lane's index in its group;
+    ``NCH`` = K / 8 / LPR chunks per lane. Every lane of the group ends with the full sums.
+    """
+    ws = []
+    for r in cutlass.range_constexpr(R):
+        for j in cutlass.range_constexpr(NCH):
+            ws.append(gWv[(0, None), (row0 + r * row_step, li + j * LPR)].load())
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = Float32(0.0)
+    for j in cutlass.range_constexpr(NCH):
+        for t in cutlass.range_constexpr(TT):
+            x = sXv[(0, None), (t, li + j * LPR)].load().to(Float32)
+            for r in cutlass.range_constexpr(R):
+                w = ws[r * NCH + j].to(Float32)
+                acc[r, t] = acc[r, t] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = cute.arch.warp_reduction(
+                acc[r, t], lambda a, b: a + b, threads_in_group=LPR
+            )
+
+
+@cute.jit
+def zero_stage(
+    sXv: cute.Tensor,
+    t0,
+    tid,
+    NT: cutlass.Constexpr[int],
+    TT: cutlass.Constexpr[int],
+    KV: cutlass.Constexpr[int],
+):
+    """Zero rows t0.. of a staged [TT, K] tile (chunks of 8), so unused token slots are finite."""
+    for i in cutlass.range(tid, (TT - t0) * KV, NT):
+        t = t0 + i // KV
+        c = i % KV
+        sXv[(0, None), (t, c)].store(cute.zeros_like(sXv[(0, None), (t, c)].load()))
+
+
+def check_const(name: str, value: int, multiple: int) -> None:
+    if value % multiple:
+        raise ValueError(f"{name}={value} must be a multiple of {multiple}")
+
+
+__all__ = [
+    "VEC",
+    "WARP",
+    "lanes_per_row",
+    "sigmoid",
+    "situ",
+    "warp_gemv",
+    "check_const",
+    "const_expr",
+]

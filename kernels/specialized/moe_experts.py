@@ -1,0 +1,461 @@
+"""Routed experts (w13 + SiTU, w2 + routing-weighted sum) and the shared experts' down GEMM in
+one persistent kernel.
+
+Prologue (every CTA, no global metadata): rank the T tokens (:func:`router_topk.select_topk`:
+sigmoid + bias + top-k + renormalization from the FP32 logits the front kernel wrote), count the
+picks per expert in shared memory, compact the selected experts in expert order and build each
+expert's list of (token, k) pairs. Every CTA derives the same expert order, so the tile
+numbering below is the same in all of them.
+
+Tiles, handed out round-robin over a persistent grid of one CTA per SM, in this order:
+
+1. w13 tiles ``(expert a, gate-row block)``: each warp owns one gate row and its up row
+   (``w13[e, r]`` and ``w13[e, Ie + r]``) for all the expert's pairs (tokens staged 8 at a time:
+   each selected expert's weights stream from HBM once per step), applies SiTU and writes the
+   BF16 intermediate ``h [T*k, Ie]``; then bumps ``done[e]`` (release).
+2. shared-down tiles (rows of ``shared_w2 [H, S]`` against SiTU of the shared gate/up that the
+   front kernel produced) -> FP32 ``shared_out [T, H]``: independent work that overlaps the
+   routed experts (the "shared experts overlapped" of the reference, inside one launch).
+3. w2 tiles ``(expert a, row block of L)``: wait until ``done[e]`` says all of the expert's w13
+   tiles finished (acquire), then ``acc[t, :] += weight[t, k] * (w2[e] @ h[t*k + k])``.
+
+The weighted sum over the top-k is FP32 atomics (``red.global.add.f32``) into ``acc``, which
+the front kernel zeroed: the sum order across experts varies from run to run (last-bit
+nondeterminism, far under BF16 tolerances); a deterministic reduction would cost a
+``[T, k, L]`` FP32 round trip.
+
+Deadlock freedom of the wait: tiles are numbered w13 first, and each CTA walks its tiles in
+increasing order, so when any CTA waits on a w2 tile every w13 tile is finished or held by a
+running CTA that never waits; this needs all CTAs resident at once, which a grid of one CTA
+per SM (256 threads, < 100 KB shared memory) guarantees when nothing else runs beside it.
+
+Launch count: 1.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, situ, warp_gemv
+from decodescope.kernels.specialized.router_topk import select_topk
+
+
+class MoeExperts:
+    """Compile-time facts: T tokens, E experts, K = top-k, L latent, Ie expert intermediate,
+    H hidden, S shared intermediate, routed scaling, SiTU betas, CTAs in the persistent grid."""
+
+    def __init__(
+        self,
+        T: int,
+        E: int,
+        K: int,
+        L: int,
+        Ie: int,
+        H: int,
+        S: int,
+        scaling: float,
+        beta: float,
+        lbeta: float,
+        num_ctas: int,
+        TT: int = 8,
+        NW: int = 8,
+    ):
+        if E % 32:
+            raise ValueError(f"num_experts={E} must be a multiple of 32")
+        if K > 32:
+            raise ValueError(f"top_k={K} must be <= 32")
+        self.T, self.E, self.K, self.L, self.Ie, self.H, self.S = T, E, K, L, Ie, H, S
+        self.scaling, self.beta, self.lbeta = scaling, beta, lbeta
+        self.num_ctas, self.TT, self.NW = num_ctas, TT, NW
+        self.TTs = min(TT, T)
+        # w13: K = L, one gate row + its up row per lane group
+        self.LPR13 = lanes_per_row(L)
+        self.G13 = 32 // self.LPR13
+        self.NCH13 = L // VEC // self.LPR13
+        self.rows13 = NW * self.G13
+        self.NRB13 = -(-Ie // self.rows13)
+        # shared down: K = S, 4 rows per lane group
+        self.LPRs = lanes_per_row(S)
+        self.Gs = 32 // self.LPRs
+        self.NCHs = S // VEC // self.LPRs
+        self.Rs = 4
+        self.rowss = NW * self.Gs * self.Rs
+        self.NSB = -(-H // self.rowss)
+        # w2: K = Ie, 4 rows per lane group
+        self.LPR2 = lanes_per_row(Ie)
+        self.G2 = 32 // self.LPR2
+        self.NCH2 = Ie // VEC // self.LPR2
+        self.R2 = 4
+        self.rows2 = NW * self.G2 * self.R2
+        self.NRB2 = -(-L // self.rows2)
+
+    @cute.jit
+    def __call__(
+        self,
+        mY: cute.Tensor,
+        mBias: cute.Tensor,
+        mW13: cute.Tensor,
+        mW2: cute.Tensor,
+        mWs2: cute.Tensor,
+        mH: cute.Tensor,
+        mAcc: cute.Tensor,
+        mShared: cute.Tensor,
+        mDone: cute.Tensor,
+        mIds: cute.Tensor,
+        mTw: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mY, mBias, mW13, mW2, mWs2, mH, mAcc, mShared, mDone, mIds, mTw).launch(
+            grid=[self.num_ctas, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mY: cute.Tensor,
+        mBias: cute.Tensor,
+        mW13: cute.Tensor,
+        mW2: cute.Tensor,
+        mWs2: cute.Tensor,
+        mH: cute.Tensor,
+        mAcc: cute.Tensor,
+        mShared: cute.Tensor,
+        mDone: cute.Tensor,
+        mIds: cute.Tensor,
+        mTw: cute.Tensor,
+    ):
+        T, E, K, L, Ie, H, S = self.T, self.E, self.K, self.L, self.Ie, self.H, self.S
+        NT = self.NW * 32
+        TT = self.TT
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        sIds = smem.allocate_tensor(Int32, cute.make_layout(T * K), byte_alignment=16)
+        sTw = smem.allocate_tensor(Float32, cute.make_layout(T * K), byte_alignment=16)
+        sPairs = smem.allocate_tensor(Int32, cute.make_layout(T * K), byte_alignment=16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sActE = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sActOff = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sActN = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sNact = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        sZ = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((TT, L), order=(1, 0)), byte_alignment=16
+        )
+        sA = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((self.TTs, S), order=(1, 0)), byte_alignment=16
+        )
+        sHx = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((TT, Ie), order=(1, 0)), byte_alignment=16
+        )
+
+        # ---- prologue: routing and per-expert pair lists, in shared memory ----
+        for e in cutlass.range(tid, E, NT):
+            sCnt[e] = Int32(0)
+        cute.arch.barrier()
+        for t in cutlass.range(warp, T, self.NW):
+            select_topk(mY, mBias, t, lane, sIds, sTw, sCnt, E, K, self.scaling)
+        cute.arch.barrier()
+        if bid == 0:
+            for p in cutlass.range(tid, T * K, NT):
+                mIds[p] = sIds[p]
+                mTw[p] = sTw[p]
+        if warp == 0:
+            EPL = E // 32
+            csum = Int32(0)
+            asum = Int32(0)
+            for i in cutlass.range_constexpr(EPL):
+                c = sCnt[lane * EPL + i]
+                csum = csum + c
+                asum = asum + cutlass.select_(c > 0, Int32(1), Int32(0))
+            cs = csum
+            cas = asum
+            for o in cutlass.range_constexpr(5):
+                oc = cute.arch.shuffle_sync_up(cs, offset=1 << o)
+                oa = cute.arch.shuffle_sync_up(cas, offset=1 << o)
+                cs = cutlass.select_(lane >= (1 << o), cs + oc, cs)
+                cas = cutlass.select_(lane >= (1 << o), cas + oa, cas)
+            off = cs - csum
+            a = cas - asum
+            for i in cutlass.range_constexpr(EPL):
+                e = lane * EPL + i
+                c = sCnt[e]
+                if c > 0:
+                    sActE[a] = e
+                    sActOff[a] = off
+                    sActN[a] = c
+                    a = a + 1
+                sCnt[e] = off
+                off = off + c
+            if lane == 31:
+                sNact[0] = cas
+        cute.arch.barrier()
+        for p in cutlass.range(tid, T * K, NT):
+            pos = cute.arch.atomic_add(sCnt.iterator + sIds[p], Int32(1))
+            sPairs[pos] = p
+        cute.arch.barrier()
+
+        nact = sNact[0]
+        n13 = nact * self.NRB13
+        nsh = n13 + self.NSB
+        total = nsh + nact * self.NRB2
+
+        gYv = cute.zipped_divide(mY, (1, VEC))
+        sZv = cute.zipped_divide(sZ, (1, VEC))
+        sAv = cute.zipped_divide(sA, (1, VEC))
+        sHv = cute.zipped_divide(sHx, (1, VEC))
+        gHv = cute.zipped_divide(mH, (1, VEC))
+        gWs2v = cute.zipped_divide(mWs2, (1, VEC))
+        acc13 = cute.make_rmem_tensor((2, TT), Float32)
+        accs = cute.make_rmem_tensor((self.Rs, self.TTs), Float32)
+        acc2 = cute.make_rmem_tensor((self.R2, TT), Float32)
+
+        tile = bid
+        while tile < total:
+            if tile < n13:
+                # ---- w13 + SiTU ----
+                a = tile // self.NRB13
+                rb = tile % self.NRB13
+                e = sActE[a]
+                start = sActOff[a]
+                n = sActN[a]
+                gW = cute.zipped_divide(mW13[e, None, None], (1, VEC))
+                grp = lane // self.LPR13
+                li = lane % self.LPR13
+                row = rb * self.rows13 + warp * self.G13 + grp
+                KV = L // VEC
+                for p0 in cutlass.range(0, n, TT):
+                    for i in cutlass.range(tid, TT * KV, NT):
+                        ts = i // KV
+                        c = i % KV
+                        slot = cutlass.min(p0 + ts, n - 1)
+                        tok = sPairs[start + slot] // K
+                        v = gYv[(0, None), (tok, E // VEC + c)].load()
+                        if p0 + ts >= n:
+                            v = cute.zeros_like(v)
+                        sZv[(0, None), (ts, c)].store(v.to(BFloat16))
+                    cute.arch.barrier()
+                    warp_gemv(
+                        gW,
+                        cutlass.min(row, Ie - 1),
+                        Ie,
+                        sZv,
+                        acc13,
+                        li,
+                        2,
+                        TT,
+                        self.LPR13,
+                        self.NCH13,
+                    )
+                    if li == 0:  # noqa: SIM102 (dynamic conditions: nested ifs)
+                        if row < Ie:
+                            for t in cutlass.range_constexpr(TT):
+                                if p0 + t < n:
+                                    p = sPairs[start + p0 + t]
+                                    mH[p, row] = situ(
+                                        acc13[0, t], acc13[1, t], self.beta, self.lbeta
+                                    ).to(BFloat16)
+                    cute.arch.barrier()
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                if tid == 0:
+                    cute.arch.atomic_add(mDone.iterator + e, Int32(1), sem="release", scope="gpu")
+            elif tile < nsh:
+                # ---- shared experts: down GEMM over SiTU(gate, up) ----
+                sb = tile - n13
+                grp = lane // self.LPRs
+                li = lane % self.LPRs
+                row0 = sb * self.rowss + (warp * self.Gs + grp) * self.Rs
+                KV = S // VEC
+                for t0 in cutlass.range_constexpr(0, T, self.TTs):
+                    nt = min(self.TTs, T - t0)
+                    for i in cutlass.range(tid, self.TTs * KV, NT):
+                        ts = i // KV
+                        c = i % KV
+                        tok = t0 + cutlass.min(ts, nt - 1)
+                        g = gYv[(0, None), (tok, (E + L) // VEC + c)].load()
+                        u = gYv[(0, None), (tok, (E + L + S) // VEC + c)].load()
+                        r = cute.make_rmem_tensor((VEC,), Float32)
+                        for q in cutlass.range_constexpr(VEC):
+                            r[q] = situ(g[q], u[q], self.beta, self.lbeta)
+                        v = r.load()
+                        if ts >= nt:
+                            v = cute.zeros_like(v)
+                        sAv[(0, None), (ts, c)].store(v.to(BFloat16))
+                    cute.arch.barrier()
+                    warp_gemv(
+                        gWs2v,
+                        cutlass.min(row0, H - self.Rs),
+                        1,
+                        sAv,
+                        accs,
+                        li,
+                        self.Rs,
+                        self.TTs,
+                        self.LPRs,
+                        self.NCHs,
+                    )
+                    if li == 0:
+                        for r in cutlass.range_constexpr(self.Rs):
+                            if row0 + r < H:
+                                for t in cutlass.range_constexpr(nt):
+                                    mShared[t0 + t, row0 + r] = accs[r, t]
+                    cute.arch.barrier()
+            else:
+                # ---- w2 + routing-weighted sum ----
+                t2 = tile - nsh
+                a = t2 // self.NRB2
+                rb = t2 % self.NRB2
+                e = sActE[a]
+                start = sActOff[a]
+                n = sActN[a]
+                if tid == 0:
+                    d = cute.arch.load(mDone.iterator + e, Int32, sem="acquire", scope="gpu")
+                    while d < self.NRB13:
+                        d = cute.arch.load(mDone.iterator + e, Int32, sem="acquire", scope="gpu")
+                cute.arch.barrier()
+                cute.arch.fence_acq_rel_gpu()
+                gW = cute.zipped_divide(mW2[e, None, None], (1, VEC))
+                grp = lane // self.LPR2
+                li = lane % self.LPR2
+                row0 = rb * self.rows2 + (warp * self.G2 + grp) * self.R2
+                KV = Ie // VEC
+                for p0 in cutlass.range(0, n, TT):
+                    for i in cutlass.range(tid, TT * KV, NT):
+                        ts = i // KV
+                        c = i % KV
+                        slot = cutlass.min(p0 + ts, n - 1)
+                        v = gHv[(0, None), (sPairs[start + slot], c)].load()
+                        if p0 + ts >= n:
+                            v = cute.zeros_like(v)
+                        sHv[(0, None), (ts, c)].store(v)
+                    cute.arch.barrier()
+                    warp_gemv(
+                        gW,
+                        cutlass.min(row0, L - self.R2),
+                        1,
+                        sHv,
+                        acc2,
+                        li,
+                        self.R2,
+                        TT,
+                        self.LPR2,
+                        self.NCH2,
+                    )
+                    if li == 0:
+                        for t in cutlass.range_constexpr(TT):
+                            if p0 + t < n:
+                                p = sPairs[start + p0 + t]
+                                wt = sTw[p]
+                                base = (p // K) * L
+                                for r in cutlass.range_constexpr(self.R2):
+                                    if row0 + r < L:
+                                        cute.arch.atomic_add(
+                                            mAcc.iterator + (base + row0 + r), wt * acc2[r, t]
+                                        )
+                    cute.arch.barrier()
+            tile = tile + self.num_ctas
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def _build(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas):
+    op = MoeExperts(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas)
+    NF = E + L + 2 * S
+    args = (
+        itf.fake(torch.float32, (T, NF)),
+        itf.fake(torch.float32, (E,)),
+        itf.fake(torch.bfloat16, (E, 2 * Ie, L)),
+        itf.fake(torch.bfloat16, (E, L, Ie)),
+        itf.fake(torch.bfloat16, (H, S)),
+        itf.fake(torch.bfloat16, (T * K, Ie)),
+        itf.fake(torch.float32, (T * L,)),
+        itf.fake(torch.float32, (T, H)),
+        itf.fake(torch.int32, (E,)),
+        itf.fake(torch.int32, (T * K,)),
+        itf.fake(torch.float32, (T * K,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def num_sms(device: torch.device | None = None) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device or 0).multi_processor_count
+    return 132  # H200
+
+
+def moe_experts(
+    y_front,
+    router_bias,
+    w13,
+    w2,
+    shared_w2,
+    h,
+    acc,
+    shared_out,
+    done,
+    topk_ids,
+    topk_w,
+    *,
+    top_k: int,
+    scaling: float,
+    beta: float,
+    lbeta: float,
+) -> None:
+    """Launch :class:`MoeExperts` on the current stream (see the module docstring).
+
+    ``acc`` [T, L] FP32 and ``done`` [E] int32 must be zero (the front kernel zeroes them);
+    ``topk_ids`` / ``topk_w`` [T, k] receive the routing; ``h`` [T*k, Ie] BF16 is scratch."""
+    E, twoI, L = w13.shape
+    Ie = twoI // 2
+    H, S = shared_w2.shape
+    T = y_front.shape[0]
+    itf.check(y_front, "y_front", (T, E + L + 2 * S), torch.float32)
+    itf.check(router_bias, "router_bias", (E,), torch.float32)
+    itf.check(w2, "w2", (E, L, Ie), torch.bfloat16)
+    itf.check(h, "h", (T * top_k, Ie), torch.bfloat16)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    nsm = num_sms(y_front.device)
+    key = ("moe_experts", T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm)
+    fn = itf.compiled(key, lambda: _build(T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm))
+    fn(
+        y_front,
+        router_bias,
+        w13,
+        w2,
+        shared_w2,
+        h,
+        acc.view(-1),
+        shared_out,
+        done,
+        topk_ids.view(-1),
+        topk_w.view(-1),
+    )
+
+
+def moe_experts_ref(z, shared_gu, ids, tw, w13, w2, shared_w2, beta, lbeta):
+    """Torch reference (FP32): routed latent sum ``acc [T, L]`` and ``shared_out [T, H]`` from
+    the latent ``z [T, L]``, shared gate/up ``shared_gu [T, 2S]`` and the routing."""
+    from decodescope.kernels.reference import situ_ref
+
+    T, K = ids.shape
+    zb = z.to(torch.bfloat16).float()
+    acc = torch.zeros(T, z.shape[1], dtype=torch.float32, device=z.device)
+    Ie = w13.shape[1] // 2
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            gu = w13[e].float() @ zb[t]
+            hh = situ_ref(gu[:Ie], gu[Ie:], beta, lbeta).to(torch.bfloat16).float()
+            acc[t] += float(tw[t, k]) * (w2[e].float() @ hh)
+    S = shared_gu.shape[1] // 2
+    a = situ_ref(shared_gu[:, :S], shared_gu[:, S:], beta, lbeta).to(torch.bfloat16).float()
+    return acc, a @ shared_w2.float().T

@@ -1,0 +1,243 @@
+"""LatentMoE front: router GEMM + latent down-projection + shared-expert gate_up, one launch.
+
+All three read the same normalized hidden state ``h [T, H]``, so the specialized path packs their
+weights into one matrix ``w_front [E + L + 2S, H]`` (router rows, latent_down rows, shared gate
+rows, shared up rows) and reads ``h`` once per CTA. The rows are split over CTAs (the router GEMM
+"split into parts": 896 rows of 7168 become 56 CTAs of 16 rows at TP8, beside 224 latent CTAs
+and 96 shared CTAs); every CTA stages ``h`` in shared memory (4 tokens at a time) and its warps
+run the skinny GEMV of :mod:`moe_common`. Output: FP32 ``y_front [T, E + L + 2S]`` (router
+logits, latent z, shared gate/up pre-activations).
+
+The same launch zeroes what the next kernel accumulates into: the routed-sum buffer
+``acc [T, L]`` (FP32 atomics in ``moe_experts``) and the per-expert completion counters.
+
+Sigmoid + bias + top-k + renormalization (:func:`select_topk`) need all E logits of a token,
+so they run after this grid completes: in the prologue of ``moe_experts`` (every CTA of that
+persistent kernel ranks the T tokens itself, a few microseconds at T <= 8, and builds its
+per-expert token lists in shared memory: no extra launch, no host sync, no global metadata).
+Launch count: this kernel is 1 launch.
+
+Math matched: ``kernels/reference.py`` ``routing_ref`` (scores = sigmoid(logits), selection by
+scores + bias, weights = selected scores renormalized, times ``routed_scaling``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, sigmoid, warp_gemv
+
+NEG_INF = -3.0e38
+
+
+class FrontGemv:
+    """``y[T, NF] = x[T, K] @ w[NF, K]^T`` in FP32 over row-split CTAs; zeroes ``acc``/``done``.
+
+    Compile-time facts: T tokens, K (hidden), NF (packed rows), the shapes of the buffers it
+    zeroes, tokens per staged tile TT, warps per CTA NW, rows per lane group R.
+    """
+
+    def __init__(
+        self, T: int, K: int, NF: int, n_acc: int, n_done: int, TT: int = 4, NW: int = 8, R: int = 1
+    ):
+        self.T, self.K, self.NF, self.n_acc, self.n_done = T, K, NF, n_acc, n_done
+        self.TT, self.NW, self.R = min(TT, T), NW, R
+        self.LPR = lanes_per_row(K)
+        self.G = 32 // self.LPR
+        self.NCH = K // VEC // self.LPR
+        self.rows_per_cta = NW * self.G * R
+        self.grid = -(-NF // self.rows_per_cta)
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mX, mW, mY, mAcc, mDone).launch(
+            grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+    ):
+        NT = self.NW * 32
+        KV = self.K // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+
+        # zero the routed-sum accumulator and the expert completion counters (grid-stride)
+        for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
+            mAcc[i] = Float32(0.0)
+        for i in cutlass.range(bid * NT + tid, self.n_done, self.grid * NT):
+            mDone[i] = Int32(0)
+
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((self.TT, self.K), order=(1, 0)), byte_alignment=16
+        )
+        gXv = cute.zipped_divide(mX, (1, VEC))
+        sXv = cute.zipped_divide(sX, (1, VEC))
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        acc = cute.make_rmem_tensor((self.R, self.TT), Float32)
+
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
+        for t0 in cutlass.range_constexpr(0, self.T, self.TT):
+            nt = min(self.TT, self.T - t0)
+            for i in cutlass.range(tid, self.TT * KV, NT):
+                t = i // KV
+                c = i % KV
+                v = gXv[(0, None), (t0 + cutlass.min(t, nt - 1), c)].load()
+                if t >= nt:
+                    v = cute.zeros_like(v)
+                sXv[(0, None), (t, c)].store(v)
+            cute.arch.barrier()
+            warp_gemv(
+                gWv,
+                cutlass.min(row0, self.NF - self.R),
+                1,
+                sXv,
+                acc,
+                li,
+                self.R,
+                self.TT,
+                self.LPR,
+                self.NCH,
+            )
+            if li == 0:
+                for r in cutlass.range_constexpr(self.R):
+                    if row0 + r < self.NF:
+                        for t in cutlass.range_constexpr(nt):
+                            mY[t0 + t, row0 + r] = acc[r, t]
+            cute.arch.barrier()
+
+
+@cute.jit
+def select_topk(
+    mY: cute.Tensor,
+    mBias: cute.Tensor,
+    t,
+    lane,
+    sIds: cute.Tensor,
+    sW: cute.Tensor,
+    sCnt: cute.Tensor,
+    E: cutlass.Constexpr[int],
+    K: cutlass.Constexpr[int],
+    scaling: cutlass.Constexpr[float],
+):
+    """One warp ranks token ``t``: sigmoid(logit) + bias, top-K, renormalized weights.
+
+    Lane l holds experts l, l+32, ...; K rounds of a warp argmax (larger value, then lower index)
+    pick the experts. Writes ``sIds[t*K + k]``, ``sW[t*K + k]`` and counts each pick in
+    ``sCnt[e]`` (shared-memory atomics).
+    """
+    EPL = E // 32
+    score = []
+    sel = []
+    for i in cutlass.range_constexpr(EPL):
+        s = sigmoid(mY[t, lane + 32 * i])
+        score.append(s)
+        sel.append(s + mBias[lane + 32 * i])
+    total = Float32(0.0)
+    for k in cutlass.range_constexpr(K):
+        bv = Float32(NEG_INF)
+        bi = Int32(E)
+        bs = Float32(0.0)
+        for i in cutlass.range_constexpr(EPL):
+            better = sel[i] > bv
+            bv = cutlass.select_(better, sel[i], bv)
+            bi = cutlass.select_(better, Int32(lane + 32 * i), bi)
+            bs = cutlass.select_(better, score[i], bs)
+        for off in cutlass.range_constexpr(5):
+            ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << off)
+            oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << off)
+            os_ = cute.arch.shuffle_sync_bfly(bs, offset=1 << off)
+            take = (ov > bv) | ((ov == bv) & (oi < bi))
+            bv = cutlass.select_(take, ov, bv)
+            bi = cutlass.select_(take, oi, bi)
+            bs = cutlass.select_(take, os_, bs)
+        for i in cutlass.range_constexpr(EPL):
+            sel[i] = cutlass.select_(bi == lane + 32 * i, Float32(NEG_INF), sel[i])
+        total = total + bs
+        if lane == 0:
+            sIds[t * K + k] = bi
+            sW[t * K + k] = bs
+            cute.arch.atomic_add(sCnt.iterator + bi, Int32(1))
+    cute.arch.sync_warp()
+    if lane < K:
+        sW[t * K + lane] = sW[t * K + lane] * (Float32(scaling) / total)
+    cute.arch.sync_warp()
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def pack_front_weights(w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``w_front = [router; latent_down; shared_w13]`` (rows), BF16, contiguous."""
+    parts = [w["router"], w["latent_down"]]
+    if "shared_w13" in w:
+        parts.append(w["shared_w13"])
+    return torch.cat([p.to(torch.bfloat16) for p in parts], 0).contiguous()
+
+
+def _build(T: int, K: int, NF: int, n_acc: int, n_done: int):
+    op = FrontGemv(T, K, NF, n_acc, n_done)
+    args = (
+        itf.fake(torch.bfloat16, (T, K)),
+        itf.fake(torch.bfloat16, (NF, K)),
+        itf.fake(torch.float32, (T, NF)),
+        itf.fake(torch.float32, (n_acc,)),
+        itf.fake(torch.int32, (n_done,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def front_gemv(
+    x: torch.Tensor, w_front: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, done: torch.Tensor
+) -> None:
+    """Launch :class:`FrontGemv` on the current stream: ``y = x @ w_front^T`` (FP32), zero
+    ``acc`` and ``done``. ``acc`` and ``done`` are flat views (``.view(-1)``)."""
+    T, K = x.shape
+    NF = w_front.shape[0]
+    itf.check(x, "x", (T, K), torch.bfloat16)
+    itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
+    itf.check(y, "y_front", (T, NF), torch.float32)
+    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel())
+    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel()))
+    fn(x, w_front, y, acc.view(-1), done.view(-1))
+
+
+def front_gemv_ref(x: torch.Tensor, w_front: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :class:`FrontGemv` (FP32 accumulate of BF16 operands)."""
+    return x.float() @ w_front.float().T
+
+
+def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float = 1.0):
+    """Sigmoid + bias selection, top-k, renormalized sigmoid weights (``routing_ref``'s math).
+
+    Returns ``(ids [T, k] int32, weights [T, k] fp32)``, ids in descending biased score."""
+    scores = torch.sigmoid(logits.double())
+    sel = scores + bias.double()
+    ids = sel.topk(k, dim=-1).indices
+    tw = scores.gather(1, ids)
+    tw = tw / tw.sum(-1, keepdim=True) * scaling
+    return ids.to(torch.int32), tw.float()

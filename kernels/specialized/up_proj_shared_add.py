@@ -1,0 +1,163 @@
+"""LatentMoE back end: latent RMSNorm + up-projection (L -> H) + shared-expert add, one launch.
+
+``out[t] = bf16( rmsnorm(acc[t]) * latent_norm  @ latent_up^T  +  shared_out[t] )``
+
+``acc [T, L]`` is the routed experts' FP32 weighted sum (``moe_experts``); the reference
+(``kernels/reference.py`` ``moe_ref``) applies the latent RMSNorm to that sum, right before the
+up-projection, so the norm lives here: every CTA takes the sum of squares of its token tile
+(one warp per token), stages the normalized latent in shared memory as BF16, and its warps run
+the skinny GEMV of :mod:`moe_common` over its block of ``latent_up`` rows; the epilogue adds
+the shared experts' FP32 output and rounds once to BF16. Rows split over CTAs (16 per CTA).
+Launch count: 1.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, warp_gemv
+
+
+class UpProjSharedAdd:
+    """Compile-time facts: T tokens, L latent, H hidden, eps; TT tokens per staged tile,
+    NW warps per CTA, R rows per lane group."""
+
+    def __init__(self, T: int, L: int, H: int, eps: float, TT: int = 4, NW: int = 8, R: int = 2):
+        if min(TT, T) > NW:
+            raise ValueError("one warp per staged token: TT must be <= NW")
+        self.T, self.L, self.H, self.eps = T, L, H, eps
+        self.TT, self.NW, self.R = min(TT, T), NW, R
+        self.LPR = lanes_per_row(L)
+        self.G = 32 // self.LPR
+        self.NCH = L // VEC // self.LPR
+        self.rows_per_cta = NW * self.G * R
+        self.grid = -(-H // self.rows_per_cta)
+
+    @cute.jit
+    def __call__(
+        self,
+        mAcc: cute.Tensor,
+        mGamma: cute.Tensor,
+        mW: cute.Tensor,
+        mShared: cute.Tensor,
+        mOut: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mAcc, mGamma, mW, mShared, mOut).launch(
+            grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mAcc: cute.Tensor,
+        mGamma: cute.Tensor,
+        mW: cute.Tensor,
+        mShared: cute.Tensor,
+        mOut: cute.Tensor,
+    ):
+        T, L, H, TT = self.T, self.L, self.H, self.TT
+        NT = self.NW * 32
+        KV = L // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((TT, L), order=(1, 0)), byte_alignment=16
+        )
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
+        gAv = cute.zipped_divide(mAcc, (1, VEC))
+        gGv = cute.zipped_divide(
+            cute.make_tensor(mGamma.iterator, cute.make_layout((1, L))), (1, VEC)
+        )
+        sXv = cute.zipped_divide(sX, (1, VEC))
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        acc = cute.make_rmem_tensor((self.R, TT), Float32)
+
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
+        for t0 in cutlass.range_constexpr(0, T, TT):
+            nt = min(TT, T - t0)
+            if warp < nt:
+                ss = Float32(0.0)
+                for c in cutlass.range(lane, KV, 32):
+                    v = gAv[(0, None), (t0 + warp, c)].load()
+                    ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+                if lane == 0:
+                    sRstd[warp] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+            cute.arch.barrier()
+            for i in cutlass.range(tid, TT * KV, NT):
+                t = i // KV
+                c = i % KV
+                tc = cutlass.min(t, nt - 1)
+                v = gAv[(0, None), (t0 + tc, c)].load()
+                gm = gGv[(0, None), (0, c)].load().to(Float32)
+                v = v * gm * sRstd[tc]
+                if t >= nt:
+                    v = cute.zeros_like(v)
+                sXv[(0, None), (t, c)].store(v.to(BFloat16))
+            cute.arch.barrier()
+            warp_gemv(
+                gWv, cutlass.min(row0, H - self.R), 1, sXv, acc, li, self.R, TT, self.LPR, self.NCH
+            )
+            if li == 0:
+                for r in cutlass.range_constexpr(self.R):
+                    if row0 + r < H:
+                        for t in cutlass.range_constexpr(nt):
+                            o = acc[r, t] + mShared[t0 + t, row0 + r]
+                            mOut[t0 + t, row0 + r] = o.to(BFloat16)
+            cute.arch.barrier()
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def _build(T: int, L: int, H: int, eps: float):
+    op = UpProjSharedAdd(T, L, H, eps)
+    args = (
+        itf.fake(torch.float32, (T, L)),
+        itf.fake(torch.bfloat16, (L,)),
+        itf.fake(torch.bfloat16, (H, L)),
+        itf.fake(torch.float32, (T, H)),
+        itf.fake(torch.bfloat16, (T, H)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def up_proj_shared_add(
+    acc: torch.Tensor,
+    latent_norm: torch.Tensor,
+    latent_up: torch.Tensor,
+    shared_out: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> None:
+    """Launch :class:`UpProjSharedAdd` on the current stream."""
+    T, L = acc.shape
+    H = latent_up.shape[0]
+    itf.check(acc, "acc", (T, L), torch.float32)
+    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
+    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    itf.check(out, "out", (T, H), torch.bfloat16)
+    key = ("moe_up_proj_shared_add", T, L, H, float(eps))
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps)))
+    fn(acc, latent_norm, latent_up, shared_out, out)
+
+
+def up_proj_shared_add_ref(acc, latent_norm, latent_up, shared_out, eps: float) -> torch.Tensor:
+    """Torch reference (FP32 math, BF16 staging of the normalized latent as the kernel does)."""
+    a = acc.float()
+    xn = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * latent_norm.float()
+    y = xn.to(torch.bfloat16).float() @ latent_up.float().T + shared_out.float()
+    return y.to(torch.bfloat16)
