@@ -423,6 +423,81 @@ def test_read_only_leaves_no_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["export.sqlite"]
 
 
+# -- corners no real export here shows: a real export, changed in one place -----------------------
+
+
+def _modified(src: Path, folder: Path, *statements: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / src.name
+    shutil.copy(src, path)
+    path.chmod(0o644)
+    con = sqlite3.connect(path)
+    for sql in statements:
+        con.execute(sql)
+    con.commit()
+    con.close()
+    return path
+
+
+def test_graph_replayed_kernels(tmp_path):
+    # Synthetic corner: the 3.24 export's two kernels given graph ids, as graph replay records them.
+    path = _modified(
+        RTX3080,
+        tmp_path,
+        "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET graphNodeId = 1000 + rowid, graphId = 7",
+    )
+    run = load_nsys(path)
+    assert run.kernels.column("graph_id").to_pylist() == [7, 7]
+    assert sorted(run.kernels.column("graph_node_id").to_pylist()) == sorted(
+        v for (v,) in _sql(path, "SELECT graphNodeId FROM CUPTI_ACTIVITY_KIND_KERNEL")
+    )
+    assert run.meta.graph_mode == "graph"
+    one = _modified(
+        RTX3080,
+        tmp_path / "one",
+        "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET graphNodeId = 5 WHERE rowid = 1",
+    )
+    assert load_nsys(one).meta.graph_mode == "mixed"
+
+
+def test_registered_nvtx_strings(tmp_path):
+    # Synthetic corner: the 2.9 export's range names moved into StringIds (textId), the way
+    # nvtxDomainRegisterString'd names are exported; names and paths must not change.
+    path = _modified(
+        NESTED,
+        tmp_path,
+        "INSERT INTO StringIds (id, value) SELECT 900000 + rowid, text FROM NVTX_EVENTS"
+        " WHERE eventType = 59",
+        "UPDATE NVTX_EVENTS SET textId = 900000 + rowid, text = NULL WHERE eventType = 59",
+    )
+    assert _sql(path, "SELECT count(*) FROM NVTX_EVENTS WHERE eventType = 59 AND text IS NULL")
+    before = load_nsys(NESTED).ranges.select(["start_ns", "name", "path", "depth"])
+    after = load_nsys(path).ranges.select(["start_ns", "name", "path", "depth"])
+    assert after.equals(before)
+
+
+def test_an_unclosed_range_is_counted_not_imported(tmp_path):
+    # Synthetic corner: one range of the 2.9 export left open (no end), as when capture stops.
+    path = _modified(
+        NESTED,
+        tmp_path,
+        "UPDATE NVTX_EVENTS SET end = NULL WHERE rowid ="
+        " (SELECT max(rowid) FROM NVTX_EVENTS WHERE eventType = 59)",
+    )
+    run = load_nsys(path)
+    assert run.ranges.num_rows == _range_count(NESTED) - 1
+    assert run.meta.config["nvtx_unclosed_ranges"] == 1
+    assert run.meta.dropped_records == 1
+
+
+def _range_count(path: Path) -> int:
+    ((n,),) = _sql(
+        path,
+        f"SELECT count(*) FROM NVTX_EVENTS WHERE eventType IN ({RANGE_TYPES}) AND end IS NOT NULL",
+    )
+    return n
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
