@@ -216,7 +216,7 @@ def _decode(p: Path, data: bytes) -> tuple[_Trace, list[_Event], Counter]:
         data = data[3:]
     head = data[:4096].lstrip()
     if head[:1] not in (b"{", b"["):
-        raise TraceError(p, "not JSON: expected a Kineto / Chrome trace object ({...})")
+        raise TraceError(p, "not a Kineto / Chrome trace: expected a JSON object ({...})")
     skipped: Counter = Counter()
     was_enabled = gc.isenabled()
     gc.disable()  # the decoder makes many small containers; collection passes only cost here
@@ -300,7 +300,18 @@ class _BadValues(ValueError):
     """A column holds a value of the wrong type; the caller falls back to the checked path."""
 
 
-_I64_US_LIMIT = 9 * 10**15  # microseconds whose nanoseconds fit in int64
+# |ts|, |dur| and baseTimeNanoseconds each below 3e18 ns (year 2065 as Unix time): their sum fits
+# in int64
+_I64_US_LIMIT = 3 * 10**15
+# what a value of an unexpected type raises while a column is built
+_CONVERT_ERRORS = (
+    _BadValues,
+    TypeError,
+    ValueError,
+    AttributeError,
+    OverflowError,
+    pa.ArrowException,
+)
 
 
 def _us_to_ns(values: list) -> np.ndarray:
@@ -566,7 +577,7 @@ class _Builder:
         self.dist = dist
         self.rank = rank if rank is not None else (_i32(dist.get("rank")) or 0)
         base = _int_or_none(trace.baseTimeNanoseconds)
-        self.base_ns = base if base is not None and 0 <= base < 2**62 else 0
+        self.base_ns = base if base is not None and 0 <= base <= _I64_US_LIMIT * 1000 else 0
 
     # -- grouping ---------------------------------------------------------------------------
 
@@ -615,14 +626,7 @@ class _Builder:
         that ``valid`` rejects and build again from the rest."""
         try:
             return build(events)
-        except (
-            _BadValues,
-            TypeError,
-            ValueError,
-            AttributeError,
-            OverflowError,
-            pa.ArrowException,
-        ):
+        except _CONVERT_ERRORS:
             pass
         keep = []
         for e in events:
@@ -631,7 +635,14 @@ class _Builder:
                 keep.append(e)
             else:
                 self.skipped[f"{what}: {why}"] += 1
-        return build(keep)
+        try:
+            return build(keep)
+        except _CONVERT_ERRORS as e:
+            # a value ``valid`` does not know about: count the whole category as not converted
+            self.skipped[f"{what}: could not convert ({type(e).__name__}: {str(e)[:80]})"] += len(
+                keep
+            )
+            return build([])
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -659,11 +670,10 @@ class _Builder:
             if corr.null_count:
                 raise _BadValues("launch without correlation id")
             names = list(map(_get_name, evs))
-            for n in set(names):
-                if type(n) is not str:
-                    raise _BadValues("name is not a string")
+            if set(map(type, names)) - {str}:
+                raise _BadValues("name is not a string")
             tids = list(map(_get_tid, evs))
-            if not all(type(t) is int for t in set(tids)):
+            if set(map(type, tids)) - {int}:
                 tids = [_int_or_none(t) for t in tids]
             return {
                 "corr": corr.to_numpy(),
@@ -701,13 +711,13 @@ class _Builder:
                 pa.array(list(uniq), type=pa.string()),
             )
             streams = [a.stream for a in args]
-            if not all(type(s) is int for s in set(streams)):
+            if set(map(type, streams)) - {int}:
                 streams = [
                     s if type(s) is int else _int_or_none(e.tid)
                     for s, e in zip(streams, evs, strict=True)
                 ]
             devices = [a.device for a in args]
-            if not all(type(d) is int for d in set(devices)):
+            if set(map(type, devices)) - {int}:
                 devices = [
                     d if type(d) is int else _int_or_none(e.pid)
                     for d, e in zip(devices, evs, strict=True)
@@ -855,9 +865,8 @@ class _Builder:
             start = _us_to_ns([e.ts for e in evs]) + self.base_ns
             end = start + _us_to_ns([e.dur for e in evs])
             names = [e.name for e in evs]
-            for nm in set(names):
-                if type(nm) is not str:
-                    raise _BadValues("range name is not a string")
+            if set(map(type, names)) - {str}:
+                raise _BadValues("range name is not a string")
             ncpu = sum(1 for e in evs if e.cat not in GPU_RANGE_CATS)
             timeline = ["cpu"] * ncpu + ["gpu"] * (n - ncpu)
             threads: list[int | None] = [_int_or_none(e.tid) for e in evs[:ncpu]]
@@ -961,7 +970,11 @@ class _Builder:
     def _meta(self, kernels: pa.Table, launches: dict[str, Any]) -> RunMeta:
         t = self.trace
         props = t.deviceProperties if isinstance(t.deviceProperties, list) else []
-        gpus = {p.get("id"): p.get("name") for p in props if isinstance(p, dict)}
+        gpus = {
+            p.get("id"): p.get("name")
+            for p in props
+            if isinstance(p, dict) and type(p.get("id")) is int
+        }
         used = kernels.column("device").drop_null().to_pylist()
         gpu = None
         if used:
