@@ -45,18 +45,17 @@ def block_sum(x: Float32, sred: cute.Tensor, num_warps: cutlass.Constexpr[int]) 
     Every thread gets the total. Two barriers; ``sred`` may be reused after the call returns.
     """
     tidx, _, _ = cute.arch.thread_idx()
-    w = warp_sum(x)
-    if num_warps == 1:
-        return w
-    lane = tidx % WARP
-    warp = tidx // WARP
-    if lane == 0:
-        sred[warp] = w
-    cute.arch.sync_threads()
-    total = Float32(0.0)
-    for i in cutlass.range_constexpr(num_warps):
-        total = total + sred[i]
-    cute.arch.sync_threads()
+    total = warp_sum(x)
+    if cutlass.const_expr(num_warps > 1):
+        lane = tidx % WARP
+        warp = tidx // WARP
+        if lane == 0:
+            sred[warp] = total
+        cute.arch.sync_threads()
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(num_warps):
+            total = total + sred[i]
+        cute.arch.sync_threads()
     return total
 
 

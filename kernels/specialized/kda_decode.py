@@ -1,0 +1,267 @@
+"""KDA decode in one kernel: conv update + SiLU + decay gate (f_b fused) + beta + L2 norms +
+FP32 delta-rule recurrence in place + sigmoid-gated RMSNorm.
+
+Grid: one CTA per (head, sequence); ``head_dim`` threads, thread ``j`` owns column ``j`` (a
+value channel) of the head's state ``S [k, v]``: its ``head_dim`` FP32 entries live in registers
+for all the sequence's tokens (1..8), read once and written once (coalesced: the threads of a
+row ``i`` touch consecutive words). Everything per token is per column except four reductions
+over the head (the L2 norms of q and k, and the output RMSNorm; ``k^T S`` and ``q^T S`` are
+per-column sums over rows, local to each thread).
+
+Inputs come straight from the merged input projection's output ``proj [B*T, P]`` (q, k, v, g,
+f_a, b, pad; :attr:`Config.kda_in_proj_sizes`): ``f_b_proj`` (``head_dim -> D``, 32 KB per
+head) is folded in here, so the standard path's separate f_b GEMM has no launch of its own.
+
+Math (:func:`decodescope.kernels.reference.kda_attn_ref`), per token t, head h, column j::
+
+    conv  = silu(sum_i window[i] * conv_w[ch, i])    for q, k, v channels; window shifts in
+    f_j   = f_b[h*hd + j, :] . f_a + dt_bias[h*hd + j]
+    gk_j  = lower_bound * sigmoid(exp(A_log[h]) * f_j);  beta = sigmoid(b[h])
+    q = normalize(q) / sqrt(hd);  k = normalize(k)
+    S[i, :] *= exp(gk_i);  u = beta * (v - k^T S);  S += k u^T;  o = q^T S
+    out = rmsnorm(o) * o_norm * sigmoid(g)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.utils import block_sum, load_vec8, sigmoid
+
+
+@dataclass(frozen=True)
+class KDAPlan:
+    batch: int
+    tokens: int  # per sequence, 1..8
+    heads: int  # per rank
+    head_dim: int
+    conv_kernel: int
+    proj_width: int  # P, columns of the in_proj output
+    lower_bound: float = -5.0
+    eps: float = 1e-5
+
+    @property
+    def dim(self) -> int:
+        return self.heads * self.head_dim
+
+
+class KDADecode:
+    def __init__(self, plan: KDAPlan):
+        self.p = plan
+        if plan.head_dim % 32 or plan.head_dim > 256:
+            raise ValueError(f"head_dim must be a multiple of 32 up to 256, got {plan.head_dim}")
+        self.warps = plan.head_dim // 32
+
+    @cute.jit
+    def __call__(
+        self,
+        mProj: cute.Tensor,  # [B*T, P] bf16
+        mConvW: cute.Tensor,  # [3D, KC] bf16
+        mConv: cute.Tensor,  # [B, 3D, KC-1] bf16, in place
+        mFb: cute.Tensor,  # [D, hd] bf16
+        mALog: cute.Tensor,  # [heads] f32
+        mDt: cute.Tensor,  # [D] f32
+        mONorm: cute.Tensor,  # [hd] bf16
+        mS: cute.Tensor,  # [B, heads, hd, hd] f32, in place
+        mOut: cute.Tensor,  # [B*T, D] bf16
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        hd = p.head_dim
+
+        @cute.struct
+        class Smem:
+            fa: cute.struct.MemRange[Float32, hd]
+            decay: cute.struct.MemRange[Float32, hd]
+            q: cute.struct.MemRange[Float32, hd]
+            k: cute.struct.MemRange[Float32, hd]
+            red: cute.struct.MemRange[Float32, 8]
+
+        self.smem_cls = Smem
+        self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
+            grid=[p.heads, p.batch, 1],
+            block=[hd, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
+        p = self.p
+        hd, D, KC, T = p.head_dim, p.dim, p.conv_kernel, p.tokens
+        j, _, _ = cute.arch.thread_idx()
+        h, b, _ = cute.arch.block_idx()
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sFa = st.fa.get_tensor(cute.make_layout(hd))
+        sDecay = st.decay.get_tensor(cute.make_layout(hd))
+        sQ = st.q.get_tensor(cute.make_layout(hd))
+        sK = st.k.get_tensor(cute.make_layout(hd))
+        sRed = st.red.get_tensor(cute.make_layout(8))
+
+        col = h * hd + j
+        # state column j, FP32, in registers
+        rS = cute.make_rmem_tensor((hd,), Float32)
+        for i in cutlass.range_constexpr(hd):
+            rS[i] = mS[b, h, i, j]
+        # conv history and weights of this thread's q, k, v channels
+        rHist = cute.make_rmem_tensor((3, KC - 1), Float32)
+        rCw = cute.make_rmem_tensor((3, KC), Float32)
+        for c in cutlass.range_constexpr(3):
+            for i in cutlass.range_constexpr(KC - 1):
+                rHist[c, i] = mConv[b, c * D + col, i].to(Float32)
+            for i in cutlass.range_constexpr(KC):
+                rCw[c, i] = mConvW[c * D + col, i].to(Float32)
+        a_h = cute.math.exp(mALog[h], fastmath=False)
+        dt = mDt[col]
+        onorm = mONorm[j].to(Float32)
+        fb = cute.make_rmem_tensor((hd,), BFloat16)
+        for v in cutlass.range_constexpr(hd // 8):
+            load_vec8(mFb[col, None], v * 8, cute.local_tile(fb, (8,), (v,)))
+
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            # short conv + SiLU on q, k, v
+            qkv = cute.make_rmem_tensor((3,), Float32)
+            for c in cutlass.range_constexpr(3):
+                xn = mProj[row, c * D + col].to(Float32)
+                acc = xn * rCw[c, KC - 1]
+                for i in cutlass.range_constexpr(KC - 1):
+                    acc = acc + rHist[c, i] * rCw[c, i]
+                for i in cutlass.range_constexpr(KC - 2):
+                    rHist[c, i] = rHist[c, i + 1]
+                rHist[c, KC - 2] = xn
+                qkv[c] = acc * sigmoid(acc)
+            sFa[j] = mProj[row, 4 * D + j].to(Float32)
+            gj = mProj[row, 3 * D + col].to(Float32)
+            beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+            qss = block_sum(qkv[0] * qkv[0], sRed, self.warps)  # also orders the sFa stores
+            kss = block_sum(qkv[1] * qkv[1], sRed, self.warps)
+            qn = qkv[0] / cute.arch.fmax(cute.math.sqrt(qss), Float32(1e-12)) * Float32(hd**-0.5)
+            kn = qkv[1] / cute.arch.fmax(cute.math.sqrt(kss), Float32(1e-12))
+            # decay gate of channel j (a k row of S)
+            f = dt
+            for i in cutlass.range_constexpr(hd):
+                f = f + fb[i].to(Float32) * sFa[i]
+            gk = Float32(p.lower_bound) * sigmoid(a_h * f)
+            sDecay[j] = cute.math.exp(gk, fastmath=False)
+            sQ[j] = qn
+            sK[j] = kn
+            cute.arch.sync_threads()
+            kv = Float32(0.0)
+            for i in cutlass.range_constexpr(hd):
+                rS[i] = rS[i] * sDecay[i]
+                kv = kv + sK[i] * rS[i]
+            u = beta * (qkv[2] - kv)
+            o = Float32(0.0)
+            for i in cutlass.range_constexpr(hd):
+                rS[i] = rS[i] + sK[i] * u
+                o = o + sQ[i] * rS[i]
+            oss = block_sum(o * o, sRed, self.warps)  # its barriers also free sQ/sK/sFa
+            rstd = cute.math.rsqrt(oss / Float32(hd) + Float32(p.eps))
+            mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
+
+        for i in cutlass.range_constexpr(hd):
+            mS[b, h, i, j] = rS[i]
+        for c in cutlass.range_constexpr(3):
+            for i in cutlass.range_constexpr(KC - 1):
+                mConv[b, c * D + col, i] = rHist[c, i].to(BFloat16)
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def _fake_args(p: KDAPlan):
+    bf, f32 = torch.bfloat16, torch.float32
+    D, hd, KC = p.dim, p.head_dim, p.conv_kernel
+    return (
+        itf.fake(bf, (p.batch * p.tokens, p.proj_width)),
+        itf.fake(bf, (3 * D, KC), align=4),
+        itf.fake(bf, (p.batch, 3 * D, KC - 1), align=2),
+        itf.fake(bf, (D, hd)),
+        itf.fake(f32, (p.heads,), align=4),
+        itf.fake(f32, (D,), align=4),
+        itf.fake(bf, (hd,), align=4),
+        itf.fake(f32, (p.batch, p.heads, hd, hd)),
+        itf.fake(bf, (p.batch * p.tokens, D)),
+        itf.env_stream(),
+    )
+
+
+def compile_plan(p: KDAPlan):
+    return itf.compiled(("kda_decode", p), lambda: (KDADecode(p), _fake_args(p)))
+
+
+def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
+    k = cfg.kda
+    return KDAPlan(
+        batch=batch,
+        tokens=tokens,
+        heads=cfg.kda_heads,
+        head_dim=k.head_dim,
+        conv_kernel=k.conv_kernel,
+        proj_width=cfg.kda_in_proj_out,
+        lower_bound=k.gate_lower_bound,
+        eps=cfg.eps,
+    )
+
+
+def kda_decode(cfg, w: dict, proj, kda_state, conv_state, out, tokens: int) -> None:
+    """One launch: ``out [B*T, D]`` from ``proj [B*T, P]``; updates both states in place."""
+    batch = proj.shape[0] // tokens
+    fn = compile_plan(plan_for(cfg, batch, tokens))
+    fn(
+        proj, w["conv_w"], conv_state, w["f_b"], w["A_log"], w["dt_bias"], w["o_norm"],
+        kda_state, out,
+    )  # fmt: skip
+
+
+def kda_decode_ref(cfg, w: dict, proj, kda_state, conv_state, tokens: int):
+    """FP32 torch reference of the kernel (same math as ``kda_attn_ref`` minus the GEMMs).
+
+    Returns ``(out [B*T, D] bf16, kda_state', conv_state')`` (new tensors)."""
+    k = cfg.kda
+    nh, hd, D = cfg.kda_heads, k.head_dim, cfg.kda_dim
+    T = tokens
+    B = proj.shape[0] // T
+    f32 = torch.float32
+    p = proj.to(f32)
+    q, kk, v, g = (p[:, i * D : (i + 1) * D] for i in range(4))
+    f_a = p[:, 4 * D : 4 * D + hd]
+    bb = p[:, 4 * D + hd : 4 * D + hd + nh]
+    qkv = torch.cat([q, kk, v], -1).view(B, T, 3 * D)
+    cw = w["conv_w"].to(f32)
+    KC = cw.shape[1]
+    window = torch.cat([conv_state.to(f32), qkv.transpose(1, 2)], dim=2)
+    conv = torch.stack([(window[:, :, t : t + KC] * cw).sum(-1) for t in range(T)], dim=1)
+    conv = torch.nn.functional.silu(conv)
+    new_conv = window[:, :, T:].to(conv_state.dtype)
+    q, kk, v = conv.split(D, dim=-1)
+    f = f_a @ w["f_b"].to(f32).T + w["dt_bias"].to(f32)
+    a = torch.exp(w["A_log"].to(f32)).repeat_interleave(hd)
+    gk = (k.gate_lower_bound * torch.sigmoid(a * f)).view(B, T, nh, hd)
+    beta = torch.sigmoid(bb).view(B, T, nh)
+    q = torch.nn.functional.normalize(q.view(B, T, nh, hd), dim=-1) / math.sqrt(hd)
+    kk = torch.nn.functional.normalize(kk.view(B, T, nh, hd), dim=-1)
+    v = v.view(B, T, nh, hd)
+    S = kda_state.to(f32).clone()
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(gk[:, t]).unsqueeze(-1)
+        kv_mem = torch.einsum("bhk,bhkv->bhv", kk[:, t], S)
+        u = beta[:, t].unsqueeze(-1) * (v[:, t] - kv_mem)
+        S = S + kk[:, t].unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    o = torch.stack(outs, dim=1)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.eps) * w["o_norm"].to(f32)
+    o = o * torch.sigmoid(g.view(B, T, nh, hd))
+    return o.reshape(B * T, D).to(torch.bfloat16), S, new_conv
