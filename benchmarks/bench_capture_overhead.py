@@ -31,7 +31,9 @@ def inner(args: argparse.Namespace) -> None:
     if args.capture:
         from decodescope.tracer.capture import Session
 
-        session = Session(tempfile.mkdtemp(prefix="ds-bench-")).start()
+        session = Session(
+            tempfile.mkdtemp(prefix="ds-bench-"), launch_records=args.launch_records
+        ).start()
     import torch
 
     from decodescope.tracer import range as trange
@@ -75,15 +77,30 @@ def inner(args: argparse.Namespace) -> None:
         per_step.append(a.elapsed_time(b) * 1e3 / args.replays)
         if session is not None:
             session.discard(keep=())  # keep the buffers from growing between repeats
+    dropped = launches = 0
     if session is not None:
         session.stop()
-        dropped = session.counts.get("dropped_records", 0)
-    else:
-        dropped = 0
-    print(json.dumps({"per_step_us": per_step, "host_us": host, "dropped": dropped}))
+        from decodescope.tracer.capture import read_chunks
+
+        raw = read_chunks(session.out)
+        counts = raw["count"].to_pylist() if "count" in raw else []
+        dropped = sum(r["value"] for r in counts if r["name"] == "dropped_records")
+        launches = raw["launch"].num_rows if "launch" in raw else 0
+    print(
+        json.dumps(
+            {
+                "per_step_us": per_step,
+                "host_us": host,
+                "dropped": dropped,
+                "launch_rows_last_repeat": launches,
+            }
+        )
+    )
 
 
-def run_config(mode: str, capture: bool, args: argparse.Namespace) -> dict:
+def run_config(
+    mode: str, capture: bool, args: argparse.Namespace, launch_records: str = "callback"
+) -> dict:
     env = dict(os.environ)
     if capture:
         from decodescope.tracer.capture import libcupti_path
@@ -94,7 +111,7 @@ def run_config(mode: str, capture: bool, args: argparse.Namespace) -> dict:
     else:
         env.pop("NVTX_INJECTION64_PATH", None)
     cmd = [sys.executable, __file__, "--inner", mode, "--capture", str(int(capture)), "--workload", args.workload,
-           "--replays", str(args.replays), "--repeats", str(args.repeats)]  # fmt: skip
+           "--replays", str(args.replays), "--repeats", str(args.repeats), "--launch-records", launch_records]  # fmt: skip
     for o in args.opt:
         cmd += ["--opt", o]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -179,6 +196,12 @@ def main() -> None:
     ap.add_argument("--range-api", action="store_true")
     ap.add_argument("--inner", choices=["graph", "eager"], help=argparse.SUPPRESS)
     ap.add_argument("--capture", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--launch-records",
+        default="callback",
+        help="callback (a Python callback per launch API call, the default) | activity (native API "
+        "records of the launch APIs only) | both (measure each)",
+    )
     args = ap.parse_args()
     if args.inner:
         inner(args)
@@ -196,30 +219,34 @@ def main() -> None:
         "repeats": args.repeats,
         "modes": {},
     }
+    variants = ["callback", "activity"] if args.launch_records == "both" else [args.launch_records]
     print(
-        f"{'mode':<6} {'capture off us':>15} {'capture on us':>14} {'overhead':>9} {'target':>7}  verdict"
+        f"{'mode':<16} {'capture off us':>15} {'capture on us':>14} {'overhead':>9} {'target':>7}  verdict"
     )
     for mode in args.modes.split(","):
         off = run_config(mode, False, args)
-        on = run_config(mode, True, args)
-        row = {"off": off, "on": on}
-        if "error" in off or "error" in on:
-            row["verdict"] = "error"
-            print(f"{mode:<6} {'error':>15}  {off.get('error') or on.get('error')}")
-        else:
-            a, b = statistics.median(off["per_step_us"]), statistics.median(on["per_step_us"])
-            ov = b / a - 1
-            row.update(
-                off_us=a,
-                on_us=b,
-                overhead=ov,
-                target=TARGETS[mode],
-                verdict="ok" if ov <= TARGETS[mode] else "over",
-            )
-            print(f"{mode:<6} {a:>15.2f} {b:>14.2f} {ov:>8.1%} {TARGETS[mode]:>7.0%}  {row['verdict']}"
-                  f"  (host {statistics.median(off['host_us']):.1f} / {statistics.median(on['host_us']):.1f} us,"
-                  f" dropped {on.get('dropped', 0)})")  # fmt: skip
-        results["modes"][mode] = row
+        for i, lr in enumerate(variants):
+            key = mode if i == 0 else f"{mode}/{lr}"
+            label = f"{mode} ({lr})"
+            on = run_config(mode, True, args, lr)
+            row = {"off": off, "on": on, "launch_records": lr}
+            if "error" in off or "error" in on:
+                row["verdict"] = "error"
+                print(f"{label:<16} {'error':>15}  {off.get('error') or on.get('error')}")
+            else:
+                a, b = statistics.median(off["per_step_us"]), statistics.median(on["per_step_us"])
+                ov = b / a - 1
+                row.update(
+                    off_us=a,
+                    on_us=b,
+                    overhead=ov,
+                    target=TARGETS[mode],
+                    verdict="ok" if ov <= TARGETS[mode] else "over",
+                )
+                print(f"{label:<16} {a:>15.2f} {b:>14.2f} {ov:>8.1%} {TARGETS[mode]:>7.0%}  {row['verdict']}"
+                      f"  (host {statistics.median(off['host_us']):.1f} / {statistics.median(on['host_us']):.1f} us,"
+                      f" dropped {on.get('dropped', 0)}, launch rows {on.get('launch_rows_last_repeat')})")  # fmt: skip
+            results["modes"][key] = row
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

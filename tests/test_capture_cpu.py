@@ -112,6 +112,17 @@ def test_record_conversion_kernel_memops_overhead_and_bad_record():
     assert conv.errors == {"kernel": 1}
 
 
+def test_api_records_become_launch_rows():
+    conv = cr.RecordConverter({(5, 211): "cudaLaunchKernel"})
+    recs = [
+        NS(kind=5, cbid=211, start=100, end=110, correlation_id=9, thread_id=TID, process_id=1),
+        NS(kind=4, cbid=307, start=120, end=125, correlation_id=10, thread_id=TID, process_id=1),
+    ]
+    rows = conv.convert_all(recs)["launch"]
+    assert rows[0] == {"correlation_id": 9, "thread": TID, "ts": 100, "api": "cudaLaunchKernel"}
+    assert rows[1]["api"] == "driver:307"
+
+
 def test_iteration_failure_does_not_lose_the_buffer():
     def records():
         yield kernel_rec(1, 2, 1)

@@ -85,6 +85,14 @@ def launch_cbids(enum_members: dict[str, int], prefixes: Sequence[str]) -> dict[
     return out
 
 
+def _members(mod: Any, *names: str) -> dict[str, int]:
+    for n in names:
+        e = getattr(mod, n, None)
+        if e is not None and hasattr(e, "__members__"):
+            return {k: int(v) for k, v in e.__members__.items()}
+    return {}
+
+
 def _ptr(obj: Any) -> int:
     if isinstance(obj, int):
         return obj
@@ -115,8 +123,12 @@ class Session:
         *,
         buffer_bytes: int = 8 << 20,
         flush_period_ms: int = 0,
+        launch_records: str = "callback",
         cupti_module: Any = None,
     ) -> None:
+        if launch_records not in ("callback", "activity"):
+            raise ValueError(f"launch_records must be callback or activity, not {launch_records!r}")
+        self.launch_records = launch_records
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.buffer_bytes = buffer_bytes
@@ -145,6 +157,11 @@ class Session:
         self._tid = threading.get_native_id
         with contextlib.suppress(Exception):
             c.set_thread_id_type(c.ActivityThreadIdType.SYSTEM)
+        # host rows must use the thread ids CUPTI puts in marker records
+        with contextlib.suppress(Exception):
+            if int(c.get_thread_id_type()) != int(c.ActivityThreadIdType.SYSTEM):
+                self._tid = threading.get_ident  # pthread_self(), CUPTI's default
+                self._note("thread id type is not SYSTEM: using pthread_self ids")
         # the record kinds cupti_records relies on
         for name, want in (
             ("CONCURRENT_KERNEL", cr.KIND_CONCURRENT_KERNEL),
@@ -156,7 +173,38 @@ class Session:
             got = int(getattr(c.ActivityKind, name))
             if got != want:
                 self._note(f"ActivityKind.{name} is {got}, expected {want}")
+        D = c.CallbackDomain
+        self._dom_rt, self._dom_drv, self._dom_res = (
+            int(D.RUNTIME_API),
+            int(D.DRIVER_API),
+            int(D.RESOURCE),
+        )
+        self._api = {
+            self._dom_rt: launch_cbids(
+                _members(c, "RuntimeApiTraceCbid", "runtime_api_trace_cbid"),
+                RUNTIME_LAUNCH_PREFIXES,
+            ),
+            self._dom_drv: launch_cbids(
+                _members(c, "DriverApiTraceCbid", "driver_api_trace_cbid"), DRIVER_LAUNCH_PREFIXES
+            ),
+        }
+        self.conv.api_names = {
+            **{(cr.KIND_RUNTIME, cbid): n for cbid, n in self._api[self._dom_rt].items()},
+            **{(cr.KIND_DRIVER, cbid): n for cbid, n in self._api[self._dom_drv].items()},
+        }
         c.activity_register_callbacks(self._requested, self._completed)
+        if self.launch_records == "activity":
+            # native API records for the launch APIs only (no Python on the launch path)
+            for fn, dom in (
+                (c.activity_enable_runtime_api, self._dom_rt),
+                (c.activity_enable_driver_api, self._dom_drv),
+            ):
+                for cbid, name in self._api[dom].items():
+                    try:
+                        fn(cbid, 1)
+                    except Exception as e:
+                        self.counts["enable_api_record_failed"] += 1
+                        self._note(f"activity_enable_*_api({name}): {e}")
         for name in ACTIVITY_KINDS:
             try:
                 kind = getattr(c.ActivityKind, name)
@@ -296,12 +344,11 @@ class Session:
         for k, v in self.conv.errors.items():
             counts[f"conversion_errors:{k}"] = counts.get(f"conversion_errors:{k}", 0) + v
         self.conv.errors.clear()
-        out = {k: cr.raw_table(k, v) for k, v in rows.items() if v}
         if launch:
-            out["launch"] = cr.raw_table(
-                "launch",
-                ({"correlation_id": a, "thread": b, "ts": t, "api": n} for a, b, t, n in launch),
+            rows["launch"].extend(
+                {"correlation_id": a, "thread": b, "ts": t, "api": n} for a, b, t, n in launch
             )
+        out = {k: cr.raw_table(k, v) for k, v in rows.items() if v}
         if gnode:
             keys = ("event", "node_id", "original_node_id", "thread", "ts", "host_path")
             out["gnode"] = cr.raw_table("gnode", (dict(zip(keys, g, strict=True)) for g in gnode))

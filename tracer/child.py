@@ -74,7 +74,11 @@ def env_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 def _start(spec: dict[str, Any]) -> cap.Session:
     global _session, _out
     _out = Path(spec["out"])
-    _session = cap.Session(_out, flush_period_ms=int(spec.get("flush_period_ms", 0) or 0))
+    _session = cap.Session(
+        _out,
+        flush_period_ms=int(spec.get("flush_period_ms", 0) or 0),
+        launch_records=spec.get("launch_records", "callback"),
+    )
     if spec.get("fake"):
         return _session  # CPU tests: no CUPTI
     _session.start()

@@ -35,6 +35,8 @@ from decodescope.analysis.schema import Run, RunMeta, from_pydict
 KIND_MEMCPY = 1
 KIND_MEMSET = 2
 KIND_KERNEL = 3
+KIND_DRIVER = 4
+KIND_RUNTIME = 5
 KIND_CONCURRENT_KERNEL = 10
 KIND_MARKER = 12
 KIND_MARKER_DATA = 13
@@ -185,7 +187,8 @@ class RecordConverter:
     ``errors`` (per raw kind), so one bad record never loses the rest of a buffer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, api_names: Mapping[tuple[int, int], str] | None = None) -> None:
+        self.api_names = dict(api_names or {})  # (activity kind, cbid) -> API name
         self.errors: dict[str, int] = defaultdict(int)
         self.seen: dict[str, int] = defaultdict(int)
         self.last_error: str | None = None
@@ -200,6 +203,8 @@ class RecordConverter:
             return "memop", self._memop(rec, kind)
         if kind == KIND_OVERHEAD:
             return "overhead", self._overhead(rec)
+        if kind in (KIND_RUNTIME, KIND_DRIVER):
+            return "launch", self._api(rec, kind)
         return None  # MARKER_DATA and anything else: nothing we keep
 
     def convert_all(self, records: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:
@@ -290,6 +295,18 @@ class RecordConverter:
             "graph_node_id": _graph_id(_get(rec, "graph_node_id")),
         }
 
+    def _api(self, rec: Any, kind: int) -> dict[str, Any]:
+        """A runtime/driver API record (only the launch APIs are enabled): a launch row."""
+        cbid = int(rec.cbid)
+        return {
+            "correlation_id": int(rec.correlation_id),
+            "thread": _int(_get(rec, "thread_id")),
+            "ts": int(rec.start),
+            "api": self.api_names.get(
+                (kind, cbid), f"{'runtime' if kind == KIND_RUNTIME else 'driver'}:{cbid}"
+            ),
+        }
+
     @staticmethod
     def _overhead(rec: Any) -> dict[str, Any]:
         ok = _int(_get(rec, "overhead_kind")) or 0
@@ -313,6 +330,8 @@ def _kind_name(rec: Any) -> str:
         KIND_MEMCPY: "memop",
         KIND_MEMSET: "memop",
         KIND_OVERHEAD: "overhead",
+        KIND_RUNTIME: "launch",
+        KIND_DRIVER: "launch",
     }.get(k, f"kind{k}")
 
 
