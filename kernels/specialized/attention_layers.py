@@ -1,0 +1,155 @@
+"""The attention half of the specialized KDA and gated-MLA decode layers.
+
+Same contract as :meth:`decodescope.kernels.standard.layers.StandardLayer.forward`'s attention
+part: from ``(x_in, r_in)`` compute ``r_out`` (the residual stream after attention) and ``h``
+(``rmsnorm(r_out) * mlp_norm``, the MoE block's input). Every buffer is allocated once; the same
+launches go into the same buffers every call, on torch's current stream: capturable.
+
+Launches and their ranges (``layer.{i}.attn.<ops>``, names the standard path's ops they cover):
+
+KDA (4 launches; standard: 6 at TP8, 9 at TP16)
+  1. ``input_residual_norm+qkv_proj+f_b_proj`` skinny GEMM, residual add + RMSNorm prologue
+     (f_b_proj's weights are read by launch 2, which computes it: the name keeps the lineup)
+  2. ``conv1d+kda_recurrence+gated_norm``      :mod:`.kda_decode`
+  3. ``o_proj``                                skinny GEMM with the residual-add epilogue
+  4. ``residual_norm``                         :mod:`.rmsnorm` (goes away once the MoE front
+                                               kernel normalizes in its prologue)
+MLA (5 launches; standard: 12-13)
+  1. ``input_residual_norm+fused_qkv_a_proj+g_proj`` two segments of one skinny GEMM grid
+  2. ``q_kv_norm+q_b_proj``                    skinny GEMM, q_a RMSNorm prologue (the kv_a
+                                               norm runs inside launch 3)
+  3. ``w_uk_bmm+cache_insert+mla_decode+w_uv_bmm+gate_mul`` :mod:`.mla_decode`
+  4. ``o_proj``, 5. ``residual_norm`` as for KDA
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.config import Config, LayerSpec
+from decodescope.kernels.specialized import kda_decode as _kda
+from decodescope.kernels.specialized import mla_decode as _mla
+from decodescope.kernels.specialized import norm_qkv_proj as _nqp
+from decodescope.kernels.specialized import oproj_residual_norm as _op
+from decodescope.kernels.specialized import rmsnorm as _rms
+from decodescope.tracer import range as _range
+
+BF16 = torch.bfloat16
+
+KDA_OPS = (
+    "input_residual_norm+qkv_proj+f_b_proj",
+    "conv1d+kda_recurrence+gated_norm",
+    "o_proj",
+    "residual_norm",
+)
+MLA_OPS = (
+    "input_residual_norm+fused_qkv_a_proj+g_proj",
+    "q_kv_norm+q_b_proj",
+    "w_uk_bmm+cache_insert+mla_decode+w_uv_bmm+gate_mul",
+    "o_proj",
+    "residual_norm",
+)
+
+
+class SpecializedAttention:
+    """One layer's attention half for ``batch`` sequences of ``tokens`` tokens each."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        spec: LayerSpec,
+        w: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+        batch: int,
+        tokens: int,
+    ):
+        self.cfg, self.spec, self.w, self.state = cfg, spec, w, state
+        self.B, self.T, self.N = batch, tokens, batch * tokens
+        self.i = spec.index
+        dev = w["attn_norm"].device
+        N, H = self.N, cfg.hidden
+
+        def buf(*shape):
+            return torch.empty(shape, dtype=BF16, device=dev)
+
+        self.r_mid = buf(N, H)  # residual after the input add (launch 1 writes it)
+        if spec.attn == "kda":
+            self.proj = buf(N, cfg.kda_in_proj_out)
+            self.o = buf(N, cfg.kda_dim)
+        else:
+            self.a = buf(N, cfg.mla_qkv_a_out)
+            self.g = buf(N, cfg.mla_v_dim)
+            self.q = buf(N, cfg.mla_q_b_out)
+            self.o = buf(N, cfg.mla_v_dim)
+
+    def _r(self, op: str):
+        return _range(f"layer.{self.i}.attn.{op}")
+
+    @property
+    def launches(self) -> int:
+        return len(KDA_OPS) if self.spec.attn == "kda" else len(MLA_OPS)
+
+    def warmup(self) -> None:
+        """Compile every kernel of this layer (outside capture)."""
+        cfg, N = self.cfg, self.N
+        from decodescope.kernels.specialized import skinny_gemm as _sg
+
+        _sg.compile_plan(_nqp.plan_for(cfg, self.spec.attn, N))
+        _sg.compile_plan(_op.plan_for(cfg, self.spec.attn, N))
+        _rms.compile_plan(_rms.NormPlan(N, cfg.hidden, cfg.eps))
+        if self.spec.attn == "kda":
+            _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
+        else:
+            _sg.compile_plan(_op.q_b_plan(cfg, N))
+            _mla.compile_plan(_mla.plan_for(cfg, self.B, self.T))
+
+    def forward(self, x_in, r_in, r_out, h_out) -> None:
+        """``r_out`` = residual after attention; ``h_out = rmsnorm(r_out) * mlp_norm``.
+
+        ``r_out`` may alias ``r_in`` (launch 1 writes ``r_mid``, launch 3 reads it)."""
+        cfg, w = self.cfg, self.w
+        if self.spec.attn == "kda":
+            with self._r(KDA_OPS[0]):
+                _nqp.norm_qkv_proj(cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj])
+            with self._r(KDA_OPS[1]):
+                _kda.kda_decode(
+                    cfg, w, self.proj, self.state["kda_state"], self.state["conv_state"], self.o,
+                    self.T,
+                )  # fmt: skip
+            ops = KDA_OPS
+        else:
+            outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
+            with self._r(MLA_OPS[0]):
+                _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid, outs)
+            with self._r(MLA_OPS[1]):
+                _op.q_b_proj(cfg, w, self.a, self.q)
+            with self._r(MLA_OPS[2]):
+                _mla.mla_decode(cfg, w, self.a, self.q, self.g, self.state["kv_cache"], self.o,
+                                self.T)  # fmt: skip
+            ops = MLA_OPS
+        with self._r(ops[-2]):
+            _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)
+        with self._r(ops[-1]):
+            _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)
+
+
+def attention_ref(cfg: Config, spec: LayerSpec, w, state, x_in, r_in, tokens: int):
+    """The kernels' torch references chained (FP32 math, the kernels' BF16 rounding points).
+
+    Returns ``(r_out, h_out, new_state)``."""
+    kind = spec.attn
+    outs, r_mid = _nqp.norm_qkv_proj_ref(cfg, w, kind, x_in, r_in)
+    if kind == "kda":
+        o, s, c = _kda.kda_decode_ref(
+            cfg, w, outs[0], state["kda_state"], state["conv_state"], tokens
+        )
+        new_state = {"kda_state": s, "conv_state": c}
+    else:
+        a = outs[0]
+        g = outs[1] if len(outs) > 1 else None
+        q = _op.q_b_proj_ref(cfg, w, a)
+        o, cache = _mla.mla_decode_ref(cfg, w, a, q, g, state["kv_cache"], tokens)
+        new_state = {"kv_cache": cache}
+    r_out = _op.oproj_residual_ref(cfg, w, o, r_mid)
+    h = _rms.rmsnorm_ref(r_out, w["mlp_norm"], cfg.eps)
+    return r_out, h, new_state

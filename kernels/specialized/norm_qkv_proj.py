@@ -1,0 +1,47 @@
+"""Residual add + RMSNorm fused into one launch of all of a layer's input projections.
+
+KDA: the merged ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, pad) in one segment (``f_b`` is folded
+into :mod:`.kda_decode`). MLA: ``fused_qkv_a_proj`` and ``g_proj`` as two segments of one grid.
+The kernel is :class:`.skinny_gemm.SkinnyGemm` with its prologue on: every CTA computes the
+per-token rstd of ``r' = x + r`` itself; CTA 0 writes ``r'`` (the new residual stream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
+
+
+def plan_for(cfg, kind: str, m: int) -> GemmPlan:
+    if kind == "kda":
+        segs: tuple[int, ...] = (cfg.kda_in_proj_out,)
+    else:
+        segs = (cfg.mla_qkv_a_out,) + ((cfg.mla_v_dim,) if cfg.mla.output_gate else ())
+    return GemmPlan(m=m, k=cfg.hidden, segments=segs, norm=True, add_residual=True, eps=cfg.eps)
+
+
+def weights_for(w: dict, kind: str) -> list[torch.Tensor]:
+    if kind == "kda":
+        return [w["in_proj"]]
+    return [w["qkv_a"]] + ([w["g_proj"]] if "g_proj" in w else [])
+
+
+def norm_qkv_proj(cfg, w: dict, kind: str, x, r, r_out, outs: list[torch.Tensor]) -> None:
+    """``r_out = x + r``; ``outs[s] = rmsnorm(r_out) * attn_norm @ W_s^T``. One launch."""
+    skinny_gemm(
+        x,
+        weights_for(w, kind),
+        outs,
+        residual=r,
+        residual_out=r_out,
+        norm_weight=w["attn_norm"],
+        eps=cfg.eps,
+    )
+
+
+def norm_qkv_proj_ref(cfg, w: dict, kind: str, x, r):
+    """Returns ``(outs, r_out)`` with the kernel's rounding points."""
+    return skinny_gemm_ref(
+        x, weights_for(w, kind), residual=r, norm_weight=w["attn_norm"], eps=cfg.eps
+    )

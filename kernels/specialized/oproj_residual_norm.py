@@ -1,0 +1,60 @@
+"""o_proj + residual add in one launch: ``r' = bf16(bf16(o @ Wo^T) + r)``.
+
+The next RMSNorm (the MoE block's input norm) needs the whole 7168-wide row, which the 448 CTAs
+of this GEMM each hold only 16 columns of. Two ways to fuse it: a grid-wide step (every CTA
+waits on a counter, then one pass normalizes: a serialization point inside the launch), or let
+the consumer recompute the per-token rstd in its prologue from ``r'`` (M x 14 KB from L2 per
+CTA). We take the second, as :mod:`.norm_qkv_proj` does for the attention input: the MoE
+kernels read ``r'`` and normalize it themselves, so this kernel writes only the new residual
+stream and the layer has no separate norm launch. With more than one GPU the all-reduce goes
+between the GEMM and the add (not fused yet: one GPU runs the per-rank shapes).
+
+MLA also runs its ``q_b`` projection through the same kernel family (:func:`q_b_proj`): the
+q_a RMSNorm is that launch's prologue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
+
+
+def plan_for(cfg, kind: str, m: int) -> GemmPlan:
+    k = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
+    return GemmPlan(m=m, k=k, segments=(cfg.hidden,), residual_epilogue=True, eps=cfg.eps)
+
+
+def oproj_residual(cfg, w: dict, o, r, r_out) -> None:
+    """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` must not alias ``r``? It may: each
+    element is read and written by the same thread."""
+    skinny_gemm(o, [w["o_proj"]], [r_out], epilogue_residual=r, eps=cfg.eps)
+
+
+def oproj_residual_ref(cfg, w: dict, o, r):
+    outs, _ = skinny_gemm_ref(o, [w["o_proj"]], epilogue_residual=r)
+    return outs[0]
+
+
+def q_b_plan(cfg, m: int) -> GemmPlan:
+    mla = cfg.mla
+    return GemmPlan(
+        m=m,
+        k=mla.q_lora_rank,
+        segments=(cfg.mla_q_b_out,),
+        norm=True,
+        x_stride=cfg.mla_qkv_a_out,
+        eps=cfg.eps,
+    )
+
+
+def q_b_proj(cfg, w: dict, a: torch.Tensor, q_out: torch.Tensor) -> None:
+    """``q = rmsnorm(q_a) * q_a_norm @ q_b^T`` with ``q_a = a[:, :q_lora]`` (a strided view)."""
+    q_a = a[:, : cfg.mla.q_lora_rank]
+    skinny_gemm(q_a, [w["q_b"]], [q_out], norm_weight=w["q_a_norm"], eps=cfg.eps)
+
+
+def q_b_proj_ref(cfg, w: dict, a):
+    q_a = a[:, : cfg.mla.q_lora_rank]
+    outs, _ = skinny_gemm_ref(q_a, [w["q_b"]], norm_weight=w["q_a_norm"], eps=cfg.eps)
+    return outs[0]

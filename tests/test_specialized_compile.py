@@ -1,0 +1,104 @@
+"""CPU checks of the specialized attention kernels.
+
+1. Every kernel compiles for sm_90a (``CUTE_DSL_ARCH``, no GPU) at the kimi-k3 TP8 and TP16
+   per-rank shapes and at the tiny preset's, at decode batch sizes.
+2. The kernels' torch references (their math and BF16 rounding points, FP32 arithmetic) chained
+   into the attention half of a layer match the float64 reference of the layer
+   (:mod:`decodescope.kernels.reference`) within BF16 tolerances, on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cutlass")
+
+from decodescope.kernels import reference as R  # noqa: E402
+from decodescope.kernels import weights as W  # noqa: E402
+from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
+from decodescope.kernels.specialized import kda_decode as kda  # noqa: E402
+from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
+from decodescope.kernels.specialized import norm_qkv_proj as nqp  # noqa: E402
+from decodescope.kernels.specialized import oproj_residual_norm as op  # noqa: E402
+from decodescope.kernels.specialized import rmsnorm as rms  # noqa: E402
+from decodescope.kernels.specialized import skinny_gemm as sg  # noqa: E402
+from decodescope.kernels.specialized.attention_layers import attention_ref  # noqa: E402
+
+SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_gemms_compile(preset, tp, m):
+    cfg = get_config(preset, tp)
+    plans = [
+        nqp.plan_for(cfg, "kda", m),
+        nqp.plan_for(cfg, "mla", m),
+        op.plan_for(cfg, "kda", m),
+        op.plan_for(cfg, "mla", m),
+        op.q_b_plan(cfg, m),
+    ]
+    if m == 64 and preset == "kimi-k3":
+        plans = plans[:1] + plans[2:3]  # the large-M unrolls compile slowly: one of each kind
+    for p in plans:
+        assert sg.compile_plan(p) is not None
+    assert rms.compile_plan(rms.NormPlan(m, cfg.hidden, cfg.eps)) is not None
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (32, 1)])
+def test_attention_kernels_compile(preset, tp, batch, tokens):
+    cfg = get_config(preset, tp)
+    assert kda.compile_plan(kda.plan_for(cfg, batch, tokens)) is not None
+    assert mla.compile_plan(mla.plan_for(cfg, batch, tokens)) is not None
+
+
+def test_multi_token_compiles_tiny():
+    cfg = get_config("tiny", 1)
+    assert kda.compile_plan(kda.plan_for(cfg, 8, 8)) is not None
+    assert mla.compile_plan(mla.plan_for(cfg, 1, 8)) is not None
+
+
+def _layer(cfg, kind: str, batch: int, tokens: int, seed: int):
+    spec = LayerSpec(3 if kind == "kda" else 7, kind, "moe")
+    w = W.make_layer_weights(cfg, spec, seed=seed)
+    st = W.make_state(cfg, spec, batch, tokens, seed=seed)
+    x, r = W.make_inputs(cfg, batch * tokens, seed=seed)
+    return spec, w, st, x, r
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (2, 3)])
+def test_refs_match_float64_reference(kind, batch, tokens):
+    cfg = get_config("tiny", 1)
+    seed = 11 * batch + tokens + (0 if kind == "kda" else 1000)
+    spec, w, st, x, r = _layer(cfg, kind, batch, tokens, seed)
+    r_out, h, new_state = attention_ref(cfg, spec, w, st, x, r, tokens)
+
+    h64, r64 = R.attn_res_ref(x, r, w["attn_norm"], cfg.eps)
+    if kind == "kda":
+        a64, s64, c64 = R.kda_attn_ref(cfg, w, h64, st["kda_state"], st["conv_state"], tokens)
+        assert R.rel_l2(new_state["kda_state"], s64) < 1e-2
+        assert R.rel_l2(new_state["conv_state"], c64) < 1e-2
+    else:
+        a64, cache64 = R.mla_attn_ref(cfg, w, h64, st["kv_cache"], tokens)
+        ctx = cfg.context_len
+        assert R.rel_l2(new_state["kv_cache"][:, ctx:], cache64[:, ctx:]) < 2e-2
+    hm64, rm64 = R.attn_res_ref(a64, r64, w["mlp_norm"], cfg.eps)
+    assert R.rel_l2(r_out, rm64) < 2e-2
+    assert R.rel_l2(h, hm64) < 2e-2
+
+
+def test_skinny_gemm_ref_rounding():
+    """The GEMM reference: residual add, norm and epilogue at the documented rounding points."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    r = torch.randn(5, 64, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+    wt = (torch.randn(32, 64, generator=g) / 8).bfloat16()
+    (o,), rout = sg.skinny_gemm_ref(x, [wt], residual=r, norm_weight=nw, eps=1e-5)
+    h = x.double() + r.double()
+    ref = R.rmsnorm_ref(h, nw.double(), 1e-5) @ wt.double().T
+    assert torch.equal(rout, (x.float() + r.float()).bfloat16())
+    assert R.rel_l2(o, ref) < 1e-2
