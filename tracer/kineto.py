@@ -118,7 +118,6 @@ class _Args(msgspec.Struct, gc=False):
 
 
 class _Event(msgspec.Struct, gc=False):
-    ph: Any = None
     cat: Any = None
     name: Any = None
     pid: Any = None
@@ -191,29 +190,39 @@ def _read_bytes(p: Path) -> bytes:
     return data
 
 
-def _gunzip(p: Path, data: bytes) -> bytes:
-    parts = []
+_GUNZIP_CHUNK = 1 << 20
+
+
+def _gunzip(p: Path, data: bytes) -> bytearray:
+    """Decompress every gzip member of ``data`` into one bytearray, a chunk at a time, so the peak
+    is the output plus one chunk (a one-shot decompress holds its output twice while joining)."""
+    out = bytearray()
     try:
-        while data:
+        while True:
             d = zlib.decompressobj(wbits=31)  # gzip wrapper; checks the CRC and length
-            parts.append(d.decompress(data))
+            buf = data
+            while buf and not d.eof:
+                out += d.decompress(buf, _GUNZIP_CHUNK)
+                buf = d.unconsumed_tail
+            out += d.flush()
             if not d.eof:
                 raise TraceError(p, "truncated gzip data: the compressed stream ends early")
-            data = d.unused_data.lstrip(b"\0")  # further members, or trailing padding
-            if data and data[:2] != b"\x1f\x8b":
+            data = d.unused_data.lstrip(b"\0")  # a further member, or trailing padding
+            if not data:
+                break
+            if data[:2] != b"\x1f\x8b":
                 raise TraceError(p, "corrupt gzip data: trailing garbage after the stream")
     except zlib.error as e:
         raise TraceError(p, f"truncated or corrupt gzip data: {e}") from None
-    out = parts[0] if len(parts) == 1 else b"".join(parts)
     if not out or out.isspace():
         raise TraceError(p, "gzip file holds no data")
     return out
 
 
-def _decode(p: Path, data: bytes) -> tuple[_Trace, list[_Event], Counter]:
+def _decode(p: Path, data: bytes | bytearray) -> tuple[_Trace, list[_Event], Counter]:
     """Decode ``data``: the typed fast path, else a generic decode converted event by event."""
     if data[:3] == b"\xef\xbb\xbf":
-        data = data[3:]
+        data = memoryview(data)[3:]
     head = data[:4096].lstrip()
     if head[:1] not in (b"{", b"["):
         raise TraceError(p, "not a Kineto / Chrome trace: expected a JSON object ({...})")
@@ -256,7 +265,9 @@ def _json_problem(e: Exception) -> str:
     return msg
 
 
-def _decode_generic(p: Path, data: bytes, skipped: Counter) -> tuple[_Trace, list[_Event] | None]:
+def _decode_generic(
+    p: Path, data: bytes | bytearray | memoryview, skipped: Counter
+) -> tuple[_Trace, list[_Event] | None]:
     obj = _DECODE_ANY.decode(data)
     if isinstance(obj, list):
         raw_events: Any = obj
