@@ -34,7 +34,7 @@ def detect(path: str | os.PathLike[str]) -> str:
         raise TraceError(p, "is a directory but not a decodescope run folder (no runs.parquet)")
     try:
         with open(p, "rb") as f:
-            head = f.read(64)
+            head = f.read(4096)  # JSON may open with whitespace
     except OSError as e:
         raise TraceError(p, f"cannot read: {e.strerror or e}") from None
     if not head:
