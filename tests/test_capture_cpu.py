@@ -432,3 +432,75 @@ def test_program_that_raises(tmp_path):
         echo=False,
     )
     assert not res.ok and "ValueError: bad shape (3, 4)" in res.message
+
+
+# --- validation helpers, --modules, CLI ---------------------------------------------------------
+
+
+def test_check_attribution_and_kineto_comparison_on_graph_run():
+    from decodescope.tracer import validate
+
+    run = cr.assemble(_graph_raw(replays=3), RunMeta(run_id="g", source="cupti"))
+    ops = [
+        "layer.0.attn.qkv_proj",
+        "layer.0.moe.router",
+        "layer.1.attn.qkv_proj",
+        "layer.1.moe.router",
+    ]
+    chk = validate.check_attribution(run, ops)
+    assert chk["ok"] and chk["steps"] == 3 and chk["kernels_per_step"] == 4
+    bad = validate.check_attribution(run, ops + ["layer.1.moe.experts"])
+    assert not bad["ok"] and "layer.1.moe.experts" in bad["problems"][0]
+    summary, table = validate.compare_runs(run, run)
+    assert summary["ok"] and summary["kernels_compared"] == 4 and table.num_rows == 4
+    assert [r["cupti"] for r in summary["per_layer_counts"]] == [2, 2]
+
+
+def test_modules_ranges_name_module_paths():
+    torch = pytest.importorskip("torch")
+    from decodescope.tracer import current_path, modules
+
+    seen = []
+
+    class Attn(torch.nn.Module):
+        def forward(self, x):
+            seen.append(current_path())
+            return x
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attn()
+
+        def forward(self, x):
+            return self.self_attn(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    modules.instrument()
+    try:
+        Model()(torch.zeros(1))
+    finally:
+        modules.uninstrument()
+    assert seen == [
+        "model/model.layers.0/model.layers.0.self_attn",
+        "model/model.layers.1/model.layers.1.self_attn",
+    ]
+    assert current_path() == ""
+
+
+def test_cli_capture_needs_a_workload_or_a_program(capsys):
+    from decodescope.ui.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--steps", "3"])
+    assert e.value.code == 2
+    assert "either --workload NAME or a program after --" in capsys.readouterr().err

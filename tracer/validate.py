@@ -170,18 +170,34 @@ def _per_layer_counts(run: Run) -> dict[str, float]:
     return {lay: statistics.median(v) for lay, v in sorted(by_layer.items())}
 
 
-def _median_durations(run: Run) -> dict[str, tuple[float, int]]:
-    d: dict[str, list[int]] = defaultdict(list)
+def _median_durations(run: Run) -> dict[tuple[str, int], tuple[float, int, str]]:
+    """(innermost range, ordinal of the kernel within that range in its step) -> (median ns,
+    calls, kernel name). Keyed by position, not by name, so that two tools' name spellings
+    (demangled, shortened) cannot hide a kernel from the comparison."""
     k = run.kernels
-    for name, s, e in zip(
-        k.column("name").to_pylist(),
-        k.column("start_ns").to_pylist(),
-        k.column("end_ns").to_pylist(),
-        strict=True,
-    ):
-        if s is not None and e is not None:
-            d[name or ""].append(e - s)
-    return {n: (statistics.median(v), len(v)) for n, v in d.items()}
+    rows = sorted(
+        zip(
+            k.column("step").to_pylist(),
+            k.column("start_ns").to_pylist(),
+            k.column("end_ns").to_pylist(),
+            k.column("range_path").to_pylist(),
+            k.column("name").to_pylist(),
+            strict=True,
+        ),
+        key=lambda t: (t[0] is None, t[0] or 0, t[1] or 0),
+    )
+    seen: Counter = Counter()
+    d: dict[tuple[str, int], list[int]] = defaultdict(list)
+    names: dict[tuple[str, int], str] = {}
+    for step, s, e, path, name in rows:
+        if s is None or e is None:
+            continue
+        op = leaf(path)
+        i = seen[(step, op)]
+        seen[(step, op)] += 1
+        d[(op, i)].append(e - s)
+        names.setdefault((op, i), name or "")
+    return {key: (statistics.median(v), len(v), names[key]) for key, v in d.items()}
 
 
 def compare_runs(
@@ -195,13 +211,16 @@ def compare_runs(
     counts_equal = all(r["cupti"] == r["kineto"] for r in count_rows if r["layer"] not in ("None",))
     da, db = _median_durations(a), _median_durations(b)
     rows = []
-    for name in sorted(set(da) | set(db)):
-        ma, na = da.get(name, (None, 0))
-        mb, nb = db.get(name, (None, 0))
+    for key in sorted(set(da) | set(db)):
+        ma, na, name_a = da.get(key, (None, 0, None))
+        mb, nb, name_b = db.get(key, (None, 0, None))
         ratio = (ma / mb) if ma and mb else None
         rows.append(
             {
-                "name": name,
+                "range": key[0],
+                "ordinal": key[1],
+                "name": name_a or name_b,
+                "kineto_name": name_b,
                 "cupti_median_ns": ma,
                 "kineto_median_ns": mb,
                 "cupti_calls": na,
@@ -220,8 +239,12 @@ def compare_runs(
         "kernels_within_tolerance": within,
         "median_ratio": statistics.median(ratios) if ratios else None,
         "durations_ok": bool(both) and abs(statistics.median(ratios) - 1) <= tolerance,
-        "only_cupti": [r["name"] for r in rows if r["kineto_calls"] == 0],
-        "only_kineto": [r["name"] for r in rows if r["cupti_calls"] == 0],
+        "only_cupti": [
+            f"{r['range']}#{r['ordinal']} {r['name']}" for r in rows if r["kineto_calls"] == 0
+        ],
+        "only_kineto": [
+            f"{r['range']}#{r['ordinal']} {r['kineto_name']}" for r in rows if r["cupti_calls"] == 0
+        ],
         "tolerance": tolerance,
     }
     summary["ok"] = summary["counts_equal"] and summary["durations_ok"]
