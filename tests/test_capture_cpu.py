@@ -504,3 +504,124 @@ def test_cli_capture_needs_a_workload_or_a_program(capsys):
         main(["capture", "--steps", "3"])
     assert e.value.code == 2
     assert "either --workload NAME or a program after --" in capsys.readouterr().err
+
+
+class HybridCupti:
+    """cupti-python's real enums and struct classes, with the CUPTI calls stubbed (no driver)."""
+
+    def __init__(self):
+        from cupti import cupti as real
+
+        self._real = real
+        self.subscribed = None
+        self.enabled_callbacks = []
+        self.enabled_kinds = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def set_thread_id_type(self, t):
+        self.tid_type = int(t)
+
+    def get_thread_id_type(self):
+        return self.tid_type
+
+    def get_timestamp(self):
+        return 123456789
+
+    def activity_register_callbacks(self, req, done):
+        self.req, self.done = req, done
+
+    def activity_enable(self, kind):
+        self.enabled_kinds.append(int(kind))
+
+    def activity_disable(self, kind):
+        pass
+
+    def subscribe(self, cb, userdata):
+        self.subscribed = cb
+        return 77
+
+    def unsubscribe(self, sub):
+        pass
+
+    def enable_callback(self, enable, sub, domain, cbid):
+        self.enabled_callbacks.append((int(domain), int(cbid)))
+
+    def get_graph_node_id(self, node):
+        return node + 1000  # stands in for the driver's id of the node handle
+
+    def activity_flush_all(self, flag):
+        pass
+
+    def activity_get_num_dropped_records(self, ctx, stream, addr):
+        pass
+
+
+def test_session_start_and_callbacks_with_real_cupti_structs(tmp_path):
+    """Drives Session.start and its callbacks with cupti-python's real struct classes built over
+    numpy memory, so every attribute name the session reads is checked against the binding."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("cupti")
+    c = HybridCupti()
+    s = cap.Session(tmp_path, cupti_module=c).start()
+    real = c._real
+    assert set(c.enabled_kinds) >= {10, 1, 2, 12, 17}
+    rt, drv, res = (
+        int(real.CallbackDomain.RUNTIME_API),
+        int(real.CallbackDomain.DRIVER_API),
+        int(real.CallbackDomain.RESOURCE),
+    )
+    names = {
+        (d, cb): n for d in (rt, drv) for cb, n in s._api[d].items()
+    }  # fmt: skip
+    assert "cudaLaunchKernel" in names.values() and "cuLaunchKernelEx" in names.values()
+    assert "cudaGraphLaunch" in names.values() and "cuGraphLaunch" in names.values()
+    assert (res, int(real.CallbackIdResource.GRAPHNODE_CREATED)) in c.enabled_callbacks
+    assert (res, int(real.CallbackIdResource.GRAPHNODE_CLONED)) in c.enabled_callbacks
+    assert all(d in (rt, drv, res) for d, _ in c.enabled_callbacks)
+
+    # a launch callback: CallbackData over real memory, passed as the object and as a pointer
+    cbd = np.zeros(1, dtype=real.callback_data_dtype)
+    cbd["callback_site"] = int(real.ApiCallbackSite.API_ENTER)
+    cbd["correlation_id"] = 41
+    launch = next(cb for (d, cb), n in names.items() if d == rt and n == "cudaLaunchKernel")
+    c.subscribed(None, rt, launch, real.CallbackData.from_data(cbd))
+    c.subscribed(None, rt, launch, int(cbd.ctypes.data))
+    cbd["callback_site"] = int(real.ApiCallbackSite.API_EXIT)
+    c.subscribed(None, rt, launch, int(cbd.ctypes.data))  # exit: ignored
+
+    # GRAPHNODE_CREATED / CLONED: ResourceData -> GraphData, as a pointer and as an object
+    gd = np.zeros(1, dtype=real.graph_data_dtype)
+    gd["node"], gd["original_node"] = 5, 4
+    rd = np.zeros(1, dtype=real.resource_data_dtype)
+    rd["resource_descriptor"] = int(gd.ctypes.data)
+    from decodescope.tracer import range as trange
+
+    with trange("step"), trange("layer.0.attn.qkv_proj"):
+        c.subscribed(None, res, int(real.CallbackIdResource.GRAPHNODE_CREATED), int(rd.ctypes.data))
+    c.subscribed(
+        None, res, int(real.CallbackIdResource.GRAPHNODE_CLONED), real.ResourceData.from_data(rd)
+    )
+    assert s.counts.get("callback_errors", 0) == 0, s.errors
+    s.stop()
+    raw = cap.read_chunks(tmp_path)
+    assert (
+        raw["launch"].to_pylist()
+        == [
+            {
+                "correlation_id": 41,
+                "thread": raw["launch"]["thread"][0].as_py(),
+                "ts": 123456789,
+                "api": "cudaLaunchKernel",
+            }
+        ]
+        * 2
+    )
+    g = raw["gnode"].to_pylist()
+    assert (g[0]["event"], g[0]["node_id"], g[0]["host_path"]) == (
+        "created",
+        1005,
+        "step/layer.0.attn.qkv_proj",
+    )
+    assert (g[1]["event"], g[1]["node_id"], g[1]["original_node_id"]) == ("cloned", 1005, 1004)
