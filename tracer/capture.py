@@ -560,6 +560,8 @@ def run_capture(
     message = None
     if timed_out:
         message = f"the capture child did not finish within {timeout:g} s and was stopped"
+    elif err and err.get("kind") == "session":
+        message = err.get("message", "the CUPTI session could not start")
     elif err:
         message = f"the workload failed in the capture child: {err.get('message', 'unknown error')}"
     elif rc is not None and rc < 0:

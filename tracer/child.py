@@ -244,7 +244,15 @@ def bootstrap() -> None:
     os.environ[cap.OWNER_ENV] = str(os.getpid())  # children of the program do not capture
     spec = json.loads(Path(spec_path).read_text())
     spec.setdefault("flush_period_ms", 2000)
-    _start(spec)
+    try:
+        _start(spec)
+    except Exception as e:  # the program still runs; the parent reports why nothing was captured
+        _write_json(
+            "error.json",
+            {"message": f"the CUPTI session could not start: {_one_line(e)}", "kind": "session"},
+        )
+        print(f"decodescope: capture disabled: {_one_line(e)}", file=sys.stderr)
+        return
     if spec.get("modules"):
         from decodescope.tracer.modules import instrument
 
