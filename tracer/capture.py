@@ -330,7 +330,7 @@ class Session:
             if n.value:
                 self.counts["dropped_records"] += int(n.value)
         except Exception as e:
-            self.counts["dropped_records_unreadable"] = 1
+            self.counts["drop_count_unreadable"] = 1
             self._note(f"activity_get_num_dropped_records: {e}")
 
     # -- output --------------------------------------------------------------------------------
