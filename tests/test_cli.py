@@ -1,0 +1,208 @@
+"""The command line end to end on real traces: import, report, compare, export, query, check."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from decodescope import tracer
+
+TRACES = Path(__file__).parent / "data" / "traces"
+HF_QWEN = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
+VLLM_B200 = TRACES / "kineto_b200_vllm_tp8_rank0_prefill_eager__TraceLens.json.gz"
+
+
+@dataclasses.dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: object) -> Result:
+    """Run the console script's entry point in this process (as ``decodescope ARGS``)."""
+    from decodescope.ui import cli as cli_mod
+
+    cli_mod.console.width = 200  # wide tables: rows stay on one line for the assertions
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_mod.main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def one_line_error(p: Result) -> str:
+    assert p.returncode == 2, p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli")
+    p = cli("import", HF_QWEN, "--out", d / "hf", "--backend", "standard", "--workload", "qwen-hf")
+    assert p.returncode == 0, p.stderr
+    assert "1465 kernels" in p.stdout and "1008 in a layer" in p.stdout
+    p = cli("import", VLLM_B200, "--out", d / "vllm")
+    assert p.returncode == 0, p.stderr
+    return d
+
+
+def slow_copy(src: Path, out: Path, factor: float, run_id: str) -> Path:
+    """DERIVED from a real run: GPU times multiplied by ``factor`` (a slower run), same setup."""
+    run = tracer.load(src)
+    k = run.kernels
+    s = np.asarray(k["start_ns"].to_pylist(), dtype=np.int64)
+    e = np.asarray(k["end_ns"].to_pylist(), dtype=np.int64)
+    t0 = s.min()
+    k = k.set_column(
+        k.schema.get_field_index("start_ns"),
+        "start_ns",
+        pa.array(t0 + ((s - t0) * factor).astype(np.int64)),
+    )
+    k = k.set_column(
+        k.schema.get_field_index("end_ns"),
+        "end_ns",
+        pa.array(t0 + ((e - t0) * factor).astype(np.int64)),
+    )
+    k = k.set_column(k.schema.get_field_index("run_id"), "run_id", pa.array([run_id] * k.num_rows))
+    return tracer.write_run(run.replace(kernels=k, meta=run.meta.replace(run_id=run_id)), out)
+
+
+def test_report_json(work):
+    p = cli("report", work / "hf", "--json", "--top", "3")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["run"]["kernels"] == 1465 and data["run"]["backend"] == "standard"
+    assert data["run"]["dropped_records"] == 0
+    (kind,) = data["kinds"]
+    assert (kind["layers"], kind["kernels"]) == (24, 42)
+    assert len(data["layers"]) == 24 and len(data["kernels"]) == 3
+    # the trace itself reports the same figures as its imported run folder
+    direct = json.loads(cli("report", HF_QWEN, "--json", "--top", "3").stdout)
+    assert direct["layers"] == data["layers"] and direct["kinds"] == data["kinds"]
+
+
+def test_report_tables(work):
+    p = cli("report", work / "vllm", "--top", "5")
+    assert p.returncode == 0, p.stderr
+    for title in ("per layer kind", "per layer", "per op", "top 5 kernels", "overheads"):
+        assert title in p.stdout
+    assert "FusedMoE" in p.stdout
+
+
+def test_report_trace_without_layers():
+    p = cli("report", TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite")
+    assert p.returncode == 0, p.stderr
+    assert "no kernel is attributed to a layer" in p.stdout
+    assert "top 15 kernels" in p.stdout
+
+
+def test_compare(work):
+    p = cli("compare", work / "hf", work / "vllm", "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data["verdict"][0].startswith("B is") and "42 -> 21 kernels" in data["verdict"][0]
+    assert len(data["layers"]) == 36
+    assert {r["side"] for r in data["only_one_side"]} == {"a", "b"}
+    text = cli("compare", work / "hf", work / "vllm")
+    assert text.returncode == 0
+    assert "42 -> 21 kernels" in text.stdout and "kernels present on one side only" in text.stdout
+
+
+def test_import_errors_leave_nothing(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [')
+    line = one_line_error(cli("import", bad, "--out", tmp_path / "out"))
+    assert str(bad) in line
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+    line = one_line_error(cli("import", tmp_path / "missing.json", "--out", tmp_path / "out"))
+    assert "no such file" in line
+    (tmp_path / "exists").mkdir()
+    one_line_error(cli("import", HF_QWEN, "--out", tmp_path / "exists"))
+
+
+def test_export_and_query(work, tmp_path):
+    ds = tmp_path / "ds"
+    p = cli("export", work / "hf", work / "vllm", "--to", ds)
+    assert p.returncode == 0, p.stderr
+    q = cli(
+        "query",
+        ds,
+        "SELECT run_id, count(*) AS n FROM kernels GROUP BY run_id ORDER BY n",
+        "--json",
+    )
+    assert q.returncode == 0, q.stderr
+    assert [r["n"] for r in json.loads(q.stdout)] == [768, 1465]
+    q = cli("query", ds, "SELECT gpu, backend, workload FROM runs ORDER BY gpu", "--json")
+    assert json.loads(q.stdout) == [
+        {"gpu": "NVIDIA B200", "backend": None, "workload": None},
+        {"gpu": "NVIDIA H100 80GB HBM3", "backend": "standard", "workload": "qwen-hf"},
+    ]
+    for view in ("ranges", "memops", "overheads"):
+        assert cli("query", ds, f"SELECT count(*) FROM {view}").returncode == 0
+    table = cli(
+        "query", ds, "SELECT layer, count(*) AS n FROM kernels WHERE layer = 3 GROUP BY layer"
+    )
+    assert table.returncode == 0 and "63" in table.stdout  # 42 + 21 kernels in layer 3
+    assert "query failed" in one_line_error(cli("query", ds, "SELECT nope FROM kernels"))
+    assert "already holds" in one_line_error(cli("export", work / "hf", "--to", ds))
+    assert "not a decodescope dataset" in one_line_error(cli("query", work / "hf", "SELECT 1"))
+
+
+def test_check_against_run(work, tmp_path):
+    ok = cli("check", work / "hf", "--baseline", HF_QWEN, "--max-regression", "1")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "ok" in ok.stdout
+    slow = slow_copy(work / "hf", tmp_path / "slow", 1.25, "hf-slow")  # DERIVED: 25% slower
+    bad = cli("check", slow, "--baseline", work / "hf", "--max-regression", "10")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "regression" in bad.stdout and "+25.0%" in bad.stdout
+    assert cli("check", slow, "--baseline", work / "hf", "--max-regression", "30").returncode == 0
+    js = cli("check", slow, "--baseline", work / "hf", "--max-regression", "10", "--json")
+    assert js.returncode == 1
+    data = json.loads(js.stdout)
+    assert data["ok"] is False and data["reasons"] and data["table"][0]["status"] == "regression"
+
+
+def test_check_against_dataset(work, tmp_path):
+    ds = tmp_path / "ds"
+    # the same real trace imported twice under two run ids: two baseline rows of one setup
+    for rid in ("base-1", "base-2"):
+        out = tmp_path / rid
+        p = cli(
+            "import",
+            HF_QWEN,
+            "--out",
+            out,
+            "--run-id",
+            rid,
+            "--backend",
+            "standard",
+            "--workload",
+            "qwen-hf",
+        )
+        assert p.returncode == 0, p.stderr
+        assert cli("export", out, "--to", ds).returncode == 0
+    same = cli("check", tmp_path / "base-1", "--baseline", ds, "--max-regression", "1")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "1 run(s)" in same.stdout  # itself is never its own baseline
+    slow = slow_copy(tmp_path / "base-1", tmp_path / "slow", 1.2, "slow")  # DERIVED: 20% slower
+    bad = cli("check", slow, "--baseline", ds, "--max-regression", "5")
+    assert bad.returncode == 1 and "2 run(s)" in bad.stdout
+    # a run of another setup has no baseline there
+    line = one_line_error(cli("check", work / "vllm", "--baseline", ds, "--max-regression", "5"))
+    assert "no baseline run" in line
