@@ -24,6 +24,8 @@ MLA (5 launches; standard: 12-13)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from decodescope.kernels.config import Config, LayerSpec
@@ -103,34 +105,36 @@ class SpecializedAttention:
             _sg.compile_plan(_op.q_b_plan(cfg, N))
             _mla.compile_plan(_mla.plan_for(cfg, self.B, self.T))
 
+    def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
+        """The layer's launches in order, as ``(op name, thunk)``; ``forward`` runs them."""
+        cfg, w, st = self.cfg, self.w, self.state
+        if self.spec.attn == "kda":
+            return [
+                (KDA_OPS[0], lambda: _nqp.norm_qkv_proj(
+                    cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj])),
+                (KDA_OPS[1], lambda: _kda.kda_decode(
+                    cfg, w, self.proj, st["kda_state"], st["conv_state"], self.o, self.T)),
+                (KDA_OPS[2], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
+                (KDA_OPS[3], lambda: _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)),
+            ]  # fmt: skip
+        outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
+        return [
+            (MLA_OPS[0], lambda: _nqp.norm_qkv_proj(
+                cfg, w, "mla", x_in, r_in, self.r_mid, outs)),
+            (MLA_OPS[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q)),
+            (MLA_OPS[2], lambda: _mla.mla_decode(
+                cfg, w, self.a, self.q, self.g, st["kv_cache"], self.o, self.T)),
+            (MLA_OPS[3], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
+            (MLA_OPS[4], lambda: _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)),
+        ]  # fmt: skip
+
     def forward(self, x_in, r_in, r_out, h_out) -> None:
         """``r_out`` = residual after attention; ``h_out = rmsnorm(r_out) * mlp_norm``.
 
         ``r_out`` may alias ``r_in`` (launch 1 writes ``r_mid``, launch 3 reads it)."""
-        cfg, w = self.cfg, self.w
-        if self.spec.attn == "kda":
-            with self._r(KDA_OPS[0]):
-                _nqp.norm_qkv_proj(cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj])
-            with self._r(KDA_OPS[1]):
-                _kda.kda_decode(
-                    cfg, w, self.proj, self.state["kda_state"], self.state["conv_state"], self.o,
-                    self.T,
-                )  # fmt: skip
-            ops = KDA_OPS
-        else:
-            outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
-            with self._r(MLA_OPS[0]):
-                _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid, outs)
-            with self._r(MLA_OPS[1]):
-                _op.q_b_proj(cfg, w, self.a, self.q)
-            with self._r(MLA_OPS[2]):
-                _mla.mla_decode(cfg, w, self.a, self.q, self.g, self.state["kv_cache"], self.o,
-                                self.T)  # fmt: skip
-            ops = MLA_OPS
-        with self._r(ops[-2]):
-            _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)
-        with self._r(ops[-1]):
-            _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)
+        for op, fn in self.stages(x_in, r_in, r_out, h_out):
+            with self._r(op):
+                fn()
 
 
 def attention_ref(cfg: Config, spec: LayerSpec, w, state, x_in, r_in, tokens: int):

@@ -128,7 +128,7 @@ class KDADecode:
         for v in cutlass.range_constexpr(hd // 8):
             load_vec8(mFb[col, None], v * 8, cute.local_tile(fb, (8,), (v,)))
 
-        for t in cutlass.range_constexpr(T):
+        for t in cutlass.range(T):
             row = b * T + t
             # short conv + SiLU on q, k, v
             qkv = cute.make_rmem_tensor((3,), Float32)

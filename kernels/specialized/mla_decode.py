@@ -121,7 +121,7 @@ class MLADecode:
         sRed = st.red.get_tensor(cute.make_layout(8))
 
         # -- the T new latent rows: rmsnorm(kv_a) * kv_a_norm | k_pe ------------------------
-        for t in cutlass.range_constexpr(T):
+        for t in cutlass.range(T):
             row = b * T + t
             ss = Float32(0.0)
             for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
@@ -148,7 +148,7 @@ class MLADecode:
 
         scale = Float32(1.0 / math.sqrt(p.nope + R))
         qw = p.nope + R
-        for t in cutlass.range_constexpr(T):
+        for t in cutlass.range(T):
             row = b * T + t
             # -- absorbed query: q_lat = q_nope @ w_uk[h], q_pe as is -------------------------
             for i in cutlass.range_constexpr((p.nope + NT - 1) // NT):

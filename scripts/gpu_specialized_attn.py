@@ -1,0 +1,412 @@
+"""Specialized attention halves (KDA, gated MLA) on the H200: every check, then a timing table.
+
+    python scripts/gpu_specialized_attn.py --out results/specialized_attn [--tp 8 16]
+        [--kinds kda mla] [--points 1x1 8x1 32x1 64x1 1x8 8x8] [--copies 0] [--replays 30]
+        [--no-timing] [--no-standard] [--tiny]
+
+A point ``BxT`` is B sequences of T tokens (1x8: one sequence verifying 7 drafts). Per (TP
+shape, kind, point), with fresh random inputs and outputs poisoned with NaN before each launch:
+
+- each kernel vs its torch reference (same rounding points, FP32 math): the fused residual +
+  RMSNorm + input projection(s), KDA decode (output, recurrent state, conv state), MLA decode
+  (output, the new cache rows), q_b with its q_a norm prologue, o_proj + residual, RMSNorm;
+- the whole attention half vs the chained references, vs the float32 evaluation of the layer's
+  reference math (``decodescope.kernels.reference``), and vs the standard path's attention half
+  (``StandardLayer``: residual norm, its attention ops, the post-attention residual norm);
+- timing: CUDA-graph replay medians per kernel and per attention half, weights and state rotated
+  over ``--copies`` independent layers (0: enough to pass 3x the L2), the standard path's
+  attention half beside it, the bytes floor at the copy bandwidth measured in this process.
+
+One failing piece is recorded and the run goes on. Writes ``results.json`` and ``table.md``
+under ``--out``; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from decodescope.kernels import reference as R
+from decodescope.kernels.bandwidth import copy_bandwidth_tbs
+from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.specialized import kda_decode as kda
+from decodescope.kernels.specialized import mla_decode as mla
+from decodescope.kernels.specialized import norm_qkv_proj as nqp
+from decodescope.kernels.specialized import oproj_residual_norm as op
+from decodescope.kernels.specialized import rmsnorm as rms
+from decodescope.kernels.specialized.attention_layers import SpecializedAttention, attention_ref
+from decodescope.kernels.weights import make_layer_weights, make_state
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+F32 = torch.float32
+L2_BYTES = 50 * 2**20
+RESULTS: list[dict] = []
+ATTN_KEYS = {
+    "kda": ("attn_norm", "mlp_norm", "in_proj", "conv_w", "f_b", "A_log", "dt_bias", "o_norm",
+            "o_proj"),
+    "mla": ("attn_norm", "mlp_norm", "qkv_a", "g_proj", "q_a_norm", "kv_a_norm", "q_b", "w_uk",
+            "w_uv", "o_proj"),
+}  # fmt: skip
+TOL = {"out": 2e-2, "state": 2e-3}
+
+
+def record(**kw) -> dict:
+    RESULTS.append(kw)
+    print(" ".join(f"{k}={v}" for k, v in kw.items() if k != "trace"), flush=True)
+    if kw.get("status") == "error" and "trace" in kw:
+        print(kw["trace"], file=sys.stderr, flush=True)
+    return kw
+
+
+def guarded(what: str, ctx: dict, fn):
+    try:
+        return fn()
+    except Exception as e:  # never abort the run on one failure
+        record(check=what, **ctx, status="error", error=f"{type(e).__name__}: {e}"[:300],
+               trace=traceback.format_exc())  # fmt: skip
+        return None
+
+
+def check(what: str, ctx: dict, out: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    written = bool(torch.isfinite(out.float()).all())
+    err = R.rel_l2(out, ref)
+    ok = written and err < tol
+    record(check=what, **ctx, rel_l2=f"{err:.2e}", tol=tol, all_written=written,
+           status="ok" if ok else "FAIL")  # fmt: skip
+    return ok
+
+
+def poison(*ts: torch.Tensor) -> None:
+    for t in ts:
+        t.fill_(float("nan"))
+
+
+def rnd(*shape, std=1.0, dtype=BF16) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEV) * std).to(dtype)
+
+
+# -- correctness -------------------------------------------------------------------------------
+
+
+def check_kernels(cfg, kind: str, w: dict, state: dict, B: int, T: int, ctx: dict) -> None:
+    N, H = B * T, cfg.hidden
+
+    def gemm_in():
+        x, r = rnd(N, H), rnd(N, H)
+        segs = nqp.plan_for(cfg, kind, N).segments
+        outs = [torch.empty(N, n, dtype=BF16, device=DEV) for n in segs]
+        rout = torch.empty(N, H, dtype=BF16, device=DEV)
+        poison(rout, *outs)
+        nqp.norm_qkv_proj(cfg, w, kind, x, r, rout, outs)
+        ref_outs, ref_r = nqp.norm_qkv_proj_ref(cfg, w, kind, x, r)
+        check("norm_qkv_proj.r_out", ctx, rout, ref_r, 1e-6)
+        for i, (o, ro) in enumerate(zip(outs, ref_outs, strict=True)):
+            check(f"norm_qkv_proj.out{i}", ctx, o, ro, TOL["out"])
+
+    guarded("norm_qkv_proj", ctx, gemm_in)
+
+    def oproj():
+        D = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
+        o, r = rnd(N, D), rnd(N, H)
+        out = torch.empty(N, H, dtype=BF16, device=DEV)
+        poison(out)
+        op.oproj_residual(cfg, w, o, r, out)
+        check("o_proj+residual", ctx, out, op.oproj_residual_ref(cfg, w, o, r), TOL["out"])
+
+    guarded("o_proj+residual", ctx, oproj)
+
+    def norm():
+        r = rnd(N, H)
+        h = torch.empty_like(r)
+        poison(h)
+        rms.rmsnorm(r, w["mlp_norm"], h, cfg.eps)
+        check("rmsnorm", ctx, h, rms.rmsnorm_ref(r, w["mlp_norm"], cfg.eps), 1e-2)
+
+    guarded("rmsnorm", ctx, norm)
+
+    if kind == "kda":
+
+        def kda_k():
+            proj = rnd(N, cfg.kda_in_proj_out)
+            s0, c0 = state["kda_state"].clone(), state["conv_state"].clone()
+            s1, c1 = s0.clone(), c0.clone()
+            out = torch.empty(N, cfg.kda_dim, dtype=BF16, device=DEV)
+            poison(out)
+            kda.kda_decode(cfg, w, proj, s1, c1, out, T)
+            ro, rs, rc = kda.kda_decode_ref(cfg, w, proj, s0, c0, T)
+            check("kda_decode.out", ctx, out, ro, TOL["out"])
+            check("kda_decode.state", ctx, s1, rs, TOL["state"])
+            check("kda_decode.conv_state", ctx, c1, rc, TOL["state"])
+
+        guarded("kda_decode", ctx, kda_k)
+    else:
+
+        def qb():
+            a = rnd(N, cfg.mla_qkv_a_out)
+            q = torch.empty(N, cfg.mla_q_b_out, dtype=BF16, device=DEV)
+            poison(q)
+            op.q_b_proj(cfg, w, a, q)
+            check("q_norm+q_b_proj", ctx, q, op.q_b_proj_ref(cfg, w, a), TOL["out"])
+
+        guarded("q_b_proj", ctx, qb)
+
+        def mla_k():
+            a, q = rnd(N, cfg.mla_qkv_a_out), rnd(N, cfg.mla_q_b_out)
+            g = rnd(N, cfg.mla_v_dim)
+            cache = state["kv_cache"].clone()
+            poison(cache[:, cfg.context_len :])
+            out = torch.empty(N, cfg.mla_v_dim, dtype=BF16, device=DEV)
+            poison(out)
+            mla.mla_decode(cfg, w, a, q, g, cache, out, T)
+            ro, rc = mla.mla_decode_ref(cfg, w, a, q, g, state["kv_cache"], T)
+            check("mla_decode.out", ctx, out, ro, TOL["out"])
+            ctx_len = cfg.context_len
+            check("mla_decode.new_cache_rows", ctx, cache[:, ctx_len:], rc[:, ctx_len:], 1e-2)
+
+        guarded("mla_decode", ctx, mla_k)
+
+
+def std_attention(layer, kind: str, x_in, r_in, r_out) -> None:
+    """The standard path's attention half (what ``StandardLayer.forward`` runs before the MoE)."""
+    w = layer.w
+    layer._norm(x_in, w["attn_norm"], layer.h, r_in, r_out)
+    if kind == "kda":
+        layer._kda_forward()
+    else:
+        layer._mla_forward()
+    layer._norm(layer.attn_out, w["mlp_norm"], layer.h, r_out, r_out)
+
+
+def make_standard(cfg, spec, w, state, B, T):
+    from decodescope.kernels.standard.layers import StandardLayer
+    from decodescope.kernels.standard.ops import Ops
+
+    ops = Ops(DEV)
+    return StandardLayer(cfg, spec, w, state, B, T, ops, torch.cuda.Stream(DEV), 1)
+
+
+def check_layer(cfg, spec, w, state, B, T, ctx, std_ok: bool) -> None:
+    N, H, kind = B * T, cfg.hidden, spec.attn
+    x, r = rnd(N, H), rnd(N, H)
+    st = {k: v.clone() for k, v in state.items()}
+    layer = SpecializedAttention(cfg, spec, w, st, B, T)
+    r_out, h_out = torch.empty_like(r), torch.empty_like(r)
+    poison(r_out, h_out)
+    layer.forward(x, r, r_out, h_out)
+    torch.cuda.synchronize()
+    ref_r, ref_h, ref_state = attention_ref(cfg, spec, w, state, x, r, T)
+    check("attention.r_out vs chained refs", ctx, r_out, ref_r, TOL["out"])
+    check("attention.h vs chained refs", ctx, h_out, ref_h, TOL["out"])
+    for k, v in ref_state.items():
+        sl = slice(None) if k != "kv_cache" else (slice(None), slice(cfg.context_len, None))
+        check(f"attention.{k} vs chained refs", ctx, st[k][sl], v[sl], 1e-2)
+
+    def vs_reference():  # the layer's math in float32 on the GPU
+        h32, r32 = R.attn_res_ref(x, r, w["attn_norm"], cfg.eps, F32)
+        if kind == "kda":
+            a32, _, _ = R.kda_attn_ref(cfg, w, h32, state["kda_state"], state["conv_state"], T, F32)
+        else:
+            a32, _ = R.mla_attn_ref(cfg, w, h32, state["kv_cache"], T, F32)
+        hm, rm = R.attn_res_ref(a32, r32, w["mlp_norm"], cfg.eps, F32)
+        check("attention.r_out vs reference.py (fp32)", ctx, r_out, rm, TOL["out"])
+        check("attention.h vs reference.py (fp32)", ctx, h_out, hm, TOL["out"])
+
+    guarded("vs_reference", ctx, vs_reference)
+
+    if std_ok:
+
+        def vs_standard():
+            st2 = {k: v.clone() for k, v in state.items()}
+            std = make_standard(cfg, spec, w, st2, B, T)
+            r2 = torch.empty_like(r)
+            std_attention(std, kind, x, r, r2)
+            torch.cuda.synchronize()
+            check("attention.r_out vs standard", ctx, r_out, r2, TOL["out"])
+            check("attention.h vs standard", ctx, h_out, std.h, TOL["out"])
+            for k in st:
+                sl = slice(None) if k != "kv_cache" else (slice(None), slice(cfg.context_len, None))
+                check(f"attention.{k} vs standard", ctx, st[k][sl], st2[k][sl], 2e-2)
+
+        guarded("vs_standard", ctx, vs_standard)
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def graph_time_us(fns: list, replays: int) -> tuple[float, float, float]:
+    """Median/min/max us of one element of ``fns`` (a graph of all of them, replayed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up (compiles outside capture)
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+    ts.sort()
+    return ts[len(ts) // 2], ts[0], ts[-1]
+
+
+def attn_bytes(cfg, kind: str, w: dict, state: dict, N: int) -> int:
+    """Bytes the attention half must move: its weights once, state read + written, the residual
+    stream in (x, r) and out (r', h), the cache read (MLA) and its new rows written."""
+    wb = sum(w[k].numel() * w[k].element_size() for k in ATTN_KEYS[kind] if k in w)
+    act = 4 * N * cfg.hidden * 2
+    if kind == "kda":
+        st = 2 * sum(t.numel() * t.element_size() for t in state.values())
+    else:
+        c = state["kv_cache"]
+        st = c.numel() * c.element_size()
+    return wb + act + st
+
+
+def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) -> None:
+    kind, N, H = spec.attn, B * T, cfg.hidden
+    nbytes = attn_bytes(cfg, kind, w, state, N)
+    n = copies or max(2, math.ceil(3 * L2_BYTES / nbytes))
+    ws = [{k: (v.clone() if k in ATTN_KEYS[kind] else v) for k, v in w.items()} for _ in range(n)]
+    sts = [{k: v.clone() for k, v in state.items()} for _ in range(n)]
+    xs = [(rnd(N, H), rnd(N, H), torch.empty(N, H, dtype=BF16, device=DEV),
+           torch.empty(N, H, dtype=BF16, device=DEV)) for _ in range(n)]  # fmt: skip
+    layers = [SpecializedAttention(cfg, spec, ws[i], sts[i], B, T) for i in range(n)]
+    stages = [lay.stages(*xs[i]) for i, lay in enumerate(layers)]
+    floor = nbytes / (bw_tbs * 1e6)
+    base = dict(**ctx, copies=n, floor_us=f"{floor:.1f}", layer_bytes=nbytes, status="time")
+    times = {}
+    for j, (name, _) in enumerate(stages[0]):
+        r = guarded(f"time {name}", ctx,
+                    lambda j=j: graph_time_us([st[j][1] for st in stages], replays))  # fmt: skip
+        if r is not None:
+            times[name] = r[0]
+            record(time=f"kernel {name}", **ctx, us=f"{r[0]:.1f}", us_min=f"{r[1]:.1f}",
+                   us_max=f"{r[2]:.1f}", status="time")  # fmt: skip
+    fns = [(lambda lay=lay, a=a: lay.forward(*a)) for lay, a in zip(layers, xs, strict=True)]
+    r = guarded("time specialized", ctx, lambda: graph_time_us(fns, replays))
+    spec_us = None
+    if r is not None:
+        spec_us = r[0]
+        record(time="specialized attention", kernels=len(stages[0]), us=f"{r[0]:.1f}",
+               us_min=f"{r[1]:.1f}", us_max=f"{r[2]:.1f}", eff=f"{r[0] / floor:.2f}",
+               **base)  # fmt: skip
+    if not std_ok:
+        return
+
+    def std_time():
+        stds = [make_standard(cfg, spec, ws[i], sts[i], B, T) for i in range(n)]
+        f = [(lambda s=s, a=a: std_attention(s, kind, a[0], a[1], a[2]))
+             for s, a in zip(stds, xs, strict=True)]  # fmt: skip
+        return graph_time_us(f, replays)
+
+    r = guarded("time standard", ctx, std_time)
+    if r is not None:
+        sp = r[0] / spec_us if spec_us else float("nan")
+        record(time="standard attention", us=f"{r[0]:.1f}", us_min=f"{r[1]:.1f}",
+               us_max=f"{r[2]:.1f}", eff=f"{r[0] / floor:.2f}", speedup=f"{sp:.2f}",
+               **base)  # fmt: skip
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def table_md() -> str:
+    lines = [
+        "| tp | kind | point | what | kernels | us | min | max | floor us | span/floor | speedup |",
+        "|" + "---|" * 11,
+    ]
+    for r in RESULTS:
+        if r.get("status") != "time" or "floor_us" not in r:
+            continue
+        lines.append(
+            f"| {r['tp']} | {r['kind']} | {r['point']} | {r['time']} | {r.get('kernels', '')} "
+            f"| {r['us']} | {r['us_min']} | {r['us_max']} | {r['floor_us']} | {r['eff']} "
+            f"| {r.get('speedup', '')} |"
+        )
+    fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
+    oks = sum(1 for r in RESULTS if r.get("status") == "ok")
+    lines.append("")
+    lines.append(f"checks: {oks} ok, {len(fails)} failed or errored")
+    for r in fails:
+        what = r.get("check", r.get("time"))
+        lines.append(f"- {r.get('status')} {r['tp']} {r['kind']} {r['point']} {what} "
+                     f"{r.get('rel_l2', '')} {r.get('error', '')}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_point(a, cfg, preset, tp, spec, w, pt: str, bw: float, t0: float) -> None:
+    kind = spec.attn
+    B, T = (int(v) for v in pt.split("x"))
+    ctx = {"preset": preset, "tp": tp, "kind": kind, "point": pt}
+    state = make_state(cfg, spec, B, T, seed=B * 10 + T, device=DEV)
+    t1 = time.time()
+    guarded("kernels", ctx, lambda: check_kernels(cfg, kind, w, state, B, T, ctx))
+    guarded("layer", ctx, lambda: check_layer(cfg, spec, w, state, B, T, ctx, not a.no_standard))
+    if not a.no_timing and preset != "tiny":
+        guarded("timing", ctx, lambda: run_timing(cfg, spec, w, state, B, T, ctx, bw, a.copies,
+                                                  a.replays, not a.no_standard))  # fmt: skip
+    record(what="point done", **ctx, seconds=f"{time.time() - t1:.0f}",
+           total_s=f"{time.time() - t0:.0f}", status="info")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="results/specialized_attn")
+    ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--kinds", nargs="+", default=["kda", "mla"])
+    ap.add_argument("--points", nargs="+", default=["1x1", "8x1", "32x1", "64x1", "1x8", "8x8"])
+    ap.add_argument("--copies", type=int, default=0, help="layers rotated past L2 (0: auto)")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-standard", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1234)
+    bw = guarded("copy_bw", {}, copy_bandwidth_tbs) or 4.22
+    record(what="copy_bw_tbs", value=f"{bw:.3f}", gpu=torch.cuda.get_device_name(), status="info")
+    shapes = [("kimi-k3", tp) for tp in a.tp] + ([("tiny", 1)] if a.tiny else [])
+    t0 = time.time()
+    for preset, tp in shapes:
+        cfg = get_config(preset, tp)
+        for kind in a.kinds:
+            spec = LayerSpec(3 if kind == "kda" else 7, kind, "moe")
+            w = guarded("weights", {"tp": tp, "kind": kind},
+                        lambda cfg=cfg, spec=spec: make_layer_weights(cfg, spec, 0, DEV))  # fmt: skip
+            if w is None:
+                continue
+            for pt in a.points:
+                run_point(a, cfg, preset, tp, spec, w, pt, bw, t0)
+                (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+            del w
+            torch.cuda.empty_cache()
+    table = table_md()
+    (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
