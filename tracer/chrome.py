@@ -65,13 +65,25 @@ def chrome_trace(run: Run) -> dict[str, Any]:
         if (pid, None) not in named:
             named.add((pid, None))
             meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-            meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}})
+            meta.append(
+                {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort}}
+            )
 
     def name_thread(pid: int, tid: int, name: str, sort: int) -> None:
         if (pid, tid) not in named:
             named.add((pid, tid))
-            meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
-            meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+            meta.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
+            meta.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": pid,
+                    "tid": tid,
+                    "args": {"sort_index": sort},
+                }
+            )
 
     # kernels and memops on stream tracks
     lanes: dict[tuple[int, int], _Lanes] = defaultdict(_Lanes)
@@ -87,7 +99,9 @@ def chrome_trace(run: Run) -> dict[str, Any]:
         lane = lanes[(pid, stream)].place(s, e)
         tid = stream * 8 + lane
         name_proc(pid, f"GPU {dev}", 10 + dev)
-        name_thread(pid, tid, f"stream {stream}" + (f" ({lane + 1})" if lane else ""), stream * 8 + lane)
+        name_thread(
+            pid, tid, f"stream {stream}" + (f" ({lane + 1})" if lane else ""), stream * 8 + lane
+        )
         if what == "kernel":
             args = {
                 "range_path": x.get("range_path"),
@@ -99,10 +113,36 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                 "grid": [x.get("grid_x"), x.get("grid_y"), x.get("grid_z")],
                 "block": [x.get("block_x"), x.get("block_y"), x.get("block_z")],
             }
-            ev.append({"ph": "X", "cat": "kernel", "name": x.get("name") or "kernel", "pid": pid, "tid": tid, "ts": s, "dur": e - s, "args": _clean(args)})
+            ev.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": x.get("name") or "kernel",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": s,
+                    "dur": e - s,
+                    "args": _clean(args),
+                }
+            )
         else:
-            args = {"bytes": x.get("bytes"), "range_path": x.get("range_path"), "step": x.get("step")}
-            ev.append({"ph": "X", "cat": "memop", "name": x.get("kind") or "memop", "pid": pid, "tid": tid, "ts": s, "dur": e - s, "args": _clean(args)})
+            args = {
+                "bytes": x.get("bytes"),
+                "range_path": x.get("range_path"),
+                "step": x.get("step"),
+            }
+            ev.append(
+                {
+                    "ph": "X",
+                    "cat": "memop",
+                    "name": x.get("kind") or "memop",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": s,
+                    "dur": e - s,
+                    "args": _clean(args),
+                }
+            )
 
     # ranges as recorded (CPU threads; Kineto's GPU annotations on their GPU)
     rl: dict[tuple[int, int], _Lanes] = defaultdict(_Lanes)
@@ -118,7 +158,18 @@ def chrome_trace(run: Run) -> dict[str, Any]:
         lane = rl[(pid, thread)].place(s, e)
         tid = (thread % 100_000_000) * 4 + lane + (sort0 if x.get("timeline") == "gpu" else 0)
         name_thread(pid, tid, label + (f" ({lane + 1})" if lane else ""), tid)
-        ev.append({"ph": "X", "cat": "range", "name": x["name"], "pid": pid, "tid": tid, "ts": s, "dur": e - s, "args": _clean({"path": x.get("path"), "domain": x.get("domain")})})
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "range",
+                "name": x["name"],
+                "pid": pid,
+                "tid": tid,
+                "ts": s,
+                "dur": e - s,
+                "args": _clean({"path": x.get("path"), "domain": x.get("domain")}),
+            }
+        )
 
     # ranges projected onto the GPU: span of the kernels under each path prefix, per step
     spans: dict[tuple[int, Any, str], list[int]] = {}
@@ -137,14 +188,27 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                 sp[1] = max(sp[1], x["end_ns"])
                 sp[2] += 1
     pl: dict[tuple[int, int], _Lanes] = defaultdict(_Lanes)
-    for (dev, step, path), (s0, e0, n) in sorted(spans.items(), key=lambda t: (t[1][0], -t[1][1], t[0][2].count("/"))):
+    for (dev, step, path), (s0, e0, n) in sorted(
+        spans.items(), key=lambda t: (t[1][0], -t[1][1], t[0][2].count("/"))
+    ):
         depth = path.count("/")
         pid = GPU_PID0 + dev
         s, e = _us(s0, base), _us(e0, base)
         lane = pl[(pid, 0)].place(s, e)
         tid = RANGE_TID0 + lane
         name_thread(pid, tid, "ranges on GPU" + (f" ({lane + 1})" if lane else ""), -1000 + lane)
-        ev.append({"ph": "X", "cat": "gpu_range", "name": path.rsplit("/", 1)[-1], "pid": pid, "tid": tid, "ts": s, "dur": e - s, "args": _clean({"path": path, "step": step, "kernels": n, "depth": depth})})
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "gpu_range",
+                "name": path.rsplit("/", 1)[-1],
+                "pid": pid,
+                "tid": tid,
+                "ts": s,
+                "dur": e - s,
+                "args": _clean({"path": path, "step": step, "kernels": n, "depth": depth}),
+            }
+        )
 
     return {
         "traceEvents": meta + ev,
