@@ -508,3 +508,37 @@ def test_nsys_tables_dropped_or_retyped(table: int, action: str, column: int, va
             con.execute(f'DELETE FROM "{name}"')
 
     _load_sqlite(mutate=mutate)
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [
+        ("baseTimeNanoseconds", "--5"),
+        ("baseTimeNanoseconds", "²"),
+        ("baseTimeNanoseconds", 2**80),
+        ("tid", "²"),
+        ("tid", 2**70),
+        ("args.device", True),
+        ("args.stream", "stream 7"),
+        ("args.grid", [1, 2]),
+        ("ts", "NaN"),
+        ("ts", 1e300),
+        ("dur", -(2**65)),
+    ],
+)
+def test_kineto_odd_values_on_every_kernel(where: str, value) -> None:
+    """Exact corners the random search may not reach, set on every kernel of the real slice."""
+    trace = json.loads(SLICE_BYTES)
+    if where == "baseTimeNanoseconds":
+        trace[where] = value
+    for e in trace["traceEvents"]:
+        if e.get("cat") != "kernel" or where == "baseTimeNanoseconds":
+            continue
+        if where.startswith("args."):
+            e["args"][where[5:]] = value
+        else:
+            e[where] = value
+    run = _load_bytes(json.dumps(trace).encode())
+    assert run is not None
+    skipped = sum(r["count"] for r in run.overheads.to_pylist() if r["kind"] == "skipped_events")
+    assert run.kernels.num_rows + skipped >= 40

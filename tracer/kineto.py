@@ -392,16 +392,30 @@ def _ok_time(v: Any) -> bool:
 # small value parsers (per unique value or per event on the checked path)
 
 
+_INT_TEXT = re.compile(r"-?[0-9]{1,18}")
+
+
 def _int_or_none(v: Any) -> int | None:
-    if type(v) is int and -(2**63) <= v < 2**63:
-        return v
+    """An int64 from an int or from digits ("25738", Kineto 2021's "stream 7"); else None."""
+    if type(v) is int:
+        return v if -(2**63) <= v < 2**63 else None
     if type(v) is str:
         s = v.strip()
         if s.startswith("stream "):
             s = s[7:].strip()
-        if s.lstrip("-").isdigit() and len(s) < 19:
+        if _INT_TEXT.fullmatch(s):
             return int(s)
     return None
+
+
+def _ints(values: list, typ: pa.DataType) -> pa.Array:
+    """An integer column; values that are not integers of the type's range become null."""
+    try:
+        return pa.array(values, type=typ)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        bits = typ.bit_width - 1
+        lo, hi = -(2**bits), 2**bits
+        return pa.array([v if type(v) is int and lo <= v < hi else None for v in values], type=typ)
 
 
 def _dim3(v: Any) -> tuple[int | None, int | None, int | None]:
@@ -689,7 +703,7 @@ class _Builder:
             return {
                 "corr": corr.to_numpy(),
                 "name": names,
-                "thread": pa.array(tids, type=pa.int64()),
+                "thread": _ints(tids, pa.int64()),
                 "start": _us_to_ns(list(map(_get_ts, evs))) + self.base_ns,
             }
 
@@ -739,8 +753,8 @@ class _Builder:
             cols: dict[str, Any] = {
                 "run_id": pa.array([self.run_id] * len(evs), type=pa.string()),
                 "rank": pa.array(np.full(len(evs), self.rank, dtype=np.int32)),
-                "device": pa.array(devices, type=pa.int32()),
-                "stream": pa.array(streams, type=pa.int64()),
+                "device": _ints(devices, pa.int32()),
+                "stream": _ints(streams, pa.int64()),
                 "start_ns": start,
                 "end_ns": start + dur,
                 "name": name,
@@ -823,7 +837,6 @@ class _Builder:
 
     def _memops(self, copies: list[_Event], sets: list[_Event]) -> pa.Table:
         events = copies + sets
-        nset = len(sets)
 
         def build(evs: list[_Event]) -> dict[str, Any]:
             args = [e.args for e in evs]
@@ -843,8 +856,8 @@ class _Builder:
             return {
                 "run_id": pa.array([self.run_id] * len(evs), type=pa.string()),
                 "rank": pa.array(np.full(len(evs), self.rank, dtype=np.int32)),
-                "device": pa.array(devices, type=pa.int32()),
-                "stream": pa.array(streams, type=pa.int64()),
+                "device": _ints(devices, pa.int32()),
+                "stream": _ints(streams, pa.int64()),
                 "kind": _dict_array(kinds),
                 "start_ns": start,
                 "end_ns": start + dur,
@@ -867,7 +880,6 @@ class _Builder:
                 return "bad device"
             return None
 
-        del nset
         return from_pydict(self._checked("memop", events, build, valid), "memops")
 
     def _ranges(self, cpu: list[_Event], gpu: list[_Event]) -> pa.Table:
@@ -885,7 +897,10 @@ class _Builder:
                 s = e.args.stream if e.args is not None else None
                 threads.append(s if type(s) is int else _int_or_none(e.tid))
             # nest per (timeline, thread): sweep over intervals sorted by start, longest first
-            key_thread = np.array([-(2**63) if t is None else t for t in threads], dtype=np.int64)
+            key_thread = np.array(
+                [t if type(t) is int and -(2**63) < t < 2**63 else -(2**63) for t in threads],
+                dtype=np.int64,
+            )
             key_tl = np.array([0] * ncpu + [1] * (n - ncpu), dtype=np.int8)
             order = (
                 np.lexsort((-(end - start), start, key_thread, key_tl)) if n else np.zeros(0, int)
@@ -917,7 +932,7 @@ class _Builder:
                 "run_id": pa.array([self.run_id] * n, type=pa.string()),
                 "rank": pa.array(np.full(n, self.rank, dtype=np.int32)),
                 "range_id": range_id,
-                "thread": pa.array(threads, type=pa.int64()),
+                "thread": _ints(threads, pa.int64()),
                 "timeline": _dict_array(timeline),
                 "start_ns": start,
                 "end_ns": end,
