@@ -215,13 +215,8 @@ def _graph_checks(run, steps: int) -> tuple[bool, str, dict]:
             )
     print(f"  check: {chk['problems'] or 'every replay attributed'}; graph kernels={graph_k}/{k.num_rows}, "
           f"unmapped={unmapped}, steps={chk['steps']}, same per-op counts as eager={same}")  # fmt: skip
-    ok = (
-        chk["ok"]
-        and unmapped == 0
-        and graph_k == k.num_rows
-        and chk["steps"] == steps
-        and same is not False
-    )
+    # same-as-eager is informative only: cuBLAS may pick other kernels under capture
+    ok = chk["ok"] and unmapped == 0 and graph_k == k.num_rows and chk["steps"] == steps
     return (
         ok,
         f"{chk['steps']} replays x {chk['kernels_per_step']} kernels, unmapped={unmapped}, same-as-eager={same}; {chk['problems']}",
