@@ -41,7 +41,9 @@ def test_front_gemv_compiles(preset, tp):
 @pytest.mark.parametrize("preset,tp", SHAPES)
 def test_moe_experts_compiles(preset, tp):
     cfg, d = _dims(preset, tp)
-    for T in _tokens(preset):
+    # the expert kernel's code does not depend on T beyond buffer sizes; kimi-k3 compiles take
+    # about two minutes each on a CPU, so one T there
+    for T in [1] if preset == "kimi-k3" else _tokens(preset):
         op, args = me._build(
             T,
             d["E"],

@@ -91,6 +91,8 @@ class MoeExperts:
         self.NCH2 = Ie // VEC // self.LPR2
         self.R2 = 4
         self.rows2 = NW * self.G2 * self.R2
+        if H % self.Rs or L % self.R2:
+            raise ValueError(f"hidden {H} and latent {L} must be multiples of 4 (rows per lane)")
         self.NRB2 = -(-L // self.rows2)
 
     @cute.jit
@@ -229,39 +231,16 @@ class MoeExperts:
                 grp = lane // self.LPR13
                 li = lane % self.LPR13
                 row = rb * self.rows13 + warp * self.G13 + grp
-                KV = L // VEC
-                for p0 in cutlass.range(0, n, TT):
-                    for i in cutlass.range(tid, TT * KV, NT):
-                        ts = i // KV
-                        c = i % KV
-                        slot = cutlass.min(p0 + ts, n - 1)
-                        tok = sPairs[start + slot] // K
-                        v = gYv[(0, None), (tok, E // VEC + c)].load()
-                        if p0 + ts >= n:
-                            v = cute.zeros_like(v)
-                        sZv[(0, None), (ts, c)].store(v.to(BFloat16))
-                    cute.arch.barrier()
-                    warp_gemv(
-                        gW,
-                        cutlass.min(row, Ie - 1),
-                        Ie,
-                        sZv,
-                        acc13,
-                        li,
-                        2,
-                        TT,
-                        self.LPR13,
-                        self.NCH13,
-                    )
-                    if li == 0:  # noqa: SIM102 (dynamic conditions: nested ifs)
-                        if row < Ie:
-                            for t in cutlass.range_constexpr(TT):
-                                if p0 + t < n:
-                                    p = sPairs[start + p0 + t]
-                                    mH[p, row] = situ(
-                                        acc13[0, t], acc13[1, t], self.beta, self.lbeta
-                                    ).to(BFloat16)
-                    cute.arch.barrier()
+                p0 = Int32(0)
+                while p0 < n:  # pairs in chunks of 1, 2 or up to TT: no FMAs on empty slots
+                    rem = n - p0
+                    if rem == 1:
+                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 1)
+                    elif rem == 2:
+                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 2)
+                    else:
+                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TT)
+                    p0 = p0 + cutlass.min(rem, TT)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.barrier()
                 if tid == 0:
@@ -325,42 +304,99 @@ class MoeExperts:
                 grp = lane // self.LPR2
                 li = lane % self.LPR2
                 row0 = rb * self.rows2 + (warp * self.G2 + grp) * self.R2
-                KV = Ie // VEC
-                for p0 in cutlass.range(0, n, TT):
-                    for i in cutlass.range(tid, TT * KV, NT):
-                        ts = i // KV
-                        c = i % KV
-                        slot = cutlass.min(p0 + ts, n - 1)
-                        v = gHv[(0, None), (sPairs[start + slot], c)].load()
-                        if p0 + ts >= n:
-                            v = cute.zeros_like(v)
-                        sHv[(0, None), (ts, c)].store(v)
-                    cute.arch.barrier()
-                    warp_gemv(
-                        gW,
-                        cutlass.min(row0, L - self.R2),
-                        1,
-                        sHv,
-                        acc2,
-                        li,
-                        self.R2,
-                        TT,
-                        self.LPR2,
-                        self.NCH2,
-                    )
-                    if li == 0:
-                        for t in cutlass.range_constexpr(TT):
-                            if p0 + t < n:
-                                p = sPairs[start + p0 + t]
-                                wt = sTw[p]
-                                base = (p // K) * L
-                                for r in cutlass.range_constexpr(self.R2):
-                                    if row0 + r < L:
-                                        cute.arch.atomic_add(
-                                            mAcc.iterator + (base + row0 + r), wt * acc2[r, t]
-                                        )
-                    cute.arch.barrier()
+                p0 = Int32(0)
+                while p0 < n:
+                    rem = n - p0
+                    if rem == 1:
+                        self._w2_chunk(
+                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 1
+                        )
+                    elif rem == 2:
+                        self._w2_chunk(
+                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 2
+                        )
+                    else:
+                        self._w2_chunk(
+                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, TT
+                        )
+                    p0 = p0 + cutlass.min(rem, TT)
             tile = tile + self.num_ctas
+
+    @cute.jit
+    def _w13_chunk(
+        self, gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TTc: cutlass.Constexpr[int]
+    ):
+        """Pairs p0 .. p0+TTc of one expert: stage their latent z (BF16), gate + up rows, SiTU,
+        write ``h``. Slots past ``n`` are zero and never stored."""
+        NT = self.NW * 32
+        KV = self.L // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(tid, TTc * KV, NT):
+            ts = i // KV
+            c = i % KV
+            slot = cutlass.min(p0 + ts, n - 1)
+            tok = sPairs[start + slot] // self.K
+            v = gYv[(0, None), (tok, self.E // VEC + c)].load()
+            if p0 + ts >= n:
+                v = cute.zeros_like(v)
+            sZv[(0, None), (ts, c)].store(v.to(BFloat16))
+        cute.arch.barrier()
+        warp_gemv(gW, cutlass.min(row, self.Ie - 1), self.Ie, sZv, acc13, li, 2, TTc,
+                  self.LPR13, self.NCH13)  # fmt: skip
+        if li == 0:  # noqa: SIM102 (dynamic conditions: nested ifs)
+            if row < self.Ie:
+                for t in cutlass.range_constexpr(TTc):
+                    if p0 + t < n:
+                        p = sPairs[start + p0 + t]
+                        mH[p, row] = situ(acc13[0, t], acc13[1, t], self.beta, self.lbeta).to(
+                            BFloat16
+                        )
+        cute.arch.barrier()
+
+    @cute.jit
+    def _w2_chunk(
+        self,
+        gW,
+        gHv,
+        sHv,
+        sPairs,
+        sTw,
+        mAcc,
+        acc2,
+        start,
+        n,
+        p0,
+        row0,
+        li,
+        TTc: cutlass.Constexpr[int],
+    ):
+        """Pairs p0 .. p0+TTc of one expert: stage their ``h`` rows, w2 rows, and add
+        ``weight * y`` into the routed latent sum (FP32 atomics)."""
+        NT = self.NW * 32
+        KV = self.Ie // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(tid, TTc * KV, NT):
+            ts = i // KV
+            c = i % KV
+            slot = cutlass.min(p0 + ts, n - 1)
+            v = gHv[(0, None), (sPairs[start + slot], c)].load()
+            if p0 + ts >= n:
+                v = cute.zeros_like(v)
+            sHv[(0, None), (ts, c)].store(v)
+        cute.arch.barrier()
+        warp_gemv(gW, cutlass.min(row0, self.L - self.R2), 1, sHv, acc2, li, self.R2, TTc,
+                  self.LPR2, self.NCH2)  # fmt: skip
+        if li == 0:
+            for t in cutlass.range_constexpr(TTc):
+                if p0 + t < n:
+                    p = sPairs[start + p0 + t]
+                    wt = sTw[p]
+                    base = (p // self.K) * self.L
+                    for r in cutlass.range_constexpr(self.R2):
+                        if row0 + r < self.L:
+                            cute.arch.atomic_add(mAcc.iterator + (base + row0 + r),
+                                                 wt * acc2[r, t])  # fmt: skip
+        cute.arch.barrier()
 
 
 # -- torch-facing --------------------------------------------------------------------------

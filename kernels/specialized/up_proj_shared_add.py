@@ -35,6 +35,8 @@ class UpProjSharedAdd:
         self.G = 32 // self.LPR
         self.NCH = L // VEC // self.LPR
         self.rows_per_cta = NW * self.G * R
+        if H % R:
+            raise ValueError(f"hidden {H} must be a multiple of R={R} (rows per lane group)")
         self.grid = -(-H // self.rows_per_cta)
 
     @cute.jit

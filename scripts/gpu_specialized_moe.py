@@ -1,0 +1,309 @@
+"""Specialized LatentMoE on the H200: every correctness check, then a timing table.
+
+    python scripts/gpu_specialized_moe.py --out results/specialized_moe [--tp 8 16]
+        [--tokens 1 8 32 64] [--copies 3] [--replays 30]
+
+Checks (fresh random inputs, outputs poisoned with NaN first), per (TP shape, tokens):
+front GEMV vs its ref; zeroing of acc/done; top-k ids/weights vs ``router_topk_ref`` on the
+kernel's own logits; routed latent sum and shared output vs ``moe_experts_ref`` (the kernel's
+ids); up-projection vs its ref; the block vs the float32 reference of the math
+(``reference.moe_ref`` with the kernel's ids) and vs the standard path's MoE block (rows whose
+routing agrees). Timing: CUDA-graph replay medians (per kernel and per block, standard block
+beside), weights rotated past L2 over ``--copies`` independent layers, with the bytes floor at
+the measured copy bandwidth. One failing piece is recorded and the run goes on. Results:
+``results.json`` and ``table.md`` under ``--out``; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from decodescope.kernels.bandwidth import copy_bandwidth_tbs
+from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.reference import moe_ref, rel_l2
+from decodescope.kernels.specialized import moe_block as mb
+from decodescope.kernels.specialized import moe_experts as me
+from decodescope.kernels.specialized import router_topk as rt
+from decodescope.kernels.specialized import up_proj_shared_add as up
+from decodescope.kernels.weights import make_layer_weights, make_state
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+RESULTS: list[dict] = []
+
+
+def record(**kw) -> dict:
+    RESULTS.append(kw)
+    status = kw.get("status", "")
+    print(" ".join(f"{k}={v}" for k, v in kw.items() if k != "trace"), flush=True)
+    if status == "error" and "trace" in kw:
+        print(kw["trace"], file=sys.stderr, flush=True)
+    return kw
+
+
+def guarded(what: str, ctx: dict, fn):
+    try:
+        return fn()
+    except Exception as e:  # never abort the run on one failure
+        record(check=what, **ctx, status="error", error=f"{type(e).__name__}: {e}"[:300],
+               trace=traceback.format_exc())  # fmt: skip
+        return None
+
+
+def check(what: str, ctx: dict, err: float, tol: float) -> bool:
+    ok = bool(err <= tol)  # NaN fails
+    record(check=what, **ctx, err=f"{err:.3e}", tol=tol, status="pass" if ok else "FAIL")
+    return ok
+
+
+# -- correctness ------------------------------------------------------------------------------
+
+
+def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> None:
+    e = cfg.moe
+    E, L, k = e.num_experts, cfg.expert_dim, e.top_k
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
+
+    # 1. front GEMV + zeroing
+    blk.y_front.fill_(float("nan"))
+    blk.acc.fill_(float("nan"))
+    blk.done.fill_(12345)
+    blk.front(h)
+    torch.cuda.synchronize()
+    yref = rt.front_gemv_ref(h, blk.w_front)
+    check("front_gemv", ctx, rel_l2(blk.y_front, yref), 1e-4)
+    zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
+    record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
+
+    # 2. experts (routing in its prologue)
+    y = blk.y_front.clone()
+    blk.h.fill_(float("nan"))
+    blk.shared_out.fill_(float("nan"))
+    blk.topk_ids.fill_(-1)
+    blk.topk_weights.fill_(float("nan"))
+    blk.experts()
+    torch.cuda.synchronize()
+    ids_r, tw_r = rt.router_topk_ref(y[:, :E], w["router_bias"], k, e.routed_scaling)
+    ids = blk.topk_ids.long()
+    same = (ids.sort(1).values == ids_r.long().sort(1).values).all(1)
+    record(check="topk_ids", **ctx, agree=f"{int(same.sum())}/{N}",
+           status="pass" if bool(same.float().mean() >= 0.95) else "FAIL")  # fmt: skip
+    tw_k = torch.sigmoid(y[:, :E].double()).gather(1, ids)
+    tw_k = (tw_k / tw_k.sum(-1, keepdim=True) * e.routed_scaling).float()
+    check("topk_weights", ctx, rel_l2(blk.topk_weights, tw_k), 1e-5)
+    acc_r, sh_r = me.moe_experts_ref(
+        y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
+        w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
+    )  # fmt: skip
+    check("routed_latent_sum", ctx, rel_l2(blk.acc, acc_r), 5e-3)
+    check("shared_out", ctx, rel_l2(blk.shared_out, sh_r), 5e-3)
+
+    # 3. up-projection + shared add
+    out = torch.full((N, cfg.hidden), float("nan"), dtype=BF16, device=DEV)
+    acc = blk.acc.clone()
+    blk.back(out)
+    torch.cuda.synchronize()
+    ref3 = up.up_proj_shared_add_ref(acc, w["latent_norm"], w["latent_up"], blk.shared_out, cfg.eps)
+    check("up_proj_shared_add", ctx, rel_l2(out, ref3), 1e-2)
+
+    # 4. whole block vs the float32 reference of the math, and vs the standard path
+    out.fill_(float("nan"))
+    blk.forward(h, out)
+    torch.cuda.synchronize()
+    ref, _ = moe_ref(cfg, w, h, topk_ids=blk.topk_ids, dtype=torch.float32)
+    check("block_vs_reference", ctx, rel_l2(out, ref), 2e-2)
+    guarded("block_vs_standard", ctx, lambda: _vs_standard(cfg, w, h, blk, out, N, ctx))
+
+
+def _standard_layer(cfg, w, N: int):
+    from decodescope.kernels.standard.layers import StandardLayer
+    from decodescope.kernels.standard.ops import Ops
+
+    spec = LayerSpec(1, "kda", "moe")
+    state = make_state(cfg, spec, N, 1, 0, DEV)
+    return StandardLayer(cfg, spec, w, state, N, 1, Ops(DEV), side_stream=torch.cuda.Stream())
+
+
+def _vs_standard(cfg, w, h, blk, out, N, ctx) -> None:
+    std = _standard_layer(cfg, w, N)
+    std.h.copy_(h)
+    o_std = torch.full_like(out, float("nan"))
+    std._moe_forward(o_std)
+    torch.cuda.synchronize()
+    a = blk.topk_ids.long().sort(1).values
+    b = std.topk_ids.long().sort(1).values
+    rows = (a == b).all(1)
+    n = int(rows.sum())
+    err = rel_l2(out[rows], o_std[rows]) if n else float("nan")
+    record(check="block_vs_standard", **ctx, rows_same_routing=f"{n}/{N}", err=f"{err:.3e}",
+           tol=3e-2, status="pass" if (n >= 0.9 * N and err <= 3e-2) else "FAIL",
+           std_impl=json.dumps(std.ops.impl)[:400])  # fmt: skip
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def graph_time_us(fns: list, replays: int) -> tuple[float, float, float]:
+    """Median/min/max us of one element of ``fns`` (a graph of all of them, replayed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up (compiles outside capture)
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
+    ts.sort()
+    return ts[len(ts) // 2], ts[0], ts[-1]
+
+
+def floor_bytes(cfg, ids: torch.Tensor, N: int) -> dict[str, int]:
+    e = cfg.moe
+    H, L, Ie, S, E = cfg.hidden, cfg.expert_dim, cfg.expert_inter, cfg.shared_inter, e.num_experts
+    n_exp = int(torch.unique(ids).numel())
+    front = (E + L + 2 * S) * H * 2 + N * H * 2 + N * (E + L + 2 * S) * 4
+    experts = n_exp * 3 * Ie * L * 2 + S * H * 2 + N * H * 4 + N * L * 4
+    back = H * L * 2 + L * 2 + N * L * 4 + N * H * 4 + N * H * 2
+    return {"front": front, "experts": experts, "back": back,
+            "block": front + experts + back - 2 * N * (L + H) * 4, "n_experts": n_exp}  # fmt: skip
+
+
+def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays) -> None:
+    hs = [torch.randn(N, cfg.hidden, device=DEV).to(BF16) for _ in blks]
+    outs = [torch.empty(N, cfg.hidden, dtype=BF16, device=DEV) for _ in blks]
+    for b, h in zip(blks, hs, strict=True):
+        b.forward(h, torch.empty_like(h))
+    torch.cuda.synchronize()
+    fb = floor_bytes(cfg, blks[0].topk_ids, N)
+    pieces = {
+        "front": [(lambda b=b, h=h: b.front(h)) for b, h in zip(blks, hs, strict=True)],
+        "experts": [(lambda b=b, h=h: (b.front(h), b.experts())) for b, h in zip(blks, hs, strict=True)],
+        "back": [(lambda b=b, o=o: b.back(o)) for b, o in zip(blks, outs, strict=True)],
+        "block": [(lambda b=b, h=h, o=o: b.forward(h, o)) for b, h, o in zip(blks, hs, outs, strict=True)],
+    }  # fmt: skip
+    times = {}
+    for name, fns in pieces.items():
+        r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
+        if r is None:
+            continue
+        med, lo, hi = r
+        if name == "experts":  # measured with the front kernel before it: subtract its median
+            med, lo, hi = (x - times.get("front", 0.0) for x in (med, lo, hi))
+        times[name] = med
+        floor = fb[name] / (bw_tbs * 1e6)
+        record(time=name, **ctx, kernels=1 if name != "block" else 3, us=f"{med:.1f}",
+               us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
+               eff=f"{med / floor:.2f}", n_experts=fb["n_experts"], status="time")  # fmt: skip
+
+    def std_time():
+        stds = [_standard_layer(cfg, w, N) for w in ws]
+        for s, h in zip(stds, hs, strict=True):
+            s.h.copy_(h)
+        fns = [(lambda s=s, o=o: s._moe_forward(o)) for s, o in zip(stds, outs, strict=True)]
+        return graph_time_us(fns, replays)
+
+    r = guarded("time_standard_block", ctx, std_time)
+    if r is not None:
+        med, lo, hi = r
+        floor = fb["block"] / (bw_tbs * 1e6)
+        sp = med / times["block"] if "block" in times else float("nan")
+        record(time="standard_block", **ctx, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+               us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+               speedup_specialized=f"{sp:.2f}", status="time")  # fmt: skip
+
+
+def table_md() -> str:
+    lines = ["| tp | tokens | what | kernels | us (median) | min | max | floor us | span/floor "
+             "| experts sel. | speedup |", "|" + "---|" * 11]  # fmt: skip
+    for r in RESULTS:
+        if r.get("status") == "time":
+            lines.append(
+                f"| {r['tp']} | {r['tokens']} | {r['time']} | {r.get('kernels', '')} | {r['us']} "
+                f"| {r['us_min']} | {r['us_max']} | {r['floor_us']} | {r['eff']} "
+                f"| {r.get('n_experts', '')} | {r.get('speedup_specialized', '')} |"
+            )
+    fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
+    passes = sum(r.get("status") == "pass" for r in RESULTS)
+    lines.append("")
+    lines.append(f"checks: {passes} pass, {len(fails)} fail/error")
+    for r in fails:
+        lines.append(f"- {r.get('check')} tp={r.get('tp')} tokens={r.get('tokens')}: "
+                     f"{r.get('err', r.get('error', ''))}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None:
+    ctx = {"preset": preset, "tp": tp, "tokens": N}
+    blks = guarded("build", ctx, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
+    if not blks:
+        return
+    for rep in range(2):  # two fresh draws
+        ctx_r = {**ctx, "draw": rep}
+        guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
+            cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep))  # fmt: skip
+    if not a.no_timing and preset != "tiny":
+        run_timing(cfg, ws, blks, N, ctx, bw, a.replays)
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="results/specialized_moe")
+    ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--copies", type=int, default=3, help="layers rotated to defeat L2")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
+    record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")
+    shapes = [("tiny", 1)] if a.tiny else []
+    shapes += [("kimi-k3", tp) for tp in a.tp]
+    for preset, tp in shapes:
+        cfg = get_config(preset, tp)
+        ws = []
+        for c in range(a.copies if not a.no_timing else 1):
+            ws.append(make_layer_weights(cfg, LayerSpec(1 + c, "kda", "moe"), seed=c, device=DEV))
+        for N in a.tokens:
+            run_point(a, cfg, preset, tp, ws, N, bw)
+        ws = []
+        torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "seconds": round(time.time() - t0, 1), "commit": os.popen("git rev-parse HEAD").read().strip()}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    md = table_md()
+    (out / "table.md").write_text(md + "\n")
+    print("\n" + md)
+    bad = any(r.get("status") in ("FAIL", "error") for r in RESULTS)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

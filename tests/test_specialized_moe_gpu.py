@@ -1,0 +1,50 @@
+"""Specialized LatentMoE kernels on the H200 (``pytest -m gpu``): each kernel against its torch
+reference, the block against the float32 reference of the math and against the standard path's
+MoE block; fresh random inputs, outputs poisoned first; 1, 8, 32 and 64 tokens (the MoE is
+token-wise, so 1+7 tokens per sequence is the 8-token case: batch 1 x 8 rows), TP8 and TP16
+shapes and the tiny preset. The checks themselves live in ``scripts/gpu_specialized_moe.py``
+(the lead's one-call script), so the test and the script cannot drift apart."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_specialized_moe.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_specialized_moe", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gsm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _script()
+
+
+@pytest.mark.parametrize("preset,tp", [("tiny", 1), ("kimi-k3", 8), ("kimi-k3", 16)])
+@pytest.mark.parametrize("n_tokens", [1, 8, 32, 64])
+def test_specialized_moe_block(gsm, preset, tp, n_tokens):
+    from decodescope.kernels.config import LayerSpec, get_config
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+    from decodescope.kernels.weights import make_layer_weights
+
+    cfg = get_config(preset, tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
+    blk = SpecializedMoE(cfg, w, n_tokens)
+    gsm.RESULTS.clear()
+    for draw in range(2):
+        ctx = {"preset": preset, "tp": tp, "tokens": n_tokens, "draw": draw}
+        gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=7 * n_tokens + draw)
+    bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
+    assert not bad, bad
