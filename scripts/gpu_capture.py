@@ -6,6 +6,8 @@ Steps (each isolated: one failing step never stops the others; each has its own 
 
   env         versions, the libcupti NVTX must inject, cupti-python names the session uses
   eager       toy workload, 20 eager steps: every op of both layers has kernels, every step alike
+  eager_activity  the same with launch records from native per-API activity records
+              (activity_enable_runtime_api / _driver_api for the launch cbids; no Python callback)
   graph       toy workload captured once, replayed 50 times: every replay's kernels in the right
               layer and op (graph-node map), 50 steps numbered, the same kernels per op as eager
   cli         `decodescope capture --workload toy --graph` end to end (the CLI path)
@@ -191,6 +193,31 @@ def step_eager(ctx: Ctx) -> tuple[bool, str]:
     return (
         ok,
         f"{chk['steps']} steps x {chk['kernels_per_step']} kernels; NVTX ranges={run.ranges.num_rows}; {chk['problems']}",
+    )
+
+
+def step_eager_activity(ctx: Ctx) -> tuple[bool, str]:
+    from decodescope.tracer.validate import check_attribution
+
+    spec = {
+        "workload": "toy",
+        "graph": False,
+        "steps": 20,
+        "warmup": 3,
+        "launch_records": "activity",
+    }
+    res = capture(ctx, "toy_eager_activity", spec)
+    run = res.run
+    print(per_op_table(run))
+    chk = check_attribution(run, toy_expected())
+    nolaunch = ov(run).get("kernels_without_launch", 0)
+    print(
+        f"  check: {chk['problems'] or 'all ops present, steps alike'}; kernels_without_launch={nolaunch}"
+    )
+    ok = res.ok and chk["ok"] and nolaunch == 0
+    return (
+        ok,
+        f"{chk['steps']} steps x {chk['kernels_per_step']} kernels; kernels_without_launch={nolaunch}; {chk['problems']}",
     )
 
 
