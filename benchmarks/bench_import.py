@@ -6,8 +6,8 @@ memory of one loader never colour another's:
 - time: wall time of one load, median (and min / max) over ``--repeats`` loads in that process,
   after one warm-up load (the first load of a process also pays pyarrow's lazy start-up; the cold
   first load is reported apart);
-- peak memory: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the first load minus the same
-  figure after the imports, i.e. what loading the trace added at its peak;
+- peak memory: the process's peak RSS during the first load (VmHWM, reset after the imports)
+  minus its RSS before it, i.e. what loading the trace added at its peak;
 - events/s and MB/s: the trace's event count and uncompressed JSON size over the median time.
 
 decodescope is timed twice: ``tracer.kineto.load_kineto`` (the raw import, the like of what HTA
@@ -21,6 +21,7 @@ Writes benchmarks/results/import.json and prints a table. A benchmark, never a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -43,10 +44,28 @@ RESULTS = ROOT / "benchmarks" / "results" / "import.json"
 # worker: one loader, one trace, a fresh process
 
 
-def _maxrss_mb() -> float:
-    import resource
+def _mem_mb() -> tuple[float, float]:
+    """(current RSS, peak RSS) of this process in MB.
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    Linux: VmRSS / VmHWM of /proc/self/status. (``getrusage().ru_maxrss`` is no good here: a child
+    keeps the maximum its parent had when it forked, so a small worker reports the driver's size.)
+    Elsewhere: ru_maxrss for both."""
+    try:
+        fields = dict(
+            line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+        )
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        return peak, peak
+
+
+def _reset_peak() -> None:
+    """Start the peak (VmHWM) afresh from the current RSS, where Linux lets us."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def worker(loader: str, path: str, repeats: int) -> dict:
@@ -77,12 +96,18 @@ def worker(loader: str, path: str, repeats: int) -> dict:
 
     else:
         raise SystemExit(f"unknown loader {loader}")
+    # pyarrow imports pandas on its first conversion of a Python list: pay that here, as part of
+    # the imports (HTA imports pandas itself), not as memory the trace took
+    import pyarrow as pa
+
+    pa.array([0])
     import_s = time.perf_counter() - t0
-    base = _maxrss_mb()
+    _reset_peak()
+    base, _ = _mem_mb()
     t = time.perf_counter()
     load()
     first = time.perf_counter() - t
-    peak = _maxrss_mb()
+    _, peak = _mem_mb()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -254,7 +279,7 @@ def print_table(report: dict) -> None:
             table.add_column(h, justify="left" if h in ("trace", "loader") else "right")
         for b in body:
             table.add_row(*b)
-        Console().print(table)
+        Console(width=max(180, shutil.get_terminal_size().columns)).print(table)
     except ImportError:
         print(title)
         print(" | ".join(header))
