@@ -30,3 +30,111 @@ def register(name: str) -> Callable[[Callable[..., Workload]], Callable[..., Wor
         return factory
 
     return deco
+
+
+# -- the standard decode layers (issue 4) ------------------------------------------------------
+
+
+def _int(v: Any, name: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name} must be an integer, got {v!r}") from None
+
+
+@register("standard")
+def standard(
+    preset: str = "kimi-k3",
+    tp_shape: int | str = 8,
+    batch: int | str = 1,
+    tokens_per_seq: int | str = 1,
+    layers: str = "kda,mla",
+    seed: int | str = 0,
+    backend: str = "standard",
+    context_len: int | str = 1024,
+    kv_cache_dtype: str = "bf16",
+    device: str | None = None,
+    tp_world: int | str = 1,
+    **unknown: Any,
+) -> Workload:
+    """vLLM's default Hopper decomposition of Kimi K3 decode layers (kernels/standard).
+
+    Options (strings or ints from the CLI): preset (kimi-k3 | kimi-k2 | tiny), tp_shape, batch,
+    tokens_per_seq (1 + k drafts, k <= 7), layers ("kda,mla", "mix", "mix:8", ...), seed,
+    context_len, kv_cache_dtype (bf16 | fp8_e4m3), device (default cuda if available)."""
+    import json
+
+    import torch
+
+    from decodescope.kernels import bytes as kbytes
+    from decodescope.kernels import vllm_ops
+    from decodescope.kernels.config import get_config
+    from decodescope.kernels.standard.model import StandardModel, parse_layers
+
+    if unknown:
+        raise ValueError(f"unknown option(s) for workload 'standard': {', '.join(sorted(unknown))}")
+    if backend != "standard":
+        raise ValueError(f"workload 'standard' runs backend 'standard', got {backend!r}")
+    cfg = get_config(
+        preset,
+        tp_shape,
+        context_len=_int(context_len, "context_len"),
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    specs = parse_layers(cfg, layers)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    b, t, s = _int(batch, "batch"), _int(tokens_per_seq, "tokens_per_seq"), _int(seed, "seed")
+    model = StandardModel(cfg, specs, b, t, seed=s, device=dev, tp_world=_int(tp_world, "tp_world"))
+    meta: dict[str, Any] = {
+        "workload": "standard",
+        "backend": "standard",
+        "preset": preset,
+        "batch": b,
+        "tokens_per_seq": t,
+        "tp_shape": cfg.tp,
+        "tp_world": _int(tp_world, "tp_world"),
+    }
+
+    def update_meta() -> None:
+        """layer_bytes from the routing the last step really selected (median per kind)."""
+        sel = model.selected_experts()
+        per_kind: dict[str, list[int]] = {}
+        distinct: dict[str, int] = {}
+        for layer in model.layers:
+            kind = layer.spec.kind
+            ids = sel.get(layer.i)
+            nb = kbytes.layer_bytes(cfg, kind, b, t, ids)
+            per_kind.setdefault(kind, []).append(nb)
+            if ids is not None:
+                distinct[f"layer.{layer.i}"] = kbytes.distinct_experts(ids)
+        meta["layer_bytes"] = {k: sorted(v)[len(v) // 2] for k, v in per_kind.items()}
+        config = {
+            "config": cfg.to_dict(),
+            "layers": [f"{sp.index}:{sp.kind}" for sp in specs],
+            "op_impl": dict(model.ops.impl),
+            "op_rejected": dict(model.ops.rejected),
+            "vllm_ops": vllm_ops.load(),
+            "vllm_ops_errors": vllm_ops.errors(),
+            "distinct_experts": distinct,
+            "seed": model.seed,
+            "kda_path": "fused" if cfg.model.kda and cfg.kda_heads >= 12 else "triton-chain",
+        }
+        meta["config_json"] = json.dumps(config, default=str)
+        meta["notes"] = "; ".join(cfg.notes) + (
+            "; tp_world 1: no all-reduce runs" if meta["tp_world"] == 1 else ""
+        )
+
+    def step() -> None:
+        model.step()
+
+    def refresh() -> None:
+        model.refresh()
+        model.step()  # eager, outside capture: warms up and routes the new inputs
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        update_meta()
+
+    refresh()
+    wl = Workload(name="standard", step=step, refresh=refresh, meta=meta)
+    wl.model = model  # type: ignore[attr-defined]  (tests and scripts reach the layers)
+    return wl

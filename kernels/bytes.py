@@ -1,0 +1,136 @@
+"""Bytes one decoder layer must move per rank in one decode step (DESIGN.md section 7).
+
+``layer_bytes`` counts, per rank: every weight of the layer that the step reads once (attention,
+norms, router, latent projections, shared experts, the dense MLP), every routed expert the
+batch's routing really selects (distinct experts: pass the step's ``topk_ids``, or a count), the
+recurrent state read and written (KDA: FP32 state + conv state), and the MLA latent cache read
+(context + new rows) and the new rows written. Activations (a few MB at batch 64) are left out.
+The bytes floor is ``layer_bytes / copy bandwidth``.
+
+``layer_memory`` is what one layer occupies on the device (all experts, state, cache): it says
+how many layers of a shape fit on one GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.config import Config
+
+BF16_B = 2
+
+
+def distinct_experts(topk_ids: torch.Tensor) -> int:
+    """How many different experts the step's routing selected (one layer)."""
+    return int(torch.unique(topk_ids.reshape(-1)).numel())
+
+
+def expected_distinct(num_experts: int, top_k: int, n_tokens: int) -> float:
+    """Distinct experts under uniform routing: 16, 120, 393, 613 at 1, 8, 32, 64 tokens (K3)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** n_tokens)
+
+
+def _kda_attn_weights(cfg: Config) -> dict[str, int]:
+    k = cfg.kda
+    D = cfg.kda_dim
+    return {
+        "in_proj": cfg.kda_in_proj_out * cfg.hidden * BF16_B,
+        "f_b": D * k.head_dim * BF16_B,
+        "conv_w": 3 * D * k.conv_kernel * BF16_B,
+        "gate_params": cfg.kda_heads * 4 + D * 4 + k.head_dim * BF16_B,
+        "o_proj": cfg.hidden * D * BF16_B,
+    }
+
+
+def _mla_attn_weights(cfg: Config) -> dict[str, int]:
+    m = cfg.mla
+    nh = cfg.mla_heads
+    out = {
+        "fused_qkv_a": cfg.mla_qkv_a_out * cfg.hidden * BF16_B,
+        "q_b": cfg.mla_q_b_out * m.q_lora_rank * BF16_B,
+        "w_uk_uv": nh * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) * BF16_B,
+        "q_kv_norms": (m.q_lora_rank + m.kv_lora_rank) * BF16_B,
+        "o_proj": cfg.hidden * cfg.mla_v_dim * BF16_B,
+    }
+    if m.output_gate:
+        out["g_proj"] = cfg.mla_v_dim * cfg.hidden * BF16_B
+    return out
+
+
+def expert_bytes(cfg: Config) -> int:
+    """One routed expert per rank (w13 + w2) in BF16."""
+    return 3 * cfg.expert_dim * cfg.expert_inter * BF16_B
+
+
+def _moe_fixed(cfg: Config) -> dict[str, int]:
+    e = cfg.moe
+    H, L = cfg.hidden, cfg.expert_dim
+    out = {"router": e.num_experts * H * BF16_B + e.num_experts * 4}
+    if e.latent_dim:
+        out["latent_down_up"] = 2 * L * H * BF16_B + L * BF16_B
+    if e.n_shared:
+        out["shared_experts"] = 3 * cfg.shared_inter * H * BF16_B
+    return out
+
+
+def _state(cfg: Config, attn: str, batch: int, tokens_per_seq: int) -> dict[str, int]:
+    if attn == "kda":
+        k = cfg.kda
+        st = batch * cfg.kda_heads * k.head_dim * k.head_dim * 4
+        conv = batch * cfg.kda_conv_dim * (k.conv_kernel - 1) * BF16_B
+        return {"kda_state_rw": 2 * st, "conv_state_rw": 2 * conv}
+    elem = 1 if cfg.kv_cache_dtype == "fp8_e4m3" else BF16_B
+    row = cfg.mla.latent_dim * elem
+    return {
+        "kv_cache_read": batch * (cfg.context_len + tokens_per_seq) * row,
+        "kv_cache_write": batch * tokens_per_seq * row,
+    }
+
+
+def layer_bytes_breakdown(
+    cfg: Config,
+    kind: str,
+    batch: int,
+    tokens_per_seq: int = 1,
+    selected: torch.Tensor | int | float | None = None,
+) -> dict[str, int]:
+    """Per-part bytes of one layer of ``kind`` (kda | mla | dense). ``selected``: the step's
+    ``topk_ids`` (distinct experts counted), a count, or None (uniform-routing expectation)."""
+    attn = "mla" if kind == "mla" or cfg.model.kda is None else "kda"
+    out = {"norms": 2 * cfg.hidden * BF16_B}
+    out.update(_kda_attn_weights(cfg) if attn == "kda" else _mla_attn_weights(cfg))
+    out.update(_state(cfg, attn, batch, tokens_per_seq))
+    if kind == "dense":
+        out["dense_mlp"] = 3 * cfg.dense_inter * cfg.hidden * BF16_B
+        return out
+    out.update(_moe_fixed(cfg))
+    if isinstance(selected, torch.Tensor):
+        n = distinct_experts(selected)
+    elif selected is None:
+        n = expected_distinct(cfg.moe.num_experts, cfg.moe.top_k, batch * tokens_per_seq)
+    else:
+        n = selected
+    out["routed_experts"] = int(round(n * expert_bytes(cfg)))
+    return out
+
+
+def layer_bytes(cfg, kind, batch, tokens_per_seq=1, selected=None) -> int:
+    """Total of :func:`layer_bytes_breakdown`."""
+    return sum(layer_bytes_breakdown(cfg, kind, batch, tokens_per_seq, selected).values())
+
+
+def floor_us(nbytes: int | float, copy_bw_tbs: float = 4.22) -> float:
+    """The bytes floor in microseconds at ``copy_bw_tbs`` TB/s (H200 copy: 4.22)."""
+    return nbytes / (copy_bw_tbs * 1e12) * 1e6
+
+
+def layer_memory(cfg: Config, kind: str, batch: int, tokens_per_seq: int = 1) -> int:
+    """Device bytes one layer holds: all weights incl. every routed expert, state, cache."""
+    b = layer_bytes_breakdown(cfg, kind, batch, tokens_per_seq, selected=cfg.moe.num_experts)
+    if kind == "dense":
+        b.pop("routed_experts", None)
+    for k in ("kda_state_rw", "conv_state_rw"):
+        if k in b:
+            b[k] //= 2
+    b.pop("kv_cache_write", None)
+    return sum(b.values())
