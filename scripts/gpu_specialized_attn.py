@@ -190,7 +190,8 @@ def make_standard(cfg, spec, w, state, B, T):
     from decodescope.kernels.standard.ops import Ops
 
     ops = Ops(DEV)
-    return StandardLayer(cfg, spec, w, state, B, T, ops, torch.cuda.Stream(DEV), 1)
+    side = torch.cuda.Stream(DEV) if DEV.type == "cuda" else None
+    return StandardLayer(cfg, spec, w, state, B, T, ops, side, 1)
 
 
 def check_layer(cfg, spec, w, state, B, T, ctx, std_ok: bool) -> None:
