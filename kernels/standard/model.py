@@ -53,6 +53,7 @@ class StandardModel:
         use_triton: bool | None = None,
         tp_world: int = 1,
         kda_mode: str = "auto",
+        weights: list[dict[str, torch.Tensor]] | None = None,
     ) -> None:
         if not 1 <= tokens_per_seq <= 8:
             raise ConfigError(
@@ -67,7 +68,9 @@ class StandardModel:
         self.ops = Ops(self.device, use_vllm=use_vllm, use_triton=use_triton)
         cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if cuda else None
-        self.weights = [make_layer_weights(cfg, s, seed, self.device) for s in specs]
+        if weights is None:
+            weights = [make_layer_weights(cfg, s, seed, self.device) for s in specs]
+        self.weights = weights  # reusable across batch sizes (same cfg and specs)
         self.states = [make_state(cfg, s, batch, tokens_per_seq, seed, self.device) for s in specs]
         self.x_in, self.r_in = make_inputs(cfg, self.N, seed, self.device)
         self.layers = [

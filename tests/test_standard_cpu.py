@@ -1,0 +1,207 @@
+"""The standard decode layers on a CPU (torch implementations of every op) against the float64
+reference, tiny preset; fresh random weights, state and inputs for every check (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decodescope.kernels import bytes as kbytes
+from decodescope.kernels import reference as R
+from decodescope.kernels.config import get_config
+from decodescope.kernels.standard import ops as O
+from decodescope.kernels.standard.model import StandardModel, parse_layers
+from decodescope.kernels.workloads import WORKLOADS
+
+TOL = 1.5e-2  # bf16 activations and weights through ~10 roundings: METHOD.md's 1e-3..1e-2 band
+SETTINGS = settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
+)
+
+
+def _state_err(cfg, got: dict, ref: dict) -> dict[str, float]:
+    out = {}
+    for k, v in ref.items():
+        g = got[k]
+        if k == "kv_cache":  # the rows this step wrote (the rest is untouched context)
+            g, v = g[:, cfg.context_len :], v[:, cfg.context_len :]
+        out[k] = R.rel_l2(g, v)
+    return out
+
+
+def check_layer(preset, tp, kind, batch, T, seed, kda_mode="auto"):
+    cfg = get_config(preset, tp)
+    specs = parse_layers(cfg, kind)
+    m = StandardModel(cfg, specs, batch, T, seed=seed, kda_mode=kda_mode)
+    before = {k: v.clone() for k, v in m.states[0].items()}
+    x_in, r_in = m.x_in.clone(), m.r_in.clone()
+    m.x_out.fill_(float("nan"))  # poison: every element must be written
+    m.r_out.fill_(float("nan"))
+    m.step()
+    assert torch.equal(m.x_in, x_in) and torch.equal(m.r_in, r_in), "the step wrote its inputs"
+    layer = m.layers[0]
+    x, r, new_state, ids = R.layer_ref(
+        cfg, specs[0], m.weights[0], before, x_in, r_in, T, topk_ids=layer.topk_ids
+    )
+    ex, er = R.rel_l2(m.x_out, x), R.rel_l2(m.r_out, r)
+    se = _state_err(cfg, m.states[0], new_state)
+    msg = f"{preset} tp{tp} {kind} B={batch} T={T} seed={seed}: x {ex:.2e} r {er:.2e} {se}"
+    assert ex < TOL and er < TOL, msg
+    assert all(v < TOL for v in se.values()), msg
+    if ids is not None:  # the standard path's routing is the reference's, up to near-ties
+        h, _ = R.attn_res_ref(*_post_attn(cfg, specs[0], m, before, x_in, r_in, T))
+        _, ref_ids, margin = R.routing_ref(cfg, m.weights[0], h)
+        a = torch.sort(ref_ids, 1).values
+        b = torch.sort(layer.topk_ids.long(), 1).values
+        differ = (a != b).any(1)
+        assert bool((margin[differ] < 2e-2).all()), f"routing differs beyond a near-tie: {msg}"
+    return ex, se
+
+
+def _post_attn(cfg, spec, m, before, x_in, r_in, T):
+    """(attention output, residual, mlp_norm weight, eps): the MoE input's ingredients."""
+    w = m.weights[0]
+    h, r = R.attn_res_ref(x_in, r_in, w["attn_norm"], cfg.eps)
+    if spec.attn == "kda":
+        a, _, _ = R.kda_attn_ref(cfg, w, h, before["kda_state"], before["conv_state"], T)
+    else:
+        a, _ = R.mla_attn_ref(cfg, w, h, before["kv_cache"], T)
+    return a, r, w["mlp_norm"], cfg.eps
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(["kda", "mla", "dense"]),
+    batch=st.sampled_from([1, 2, 5]),
+    T=st.sampled_from([1, 2, 4, 8]),
+    tp=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_layer_matches_reference(kind, batch, T, tp, seed):
+    check_layer("tiny", tp, kind, batch, T, seed)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla", "dense"])
+@pytest.mark.parametrize("batch, T", [(1, 1), (4, 1), (3, 4)])
+def test_each_kind_batch_and_verify_tokens(kind, batch, T):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh each run; printed on failure
+    check_layer("tiny", 1, kind, batch, T, seed)
+
+
+@pytest.mark.parametrize("mode", ["fused", "chain"])
+def test_kda_fused_and_chain_paths(mode):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    check_layer("tiny", 1, "kda", 2, 2, seed, kda_mode=mode)
+
+
+def test_step_of_the_model_mix_matches_chained_reference():
+    cfg = get_config("tiny", 1)
+    specs = parse_layers(cfg, "mix:4")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    m = StandardModel(cfg, specs, 2, 2, seed=seed)
+    before = [{k: v.clone() for k, v in s.items()} for s in m.states]
+    m.step()
+    x, r = m.x_in, m.r_in
+    for i, spec in enumerate(specs):
+        x, r, _, _ = R.layer_ref(
+            cfg, spec, m.weights[i], before[i], x, r, 2, topk_ids=m.layers[i].topk_ids
+        )
+    # four layers deep, each rounding to bf16: the error compounds a little
+    assert R.rel_l2(m.x_out, x) < 3 * TOL and R.rel_l2(m.r_out, r) < 3 * TOL, seed
+
+
+def test_moe_align_torch_groups_and_pads():
+    E, k, N, bm = 12, 3, 5, 4
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).to(torch.int32)
+    numel = N * k
+    mp = -(-(numel + E * (bm - 1)) // bm) * bm
+    s = torch.empty(mp, dtype=torch.int32)
+    e = torch.empty(mp // bm, dtype=torch.int32)
+    n = torch.empty(1, dtype=torch.int32)
+    O.moe_align_torch(ids, E, bm, s, e, n)
+    ntp = int(n.item())
+    assert ntp % bm == 0 and ntp <= mp
+    flat = ids.reshape(-1)
+    seen = []
+    for b in range(ntp // bm):
+        rows = s[b * bm : (b + 1) * bm]
+        for r in rows.tolist():
+            if r < numel:
+                assert int(flat[r]) == int(e[b])  # each row sits in its expert's block
+                seen.append(r)
+    assert sorted(seen) == list(range(numel))  # every (token, k) row exactly once
+    counts = torch.bincount(flat.long(), minlength=E)
+    assert ntp == int(((counts + bm - 1) // bm * bm).sum())
+
+
+def test_layer_bytes_matches_design_figures():
+    c8, c16 = get_config("kimi-k3", 8), get_config("kimi-k3", 16)
+    # DESIGN.md section 7: ~395 MB (94 us) at batch 1 and ~5.4 GB (1.29 ms) at batch 64, TP8
+    assert 390e6 < kbytes.layer_bytes(c8, "kda", 1, 1, 16) < 400e6
+    assert 5.3e9 < kbytes.layer_bytes(c8, "kda", 64, 1, 613) < 5.5e9
+    assert 250e6 < kbytes.layer_bytes(c16, "kda", 1, 1, 16) < 262e6
+    assert 2.7e9 < kbytes.layer_bytes(c16, "kda", 64, 1, 613) < 2.9e9
+    assert [round(kbytes.expected_distinct(896, 16, n)) for n in (1, 8, 32, 64)] == [
+        16,
+        120,
+        393,
+        613,
+    ]
+    ids = torch.tensor([[1, 2, 3], [3, 4, 5]])
+    assert kbytes.distinct_experts(ids) == 5
+    assert kbytes.layer_bytes(c8, "kda", 2, 1, ids) - kbytes.layer_bytes(
+        c8, "kda", 2, 1, 4
+    ) == kbytes.expert_bytes(c8)
+    # one layer's experts at TP8: 7.4 GB in BF16 (about 17-18 layers per H200)
+    assert 7.3e9 < 896 * kbytes.expert_bytes(c8) < 7.5e9
+
+
+def test_workload_contract():
+    wl = WORKLOADS["standard"](
+        preset="tiny", tp_shape="2", batch="3", tokens_per_seq="2", layers="kda,mla", seed="7"
+    )
+    meta = wl.meta
+    for key in ("workload", "backend", "preset", "batch", "tokens_per_seq", "tp_shape"):
+        assert meta[key] is not None
+    assert meta["backend"] == "standard" and meta["tp_shape"] == 2 and meta["batch"] == 3
+    assert set(meta["layer_bytes"]) == {"kda", "mla"}
+    cfg = json.loads(meta["config_json"])
+    assert cfg["op_impl"]["moe.routed_experts"] == "torch"  # a CPU: every op's torch fallback
+    assert cfg["layers"] == ["0:kda", "1:mla"]
+    before = wl.model.x_out.clone()
+    wl.step()  # same inputs, evolved KDA state: runs, same shapes, finite
+    assert torch.isfinite(wl.model.x_out).all() and wl.model.x_out.shape == before.shape
+    wl.refresh()
+    with pytest.raises(ValueError, match="unknown option"):
+        WORKLOADS["standard"](preset="tiny", tp_shape=1, bogus=1)
+
+
+def test_ranges_name_every_op(monkeypatch):
+    from decodescope.kernels.standard import layers as L
+
+    names: list[str] = []
+
+    class Rec:
+        def __init__(self, name):
+            names.append(name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(L, "range", Rec)
+    cfg = get_config("tiny", 1)
+    m = StandardModel(cfg, parse_layers(cfg, "kda,mla"), 1, 1, seed=1)
+    m.step()
+    assert "layer.0:kda" in names and "layer.1:mla" in names
+    assert "layer.0.attn.qkv_proj" in names and "layer.1.attn.mla_decode" in names
+    assert "layer.0.moe.routed_experts" in names and "layer.1.moe.router" in names
+    for n in names:
+        assert n.startswith("layer.") and "/" not in n
