@@ -40,6 +40,12 @@ def no_exception(at: AppTest) -> None:
     assert not [e for e in texts(at.error) if "did not expect" in e], texts(at.error)
 
 
+def open_view(at: AppTest, view: str) -> AppTest:
+    """Open one tab (tabs are lazy: only the open one runs)."""
+    at.session_state["view"] = view
+    return at.run()
+
+
 def test_default_view_renders_the_bundled_runs(monkeypatch):
     at = run_app(monkeypatch)  # no sources: DEFAULT_DATA
     no_exception(at)
@@ -47,18 +53,30 @@ def test_default_view_renders_the_bundled_runs(monkeypatch):
     # the headline: per layer kind, A vs B
     heads = texts(at.subheader)
     assert heads and heads[0].startswith("Layer: ") and " vs " in heads[0]
-    # side-by-side tables (kinds, per layer), charts, kernel table, metadata
-    assert len(at.dataframe) >= 4
+    labels = [t.label for t in at.tabs]
+    assert labels == list(dashboard.VIEWS)
+    # side by side: per kind, then per layer (one table per layer kind), A and B with deltas
+    assert len(at.dataframe) >= 2
     kinds = at.dataframe[0].value
     assert {"a_kernels", "b_kernels", "kernels_delta", "ratio"} <= set(kinds.columns)
     layers = at.dataframe[1].value
     assert {"a_span_us", "b_span_us", "a_busy_us", "a_gaps_us", "a_kernel_sum_us"} <= set(
         layers.columns
     )
-    charts = at.get("plotly_chart")
-    assert len(charts) >= 3  # layer bars, op stack, timeline (history too with 2 runs)
-    labels = [t.label for t in at.tabs]
-    assert labels == ["Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata"]
+    assert len(layers) == 36  # the layers 0..35 of gpt-oss, 0..23 of Qwen1.5-0.5B beside them
+
+
+@pytest.mark.parametrize("view", dashboard.VIEWS[1:])
+def test_every_view_renders(monkeypatch, view):
+    at = run_app(monkeypatch)
+    open_view(at, view)
+    no_exception(at)
+    assert not at.error, texts(at.error)
+    if view in ("Charts", "Timeline", "History"):
+        assert at.get("plotly_chart"), f"{view}: no chart"
+    if view in ("Kernels", "Run metadata", "History"):
+        assert at.dataframe, f"{view}: no table"
+    assert at.get("download_button"), f"{view}: no downloads"
 
 
 def test_choosing_runs_changes_the_comparison(monkeypatch):
@@ -81,8 +99,11 @@ def test_choosing_runs_changes_the_comparison(monkeypatch):
 
 def test_timeline_and_kernel_search(monkeypatch):
     at = run_app(monkeypatch, H100, B200)
+    open_view(at, "Timeline")
     at.selectbox(key="tl-layer").set_value(5).run()
     no_exception(at)
+    assert at.get("plotly_chart")
+    open_view(at, "Kernels")
     at.text_input(key="k-search").set_value("gemm").run()
     no_exception(at)
     caption = next(t for t in texts(at.caption) if "kernel names" in t)
@@ -142,6 +163,7 @@ def test_a_two_rank_trace_offers_a_rank_and_the_whole_step(monkeypatch):
     no_exception(at)
     assert at.sidebar.selectbox(key="rank").options == ["0", "1"]
     # no layer ranges: the timeline offers the whole step
+    open_view(at, "Timeline")
     assert at.selectbox(key="tl-layer").options == [dashboard.WHOLE_STEP]
     at.sidebar.selectbox(key="rank").set_value(1).run()
     no_exception(at)

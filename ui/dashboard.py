@@ -40,8 +40,9 @@ from decodescope.ui import figures
 # Point this at the committed H200 standard-vs-specialized runs once they exist.
 DEFAULT_DATA: tuple[Path, ...] = (Path(__file__).parent / "data" / "default",)
 SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"
+VIEWS = ("Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata")
 UPLOAD_DIR = Path(tempfile.gettempdir()) / "decodescope-uploads"
-UPLOAD_TYPES = ["json", "gz", "sqlite", "nsys-rep", "zip", "parquet"]
+UPLOAD_TYPES = ["json", "gz", "sqlite", "zip"]
 
 META_FIELDS = (
     ("gpu", "GPU"),
@@ -324,27 +325,46 @@ def _show(table: pa.Table, **kwargs: Any) -> None:
 
 
 _NUM = st.column_config.NumberColumn
+_SHORT = {
+    "kernels": "kernels",
+    "span_us": "span us",
+    "busy_us": "busy us",
+    "gaps_us": "gaps us",
+    "kernel_sum_us": "kernel-sum us",
+}
+_KEYS = ("layer_kind", "rank", "layer", "block", "op", "b_op")
 
 
-def _layer_columns(t: pa.Table) -> dict[str, Any]:
+def _compare_view(t: pa.Table) -> dict[str, Any]:
+    """Column order and labels for a compare.* table: keys, then per metric A, B, delta, then
+    the ratio after span; the rest (steps, per-side kinds) at the end."""
+    names = t.column_names
+    order = [c for c in _KEYS if c in names]
     cfg: dict[str, Any] = {}
-    for c in t.column_names:
-        if (
-            c.endswith("_us")
-            or c.endswith("_us_delta")
-            or c.startswith(("a_kernels", "b_kernels"))
-            or c == "kernels_delta"
+    for m, label in _SHORT.items():
+        for c, lab in (
+            (f"a_{m}", f"A {label}"),
+            (f"b_{m}", f"B {label}"),
+            (f"{m}_delta", f"Δ {label}"),
         ):
-            cfg[c] = _NUM(c, format="%.1f")
-        elif c == "ratio":
-            cfg[c] = _NUM("ratio A/B", format="%.2fx", help="A span / B span: B's speed-up")
-    return cfg
+            if c in names:
+                order.append(c)
+                cfg[c] = _NUM(lab, format="%.0f" if m == "kernels" else "%.1f")
+        if m == "span_us" and "ratio" in names:
+            order.append("ratio")
+            cfg["ratio"] = _NUM("ratio A/B", format="%.2fx", help="A span / B span: B's speed-up")
+    order += [c for c in names if c not in order]
+    return {"column_order": order, "column_config": cfg}
+
+
+def _height(rows: int, cap: int = 60) -> int:
+    return 38 + 35 * min(max(rows, 1), cap)
 
 
 def view_side_by_side(pair: dict[str, pa.Table], labels: tuple[str, str], single: bool) -> None:
     kinds = pair["kinds"]
     st.markdown("**Per layer kind** (medians over the layers of each kind)")
-    _show(kinds, column_config=_layer_columns(kinds))
+    _show(kinds, **_compare_view(kinds))
     downloads("layer_kinds", kinds, "dl-kinds")
     layers = pair["layers"]
     if layers.num_rows == 0:
@@ -353,17 +373,17 @@ def view_side_by_side(pair: dict[str, pa.Table], labels: tuple[str, str], single
             "that the naming scheme recognises. The kernel table still shows every kernel."
         )
         return
-    st.markdown(f"**Per layer**: {labels[0]} (a_*) vs {labels[1]} (b_*), delta = B - A")
+    st.markdown(f"**Per layer**: {labels[0]} vs {labels[1]}, Δ = B - A; medians over steps")
     kind_col = layers["layer_kind"].to_pylist()
     for kind in dict.fromkeys(kind_col):
         sub = layers.filter(pa.array([k == kind for k in kind_col]))
         st.markdown(f"*{kind or '(no kind)'}*: {sub.num_rows} layers")
-        _show(sub, column_config=_layer_columns(sub))
+        _show(sub, height=_height(sub.num_rows), **_compare_view(sub))
     downloads("layers", layers, "dl-layers")
     ops = pair["ops"]
     if ops.num_rows:
         with st.expander("Per op (kernels per layer-step, span and kernel-sum)"):
-            _show(ops, column_config=_layer_columns(ops))
+            _show(ops, height=_height(ops.num_rows), **_compare_view(ops))
             downloads("ops", ops, "dl-ops")
     if not single and pair["fused"].num_rows:
         with st.expander("Fused ops of B and the ops of A they cover"):
@@ -494,6 +514,7 @@ def history_points(paths: tuple[tuple[str, float], ...]) -> pa.Table:
             "created_at": [created] * n,
             "git_commit": [m.git_commit or ""] * n,
             "backend": [m.backend or m.source] * n,
+            "setup": [" ".join(str(x) for x in (m.workload, m.preset, m.gpu) if x)] * n,
         }
         parts.append(pa.table({**meta_cols, **{c: kt[c] for c in kt.column_names}}))
     return pa.concat_tables(parts) if parts else pa.table({})
@@ -668,19 +689,20 @@ def page() -> None:
     if not lines:
         st.subheader("No layers attributed: see the kernel table")
 
-    tabs = st.tabs(["Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata"])
-    with tabs[0]:
-        view_side_by_side(pair, labels, single)
-    with tabs[1]:
-        view_charts(sa, sb, pair, labels, single)
-    with tabs[2]:
-        view_timeline(run_a, run_b, rank, labels, single)
-    with tabs[3]:
-        view_kernels(sa, sb, labels, single)
-    with tabs[4]:
-        view_history(entries, runs)
-    with tabs[5]:
-        view_metadata(run_a, run_b, labels, single)
+    # lazy tabs: only the open tab's content runs (and travels to the browser)
+    tabs = st.tabs(VIEWS, key="view", on_change="rerun")
+    views = {
+        "Side by side": lambda: view_side_by_side(pair, labels, single),
+        "Charts": lambda: view_charts(sa, sb, pair, labels, single),
+        "Timeline": lambda: view_timeline(run_a, run_b, rank, labels, single),
+        "Kernels": lambda: view_kernels(sa, sb, labels, single),
+        "History": lambda: view_history(entries, runs),
+        "Run metadata": lambda: view_metadata(run_a, run_b, labels, single),
+    }
+    for name, tab in zip(VIEWS, tabs, strict=True):
+        if tab.open:
+            with tab:
+                views[name]()
 
 
 def guarded(fn: Callable[[], None]) -> None:

@@ -220,18 +220,23 @@ def layer_bars(
 
 
 def _op_colors(ops_a: pd.DataFrame, ops_b: pd.DataFrame) -> dict[str, str]:
-    """A colour per plain op (A's first, in order); a fused op takes the colour of its first op."""
+    """A colour per plain op label (``block.op``; A's first, in order); a fused op takes the
+    colour of its first op."""
     plain: list[str] = []
+    fused: list[tuple[str, str]] = []
     for df in (ops_a, ops_b):
-        for op in df.get("op", []):
-            for part in str(op).split(FUSED_SEP):
-                if part not in plain:
-                    plain.append(part)
+        for _, r in df.iterrows():
+            label = _op_label(r.get("block"), r.get("op"))
+            parts = str(r.get("op")).split(FUSED_SEP)
+            if len(parts) > 1:
+                fused.append((label, _op_label(r.get("block"), parts[0])))
+            for part in parts:
+                part_label = _op_label(r.get("block"), part)
+                if part_label not in plain:
+                    plain.append(part_label)
     colors = {op: OP_PALETTE[i % len(OP_PALETTE)] for i, op in enumerate(plain)}
-    for df in (ops_a, ops_b):
-        for op in df.get("op", []):
-            if FUSED_SEP in str(op):
-                colors[str(op)] = colors[str(op).split(FUSED_SEP)[0]]
+    for label, first in fused:
+        colors[label] = colors[first]
     return colors
 
 
@@ -296,7 +301,7 @@ def op_stack(
                     legendgroup=name,
                     showlegend=name not in shown,
                     marker=dict(
-                        color=colors.get(op, "#999999"),
+                        color=colors.get(name, "#999999"),
                         pattern_shape="/" if fused else "",
                         line=dict(width=0.5, color="white"),
                     ),
@@ -429,7 +434,7 @@ def history(
     """A metric over a results dataset's runs: one line per (backend, layer kind).
 
     ``points`` has one row per (run, layer kind): ``run_id``, ``x`` (a date or commit),
-    ``backend``, ``layer_kind`` and the metric (a ``metrics.kind_table`` row per run, with the
+    ``backend``, ``layer_kind``, optionally ``setup`` (one line per setup too) and the metric (a ``metrics.kind_table`` row per run, with the
     run's metadata). The run ``baseline`` is ringed; runs in ``regressions`` are red crosses.
     """
     df = frame(points)
@@ -438,8 +443,9 @@ def history(
     df = df.sort_values(x)
     fig = go.Figure()
     regressed = set(regressions)
-    for (backend, kind), g in df.groupby(["backend", "layer_kind"], dropna=False, sort=True):
-        name = f"{backend if backend == backend else '?'} · {kind}"
+    keys = [k for k in ("setup", "backend", "layer_kind") if k in df]
+    for key, g in df.groupby(keys, dropna=False, sort=True):
+        name = " · ".join(str(k) for k in key if k == k and k not in (None, ""))
         hover_x = g["git_commit"] if "git_commit" in g else g["run_id"]
         fig.add_trace(
             go.Scatter(
