@@ -142,6 +142,7 @@ class KDADecode:
                 rHist[c, KC - 2] = xn
                 qkv[c] = acc * sigmoid(acc)
             sFa[j] = mProj[row, 4 * D + j].to(Float32)
+            cute.arch.sync_threads()  # sFa complete (block_sum has no barrier with one warp)
             gj = mProj[row, 3 * D + col].to(Float32)
             beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
             qss = block_sum(qkv[0] * qkv[0], sRed, self.warps)  # also orders the sFa stores
@@ -169,6 +170,7 @@ class KDADecode:
             oss = block_sum(o * o, sRed, self.warps)  # its barriers also free sQ/sK/sFa
             rstd = cute.math.rsqrt(oss / Float32(hd) + Float32(p.eps))
             mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
+            cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK
 
         for i in cutlass.range_constexpr(hd):
             mS[b, h, i, j] = rS[i]

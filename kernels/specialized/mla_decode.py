@@ -1,22 +1,28 @@
-"""Gated-MLA absorbed decode in one kernel: W_UK absorption + kv_a RMSNorm + cache insert +
-attention over the 576-wide latent cache + W_UV + sigmoid output gate.
+"""Gated-MLA absorbed decode in one launch: W_UK absorption + kv_a RMSNorm + cache insert +
+split-KV attention over the 576-wide latent cache + combine + W_UV + sigmoid output gate.
 
 Inputs: ``a [B*T, 2112]`` (q_a | kv_a | k_pe, the fused down-projection's output), ``q [B*T,
 heads*(nope+rope)]`` (q_b's output, q_a already RMS-normed by that GEMM's prologue), the gate
 ``g [B*T, heads*v]`` (g_proj), the cache ``[B, ctx+T, 576]`` (BF16) and the per-head ``w_uk
 [heads, nope, 512]``, ``w_uv [heads, 512, v]``.
 
-Grid: one CTA per (head, sequence), 4 warps. Prologue: the sequence's T new latent rows
-(``rmsnorm(kv_a) * kv_a_norm | k_pe``) go to shared memory (FP32); the CTA of head 0 also writes
-them into the cache (nobody reads those slots from the cache in this launch: every CTA uses its
-shared copy, so there is no race). Per token t: ``q_lat = q_nope @ w_uk[h]`` (each thread 4 of
-the 512 latent columns), then the keys ``0 .. ctx + t``: warp w takes keys w, w+4, ...; a lane
-holds 16 of the 512 latent values (and 2 of the 64 rope ones), the score is a warp sum, the
-softmax is online per warp, the four warps merge through shared memory, then ``o = o_lat @
-w_uv[h]`` (thread v = one output column) times ``sigmoid(g)``.
+Grid: (head, sequence, split) with ``splits`` chosen so that the grid covers the SMs at small
+batch (at batch 1, TP8: 12 heads x 16 splits of 64 cached keys); 8 warps per CTA.
 
-Not done yet (notes/specialized.md): split-KV across CTAs for small batches (at batch 1 only
-``heads`` CTAs run), FP8 cache reads, tensor-core score/PV MMAs for 1+7 tokens.
+1. The sequence's T new latent rows (``rmsnorm(kv_a) * kv_a_norm | k_pe``) go to shared memory
+   (FP32); the CTA (head 0, split 0) also writes them into the cache. Nobody reads those slots
+   from the cache in this launch (every CTA uses its shared copy), so there is no race.
+2. Per token t: ``q_lat = q_nope @ w_uk[h]`` (thread c: latent columns c, c + 256, ...), then
+   the split's cached keys in blocks of ``KB`` per warp (all loads of a block issued before its
+   scores: 8 warps x 4 keys x 1152 B = 36 KB in flight per CTA), online softmax per warp; the
+   last split also takes the new rows ``ctx .. ctx + t`` (causal among the new tokens). The
+   warps merge through shared memory and the CTA writes its partial ``(m, l, o_lat[512])``.
+3. The CTA that finishes a (sequence, head) last (an acq_rel atomic counter, reset by that CTA
+   for the next launch / graph replay) merges the splits and computes ``o = o_lat @ w_uv[h]``
+   times ``sigmoid(g)``. With one split the CTA does it directly.
+
+Not done yet (notes/specialized.md): FP8 cache reads; tensor-core score/PV MMAs with heads x
+tokens as the MMA rows (1+7 tokens re-read the split's keys once per token, from L2).
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized.utils import block_sum, load_vec8, sigmoid, warp_sum
 
-WARPS = 4
+WARPS = 8
+KB = 4  # keys per warp per block
+NUM_SMS = 132
+MIN_KEYS_PER_SPLIT = 64
 
 
 @dataclass(frozen=True)
@@ -57,15 +66,26 @@ class MLAPlan:
     def a_width(self) -> int:
         return self.q_lora + self.kv_lora + self.rope
 
+    @property
+    def splits(self) -> int:
+        want = -(-2 * NUM_SMS // (self.heads * self.batch))
+        most = max(1, self.ctx // MIN_KEYS_PER_SPLIT)
+        return max(1, min(want, most, 64))
+
+    @property
+    def keys_per_split(self) -> int:
+        blk = WARPS * KB
+        return -(-self.ctx // (self.splits * blk)) * blk
+
 
 class MLADecode:
     def __init__(self, plan: MLAPlan):
         self.p = plan
         self.threads = WARPS * 32
-        if plan.kv_lora % self.threads and self.threads % plan.kv_lora:
-            raise ValueError("kv_lora must be a multiple or divisor of 128")
-        if plan.v_dim > self.threads or plan.nope > 1024:
-            raise ValueError("v_dim must be <= 128")
+        if plan.v_dim > self.threads or plan.rope > self.threads:
+            raise ValueError("v_dim and rope must be <= 256")
+        if plan.lat % 8:
+            raise ValueError("the latent width must be a multiple of 8")
 
     @cute.jit
     def __call__(
@@ -77,6 +97,8 @@ class MLADecode:
         mWuk: cute.Tensor,  # [heads, nope, kv_lora] bf16
         mWuv: cute.Tensor,  # [heads, kv_lora, v] bf16
         mCache: cute.Tensor,  # [B, ctx+T, lat] bf16, new rows written
+        mPart: cute.Tensor,  # [B*T, heads, splits, kv_lora + 2] f32 workspace
+        mCnt: cute.Tensor,  # [B, heads] int32, zero between launches
         mOut: cute.Tensor,  # [B*T, heads*v] bf16
         stream: cuda.CUstream,
     ):
@@ -91,22 +113,23 @@ class MLADecode:
             ml: cute.struct.MemRange[Float32, 2 * WARPS]
             olat: cute.struct.MemRange[Float32, p.kv_lora]
             red: cute.struct.MemRange[Float32, 8]
+            last: cute.struct.MemRange[Int32, 1]
 
         self.smem_cls = Smem
-        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mOut).launch(
-            grid=[p.heads, p.batch, 1],
+        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
+            grid=[p.heads, p.batch, p.splits],
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mOut):
+    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut):
         p = self.p
         NT = self.threads
-        L, R, KVL, T = p.lat, p.rope, p.kv_lora, p.tokens
+        L, R, KVL, T, S = p.lat, p.rope, p.kv_lora, p.tokens, p.splits
         tidx, _, _ = cute.arch.thread_idx()
-        h, b, _ = cute.arch.block_idx()
+        h, b, sp = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
 
@@ -119,8 +142,9 @@ class MLADecode:
         sML = st.ml.get_tensor(cute.make_layout((2, WARPS), stride=(WARPS, 1)))
         sOlat = st.olat.get_tensor(cute.make_layout(KVL))
         sRed = st.red.get_tensor(cute.make_layout(8))
+        sLast = st.last.get_tensor(cute.make_layout(1))
 
-        # -- the T new latent rows: rmsnorm(kv_a) * kv_a_norm | k_pe ------------------------
+        # -- 1. the T new latent rows: rmsnorm(kv_a) * kv_a_norm | k_pe ---------------------
         for t in cutlass.range(T):
             row = b * T + t
             ss = Float32(0.0)
@@ -142,15 +166,19 @@ class MLADecode:
                     else:
                         val = mA[row, p.q_lora + c].to(Float32)
                     sNew[t, c] = val
-                    if h == 0:
+                    if h == 0 and sp == 0:
                         mCache[b, p.ctx + t, c] = val.to(BFloat16)
         cute.arch.sync_threads()
 
         scale = Float32(1.0 / math.sqrt(p.nope + R))
         qw = p.nope + R
+        nvec = L // 8
+        vpl = (nvec + 31) // 32  # 16-byte vectors per lane
+        k_begin = sp * p.keys_per_split
+        nblk = p.keys_per_split // (WARPS * KB)
         for t in cutlass.range(T):
             row = b * T + t
-            # -- absorbed query: q_lat = q_nope @ w_uk[h], q_pe as is -------------------------
+            # -- 2a. absorbed query: q_lat = q_nope @ w_uk[h], q_pe as is ---------------------
             for i in cutlass.range_constexpr((p.nope + NT - 1) // NT):
                 d = tidx + i * NT
                 if d < p.nope:
@@ -167,9 +195,7 @@ class MLADecode:
                     sQ[c] = acc * scale
             cute.arch.sync_threads()
 
-            # -- attention over keys 0 .. ctx + t, online softmax per warp -------------------
-            nvec = L // 8
-            vpl = (nvec + 31) // 32  # 16-byte vectors per lane
+            # -- 2b. this split's keys, online softmax per warp -----------------------------
             rq = cute.make_rmem_tensor((vpl, 8), Float32)
             for vi in cutlass.range_constexpr(vpl):
                 v = lane + vi * 32
@@ -181,35 +207,65 @@ class MLADecode:
             ro.fill(0.0)
             mrun = Float32(-1.0e30)
             lrun = Float32(0.0)
-            nkeys = p.ctx + t + 1
-            for key in cutlass.range(warp, nkeys, WARPS):
-                kvals = cute.make_rmem_tensor((vpl, 8), Float32)
-                kvals.fill(0.0)
-                for vi in cutlass.range_constexpr(vpl):
-                    v = lane + vi * 32
-                    if v < nvec:
-                        if key < p.ctx:
-                            kb = cute.make_rmem_tensor((8,), BFloat16)
-                            load_vec8(mCache[b, key, None], v * 8, kb)
-                            for e in cutlass.range_constexpr(8):
-                                kvals[vi, e] = kb[e].to(Float32)
-                        else:
-                            for e in cutlass.range_constexpr(8):
-                                kvals[vi, e] = sNew[key - p.ctx, v * 8 + e]
-                s = Float32(0.0)
-                for vi in cutlass.range_constexpr(vpl):
-                    for e in cutlass.range_constexpr(8):
-                        s = s + rq[vi, e] * kvals[vi, e]
-                s = warp_sum(s)
-                mnew = cute.arch.fmax(mrun, s)
+            for blk in cutlass.range(nblk):
+                key0 = k_begin + (blk * WARPS + warp) * KB
+                kb = cute.make_rmem_tensor((KB, vpl, 8), BFloat16)
+                kb.fill(0.0)
+                for q in cutlass.range_constexpr(KB):
+                    if key0 + q < p.ctx:
+                        for vi in cutlass.range_constexpr(vpl):
+                            v = lane + vi * 32
+                            if cutlass.const_expr(vi * 32 + 32 <= nvec) or v < nvec:
+                                load_vec8(mCache[b, key0 + q, None], v * 8, kb[q, vi, None])
+                sc = cute.make_rmem_tensor((KB,), Float32)
+                for q in cutlass.range_constexpr(KB):
+                    s = Float32(0.0)
+                    for vi in cutlass.range_constexpr(vpl):
+                        for e in cutlass.range_constexpr(8):
+                            s = s + rq[vi, e] * kb[q, vi, e].to(Float32)
+                    sc[q] = warp_sum(s)
+                    if key0 + q >= p.ctx:
+                        sc[q] = Float32(-1.0e30)
+                mnew = mrun
+                for q in cutlass.range_constexpr(KB):
+                    mnew = cute.arch.fmax(mnew, sc[q])
                 corr = cute.math.exp(mrun - mnew, fastmath=True)
-                pk = cute.math.exp(s - mnew, fastmath=True)
-                lrun = lrun * corr + pk
+                lrun = lrun * corr
                 for vi in cutlass.range_constexpr(vpl):
                     for e in cutlass.range_constexpr(8):
-                        ro[vi, e] = ro[vi, e] * corr + pk * kvals[vi, e]
+                        ro[vi, e] = ro[vi, e] * corr
+                for q in cutlass.range_constexpr(KB):
+                    pk = cute.math.exp(sc[q] - mnew, fastmath=True)
+                    if key0 + q >= p.ctx:
+                        pk = Float32(0.0)
+                    lrun = lrun + pk
+                    for vi in cutlass.range_constexpr(vpl):
+                        for e in cutlass.range_constexpr(8):
+                            ro[vi, e] = ro[vi, e] + pk * kb[q, vi, e].to(Float32)
                 mrun = mnew
-            # -- merge the warps ---------------------------------------------------------
+            # the new rows ctx .. ctx + t: last split, warp 0
+            if sp == S - 1 and warp == 0:
+                for key in cutlass.range(t + 1):
+                    s = Float32(0.0)
+                    for vi in cutlass.range_constexpr(vpl):
+                        v = lane + vi * 32
+                        if v < nvec:
+                            for e in cutlass.range_constexpr(8):
+                                s = s + rq[vi, e] * sNew[key, v * 8 + e]
+                    s = warp_sum(s)
+                    mnew = cute.arch.fmax(mrun, s)
+                    corr = cute.math.exp(mrun - mnew, fastmath=True)
+                    pk = cute.math.exp(s - mnew, fastmath=True)
+                    lrun = lrun * corr + pk
+                    for vi in cutlass.range_constexpr(vpl):
+                        v = lane + vi * 32
+                        for e in cutlass.range_constexpr(8):
+                            kv = Float32(0.0)
+                            if v < nvec:
+                                kv = sNew[key, v * 8 + e]
+                            ro[vi, e] = ro[vi, e] * corr + pk * kv
+                    mrun = mnew
+            # -- 2c. merge the warps, write this split's partial ------------------------------
             for vi in cutlass.range_constexpr(vpl):
                 v = lane + vi * 32
                 if v * 8 < KVL:
@@ -231,16 +287,63 @@ class MLADecode:
                     acc = Float32(0.0)
                     for w in cutlass.range_constexpr(WARPS):
                         acc = acc + sO[w, c] * cute.math.exp(sML[0, w] - mall, fastmath=True)
-                    sOlat[c] = acc / lall
+                    if cutlass.const_expr(S == 1):
+                        sOlat[c] = acc / lall
+                    else:
+                        mPart[row, h, sp, c] = acc
+            if cutlass.const_expr(S > 1):
+                if tidx == 0:
+                    mPart[row, h, sp, KVL] = mall
+                    mPart[row, h, sp, KVL + 1] = lall
+            else:
+                cute.arch.sync_threads()
+                self.finish(mG, mWuv, mOut, sOlat, row, h, tidx)
             cute.arch.sync_threads()
-            # -- o = o_lat @ w_uv[h], gate ----------------------------------------------------
-            if tidx < p.v_dim:
-                acc = Float32(0.0)
-                for c in cutlass.range(KVL, unroll=8):
-                    acc = acc + sOlat[c] * mWuv[h, c, tidx].to(Float32)
-                gate = sigmoid(mG[row, h * p.v_dim + tidx].to(Float32))
-                mOut[row, h * p.v_dim + tidx] = (acc * gate).to(BFloat16)
+
+        # -- 3. the last split of (b, h) merges the partials ---------------------------------
+        if cutlass.const_expr(S > 1):
+            cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + (b * p.heads + h), Int32(1),
+                                           sem="acq_rel", scope="gpu")  # fmt: skip
+                sLast[0] = old
+            cute.arch.sync_threads()
+            if sLast[0] == S - 1:
+                cute.arch.fence_acq_rel_gpu()
+                for t in cutlass.range(T):
+                    row = b * T + t
+                    mall = Float32(-1.0e30)
+                    for s2 in cutlass.range(S):
+                        mall = cute.arch.fmax(mall, mPart[row, h, s2, KVL])
+                    lall = Float32(0.0)
+                    for s2 in cutlass.range(S):
+                        wgt = cute.math.exp(mPart[row, h, s2, KVL] - mall, fastmath=True)
+                        lall = lall + mPart[row, h, s2, KVL + 1] * wgt
+                    for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                        c = tidx + i * NT
+                        if c < KVL:
+                            acc = Float32(0.0)
+                            for s2 in cutlass.range(S):
+                                wgt = cute.math.exp(mPart[row, h, s2, KVL] - mall, fastmath=True)
+                                acc = acc + mPart[row, h, s2, c] * wgt
+                            sOlat[c] = acc / lall
+                    cute.arch.sync_threads()
+                    self.finish(mG, mWuv, mOut, sOlat, row, h, tidx)
+                    cute.arch.sync_threads()
+                if tidx == 0:
+                    mCnt[b, h] = Int32(0)
+
+    @cute.jit
+    def finish(self, mG, mWuv, mOut, sOlat, row, h, tidx):
+        """``out[row, h] = (o_lat @ w_uv[h]) * sigmoid(g[row, h])``."""
+        p = self.p
+        if tidx < p.v_dim:
+            acc = Float32(0.0)
+            for c in cutlass.range(p.kv_lora, unroll=8):
+                acc = acc + sOlat[c] * mWuv[h, c, tidx].to(Float32)
+            gate = sigmoid(mG[row, h * p.v_dim + tidx].to(Float32))
+            mOut[row, h * p.v_dim + tidx] = (acc * gate).to(BFloat16)
 
 
 # -- torch-facing --------------------------------------------------------------------------
@@ -273,6 +376,8 @@ def _fake_args(p: MLAPlan):
         itf.fake(bf, (p.heads, p.nope, p.kv_lora)),
         itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
         itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
+        itf.fake(torch.float32, (M, p.heads, p.splits, p.kv_lora + 2), align=4),
+        itf.fake(torch.int32, (p.batch, p.heads), align=4),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
         itf.env_stream(),
     )
@@ -287,8 +392,27 @@ def mla_decode(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
     if kv_cache.dtype != torch.bfloat16:
         raise NotImplementedError("mla_decode: only a BF16 latent cache so far")
     batch = a.shape[0] // tokens
-    fn = compile_plan(plan_for(cfg, batch, tokens))
-    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, out)
+    plan = plan_for(cfg, batch, tokens)
+    fn = compile_plan(plan)
+    part, cnt = _workspace(plan, a.device)
+    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, part, cnt, out)
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(p: MLAPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split partials and the per-(sequence, head) counters (zeroed once; the kernel re-zeroes
+    each counter it used, so the same buffers serve every launch and graph replay). Shared by
+    the layers of one plan: launches on one stream run one after another."""
+    key = (p, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        part = torch.empty(p.batch * p.tokens, p.heads, p.splits, p.kv_lora + 2,
+                           dtype=torch.float32, device=device)  # fmt: skip
+        cnt = torch.zeros(p.batch, p.heads, dtype=torch.int32, device=device)
+        ws = _WS[key] = (part, cnt)
+    return ws
 
 
 def mla_decode_ref(cfg, w: dict, a, q, g, kv_cache, tokens: int):
