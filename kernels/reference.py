@@ -183,12 +183,13 @@ def moe_ref(cfg: Config, w, h, topk_ids=None, dtype=F64):
     z = h @ _up(w["latent_down"], dtype).T if e.latent_dim else h
     N, k = ids.shape
     flat = ids.reshape(-1)
-    uniq, inv = torch.unique(flat, return_inverse=True)
-    w13 = _up(w["w13"][uniq.to(w["w13"].device)], dtype).to(h.device)  # [U, 2I, L]
-    w2 = _up(w["w2"][uniq.to(w["w2"].device)], dtype).to(h.device)  # [U, L, I]
-    zt = z.repeat_interleave(k, dim=0)  # [N*k, L]
-    gu = torch.einsum("nl,nil->ni", zt, w13[inv])
-    y = torch.einsum("ni,nli->nl", act_and_mul_ref(cfg, gu), w2[inv])  # [N*k, L]
+    zt = z.repeat_interleave(k, dim=0)  # [N*k, L]: row n*k + j is token n's j-th expert
+    y = torch.zeros(N * k, z.shape[1], dtype=dtype, device=h.device)
+    for e_id in torch.unique(flat).tolist():  # one expert at a time: cheap at full size too
+        rows = (flat == e_id).nonzero().squeeze(1)
+        w13 = _up(w["w13"][e_id], dtype).to(h.device)  # [2I, L]
+        w2 = _up(w["w2"][e_id], dtype).to(h.device)  # [L, I]
+        y[rows] = act_and_mul_ref(cfg, zt[rows] @ w13.T) @ w2.T
     routed = (y.view(N, k, -1) * tw.unsqueeze(-1)).sum(1)
     if e.latent_dim:
         routed = rmsnorm_ref(routed, w["latent_norm"], cfg.eps) @ _up(w["latent_up"], dtype).T
