@@ -72,7 +72,16 @@ def graph_kernel_nodes(g: torch.cuda.CUDAGraph) -> int | None:
         return None
 
 
-def profile_kernels(fn) -> list[str]:
+def profile_kernels(fn) -> list[str] | None:
+    """Kernel names of one call of ``fn`` (torch.profiler), or None where profiling fails."""
+    try:
+        return _profile_kernels(fn)
+    except Exception as e:
+        log(f"  profiler failed: {type(e).__name__}: {e}")
+        return None
+
+
+def _profile_kernels(fn) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -181,7 +190,7 @@ def run_case(tp: int, batch: int, T: int, out: dict, weights_cache: dict, args) 
     kernels = {}
     for i, spec in enumerate(specs):
         names = profile_kernels(layer_graphs[i].replay)
-        kernels[spec.kind] = {"count": len(names), "names": names,
+        kernels[spec.kind] = {"count": None if names is None else len(names), "names": names,
                               "graph_kernel_nodes": graph_kernel_nodes(layer_graphs[i])}  # fmt: skip
     # -- 4. timing: rotate inputs, evict L2, median of replays ----------------------------------
     sets = [(torch.randn_like(m.x_in), torch.randn_like(m.r_in)) for _ in range(4)]
@@ -291,7 +300,8 @@ def main() -> int:
                 rows = run_case(tp, batch, args.tokens_per_seq, out, weights_cache, args)
                 out["rows"].extend(rows)
                 for r in rows:
-                    log(f"tp{tp} b{batch} {r['kind']}: {r['kernels']} kernels, "
+                    log(f"tp{tp} b{batch} {r['kind']}: {r['kernels']} kernels "
+                        f"({r['graph_kernel_nodes']} graph kernel nodes), "
                         f"{r['median_us']:.1f} us (floor {r['floor_us']:.1f}), "
                         f"err x {r['rel_err']['x']:.2e} ({time.time() - t0:.0f} s)")  # fmt: skip
             except Exception as e:
@@ -318,7 +328,7 @@ def main() -> int:
         f"{'max':>7} {'floor':>7} {'fl/sp':>5} {'experts':>7} {'err x':>8} {'err st':>8}")  # fmt: skip
     for r in out["rows"]:
         st = max((v for k, v in r["rel_err"].items() if k not in ("x", "r")), default=0.0)
-        log(f"{r['tp']:>3} {r['batch']:>3} {r['kind']:<5} {r['kernels']:>4} "
+        log(f"{r['tp']:>3} {r['batch']:>3} {r['kind']:<5} {str(r['kernels']):>4} "
             f"{str(r['graph_kernel_nodes']):>5} {r['median_us']:>8.1f} {r['min_us']:>7.1f} "
             f"{r['max_us']:>7.1f} {r['floor_us']:>7.1f} {r['floor_over_span']:>5.2f} "
             f"{str(r['distinct_experts']):>7} {r['rel_err']['x']:>8.1e} {st:>8.1e}")  # fmt: skip
