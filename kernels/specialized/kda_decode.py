@@ -100,7 +100,7 @@ class KDADecode:
         j, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sFa = st.fa.get_tensor(cute.make_layout(hd))
         sDecay = st.decay.get_tensor(cute.make_layout(hd))

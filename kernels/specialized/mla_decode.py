@@ -133,7 +133,7 @@ class MLADecode:
         warp = tidx // 32
         lane = tidx % 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sNew = st.new.get_tensor(cute.make_layout((T, L), stride=(L, 1)))
         sQ = st.q.get_tensor(cute.make_layout(L))

@@ -50,7 +50,7 @@ class RMSNorm:
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         m, _, _ = cute.arch.block_idx()
-        st = cutlass.utils.SmemAllocator().allocate(self.smem_cls)
+        st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
         sRed = st.red.get_tensor(cute.make_layout(8))
         nvec = p.n // 8
         per = (nvec + THREADS - 1) // THREADS

@@ -167,7 +167,7 @@ class SkinnyGemm:
         warp = tidx // 32
         lane = tidx % 32
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sRstd = st.rstd.get_tensor(cute.make_layout(mp))
         sRed = st.red.get_tensor(cute.make_layout((p.ks, ROWS, mp), stride=(ROWS * mp, mp, 1)))
