@@ -386,6 +386,15 @@ def test_child_failures_give_partial_run_and_one_line(tmp_path, fake, expect):
     assert run.kernels.column("launch_api").to_pylist() == ["cudaLaunchKernel"]
 
 
+def test_crash_after_the_capture_was_written_keeps_a_complete_run(tmp_path):
+    res = cap.run_capture(
+        {"fake": "crash_at_exit", "fake_rows": _ROWS}, out=tmp_path / "run", timeout=60, echo=False
+    )
+    assert res.ok and res.message is None
+    run = read_run(tmp_path / "run")
+    assert run.meta.partial is False and "signal 11" in run.meta.notes
+
+
 def test_child_ok(tmp_path):
     res = cap.run_capture(
         {"fake": "ok", "fake_rows": _ROWS}, out=tmp_path / "run", timeout=30, echo=False

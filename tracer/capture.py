@@ -557,6 +557,13 @@ def run_capture(
     err = _read_json(child_dir / "error.json")
     status = _read_json(child_dir / "status.json")
     ok = rc == 0 and not timed_out and not err and bool(status.get("completed", not command))
+    late_signal = None
+    if rc is not None and rc < 0 and not timed_out and not err and status.get("completed"):
+        # everything was written; the process died afterwards, in interpreter or CUDA teardown
+        ok, late_signal = (
+            True,
+            f"the child died of signal {-rc} ({_signame(-rc)}) after writing its capture",
+        )
     message = None
     if timed_out:
         message = f"the capture child did not finish within {timeout:g} s and was stopped"
@@ -564,6 +571,8 @@ def run_capture(
         message = err.get("message", "the CUPTI session could not start")
     elif err:
         message = f"the workload failed in the capture child: {err.get('message', 'unknown error')}"
+    elif late_signal:
+        pass
     elif rc is not None and rc < 0:
         message = f"the capture child was killed by signal {-rc} ({_signame(-rc)})"
     elif rc != 0:
@@ -572,7 +581,13 @@ def run_capture(
     elif not ok:
         message = "the capture child ended without reporting completion"
     run_meta = _build_meta(
-        spec, info, meta or {}, started, partial=not ok, command=command, message=message
+        spec,
+        info,
+        meta or {},
+        started,
+        partial=not ok,
+        command=command,
+        message=message or late_signal,
     )
     run = cr.assemble(raw, run_meta)
     if message:

@@ -189,7 +189,7 @@ def run_workload(spec: dict[str, Any], session: cap.Session) -> dict[str, Any]:
 
 def _fake(kind: str) -> None:
     """CPU-only stand-ins for failure tests."""
-    if kind == "ok":
+    if kind in ("ok", "crash_at_exit"):
         return
     if kind == "crash":
         os.kill(os.getpid(), signal.SIGSEGV)
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         status={"completed": True, "host_step_s": result.get("host_step_s")},
         info={"workload_meta": result.get("meta")},
     )
+    if spec.get("fake") == "crash_at_exit":  # tests: a teardown crash after everything is written
+        os.kill(os.getpid(), signal.SIGSEGV)
     return 0
 
 
@@ -274,4 +276,9 @@ def bootstrap() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # leave without interpreter teardown: nothing may call back into Python from CUPTI or CUDA
+    # while modules are being torn down, and everything is written already
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
