@@ -337,3 +337,16 @@ def test_load_detects_kineto_and_round_trips(tmp_path: Path) -> None:
 def test_short_names(full: str, short: str) -> None:
     # names as they appear in the real traces (the first five) and an Itanium-mangled one
     assert short_name(full) == short
+
+
+def test_multi_member_gzip_reads_the_same(tmp_path: Path) -> None:
+    """gzip allows several members one after another (``cat a.gz b.gz``); the text is their join."""
+    with gzip.open(TRACES / H100_HF, "rb") as f:
+        text = f.read()
+    half = len(text) // 2
+    p = tmp_path / "two_members.json.gz"
+    p.write_bytes(gzip.compress(text[:half]) + gzip.compress(text[half:]))
+    a = load_kineto(p)
+    assert a.kernels.drop_columns(["run_id"]).equals(
+        run_of(H100_HF).kernels.drop_columns(["run_id"])
+    )

@@ -208,20 +208,35 @@ def _read_bytes(p: Path) -> bytes:
 
 
 _GUNZIP_CHUNK = 1 << 20
+_GUNZIP_MAX_RATIO = 200  # trust the size a gzip trailer states up to this many times the input
 
 
 def _gunzip(p: Path, data: bytes) -> bytearray:
     """Decompress every gzip member of ``data`` into one bytearray, a chunk at a time, so the peak
-    is the output plus one chunk (a one-shot decompress holds its output twice while joining)."""
-    out = bytearray()
+    is the output plus one chunk (a one-shot decompress holds its output twice while joining).
+
+    The output is allocated once at the size the gzip trailer states (ISIZE), when that is
+    plausible, so growing it never copies what is already there."""
+    hint = int.from_bytes(data[-4:], "little") if len(data) >= 18 else 0
+    out = bytearray(hint if hint <= _GUNZIP_MAX_RATIO * len(data) else 0)
+    pos = 0
+
+    def put(chunk: bytes) -> None:
+        nonlocal out, pos
+        end = pos + len(chunk)
+        if end > len(out):
+            out += bytes(end - len(out)) if end - len(out) > len(out) // 8 else bytes(len(out) // 8)
+        out[pos:end] = chunk
+        pos = end
+
     try:
         while True:
             d = zlib.decompressobj(wbits=31)  # gzip wrapper; checks the CRC and length
             buf = data
             while buf and not d.eof:
-                out += d.decompress(buf, _GUNZIP_CHUNK)
+                put(d.decompress(buf, _GUNZIP_CHUNK))
                 buf = d.unconsumed_tail
-            out += d.flush()
+            put(d.flush())
             if not d.eof:
                 raise TraceError(p, "truncated gzip data: the compressed stream ends early")
             data = d.unused_data.lstrip(b"\0")  # a further member, or trailing padding
@@ -231,6 +246,7 @@ def _gunzip(p: Path, data: bytes) -> bytearray:
                 raise TraceError(p, "corrupt gzip data: trailing garbage after the stream")
     except zlib.error as e:
         raise TraceError(p, f"truncated or corrupt gzip data: {e}") from None
+    del out[pos:]
     if not out or out.isspace():
         raise TraceError(p, "gzip file holds no data")
     return out
