@@ -3,12 +3,14 @@
 The stack is what CUDA-graph attribution needs (DESIGN.md section 8): while a graph is being
 captured, the capture session asks :func:`current_path` for the path open on this thread when a
 graph node is created. This module imports without CUPTI, CUDA or even the ``nvtx`` package, and
-costs one attribute lookup and a list append/pop when nothing captures.
+costs a list append/pop when no NVTX tool is attached (``NVTX_INJECTION64_PATH`` unset): the
+NVTX calls are made only when a tool will see them, with event attributes cached per name.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,11 +35,40 @@ def _stack() -> list[str]:
     return s
 
 
+def _tool_attached() -> bool:
+    """NVTX calls reach a tool only when one is injected (CUPTI, Nsight Systems)."""
+    return (
+        _nvtx is not None
+        and _nvtx.enabled()
+        and bool(os.environ.get("NVTX_INJECTION64_PATH") or os.environ.get("NVTX_INJECTION32_PATH"))
+    )
+
+
+_active = _tool_attached()
+_attrs: dict[str, Any] = {}
+
+
+def refresh() -> bool:
+    """Re-read whether an NVTX tool is attached (after changing the environment); returns it."""
+    global _active, _domain
+    _active = _tool_attached()
+    _domain = None
+    _attrs.clear()
+    return _active
+
+
 def _get_domain():
     global _domain
     if _domain is None and _nvtx is not None:
         _domain = _nvtx.get_domain(DOMAIN)
     return _domain
+
+
+def _attributes(name: str):
+    a = _attrs.get(name)
+    if a is None:
+        a = _attrs[name] = _get_domain().get_event_attributes(message=name)
+    return a
 
 
 def current_path() -> str:
@@ -61,9 +92,8 @@ class range:  # noqa: N801 - reads like the builtin contextlib helpers it stands
 
     def __enter__(self) -> range:
         _stack().append(self.name)
-        d = _get_domain()
-        if d is not None:
-            d.push_range(d.get_event_attributes(message=self.name))
+        if _active:
+            _get_domain().push_range(_attributes(self.name))
             self._pushed = True
         return self
 
