@@ -205,3 +205,86 @@ def test_ranges_name_every_op(monkeypatch):
     assert "layer.0.moe.routed_experts" in names and "layer.1.moe.router" in names
     for n in names:
         assert n.startswith("layer.") and "/" not in n
+
+
+class _FakeVllm:
+    """vLLM's op schemas (kernels/vllm_ops.py) implemented in torch, so the vLLM branches of
+    the standard path and their probes run on a CPU. ``pad`` False: moe_align leaves padding
+    unwritten (the probe must notice and fill it each step)."""
+
+    def __init__(self, pad: bool, bad_topk: bool = False):
+        self.pad, self.bad_topk, self.calls = pad, bad_topk, []
+
+    def rms_norm(self, out, x, w, eps):
+        self.calls.append("rms_norm")
+        O.rmsnorm_torch(x, w, eps, out)
+
+    def concat_and_cache_mla(self, kv_c, k_pe, kv_cache, slots, dtype_str, scale):
+        self.calls.append("concat_and_cache_mla")
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        flat[slots] = torch.cat([kv_c, k_pe], -1).to(flat.dtype)
+
+    def grouped_topk(self, scores, n_group, topk_group, topk, renorm, scale, bias, scoring):
+        self.calls.append("grouped_topk")
+        assert scoring == 1
+        ids = torch.empty(scores.shape[0], topk, dtype=torch.int32)
+        tw = torch.empty(scores.shape[0], topk, dtype=torch.float32)
+        O.routing_torch(scores, bias, ids, tw, topk, renorm, scale)
+        if self.bad_topk:
+            ids = (ids + 1) % scores.shape[1]  # a mismatch the probe must reject
+        return tw, ids
+
+    def moe_align_block_size(self, ids, E, bs, sorted_ids, expert_ids, ntp, expert_map):
+        self.calls.append("moe_align_block_size")
+        if self.pad:
+            O.moe_align_torch(ids, E, bs, sorted_ids, expert_ids, ntp)
+            return
+        keep = sorted_ids.clone()
+        O.moe_align_torch(ids, E, bs, sorted_ids, expert_ids, ntp)
+        pad = sorted_ids == ids.numel()
+        sorted_ids[pad] = keep[pad]  # padding left as it was
+
+    def moe_sum(self, x, out, topk_ids=None, expert_map=None):
+        self.calls.append("moe_sum")
+        out.copy_(x.float().sum(1))
+
+    def first(self, *names):
+        for q in names:
+            f = getattr(self, q.split(".", 1)[1], None)
+            if f is not None and q.split(".", 1)[1] != "first":
+                return q, f
+        return None, None
+
+
+@pytest.mark.parametrize("pad, bad_topk", [(True, False), (False, True)])
+def test_vllm_branches_with_fake_ops(monkeypatch, pad, bad_topk):
+    from decodescope.kernels import vllm_ops
+
+    fake = _FakeVllm(pad, bad_topk)
+    monkeypatch.setattr(vllm_ops, "load", lambda: "fake")
+    monkeypatch.setattr(vllm_ops, "first", fake.first)
+    cfg = get_config("tiny", 1)
+    specs = parse_layers(cfg, "kda,mla")
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    m = StandardModel(cfg, specs, 3, 2, seed=seed, use_vllm="force")
+    impl = m.ops.impl
+    assert impl["moe.align"] == "vllm:_moe_C.moe_align_block_size"
+    assert impl["moe.topk_sum"] == "vllm:_moe_C.moe_sum"
+    assert impl["moe.latent_norm"] == "vllm:_C.rms_norm"
+    assert impl["attn.cache_insert"] == "vllm:_C_cache_ops.concat_and_cache_mla"
+    if bad_topk:
+        assert impl["moe.grouped_topk"] == "torch"
+        assert "moe.grouped_topk:vllm:_moe_C.grouped_topk" in m.ops.rejected
+    else:
+        assert impl["moe.grouped_topk"] == "vllm:_moe_C.grouped_topk"
+    assert all(layer.align_fill is (not pad) for layer in m.layers)
+    before = [{k: v.clone() for k, v in s.items()} for s in m.states]
+    fake.calls.clear()
+    m.step()
+    assert "moe_align_block_size" in fake.calls and "moe_sum" in fake.calls
+    x, r = m.x_in, m.r_in
+    for i, spec in enumerate(specs):
+        x, r, _, _ = R.layer_ref(
+            cfg, spec, m.weights[i], before[i], x, r, 2, topk_ids=m.layers[i].topk_ids
+        )
+    assert R.rel_l2(m.x_out, x) < 2 * TOL, seed

@@ -32,7 +32,7 @@ import torch
 from decodescope.kernels.config import Config, LayerSpec
 from decodescope.kernels.standard import ops as O
 from decodescope.kernels.standard.ops import TORCH, TRITON, Ops, tk
-from decodescope.tracer import range
+from decodescope.tracer import range  # noqa: A004  (shadows the builtin: never loop here)
 
 BF16 = torch.bfloat16
 BLOCK_M = 16  # fused-MoE row block (decode M)
@@ -542,13 +542,13 @@ class StandardLayer:
         self.align_fill = False
 
         def probe_align():
-            ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(N)]).to(torch.int32)
+            ids = torch.argsort(torch.rand(N, E, device=dev), dim=1)[:, :k].to(torch.int32)
             s1, e1, n1 = self.sorted_ids.clone(), self.expert_ids.clone(), self.ntp.clone()
             s2, e2, n2 = s1.clone(), e1.clone(), n1.clone()
             s1.fill_(-1)
             self._align(ids, E, BLOCK_M, s1, e1, n1, None)
             if int((s1[: int(n1.item())] < 0).sum().item()):
-                self.align_fill = True  # the kernel leaves padding to the caller
+                ops.flags[("align_fill", N, E, k)] = True  # the kernel leaves padding to us
                 s1.fill_(numel)
                 self._align(ids, E, BLOCK_M, s1, e1, n1, None)
             O.moe_align_torch(ids, E, BLOCK_M, s2, e2, n2)
@@ -564,6 +564,7 @@ class StandardLayer:
             [("vllm:_moe_C.moe_align_block_size", ops.probed(("align", N, E, k), probe_align)),
              (TORCH, None)],
         )  # fmt: skip
+        self.align_fill = ops.flags.get(("align_fill", N, E, k), False)
 
         def probe_fm():
             # one token, k distinct experts: rows must equal the experts' own GEMMs

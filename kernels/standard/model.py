@@ -49,7 +49,7 @@ class StandardModel:
         tokens_per_seq: int = 1,
         seed: int = 0,
         device: torch.device | str = "cpu",
-        use_vllm: bool = True,
+        use_vllm: bool | str = True,
         use_triton: bool | None = None,
         tp_world: int = 1,
         kda_mode: str = "auto",

@@ -182,13 +182,16 @@ def cache_insert_torch(kv, pe, cache, T, ctx):
 class Ops:
     """Chooses and records an implementation per op for one device (see the module doc)."""
 
-    def __init__(self, device: torch.device | str, use_vllm: bool = True, use_triton=None):
+    def __init__(self, device: torch.device | str, use_vllm: bool | str = True, use_triton=None):
         self.device = torch.device(device)
         self.triton = triton_usable(self.device) if use_triton is None else bool(use_triton)
-        self.vllm = use_vllm and self.device.type == "cuda" and vllm_ops.load() is not None
+        # use_vllm="force": skip the device check (tests that stand fakes in for vLLM's ops)
+        on_gpu = self.device.type == "cuda" or use_vllm == "force"
+        self.vllm = bool(use_vllm) and on_gpu and vllm_ops.load() is not None
         self.impl: dict[str, str] = {}
         self.rejected: dict[str, str] = {}
         self._probe_cache: dict[tuple, bool] = {}
+        self.flags: dict[tuple, bool] = {}  # facts a probe found (e.g. who pads moe_align)
 
     def choose(self, op: str, candidates: list[tuple[str, Callable[[], bool] | None]]) -> str:
         """First candidate whose probe passes (``None`` probe: always). Records the choice."""
