@@ -108,6 +108,52 @@ def poison_buffers(layer) -> None:
             v.fill_(float("nan"))
 
 
+MOE_SWEEP = [
+    {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 2, "num_stages": 5},
+]
+
+
+def moe_sweep(layer, reps: int = 20) -> list[dict]:
+    """Time the two fused-MoE GEMMs of ``layer`` (its last routing) under block configs."""
+    from decodescope.kernels.standard import triton_kernels as tk
+
+    w = layer.w
+    k = layer.cfg.moe.top_k
+    z = layer.z if layer.z is not None else layer.h
+    tw = layer.topk_weights
+    res = []
+    for conf in MOE_SWEEP:
+        try:
+
+            def run(conf=conf):
+                tk.fused_moe(z, w["w13"], layer.w13_out, tw, layer.sorted_ids, layer.expert_ids,
+                             layer.ntp, layer.numel, k, False, layer.m_blocks, conf)  # fmt: skip
+                tk.fused_moe(layer.act_out, w["w2"], layer.w2_out, tw, layer.sorted_ids,
+                             layer.expert_ids, layer.ntp, layer.numel, 1, True, layer.m_blocks,
+                             conf)  # fmt: skip
+
+            run()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                run()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3)
+            res.append({**conf, "median_us": statistics.median(ts)})
+        except Exception as e:
+            res.append({**conf, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    return res
+
+
 def run_case(tp: int, batch: int, T: int, out: dict, weights_cache: dict, args) -> list[dict]:
     from decodescope.kernels import bytes as kbytes
     from decodescope.kernels import reference as R
@@ -244,10 +290,20 @@ def run_case(tp: int, batch: int, T: int, out: dict, weights_cache: dict, args) 
         e1.synchronize()
         if j >= args.warmup:
             ts.append(e0.elapsed_time(e1) * 1e3)
+    sweep = {}
+    if args.moe_sweep and m.ops.impl.get("moe.routed_experts", "").startswith("triton"):
+        try:
+            sweep = {"kda": moe_sweep(m.layers[0])}
+            best = min((c for c in sweep["kda"] if "median_us" in c), key=lambda c: c["median_us"])
+            log(f"  moe sweep tp{tp} b{batch}: best {best}; default (64,128) "
+                f"{sweep['kda'][1].get('median_us')}")  # fmt: skip
+        except Exception as e:
+            sweep = {"error": repr(e)}
     out.setdefault("steps", []).append(
         {"tp": tp, "batch": batch, "tokens_per_seq": T, "step_median_us": statistics.median(ts),
          "build_s": build_s, "first_step_s": first_step_s,
          "op_impl": dict(m.ops.impl), "op_rejected": dict(m.ops.rejected),
+         "moe_sweep": sweep,
          "distinct_experts": {k: int(torch.unique(v).numel()) for k, v in sel.items()}}
     )  # fmt: skip
     del layer_graphs, step_graph, m, flush, sets
@@ -266,6 +322,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--flush-mb", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-moe-sweep", dest="moe_sweep", action="store_false")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -231,15 +231,18 @@ def moe_block_config(num_rows: int, n: int, k: int) -> dict:
     return {"BLOCK_M": 16, "BLOCK_N": 64 if n >= 64 else 32, "BLOCK_K": 128 if k >= 128 else 64}
 
 
-def fused_moe(a, w, c, topk_w, sorted_ids, expert_ids, ntp, num_valid, a_div, mul_w, m_blocks):
-    """``c [num_valid, N]`` rows per (token, k) = expert GEMM; ``w [E, N, K]``."""
+def fused_moe(
+    a, w, c, topk_w, sorted_ids, expert_ids, ntp, num_valid, a_div, mul_w, m_blocks, config=None
+):
+    """``c [num_valid, N]`` rows per (token, k) = expert GEMM; ``w [E, N, K]``. ``config``
+    overrides BLOCK_N / BLOCK_K / num_warps / num_stages (BLOCK_M is the align block, 16)."""
     _, N, K = w.shape
-    cfg = moe_block_config(num_valid, N, K)
+    cfg = {**moe_block_config(num_valid, N, K), "num_warps": 4, "num_stages": 3, **(config or {})}
     grid = (m_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
     fused_moe_kernel[grid](
         a, w, c, topk_w, sorted_ids, expert_ids, ntp, N, K, num_valid,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), c.stride(0), c.stride(1),
-        A_DIV=a_div, MUL_W=mul_w, F32=DOT_F32, num_warps=4, num_stages=3, **cfg,
+        A_DIV=a_div, MUL_W=mul_w, F32=DOT_F32, **cfg,
     )  # fmt: skip
 
 
