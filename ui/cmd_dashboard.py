@@ -21,10 +21,12 @@ SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"  # the same name as dashboard.SOUR
 
 
 def streamlit_command(port: int, address: str, open_browser: bool) -> list[str]:
+    """``python -c <serve> run ui/dashboard.py --server...``: Streamlit's own command line,
+    behind :func:`serve`, which warms the page's imports while the server starts."""
     return [
         sys.executable,
-        "-m",
-        "streamlit",
+        "-c",
+        "from decodescope.ui.cmd_dashboard import serve; serve()",
         "run",
         str(APP),
         "--server.port",
@@ -38,6 +40,47 @@ def streamlit_command(port: int, address: str, open_browser: bool) -> list[str]:
         "--server.fileWatcherType",
         "none",
     ]
+
+
+def _warm() -> None:
+    """Import what the page imports and build one figure, so that the first visitor's script
+    run does not pay for it (pandas, plotly and its validators take seconds cold)."""
+    try:
+        import pandas  # noqa: F401
+        import plotly.graph_objects as go
+        import pyarrow.parquet  # noqa: F401
+        from plotly.subplots import make_subplots
+
+        import decodescope.analysis.compare  # noqa: F401
+        import decodescope.analysis.regress  # noqa: F401
+        import decodescope.tracer.kineto  # noqa: F401
+        import decodescope.tracer.nsys  # noqa: F401
+        import decodescope.ui.figures  # noqa: F401
+
+        fig = make_subplots(rows=2, cols=1)
+        fig.add_trace(go.Bar(x=[["a"], ["0"]], y=[1], error_y=dict(array=[0])), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[1], y=[1], mode="lines+markers"), row=2, col=1)
+        fig.to_json()
+        # Streamlit's once-per-process check for a REPL walks the stack with inspect (about a
+        # second with this many modules loaded) on the first element; it prints nothing under
+        # `streamlit run`, so mark it done
+        import streamlit.delta_generator as dg
+
+        if hasattr(dg, "_use_warning_has_been_displayed"):
+            dg._use_warning_has_been_displayed = True
+    except Exception:  # warming is an optimisation only; the page reports real errors
+        pass
+
+
+def serve() -> None:
+    """Streamlit's command line (arguments from ``sys.argv``) with :func:`_warm` beside it."""
+    import threading
+
+    threading.Thread(target=_warm, name="decodescope-warm", daemon=True).start()
+    from streamlit.web import cli as stcli
+
+    sys.argv = ["streamlit", *sys.argv[1:]]
+    sys.exit(stcli.main())
 
 
 @app.command("dashboard")

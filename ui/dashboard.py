@@ -208,32 +208,46 @@ def _rank_filter(kernels: pa.Table, rank: int | None) -> pa.Table:
     return kernels.filter(pc.equal(kernels["rank"], rank))
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def side_tables(path: str, stamp: float, rank: int | None) -> dict[str, pa.Table]:
-    """The per-run tables of the analysis for one run and rank."""
-    k = _rank_filter(load_run(path, stamp).kernels, rank)
-    return {
-        "kinds": metrics.kind_table(k),
-        "layers": metrics.layer_table(k),
-        "ops": metrics.op_table(k),
-        "kernels": metrics.kernel_table(k),
-    }
+SIDE_TABLES: dict[str, Callable[[pa.Table], pa.Table]] = {
+    "kinds": metrics.kind_table,
+    "layers": metrics.layer_table,
+    "ops": metrics.op_table,
+    "kernels": metrics.kernel_table,
+}
+PAIR_TABLES: dict[str, Callable[[pa.Table, pa.Table], pa.Table]] = {
+    "kinds": compare.compare_kinds,
+    "layers": compare.compare_layers,
+    "ops": compare.compare_ops,
+    "fused": compare.fused_coverage,
+    "one_side": compare.only_one_side,
+}
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def pair_tables(
-    path_a: str, stamp_a: float, path_b: str, stamp_b: float, rank: int | None
-) -> dict[str, pa.Table]:
-    """The comparison tables of two runs (``compare.*``)."""
+@st.cache_data(show_spinner=False, max_entries=256)
+def side_table(name: str, path: str, stamp: float, rank: int | None) -> pa.Table:
+    """One per-run table of the analysis (``SIDE_TABLES``) for one run and rank."""
+    return SIDE_TABLES[name](_rank_filter(load_run(path, stamp).kernels, rank))
+
+
+@st.cache_data(show_spinner=False, max_entries=256)
+def pair_table(
+    name: str, path_a: str, stamp_a: float, path_b: str, stamp_b: float, rank: int | None
+) -> pa.Table:
+    """One comparison table (``PAIR_TABLES``) of two runs."""
     ka = _rank_filter(load_run(path_a, stamp_a).kernels, rank)
     kb = _rank_filter(load_run(path_b, stamp_b).kernels, rank)
-    return {
-        "kinds": compare.compare_kinds(ka, kb),
-        "layers": compare.compare_layers(ka, kb),
-        "ops": compare.compare_ops(ka, kb),
-        "fused": compare.fused_coverage(ka, kb),
-        "one_side": compare.only_one_side(ka, kb),
-    }
+    return PAIR_TABLES[name](ka, kb)
+
+
+class Tables:
+    """The tables of one run or one pair by name, each computed (and cached) when first asked
+    for: a tab that is not open costs nothing."""
+
+    def __init__(self, fn: Callable[..., pa.Table], *args: Any) -> None:
+        self._fn, self._args = fn, args
+
+    def __getitem__(self, name: str) -> pa.Table:
+        return self._fn(name, *self._args)
 
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
@@ -279,7 +293,7 @@ def downloads(name: str, table: pa.Table, key: str) -> None:
     c1, c2, _ = st.columns([1, 1, 6])
     c1.download_button(
         "CSV",
-        data=figures.table_bytes(table, "csv"),
+        data=lambda: figures.table_bytes(table, "csv"),
         file_name=f"{name}.csv",
         mime="text/csv",
         key=f"{key}-csv",
@@ -361,7 +375,7 @@ def _height(rows: int, cap: int = 60) -> int:
     return 38 + 35 * min(max(rows, 1), cap)
 
 
-def view_side_by_side(pair: dict[str, pa.Table], labels: tuple[str, str], single: bool) -> None:
+def view_side_by_side(pair: Tables, labels: tuple[str, str], single: bool) -> None:
     kinds = pair["kinds"]
     st.markdown("**Per layer kind** (medians over the layers of each kind)")
     _show(kinds, **_compare_view(kinds))
@@ -395,7 +409,9 @@ def view_side_by_side(pair: dict[str, pa.Table], labels: tuple[str, str], single
             downloads("one_side", pair["one_side"], "dl-oneside")
 
 
-def view_charts(sa: dict, sb: dict, pair: dict, labels: tuple[str, str], single: bool) -> None:
+def view_charts(
+    sa: Tables, sb: Tables, pair: Tables, labels: tuple[str, str], single: bool
+) -> None:
     fig = figures.layer_bars(sa["layers"], None if single else sb["layers"], labels)
     chart(fig, "layer_bars", "fig-layers")
     metric = st.radio(
@@ -467,7 +483,7 @@ def _first(k: pa.Table, step: int | None, n: int = 3000) -> pa.Table:
     return rows.sort_by("start_ns").slice(0, n)
 
 
-def view_kernels(sa: dict, sb: dict, labels, single: bool) -> None:
+def view_kernels(sa: Tables, sb: Tables, labels, single: bool) -> None:
     c1, c2, c3 = st.columns([3, 2, 2])
     query = c1.text_input("Search kernel names", key="k-search", placeholder="e.g. gemm, nccl")
     side = c2.radio(
@@ -680,9 +696,9 @@ def page() -> None:
         if run.kernels.num_rows == 0:
             st.warning(f"{lab}: the run holds no kernels.")
 
-    sa = side_tables(ea.path, _stamp(ea.path), rank)
-    sb = sa if single else side_tables(eb.path, _stamp(eb.path), rank)
-    pair = pair_tables(ea.path, _stamp(ea.path), eb.path, _stamp(eb.path), rank)
+    sa = Tables(side_table, ea.path, _stamp(ea.path), rank)
+    sb = sa if single else Tables(side_table, eb.path, _stamp(eb.path), rank)
+    pair = Tables(pair_table, ea.path, _stamp(ea.path), eb.path, _stamp(eb.path), rank)
     lines = figures.headline(sa["kinds"], None if single else sb["kinds"], labels)
     for line in lines:
         st.subheader(line)
@@ -706,15 +722,32 @@ def page() -> None:
 
 
 def guarded(fn: Callable[[], None]) -> None:
-    """Run the page; an unexpected error becomes one message in the page, not a traceback."""
+    """Run the page; an unexpected error becomes one message in the page, not a traceback.
+    The page's compute time is shown in the sidebar; ``DECODESCOPE_DASHBOARD_PROFILE=FILE``
+    writes a cProfile of each run to FILE."""
+    import time
+
     from streamlit.runtime.scriptrunner_utils.exceptions import ScriptControlException
 
+    profile_to = os.environ.get("DECODESCOPE_DASHBOARD_PROFILE")
+    prof = None
+    if profile_to:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
     try:
         fn()
     except ScriptControlException:  # st.stop / st.rerun: Streamlit's own control flow
         raise
     except Exception as e:
         st.error(f"The dashboard hit an error it did not expect: {type(e).__name__}: {e}")
+    finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile_to)
+    st.sidebar.caption(f"page computed in {time.perf_counter() - t0:.2f} s")
 
 
 # streamlit (and AppTest) run this file as "__main__"; importing it (tests, the benchmark) only
