@@ -186,3 +186,53 @@ def test_upload_of_a_zipped_run_folder_and_of_junk(tmp_path, monkeypatch):
         z.writestr("readme.txt", "no run here")
     with pytest.raises(TraceError, match="no decodescope run folder"):
         dashboard.save_upload("empty.zip", buf.getvalue())
+
+
+def test_a_results_dataset_shows_history_with_baseline_and_regression(monkeypatch, tmp_path):
+    # three real runs appended to a results dataset under one setup: the H100 run twice (the
+    # baseline and a later equal run) and, relabelled into the same setup, the B200 run, whose
+    # layer span is 29% longer: the history must mark it as the regression
+    from datetime import UTC, datetime
+
+    from decodescope.tracer import dataset
+
+    h100 = tracer.read_run(H100)
+    b200 = tracer.read_run(B200)
+    same = dict(workload="decode-layer", preset="kimi-k3", backend="standard", gpu="H200")
+    for i, (run, rid) in enumerate(((h100, "base"), (b200, "slower"), (h100, "equal"))):
+        meta = run.meta.replace(
+            run_id=rid,
+            created_at=datetime(2026, 11, 1 + i, tzinfo=UTC),
+            git_commit=f"c{i}",
+            **same,
+        )
+        dataset.append_run(run.replace(meta=meta), tmp_path / "results")
+    at = run_app(monkeypatch, tmp_path / "results")
+    no_exception(at)
+    assert at.sidebar.selectbox(key="run-a").options[0].startswith("0: standard")
+    open_view(at, "History")
+    no_exception(at)
+    assert at.selectbox(key="h-base").value == "base"
+    fig = at.get("plotly_chart")[0].proto.spec
+    assert '"regression"' in fig and '"baseline"' in fig
+    errors = texts(at.error)
+    assert any("1 run(s) regressed" in e for e in errors), errors
+    assert any("`slower`" in m for m in texts(at.markdown)), texts(at.markdown)
+
+
+def test_the_command_passes_its_sources_and_port(capsys):
+    from decodescope.ui.cli import main
+
+    main(["dashboard", str(H100), str(NSYS_2GPU), "--port", "8599", "--print-command"])
+    out = capsys.readouterr().out
+    assert f"{dashboard.SOURCES_ENV}='{H100}{os.pathsep}{NSYS_2GPU}'" in out
+    assert "--server.port 8599" in out and str(APP) in out
+
+
+def test_the_command_rejects_a_missing_source(capsys, tmp_path):
+    from decodescope.ui.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["dashboard", str(tmp_path / "nope")])
+    assert e.value.code == 2
+    assert "no such file or directory" in capsys.readouterr().err

@@ -169,3 +169,14 @@ def test_chart_exports_to_html(runs):
     a, b = runs
     html = figures.to_html(figures.layer_bars(metrics.layer_table(a.kernels), None))
     assert "<html>" in html[:100] and "plotly" in html and len(html) > 1_000_000  # js inlined
+
+
+@pytest.mark.browser
+def test_chart_exports_to_png_through_kaleido(runs):
+    # kaleido drives the system Chromium headless (scripts/install_browser.sh installs it)
+    a, b = runs
+    png = figures.to_png(
+        figures.layer_bars(metrics.layer_table(a.kernels), metrics.layer_table(b.kernels)),
+        width=800,
+    )
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -33,6 +33,7 @@ from decodescope import tracer
 from decodescope.analysis import compare, metrics, regress
 from decodescope.analysis.dataset import BASELINE_KEYS, same_setup
 from decodescope.analysis.schema import Run
+from decodescope.tracer import dataset
 from decodescope.tracer.errors import TraceError
 from decodescope.ui import figures
 
@@ -91,41 +92,29 @@ def requested_sources() -> list[str]:
     return paths or [str(p) for p in DEFAULT_DATA]
 
 
-def _dataset_module():
-    try:
-        from decodescope.tracer import dataset
-    except ImportError:
-        return None
-    return dataset
-
-
 def expand(source: str) -> tuple[list[Entry], list[str]]:
-    """The runs a source holds: a trace file or run folder is one; a folder of run folders
-    (or a results dataset) is each of them. Returns (entries, problems)."""
+    """The runs a source holds: a trace file or run folder is one; a results dataset (Hive
+    partitions, ``decodescope.tracer.dataset``) or a folder of run folders is each of them, in
+    order of creation. Returns (entries, problems)."""
     p = Path(source)
     if not p.exists():
         return [], [f"{source}: no such file or directory"]
     if p.is_file() or tracer.store.is_run_dir(p):
         return [Entry(source, str(p))], []
-    ds = _dataset_module()
-    if ds is not None and hasattr(ds, "is_dataset") and ds.is_dataset(p):
-        ids = _dataset_run_ids(str(p))
-        if not ids:
+    if dataset.is_dataset(p):
+        try:
+            runs = dataset_runs(str(p), _stamp(str(p)))
+        except TraceError as e:
+            return [], [str(e)]
+        if not runs:
             return [], [f"{source}: empty dataset: it holds no runs"]
-        return [Entry(source, f"{p}#{rid}") for rid in ids], []
-    runs = sorted(d.parent for d in p.rglob(tracer.store.RUN_FILES["runs"]))
-    runs = [d for d in runs if tracer.store.is_run_dir(d)]
-    if not runs:
-        return [], [
-            f"{source}: empty dataset: no run folders (no runs.parquet) and no traces in it"
-        ]
-    return [Entry(source, str(d)) for d in runs], []
-
-
-@st.cache_resource(show_spinner=False)
-def _dataset_run_ids(path: str) -> list[str]:
-    ds = _dataset_module()
-    return [str(r) for r in ds.run_ids(path)]
+        order = sorted(runs, key=lambda r: (str(runs[r].meta.created_at), r))
+        return [Entry(source, f"{p}#{rid}") for rid in order], []
+    found = sorted(d.parent for d in p.rglob(tracer.store.RUN_FILES["runs"]))
+    found = [d for d in found if tracer.store.is_run_dir(d)]
+    if not found:
+        return [], [f"{source}: empty dataset: no runs in it (no runs/ partitions, no run folders)"]
+    return [Entry(source, str(d)) for d in found], []
 
 
 def _stamp(path: str) -> float:
@@ -138,14 +127,20 @@ def _stamp(path: str) -> float:
         return 0.0
 
 
+@st.cache_resource(show_spinner=False, max_entries=8)
+def dataset_runs(path: str, stamp: float) -> dict[str, Run]:
+    """Every run of a results dataset, read once (cached per folder and modification time)."""
+    del stamp  # part of the cache key only
+    return {r.run_id: r for r in dataset.read_runs(path)}
+
+
 @st.cache_resource(show_spinner=False, max_entries=64)
 def load_run(path: str, stamp: float) -> Run:
     """The run at ``path`` (``DATASET#run_id`` for a run of a results dataset); cached per
     path and modification time."""
-    del stamp  # part of the cache key only
     if "#" in path and not Path(path).exists():
         folder, rid = path.split("#", 1)
-        return _dataset_module().read_run(folder, rid)
+        return dataset_runs(folder, stamp)[rid]
     return tracer.load(path)
 
 
