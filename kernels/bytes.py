@@ -58,8 +58,9 @@ def _mla_attn_weights(cfg: Config) -> dict[str, int]:
 
 
 def expert_bytes(cfg: Config) -> int:
-    """One routed expert per rank (w13 + w2) in BF16."""
-    return 3 * cfg.expert_dim * cfg.expert_inter * BF16_B
+    """One routed expert per rank (w13 + w2): BF16, or MXFP4 codes + one E8M0 scale per 32."""
+    n = 3 * cfg.expert_dim * cfg.expert_inter
+    return n // 2 + n // 32 if cfg.expert_dtype == "mxfp4" else n * BF16_B
 
 
 def _moe_fixed(cfg: Config) -> dict[str, int]:

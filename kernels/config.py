@@ -311,6 +311,13 @@ def validate(cfg: Config) -> None:
         )
     if cfg.expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {cfg.expert_dtype!r}")
+    if cfg.expert_dtype == "mxfp4":
+        for what, n in (
+            ("expert width", e.latent_dim or m.hidden),
+            ("expert intermediate", e.intermediate // t),
+        ):
+            if n % 64:
+                raise ConfigError(f"{m.name}: MXFP4 experts need the {what} ({n}) divisible by 64")
     if m.first_dense_layers < 0 or m.first_dense_layers > m.num_layers:
         raise ConfigError(f"{m.name}: first_dense_layers must be in 0..num_layers")
 

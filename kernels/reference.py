@@ -27,6 +27,7 @@ import math
 import torch
 
 from decodescope.kernels.config import Config, LayerSpec
+from decodescope.kernels.weights import expert_weight
 
 F64 = torch.float64
 
@@ -187,8 +188,8 @@ def moe_ref(cfg: Config, w, h, topk_ids=None, dtype=F64):
     y = torch.zeros(N * k, z.shape[1], dtype=dtype, device=h.device)
     for e_id in torch.unique(flat).tolist():  # one expert at a time: cheap at full size too
         rows = (flat == e_id).nonzero().squeeze(1)
-        w13 = _up(w["w13"][e_id], dtype).to(h.device)  # [2I, L]
-        w2 = _up(w["w2"][e_id], dtype).to(h.device)  # [L, I]
+        w13 = expert_weight(w, "w13", e_id, dtype).to(h.device)  # [2I, L] (MXFP4 dequantized)
+        w2 = expert_weight(w, "w2", e_id, dtype).to(h.device)  # [L, I]
         y[rows] = act_and_mul_ref(cfg, zt[rows] @ w13.T) @ w2.T
     routed = (y.view(N, k, -1) * tw.unsqueeze(-1)).sum(1)
     if e.latent_dim:

@@ -63,10 +63,6 @@ def make_layer_weights(
     cfg: Config, spec: LayerSpec, seed: int = 0, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     """All weights of one decoder layer (per rank) for ``spec`` (attention kind + MLP kind)."""
-    if cfg.expert_dtype != "bf16":
-        raise NotImplementedError(
-            f"expert_dtype={cfg.expert_dtype!r}: only bf16 routed experts are built so far"
-        )
     g = _gen(device, layer_seed(seed, spec.index))
     H = cfg.hidden
     w: dict[str, torch.Tensor] = {
@@ -110,12 +106,54 @@ def make_layer_weights(
         w["latent_down"] = _linear(L, H, g, device)
         w["latent_norm"] = _norm_w(L, g, device)
         w["latent_up"] = _linear(H, L, g, device)
-    w["w13"] = _randn((E, 2 * Ie, L), g, device, 1.0 / math.sqrt(L))
-    w["w2"] = _randn((E, L, Ie), g, device, 1.0 / math.sqrt(Ie))
+    if cfg.expert_dtype == "mxfp4":
+        w["w13_q"], w["w13_s"] = mxfp4_random(E, 2 * Ie, L, 1.0 / math.sqrt(L), g, device)
+        w["w2_q"], w["w2_s"] = mxfp4_random(E, L, Ie, 1.0 / math.sqrt(Ie), g, device)
+    else:
+        w["w13"] = _randn((E, 2 * Ie, L), g, device, 1.0 / math.sqrt(L))
+        w["w2"] = _randn((E, L, Ie), g, device, 1.0 / math.sqrt(Ie))
     if S:
         w["shared_w13"] = _linear(2 * S, H, g, device)
         w["shared_w2"] = _linear(H, S, g, device)
     return w
+
+
+# -- MXFP4 routed experts -----------------------------------------------------------------------
+#
+# Codes are FP4 E2M1, two per byte; one E8M0 scale (2^(s - 127)) per 32 values along K. Packing
+# (ours, what the Triton kernel reads): per 64-wide K chunk c, byte j (0..31) holds the code of
+# k = 64c + j in its low nibble and of k = 64c + 32 + j in its high nibble; scales [.., N, K/32].
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_RMS = math.sqrt(sum(v * v for v in E2M1) / 16)
+
+
+def mxfp4_random(E: int, N: int, K: int, std: float, g, device):
+    """Random MXFP4 weights ``[E, N, K]`` whose dequantized values have about ``std``."""
+    if K % 64:
+        raise ValueError(f"MXFP4 experts need K divisible by 64, got {K}")
+    q = torch.randint(0, 256, (E, N, K // 2), generator=g, device=device, dtype=torch.uint8)
+    base = 127 + round(math.log2(std / E2M1_RMS))
+    jitter = torch.randint(-1, 2, (E, N, K // 32), generator=g, device=device, dtype=torch.int16)
+    return q, (jitter + base).to(torch.uint8)
+
+
+def dequant_mxfp4(q: torch.Tensor, s: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``q [.., N, K/2]`` + ``s [.., N, K/32]`` -> ``[.., N, K]`` in ``dtype``."""
+    lut = torch.tensor(E2M1, dtype=dtype, device=q.device)
+    *lead, n, k2 = q.shape
+    qc = q.reshape(*lead, n, k2 // 32, 32).long()
+    sc = torch.exp2(s.to(dtype) - 127.0).reshape(*lead, n, k2 // 32, 2)
+    lo = lut[qc & 15] * sc[..., 0:1]
+    hi = lut[qc >> 4] * sc[..., 1:2]
+    return torch.cat([lo, hi], dim=-1).reshape(*lead, n, 2 * k2)
+
+
+def expert_weight(w: dict[str, torch.Tensor], name: str, e, dtype=torch.float32) -> torch.Tensor:
+    """Routed expert ``e``'s ``w13`` or ``w2`` (dequantized where MXFP4) in ``dtype``."""
+    if f"{name}_q" in w:
+        return dequant_mxfp4(w[f"{name}_q"][e], w[f"{name}_s"][e], dtype)
+    return w[name][e].to(dtype)
 
 
 def cache_dtype(cfg: Config) -> torch.dtype:

@@ -53,6 +53,7 @@ def standard(
     backend: str = "standard",
     context_len: int | str = 1024,
     kv_cache_dtype: str = "bf16",
+    expert_dtype: str = "bf16",
     device: str | None = None,
     tp_world: int | str = 1,
     **unknown: Any,
@@ -61,7 +62,8 @@ def standard(
 
     Options (strings or ints from the CLI): preset (kimi-k3 | kimi-k2 | tiny), tp_shape, batch,
     tokens_per_seq (1 + k drafts, k <= 7), layers ("kda,mla", "mix", "mix:8", ...), seed,
-    context_len, kv_cache_dtype (bf16 | fp8_e4m3), device (default cuda if available)."""
+    context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16 | mxfp4: routed experts
+    dequantized in the fused-MoE kernel, W4A16), device (default cuda if available)."""
     import json
 
     import torch
@@ -80,6 +82,7 @@ def standard(
         tp_shape,
         context_len=_int(context_len, "context_len"),
         kv_cache_dtype=kv_cache_dtype,
+        expert_dtype=expert_dtype,
     )
     specs = parse_layers(cfg, layers)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -161,7 +161,7 @@ def run_case(tp: int, batch: int, T: int, out: dict, weights_cache: dict, args) 
     from decodescope.kernels.standard.model import StandardModel, parse_layers
 
     dev = torch.device("cuda")
-    cfg = get_config("kimi-k3", tp)
+    cfg = get_config("kimi-k3", tp, expert_dtype=args.expert_dtype)
     specs = parse_layers(cfg, "kda,mla")
     key = (tp,)
     if key not in weights_cache:
@@ -323,6 +323,7 @@ def main() -> int:
     p.add_argument("--flush-mb", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-moe-sweep", dest="moe_sweep", action="store_false")
+    p.add_argument("--expert-dtype", default="bf16", choices=["bf16", "mxfp4"])
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -373,7 +374,7 @@ def main() -> int:
     free, total = torch.cuda.mem_get_info(dev)
     fits = {}
     for tp in [int(x) for x in args.tp.split(",")]:
-        cfg = get_config("kimi-k3", tp)
+        cfg = get_config("kimi-k3", tp, expert_dtype=args.expert_dtype)
         for kind in ("kda", "mla"):
             per = kbytes.layer_memory(cfg, kind, 64, args.tokens_per_seq)
             fits[f"tp{tp}.{kind}"] = {"layer_bytes_resident": per, "fit": int(free // per)}

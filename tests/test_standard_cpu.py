@@ -33,8 +33,8 @@ def _state_err(cfg, got: dict, ref: dict) -> dict[str, float]:
     return out
 
 
-def check_layer(preset, tp, kind, batch, T, seed, kda_mode="auto"):
-    cfg = get_config(preset, tp)
+def check_layer(preset, tp, kind, batch, T, seed, kda_mode="auto", **options):
+    cfg = get_config(preset, tp, **options)
     specs = parse_layers(cfg, kind)
     m = StandardModel(cfg, specs, batch, T, seed=seed, kda_mode=kda_mode)
     before = {k: v.clone() for k, v in m.states[0].items()}
@@ -90,6 +90,23 @@ def test_layer_matches_reference(kind, batch, T, tp, seed):
 def test_each_kind_batch_and_verify_tokens(kind, batch, T):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh each run; printed on failure
     check_layer("tiny", 1, kind, batch, T, seed)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+def test_mxfp4_experts(kind):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    check_layer("tiny", 1, kind, 3, 2, seed, expert_dtype="mxfp4")
+
+
+def test_mxfp4_dequant_layout():
+    from decodescope.kernels.weights import dequant_mxfp4
+
+    q = torch.zeros(1, 1, 32, dtype=torch.uint8)
+    q[0, 0, 0] = 0x2C  # k=0: code 12 (-2.0); k=32: code 2 (1.0)
+    s = torch.tensor([[[127, 128]]], dtype=torch.uint8)  # group 0: x1, group 1: x2
+    d = dequant_mxfp4(q, s)
+    assert d.shape == (1, 1, 64)
+    assert d[0, 0, 0] == -2.0 and d[0, 0, 32] == 2.0 and d[0, 0, 1] == 0.0
 
 
 @pytest.mark.parametrize("mode", ["fused", "chain"])
@@ -159,6 +176,9 @@ def test_layer_bytes_matches_design_figures():
     ) == kbytes.expert_bytes(c8)
     # one layer's experts at TP8: 7.4 GB in BF16 (about 17-18 layers per H200)
     assert 7.3e9 < 896 * kbytes.expert_bytes(c8) < 7.5e9
+    # MXFP4 experts: about 300 MB per KDA layer at TP8, batch 1 (DESIGN.md section 3)
+    c8x = get_config("kimi-k3", 8, expert_dtype="mxfp4")
+    assert 290e6 < kbytes.layer_bytes(c8x, "kda", 1, 1, 16) < 305e6
 
 
 def test_workload_contract():

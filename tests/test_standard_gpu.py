@@ -30,9 +30,9 @@ def _poison(m: StandardModel) -> None:
                 v.fill_(float("nan"))
 
 
-def _check(preset, tp, kind, batch, T, dtype=torch.float64):
+def _check(preset, tp, kind, batch, T, dtype=torch.float64, **options):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    cfg = get_config(preset, tp)
+    cfg = get_config(preset, tp, **options)
     specs = parse_layers(cfg, kind)
     m = StandardModel(cfg, specs, batch, T, seed=seed, device="cuda")
     before = {k: v.clone() for k, v in m.states[0].items()}
@@ -88,6 +88,12 @@ def test_full_shapes_one_layer(tp, kind, batch, T):
         "attn.fused_kda_decode" if tp == 8 else "attn.kda_chain"
     )  # fmt: skip
     assert impl.get(attn, "").startswith("triton"), impl
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_full_shapes_mxfp4_experts(tp):
+    m = _check("kimi-k3", tp, "kda", 4, 1, dtype=torch.float32, expert_dtype="mxfp4")
+    assert m.ops.impl["moe.routed_experts(mxfp4 w4a16)"].startswith("triton"), m.ops.impl
 
 
 @pytest.mark.parametrize("preset, tp", [("tiny", 1), ("kimi-k3", 16)])

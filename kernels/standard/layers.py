@@ -32,6 +32,7 @@ import torch
 from decodescope.kernels.config import Config, LayerSpec
 from decodescope.kernels.standard import ops as O
 from decodescope.kernels.standard.ops import TORCH, TRITON, Ops, tk
+from decodescope.kernels.weights import dequant_mxfp4, expert_weight
 from decodescope.tracer import range  # noqa: A004  (shadows the builtin: never loop here)
 
 BF16 = torch.bfloat16
@@ -566,6 +567,8 @@ class StandardLayer:
         )  # fmt: skip
         self.align_fill = ops.flags.get(("align_fill", N, E, k), False)
 
+        self.mxfp4 = "w13_q" in self.w
+
         def probe_fm():
             # one token, k distinct experts: rows must equal the experts' own GEMMs
             ids = torch.randperm(E, device=dev)[:k].view(1, k).to(torch.int32)
@@ -575,14 +578,22 @@ class StandardLayer:
             O.moe_align_torch(ids, E, BLOCK_M, s, eids, ntp)
             a = torch.randn(1, L, device=dev).to(BF16)
             c = self._buf(k, 2 * Ie)
-            tk.fused_moe(a, self.w["w13"], c, self.tw_buf, s, eids, ntp, k, k, False, k)
-            ref = torch.stack([self.w["w13"][int(i)].float() @ a[0].float() for i in ids[0]])
+            if self.mxfp4:
+                tk.fused_moe_mxfp4(a, self.w["w13_q"], self.w["w13_s"], c, self.tw_buf, s, eids,
+                                   ntp, k, k, False, k)  # fmt: skip
+            else:
+                tk.fused_moe(a, self.w["w13"], c, self.tw_buf, s, eids, ntp, k, k, False, k)
+            ref = torch.stack([expert_weight(self.w, "w13", int(i)) @ a[0].float() for i in ids[0]])
             return O.close(c, ref)
 
+        name = "moe.routed_experts" + ("(mxfp4 w4a16)" if self.mxfp4 else "")
         self._impl_fm = ops.choose(
-            "moe.routed_experts",
-            [(TRITON, ops.probed(("fm", L, Ie), probe_fm)), (TORCH, None)],
+            name, [(TRITON, ops.probed(("fm", L, Ie, self.mxfp4), probe_fm)), (TORCH, None)]
         )
+        if self.mxfp4 and self._impl_fm == TORCH:  # a CPU: dequantize once for the torch GEMM
+            self._deq = {
+                n: dequant_mxfp4(self.w[f"{n}_q"], self.w[f"{n}_s"], BF16) for n in ("w13", "w2")
+            }
         self._msum = ops.vllm_op("_moe_C.moe_sum")
 
         def probe_sum():
@@ -597,6 +608,19 @@ class StandardLayer:
              ("torch:sum", None)],
         )  # fmt: skip
         self._choose_norms()
+
+    def _routed_gemm(self, name, a, c, tw, a_div, mul_w) -> None:
+        """One fused-MoE GEMM over every selected expert (``name``: w13 | w2)."""
+        args = (tw, self.sorted_ids, self.expert_ids, self.ntp, self.numel, a_div, mul_w,
+                self.m_blocks)  # fmt: skip
+        if self._impl_fm == TRITON:
+            if self.mxfp4:
+                tk.fused_moe_mxfp4(a, self.w[f"{name}_q"], self.w[f"{name}_s"], c, *args)
+            else:
+                tk.fused_moe(a, self.w[name], c, *args)
+        else:
+            wt = self._deq[name] if self.mxfp4 else self.w[name]
+            O.fused_moe_torch(a, wt, c, *args)
 
     def _act(self, x, y) -> None:
         if self._impl_act == TRITON:
@@ -646,13 +670,10 @@ class StandardLayer:
         z = self.z if e.latent_dim else self.h
         if e.latent_dim:
             self._join()
-        fm = tk.fused_moe if self._impl_fm == TRITON else O.fused_moe_torch
         with self._r("moe", "routed_experts"):
-            fm(z, w["w13"], self.w13_out, tw, self.sorted_ids, self.expert_ids, self.ntp,
-               self.numel, k, False, self.m_blocks)  # fmt: skip
+            self._routed_gemm("w13", z, self.w13_out, tw, k, False)
             self._act(self.w13_out, self.act_out)
-            fm(self.act_out, w["w2"], self.w2_out, tw, self.sorted_ids, self.expert_ids,
-               self.ntp, self.numel, 1, True, self.m_blocks)  # fmt: skip
+            self._routed_gemm("w2", self.act_out, self.w2_out, tw, 1, True)
         with self._r("moe", "topk_sum"):
             if self._impl_sum.startswith("vllm:"):
                 self._msum(self.w2_out.view(N, k, -1), self.routed)

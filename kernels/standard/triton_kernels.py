@@ -226,6 +226,78 @@ def fused_moe_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _e2m1(x):
+    """FP4 E2M1 codes (uint8 0..15) -> float32: s eem; 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    e = (x >> 1) & 3
+    m = (x & 1).to(tl.float32)
+    mag = tl.where(
+        e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
+    )
+    return tl.where((x & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def fused_moe_mxfp4_kernel(
+    a_ptr, q_ptr, s_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+    N, K, num_valid, sam, sak, sqe, sqn, sse, ssn, scm, scn,
+    A_DIV: tl.constexpr, MUL_W: tl.constexpr, F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The fused-MoE GEMM with MXFP4 weights dequantized in the kernel (W4A16, as Hopper serving
+    runs them). Packing (ours, see weights.py): per 64-wide K chunk c, byte j (0..31) holds the
+    code of k = 64c + j in its low nibble and of k = 64c + 32 + j in its high nibble; one E8M0
+    scale per 32 values (group 2c for the low half, 2c + 1 for the high half)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(ntp_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    tmask = tok < num_valid
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    j = tl.arange(0, 32)
+    a_rows = a_ptr + (tok // A_DIV)[:, None] * sam
+    q_base = q_ptr + e * sqe + offs_n[None, :] * sqn
+    s_base = s_ptr + e * sse + offs_n * ssn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, 64):
+        c = k0 // 64
+        p = tl.load(q_base + (c * 32 + j)[:, None], mask=nmask[None, :], other=0)
+        s_lo = tl.exp2(tl.load(s_base + 2 * c, mask=nmask, other=127).to(tl.float32) - 127.0)
+        s_hi = tl.exp2(tl.load(s_base + 2 * c + 1, mask=nmask, other=127).to(tl.float32) - 127.0)
+        w_lo = _e2m1(p & 15) * s_lo[None, :]
+        w_hi = _e2m1(p >> 4) * s_hi[None, :]
+        a_lo = tl.load(a_rows + (k0 + j)[None, :] * sak, mask=tmask[:, None], other=0.0)
+        a_hi = tl.load(a_rows + (k0 + 32 + j)[None, :] * sak, mask=tmask[:, None], other=0.0)
+        if F32:
+            acc += tl.dot(a_lo.to(tl.float32), w_lo)
+            acc += tl.dot(a_hi.to(tl.float32), w_hi)
+        else:
+            acc += tl.dot(a_lo.to(tl.bfloat16), w_lo.to(tl.bfloat16))
+            acc += tl.dot(a_hi.to(tl.bfloat16), w_hi.to(tl.bfloat16))
+    if MUL_W:
+        acc *= tl.load(topk_w_ptr + tok, mask=tmask, other=0.0)[:, None]
+    c_ptrs = c_ptr + tok[:, None] * scm + offs_n[None, :] * scn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tmask[:, None] & nmask[None, :])
+
+
+def fused_moe_mxfp4(
+    a, q, s, c, topk_w, sorted_ids, expert_ids, ntp, num_valid, a_div, mul_w, m_blocks, config=None
+):
+    """MXFP4 variant of :func:`fused_moe`: ``q [E, N, K/2]`` uint8, ``s [E, N, K/32]`` E8M0."""
+    _, N, K2 = q.shape
+    cfg = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, **(config or {})}
+    grid = (m_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
+    fused_moe_mxfp4_kernel[grid](
+        a, q, s, c, topk_w, sorted_ids, expert_ids, ntp, N, 2 * K2, num_valid,
+        a.stride(0), a.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        c.stride(0), c.stride(1), A_DIV=a_div, MUL_W=mul_w, F32=DOT_F32, BLOCK_M=16, **cfg,
+    )  # fmt: skip
+
+
 def moe_block_config(num_rows: int, n: int, k: int) -> dict:
     """Block sizes for decode-sized M (rows = tokens x top_k): bytes-bound, so wide in K."""
     return {"BLOCK_M": 16, "BLOCK_N": 64 if n >= 64 else 32, "BLOCK_K": 128 if k >= 128 else 64}
