@@ -80,6 +80,23 @@ class StandardLayer:
         N, H = self.N, cfg.hidden
         self.h = self._buf(N, H)
         self.attn_out = self._buf(N, H)
+        gemms = {
+            "kda": ("attn.qkv_proj", "attn.f_b_proj", "attn.o_proj"),
+            "mla": (
+                "attn.g_proj",
+                "attn.q_b_proj",
+                "attn.w_uk_bmm",
+                "attn.w_uv_bmm",
+                "attn.o_proj",
+            ),
+        }[spec.attn]
+        gemms += (
+            ("mlp.gate_up", "mlp.down")
+            if spec.mlp == "dense"
+            else ("moe.latent_down", "moe.latent_up", "moe.shared_gate_up", "moe.shared_down")
+        )
+        for op in gemms:
+            ops.impl.setdefault(op, "torch:cublas")
         if spec.attn == "kda":
             self._build_kda()
         else:
