@@ -179,8 +179,8 @@ def test_upload_of_a_zipped_run_folder_and_of_junk(tmp_path, monkeypatch):
     run, err = dashboard.try_load(dashboard.Entry("upload", path))
     assert err is None and run.kernels.num_rows == tracer.read_run(H100).kernels.num_rows
     junk = dashboard.save_upload("junk.json", b"\x00\x01 definitely not json")
-    run, err = dashboard.try_load(dashboard.Entry("upload", junk))
-    assert run is None and "junk.json" in err
+    run, err = dashboard.try_load(dashboard.Entry(dashboard.UPLOADED + "junk.json", junk))
+    assert run is None and err.startswith("junk.json (uploaded): unrecognised format")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("readme.txt", "no run here")

@@ -169,8 +169,16 @@ def test_side_by_side_table_and_charts_render(server, page):
     )
     assert page.locator(EXCEPTION).count() == 0
     assert not page.js_errors, page.js_errors
+    page.get_by_role("tab", name="Side by side").click()
+    page.locator('[data-testid="stDataFrame"]').first.wait_for(state="visible")
+    shot(page, "dashboard_side_by_side")
     page.get_by_role("tab", name="Charts").click()
-    path = shot(page, "dashboard_default")
+    page.wait_for_function(
+        "() => document.querySelectorAll("
+        "'[data-testid=\"stTabPanel\"]:not([hidden]) .js-plotly-plot .barlayer').length >= 2",
+        timeout=TIMEOUT_MS,
+    )
+    path = shot(page, "dashboard_charts")
     assert path.stat().st_size > 10_000
 
 

@@ -44,6 +44,7 @@ SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"
 VIEWS = ("Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata")
 UPLOAD_DIR = Path(tempfile.gettempdir()) / "decodescope-uploads"
 UPLOAD_TYPES = ["json", "gz", "sqlite", "zip"]
+UPLOADED = "upload: "  # the origin of an uploaded file's entry
 
 META_FIELDS = (
     ("gpu", "GPU"),
@@ -146,12 +147,15 @@ def load_run(path: str, stamp: float) -> Run:
 
 def try_load(entry: Entry) -> tuple[Run | None, str | None]:
     """(run, None) or (None, a one-line message for the page)."""
+    where = entry.path
+    if entry.origin.startswith(UPLOADED):  # name the file the user uploaded, not our copy
+        where = f"{entry.origin.removeprefix(UPLOADED)} (uploaded)"
     try:
         return load_run(entry.path, _stamp(entry.path)), None
     except TraceError as e:
-        return None, str(e)
+        return None, f"{where}: {e.problem}" if e.path == entry.path else str(e)
     except Exception as e:  # an importer bug must not become a traceback in the page
-        return None, f"{entry.path}: could not be read ({type(e).__name__}: {e})"
+        return None, f"{where}: could not be read ({type(e).__name__}: {e})"
 
 
 def save_upload(name: str, data: bytes) -> str:
@@ -497,6 +501,7 @@ def view_kernels(sa: Tables, sb: Tables, labels, single: bool) -> None:
         df,
         hide_index=True,
         width="stretch",
+        height=_height(len(df), cap=25),
         column_config={
             "share": st.column_config.ProgressColumn(
                 "share", format="percent", min_value=0, max_value=1
@@ -622,7 +627,7 @@ def sidebar_sources() -> tuple[list[Entry], list[str]]:
     )
     for up in uploads or []:
         try:
-            entries.append(Entry(f"upload: {up.name}", save_upload(up.name, up.getvalue())))
+            entries.append(Entry(f"{UPLOADED}{up.name}", save_upload(up.name, up.getvalue())))
         except TraceError as e:
             problems.append(str(e))
         except OSError as e:
