@@ -308,3 +308,50 @@ def test_vllm_branches_with_fake_ops(monkeypatch, pad, bad_topk):
             cfg, spec, m.weights[i], before[i], x, r, 2, topk_ids=m.layers[i].topk_ids
         )
     assert R.rel_l2(m.x_out, x) < 2 * TOL, seed
+
+
+def _interpreter_ready() -> bool:
+    import importlib.util
+    import os
+
+    return (
+        importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _interpreter_ready(), reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "kind, mode, options",
+    [
+        ("kda", "fused", {}),
+        ("kda", "chain", {}),
+        ("mla", "auto", {}),
+        ("kda", "fused", {"expert_dtype": "mxfp4"}),
+    ],
+)
+def test_triton_kernels_in_the_interpreter(kind, mode, options):
+    """Our Triton kernels on a CPU (``TRITON_INTERPRET=1 pytest -m slow -k interpreter``)."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):  # numpy 2: int() of a 1-element array argument fails
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    try:
+        cfg = get_config("tiny", 1, **options)
+        specs = parse_layers(cfg, kind)
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        m = StandardModel(cfg, specs, 2, 2, seed=seed, use_triton=True, kda_mode=mode)
+        assert not [k for k in m.ops.rejected if "triton" in k], m.ops.rejected
+        before = {k: v.clone() for k, v in m.states[0].items()}
+        m.step()
+        x, _, _, _ = R.layer_ref(
+            cfg, specs[0], m.weights[0], before, m.x_in, m.r_in, 2, topk_ids=m.layers[0].topk_ids
+        )
+        assert R.rel_l2(m.x_out, x) < TOL, (seed, m.ops.impl)
+    finally:
+        interp._patch_lang_tensor = orig
