@@ -230,10 +230,10 @@ class Session:
         self._cb_cloned = int(c.CallbackIdResource.GRAPHNODE_CLONED)
         self._api = {
             self._dom_rt: launch_cbids(
-                dict(c.RuntimeApiTraceCbid.__members__), RUNTIME_LAUNCH_PREFIXES
+                _members(c, "RuntimeApiTraceCbid", "runtime_api_trace_cbid"), RUNTIME_LAUNCH_PREFIXES
             ),
             self._dom_drv: launch_cbids(
-                dict(c.DriverApiTraceCbid.__members__), DRIVER_LAUNCH_PREFIXES
+                _members(c, "DriverApiTraceCbid", "driver_api_trace_cbid"), DRIVER_LAUNCH_PREFIXES
             ),
         }
         self._subscriber = c.subscribe(self._callback, None)

@@ -74,4 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as a script the commands register on the imported module's app, not on __main__'s
+    from decodescope.ui.cli import main as _main
+
+    _main()
