@@ -64,7 +64,11 @@ def graph_kernel_nodes(g: torch.cuda.CUDAGraph) -> int | None:
         from cuda.bindings import runtime as cudart
 
         raw = g.raw_cuda_graph()
-        err, _, n = cudart.cudaGraphGetNodes(raw, 0)
+        try:
+            err, _, n = cudart.cudaGraphGetNodes(raw, 0)
+        except TypeError:  # wants the handle type, not an int
+            raw = cudart.cudaGraph_t(init_value=int(raw))
+            err, _, n = cudart.cudaGraphGetNodes(raw, 0)
         err, nodes, n = cudart.cudaGraphGetNodes(raw, n)
         kinds = [cudart.cudaGraphNodeGetType(nd)[1] for nd in nodes]
         return sum(k == cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel for k in kinds)
