@@ -236,3 +236,15 @@ def test_the_command_rejects_a_missing_source(capsys, tmp_path):
         main(["dashboard", str(tmp_path / "nope")])
     assert e.value.code == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_the_default_pair_is_standard_vs_specialized_of_one_setup():
+    h100 = tracer.read_run(H100)
+
+    def run(backend, batch):
+        return h100.replace(meta=h100.meta.replace(backend=backend, batch=batch, preset="kimi-k3"))
+
+    runs = [run("specialized", 1), run("standard", 64), run("specialized", 64), run("other", 1)]
+    assert dashboard.default_pair(runs) == (1, 2)
+    assert dashboard.default_pair([run("other", 1), run("other", 1)]) == (0, 1)
+    assert dashboard.default_pair([run("other", 1)]) == (0, 0)

@@ -275,16 +275,22 @@ def run_label(run: Run) -> str:
     return f"{text} [{m.run_id[:20]}]"
 
 
+PAIR_KEYS = ("workload", "preset", "batch", "tp_shape", "gpu")  # what A and B should share
+
+
 def default_pair(runs: list[Run]) -> tuple[int, int]:
-    """A = the first standard run (else the first), B = the first specialized run (else the
-    next one, else A)."""
+    """A = the latest standard run (else the first run), B = the latest specialized run of the
+    same setup (workload, preset, batch, tp_shape, gpu; else any specialized run; else the
+    next run; else A). Runs come in order of creation."""
     backends = [r.meta.backend for r in runs]
-    a = backends.index("standard") if "standard" in backends else 0
-    if "specialized" in backends:
-        b = backends.index("specialized")
-    else:
-        b = next((i for i in range(len(runs)) if i != a), a)
-    return a, b
+    std = [i for i, b in enumerate(backends) if b == "standard"]
+    a = std[-1] if std else 0
+    spec = [i for i, b in enumerate(backends) if b == "specialized"]
+    setup = {k: getattr(runs[a].meta, k) for k in PAIR_KEYS}
+    same = [i for i in spec if same_setup(vars_of(runs[i]), setup, PAIR_KEYS)]
+    if same or spec:
+        return a, (same or spec)[-1]
+    return a, next((i for i in range(len(runs)) if i != a), a)
 
 
 def downloads(name: str, table: pa.Table, key: str) -> None:
