@@ -58,7 +58,11 @@ class KDADecode:
         self.p = plan
         if plan.head_dim % 32 or plan.head_dim > 256:
             raise ValueError(f"head_dim must be a multiple of 32 up to 256, got {plan.head_dim}")
-        self.warps = plan.head_dim // 32
+        # two lanes per state column from head_dim 64 up: half the FP32 state in each lane's
+        # registers (64 of 128 rows), the column sums joined with one shuffle
+        self.split = 2 if plan.head_dim >= 64 else 1
+        self.threads = plan.head_dim * self.split
+        self.warps = self.threads // 32
 
     @cute.jit
     def __call__(
@@ -83,12 +87,12 @@ class KDADecode:
             decay: cute.struct.MemRange[Float32, hd]
             q: cute.struct.MemRange[Float32, hd]
             k: cute.struct.MemRange[Float32, hd]
-            red: cute.struct.MemRange[Float32, 8]
+            red: cute.struct.MemRange[Float32, 16]
 
         self.smem_cls = Smem
         self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
             grid=[p.heads, p.batch, 1],
-            block=[hd, 1, 1],
+            block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
         )
@@ -96,9 +100,13 @@ class KDADecode:
     @cute.kernel
     def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
         p = self.p
-        hd, D, KC, T = p.head_dim, p.dim, p.conv_kernel, p.tokens
-        j, _, _ = cute.arch.thread_idx()
+        hd, D, KC, T, SP = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split
+        rows = hd // SP  # state rows per thread
+        tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        j = tidx // SP  # value column of this thread
+        half = tidx % SP  # which rows of it: i = ii * SP + half
+        lead = half == 0  # the lane that writes per-column results
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
@@ -106,14 +114,14 @@ class KDADecode:
         sDecay = st.decay.get_tensor(cute.make_layout(hd))
         sQ = st.q.get_tensor(cute.make_layout(hd))
         sK = st.k.get_tensor(cute.make_layout(hd))
-        sRed = st.red.get_tensor(cute.make_layout(8))
+        sRed = st.red.get_tensor(cute.make_layout(16))
 
         col = h * hd + j
-        # state column j, FP32, in registers
-        rS = cute.make_rmem_tensor((hd,), Float32)
-        for i in cutlass.range_constexpr(hd):
-            rS[i] = mS[b, h, i, j]
-        # conv history and weights of this thread's q, k, v channels
+        # this thread's rows of state column j, FP32, in registers
+        rS = cute.make_rmem_tensor((rows,), Float32)
+        for ii in cutlass.range_constexpr(rows):
+            rS[ii] = mS[b, h, ii * SP + half, j]
+        # conv history and weights of column j's q, k, v channels
         rHist = cute.make_rmem_tensor((3, KC - 1), Float32)
         rCw = cute.make_rmem_tensor((3, KC), Float32)
         for c in cutlass.range_constexpr(3):
@@ -124,13 +132,10 @@ class KDADecode:
         a_h = cute.math.exp(mALog[h], fastmath=False)
         dt = mDt[col]
         onorm = mONorm[j].to(Float32)
-        fb = cute.make_rmem_tensor((hd,), BFloat16)
-        for v in cutlass.range_constexpr(hd // 8):
-            load_vec8(mFb[col, None], v * 8, cute.local_tile(fb, (8,), (v,)))
 
-        for t in cutlass.range(T):
+        for t in cutlass.range(T, unroll_full=True):
             row = b * T + t
-            # short conv + SiLU on q, k, v
+            # short conv + SiLU on q, k, v (both lanes of a column compute it)
             qkv = cute.make_rmem_tensor((3,), Float32)
             for c in cutlass.range_constexpr(3):
                 xn = mProj[row, c * D + col].to(Float32)
@@ -141,42 +146,70 @@ class KDADecode:
                     rHist[c, i] = rHist[c, i + 1]
                 rHist[c, KC - 2] = xn
                 qkv[c] = acc * sigmoid(acc)
-            sFa[j] = mProj[row, 4 * D + j].to(Float32)
-            cute.arch.sync_threads()  # sFa complete (block_sum has no barrier with one warp)
+            if tidx < hd:
+                sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
             gj = mProj[row, 3 * D + col].to(Float32)
             beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
-            qss = block_sum(qkv[0] * qkv[0], sRed, self.warps)  # also orders the sFa stores
-            kss = block_sum(qkv[1] * qkv[1], sRed, self.warps)
+            q_sq = Float32(0.0)
+            k_sq = Float32(0.0)
+            if lead:
+                q_sq = qkv[0] * qkv[0]
+                k_sq = qkv[1] * qkv[1]
+            qss = block_sum(q_sq, sRed, self.warps)  # its barriers also publish sFa
+            kss = block_sum(k_sq, sRed, self.warps)
+            cute.arch.sync_threads()  # sFa complete even when block_sum has no barrier
             qn = qkv[0] / cute.arch.fmax(cute.math.sqrt(qss), Float32(1e-12)) * Float32(hd**-0.5)
             kn = qkv[1] / cute.arch.fmax(cute.math.sqrt(kss), Float32(1e-12))
-            # decay gate of channel j (a k row of S)
-            f = dt
-            for i in cutlass.range_constexpr(hd):
-                f = f + fb[i].to(Float32) * sFa[i]
+            # decay gate of channel j (a k row of S): f_b[col, :] . f_a, split over the lanes
+            f = Float32(0.0)
+            for v in cutlass.range(hd // 8 // SP, unroll_full=True):
+                k0 = (v * SP + half) * 8
+                fb = cute.make_rmem_tensor((8,), BFloat16)  # f_b row: L1/L2-resident
+                load_vec8(mFb[col, None], k0, fb)
+                for e in cutlass.range_constexpr(8):
+                    f = f + fb[e].to(Float32) * sFa[k0 + e]
+            if cutlass.const_expr(SP == 2):
+                f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
+            f = f + dt
             gk = Float32(p.lower_bound) * sigmoid(a_h * f)
-            sDecay[j] = cute.math.exp(gk, fastmath=False)
-            sQ[j] = qn
-            sK[j] = kn
+            if lead:
+                sDecay[j] = cute.math.exp(gk, fastmath=False)
+                sQ[j] = qn
+                sK[j] = kn
             cute.arch.sync_threads()
             kv = Float32(0.0)
-            for i in cutlass.range_constexpr(hd):
-                rS[i] = rS[i] * sDecay[i]
-                kv = kv + sK[i] * rS[i]
+            for ii in cutlass.range_constexpr(rows):
+                i = ii * SP
+                rS[ii] = rS[ii] * sDecay[i + half]
+                kv = kv + sK[i + half] * rS[ii]
+            if cutlass.const_expr(SP == 2):
+                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1)
             u = beta * (qkv[2] - kv)
+            # a barrier between the two passes: keeps the compiler from holding sK (and
+            # hoisting sQ) in registers beside the state (255 registers and spills without it)
+            cute.arch.sync_threads()
             o = Float32(0.0)
-            for i in cutlass.range_constexpr(hd):
-                rS[i] = rS[i] + sK[i] * u
-                o = o + sQ[i] * rS[i]
-            oss = block_sum(o * o, sRed, self.warps)  # its barriers also free sQ/sK/sFa
+            for ii in cutlass.range_constexpr(rows):
+                i = ii * SP
+                rS[ii] = rS[ii] + sK[i + half] * u
+                o = o + sQ[i + half] * rS[ii]
+            if cutlass.const_expr(SP == 2):
+                o = o + cute.arch.shuffle_sync_bfly(o, offset=1)
+            o_sq = Float32(0.0)
+            if lead:
+                o_sq = o * o
+            oss = block_sum(o_sq, sRed, self.warps)
             rstd = cute.math.rsqrt(oss / Float32(hd) + Float32(p.eps))
-            mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
+            if lead:
+                mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
             cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK
 
-        for i in cutlass.range_constexpr(hd):
-            mS[b, h, i, j] = rS[i]
-        for c in cutlass.range_constexpr(3):
-            for i in cutlass.range_constexpr(KC - 1):
-                mConv[b, c * D + col, i] = rHist[c, i].to(BFloat16)
+        for ii in cutlass.range_constexpr(rows):
+            mS[b, h, ii * SP + half, j] = rS[ii]
+        if lead:
+            for c in cutlass.range_constexpr(3):
+                for i in cutlass.range_constexpr(KC - 1):
+                    mConv[b, c * D + col, i] = rHist[c, i].to(BFloat16)
 
 
 # -- torch-facing --------------------------------------------------------------------------

@@ -85,12 +85,24 @@ class GemmPlan:
         return 1
 
     @property
+    def rt(self) -> int:
+        """16-row tiles per CTA: each B fragment (activations) feeds ``rt`` MMAs, so the
+        activation traffic from L2 (and the prologue's) shrinks by ``rt`` at large M."""
+        if self.m <= 16:
+            return 1
+        return 2 if self.m <= 32 else 4
+
+    @property
     def unroll(self) -> int:
         per_warp = self.k // KCHUNK // self.ks
         for u in (4, 3, 2, 1):
-            if per_warp % u == 0:
+            if per_warp % u == 0 and u * self.rt <= 4:
                 return u
         return 1
+
+    def ctas(self, n: int) -> int:
+        """CTAs of a segment of ``n`` rows (the last one may hold fewer than ``rt`` tiles)."""
+        return -(-(n // ROWS) // self.rt)
 
     @property
     def ntiles(self) -> int:
@@ -99,7 +111,7 @@ class GemmPlan:
 
     @property
     def grid(self) -> int:
-        return sum(n // ROWS for n in self.segments)
+        return sum(self.ctas(n) for n in self.segments)
 
     @property
     def ldx(self) -> int:
@@ -180,10 +192,13 @@ class SkinnyGemm:
         outs = (mO0, mO1, mO2)
         t0 = 0
         for s in cutlass.range_constexpr(len(p.segments)):
-            nt = p.segments[s] // ROWS
-            if bidx >= t0 and bidx < t0 + nt:
-                self.tile(mX, mR, mNW, sRstd, sRed, weights[s], outs[s], mE, bidx - t0, warp, lane)
-            t0 += nt
+            nc = p.ctas(p.segments[s])
+            if bidx >= t0 and bidx < t0 + nc:
+                self.tile(
+                    mX, mR, mNW, sRstd, sRed, weights[s], outs[s], mE, bidx - t0,
+                    p.segments[s] // ROWS, warp, lane,
+                )  # fmt: skip
+            t0 += nc
 
     @cute.jit
     def prologue(self, mX, mR, mRout, sRstd, bidx, warp, lane):
@@ -214,19 +229,25 @@ class SkinnyGemm:
                     sRstd[m] = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
 
     @cute.jit
-    def tile(self, mX, mR, mNW, sRstd, sRed, mW, mO, mE, tile_idx, warp, lane):
+    def tile(self, mX, mR, mNW, sRstd, sRed, mW, mO, mE, cta, ntiles, warp, lane):
+        """Row tiles ``cta * rt .. cta * rt + rt - 1`` of one weight (clamped to the last tile
+        for loads; only valid tiles are stored)."""
         p = self.p
+        rt = p.rt
         g = lane // 4
         c = lane % 4
-        row_lo = tile_idx * ROWS + g
-        row_hi = row_lo + 8
         atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        rows = []
+        for q in cutlass.range_constexpr(rt):
+            t = cutlass.min(cta * rt + q, ntiles - 1)
+            rows.append(t * ROWS + g)
 
         accs = []
-        for _j in cutlass.range_constexpr(p.ntiles):
-            a = cute.make_rmem_tensor((4, 1, 1), Float32)
-            a.fill(0.0)
-            accs.append(a)
+        for _q in cutlass.range_constexpr(rt):
+            for _j in cutlass.range_constexpr(p.ntiles):
+                a = cute.make_rmem_tensor((4, 1, 1), Float32)
+                a.fill(0.0)
+                accs.append(a)
         fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
         fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
 
@@ -236,57 +257,67 @@ class SkinnyGemm:
         for it in cutlass.range(chunks_per_warp // u):
             wlo = []
             whi = []
-            for q in cutlass.range_constexpr(u):
-                k0 = (chunk0 + it * u + q) * KCHUNK + c * 8
-                lo = cute.make_rmem_tensor((8,), BFloat16)
-                hi = cute.make_rmem_tensor((8,), BFloat16)
-                load_vec8(mW[row_lo, None], k0, lo)
-                load_vec8(mW[row_hi, None], k0, hi)
-                wlo.append(lo)
-                whi.append(hi)
-            for q in cutlass.range_constexpr(u):
-                k0 = (chunk0 + it * u + q) * KCHUNK + c * 8
+            for v in cutlass.range_constexpr(u):
+                k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
+                for q in cutlass.range_constexpr(rt):
+                    lo = cute.make_rmem_tensor((8,), BFloat16)
+                    hi = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mW[rows[q], None], k0, lo)
+                    load_vec8(mW[rows[q] + 8, None], k0, hi)
+                    wlo.append(lo)
+                    whi.append(hi)
+            for v in cutlass.range_constexpr(u):
+                k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
                 nw = cute.make_rmem_tensor((8,), BFloat16)
                 if cutlass.const_expr(p.norm):
                     load_vec8(mNW, k0, nw)
                 for j in cutlass.range_constexpr(p.ntiles):
                     xb = self.load_b(mX, mR, sRstd, nw, j * 8 + g, k0, j)
                     for s in cutlass.range_constexpr(2):
-                        fa[0] = wlo[q][4 * s + 0]
-                        fa[1] = wlo[q][4 * s + 1]
-                        fa[2] = whi[q][4 * s + 0]
-                        fa[3] = whi[q][4 * s + 1]
-                        fa[4] = wlo[q][4 * s + 2]
-                        fa[5] = wlo[q][4 * s + 3]
-                        fa[6] = whi[q][4 * s + 2]
-                        fa[7] = whi[q][4 * s + 3]
                         for e in cutlass.range_constexpr(4):
                             fb[e] = xb[4 * s + e]
-                        cute.gemm(atom, accs[j], fa, fb, accs[j])
+                        for q in cutlass.range_constexpr(rt):
+                            lo = wlo[v * rt + q]
+                            hi = whi[v * rt + q]
+                            fa[0] = lo[4 * s + 0]
+                            fa[1] = lo[4 * s + 1]
+                            fa[2] = hi[4 * s + 0]
+                            fa[3] = hi[4 * s + 1]
+                            fa[4] = lo[4 * s + 2]
+                            fa[5] = lo[4 * s + 3]
+                            fa[6] = hi[4 * s + 2]
+                            fa[7] = hi[4 * s + 3]
+                            acc = accs[q * p.ntiles + j]
+                            cute.gemm(atom, acc, fa, fb, acc)
 
-        # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same)
-        for j in cutlass.range_constexpr(p.ntiles):
-            n0 = j * 8 + 2 * c
-            sRed[warp, g, n0] = accs[j][0]
-            sRed[warp, g, n0 + 1] = accs[j][1]
-            sRed[warp, g + 8, n0] = accs[j][2]
-            sRed[warp, g + 8, n0 + 1] = accs[j][3]
-        cute.arch.sync_threads()
-
+        # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same).
+        # The K-slices of the warps are summed through shared memory, one row tile at a time.
         tidx, _, _ = cute.arch.thread_idx()
         total = ROWS * p.m
-        for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
-            idx = tidx + i * self.threads
-            if idx < total:
-                r = idx % ROWS
-                m = idx // ROWS
-                acc = Float32(0.0)
-                for w in cutlass.range_constexpr(p.ks):
-                    acc = acc + sRed[w, r, m]
-                n = tile_idx * ROWS + r
-                if cutlass.const_expr(p.residual_epilogue):
-                    acc = acc.to(BFloat16).to(Float32) + mE[m, n].to(Float32)
-                mO[m, n] = acc.to(BFloat16)
+        for q in cutlass.range_constexpr(rt):
+            for j in cutlass.range_constexpr(p.ntiles):
+                acc = accs[q * p.ntiles + j]
+                n0 = j * 8 + 2 * c
+                sRed[warp, g, n0] = acc[0]
+                sRed[warp, g, n0 + 1] = acc[1]
+                sRed[warp, g + 8, n0] = acc[2]
+                sRed[warp, g + 8, n0 + 1] = acc[3]
+            cute.arch.sync_threads()
+            t = cta * rt + q
+            if t < ntiles:
+                for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+                    idx = tidx + i * self.threads
+                    if idx < total:
+                        r = idx % ROWS
+                        m = idx // ROWS
+                        val = Float32(0.0)
+                        for w in cutlass.range_constexpr(p.ks):
+                            val = val + sRed[w, r, m]
+                        n = t * ROWS + r
+                        if cutlass.const_expr(p.residual_epilogue):
+                            val = val.to(BFloat16).to(Float32) + mE[m, n].to(Float32)
+                        mO[m, n] = val.to(BFloat16)
+            cute.arch.sync_threads()
 
     @cute.jit
     def load_b(self, mX, mR, sRstd, nw, m, k0, j):
