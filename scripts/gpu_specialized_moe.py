@@ -187,23 +187,27 @@ def floor_bytes(cfg, ids: torch.Tensor, N: int) -> dict[str, int]:
     front = (E + L + 2 * S) * H * 2 + N * H * 2 + N * (E + L + 2 * S) * 4
     experts = n_exp * 3 * Ie * L * 2 + S * H * 2 + N * H * 4 + N * L * 4
     back = H * L * 2 + L * 2 + N * L * 4 + N * H * 4 + N * H * 2
+    weights = (E + L + 2 * S) * H * 2 + n_exp * 3 * Ie * L * 2 + S * H * 2 + H * L * 2 + L * 2
     return {"front": front, "experts": experts, "back": back,
-            "block": front + experts + back - 2 * N * (L + H) * 4, "n_experts": n_exp}  # fmt: skip
+            "block": weights + 2 * N * H * 2, "n_experts": n_exp}  # fmt: skip
 
 
-def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays) -> None:
+def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False) -> None:
     hs = [torch.randn(N, cfg.hidden, device=DEV).to(BF16) for _ in blks]
     outs = [torch.empty(N, cfg.hidden, dtype=BF16, device=DEV) for _ in blks]
     for b, h in zip(blks, hs, strict=True):
         b.forward(h, torch.empty_like(h))
     torch.cuda.synchronize()
     fb = floor_bytes(cfg, blks[0].topk_ids, N)
+    trip = list(zip(blks, hs, outs, strict=True))
     pieces = {
-        "front": [(lambda b=b, h=h: b.front(h)) for b, h in zip(blks, hs, strict=True)],
-        "experts": [(lambda b=b, h=h: (b.front(h), b.experts())) for b, h in zip(blks, hs, strict=True)],
-        "back": [(lambda b=b, o=o: b.back(o)) for b, o in zip(blks, outs, strict=True)],
-        "block": [(lambda b=b, h=h, o=o: b.forward(h, o)) for b, h, o in zip(blks, hs, outs, strict=True)],
-    }  # fmt: skip
+        "front": [(lambda b=b, h=h: b.front(h)) for b, h, _ in trip],
+        "experts": [(lambda b=b, h=h: (b.front(h), b.experts())) for b, h, _ in trip],
+        "back": [(lambda b=b, o=o: b.back(o)) for b, _, o in trip],
+        "block": [(lambda b=b, h=h, o=o: b.forward(h, o)) for b, h, o in trip],
+    }
+    if block_only:
+        pieces = {"block": pieces["block"]}
     times = {}
     for name, fns in pieces.items():
         r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
@@ -225,6 +229,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays) -> None:
         fns = [(lambda s=s, o=o: s._moe_forward(o)) for s, o in zip(stds, outs, strict=True)]
         return graph_time_us(fns, replays)
 
+    if block_only:
+        return
     r = guarded("time_standard_block", ctx, std_time)
     if r is not None:
         med, lo, hi = r
@@ -236,36 +242,57 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays) -> None:
 
 
 def table_md() -> str:
-    lines = ["| tp | tokens | what | kernels | us (median) | min | max | floor us | span/floor "
-             "| experts sel. | speedup |", "|" + "---|" * 11]  # fmt: skip
+    lines = ["| tp | tokens | pdl | what | kernels | us (median) | min | max | floor us "
+             "| span/floor | experts sel. | speedup |", "|" + "---|" * 12]  # fmt: skip
     for r in RESULTS:
         if r.get("status") == "time":
             lines.append(
-                f"| {r['tp']} | {r['tokens']} | {r['time']} | {r.get('kernels', '')} | {r['us']} "
-                f"| {r['us_min']} | {r['us_max']} | {r['floor_us']} | {r['eff']} "
-                f"| {r.get('n_experts', '')} | {r.get('speedup_specialized', '')} |"
+                f"| {r['tp']} | {r['tokens']} | {r.get('pdl', '')} | {r['time']} "
+                f"| {r.get('kernels', '')} | {r['us']} | {r['us_min']} | {r['us_max']} "
+                f"| {r['floor_us']} | {r['eff']} | {r.get('n_experts', '')} "
+                f"| {r.get('speedup_specialized', '')} |"
             )
     fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
     passes = sum(r.get("status") == "pass" for r in RESULTS)
     lines.append("")
     lines.append(f"checks: {passes} pass, {len(fails)} fail/error")
     for r in fails:
-        lines.append(f"- {r.get('check')} tp={r.get('tp')} tokens={r.get('tokens')}: "
+        lines.append(f"- {r.get('check')} tp={r.get('tp')} tokens={r.get('tokens')} "
+                     f"pdl={r.get('pdl')}: "
                      f"{r.get('err', r.get('error', ''))}")  # fmt: skip
     return "\n".join(lines)
 
 
 def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None:
-    ctx = {"preset": preset, "tp": tp, "tokens": N}
+    pdl = rt.pdl_enabled()
+    ctx = {"preset": preset, "tp": tp, "tokens": N, "pdl": int(pdl)}
     blks = guarded("build", ctx, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
     if not blks:
         return
-    for rep in range(2):  # two fresh draws
-        ctx_r = {**ctx, "draw": rep}
-        guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
-            cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep))  # fmt: skip
+    n0 = len(RESULTS)
+
+    def checks(ctx_p: dict) -> None:
+        for rep in range(2):  # two fresh draws
+            ctx_r = {**ctx_p, "draw": rep}
+            guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
+                cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep))  # fmt: skip
+
+    checks(ctx)
+    failed = any(r.get("status") in ("FAIL", "error") for r in RESULTS[n0:])
+    if failed and pdl:  # tell a PDL problem from a kernel problem
+        os.environ["DECODESCOPE_MOE_PDL"] = "0"
+        try:
+            checks({**ctx, "pdl": 0})
+        finally:
+            os.environ["DECODESCOPE_MOE_PDL"] = "1"
     if not a.no_timing and preset != "tiny":
         run_timing(cfg, ws, blks, N, ctx, bw, a.replays)
+        if a.compare_pdl and pdl:
+            os.environ["DECODESCOPE_MOE_PDL"] = "0"
+            try:
+                run_timing(cfg, ws, blks, N, {**ctx, "pdl": 0}, bw, a.replays, block_only=True)
+            finally:
+                os.environ["DECODESCOPE_MOE_PDL"] = "1"
     torch.cuda.empty_cache()
 
 
@@ -278,6 +305,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
+    ap.add_argument("--compare-pdl", action="store_true", help="also time the block without PDL")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,8 +323,9 @@ def main() -> int:
             run_point(a, cfg, preset, tp, ws, N, bw)
         ws = []
         torch.cuda.empty_cache()
+    commit = os.popen("git rev-parse HEAD").read().strip()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 1), "commit": os.popen("git rev-parse HEAD").read().strip()}  # fmt: skip
+            "seconds": round(time.time() - t0, 1), "commit": commit}  # fmt: skip
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
     md = table_md()
     (out / "table.md").write_text(md + "\n")

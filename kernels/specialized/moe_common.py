@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32
 
 VEC = 8  # bf16 elements per 16-byte access
 WARP = 32
@@ -49,10 +49,27 @@ def situ(g: Float32, u: Float32, beta: cutlass.Constexpr[float], lbeta: cutlass.
 
 
 @cute.jit
-def warp_gemv(
+def load_rows(
     gWv: cute.Tensor,
     row0,
     row_step,
+    li,
+    R: cutlass.Constexpr[int],
+    LPR: cutlass.Constexpr[int],
+    NCH: cutlass.Constexpr[int],
+):
+    """This lane's ``R * NCH`` 16-byte weight chunks (rows ``row0 + r*row_step``), all issued
+    before any is used. Returns a list of BF16 vectors, row-major (``r * NCH + j``)."""
+    ws = []
+    for r in cutlass.range_constexpr(R):
+        for j in cutlass.range_constexpr(NCH):
+            ws.append(gWv[(0, None), (row0 + r * row_step, li + j * LPR)].load())
+    return ws
+
+
+@cute.jit
+def dot_rows(
+    ws,
     sXv: cute.Tensor,
     acc: cute.Tensor,
     li,
@@ -61,16 +78,8 @@ def warp_gemv(
     LPR: cutlass.Constexpr[int],
     NCH: cutlass.Constexpr[int],
 ):
-    """``acc[r, t] = sum_k W[row0 + r*row_step, k] * X[t, k]`` for this lane's group.
-
-    ``gWv`` / ``sXv``: the weight matrix [rows, K] and the staged tokens [TT, K], both divided
-    into 16-byte chunks (``zipped_divide(x, (1, 8))``); ``li`` the lane's index in its group;
-    ``NCH`` = K / 8 / LPR chunks per lane. Every lane of the group ends with the full sums.
-    """
-    ws = []
-    for r in cutlass.range_constexpr(R):
-        for j in cutlass.range_constexpr(NCH):
-            ws.append(gWv[(0, None), (row0 + r * row_step, li + j * LPR)].load())
+    """``acc[r, t] = sum_k W[r, k] * X[t, k]`` from loaded chunks ``ws`` and the staged tokens
+    ``sXv`` [TT, K] (16-byte chunks); reduced over the lane group (every lane gets the sums)."""
     for r in cutlass.range_constexpr(R):
         for t in cutlass.range_constexpr(TT):
             acc[r, t] = Float32(0.0)
@@ -88,33 +97,23 @@ def warp_gemv(
 
 
 @cute.jit
-def zero_stage(
+def warp_gemv(
+    gWv: cute.Tensor,
+    row0,
+    row_step,
     sXv: cute.Tensor,
-    t0,
-    tid,
-    NT: cutlass.Constexpr[int],
+    acc: cute.Tensor,
+    li,
+    R: cutlass.Constexpr[int],
     TT: cutlass.Constexpr[int],
-    KV: cutlass.Constexpr[int],
+    LPR: cutlass.Constexpr[int],
+    NCH: cutlass.Constexpr[int],
 ):
-    """Zero rows t0.. of a staged [TT, K] tile (chunks of 8), so unused token slots are finite."""
-    for i in cutlass.range(tid, (TT - t0) * KV, NT):
-        t = t0 + i // KV
-        c = i % KV
-        sXv[(0, None), (t, c)].store(cute.zeros_like(sXv[(0, None), (t, c)].load()))
+    """``load_rows`` then ``dot_rows``: ``acc[r, t] = sum_k W[row0 + r*row_step, k] * X[t, k]``.
 
-
-def check_const(name: str, value: int, multiple: int) -> None:
-    if value % multiple:
-        raise ValueError(f"{name}={value} must be a multiple of {multiple}")
-
-
-__all__ = [
-    "VEC",
-    "WARP",
-    "lanes_per_row",
-    "sigmoid",
-    "situ",
-    "warp_gemv",
-    "check_const",
-    "const_expr",
-]
+    ``gWv`` / ``sXv``: the weight matrix [rows, K] and the staged tokens [TT, K], both divided
+    into 16-byte chunks (``zipped_divide(x, (1, 8))``); ``li`` the lane's index in its group;
+    ``NCH`` = K / 8 / LPR chunks per lane.
+    """
+    ws = load_rows(gWv, row0, row_step, li, R, LPR, NCH)
+    dot_rows(ws, sXv, acc, li, R, TT, LPR, NCH)

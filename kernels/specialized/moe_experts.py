@@ -10,9 +10,11 @@ numbering below is the same in all of them.
 Tiles, handed out round-robin over a persistent grid of one CTA per SM, in this order:
 
 1. w13 tiles ``(expert a, gate-row block)``: each warp owns one gate row and its up row
-   (``w13[e, r]`` and ``w13[e, Ie + r]``) for all the expert's pairs (tokens staged 8 at a time:
-   each selected expert's weights stream from HBM once per step), applies SiTU and writes the
-   BF16 intermediate ``h [T*k, Ie]``; then bumps ``done[e]`` (release).
+   (``w13[e, r]`` and ``w13[e, Ie + r]``) for all the expert's pairs. A lane's weight chunks
+   are loaded into registers once per tile and reused for every chunk of pairs (chunks of 1, 2
+   or 4 staged tokens: no FMAs on empty slots), so each selected expert's weights stream from
+   HBM once per step. Applies SiTU, writes the BF16 intermediate ``h [T*k, Ie]``, then bumps
+   ``done[e]`` (release).
 2. shared-down tiles (rows of ``shared_w2 [H, S]`` against SiTU of the shared gate/up that the
    front kernel produced) -> FP32 ``shared_out [T, H]``: independent work that overlaps the
    routed experts (the "shared experts overlapped" of the reference, inside one launch).
@@ -37,11 +39,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, situ, warp_gemv
-from decodescope.kernels.specialized.router_topk import select_topk
+from decodescope.kernels.specialized.moe_common import VEC, dot_rows, lanes_per_row, load_rows, situ
+from decodescope.kernels.specialized.router_topk import pdl_enabled, select_topk
 
 
 class MoeExperts:
@@ -61,9 +63,11 @@ class MoeExperts:
         beta: float,
         lbeta: float,
         num_ctas: int,
-        TT: int = 8,
+        TT: int = 4,
         NW: int = 8,
+        pdl: bool = True,
     ):
+        self.pdl = pdl
         if E % 32:
             raise ValueError(f"num_experts={E} must be a multiple of 32")
         if K > 32:
@@ -112,7 +116,10 @@ class MoeExperts:
         stream,
     ):
         self.kernel(mY, mBias, mW13, mW2, mWs2, mH, mAcc, mShared, mDone, mIds, mTw).launch(
-            grid=[self.num_ctas, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+            grid=[self.num_ctas, 1, 1],
+            block=[self.NW * 32, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -157,6 +164,11 @@ class MoeExperts:
             BFloat16, cute.make_ordered_layout((TT, Ie), order=(1, 0)), byte_alignment=16
         )
 
+        if const_expr(self.pdl):
+            # launched once every front CTA started; wait for the front grid to complete. No
+            # early trigger here: the up-projection launches as this grid's CTAs exit, so all
+            # of this grid's CTAs are resident together (the w2 wait needs it).
+            cute.arch.griddepcontrol_wait()
         # ---- prologue: routing and per-expert pair lists, in shared memory ----
         for e in cutlass.range(tid, E, NT):
             sCnt[e] = Int32(0)
@@ -231,15 +243,16 @@ class MoeExperts:
                 grp = lane // self.LPR13
                 li = lane % self.LPR13
                 row = rb * self.rows13 + warp * self.G13 + grp
+                ws = load_rows(gW, cutlass.min(row, Ie - 1), Ie, li, 2, self.LPR13, self.NCH13)
                 p0 = Int32(0)
                 while p0 < n:  # pairs in chunks of 1, 2 or up to TT: no FMAs on empty slots
                     rem = n - p0
                     if rem == 1:
-                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 1)
+                        self._w13_chunk(ws, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 1)
                     elif rem == 2:
-                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 2)
+                        self._w13_chunk(ws, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, 2)
                     else:
-                        self._w13_chunk(gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TT)
+                        self._w13_chunk(ws, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TT)
                     p0 = p0 + cutlass.min(rem, TT)
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.barrier()
@@ -251,41 +264,13 @@ class MoeExperts:
                 grp = lane // self.LPRs
                 li = lane % self.LPRs
                 row0 = sb * self.rowss + (warp * self.Gs + grp) * self.Rs
-                KV = S // VEC
-                for t0 in cutlass.range_constexpr(0, T, self.TTs):
-                    nt = min(self.TTs, T - t0)
-                    for i in cutlass.range(tid, self.TTs * KV, NT):
-                        ts = i // KV
-                        c = i % KV
-                        tok = t0 + cutlass.min(ts, nt - 1)
-                        g = gYv[(0, None), (tok, (E + L) // VEC + c)].load()
-                        u = gYv[(0, None), (tok, (E + L + S) // VEC + c)].load()
-                        r = cute.make_rmem_tensor((VEC,), Float32)
-                        for q in cutlass.range_constexpr(VEC):
-                            r[q] = situ(g[q], u[q], self.beta, self.lbeta)
-                        v = r.load()
-                        if ts >= nt:
-                            v = cute.zeros_like(v)
-                        sAv[(0, None), (ts, c)].store(v.to(BFloat16))
-                    cute.arch.barrier()
-                    warp_gemv(
-                        gWs2v,
-                        cutlass.min(row0, H - self.Rs),
-                        1,
-                        sAv,
-                        accs,
-                        li,
-                        self.Rs,
-                        self.TTs,
-                        self.LPRs,
-                        self.NCHs,
-                    )
-                    if li == 0:
-                        for r in cutlass.range_constexpr(self.Rs):
-                            if row0 + r < H:
-                                for t in cutlass.range_constexpr(nt):
-                                    mShared[t0 + t, row0 + r] = accs[r, t]
-                    cute.arch.barrier()
+                ws = load_rows(gWs2v, cutlass.min(row0, H - self.Rs), 1, li, self.Rs, self.LPRs,
+                               self.NCHs)  # fmt: skip
+                TTs = self.TTs
+                for t0 in cutlass.range(0, (T // TTs) * TTs, TTs, unroll=1):
+                    self._shared_tile(ws, gYv, sAv, mShared, accs, t0, row0, li, TTs)
+                if const_expr(T % TTs):
+                    self._shared_tile(ws, gYv, sAv, mShared, accs, T - T % TTs, row0, li, T % TTs)
             else:
                 # ---- w2 + routing-weighted sum ----
                 t2 = tile - nsh
@@ -294,44 +279,72 @@ class MoeExperts:
                 e = sActE[a]
                 start = sActOff[a]
                 n = sActN[a]
+                gW = cute.zipped_divide(mW2[e, None, None], (1, VEC))
+                grp = lane // self.LPR2
+                li = lane % self.LPR2
+                row0 = rb * self.rows2 + (warp * self.G2 + grp) * self.R2
+                # w2 rows stream while this tile waits for the expert's w13 tiles
+                ws = load_rows(gW, cutlass.min(row0, L - self.R2), 1, li, self.R2, self.LPR2,
+                               self.NCH2)  # fmt: skip
                 if tid == 0:
                     d = cute.arch.load(mDone.iterator + e, Int32, sem="acquire", scope="gpu")
                     while d < self.NRB13:
                         d = cute.arch.load(mDone.iterator + e, Int32, sem="acquire", scope="gpu")
                 cute.arch.barrier()
                 cute.arch.fence_acq_rel_gpu()
-                gW = cute.zipped_divide(mW2[e, None, None], (1, VEC))
-                grp = lane // self.LPR2
-                li = lane % self.LPR2
-                row0 = rb * self.rows2 + (warp * self.G2 + grp) * self.R2
                 p0 = Int32(0)
                 while p0 < n:
                     rem = n - p0
                     if rem == 1:
                         self._w2_chunk(
-                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 1
+                            ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 1
                         )
                     elif rem == 2:
                         self._w2_chunk(
-                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 2
+                            ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, 2
                         )
                     else:
                         self._w2_chunk(
-                            gW, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, TT
+                            ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, TT
                         )
                     p0 = p0 + cutlass.min(rem, TT)
             tile = tile + self.num_ctas
 
     @cute.jit
+    def _shared_tile(self, ws, gYv, sAv, mShared, accs, t0, row0, li, nt: cutlass.Constexpr[int]):
+        """Tokens t0 .. t0+nt: stage SiTU(shared gate, up) as BF16, shared_w2 rows, FP32 store."""
+        E, L, S = self.E, self.L, self.S
+        NT = self.NW * 32
+        KV = S // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(tid, nt * KV, NT, unroll=2):
+            ts = i // KV
+            c = i % KV
+            g = gYv[(0, None), (t0 + ts, (E + L) // VEC + c)].load()
+            u = gYv[(0, None), (t0 + ts, (E + L + S) // VEC + c)].load()
+            r = cute.make_rmem_tensor((VEC,), Float32)
+            for q in cutlass.range_constexpr(VEC):
+                r[q] = situ(g[q], u[q], self.beta, self.lbeta)
+            sAv[(0, None), (ts, c)].store(r.load().to(BFloat16))
+        cute.arch.barrier()
+        dot_rows(ws, sAv, accs, li, self.Rs, nt, self.LPRs, self.NCHs)
+        if li == 0:
+            for r in cutlass.range_constexpr(self.Rs):
+                if row0 + r < self.H:
+                    for t in cutlass.range_constexpr(nt):
+                        mShared[t0 + t, row0 + r] = accs[r, t]
+        cute.arch.barrier()
+
+    @cute.jit
     def _w13_chunk(
-        self, gW, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TTc: cutlass.Constexpr[int]
+        self, ws, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TTc: cutlass.Constexpr[int]
     ):
         """Pairs p0 .. p0+TTc of one expert: stage their latent z (BF16), gate + up rows, SiTU,
         write ``h``. Slots past ``n`` are zero and never stored."""
         NT = self.NW * 32
         KV = self.L // VEC
         tid, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(tid, TTc * KV, NT):
+        for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
             ts = i // KV
             c = i % KV
             slot = cutlass.min(p0 + ts, n - 1)
@@ -341,8 +354,7 @@ class MoeExperts:
                 v = cute.zeros_like(v)
             sZv[(0, None), (ts, c)].store(v.to(BFloat16))
         cute.arch.barrier()
-        warp_gemv(gW, cutlass.min(row, self.Ie - 1), self.Ie, sZv, acc13, li, 2, TTc,
-                  self.LPR13, self.NCH13)  # fmt: skip
+        dot_rows(ws, sZv, acc13, li, 2, TTc, self.LPR13, self.NCH13)
         if li == 0:  # noqa: SIM102 (dynamic conditions: nested ifs)
             if row < self.Ie:
                 for t in cutlass.range_constexpr(TTc):
@@ -356,7 +368,7 @@ class MoeExperts:
     @cute.jit
     def _w2_chunk(
         self,
-        gW,
+        ws,
         gHv,
         sHv,
         sPairs,
@@ -375,7 +387,7 @@ class MoeExperts:
         NT = self.NW * 32
         KV = self.Ie // VEC
         tid, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(tid, TTc * KV, NT):
+        for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
             ts = i // KV
             c = i % KV
             slot = cutlass.min(p0 + ts, n - 1)
@@ -384,8 +396,7 @@ class MoeExperts:
                 v = cute.zeros_like(v)
             sHv[(0, None), (ts, c)].store(v)
         cute.arch.barrier()
-        warp_gemv(gW, cutlass.min(row0, self.L - self.R2), 1, sHv, acc2, li, self.R2, TTc,
-                  self.LPR2, self.NCH2)  # fmt: skip
+        dot_rows(ws, sHv, acc2, li, self.R2, TTc, self.LPR2, self.NCH2)
         if li == 0:
             for t in cutlass.range_constexpr(TTc):
                 if p0 + t < n:
@@ -402,8 +413,8 @@ class MoeExperts:
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def _build(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas):
-    op = MoeExperts(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas)
+def _build(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas, pdl=True):
+    op = MoeExperts(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas, pdl=pdl)
     NF = E + L + 2 * S
     args = (
         itf.fake(torch.float32, (T, NF)),
@@ -460,8 +471,9 @@ def moe_experts(
     itf.check(h, "h", (T * top_k, Ie), torch.bfloat16)
     itf.check(shared_out, "shared_out", (T, H), torch.float32)
     nsm = num_sms(y_front.device)
-    key = ("moe_experts", T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm)
-    fn = itf.compiled(key, lambda: _build(T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm))
+    pdl = pdl_enabled()
+    key = ("moe_experts", T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm, pdl)
+    fn = itf.compiled(key, lambda: _build(T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm, pdl))
     fn(
         y_front,
         router_bias,

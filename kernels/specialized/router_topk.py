@@ -4,9 +4,10 @@ All three read the same normalized hidden state ``h [T, H]``, so the specialized
 weights into one matrix ``w_front [E + L + 2S, H]`` (router rows, latent_down rows, shared gate
 rows, shared up rows) and reads ``h`` once per CTA. The rows are split over CTAs (the router GEMM
 "split into parts": 896 rows of 7168 become 56 CTAs of 16 rows at TP8, beside 224 latent CTAs
-and 96 shared CTAs); every CTA stages ``h`` in shared memory (4 tokens at a time) and its warps
-run the skinny GEMV of :mod:`moe_common`. Output: FP32 ``y_front [T, E + L + 2S]`` (router
-logits, latent z, shared gate/up pre-activations).
+and 96 shared CTAs); every CTA loads its weight rows into registers once, stages ``h`` in
+shared memory (8 tokens at a time) and its warps run the skinny GEMV of :mod:`moe_common`.
+Output: FP32 ``y_front [T, E + L + 2S]`` (router logits, latent z, shared gate/up
+pre-activations).
 
 The same launch zeroes what the next kernel accumulates into: the routed-sum buffer
 ``acc [T, L]`` (FP32 atomics in ``moe_experts``) and the per-expert completion counters.
@@ -23,13 +24,21 @@ scores + bias, weights = selected scores renormalized, times ``routed_scaling``)
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, sigmoid, warp_gemv
+from decodescope.kernels.specialized.moe_common import (
+    VEC,
+    dot_rows,
+    lanes_per_row,
+    load_rows,
+    sigmoid,
+)
 
 NEG_INF = -3.0e38
 
@@ -42,9 +51,19 @@ class FrontGemv:
     """
 
     def __init__(
-        self, T: int, K: int, NF: int, n_acc: int, n_done: int, TT: int = 4, NW: int = 8, R: int = 1
+        self,
+        T: int,
+        K: int,
+        NF: int,
+        n_acc: int,
+        n_done: int,
+        TT: int = 8,
+        NW: int = 8,
+        R: int = 1,
+        pdl: bool = True,
     ):
         self.T, self.K, self.NF, self.n_acc, self.n_done = T, K, NF, n_acc, n_done
+        self.pdl = pdl
         self.TT, self.NW, self.R = min(TT, T), NW, R
         self.LPR = lanes_per_row(K)
         self.G = 32 // self.LPR
@@ -63,7 +82,10 @@ class FrontGemv:
         stream,
     ):
         self.kernel(mX, mW, mY, mAcc, mDone).launch(
-            grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+            grid=[self.grid, 1, 1],
+            block=[self.NW * 32, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -76,17 +98,31 @@ class FrontGemv:
         mDone: cute.Tensor,
     ):
         NT = self.NW * 32
-        KV = self.K // VEC
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
 
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        # this lane's weight chunks first: they stay in registers for every token tile
+        ws = load_rows(gWv, cutlass.min(row0, self.NF - self.R), 1, li, self.R, self.LPR, self.NCH)
+
+        if const_expr(self.pdl):
+            # launched early (programmatic dependent launch): the weight loads above overlap the
+            # previous kernel's tail; everything below may read or overwrite what it wrote
+            cute.arch.griddepcontrol_wait()
         # zero the routed-sum accumulator and the expert completion counters (grid-stride)
         for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
             mAcc[i] = Float32(0.0)
         for i in cutlass.range(bid * NT + tid, self.n_done, self.grid * NT):
             mDone[i] = Int32(0)
+        if const_expr(self.pdl):
+            # the expert kernel may launch once every CTA of this grid has started; it waits for
+            # this grid's completion before reading anything
+            cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
         sX = smem.allocate_tensor(
@@ -94,40 +130,32 @@ class FrontGemv:
         )
         gXv = cute.zipped_divide(mX, (1, VEC))
         sXv = cute.zipped_divide(sX, (1, VEC))
-        gWv = cute.zipped_divide(mW, (1, VEC))
         acc = cute.make_rmem_tensor((self.R, self.TT), Float32)
+        # full token tiles in a loop (code size independent of T), then the remainder
+        for t0 in cutlass.range(0, (self.T // self.TT) * self.TT, self.TT, unroll=1):
+            self._token_tile(ws, gXv, sXv, mY, acc, t0, row0, li, self.TT)
+        if const_expr(self.T % self.TT):
+            self._token_tile(ws, gXv, sXv, mY, acc, self.T - self.T % self.TT, row0, li,
+                             self.T % self.TT)  # fmt: skip
 
-        grp = lane // self.LPR
-        li = lane % self.LPR
-        row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
-        for t0 in cutlass.range_constexpr(0, self.T, self.TT):
-            nt = min(self.TT, self.T - t0)
-            for i in cutlass.range(tid, self.TT * KV, NT):
-                t = i // KV
-                c = i % KV
-                v = gXv[(0, None), (t0 + cutlass.min(t, nt - 1), c)].load()
-                if t >= nt:
-                    v = cute.zeros_like(v)
-                sXv[(0, None), (t, c)].store(v)
-            cute.arch.barrier()
-            warp_gemv(
-                gWv,
-                cutlass.min(row0, self.NF - self.R),
-                1,
-                sXv,
-                acc,
-                li,
-                self.R,
-                self.TT,
-                self.LPR,
-                self.NCH,
-            )
-            if li == 0:
-                for r in cutlass.range_constexpr(self.R):
-                    if row0 + r < self.NF:
-                        for t in cutlass.range_constexpr(nt):
-                            mY[t0 + t, row0 + r] = acc[r, t]
-            cute.arch.barrier()
+    @cute.jit
+    def _token_tile(self, ws, gXv, sXv, mY, acc, t0, row0, li, nt: cutlass.Constexpr[int]):
+        """Stage tokens t0 .. t0+nt of h, multiply by this lane's rows, store FP32 sums."""
+        NT = self.NW * 32
+        KV = self.K // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(tid, nt * KV, NT, unroll=4):
+            t = i // KV
+            c = i % KV
+            sXv[(0, None), (t, c)].store(gXv[(0, None), (t0 + t, c)].load())
+        cute.arch.barrier()
+        dot_rows(ws, sXv, acc, li, self.R, nt, self.LPR, self.NCH)
+        if li == 0:
+            for r in cutlass.range_constexpr(self.R):
+                if row0 + r < self.NF:
+                    for t in cutlass.range_constexpr(nt):
+                        mY[t0 + t, row0 + r] = acc[r, t]
+        cute.arch.barrier()
 
 
 @cute.jit
@@ -198,8 +226,14 @@ def pack_front_weights(w: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.to(torch.bfloat16) for p in parts], 0).contiguous()
 
 
-def _build(T: int, K: int, NF: int, n_acc: int, n_done: int):
-    op = FrontGemv(T, K, NF, n_acc, n_done)
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for the MoE kernels (``DECODESCOPE_MOE_PDL=0`` turns it
+    off; read at each call, part of the compile keys)."""
+    return os.environ.get("DECODESCOPE_MOE_PDL", "1") != "0"
+
+
+def _build(T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True):
+    op = FrontGemv(T, K, NF, n_acc, n_done, pdl=pdl)
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
@@ -221,8 +255,9 @@ def front_gemv(
     itf.check(x, "x", (T, K), torch.bfloat16)
     itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
     itf.check(y, "y_front", (T, NF), torch.float32)
-    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel())
-    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel()))
+    pdl = pdl_enabled()
+    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel(), pdl)
+    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl))
     fn(x, w_front, y, acc.view(-1), done.view(-1))
 
 

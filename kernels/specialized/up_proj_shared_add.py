@@ -16,17 +16,29 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.moe_common import VEC, lanes_per_row, warp_gemv
+from decodescope.kernels.specialized.moe_common import VEC, dot_rows, lanes_per_row, load_rows
+from decodescope.kernels.specialized.router_topk import pdl_enabled
 
 
 class UpProjSharedAdd:
     """Compile-time facts: T tokens, L latent, H hidden, eps; TT tokens per staged tile,
     NW warps per CTA, R rows per lane group."""
 
-    def __init__(self, T: int, L: int, H: int, eps: float, TT: int = 4, NW: int = 8, R: int = 2):
+    def __init__(
+        self,
+        T: int,
+        L: int,
+        H: int,
+        eps: float,
+        TT: int = 8,
+        NW: int = 8,
+        R: int = 2,
+        pdl: bool = True,
+    ):
+        self.pdl = pdl
         if min(TT, T) > NW:
             raise ValueError("one warp per staged token: TT must be <= NW")
         self.T, self.L, self.H, self.eps = T, L, H, eps
@@ -50,7 +62,10 @@ class UpProjSharedAdd:
         stream,
     ):
         self.kernel(mAcc, mGamma, mW, mShared, mOut).launch(
-            grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1], stream=stream
+            grid=[self.grid, 1, 1],
+            block=[self.NW * 32, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -63,8 +78,6 @@ class UpProjSharedAdd:
         mOut: cute.Tensor,
     ):
         T, L, H, TT = self.T, self.L, self.H, self.TT
-        NT = self.NW * 32
-        KV = L // VEC
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -86,45 +99,61 @@ class UpProjSharedAdd:
         grp = lane // self.LPR
         li = lane % self.LPR
         row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
-        for t0 in cutlass.range_constexpr(0, T, TT):
-            nt = min(TT, T - t0)
-            if warp < nt:
-                ss = Float32(0.0)
-                for c in cutlass.range(lane, KV, 32):
-                    v = gAv[(0, None), (t0 + warp, c)].load()
-                    ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-                if lane == 0:
-                    sRstd[warp] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
-            cute.arch.barrier()
-            for i in cutlass.range(tid, TT * KV, NT):
-                t = i // KV
-                c = i % KV
-                tc = cutlass.min(t, nt - 1)
-                v = gAv[(0, None), (t0 + tc, c)].load()
-                gm = gGv[(0, None), (0, c)].load().to(Float32)
-                v = v * gm * sRstd[tc]
-                if t >= nt:
-                    v = cute.zeros_like(v)
-                sXv[(0, None), (t, c)].store(v.to(BFloat16))
-            cute.arch.barrier()
-            warp_gemv(
-                gWv, cutlass.min(row0, H - self.R), 1, sXv, acc, li, self.R, TT, self.LPR, self.NCH
-            )
-            if li == 0:
-                for r in cutlass.range_constexpr(self.R):
-                    if row0 + r < H:
-                        for t in cutlass.range_constexpr(nt):
-                            o = acc[r, t] + mShared[t0 + t, row0 + r]
-                            mOut[t0 + t, row0 + r] = o.to(BFloat16)
-            cute.arch.barrier()
+        # weight chunks first (registers, reused for every token tile): their latency overlaps
+        # the norm prologue
+        ws = load_rows(gWv, cutlass.min(row0, H - self.R), 1, li, self.R, self.LPR, self.NCH)
+        if const_expr(self.pdl):
+            # launched early: latent_up streams while the expert kernel finishes
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        for t0 in cutlass.range(0, (T // TT) * TT, TT, unroll=1):
+            self._token_tile(ws, gAv, gGv, sXv, sRstd, mShared, mOut, acc, t0, row0, li, TT)
+        if const_expr(T % TT):
+            self._token_tile(ws, gAv, gGv, sXv, sRstd, mShared, mOut, acc, T - T % TT, row0, li,
+                             T % TT)  # fmt: skip
+
+    @cute.jit
+    def _token_tile(self, ws, gAv, gGv, sXv, sRstd, mShared, mOut, acc, t0, row0, li,
+                    nt: cutlass.Constexpr[int]):  # fmt: skip
+        """Tokens t0 .. t0+nt: RMSNorm of the routed sum (one warp per token), BF16 staging,
+        up-projection rows, + shared output, BF16 store."""
+        L, H = self.L, self.H
+        NT = self.NW * 32
+        KV = L // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        if warp < nt:
+            ss = Float32(0.0)
+            for c in cutlass.range(lane, KV, 32, unroll=4):
+                v = gAv[(0, None), (t0 + warp, c)].load()
+                ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+            if lane == 0:
+                sRstd[warp] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+        cute.arch.barrier()
+        for i in cutlass.range(tid, nt * KV, NT, unroll=4):
+            t = i // KV
+            c = i % KV
+            v = gAv[(0, None), (t0 + t, c)].load()
+            gm = gGv[(0, None), (0, c)].load().to(Float32)
+            sXv[(0, None), (t, c)].store((v * gm * sRstd[t]).to(BFloat16))
+        cute.arch.barrier()
+        dot_rows(ws, sXv, acc, li, self.R, nt, self.LPR, self.NCH)
+        if li == 0:
+            for r in cutlass.range_constexpr(self.R):
+                if row0 + r < H:
+                    for t in cutlass.range_constexpr(nt):
+                        o = acc[r, t] + mShared[t0 + t, row0 + r]
+                        mOut[t0 + t, row0 + r] = o.to(BFloat16)
+        cute.arch.barrier()
 
 
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def _build(T: int, L: int, H: int, eps: float):
-    op = UpProjSharedAdd(T, L, H, eps)
+def _build(T: int, L: int, H: int, eps: float, pdl: bool = True):
+    op = UpProjSharedAdd(T, L, H, eps, pdl=pdl)
     args = (
         itf.fake(torch.float32, (T, L)),
         itf.fake(torch.bfloat16, (L,)),
@@ -152,8 +181,9 @@ def up_proj_shared_add(
     itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
     itf.check(shared_out, "shared_out", (T, H), torch.float32)
     itf.check(out, "out", (T, H), torch.bfloat16)
-    key = ("moe_up_proj_shared_add", T, L, H, float(eps))
-    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps)))
+    pdl = pdl_enabled()
+    key = ("moe_up_proj_shared_add", T, L, H, float(eps), pdl)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl))
     fn(acc, latent_norm, latent_up, shared_out, out)
 
 
