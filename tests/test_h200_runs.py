@@ -36,14 +36,17 @@ def test_records_converted(path):
     k = run.kernels.to_pylist()
     assert k, "a capture with no kernels"
     for x in k:
-        assert x["end_ns"] > x["start_ns"] and x["name"] and x["mangled"]
+        # after a device-side assert CUPTI delivers the kernels it saw with zero timestamps
+        assert x["end_ns"] > x["start_ns"] or (run.meta.partial and x["end_ns"] == 0)
+        assert x["name"] and x["mangled"]
         assert x["correlation_id"] is not None and x["stream"] is not None
         assert (
             min(x["grid_x"], x["grid_y"], x["grid_z"], x["block_x"], x["block_y"], x["block_z"])
             >= 1
         )
-    assert run.ranges.num_rows > 0, "NVTX markers never reached CUPTI (NVTX_INJECTION64_PATH?)"
-    assert set(run.ranges.column("timeline").to_pylist()) == {"cpu"}
+    if not run.meta.partial:  # the crash / hang test programs emit no ranges of their own
+        assert run.ranges.num_rows > 0, "NVTX markers never reached CUPTI (NVTX_INJECTION64_PATH?)"
+    assert run.ranges.num_rows == 0 or set(run.ranges.column("timeline").to_pylist()) == {"cpu"}
 
 
 @pytest.mark.parametrize("path", CUPTI, ids=[p.name for p in CUPTI])
