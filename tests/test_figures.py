@@ -173,7 +173,9 @@ def test_chart_exports_to_html(runs):
 
 @pytest.mark.browser
 def test_chart_exports_to_png_through_kaleido(runs):
-    # kaleido drives the system Chromium headless (scripts/install_browser.sh installs it)
+    # kaleido drives the system Chromium headless (scripts/install_browser.sh installs it);
+    # kaleido is not yet a declared dependency: skipped, with this reason, where it is missing
+    pytest.importorskip("kaleido", reason="kaleido (PNG export) is not installed")
     a, b = runs
     png = figures.to_png(
         figures.layer_bars(metrics.layer_table(a.kernels), metrics.layer_table(b.kernels)),
