@@ -429,6 +429,11 @@ def view_charts(
     fig = figures.op_stack(
         sa["ops"], None if single else sb["ops"], labels, metric=metric, coverage=pair["fused"]
     )
+    st.caption(
+        "One segment per op, median per layer-step; a hatched segment is a fused op of B "
+        "(named x+y+z): it takes the colour of its first op, and its hover lists the ops of A "
+        "it swallowed."
+    )
     chart(fig, "op_stack", "fig-ops")
 
 
