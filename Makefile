@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint format bench clean
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install_browser.sh
 	bash scripts/setup.sh
 	touch $(STAMP)
 

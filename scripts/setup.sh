@@ -8,3 +8,5 @@ PY=${PY:-python3}
 # the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev,capture]"
+# Chromium for the dashboard's real-browser test and PNG export (Debian package, idempotent)
+bash scripts/install_browser.sh
