@@ -196,20 +196,22 @@ class MLADecode:
             cute.arch.sync_threads()
 
             # -- 2b. this split's keys, online softmax per warp -----------------------------
-            rq = cute.make_rmem_tensor((vpl, 8), Float32)
+            rq = cute.make_rmem_tensor(cute.make_layout((vpl, 8), stride=(8, 1)), Float32)
             for vi in cutlass.range_constexpr(vpl):
                 v = lane + vi * 32
                 for e in cutlass.range_constexpr(8):
                     rq[vi, e] = Float32(0.0)
                     if v < nvec:
                         rq[vi, e] = sQ[v * 8 + e]
-            ro = cute.make_rmem_tensor((vpl, 8), Float32)
+            ro = cute.make_rmem_tensor(cute.make_layout((vpl, 8), stride=(8, 1)), Float32)
             ro.fill(0.0)
             mrun = Float32(-1.0e30)
             lrun = Float32(0.0)
             for blk in cutlass.range(nblk):
                 key0 = k_begin + (blk * WARPS + warp) * KB
-                kb = cute.make_rmem_tensor((KB, vpl, 8), BFloat16)
+                kb = cute.make_rmem_tensor(  # row-major: kb[q, vi, :] is 16 contiguous bytes
+                    cute.make_layout((KB, vpl, 8), stride=(vpl * 8, 8, 1)), BFloat16
+                )
                 kb.fill(0.0)
                 for q in cutlass.range_constexpr(KB):
                     if key0 + q < p.ctx:

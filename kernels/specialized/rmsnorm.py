@@ -54,12 +54,12 @@ class RMSNorm:
         sRed = st.red.get_tensor(cute.make_layout(8))
         nvec = p.n // 8
         per = (nvec + THREADS - 1) // THREADS
-        rx = cute.make_rmem_tensor((per, 8), BFloat16)
+        rx = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), BFloat16)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(per):
             v = tidx + i * THREADS
             if v < nvec:
-                load_vec8(mX[m, None], v * 8, cute.local_tile(rx, (1, 8), (i, 0))[0, None])
+                load_vec8(mX[m, None], v * 8, rx[i, None])
                 for e in cutlass.range_constexpr(8):
                     f = rx[i, e].to(Float32)
                     ss = ss + f * f
