@@ -1,0 +1,443 @@
+"""The ``specialized`` workload: a decode step of the fused CuTe DSL layers (issue 5).
+
+The same layers as the ``standard`` workload (``kernels/workloads.py``), built from the same seed
+(weights, state and inputs come from :mod:`decodescope.kernels.weights` exactly as
+:class:`~decodescope.kernels.standard.model.StandardModel` makes them), so the two compute the
+same function. Each layer is::
+
+    with range(f"layer.{i}:{kind}"):
+        SpecializedAttention.forward(x, r, r_out, h)   # layer.{i}.attn.<fused ops>
+        SpecializedMoE.forward(h, x_out)                # layer.{i}.moe.<fused ops>
+
+with the residual stream carried between layers through ping-pong buffers (the step's inputs
+``x_in`` / ``r_in`` are read, never written, so every graph replay computes the same function
+of inputs and state), the KDA / MLA state updated in place, every kernel on torch's current
+stream: one CUDA graph per step. Kernels compile on the first (eager) step, which the factory
+runs: the capture child's warm-up and capture then find them compiled.
+
+Where a half cannot run a preset or shape (no dense-MLP kernels, no all-reduce, an FP8 latent
+cache, MXFP4 experts, more than 64 tokens per step, ...), :func:`check_usable` raises a
+ValueError naming each missing piece. Without a CUDA GPU the factory validates the options, then
+raises a ValueError saying so; :func:`plan` gives the meta and range names without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodescope.kernels.workloads import Workload, register
+
+CUTE = "cute:decodescope"
+BACKEND = "specialized"
+
+
+def _int(v: Any, name: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name} must be an integer, got {v!r}") from None
+
+
+# -- what the halves support -------------------------------------------------------------------
+
+
+def _attn_ops(kind: str) -> tuple[str, ...]:
+    from decodescope.kernels.specialized import attention_layers as al
+
+    return al.KDA_OPS if kind == "kda" else al.MLA_OPS
+
+
+def _moe_ops() -> tuple[str, ...]:
+    from decodescope.kernels.specialized import moe_block as mb
+
+    return mb.OPS
+
+
+def _try(problems: list[str], what: str, fn) -> None:
+    """Run a static check; a ValueError is a missing piece. A TypeError means a kernel's
+    constructor changed shape: not this check's business (the GPU warm-up still runs it)."""
+    try:
+        fn()
+    except ValueError as e:
+        problems.append(f"{what}: {e}")
+    except TypeError:
+        pass
+
+
+def _attn_problems(cfg, kind: str, batch: int, tokens: int) -> list[str]:
+    from decodescope.kernels.specialized import kda_decode as kda
+    from decodescope.kernels.specialized import mla_decode as mla
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+    from decodescope.kernels.specialized import oproj_residual_norm as op
+    from decodescope.kernels.specialized import rmsnorm as rms
+
+    N, out = batch * tokens, []
+    where = f"specialized attention ({kind})"
+    _try(out, f"{where}, fused input projection", lambda: nqp.plan_for(cfg, kind, N))
+    _try(out, f"{where}, o_proj+residual", lambda: op.plan_for(cfg, kind, N))
+    _try(out, f"{where}, residual_norm", lambda: rms.RMSNorm(rms.NormPlan(N, cfg.hidden, cfg.eps)))
+    if kind == "kda":
+        _try(out, f"{where}, KDA decode", lambda: kda.KDADecode(kda.plan_for(cfg, batch, tokens)))
+    else:
+        if cfg.kv_cache_dtype != "bf16":
+            out.append(
+                f"{where}: the MLA decode kernel reads a BF16 latent cache only "
+                f"(kv_cache_dtype={cfg.kv_cache_dtype} is not implemented)"
+            )
+        _try(out, f"{where}, q_b_proj", lambda: op.q_b_plan(cfg, N))
+        _try(out, f"{where}, MLA decode", lambda: mla.MLADecode(mla.plan_for(cfg, batch, tokens)))
+    return out
+
+
+def _moe_problems(cfg, n_tokens: int) -> list[str]:
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import moe_experts as me
+    from decodescope.kernels.specialized import up_proj_shared_add as up
+
+    out: list[str] = []
+    where = "specialized MoE"
+    try:
+        mb._check_cfg(cfg)
+    except ValueError as e:
+        return [f"{where}: {e} (preset {cfg.model.name!r})"]
+    if cfg.expert_dtype != "bf16":
+        out.append(
+            f"{where}: routed experts in {cfg.expert_dtype} are not implemented (the expert "
+            "kernel reads BF16 w13/w2; use expert_dtype=bf16)"
+        )
+    e = cfg.moe
+    L, Ie, S, H = cfg.expert_dim, cfg.expert_inter, cfg.shared_inter, cfg.hidden
+    _try(out, f"{where}, expert kernel", lambda: me.MoeExperts(
+        n_tokens, e.num_experts, e.top_k, L, Ie, H, S, float(e.routed_scaling),
+        float(cfg.model.situ_beta), float(cfg.model.situ_linear_beta), 132))  # fmt: skip
+    _try(out, f"{where}, up-projection", lambda: up.UpProjSharedAdd(n_tokens, L, H, cfg.eps))
+    return out
+
+
+def check_usable(cfg, specs, batch: int, tokens: int, tp_world: int = 1) -> None:
+    """Raise ValueError naming every piece the specialized path lacks for this step."""
+    problems: list[str] = []
+    if tp_world != 1:
+        problems.append(
+            f"tp_world={tp_world}: the specialized kernels have no all-reduce yet (o_proj, latent "
+            "and shared-expert reductions); run tp_world 1 (the per-rank shapes of tp_shape)"
+        )
+    dense = [s.index for s in specs if s.mlp == "dense"]
+    if dense:
+        problems.append(
+            f"layers {dense} are dense-MLP layers: the specialized path has no dense-MLP kernels "
+            "(ask for kda / mla layers)"
+        )
+    seen: set[str] = set()
+    for s in specs:
+        if s.attn not in seen:
+            seen.add(s.attn)
+            problems += _attn_problems(cfg, s.attn, batch, tokens)
+    if any(s.mlp == "moe" for s in specs):
+        problems += _moe_problems(cfg, batch * tokens)
+    if problems:
+        head = (
+            f"workload 'specialized' cannot run preset {cfg.preset or cfg.model.name!r} "
+            f"tp_shape {cfg.tp} batch {batch} tokens_per_seq {tokens}:"
+        )
+        raise ValueError(head + "\n  - " + "\n  - ".join(problems))
+
+
+# -- the plan: options, meta and range names, no GPU needed ------------------------------------
+
+
+@dataclass
+class Plan:
+    cfg: Any
+    specs: list
+    batch: int
+    tokens: int
+    seed: int
+    tp_world: int
+    preset: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def op_names(self, spec) -> list[str]:
+        """``block.op`` names of one layer's launches, in launch order."""
+        return [f"attn.{o}" for o in _attn_ops(spec.attn)] + [f"moe.{o}" for o in _moe_ops()]
+
+    def range_names(self) -> dict[str, list[str]]:
+        """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``."""
+        return {
+            f"layer.{s.index}:{s.kind}": [f"layer.{s.index}.{o}" for o in self.op_names(s)]
+            for s in self.specs
+        }
+
+    def launches(self) -> dict[str, int]:
+        return {lay: len(ops) for lay, ops in self.range_names().items()}
+
+    def op_impl(self) -> dict[str, str]:
+        return {o: CUTE for s in self.specs for o in self.op_names(s)}
+
+
+def plan(
+    preset: str = "kimi-k3",
+    tp_shape: int | str = 8,
+    batch: int | str = 1,
+    tokens_per_seq: int | str = 1,
+    layers: str = "kda,mla",
+    seed: int | str = 0,
+    backend: str = BACKEND,
+    context_len: int | str = 1024,
+    kv_cache_dtype: str = "bf16",
+    expert_dtype: str = "bf16",
+    device: str | None = None,
+    tp_world: int | str = 1,
+    **unknown: Any,
+) -> Plan:
+    """Validate the options (the ``standard`` workload's) and say what the step will run."""
+    from decodescope.kernels import bytes as kbytes
+    from decodescope.kernels.config import get_config
+    from decodescope.kernels.standard.model import parse_layers
+
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) for workload 'specialized': {', '.join(sorted(unknown))}"
+        )
+    if backend != BACKEND:
+        raise ValueError(f"workload 'specialized' runs backend 'specialized', got {backend!r}")
+    cfg = get_config(
+        preset,
+        tp_shape,
+        context_len=_int(context_len, "context_len"),
+        kv_cache_dtype=kv_cache_dtype,
+        expert_dtype=expert_dtype,
+    )
+    specs = parse_layers(cfg, layers)
+    b, t, s = _int(batch, "batch"), _int(tokens_per_seq, "tokens_per_seq"), _int(seed, "seed")
+    world = _int(tp_world, "tp_world")
+    if b < 1:
+        raise ValueError(f"batch must be >= 1, got {b}")
+    if not 1 <= t <= 8:
+        raise ValueError(f"tokens_per_seq must be in 1..8 (1 + k drafts), got {t}")
+    check_usable(cfg, specs, b, t, world)
+    p = Plan(cfg, specs, b, t, s, world, preset)
+    launches = p.launches()
+    per_kind: dict[str, int] = {}
+    for s_ in specs:
+        per_kind.setdefault(s_.kind, launches[f"layer.{s_.index}:{s_.kind}"])
+    p.meta = {
+        "workload": "specialized",
+        "backend": BACKEND,
+        "preset": preset,
+        "batch": b,
+        "tokens_per_seq": t,
+        "tp_shape": cfg.tp,
+        "tp_world": world,
+        # until a step has routed: the uniform-routing expectation (replaced after each refresh)
+        "layer_bytes": {s_.kind: kbytes.layer_bytes(cfg, s_.kind, b, t, None) for s_ in specs},
+    }
+    p.meta["config_json"] = json.dumps(
+        {
+            "config": cfg.to_dict(),
+            "layers": [f"{sp.index}:{sp.kind}" for sp in specs],
+            "op_impl": p.op_impl(),
+            "launches": launches,
+            "launches_per_kind": per_kind,
+            "ranges": p.range_names(),
+            "seed": s,
+            "layer_bytes_from": "expected (uniform routing): no step has run",
+        },
+        default=str,
+    )
+    p.meta["notes"] = "; ".join(cfg.notes) + (
+        "; tp_world 1: no all-reduce runs" if world == 1 else ""
+    )
+    return p
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+class SpecializedModel:
+    """N specialized layers for one batch: weights, state, inputs, buffers and ``step()``.
+
+    Weights, state and inputs are made as :class:`StandardModel` makes them (same seed, same
+    device kind: the same tensors). ``weights`` (a list per layer) lets callers share them."""
+
+    def __init__(
+        self,
+        cfg,
+        specs,
+        batch: int,
+        tokens_per_seq: int = 1,
+        seed: int = 0,
+        device="cpu",
+        weights: list[dict] | None = None,
+    ) -> None:
+        import torch
+
+        from decodescope.kernels.specialized.attention_layers import SpecializedAttention
+        from decodescope.kernels.specialized.moe_block import SpecializedMoE
+        from decodescope.kernels.weights import make_inputs, make_layer_weights, make_state
+
+        check_usable(cfg, specs, batch, tokens_per_seq)
+        self.cfg, self.specs = cfg, specs
+        self.batch, self.T, self.seed = batch, tokens_per_seq, seed
+        self.N = batch * tokens_per_seq
+        self.device = torch.device(device)
+        if weights is None:
+            weights = [make_layer_weights(cfg, s, seed, self.device) for s in specs]
+        self.weights = weights
+        self.states = [make_state(cfg, s, batch, tokens_per_seq, seed, self.device) for s in specs]
+        self.x_in, self.r_in = make_inputs(cfg, self.N, seed, self.device)
+        self.attn = [
+            SpecializedAttention(cfg, s, w, st, batch, tokens_per_seq)
+            for s, w, st in zip(specs, self.weights, self.states, strict=True)
+        ]
+        self.moe = [
+            SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device)
+            for s, w in zip(specs, self.weights, strict=True)
+        ]
+        self.hs = [torch.empty_like(self.x_in) for _ in specs]  # the MoE input of each layer
+        self.xs = [torch.empty_like(self.x_in) for _ in range(2)]
+        self.rs = [torch.empty_like(self.r_in) for _ in range(2)]
+        last = (len(specs) - 1) % 2
+        self.x_out, self.r_out = self.xs[last], self.rs[last]
+
+    def _layer(self, i: int, x, r, guarded: bool) -> None:
+        from decodescope.tracer import range as _range
+
+        spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
+        h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
+        with _range(f"layer.{spec.index}:{spec.kind}"):
+            if not guarded:
+                attn.forward(x, r, r_out, h)
+                moe.forward(h, x_out)
+                return
+            for what, fn in (
+                (f"attention ({spec.attn})", lambda: attn.forward(x, r, r_out, h)),
+                ("MoE", lambda: moe.forward(h, x_out)),
+            ):
+                try:
+                    fn()
+                except Exception as e:
+                    raise ValueError(
+                        f"specialized {what} of layer.{spec.index}:{spec.kind} failed to compile "
+                        f"or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
+                        f"{self.cfg.tp} batch {self.batch} tokens_per_seq {self.T}): "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+
+    def _run(self, guarded: bool) -> None:
+        x, r = self.x_in, self.r_in
+        for i in range(len(self.specs)):
+            self._layer(i, x, r, guarded)
+            x, r = self.xs[i % 2], self.rs[i % 2]
+
+    def step(self) -> None:
+        """One decode step over every layer, on the current stream (capturable)."""
+        self._run(False)
+
+    def warmup(self) -> None:
+        """One eager step that compiles every kernel; a failure names the layer and half."""
+        self._run(True)
+
+    def refresh(self, seed: int | None = None) -> None:
+        """Fresh random inputs (same buffers, same draws as StandardModel.refresh)."""
+        from decodescope.kernels.weights import make_inputs
+
+        s = self.seed + 1 if seed is None else seed
+        self.seed = s
+        x, r = make_inputs(self.cfg, self.N, s, self.device)
+        self.x_in.copy_(x)
+        self.r_in.copy_(r)
+
+    def selected_experts(self) -> dict[int, Any]:
+        """The routing of the last step: ``{layer index: topk_ids [N, k]}``."""
+        return {s.index: m.topk_ids for s, m in zip(self.specs, self.moe, strict=True)}
+
+    def launches(self) -> dict[str, int]:
+        """Launches per layer (attention half + MoE block)."""
+        from decodescope.kernels.specialized import moe_block as mb
+
+        return {
+            f"layer.{s.index}:{s.kind}": a.launches + len(mb.OPS)
+            for s, a in zip(self.specs, self.attn, strict=True)
+        }
+
+
+def layer_bytes_meta(cfg, specs, batch: int, tokens: int, selected: dict) -> tuple[dict, dict]:
+    """``(layer_bytes {kind: median bytes}, distinct experts {layer: n})`` from the routing
+    the step really selected (the standard workload's computation)."""
+    from decodescope.kernels import bytes as kbytes
+
+    per_kind: dict[str, list[int]] = {}
+    distinct: dict[str, int] = {}
+    for s in specs:
+        ids = selected.get(s.index)
+        per_kind.setdefault(s.kind, []).append(kbytes.layer_bytes(cfg, s.kind, batch, tokens, ids))
+        if ids is not None:
+            distinct[f"layer.{s.index}"] = kbytes.distinct_experts(ids)
+    return {k: sorted(v)[len(v) // 2] for k, v in per_kind.items()}, distinct
+
+
+def _require_gpu(dev) -> None:
+    import torch
+
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(
+            "workload 'specialized' runs CuTe DSL kernels (sm_90a) and needs a CUDA GPU: "
+            f"device {str(dev)!r}, torch.cuda.is_available() = {torch.cuda.is_available()} "
+            "(the options are valid; decodescope.kernels.specialized.step.plan(...) gives the "
+            "meta and range names without a GPU)"
+        )
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        raise ValueError(
+            f"workload 'specialized' compiles for sm_90a (Hopper); {torch.cuda.get_device_name(dev)}"
+            f" is sm_{major}{minor}"
+        )
+
+
+@register("specialized")
+def specialized(**opts: Any) -> Workload:
+    """The fused CuTe DSL decode layers (kernels/specialized), same options as ``standard``:
+    preset (kimi-k3 | tiny), tp_shape, batch, tokens_per_seq (1..8), layers ("kda,mla", ...),
+    seed, context_len, kv_cache_dtype (bf16), expert_dtype (bf16), device (cuda), tp_world (1).
+    """
+    import torch
+
+    p = plan(**opts)
+    device = opts.get("device")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _require_gpu(dev)
+    model = SpecializedModel(p.cfg, p.specs, p.batch, p.tokens, seed=p.seed, device=dev)
+    meta = dict(p.meta)
+    config = json.loads(meta["config_json"])
+    first = [True]
+
+    def update_meta() -> None:
+        lb, distinct = layer_bytes_meta(p.cfg, p.specs, p.batch, p.tokens, model.selected_experts())
+        meta["layer_bytes"] = lb
+        config["distinct_experts"] = distinct
+        config["layer_bytes_from"] = "the routing of the last refresh step"
+        config["launches"] = model.launches()
+        config["seed"] = model.seed
+        meta["config_json"] = json.dumps(config, default=str)
+
+    def step() -> None:
+        model.step()
+
+    def refresh() -> None:
+        model.refresh()
+        if first[0]:  # the first eager step compiles every kernel: name what fails
+            model.warmup()
+            first[0] = False
+        else:
+            model.step()  # eager, outside capture: warms up and routes the new inputs
+        torch.cuda.synchronize(model.device)
+        update_meta()
+
+    refresh()
+    wl = Workload(name="specialized", step=step, refresh=refresh, meta=meta)
+    wl.model = model  # type: ignore[attr-defined]  (tests and scripts reach the layers)
+    wl.plan = p  # type: ignore[attr-defined]
+    return wl
