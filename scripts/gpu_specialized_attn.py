@@ -41,6 +41,7 @@ from decodescope.kernels.specialized import mla_decode as mla
 from decodescope.kernels.specialized import norm_qkv_proj as nqp
 from decodescope.kernels.specialized import oproj_residual_norm as op
 from decodescope.kernels.specialized import rmsnorm as rms
+from decodescope.kernels.specialized import skinny_gemm as sg
 from decodescope.kernels.specialized.attention_layers import SpecializedAttention, attention_ref
 from decodescope.kernels.weights import make_layer_weights, make_state
 
@@ -328,6 +329,65 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
                **base)  # fmt: skip
 
 
+# -- GEMM tiling sweep ---------------------------------------------------------------------------
+
+SWEEP_VARIANTS = [(1, 8), (2, 8), (4, 8), (1, 4), (2, 4), (4, 4)]  # (rt, ks)
+
+
+def gemm_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 8, 32, 64)) -> None:
+    """The skinny GEMM's tilings on the KDA in_proj (norm prologue) and o_proj (residual
+    epilogue) shapes, each checked and timed (weights rotated past L2), cuBLAS beside them."""
+    H = cfg.hidden
+    shapes = {"in_proj": (cfg.kda_in_proj_out, H, True), "o_proj": (H, cfg.kda_dim, False)}
+    for name, (N, K, norm) in shapes.items():
+        n = max(2, math.ceil(3 * L2_BYTES / (N * K * 2)))
+        ws = [rnd(N, K, std=K**-0.5) for _ in range(n)]
+        for M in ms:
+            ctx = {"preset": cfg.preset, "tp": tp, "kind": f"gemm:{name}", "point": f"M{M}"}
+            guarded(f"gemm {name}", ctx, lambda M=M, ctx=ctx, name=name, norm=norm, ws=ws:
+                    sweep_point(name, norm, M, ws, ctx, bw_tbs, replays))  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+
+
+def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, replays: int):
+    N, K = ws[0].shape
+    n = len(ws)
+    x, r, e = rnd(M, K), rnd(M, K), rnd(M, N)
+    nw = (1 + 0.1 * torch.randn(K, device=DEV)).to(BF16)
+    outs = [torch.empty(M, N, dtype=BF16, device=DEV) for _ in range(n)]
+    rout = torch.empty(M, K, dtype=BF16, device=DEV)
+    floor = (N * K * 2 + 4 * M * K + 2 * M * N) / (bw * 1e6)
+    if norm:
+        kw = {"residual": r, "residual_out": rout, "norm_weight": nw}
+        ref, _ = sg.skinny_gemm_ref(x, [ws[0]], residual=r, norm_weight=nw)
+    else:
+        kw = {"epilogue_residual": e}
+        ref, _ = sg.skinny_gemm_ref(x, [ws[0]], epilogue_residual=e)
+
+    def timed(what: str, fns: list) -> None:
+        med, lo, hi = graph_time_us(fns, replays)
+        record(time=f"gemm {name} {what}", **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+               us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+               status="time")  # fmt: skip
+
+    def variant(rt: int, ks: int) -> None:
+        def one(i: int) -> None:
+            sg.skinny_gemm(x, [ws[i]], [outs[i]], rt=rt, ks=ks, **kw)
+
+        poison(outs[0])
+        one(0)
+        torch.cuda.synchronize()
+        check(f"gemm rt{rt}/ks{ks}", ctx, outs[0], ref[0], TOL["out"])
+        timed(f"rt{rt}/ks{ks}", [(lambda i=i: one(i)) for i in range(n)])
+
+    for rt, ks in SWEEP_VARIANTS:
+        if (K // sg.KCHUNK) % ks == 0:
+            guarded(f"gemm {name} rt{rt}/ks{ks}", ctx, lambda rt=rt, ks=ks: variant(rt, ks))
+    guarded(f"gemm {name} cublas", ctx, lambda: timed("cuBLAS (no norm/epilogue)", [
+        (lambda i=i: torch.mm(x, ws[i].t(), out=outs[i])) for i in range(n)]))  # fmt: skip
+
+
 # -- driver ------------------------------------------------------------------------------------
 
 
@@ -381,6 +441,7 @@ def main() -> int:
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-standard", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -402,6 +463,9 @@ def main() -> int:
                 (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
             del w
             torch.cuda.empty_cache()
+    if not a.no_sweep and not a.no_timing:
+        cfg = get_config("kimi-k3", a.tp[0])
+        guarded("gemm_sweep", {"tp": a.tp[0]}, lambda: gemm_sweep(cfg, a.tp[0], bw, a.replays))
     table = table_md()
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
     (out / "table.md").write_text(table + "\n")

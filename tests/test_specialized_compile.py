@@ -102,3 +102,13 @@ def test_skinny_gemm_ref_rounding():
     ref = R.rmsnorm_ref(h, nw.double(), 1e-5) @ wt.double().T
     assert torch.equal(rout, (x.float() + r.float()).bfloat16())
     assert R.rel_l2(o, ref) < 1e-2
+
+
+@pytest.mark.parametrize("rt,ks", [(2, 8), (4, 4)])
+def test_gemm_sweep_variants_compile(rt, ks):
+    """The tilings the GPU script sweeps compile too (odd tile counts: the last CTA clamps)."""
+    cfg = get_config("kimi-k3", 8)
+    p = nqp.plan_for(cfg, "kda", 8)
+    p = sg.GemmPlan(**{**p.__dict__, "rt_force": rt, "ks_force": ks})
+    assert p.grid == -(-(cfg.kda_in_proj_out // 16) // rt)
+    assert sg.compile_plan(p) is not None

@@ -26,8 +26,8 @@ def plan_for(cfg, kind: str, m: int) -> GemmPlan:
 
 
 def oproj_residual(cfg, w: dict, o, r, r_out) -> None:
-    """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` must not alias ``r``? It may: each
-    element is read and written by the same thread."""
+    """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` may alias ``r``: each element is
+    read and then written by the same thread."""
     skinny_gemm(o, [w["o_proj"]], [r_out], epilogue_residual=r, eps=cfg.eps)
 
 

@@ -61,6 +61,8 @@ class GemmPlan:
     residual_epilogue: bool = False  # out = out + res (same shape as out)
     x_stride: int = 0  # row stride of x in elements (0: compact, = k)
     eps: float = 1e-5
+    rt_force: int = 0  # row tiles per CTA (0: by M; set by tuning sweeps)
+    ks_force: int = 0  # warps per CTA (0: 8 where K allows)
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -79,6 +81,10 @@ class GemmPlan:
     def ks(self) -> int:
         """Warps per CTA, each on a contiguous slice of K."""
         chunks = self.k // KCHUNK
+        if self.ks_force:
+            if chunks % self.ks_force:
+                raise ValueError(f"ks_force={self.ks_force} does not divide {chunks} k-chunks")
+            return self.ks_force
         for w in (8, 4, 2, 1):
             if chunks % w == 0:
                 return w
@@ -88,6 +94,8 @@ class GemmPlan:
     def rt(self) -> int:
         """16-row tiles per CTA: each B fragment (activations) feeds ``rt`` MMAs, so the
         activation traffic from L2 (and the prologue's) shrinks by ``rt`` at large M."""
+        if self.rt_force:
+            return self.rt_force
         if self.m <= 16:
             return 1
         return 2 if self.m <= 32 else 4
@@ -399,12 +407,15 @@ def skinny_gemm(
     norm_weight: torch.Tensor | None = None,
     epilogue_residual: torch.Tensor | None = None,
     eps: float = 1e-5,
+    rt: int = 0,
+    ks: int = 0,
 ) -> None:
     """Run one launch: ``outs[s] = norm(x (+ residual)) @ weights[s]^T (+ epilogue_residual)``.
 
     ``x`` may be a row slice of a wider buffer (last stride 1, row stride = ``x.stride(0)``).
     With ``residual``, ``residual_out`` receives ``bf16(x + residual)`` (the new residual
-    stream; may alias ``residual``? no: CTA 0 writes it while others read ``residual``).
+    stream); it must not alias ``x`` or ``residual`` (CTA 0 writes it while the others still
+    read them). ``rt`` / ``ks`` force the tiling (tuning sweeps; 0 = the plan's choice).
     """
     M, K = x.shape
     plan = GemmPlan(
@@ -416,6 +427,8 @@ def skinny_gemm(
         residual_epilogue=epilogue_residual is not None,
         x_stride=0 if x.stride(0) == K else int(x.stride(0)),
         eps=float(eps),
+        rt_force=rt,
+        ks_force=ks,
     )
     fn = compile_plan(plan)
     ph = _placeholder(x.device)
