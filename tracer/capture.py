@@ -66,6 +66,9 @@ DRIVER_LAUNCH_PREFIXES = (
     "cuLaunchGrid",
 )
 ACTIVITY_KINDS = ("CONCURRENT_KERNEL", "MEMCPY", "MEMSET", "MARKER", "MARKER_DATA", "OVERHEAD")
+LAUNCH_RECORDS = ("callback", "activity", "none")
+# activity buffers: large enough that a short capture completes none while the workload runs
+DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def _api_short(name: str) -> str:
@@ -115,34 +118,64 @@ def libcupti_path() -> str | None:
 
 
 class Session:
-    """The process's CUPTI session. ``start()``, run the work, ``stop()``; rows land in ``out``."""
+    """The process's CUPTI session. ``start()``, run the work, ``stop()``; rows land in ``out``.
+
+    Cost model (what runs while the workload runs):
+
+    - launch callbacks (``launch_records="callback"``): one Python call per API entry and exit
+      of each launch API; the entry appends one tuple ``(correlation id, thread, timestamp,
+      domain, cbid)`` to a list, nothing else (names are resolved when the chunk is written);
+    - buffer-completed callback (CUPTI's own thread): by default it only keeps the list of
+      record objects cupti-python built (copies of the records, checked once per buffer by
+      :func:`_records_are_views`); conversion to rows happens in :meth:`write_chunk` /
+      :meth:`stop`, outside the workload's timed steps. Buffers are ``buffer_bytes`` (64 MB) so
+      that a short capture completes none while it runs;
+    - nothing flushes unless asked: :meth:`discard` and :meth:`stop` flush, and a
+      ``flush_period_ms`` (program mode) makes CUPTI deliver buffers periodically.
+
+    ``kinds``, ``launch_records`` ("callback" | "activity" | "none") and ``graph_nodes`` select
+    the parts, so that the overhead benchmark can enable them one at a time.
+    """
 
     def __init__(
         self,
         out: str | os.PathLike[str],
         *,
-        buffer_bytes: int = 8 << 20,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         flush_period_ms: int = 0,
         launch_records: str = "callback",
+        kinds: Sequence[str] = ACTIVITY_KINDS,
+        graph_nodes: bool = True,
+        defer_conversion: bool = True,
         cupti_module: Any = None,
     ) -> None:
-        if launch_records not in ("callback", "activity"):
-            raise ValueError(f"launch_records must be callback or activity, not {launch_records!r}")
+        if launch_records not in LAUNCH_RECORDS:
+            raise ValueError(
+                f"launch_records must be one of {', '.join(LAUNCH_RECORDS)}, not {launch_records!r}"
+            )
         self.launch_records = launch_records
+        self.kinds = tuple(kinds)
+        self.graph_nodes = graph_nodes
+        self.defer_conversion = defer_conversion
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.buffer_bytes = buffer_bytes
+        self.buffer_bytes = int(buffer_bytes)
         self.flush_period_ms = flush_period_ms
         self._cupti = cupti_module
         self.conv = cr.RecordConverter()
         self._lock = threading.Lock()
         self._rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self._launch: list[tuple[int, int, int, str]] = []
+        self._pending: list[Any] = []  # record lists delivered by CUPTI, not yet converted
+        self._launch: list[tuple[Any, ...]] = []
+        self._launch_append = self._launch.append
         self._gnode: list[tuple[str, int | None, int | None, int, int, str | None]] = []
         self.counts: dict[str, int] = defaultdict(int)
         self._chunk = 0
         self._subscriber: int | None = None
         self._enabled: list[int] = []
+        self._api: dict[int, dict[int, str]] = {}
+        self._dom_rt = self._dom_drv = self._dom_res = -1
+        self._enter = -1
         self.running = False
         self.errors: list[str] = []
 
@@ -179,6 +212,9 @@ class Session:
             int(D.DRIVER_API),
             int(D.RESOURCE),
         )
+        self._enter = int(c.ApiCallbackSite.API_ENTER)
+        self._cb_created = int(c.CallbackIdResource.GRAPHNODE_CREATED)
+        self._cb_cloned = int(c.CallbackIdResource.GRAPHNODE_CLONED)
         self._api = {
             self._dom_rt: launch_cbids(
                 _members(c, "RuntimeApiTraceCbid", "runtime_api_trace_cbid"),
@@ -188,6 +224,8 @@ class Session:
                 _members(c, "DriverApiTraceCbid", "driver_api_trace_cbid"), DRIVER_LAUNCH_PREFIXES
             ),
         }
+        if not any(self._api.values()):
+            self._note("no launch API cbids found in cupti-python's cbid enums")
         self.conv.api_names = {
             **{(cr.KIND_RUNTIME, cbid): n for cbid, n in self._api[self._dom_rt].items()},
             **{(cr.KIND_DRIVER, cbid): n for cbid, n in self._api[self._dom_drv].items()},
@@ -205,7 +243,7 @@ class Session:
                     except Exception as e:
                         self.counts["enable_api_record_failed"] += 1
                         self._note(f"activity_enable_*_api({name}): {e}")
-        for name in ACTIVITY_KINDS:
+        for name in self.kinds:
             try:
                 kind = getattr(c.ActivityKind, name)
                 c.activity_enable(kind)
@@ -219,37 +257,22 @@ class Session:
             except Exception as e:
                 self._note(f"activity_flush_period: {e}")
 
-        D = c.CallbackDomain
-        self._dom_rt, self._dom_drv, self._dom_res = (
-            int(D.RUNTIME_API),
-            int(D.DRIVER_API),
-            int(D.RESOURCE),
-        )
-        self._enter = int(c.ApiCallbackSite.API_ENTER)
-        self._cb_created = int(c.CallbackIdResource.GRAPHNODE_CREATED)
-        self._cb_cloned = int(c.CallbackIdResource.GRAPHNODE_CLONED)
-        self._api = {
-            self._dom_rt: launch_cbids(
-                _members(c, "RuntimeApiTraceCbid", "runtime_api_trace_cbid"), RUNTIME_LAUNCH_PREFIXES
-            ),
-            self._dom_drv: launch_cbids(
-                _members(c, "DriverApiTraceCbid", "driver_api_trace_cbid"), DRIVER_LAUNCH_PREFIXES
-            ),
-        }
-        self._subscriber = c.subscribe(self._callback, None)
-        for dom, apis in self._api.items():
-            for cbid, name in apis.items():
+        wanted: list[tuple[int, int, str]] = []
+        if self.launch_records == "callback":
+            wanted += [(d, cbid, n) for d, apis in self._api.items() for cbid, n in apis.items()]
+        if self.graph_nodes:
+            wanted += [
+                (self._dom_res, self._cb_created, "GRAPHNODE_CREATED"),
+                (self._dom_res, self._cb_cloned, "GRAPHNODE_CLONED"),
+            ]
+        if wanted:
+            self._subscriber = c.subscribe(self._callback, None)
+            for dom, cbid, name in wanted:
                 try:
                     c.enable_callback(1, self._subscriber, dom, cbid)
                 except Exception as e:
                     self.counts["enable_callback_failed"] += 1
                     self._note(f"enable_callback({name}): {e}")
-        for cbid in (self._cb_created, self._cb_cloned):
-            try:
-                c.enable_callback(1, self._subscriber, self._dom_res, cbid)
-            except Exception as e:
-                self.counts["enable_callback_failed"] += 1
-                self._note(f"enable_callback(RESOURCE {cbid}): {e}")
         self.running = True
         return self
 
@@ -262,14 +285,29 @@ class Session:
         return self.buffer_bytes, 0
 
     def _completed(self, *args: Any) -> None:
+        """CUPTI's buffer-completed callback (its own thread): keep the records, nothing more."""
         try:
-            activities = args[-1] if args else []
-            rows = self.conv.convert_all(activities if activities is not None else [])
-            with self._lock:
-                for k, v in rows.items():
-                    self._rows[k].extend(v)
-                self.counts["buffers_completed"] += 1
+            t0 = time.perf_counter_ns()
+            activities = args[-1] if args else None
+            if activities is None:
+                activities = []
+            if (
+                self.defer_conversion
+                and isinstance(activities, list)
+                and not _records_are_views(activities)
+            ):
+                with self._lock:
+                    self._pending.append(activities)
+            else:  # records that point into CUPTI's buffer die with it: convert now
+                rows = self.conv.convert_all(activities)
+                with self._lock:
+                    for k, v in rows.items():
+                        self._rows[k].extend(v)
             self._read_dropped()
+            with self._lock:
+                self.counts["buffers_completed"] += 1
+                self.counts["records_delivered"] += len(activities)
+                self.counts["buffer_callback_ns"] += time.perf_counter_ns() - t0
             if self.running and self.flush_period_ms:
                 self.write_chunk()
         except Exception as e:
@@ -277,27 +315,18 @@ class Session:
             self._note(f"buffer completed: {type(e).__name__}: {e}")
 
     def _callback(self, userdata: Any, domain: Any, cbid: Any, cbdata: Any) -> None:
+        # the launch path: one attribute read, one tuple append; nothing else
         try:
-            d = int(domain)
-            if d == self._dom_res:
+            if domain == self._dom_res:
                 self._on_resource(int(cbid), cbdata)
                 return
-            c = self._cupti
-            data = (
-                cbdata
-                if hasattr(cbdata, "callback_site")
-                else c.CallbackData.from_ptr(_ptr(cbdata))
-            )
-            if int(data.callback_site) != self._enter:
-                return
-            self._launch.append(
-                (
-                    int(data.correlation_id),
-                    self._tid(),
-                    self._ts(),
-                    self._api[d].get(int(cbid), str(cbid)),
-                )
-            )
+            try:
+                site = cbdata.callback_site
+            except AttributeError:  # a binding that passes the pointer
+                cbdata = self._cupti.CallbackData.from_ptr(_ptr(cbdata))
+                site = cbdata.callback_site
+            if site == self._enter:
+                self._launch_append((cbdata.correlation_id, self._tid(), self._ts(), domain, cbid))
         except Exception as e:
             self.counts["callback_errors"] += 1
             self._note(f"callback: {type(e).__name__}: {e}")
@@ -334,10 +363,29 @@ class Session:
             self._note(f"activity_get_num_dropped_records: {e}")
 
     # -- output --------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Convert the record lists kept by the buffer callback into rows (caller's thread)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for acts in pending:
+            rows = self.conv.convert_all(acts)
+            with self._lock:
+                for k, v in rows.items():
+                    self._rows[k].extend(v)
+
+    def _api_name(self, domain: Any, cbid: Any) -> str:
+        try:
+            return self._api[int(domain)].get(int(cbid)) or str(cbid)
+        except (KeyError, TypeError, ValueError):
+            return str(cbid)
+
     def _take(self) -> dict[str, pa.Table]:
+        self._drain()
         with self._lock:
             rows, self._rows = self._rows, defaultdict(list)
-            launch, self._launch = self._launch, []
+            n = len(self._launch)  # same list object: the callback keeps its bound append,
+            launch = self._launch[:n]  # and what a thread appends meanwhile stays for later
+            del self._launch[:n]
             gnode, self._gnode = self._gnode, []
             counts = dict(self.counts)
             self.counts = defaultdict(int)
@@ -345,9 +393,15 @@ class Session:
             counts[f"conversion_errors:{k}"] = counts.get(f"conversion_errors:{k}", 0) + v
         self.conv.errors.clear()
         if launch:
-            rows["launch"].extend(
-                {"correlation_id": a, "thread": b, "ts": t, "api": n} for a, b, t, n in launch
-            )
+            names: dict[tuple[Any, Any], str] = {}
+            for corr, tid, ts, dom, cbid in launch:
+                key = (dom, cbid)
+                name = names.get(key)
+                if name is None:
+                    name = names[key] = self._api_name(dom, cbid)
+                rows["launch"].append(
+                    {"correlation_id": int(corr), "thread": tid, "ts": int(ts), "api": name}
+                )
         out = {k: cr.raw_table(k, v) for k, v in rows.items() if v}
         if gnode:
             keys = ("event", "node_id", "original_node_id", "thread", "ts", "host_path")
@@ -372,13 +426,15 @@ class Session:
 
     def discard(self, keep: Sequence[str] = ("marker",)) -> None:
         """Flush and drop what was recorded so far (warm-up), keeping graph-node rows, counts
-        and the raw kinds in ``keep`` (NVTX markers, so capture-time ranges stay resolvable)."""
+        and the raw kinds in ``keep`` (NVTX markers, so capture-time ranges stay resolvable).
+        Call it outside timed regions: the flush converts what CUPTI delivers."""
         self.flush()
+        self._drain()
         with self._lock:
             for k in list(self._rows):
                 if k not in keep:
                     self._rows[k] = []
-            self._launch = []
+            del self._launch[:]
 
     def flush(self) -> None:
         try:
@@ -408,6 +464,22 @@ class Session:
             self.counts["session_notes"] += len(self.errors)
             (self.out / "session-notes.txt").write_text("\n".join(self.errors) + "\n")
         self.write_chunk()
+
+
+def _records_are_views(acts: list[Any]) -> bool:
+    """Whether cupti-python's record objects point into CUPTI's buffer (freed when the callback
+    returns) rather than owning copies. Views of one buffer sit back to back (address steps of
+    one record size); copies are separate allocations. One record cannot tell: say views."""
+    try:
+        if len(acts) < 2:
+            return True
+        ptrs = [a.ptr for a in acts[:6]]
+    except AttributeError:
+        return False  # plain Python objects (tests): nothing points anywhere
+    except Exception:
+        return True
+    steps = [b - a for a, b in zip(ptrs, ptrs[1:], strict=False)]
+    return all(0 < s <= 1024 for s in steps)
 
 
 def write_ipc(table: pa.Table, path: Path) -> None:
