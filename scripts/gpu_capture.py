@@ -18,7 +18,8 @@ Steps (each isolated: one failing step never stops the others; each has its own 
   hang        a program that hangs after GPU work: stopped at the timeout, partial run with the
               kernels flushed before the hang
   validate    the toy eager run against torch.profiler (Kineto) in a separate process
-  overhead    benchmarks/bench_capture_overhead.py (graph <= 2%, eager <= 10%)
+  overhead    benchmarks/bench_capture_overhead.py: ablation off/(a)..(f), GPU-side, host-side and
+              natural figures (graph verdict on GPU-side <= 2%, eager on natural <= 10%)
   chrome      Chrome-trace export of the graph run (open in ui.perfetto.dev)
 
 Writes OUT/runs/<step>/ (run folders; toy_eager and toy_graph are the small real runs for
@@ -59,9 +60,14 @@ REQUIRED_CUPTI = [
     "activity_flush_period", "activity_get_num_dropped_records", "subscribe", "unsubscribe",
     "enable_callback", "get_timestamp", "get_graph_node_id", "set_thread_id_type", "ResourceData",
     "GraphData", "CallbackData", "ActivityKind", "ActivityFlag", "CallbackDomain",
-    "CallbackIdResource", "ApiCallbackSite", "RuntimeApiTraceCbid", "DriverApiTraceCbid",
-    "ActivityThreadIdType",
+    "CallbackIdResource", "ApiCallbackSite", "ActivityThreadIdType",
 ]  # fmt: skip
+# names that changed between cupti-python releases: any one of each group will do
+# (13.0.1 on the H200 spells the cbid enums runtime_api_trace_cbid / driver_api_trace_cbid)
+REQUIRED_CUPTI_ANY = [
+    ("RuntimeApiTraceCbid", "runtime_api_trace_cbid"),
+    ("DriverApiTraceCbid", "driver_api_trace_cbid"),
+]
 
 
 class Ctx:
@@ -156,8 +162,22 @@ def step_env(ctx: Ctx) -> tuple[bool, str]:
     info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     info["libcupti"] = libcupti_path()
     info["NVTX_INJECTION64_PATH (parent env)"] = os.environ.get("NVTX_INJECTION64_PATH")
+    from decodescope.tracer.capture import (
+        DRIVER_LAUNCH_PREFIXES,
+        RUNTIME_LAUNCH_PREFIXES,
+        _members,
+        launch_cbids,
+    )
+
     missing = [n for n in REQUIRED_CUPTI if not hasattr(cupti, n)]
+    missing += ["|".join(g) for g in REQUIRED_CUPTI_ANY if not any(hasattr(cupti, n) for n in g)]
     info["cupti_missing"] = missing
+    info["cbid_enums"] = [n for g in REQUIRED_CUPTI_ANY for n in g if hasattr(cupti, n)]
+    rt = launch_cbids(_members(cupti, *REQUIRED_CUPTI_ANY[0]), RUNTIME_LAUNCH_PREFIXES)
+    drv = launch_cbids(_members(cupti, *REQUIRED_CUPTI_ANY[1]), DRIVER_LAUNCH_PREFIXES)
+    info["launch_apis"] = sorted(set(rt.values()) | set(drv.values()))
+    if not rt or not drv:
+        missing.append("launch cbids (runtime and driver)")
     try:
         info["GRAPHNODE_CREATED"] = int(cupti.CallbackIdResource.GRAPHNODE_CREATED)
         info["flush_forced"] = int(cupti.ActivityFlag.FLUSH_FORCED)
@@ -454,22 +474,43 @@ def step_validate(ctx: Ctx) -> tuple[bool, str]:
 
 
 def step_overhead(ctx: Ctx) -> tuple[bool, str]:
+    """The ablation benchmark: off, (a) kernel, (b) + launch callbacks, (c) + graph-node
+    callbacks, (d) + markers/NVTX, (e) all (default), (f) all with activity launch records;
+    graph and eager in each process. Verdict on (e): graph on GPU-side time, eager on natural."""
     out = ctx.out / "overhead.json"
-    reps = ["--replays", "100", "--repeats", "5"] if ctx.quick else []
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_capture_overhead.py"), "--out", str(out), "--launch-records", "both", *reps],
-                       capture_output=True, text=True, timeout=560)  # fmt: skip
+    bench = str(ROOT / "benchmarks" / "bench_capture_overhead.py")
+    reps = ["--quick", "--steps-eager", "30"] if ctx.quick else []
+    r = subprocess.run([sys.executable, bench, "--out", str(out), *reps],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
     print(textwrap.indent(r.stdout + r.stderr[-3000:], "  "))
-    r2 = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_capture_overhead.py"), "--range-api"],
-                        capture_output=True, text=True, timeout=120)  # fmt: skip
-    print(textwrap.indent(r2.stdout, "  "))
+    if not ctx.quick:  # the range API alone (CPU); measured before, skipped in --quick
+        r2 = subprocess.run([sys.executable, bench, "--range-api"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+        print(textwrap.indent(r2.stdout, "  "))
     if not out.exists():
         return False, f"benchmark exit {r.returncode}"
     res = json.loads(out.read_text())
-    parts = [
-        f"{m}: {v.get('overhead', float('nan')):+.1%} ({v.get('verdict')})"
-        for m, v in res["modes"].items()
-    ]
-    ok = all(v.get("verdict") == "ok" for k, v in res["modes"].items() if "/" not in k)
+    parts = []
+    for m, v in res.get("modes", {}).items():
+        if v.get("verdict") == "error":
+            parts.append(f"{m}: error")
+            continue
+        parts.append(
+            f"{m} ({v['figure']}): {v['overhead']:+.1%} ({v['verdict']}), host/step "
+            f"{v['off_host_us']:.1f} -> {v['on_host_us']:.1f} us"
+        )
+    summ = res.get("summary", {})
+    for m in ("graph", "eager"):
+        f = "gpu" if m == "graph" else "natural"
+        steps = [
+            f"{k}={row[f + '_overhead']:+.0%}"
+            for k, row in summ.get(m, {}).items()
+            if k != "off" and f"{f}_overhead" in row
+        ]
+        if steps:
+            parts.append(f"{m} ablation: " + " ".join(steps))
+    modes = res.get("modes", {})
+    ok = bool(modes) and all(v.get("verdict") == "ok" for v in modes.values())
     return ok, "; ".join(parts)
 
 
