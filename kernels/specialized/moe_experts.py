@@ -39,7 +39,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized.moe_common import VEC, dot_rows, lanes_per_row, load_rows, situ
@@ -232,6 +232,8 @@ class MoeExperts:
 
         tile = bid
         while tile < total:
+            # the next tile's weights into L2 now: its loads then skip the HBM latency
+            self._prefetch_tile(mW13, mW2, mWs2, sActE, n13, nsh, total, tile + self.num_ctas)
             if tile < n13:
                 # ---- w13 + SiTU ----
                 a = tile // self.NRB13
@@ -239,7 +241,7 @@ class MoeExperts:
                 e = sActE[a]
                 start = sActOff[a]
                 n = sActN[a]
-                gW = cute.zipped_divide(mW13[e, None, None], (1, VEC))
+                gW = cute.zipped_divide(self._expert(mW13, e, 2 * Ie, L), (1, VEC))
                 grp = lane // self.LPR13
                 li = lane % self.LPR13
                 row = rb * self.rows13 + warp * self.G13 + grp
@@ -279,7 +281,7 @@ class MoeExperts:
                 e = sActE[a]
                 start = sActOff[a]
                 n = sActN[a]
-                gW = cute.zipped_divide(mW2[e, None, None], (1, VEC))
+                gW = cute.zipped_divide(self._expert(mW2, e, L, Ie), (1, VEC))
                 grp = lane // self.LPR2
                 li = lane % self.LPR2
                 row0 = rb * self.rows2 + (warp * self.G2 + grp) * self.R2
@@ -309,6 +311,48 @@ class MoeExperts:
                         )
                     p0 = p0 + cutlass.min(rem, TT)
             tile = tile + self.num_ctas
+
+    @cute.jit
+    def _expert(
+        self, mW: cute.Tensor, e, rows: cutlass.Constexpr[int], cols: cutlass.Constexpr[int]
+    ):
+        """Expert ``e``'s [rows, cols] matrix of a stacked [E, rows, cols] weight, addressed with
+        a 64-bit offset: at TP8 ``w13`` spans 2.47e9 elements, past what 32-bit index math holds
+        (``mW[e, None, None]`` computed the offset in 32 bits and read the wrong memory for
+        experts >= 780 on the H200, 2026-11-30)."""
+        off = cute.assume(Int64(e) * (rows * cols), divby=VEC)
+        ptr = (mW.iterator + off).align(16)
+        return cute.make_tensor(ptr, cute.make_ordered_layout((rows, cols), order=(1, 0)))
+
+    @cute.jit
+    def _prefetch_span(self, base, nbytes):
+        """``prefetch.L2`` over ``nbytes`` from the BF16 pointer ``base`` (128-byte lines)."""
+        tid, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range(tid, nbytes // 128, self.NW * 32):
+            cute.arch.prefetch((base + i * 64).llvm_ptr, cache_level="L2")
+
+    @cute.jit
+    def _prefetch_tile(self, mW13, mW2, mWs2, sActE, n13, nsh, total, tile):
+        """Prefetch the weight rows tile ``tile`` will read (nothing past the last tile)."""
+        L, Ie, S = self.L, self.Ie, self.S
+        if tile < total:
+            if tile < n13:
+                e = sActE[tile // self.NRB13]
+                r0 = (tile % self.NRB13) * self.rows13
+                nb = (cutlass.min(r0 + self.rows13, Ie) - r0) * L * 2
+                base = mW13.iterator + Int64(e) * (2 * Ie * L) + r0 * L
+                self._prefetch_span(base, nb)
+                self._prefetch_span(base + Ie * L, nb)
+            elif tile < nsh:
+                r0 = (tile - n13) * self.rowss
+                nb = (cutlass.min(r0 + self.rowss, self.H) - r0) * S * 2
+                self._prefetch_span(mWs2.iterator + r0 * S, nb)
+            else:
+                t2 = tile - nsh
+                e = sActE[t2 // self.NRB2]
+                r0 = (t2 % self.NRB2) * self.rows2
+                nb = (cutlass.min(r0 + self.rows2, L) - r0) * Ie * 2
+                self._prefetch_span(mW2.iterator + Int64(e) * (L * Ie) + r0 * Ie, nb)
 
     @cute.jit
     def _shared_tile(self, ws, gYv, sAv, mShared, accs, t0, row0, li, nt: cutlass.Constexpr[int]):
