@@ -246,6 +246,8 @@ def _kineto_slice() -> dict:
 SLICE = _kineto_slice()
 SLICE_BYTES = json.dumps(SLICE).encode()
 SLICE_GZ = gzip.compress(SLICE_BYTES, mtime=0)
+# the same text as two gzip members one after the other (what `cat a.gz b.gz` makes)
+SLICE_GZ2 = gzip.compress(SLICE_BYTES[:5000], mtime=0) + gzip.compress(SLICE_BYTES[5000:], mtime=0)
 
 # CI runs 40 fixed examples per property (deterministic, fast on 2 cores); a longer random search:
 # DECODESCOPE_FUZZ_EXAMPLES=2000 pytest tests/test_bad_input.py
@@ -310,9 +312,14 @@ def test_kineto_truncated_anywhere(cut: int) -> None:
 
 
 @PROPERTY
-@given(cut=st.integers(min_value=0, max_value=len(SLICE_GZ) - 1))
-def test_kineto_gzip_truncated_anywhere(cut: int) -> None:
-    _load_bytes(SLICE_GZ[:cut], ".json.gz")
+@given(data=st.sampled_from([SLICE_GZ, SLICE_GZ2]), where=st.floats(0, 1, exclude_max=True))
+def test_kineto_gzip_truncated_anywhere(data: bytes, where: float) -> None:
+    _load_bytes(data[: int(where * len(data))], ".json.gz")
+
+
+def test_kineto_two_gzip_members_load() -> None:
+    run = _load_bytes(SLICE_GZ2, ".json.gz")
+    assert run is not None and run.kernels.num_rows == 40
 
 
 @PROPERTY
@@ -330,14 +337,15 @@ def test_kineto_bytes_flipped(flips: list[tuple[int, int]]) -> None:
 
 @PROPERTY
 @given(
+    gz=st.sampled_from([SLICE_GZ, SLICE_GZ2]),
     flips=st.lists(
-        st.tuples(st.integers(0, len(SLICE_GZ) - 1), st.integers(0, 255)), min_size=1, max_size=4
-    )
+        st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=4
+    ),
 )
-def test_kineto_gzip_bytes_flipped(flips: list[tuple[int, int]]) -> None:
-    data = bytearray(SLICE_GZ)
-    for pos, value in flips:
-        data[pos] = value
+def test_kineto_gzip_bytes_flipped(gz: bytes, flips: list[tuple[float, int]]) -> None:
+    data = bytearray(gz)
+    for where, value in flips:
+        data[int(where * len(data))] = value
     _load_bytes(bytes(data), ".json.gz")
 
 

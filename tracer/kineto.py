@@ -233,15 +233,20 @@ def _gunzip(p: Path, data: bytes) -> bytearray:
         while True:
             d = zlib.decompressobj(wbits=31)  # gzip wrapper; checks the CRC and length
             buf = data
-            while buf and not d.eof:
-                put(d.decompress(buf, _GUNZIP_CHUNK))
+            while not d.eof:
+                chunk = d.decompress(buf, _GUNZIP_CHUNK)
                 buf = d.unconsumed_tail
-            put(d.flush())
+                if not chunk and not buf:
+                    break  # the input is used up and nothing more comes out
+                put(chunk)
             if not d.eof:
                 raise TraceError(p, "truncated gzip data: the compressed stream ends early")
-            data = d.unused_data.lstrip(b"\0")  # a further member, or trailing padding
-            if not data:
+            rest = d.unused_data.lstrip(b"\0")  # a further member, or trailing padding
+            if not rest:
                 break
+            if len(rest) >= len(data):  # no progress: never loop on the same bytes
+                raise TraceError(p, "corrupt gzip data: a member that does not end")
+            data = rest
             if data[:2] != b"\x1f\x8b":
                 raise TraceError(p, "corrupt gzip data: trailing garbage after the stream")
     except zlib.error as e:
