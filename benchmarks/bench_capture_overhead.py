@@ -238,8 +238,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     if r.returncode != 0:
-        tail = " | ".join(r.stderr.strip().splitlines()[-4:])
-        return {"error": f"exit {r.returncode}: {tail}"}
+        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        return {"error": f"exit {r.returncode}: {tail[-400:]}"}
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["process_s"] = time.perf_counter() - t
     return out

@@ -7,6 +7,7 @@ Records are namespace objects with the attribute names cupti-python's record cla
 
 from __future__ import annotations
 
+import tempfile
 import time
 from types import SimpleNamespace as NS
 
@@ -634,3 +635,132 @@ def test_session_start_and_callbacks_with_real_cupti_structs(tmp_path):
         "step/layer.0.attn.qkv_proj",
     )
     assert (g[1]["event"], g[1]["node_id"], g[1]["original_node_id"]) == ("cloned", 1005, 1004)
+
+
+# --- cost structure of the session (overhead work) ----------------------------------------------
+
+
+def test_records_are_views_tells_copies_from_buffer_views():
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("cupti")
+    from cupti import cupti as real
+
+    dt = real.activity_kernel9_dtype
+    buf = np.zeros(8, dtype=dt)
+    views = [real.ActivityKernel9.from_ptr(buf.ctypes.data + i * dt.itemsize, owner=buf) for i in range(8)]  # fmt: skip
+    copies = [real.ActivityKernel9.from_ptr(buf.ctypes.data + i * dt.itemsize) for i in range(8)]
+    assert cap._records_are_views(views)
+    assert not cap._records_are_views(copies)
+    assert cap._records_are_views(copies[:1])  # one record cannot tell: convert at once
+    assert not cap._records_are_views([kernel_rec(1, 2, 1), kernel_rec(3, 4, 2)])
+
+
+def test_buffer_callback_defers_conversion_until_the_chunk_is_written(tmp_path):
+    s = cap.Session(tmp_path, cupti_module=FakeCupti())
+    s.running = True
+    s._completed([kernel_rec(1, 2, 1), kernel_rec(3, 4, 2), marker_rec(1, 1, 2, "step")])
+    assert len(s._pending) == 1 and not s._rows  # kept, not converted, in CUPTI's thread
+    assert s.counts["buffers_completed"] == 1 and s.counts["records_delivered"] == 3
+    s.running = False
+    s.write_chunk()
+    raw = cap.read_chunks(tmp_path)
+    assert raw["kernel"].num_rows == 2 and raw["marker"].num_rows == 1 and not s._pending
+
+
+def test_buffer_callback_converts_views_at_once(tmp_path):
+    class View(NS):
+        pass
+
+    recs = [View(**vars(kernel_rec(i, i + 1, i)), ptr=1000 + 208 * i) for i in range(3)]
+    s = cap.Session(tmp_path, cupti_module=FakeCupti())
+    s._completed(recs)
+    assert not s._pending and len(s._rows["kernel"]) == 3
+
+
+def test_discard_drains_and_keeps_markers(tmp_path):
+    s = cap.Session(tmp_path, cupti_module=FakeCupti())
+    s._completed([kernel_rec(1, 2, 1), kernel_rec(3, 4, 2), marker_rec(1, 1, 2, "warmup")])
+    s._launch.append((5, TID, 9, 1, 211))
+    s.discard()
+    assert not s._pending and not s._launch and not s._rows["kernel"]
+    assert len(s._rows["marker"]) == 1
+
+
+@pytest.mark.parametrize(
+    "kw, launch, resource",
+    [
+        ({}, True, True),
+        ({"launch_records": "activity"}, False, True),
+        ({"launch_records": "none", "graph_nodes": False}, False, False),
+        ({"launch_records": "callback", "graph_nodes": False}, True, False),
+    ],
+)
+def test_session_parts_enable_only_what_they_name(tmp_path, kw, launch, resource):
+    pytest.importorskip("cupti")
+
+    class Hybrid(HybridCupti):
+        def activity_enable_runtime_api(self, cbid, on):
+            self.api_records = getattr(self, "api_records", 0) + 1
+
+        activity_enable_driver_api = activity_enable_runtime_api
+
+    c = Hybrid()
+    s = cap.Session(tmp_path, cupti_module=c, kinds=("CONCURRENT_KERNEL",), **kw).start()
+    real = c._real
+    res = int(real.CallbackDomain.RESOURCE)
+    assert c.enabled_kinds == [int(real.ActivityKind.CONCURRENT_KERNEL)]
+    assert any(d != res for d, _ in c.enabled_callbacks) == launch
+    assert any(d == res for d, _ in c.enabled_callbacks) == resource
+    assert (c.subscribed is not None) == (launch or resource)
+    assert (getattr(c, "api_records", 0) > 0) == (kw.get("launch_records") == "activity")
+    s.stop()
+
+
+def test_launch_rows_get_api_names_when_written(tmp_path):
+    pytest.importorskip("cupti")
+    c = HybridCupti()
+    s = cap.Session(tmp_path, cupti_module=c).start()
+    rt = int(c._real.CallbackDomain.RUNTIME_API)
+    cbid = next(cb for cb, n in s._api[rt].items() if n == "cudaLaunchKernel")
+    s._launch.append((7, TID, 11, rt, cbid))
+    s._launch.append((8, TID, 12, rt, 999999))  # unknown cbid: its number
+    s.stop()
+    rows = cap.read_chunks(tmp_path)["launch"].to_pylist()
+    assert [r["api"] for r in rows] == ["cudaLaunchKernel", "999999"]
+
+
+def test_overhead_bench_summary_and_table(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_capture_overhead.py"
+    spec = importlib.util.spec_from_file_location("bench_capture_overhead", path)
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+
+    def m(gpu, host, nat, rows=0.0):
+        return {"natural_us": [nat] * 3, "natural_host_us": [host] * 3, "gpu_us": [gpu] * 3,
+                "host_us": [host] * 3, "hidden": True, "spin_us": 1, "steps_timed": 10,
+                "launch_rows_per_step": rows, "buffers_completed_timed": 0,
+                "buffer_callback_ms_timed": 0.0}  # fmt: skip
+
+    res = {
+        "modes_measured": ["graph", "eager"],
+        "variants": {
+            "off": {"graph": m(84, 6.4, 84), "eager": m(300, 450, 450)},
+            "kernel": {"graph": m(85, 7, 85), "eager": m(310, 480, 480)},
+            "launch_cb": {"error": "exit 1: boom"},
+            "all": {"graph": m(85.5, 20, 86, 2), "eager": m(320, 480, 480, 34)},
+        },
+    }
+    res.update(b.summarize(res))
+    assert res["modes"]["graph"]["verdict"] == "ok" and res["modes"]["graph"]["figure"] == "gpu"
+    assert res["modes"]["eager"]["figure"] == "natural"
+    assert abs(res["modes"]["eager"]["overhead"] - 30 / 450) < 1e-9
+    assert res["summary"]["graph"]["launch_cb"] == {"error": "exit 1: boom"}
+    b.print_table(res)
+    out = capsys.readouterr().out
+    assert "(e) all (default)" in out and "verdict graph (gpu)" in out and "+1.8%" in out
+    for v in b.VARIANTS.values():  # every variant's options are Session options
+        if v:
+            cap.Session(Path(tempfile.mkdtemp()), **{k: x for k, x in v.items() if k != "inject"})
