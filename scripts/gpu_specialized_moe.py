@@ -84,6 +84,20 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> 
     zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
     record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
 
+    # 1b. front kernel with the residual-add + RMSNorm prologue
+    xa = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
+    ra = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
+    r_out = torch.full_like(xa, float("nan"))
+    blk.y_front.fill_(float("nan"))
+    blk.front_residual(xa, ra, r_out)
+    torch.cuda.synchronize()
+    h_ref, r_ref = rt.residual_norm_ref(xa, ra, w["mlp_norm"], cfg.eps)
+    check("front_residual_norm", ctx, rel_l2(blk.y_front, rt.front_gemv_ref(h_ref, blk.w_front)),
+          5e-3)  # fmt: skip
+    check("front_residual_out", ctx, rel_l2(r_out, r_ref), 1e-6)
+    blk.front(h)  # back to the plain path for the checks below
+    torch.cuda.synchronize()
+
     # 2. experts (routing in its prologue)
     y = blk.y_front.clone()
     blk.h.fill_(float("nan"))
@@ -189,7 +203,8 @@ def floor_bytes(cfg, ids: torch.Tensor, N: int) -> dict[str, int]:
     back = H * L * 2 + L * 2 + N * L * 4 + N * H * 4 + N * H * 2
     weights = (E + L + 2 * S) * H * 2 + n_exp * 3 * Ie * L * 2 + S * H * 2 + H * L * 2 + L * 2
     return {"front": front, "experts": experts, "back": back,
-            "block": weights + 2 * N * H * 2, "n_experts": n_exp}  # fmt: skip
+            "block": weights + 2 * N * H * 2, "block_residual_norm": weights + 4 * N * H * 2,
+            "n_experts": n_exp}  # fmt: skip
 
 
 def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False) -> None:
@@ -200,11 +215,16 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
     torch.cuda.synchronize()
     fb = floor_bytes(cfg, blks[0].topk_ids, N)
     trip = list(zip(blks, hs, outs, strict=True))
+    r_outs = [torch.empty_like(o) for o in outs]
     pieces = {
         "front": [(lambda b=b, h=h: b.front(h)) for b, h, _ in trip],
         "experts": [(lambda b=b, h=h: (b.front(h), b.experts())) for b, h, _ in trip],
         "back": [(lambda b=b, o=o: b.back(o)) for b, _, o in trip],
         "block": [(lambda b=b, h=h, o=o: b.forward(h, o)) for b, h, o in trip],
+        "block_residual_norm": [
+            (lambda b=b, h=h, o=o, ro=ro: b.forward_residual(h, h, ro, o))
+            for (b, h, o), ro in zip(trip, r_outs, strict=True)
+        ],
     }
     if block_only:
         pieces = {"block": pieces["block"]}
@@ -218,7 +238,7 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
             med, lo, hi = (x - times.get("front", 0.0) for x in (med, lo, hi))
         times[name] = med
         floor = fb[name] / (bw_tbs * 1e6)
-        record(time=name, **ctx, kernels=1 if name != "block" else 3, us=f"{med:.1f}",
+        record(time=name, **ctx, kernels=3 if name.startswith("block") else 1, us=f"{med:.1f}",
                us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
                eff=f"{med / floor:.2f}", n_experts=fb["n_experts"], status="time")  # fmt: skip
 

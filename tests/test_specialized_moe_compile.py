@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decodescope.kernels.config import LayerSpec, get_config
-from decodescope.kernels.reference import moe_ref, rel_l2, routing_ref
+from decodescope.kernels.reference import attn_res_ref, moe_ref, rel_l2, routing_ref
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import moe_block as mb
 from decodescope.kernels.specialized import moe_experts as me
@@ -36,6 +36,27 @@ def test_front_gemv_compiles(preset, tp):
     for T in _tokens(preset):
         op, args = rt._build(T, d["H"], d["E"] + d["L"] + 2 * d["S"], T * d["L"], d["E"])
         assert itf.compile_only(op, *args) is not None
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+def test_front_gemv_with_residual_norm_compiles(preset, tp):
+    cfg, d = _dims(preset, tp)
+    for T in [1, 8] if preset == "kimi-k3" else [1, 3]:
+        op, args = rt._build(T, d["H"], d["E"] + d["L"] + 2 * d["S"], T * d["L"], d["E"], True,
+                             True, cfg.eps)  # fmt: skip
+        assert itf.compile_only(op, *args) is not None
+
+
+def test_residual_norm_ref_matches_reference():
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=5)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(4, cfg.hidden, generator=g).to(torch.bfloat16)
+    r = torch.randn(4, cfg.hidden, generator=g).to(torch.bfloat16)
+    h, r_out = rt.residual_norm_ref(x, r, w["mlp_norm"], cfg.eps)
+    h64, r64 = attn_res_ref(x, r, w["mlp_norm"], cfg.eps)
+    assert rel_l2(r_out, r64) < 1e-2
+    assert rel_l2(h, h64) < 1e-2
 
 
 @pytest.mark.parametrize("preset,tp", SHAPES)

@@ -13,6 +13,10 @@
  3      ``latent_norm+latent_up+add``                                ``up_proj_shared_add``
 =====  ==========================================================  ===========================
 
+``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
+its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
+then drops its ``residual_norm`` launch.
+
 ``shared_experts`` appears in ranges 1 and 2: its gate_up GEMM rides with the router (same
 input), its activation and down GEMM run inside the expert kernel beside the routed tiles.
 Everything runs on torch's current stream, with fixed buffers, no host sync: one CUDA graph.
@@ -36,6 +40,8 @@ OPS = (
     "grouped_topk+align+routed_experts+shared_experts+topk_sum",
     "latent_norm+latent_up+add",
 )
+# the front kernel with the post-attention residual-add + RMSNorm fused in (forward_residual)
+OP_FRONT_NORM = "residual_norm+router+latent_down+shared_experts"
 
 
 def _check_cfg(cfg: Config) -> None:
@@ -70,6 +76,7 @@ class SpecializedMoE:
         self.shared_w2 = w["shared_w2"].to(dev, BF16).contiguous()
         self.latent_norm = w["latent_norm"].to(dev, BF16).contiguous()
         self.latent_up = w["latent_up"].to(dev, BF16).contiguous()
+        self.mlp_norm = w["mlp_norm"].to(dev, BF16).contiguous() if "mlp_norm" in w else None
         self.y_front = torch.empty(N, E + L + 2 * S, dtype=F32, device=dev)
         self.acc = torch.empty(N, L, dtype=F32, device=dev)
         self.done = torch.empty(E, dtype=torch.int32, device=dev)
@@ -87,6 +94,14 @@ class SpecializedMoE:
     def front(self, h: torch.Tensor) -> None:
         with self._r(OPS[0]):
             _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
+
+    def front_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor) -> None:
+        """Front kernel with the residual-add + RMSNorm (``mlp_norm``) in its prologue."""
+        if self.mlp_norm is None:
+            raise ValueError("forward_residual needs the layer's mlp_norm weight")
+        with self._r(OP_FRONT_NORM):
+            _rt.front_gemv(x, self.w_front, self.y_front, self.acc, self.done, residual=r_in,
+                           norm_w=self.mlp_norm, residual_out=r_out, eps=self.cfg.eps)  # fmt: skip
 
     def experts(self) -> None:
         with self._r(OPS[1]):
@@ -117,6 +132,16 @@ class SpecializedMoE:
     def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""
         self.front(h)
+        self.experts()
+        self.back(out)
+
+    def forward_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor,
+                         out: torch.Tensor) -> None:  # fmt: skip
+        """``r_out = x + r_in``; ``out = MoE(rmsnorm(r_out) * mlp_norm)``: the layer's
+        post-attention residual norm and the MoE block in 3 launches (the attention side then
+        skips its ``residual_norm`` launch). The per-token rstd is recomputed by every front CTA
+        (an L2 read of 2 x T x H BF16 per CTA): worth it up to about 16 tokens."""
+        self.front_residual(x, r_in, r_out)
         self.experts()
         self.back(out)
 

@@ -61,9 +61,13 @@ class FrontGemv:
         NW: int = 8,
         R: int = 1,
         pdl: bool = True,
+        norm: bool = False,
+        eps: float = 1e-5,
     ):
         self.T, self.K, self.NF, self.n_acc, self.n_done = T, K, NF, n_acc, n_done
-        self.pdl = pdl
+        self.pdl, self.norm, self.eps = pdl, norm, eps
+        if norm and min(TT, T) > NW:
+            raise ValueError("the fused residual norm uses one warp per staged token: TT <= NW")
         self.TT, self.NW, self.R = min(TT, T), NW, R
         self.LPR = lanes_per_row(K)
         self.G = 32 // self.LPR
@@ -79,9 +83,12 @@ class FrontGemv:
         mY: cute.Tensor,
         mAcc: cute.Tensor,
         mDone: cute.Tensor,
+        mR: cute.Tensor,
+        mNW: cute.Tensor,
+        mROut: cute.Tensor,
         stream,
     ):
-        self.kernel(mX, mW, mY, mAcc, mDone).launch(
+        self.kernel(mX, mW, mY, mAcc, mDone, mR, mNW, mROut).launch(
             grid=[self.grid, 1, 1],
             block=[self.NW * 32, 1, 1],
             stream=stream,
@@ -96,6 +103,9 @@ class FrontGemv:
         mY: cute.Tensor,
         mAcc: cute.Tensor,
         mDone: cute.Tensor,
+        mR: cute.Tensor,
+        mNW: cute.Tensor,
+        mROut: cute.Tensor,
     ):
         NT = self.NW * 32
         tid, _, _ = cute.arch.thread_idx()
@@ -128,26 +138,69 @@ class FrontGemv:
         sX = smem.allocate_tensor(
             BFloat16, cute.make_ordered_layout((self.TT, self.K), order=(1, 0)), byte_alignment=16
         )
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
         gXv = cute.zipped_divide(mX, (1, VEC))
         sXv = cute.zipped_divide(sX, (1, VEC))
+        # optional fused residual-add + RMSNorm (the AttnRes stand-in before the MoE block)
+        gRv = cute.zipped_divide(mR, (1, VEC))
+        gROv = cute.zipped_divide(mROut, (1, VEC))
+        nw_len = self.K if const_expr(self.norm) else VEC
+        gNv = cute.zipped_divide(
+            cute.make_tensor(mNW.iterator, cute.make_layout((1, nw_len))), (1, VEC)
+        )
         acc = cute.make_rmem_tensor((self.R, self.TT), Float32)
         # full token tiles in a loop (code size independent of T), then the remainder
         for t0 in cutlass.range(0, (self.T // self.TT) * self.TT, self.TT, unroll=1):
-            self._token_tile(ws, gXv, sXv, mY, acc, t0, row0, li, self.TT)
+            self._token_tile(ws, gXv, gRv, gROv, gNv, sRstd, sXv, mY, acc, t0, row0, li, self.TT)
         if const_expr(self.T % self.TT):
-            self._token_tile(ws, gXv, sXv, mY, acc, self.T - self.T % self.TT, row0, li,
-                             self.T % self.TT)  # fmt: skip
+            self._token_tile(ws, gXv, gRv, gROv, gNv, sRstd, sXv, mY, acc,
+                             self.T - self.T % self.TT, row0, li, self.T % self.TT)  # fmt: skip
 
     @cute.jit
-    def _token_tile(self, ws, gXv, sXv, mY, acc, t0, row0, li, nt: cutlass.Constexpr[int]):
-        """Stage tokens t0 .. t0+nt of h, multiply by this lane's rows, store FP32 sums."""
+    def _token_tile(self, ws, gXv, gRv, gROv, gNv, sRstd, sXv, mY, acc, t0, row0, li,
+                    nt: cutlass.Constexpr[int]):  # fmt: skip
+        """Stage tokens t0 .. t0+nt of h, multiply by this lane's rows, store FP32 sums.
+
+        With ``norm``: h = bf16(bf16(x + r) * rstd) * w_norm rounded to BF16 (vLLM's
+        fused_add_rms_norm rounding); every CTA takes the per-token rstd itself (one warp per
+        token) and CTA 0 writes the new residual bf16(x + r)."""
         NT = self.NW * 32
         KV = self.K // VEC
         tid, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(tid, nt * KV, NT, unroll=4):
-            t = i // KV
-            c = i % KV
-            sXv[(0, None), (t, c)].store(gXv[(0, None), (t0 + t, c)].load())
+        if const_expr(self.norm):
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            bid, _, _ = cute.arch.block_idx()
+            if warp < nt:
+                ss = Float32(0.0)
+                for c in cutlass.range(lane, KV, 32, unroll=4):
+                    hv = (
+                        gXv[(0, None), (t0 + warp, c)].load().to(Float32)
+                        + gRv[(0, None), (t0 + warp, c)].load().to(Float32)
+                    ).to(BFloat16)
+                    if bid == 0:
+                        gROv[(0, None), (t0 + warp, c)].store(hv)
+                    hf = hv.to(Float32)
+                    ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+                if lane == 0:
+                    sRstd[warp] = cute.math.rsqrt(ss / Float32(self.K) + Float32(self.eps))
+            cute.arch.barrier()
+            for i in cutlass.range(tid, nt * KV, NT, unroll=4):
+                t = i // KV
+                c = i % KV
+                hv = (
+                    gXv[(0, None), (t0 + t, c)].load().to(Float32)
+                    + gRv[(0, None), (t0 + t, c)].load().to(Float32)
+                ).to(BFloat16)
+                hn = (hv.to(Float32) * sRstd[t]).to(BFloat16).to(Float32)
+                wn = gNv[(0, None), (0, c)].load().to(Float32)
+                sXv[(0, None), (t, c)].store((hn * wn).to(BFloat16))
+        else:
+            for i in cutlass.range(tid, nt * KV, NT, unroll=4):
+                t = i // KV
+                c = i % KV
+                sXv[(0, None), (t, c)].store(gXv[(0, None), (t0 + t, c)].load())
         cute.arch.barrier()
         dot_rows(ws, sXv, acc, li, self.R, nt, self.LPR, self.NCH)
         if li == 0:
@@ -232,38 +285,90 @@ def pdl_enabled() -> bool:
     return os.environ.get("DECODESCOPE_MOE_PDL", "1") != "0"
 
 
-def _build(T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True):
-    op = FrontGemv(T, K, NF, n_acc, n_done, pdl=pdl)
+def _build(
+    T: int,
+    K: int,
+    NF: int,
+    n_acc: int,
+    n_done: int,
+    pdl: bool = True,
+    norm: bool = False,
+    eps: float = 1e-5,
+):
+    op = FrontGemv(T, K, NF, n_acc, n_done, pdl=pdl, norm=norm, eps=eps)
+    tk = (T, K) if norm else (1, VEC)  # placeholders without the fused norm
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
         itf.fake(torch.float32, (T, NF)),
         itf.fake(torch.float32, (n_acc,)),
         itf.fake(torch.int32, (n_done,)),
+        itf.fake(torch.bfloat16, tk),
+        itf.fake(torch.bfloat16, (K if norm else VEC,)),
+        itf.fake(torch.bfloat16, tk),
         itf.env_stream(),
     )
     return op, args
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(shape, device) -> torch.Tensor:
+    key = (tuple(shape), str(device))
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    return t
+
+
 def front_gemv(
-    x: torch.Tensor, w_front: torch.Tensor, y: torch.Tensor, acc: torch.Tensor, done: torch.Tensor
+    x: torch.Tensor,
+    w_front: torch.Tensor,
+    y: torch.Tensor,
+    acc: torch.Tensor,
+    done: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    norm_w: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    eps: float = 1e-5,
 ) -> None:
-    """Launch :class:`FrontGemv` on the current stream: ``y = x @ w_front^T`` (FP32), zero
-    ``acc`` and ``done``. ``acc`` and ``done`` are flat views (``.view(-1)``)."""
+    """Launch :class:`FrontGemv` on the current stream: ``y = h @ w_front^T`` (FP32), zero
+    ``acc`` and ``done`` (flat views). ``h = x`` or, with ``residual`` / ``norm_w`` /
+    ``residual_out`` given, ``h = rmsnorm(x + residual) * norm_w`` with ``residual_out =
+    x + residual`` (the residual-add + RMSNorm before the MoE block, fused: one launch less)."""
     T, K = x.shape
     NF = w_front.shape[0]
     itf.check(x, "x", (T, K), torch.bfloat16)
     itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
     itf.check(y, "y_front", (T, NF), torch.float32)
+    norm = residual is not None
+    if norm:
+        itf.check(residual, "residual", (T, K), torch.bfloat16)
+        itf.check(norm_w, "norm_w", (K,), torch.bfloat16)
+        itf.check(residual_out, "residual_out", (T, K), torch.bfloat16)
+    else:
+        residual = residual_out = _placeholder((1, VEC), x.device)
+        norm_w = _placeholder((VEC,), x.device)
     pdl = pdl_enabled()
-    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel(), pdl)
-    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl))
-    fn(x, w_front, y, acc.view(-1), done.view(-1))
+    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel(), pdl, norm, float(eps))
+    fn = itf.compiled(
+        key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, norm, float(eps))
+    )
+    fn(x, w_front, y, acc.view(-1), done.view(-1), residual, norm_w, residual_out)
 
 
 def front_gemv_ref(x: torch.Tensor, w_front: torch.Tensor) -> torch.Tensor:
     """Torch reference of :class:`FrontGemv` (FP32 accumulate of BF16 operands)."""
     return x.float() @ w_front.float().T
+
+
+def residual_norm_ref(x, residual, norm_w, eps: float):
+    """The fused prologue's math: ``(h, residual_out)`` with vLLM's BF16 roundings."""
+    r = (x.float() + residual.float()).to(torch.bfloat16)
+    rf = r.float()
+    hn = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+    return (hn.float() * norm_w.float()).to(torch.bfloat16), r
 
 
 def router_topk_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float = 1.0):
