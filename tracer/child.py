@@ -10,6 +10,9 @@ Two ways in, both driven by a spec JSON that the parent wrote (:func:`capture.ru
 
 Files in the spec's ``out`` folder: chunk-*.arrow (raw rows), env.json (GPU, versions, workload
 meta), status.json (written on a clean end), error.json (one line on failure).
+
+Session keys of the spec (all optional): ``launch_records`` (callback | activity | none),
+``flush_period_ms``, ``buffer_bytes`` (64 MB), ``kinds`` (activity kind names), ``graph_nodes``.
 """
 
 from __future__ import annotations
@@ -74,10 +77,18 @@ def env_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 def _start(spec: dict[str, Any]) -> cap.Session:
     global _session, _out
     _out = Path(spec["out"])
+    extra: dict[str, Any] = {}
+    if spec.get("buffer_bytes"):
+        extra["buffer_bytes"] = int(spec["buffer_bytes"])
+    if spec.get("kinds"):
+        extra["kinds"] = tuple(spec["kinds"])
+    if "graph_nodes" in spec:
+        extra["graph_nodes"] = bool(spec["graph_nodes"])
     _session = cap.Session(
         _out,
         flush_period_ms=int(spec.get("flush_period_ms", 0) or 0),
         launch_records=spec.get("launch_records", "callback"),
+        **extra,
     )
     if spec.get("fake"):
         return _session  # CPU tests: no CUPTI
