@@ -242,3 +242,65 @@ def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, token
             if k == "kv_cache":
                 ga, gb = ga[:, ctx:], gb[:, ctx:]
             assert _rel(ga, gb) < tol, (i, k)
+
+
+# -- scripts/gpu_steps.py's comparison, on the CPU with reference halves -----------------------
+
+
+def _gpu_steps():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_steps.py"
+    spec = importlib.util.spec_from_file_location("gpu_steps", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _reference_halves(monkeypatch, m):
+    from decodescope.kernels.specialized import attention_layers as al
+    from decodescope.kernels.specialized import moe_block as mb
+
+    w_of = {id(moe): w for moe, w in zip(m.moe, m.weights, strict=True)}
+
+    def attn_forward(self, x_in, r_in, r_out, h_out):
+        r, h, ns = al.attention_ref(self.cfg, self.spec, self.w, self.state, x_in, r_in, self.T)
+        r_out.copy_(r)
+        h_out.copy_(h)
+        for k, v in ns.items():
+            self.state[k].copy_(v)
+
+    def moe_forward(self, h, out):
+        o, ids = mb.moe_block_ref(self.cfg, w_of[id(self)], h)
+        out.copy_(o)
+        self.topk_ids.copy_(ids)
+
+    monkeypatch.setattr(al.SpecializedAttention, "forward", attn_forward)
+    monkeypatch.setattr(mb.SpecializedMoE, "forward", moe_forward)
+
+
+@pytest.mark.parametrize("batch, tokens", [(4, 1), (2, 3)])
+def test_gpu_steps_compare_on_cpu(monkeypatch, batch, tokens):
+    from decodescope.kernels.standard.model import StandardModel
+
+    g = _gpu_steps()
+    p, m = _model(batch=batch, tokens=tokens, layers="kda,mla", seed=11)
+    _reference_halves(monkeypatch, m)
+    std = StandardModel(p.cfg, p.specs, batch, tokens, seed=11, device="cpu")
+    assert g.same_weights(std, m)
+    # the CPU standard path keeps BF16 router logits: more near-ties than on the GPU
+    r = g.compare_step(std, m, batch, tokens, m.step, seed=5, tie=0.05, min_rows=0.0)
+    assert r["ok"], [c for c in r["checks"] if not c["ok"]]
+    names = {c["check"] for c in r["checks"]}
+    assert {"x_out", "r_out", "layer0.kda_state", "layer0.conv_state",
+            "layer1.kv_cache new rows", "x_out written"} <= names  # fmt: skip
+    # a step that writes nothing is caught by the poison
+    bad = g.compare_step(std, m, batch, tokens, lambda: None, seed=6, tie=0.05, min_rows=0.0)
+    assert not bad["ok"]
+    failed = {c["check"] for c in bad["checks"] if not c["ok"]}
+    assert {"x_out written", "r_out written", "layer1.kv_cache new rows written"} <= failed
+    rec = {"tp": 1, "batch": batch, "tokens": tokens, "status": "FAIL", "launches": m.launches(),
+           "draws": [{"mode": "eager", **r}, {"mode": "graph", **bad}]}  # fmt: skip
+    t = g.table([rec])
+    assert "| FAIL |" in t and "x_out written" in t
