@@ -49,36 +49,53 @@ class Scheme:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Scheme:
-        def rules(key: str, value_key: str | None = None) -> tuple[Rule, ...]:
+        """Compile a parsed scheme. ``extends = "default"`` puts its rules ahead of the shipped
+        ones (first match wins), so a file need only hold what it adds."""
+        if not isinstance(data, dict):
+            raise ValueError("naming scheme: expected a table of rule lists")
+        base = default_scheme() if data.get("extends") == "default" else None
+
+        def rules(key: str, value_key: str | None = None, group: str | None = None):
             out = []
-            for i, r in enumerate(data.get(key, [])):
+            entries = data.get(key, [])
+            if not isinstance(entries, list):
+                raise ValueError(f"naming scheme: {key!r} must be an array of tables ([[{key}]])")
+            for i, r in enumerate(entries):
+                if not isinstance(r, dict):
+                    raise ValueError(f"naming scheme: [[{key}]] rule {i} is not a table")
                 try:
                     pat = re.compile(r["pattern"])
-                except (KeyError, re.error) as e:
+                except (KeyError, TypeError, re.error) as e:
                     raise ValueError(f"naming scheme: [[{key}]] rule {i}: bad pattern: {e}") from e
-                if value_key is not None and value_key not in r:
+                if value_key is not None and not isinstance(r.get(value_key), str):
                     raise ValueError(f"naming scheme: [[{key}]] rule {i} lacks {value_key!r}")
+                if group is not None and group not in pat.groupindex:
+                    raise ValueError(
+                        f"naming scheme: [[{key}]] rule {pat.pattern!r} has no group {group!r}"
+                    )
                 out.append(Rule(r.get("scheme", ""), pat, r.get(value_key) if value_key else None))
+            if base is not None:
+                out.extend(getattr(base, key))
             return tuple(out)
 
-        for r in rules("layer"):
-            if "layer" not in r.pattern.groupindex:
-                raise ValueError(
-                    f"naming scheme: layer rule {r.pattern.pattern!r} has no group 'layer'"
-                )
+        default_kind = data.get("default_kind", base.default_kind if base else "layer")
         return cls(
-            unwrap=rules("unwrap"),
+            unwrap=rules("unwrap", group="name"),
             step=rules("step"),
-            layer=rules("layer"),
-            segment=rules("segment"),
+            layer=rules("layer", group="layer"),
+            segment=rules("segment", group="seg"),
             block=rules("block", "block"),
             kind=rules("kind", "kind"),
-            default_kind=data.get("default_kind", "layer"),
+            default_kind=default_kind,
         )
 
     @classmethod
     def from_toml(cls, text: str) -> Scheme:
-        return cls.from_dict(tomllib.loads(text))
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"naming scheme: not valid TOML: {e}") from e
+        return cls.from_dict(data)
 
     # -- single names ---------------------------------------------------------------------
 

@@ -423,3 +423,24 @@ def test_innermost_many_events_vectorised():
         best = c[np.lexsort((ends[c], -starts[c]))][0]
         assert starts[got[i]] == starts[best] and ends[got[i]] == ends[best]
     assert pa.types.is_int64(pa.array(got).type)
+
+
+def test_custom_scheme_extends_default_on_a_real_trace(tmp_path):
+    f = tmp_path / "scheme.toml"
+    f.write_text(
+        'extends = "default"\ndefault_kind = "decoder"\n'
+        "[[block]]\npattern = '^Qwen2Attention$'\nblock = \"self_attention\"\n"
+    )
+    run = tracer.load(HF_QWEN, scheme=tracer.read_scheme(f))
+    k = run.kernels
+    assert set(k["layer_kind"].drop_null().to_pylist()) == {"decoder"}
+    blocks = set(k["block"].drop_null().to_pylist())
+    assert "self_attention" in blocks and "attn" not in blocks and "mlp" in blocks
+    # a run folder is renamed with the scheme too (its paths are kept)
+    out = tracer.write_run(tracer.load(HF_QWEN), tmp_path / "run")
+    again = tracer.load(out, scheme=tracer.read_scheme(f))
+    assert again.kernels["block"].to_pylist() == k["block"].to_pylist()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[layer]]\npattern = 'no group'\n")
+    with pytest.raises(tracer.TraceError, match="has no group 'layer'"):
+        tracer.read_scheme(bad)

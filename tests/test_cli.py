@@ -206,3 +206,15 @@ def test_check_against_dataset(work, tmp_path):
     # a run of another setup has no baseline there
     line = one_line_error(cli("check", work / "vllm", "--baseline", ds, "--max-regression", "5"))
     assert "no baseline run" in line
+
+
+def test_scheme_option(work, tmp_path):
+    f = tmp_path / "scheme.toml"
+    f.write_text('extends = "default"\ndefault_kind = "decoder"\n')
+    p = cli("report", work / "hf", "--json", "--scheme", f)
+    assert p.returncode == 0, p.stderr
+    assert [k["layer_kind"] for k in json.loads(p.stdout)["kinds"]] == ["decoder"]
+    (f.parent / "bad.toml").write_text("x = [")
+    assert "not valid TOML" in one_line_error(
+        cli("report", work / "hf", "--scheme", f.parent / "bad.toml")
+    )

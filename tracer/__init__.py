@@ -12,12 +12,23 @@ import os
 from pathlib import Path
 
 from decodescope.analysis.attribution import attribute
+from decodescope.analysis.naming import Scheme
 from decodescope.analysis.schema import Run
 from decodescope.tracer.errors import TraceError
 from decodescope.tracer.ranges import current_path, range
 from decodescope.tracer.store import is_run_dir, read_run, write_run
 
-__all__ = ["Run", "TraceError", "current_path", "detect", "load", "range", "read_run", "write_run"]
+__all__ = [
+    "Run",
+    "TraceError",
+    "current_path",
+    "detect",
+    "load",
+    "range",
+    "read_run",
+    "read_scheme",
+    "write_run",
+]
 
 _GZIP = b"\x1f\x8b"
 _SQLITE = b"SQLite format 3\x00"
@@ -52,15 +63,17 @@ def detect(path: str | os.PathLike[str]) -> str:
     )
 
 
-def load(path: str | os.PathLike[str], **options) -> Run:
+def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **options) -> Run:
     """Load any supported trace or run folder as a :class:`Run` (format detected from content).
 
-    Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`);
-    a run folder as it was written.
+    Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`)
+    with ``scheme`` (default: ``analysis/naming.toml``); a run folder as it was written, or
+    renamed with ``scheme`` where one is given (its range paths are kept).
     """
     kind = detect(path)
     if kind == "run":
-        return read_run(path)
+        run = read_run(path)
+        return run if scheme is None else attribute(run, scheme)
     if kind == "kineto":
         from decodescope.tracer.kineto import load_kineto
 
@@ -69,4 +82,19 @@ def load(path: str | os.PathLike[str], **options) -> Run:
         from decodescope.tracer.nsys import load_nsys
 
         raw = load_nsys(path, **options)
-    return attribute(raw)
+    return attribute(raw, scheme)
+
+
+def read_scheme(path: str | os.PathLike[str]) -> Scheme:
+    """A naming scheme from a TOML file (format: ``analysis/naming.toml``)."""
+    p = Path(path)
+    try:
+        text = p.read_text("utf-8")
+    except FileNotFoundError:
+        raise TraceError(p, "no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(p, f"cannot read naming scheme: {e}") from None
+    try:
+        return Scheme.from_toml(text)
+    except ValueError as e:
+        raise TraceError(p, str(e)) from None

@@ -11,11 +11,11 @@ from decodescope.analysis import dataset as layout
 from decodescope.analysis import regress
 from decodescope.tracer import dataset as tds
 from decodescope.ui.cli import UsageError, app, console
-from decodescope.ui.cmd_import import load_with_progress
+from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.render import arrow_table, dumps
 
 
-def _baseline(path: Path, run) -> tuple[list, str]:
+def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str]:
     """The baseline kernels tables and a description of where they came from."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
@@ -25,7 +25,7 @@ def _baseline(path: Path, run) -> tuple[list, str]:
             raise UsageError(f"{path}: no baseline run with the same {keys}")
         kernels = tds.read_table(path, "kernels", ids)
         return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)"
-    base = load_with_progress(path)
+    base = load_with_progress(path, scheme)
     return [base.kernels], f"run {base.run_id}"
 
 
@@ -40,10 +40,11 @@ def check(
         None, "--max-kernel-increase", min=0, help="allowed kernel-count increase in percent"
     ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Compare a run with a baseline per layer kind; exit 1 if span or kernel count regressed."""
-    current = load_with_progress(run)
-    bases, origin = _baseline(baseline, current)
+    current = load_with_progress(run, scheme)
+    bases, origin = _baseline(baseline, current, scheme)
     result = regress.check(
         current, bases, max_regression, max_kernel_increase_pct=max_kernel_increase
     )

@@ -10,7 +10,7 @@ import typer
 from decodescope.analysis import compare as cmp
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
-from decodescope.ui.cmd_import import load_with_progress
+from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.cmd_report import HEADERS, run_summary
 from decodescope.ui.render import arrow_table, dumps
 
@@ -45,10 +45,11 @@ def compare(
     b: Path = typer.Argument(..., help="run B (run folder or trace)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     top: int = typer.Option(20, "--top", min=0, help="rows of the one-side kernel list"),
+    scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Compare run A with run B: kernels and span per layer kind, layer and op; ratio = A/B time."""
-    run_a = load_with_progress(a)
-    run_b = load_with_progress(b)
+    run_a = load_with_progress(a, scheme)
+    run_b = load_with_progress(b, scheme)
     data = compare_data(run_a, run_b)
     if json_out:
         typer.echo(dumps(data))

@@ -12,11 +12,14 @@ from decodescope.analysis.schema import UNATTRIBUTED, Run
 from decodescope.ui.cli import app, console, err_console
 from decodescope.ui.render import progress
 
+SCHEME_HELP = "naming scheme TOML (patterns from range names to layer/op; see analysis/naming.toml)"
 
-def load_with_progress(path: str | Path, **options) -> Run:
+
+def load_with_progress(path: str | Path, scheme: Path | None = None, **options) -> Run:
     """``tracer.load`` behind a spinner on stderr (the output stays clean for --json)."""
+    sch = tracer.read_scheme(scheme) if scheme is not None else None
     with progress(err_console, f"reading {path}"):
-        return tracer.load(path, **options)
+        return tracer.load(path, scheme=sch, **options)
 
 
 def attributed_counts(run: Run) -> tuple[int, int, int]:
@@ -45,10 +48,11 @@ def import_(
     preset: str | None = typer.Option(None, help="record the model preset"),
     notes: str | None = typer.Option(None, help="free-text notes kept with the run"),
     overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+    scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Import a trace as a run folder (one Parquet file per table). Nothing is left on error."""
     options = {"run_id": run_id} if run_id else {}
-    run = load_with_progress(trace, **options)
+    run = load_with_progress(trace, scheme, **options)
     changes = {
         k: v
         for k, v in (

@@ -12,7 +12,7 @@ import typer
 from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
-from decodescope.ui.cmd_import import attributed_counts, load_with_progress
+from decodescope.ui.cmd_import import SCHEME_HELP, attributed_counts, load_with_progress
 from decodescope.ui.render import arrow_table, dumps
 
 LAYER_COLS = ["kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us"]
@@ -110,9 +110,10 @@ def report(
     ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     top: int = typer.Option(15, "--top", min=0, help="how many kernels to list (by total time)"),
+    scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Per-layer-kind and per-layer tables, ops and the top kernels of one run or trace."""
-    run = load_with_progress(source)
+    run = load_with_progress(source, scheme)
     data = report_data(run, top)
     if json_out:
         typer.echo(dumps(data))
