@@ -23,6 +23,11 @@ SETTINGS = settings(
 )
 
 
+def _state_tol(cfg, name: str) -> float:
+    """FP8 cache rows round to 3 mantissa bits: a one-ulp flip moves an element by ~6%."""
+    return 6e-2 if name == "kv_cache" and cfg.kv_cache_dtype == "fp8_e4m3" else TOL
+
+
 def _state_err(cfg, got: dict, ref: dict) -> dict[str, float]:
     out = {}
     for k, v in ref.items():
@@ -51,7 +56,7 @@ def check_layer(preset, tp, kind, batch, T, seed, kda_mode="auto", **options):
     se = _state_err(cfg, m.states[0], new_state)
     msg = f"{preset} tp{tp} {kind} B={batch} T={T} seed={seed}: x {ex:.2e} r {er:.2e} {se}"
     assert ex < TOL and er < TOL, msg
-    assert all(v < TOL for v in se.values()), msg
+    assert all(v < _state_tol(cfg, k) for k, v in se.items()), msg
     if ids is not None:  # the standard path's routing is the reference's, up to near-ties
         h, _ = R.attn_res_ref(*_post_attn(cfg, specs[0], m, before, x_in, r_in, T))
         _, ref_ids, margin = R.routing_ref(cfg, m.weights[0], h)
@@ -90,6 +95,11 @@ def test_layer_matches_reference(kind, batch, T, tp, seed):
 def test_each_kind_batch_and_verify_tokens(kind, batch, T):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh each run; printed on failure
     check_layer("tiny", 1, kind, batch, T, seed)
+
+
+def test_fp8_latent_cache():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    check_layer("tiny", 1, "mla", 3, 2, seed, kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("kind", ["kda", "mla"])

@@ -50,7 +50,8 @@ def _check(preset, tp, kind, batch, T, dtype=torch.float64, **options):
             got, v = got[:, cfg.context_len :], v[:, cfg.context_len :]
         errs[k] = R.rel_l2(got, v)
     msg = f"{preset} tp{tp} {kind} B={batch} T={T} seed={seed}: {errs} impl={m.ops.impl}"
-    assert all(e < TOL for e in errs.values()), msg
+    fp8 = cfg.kv_cache_dtype == "fp8_e4m3"  # fp8 rows: a one-ulp flip is ~6% of an element
+    assert all(e < (6e-2 if fp8 and k == "kv_cache" else TOL) for k, e in errs.items()), msg
     return m
 
 
@@ -88,6 +89,12 @@ def test_full_shapes_one_layer(tp, kind, batch, T):
         "attn.fused_kda_decode" if tp == 8 else "attn.kda_chain"
     )  # fmt: skip
     assert impl.get(attn, "").startswith("triton"), impl
+
+
+@pytest.mark.parametrize("preset, tp", [("tiny", 1), ("kimi-k3", 8)])
+def test_fp8_latent_cache(preset, tp):
+    m = _check(preset, tp, "mla", 3, 2, dtype=torch.float32, kv_cache_dtype="fp8_e4m3")
+    assert m.states[0]["kv_cache"].dtype == torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("tp", [8, 16])

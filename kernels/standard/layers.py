@@ -361,7 +361,8 @@ class StandardLayer:
                 fn(*a1)
                 ins_torch(*a2)
                 sl = slice(cfg.context_len, None)
-                return O.close(a1[2][:, sl].float(), a2[2][:, sl].float(), 1e-2)
+                tol = 7e-2 if cache.element_size() == 1 else 1e-2  # fp8: one-ulp rounding flips
+                return O.close(a1[2][:, sl].float(), a2[2][:, sl].float(), tol)
 
             return p
 
