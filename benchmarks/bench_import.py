@@ -180,6 +180,8 @@ def machine() -> dict:
         "platform": platform.platform(),
         "versions": versions,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        # other work on the machine slows every loader; the load average says how busy it was
+        "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     traces = args.trace or [DEFAULT]
+    mach = machine()
     rows = []
     for path in traces:
         facts = trace_facts(path)
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name != "hta" and "median_s" in hta:
                     row["speedup_vs_hta"] = hta["median_s"] / r["median_s"]
             rows.append(row)
-    report = {"machine": machine(), "rows": rows}
+    report = {"machine": mach, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print_table(report)
@@ -225,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(report: dict) -> None:
     m = report["machine"]
     title = f"Kineto import on {m['cpu']} ({m['cores']} cores), Python {m['python']}"
+    if m.get("loadavg_1_5_15"):
+        title += f", load average {m['loadavg_1_5_15'][0]:.1f} at the start"
     header = [
         "trace",
         "events",
