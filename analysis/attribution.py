@@ -101,7 +101,7 @@ def _parents(start: np.ndarray, end: np.ndarray) -> np.ndarray:
     e_list = end.tolist()
     for i in range(n):
         s = s_list[i]
-        while stack and e_list[stack[-1]] < s:
+        while stack and e_list[stack[-1]] <= s:
             stack.pop()
         if stack:
             parent[i] = stack[-1]
