@@ -25,7 +25,7 @@ Math (:func:`decodescope.kernels.reference.kda_attn_ref`), per token t, head h, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -34,7 +34,13 @@ import torch
 from cutlass import BFloat16, Float32
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.utils import block_sum, load_vec8, sigmoid
+from decodescope.kernels.specialized.utils import (
+    block_sum,
+    load_vec8,
+    pdl_begin,
+    pdl_enabled,
+    sigmoid,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class KDAPlan:
     proj_width: int  # P, columns of the in_proj output
     lower_bound: float = -5.0
     eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
 
     @property
     def dim(self) -> int:
@@ -95,6 +102,7 @@ class KDADecode:
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
+            use_pdl=p.pdl,
         )
 
     @cute.kernel
@@ -116,6 +124,8 @@ class KDADecode:
         sK = st.k.get_tensor(cute.make_layout(hd))
         sRed = st.red.get_tensor(cute.make_layout(16))
 
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
         col = h * hd + j
         # this thread's rows of state column j, FP32, in registers
         rS = cute.make_rmem_tensor((rows,), Float32)

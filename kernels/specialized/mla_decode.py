@@ -28,7 +28,7 @@ tokens as the MMA rows (1+7 tokens re-read the split's keys once per token, from
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -37,7 +37,14 @@ import torch
 from cutlass import BFloat16, Float32, Int32
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.utils import block_sum, load_vec8, sigmoid, warp_sum
+from decodescope.kernels.specialized.utils import (
+    block_sum,
+    load_vec8,
+    pdl_begin,
+    pdl_enabled,
+    sigmoid,
+    warp_sum,
+)
 
 WARPS = 8
 KB = 4  # keys per warp per block
@@ -57,6 +64,7 @@ class MLAPlan:
     v_dim: int  # 128
     ctx: int  # cached rows before this step
     eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
 
     @property
     def lat(self) -> int:
@@ -121,6 +129,7 @@ class MLADecode:
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
+            use_pdl=p.pdl,
         )
 
     @cute.kernel
@@ -144,6 +153,8 @@ class MLADecode:
         sRed = st.red.get_tensor(cute.make_layout(8))
         sLast = st.last.get_tensor(cute.make_layout(1))
 
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
         # -- 1. the T new latent rows: rmsnorm(kv_a) * kv_a_norm | k_pe ---------------------
         for t in cutlass.range(T):
             row = b * T + t

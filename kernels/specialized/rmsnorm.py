@@ -7,7 +7,7 @@ recomputes the rstd in its own prologue (as :mod:`.norm_qkv_proj` does) this lau
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -16,7 +16,13 @@ import torch
 from cutlass import BFloat16, Float32
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.utils import block_sum, load_vec8, store_vec8
+from decodescope.kernels.specialized.utils import (
+    block_sum,
+    load_vec8,
+    pdl_begin,
+    pdl_enabled,
+    store_vec8,
+)
 
 THREADS = 128
 
@@ -26,6 +32,7 @@ class NormPlan:
     m: int
     n: int
     eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
 
 
 class RMSNorm:
@@ -42,7 +49,11 @@ class RMSNorm:
 
         self.smem_cls = Smem
         self.kernel(mX, mW, mY).launch(
-            grid=[self.p.m, 1, 1], block=[THREADS, 1, 1], smem=Smem.size_in_bytes(), stream=stream
+            grid=[self.p.m, 1, 1],
+            block=[THREADS, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.p.pdl,
         )
 
     @cute.kernel
@@ -50,6 +61,8 @@ class RMSNorm:
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         m, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
         st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
         sRed = st.red.get_tensor(cute.make_layout(8))
         nvec = p.n // 8

@@ -34,7 +34,7 @@ Compile key: (m, k, segment widths, flags, x row stride). Shapes are static.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.utils import load_vec8, warp_sum  # noqa: E402
+from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum  # noqa: E402
 
 ROWS = 16  # weight rows per CTA (the MMA's M)
 KCHUNK = 32  # k per chunk: two m16n8k16 steps
@@ -61,6 +61,7 @@ class GemmPlan:
     residual_epilogue: bool = False  # out = out + res (same shape as out)
     x_stride: int = 0  # row stride of x in elements (0: compact, = k)
     eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)  # programmatic dependent launch
     rt_force: int = 0  # row tiles per CTA (0: by M; set by tuning sweeps)
     ks_force: int = 0  # warps per CTA (0: 8 where K allows)
 
@@ -163,6 +164,7 @@ class SkinnyGemm:
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
+            use_pdl=p.pdl,
         )
 
     @cute.kernel
@@ -192,6 +194,18 @@ class SkinnyGemm:
         sRstd = st.rstd.get_tensor(cute.make_layout(mp))
         sRed = st.red.get_tensor(cute.make_layout((p.ks, ROWS, mp), stride=(ROWS * mp, mp, 1)))
 
+        if cutlass.const_expr(p.pdl):
+            # the weights never come from the previous kernel: start pulling this CTA's first
+            # chunks into L2 while that kernel finishes, then wait for it
+            t0 = 0
+            for s in cutlass.range_constexpr(len(p.segments)):
+                nc = p.ctas(p.segments[s])
+                if bidx >= t0 and bidx < t0 + nc:
+                    self.prefetch_weights((mW0, mW1, mW2)[s], bidx - t0, p.segments[s] // ROWS,
+                                          warp, lane)  # fmt: skip
+                t0 += nc
+            pdl_begin()
+
         if cutlass.const_expr(p.norm):
             self.prologue(mX, mR, mRout, sRstd, bidx, warp, lane)
             cute.arch.sync_threads()
@@ -207,6 +221,21 @@ class SkinnyGemm:
                     p.segments[s] // ROWS, warp, lane,
                 )  # fmt: skip
             t0 += nc
+
+    @cute.jit
+    def prefetch_weights(self, mW, cta, ntiles, warp, lane):
+        """L2 prefetch of the first ``unroll`` chunks of this warp's K-slice, every row tile."""
+        p = self.p
+        g = lane // 4
+        c = lane % 4
+        chunk0 = warp * (p.k // KCHUNK // p.ks)
+        for q in cutlass.range_constexpr(p.rt):
+            row = cutlass.min(cta * p.rt + q, ntiles - 1) * ROWS + g
+            for v in cutlass.range_constexpr(p.unroll):
+                k0 = (chunk0 + v) * KCHUNK + c * 8
+                for hh in cutlass.range_constexpr(2):
+                    tile = cute.local_tile(mW[row + 8 * hh, None], (8,), (k0 // 8,))
+                    cute.arch.prefetch(tile.iterator.llvm_ptr, cache_level="L2")
 
     @cute.jit
     def prologue(self, mX, mR, mRout, sRstd, bidx, warp, lane):

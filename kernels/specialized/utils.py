@@ -5,6 +5,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel. Reductions are 
 
 from __future__ import annotations
 
+import os
+
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
@@ -25,6 +27,21 @@ def load_vec8(row: cute.Tensor, k0: Int32, dst: cute.Tensor) -> None:
 def store_vec8(src: cute.Tensor, row: cute.Tensor, k0: Int32) -> None:
     """Copy 8 registers into ``row[k0 : k0 + 8]`` (one 128-bit store for 16-bit types)."""
     cute.autovec_copy(src, cute.local_tile(row, (8,), (k0 // 8,)))
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for the specialized kernels (``DECODESCOPE_NO_PDL=1``
+    turns it off, for A/B timing). Part of every plan (compile key)."""
+    return os.environ.get("DECODESCOPE_NO_PDL", "") in ("", "0")
+
+
+@cute.jit
+def pdl_begin() -> None:
+    """Wait until the previous grid on the stream has completed and flushed (nothing this
+    kernel reads before this point may come from it), then let the next PDL kernel launch:
+    its CTAs park in their own wait. Wait-first keeps it correct whatever comes before."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
 
 
 @cute.jit
