@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -57,6 +58,7 @@ ATTN_KEYS = {
             "w_uv", "o_proj"),
 }  # fmt: skip
 TOL = {"out": 2e-2, "state": 2e-3}
+PDL_AB_POINTS = ("1x1", "64x1")
 
 
 def record(**kw) -> dict:
@@ -312,6 +314,20 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
         record(time="specialized attention", kernels=len(stages[0]), us=f"{r[0]:.1f}",
                us_min=f"{r[1]:.1f}", us_max=f"{r[2]:.1f}", eff=f"{r[0] / floor:.2f}",
                **base)  # fmt: skip
+    if ctx["point"] in PDL_AB_POINTS:  # the same half without programmatic dependent launch
+
+        def no_pdl():
+            os.environ["DECODESCOPE_NO_PDL"] = "1"
+            try:
+                return graph_time_us(fns, replays)
+            finally:
+                os.environ.pop("DECODESCOPE_NO_PDL", None)
+
+        r = guarded("time specialized no-PDL", ctx, no_pdl)
+        if r is not None:
+            record(time="specialized attention, PDL off", kernels=len(stages[0]),
+                   us=f"{r[0]:.1f}", us_min=f"{r[1]:.1f}", us_max=f"{r[2]:.1f}",
+                   eff=f"{r[0] / floor:.2f}", **base)  # fmt: skip
     if not std_ok:
         return
 
