@@ -658,9 +658,13 @@ def test_records_are_views_tells_copies_from_buffer_views():
 def test_buffer_callback_defers_conversion_until_the_chunk_is_written(tmp_path):
     s = cap.Session(tmp_path, cupti_module=FakeCupti())
     s.running = True
-    s._completed([kernel_rec(1, 2, 1), kernel_rec(3, 4, 2), marker_rec(1, 1, 2, "step")])
-    assert len(s._pending) == 1 and not s._rows  # kept, not converted, in CUPTI's thread
-    assert s.counts["buffers_completed"] == 1 and s.counts["records_delivered"] == 3
+    s._completed(
+        [kernel_rec(1, 2, 1), NS(kind=13), kernel_rec(3, 4, 2), marker_rec(1, 1, 2, "step")]
+    )
+    # kernels kept, not converted, in CUPTI's thread; markers converted (their name strings);
+    # MARKER_DATA dropped
+    assert [len(p) for p in s._pending] == [2] and list(s._rows) == ["marker"]
+    assert s.counts["buffers_completed"] == 1 and s.counts["records_delivered"] == 4
     s.running = False
     s.write_chunk()
     raw = cap.read_chunks(tmp_path)

@@ -125,10 +125,10 @@ class Session:
     - launch callbacks (``launch_records="callback"``): one Python call per API entry and exit
       of each launch API; the entry appends one tuple ``(correlation id, thread, timestamp,
       domain, cbid)`` to a list, nothing else (names are resolved when the chunk is written);
-    - buffer-completed callback (CUPTI's own thread): by default it only keeps the list of
-      record objects cupti-python built (copies of the records, checked once per buffer by
-      :func:`_records_are_views`); conversion to rows happens in :meth:`write_chunk` /
-      :meth:`stop`, outside the workload's timed steps. Buffers are ``buffer_bytes`` (64 MB) so
+    - buffer-completed callback (CUPTI's own thread): by default it keeps the record objects
+      cupti-python built (copies of the records, checked per buffer by
+      :func:`_records_are_views`) and converts only NVTX markers at once (their name strings);
+      the rest becomes rows in :meth:`write_chunk` / :meth:`stop`, outside the workload's steps. Buffers are ``buffer_bytes`` (64 MB) so
       that a short capture completes none while it runs;
     - nothing flushes unless asked: :meth:`discard` and :meth:`stop` flush, and a
       ``flush_period_ms`` (program mode) makes CUPTI deliver buffers periodically.
@@ -296,10 +296,14 @@ class Session:
                 and isinstance(activities, list)
                 and not _records_are_views(activities)
             ):
+                keep, now = _split_for_deferral(activities)
                 with self._lock:
-                    self._pending.append(activities)
+                    if keep:
+                        self._pending.append(keep)
             else:  # records that point into CUPTI's buffer die with it: convert now
-                rows = self.conv.convert_all(activities)
+                now = activities
+            if now:
+                rows = self.conv.convert_all(now)
                 with self._lock:
                     for k, v in rows.items():
                         self._rows[k].extend(v)
@@ -464,6 +468,26 @@ class Session:
             self.counts["session_notes"] += len(self.errors)
             (self.out / "session-notes.txt").write_text("\n".join(self.errors) + "\n")
         self.write_chunk()
+
+
+def _split_for_deferral(acts: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(records to keep for later, records to convert now). Kernel names are CUPTI's for the
+    module's lifetime (Kineto reads them after the callback too); a marker's name string is not
+    documented to outlive its buffer, so markers (a few per range) are converted at once.
+    MARKER_DATA records are dropped (nothing reads them)."""
+    keep: list[Any] = []
+    now: list[Any] = []
+    for a in acts:
+        try:
+            k = a.kind
+        except Exception:
+            now.append(a)  # let the converter count it
+            continue
+        if k == cr.KIND_MARKER:
+            now.append(a)
+        elif k != cr.KIND_MARKER_DATA:
+            keep.append(a)
+    return keep, now
 
 
 def _records_are_views(acts: list[Any]) -> bool:
