@@ -128,8 +128,9 @@ class Session:
     - buffer-completed callback (CUPTI's own thread): by default it keeps the record objects
       cupti-python built (copies of the records, checked per buffer by
       :func:`_records_are_views`) and converts only NVTX markers at once (their name strings);
-      the rest becomes rows in :meth:`write_chunk` / :meth:`stop`, outside the workload's steps. Buffers are ``buffer_bytes`` (64 MB) so
-      that a short capture completes none while it runs;
+      the rest becomes rows in :meth:`write_chunk` / :meth:`stop`, outside the workload's
+      steps. Buffers are ``buffer_bytes`` (64 MB) so that a short capture completes none while
+      it runs;
     - nothing flushes unless asked: :meth:`discard` and :meth:`stop` flush, and a
       ``flush_period_ms`` (program mode) makes CUPTI deliver buffers periodically.
 
