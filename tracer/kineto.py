@@ -95,7 +95,7 @@ OTHER_CATS = frozenset(
     }
 )
 
-_GRAPH_LAUNCH = "cudaGraphLaunch"
+_GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")  # runtime or driver, any suffix
 _ANON = "(anonymous namespace)"
 _GENERIC_KERNEL_NAMES = frozenset({"Kernel", "Kernel2", "kernel", "device_kernel", "KernelLaunch"})
 
@@ -1048,14 +1048,24 @@ class _Builder:
             names = [n for n in gpus.values() if isinstance(n, str)]
             gpu = names[0] if names else None
         api = kernels.column("launch_api")
-        graph_kernels = pc.sum(pc.equal(api.cast(pa.string()), _GRAPH_LAUNCH)).as_py() or 0
-        has_graph = _GRAPH_LAUNCH in set(launches.get("name") or ())
-        if not has_graph:
-            mode = "eager" if kernels.num_rows else "unknown"
+        from_graph = pc.or_(
+            pc.is_valid(kernels.column("graph_node_id")),
+            pc.fill_null(
+                pc.match_substring_regex(api.cast(pa.string()), _GRAPH_LAUNCH.pattern), False
+            ),
+        )
+        graph_kernels = pc.sum(from_graph).as_py() or 0
+        has_graph = any(_GRAPH_LAUNCH.match(n) for n in set(launches.get("name") or ()))
+        if not kernels.num_rows:
+            mode = "unknown"
         elif graph_kernels == kernels.num_rows:
             mode = "graph"
+        elif graph_kernels or has_graph:
+            mode = (
+                "mixed"  # some kernels replayed from a graph, or graph launches beside eager ones
+            )
         else:
-            mode = "mixed"
+            mode = "eager"
         created = None
         if kernels.num_rows:
             first = kernels.column("start_ns").to_numpy().min()
