@@ -248,3 +248,17 @@ def test_the_default_pair_is_standard_vs_specialized_of_one_setup():
     assert dashboard.default_pair(runs) == (1, 2)
     assert dashboard.default_pair([run("other", 1), run("other", 1)]) == (0, 1)
     assert dashboard.default_pair([run("other", 1)]) == (0, 0)
+
+
+REAL_TRACES = sorted(p.name for p in TRACES.iterdir() if p.name.startswith(("kineto_", "nsys_")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trace", REAL_TRACES)
+def test_every_real_trace_renders_in_every_view(monkeypatch, trace):
+    at = run_app(monkeypatch, TRACES / trace)
+    for view in dashboard.VIEWS:
+        open_view(at, view)
+        no_exception(at)
+        assert not at.error, (view, texts(at.error))
+    assert texts(at.subheader)
