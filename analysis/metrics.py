@@ -24,6 +24,7 @@ __all__ = [
     "op_table",
     "kernel_table",
     "group_stats",
+    "with_floor",
 ]
 
 
@@ -303,3 +304,23 @@ def kernel_table(kernels: pa.Table) -> pa.Table:
         }
     )
     return out.sort_by([("total_us", "descending"), ("name", "ascending")])
+
+
+def with_floor(
+    kinds: pa.Table, layer_bytes: dict[str, int] | None, copy_bw_tbs: float | None
+) -> pa.Table:
+    """A :func:`kind_table` with the bytes floor of DESIGN.md section 7 beside the span:
+    ``bytes`` (what one layer of the kind must read and write per rank in one step),
+    ``floor_us`` = bytes / copy bandwidth, and ``efficiency`` = span_us / floor_us (1.0 would be
+    a layer running at copy speed). Nulls where the run did not measure them."""
+    n = kinds.num_rows
+    lb = layer_bytes or {}
+    b = [lb.get(k) for k in kinds["layer_kind"].to_pylist()]
+    floor = [(x / (copy_bw_tbs * 1e6)) if x is not None and copy_bw_tbs else None for x in b]
+    spans = kinds["span_us"].to_pylist() if n else []
+    eff = [s / f if f and s is not None else None for s, f in zip(spans, floor, strict=True)]
+    return (
+        kinds.append_column("bytes", pa.array(b, pa.int64()))
+        .append_column("floor_us", pa.array(floor, pa.float64()))
+        .append_column("efficiency", pa.array(eff, pa.float64()))
+    )

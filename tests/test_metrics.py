@@ -217,3 +217,14 @@ def test_layer_table_nan_free_on_real_run():
         vals = lt[m].to_pylist()
         assert all(v is not None and not math.isnan(v) for v in vals)
     assert pc.min(lt["gaps_us"]).as_py() >= 0
+
+
+def test_bytes_floor():
+    # SYNTHETIC kernels; the bytes and bandwidth are DESIGN.md section 3's figures for one KDA
+    # layer + LatentMoE at TP8, batch 1, BF16 (about 390 MB at 4.22 TB/s: a floor of about 93 us)
+    k = _synthetic_kernels([(0, 0, "kda", "attn", "qkv", 1, 0, 130_000, "g")])
+    (r,) = metrics.with_floor(metrics.kind_table(k), {"kda": 390_000_000}, 4.22).to_pylist()
+    assert r["floor_us"] == pytest.approx(92.4, abs=0.1)
+    assert r["efficiency"] == pytest.approx(130 / 92.42, rel=1e-3)
+    (none,) = metrics.with_floor(metrics.kind_table(k), None, None).to_pylist()
+    assert none["floor_us"] is None and none["efficiency"] is None

@@ -29,7 +29,16 @@ HEADERS = {
     "min_us": "min us",
     "max_us": "max us",
     "kernel_names": "kernel names",
+    "floor_us": "bytes floor us",
+    "efficiency": "span / floor",
 }
+
+
+def _floor_cols(kinds: pa.Table) -> list[str]:
+    """The bytes-floor columns, where the run measured them (our own captures)."""
+    if kinds.num_rows and kinds["floor_us"].null_count < kinds.num_rows:
+        return ["floor_us", "efficiency"]
+    return []
 
 
 def dropped_records(run: Run) -> int:
@@ -88,7 +97,9 @@ def report_data(run: Run, top: int) -> dict[str, Any]:
     k = run.kernels
     return {
         "run": run_summary(run),
-        "kinds": metrics.kind_table(k),
+        "kinds": metrics.with_floor(
+            metrics.kind_table(k), run.meta.layer_bytes, run.meta.copy_bw_tbs
+        ),
         "layers": metrics.layer_table(k),
         "ops": metrics.op_table(k),
         "kernels": metrics.kernel_table(k).slice(0, top),
@@ -130,7 +141,7 @@ def report(
             arrow_table(
                 data["kinds"],
                 "per layer kind (median over layers of the per-step medians)",
-                ["layer_kind", "layers", "steps", *LAYER_COLS],
+                ["layer_kind", "layers", "steps", *LAYER_COLS, *_floor_cols(data["kinds"])],
                 HEADERS,
             )
         )
