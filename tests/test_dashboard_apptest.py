@@ -53,6 +53,7 @@ def test_default_view_renders_the_bundled_runs(monkeypatch):
     # the headline: per layer kind, A vs B
     heads = texts(at.subheader)
     assert heads and heads[0].startswith("Layer: ") and " vs " in heads[0]
+    assert any(m.startswith("**Verdict:** B is 1.29x faster") for m in texts(at.markdown))
     labels = [t.label for t in at.tabs]
     assert labels == list(dashboard.VIEWS)
     # side by side: per kind, then per layer (one table per layer kind), A and B with deltas

@@ -715,6 +715,8 @@ def page() -> None:
         st.subheader(line)
     if not lines:
         st.subheader("No layers attributed: see the kernel table")
+    elif not single:
+        st.markdown("  \n".join(f"**Verdict:** {v}" for v in compare.verdicts(pair["kinds"])))
 
     # lazy tabs: only the open tab's content runs (and travels to the browser)
     tabs = st.tabs(VIEWS, key="view", on_change="rerun")
