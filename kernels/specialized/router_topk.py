@@ -231,6 +231,7 @@ def select_topk(
     ``sCnt[e]`` (shared-memory atomics).
     """
     EPL = E // 32
+    LEVELS = (EPL - 1).bit_length()
     score = []
     sel = []
     for i in cutlass.range_constexpr(EPL):
@@ -239,14 +240,26 @@ def select_topk(
         sel.append(s + mBias[lane + 32 * i])
     total = Float32(0.0)
     for k in cutlass.range_constexpr(K):
-        bv = Float32(NEG_INF)
-        bi = Int32(E)
-        bs = Float32(0.0)
-        for i in cutlass.range_constexpr(EPL):
-            better = sel[i] > bv
-            bv = cutlass.select_(better, sel[i], bv)
-            bi = cutlass.select_(better, Int32(lane + 32 * i), bi)
-            bs = cutlass.select_(better, score[i], bs)
+        # this lane's best as a tree of selects (depth log2(EPL), not a chain of EPL); on a
+        # tie the lower expert index wins
+        cand = [(sel[i], Int32(lane + 32 * i), score[i]) for i in range(EPL)]
+        for _lvl in cutlass.range_constexpr(LEVELS):
+            nxt = []
+            for j in cutlass.range_constexpr(len(cand) // 2):
+                v0, i0, s0 = cand[2 * j]
+                v1, i1, s1 = cand[2 * j + 1]
+                take = v1 > v0
+                nxt.append(
+                    (
+                        cutlass.select_(take, v1, v0),
+                        cutlass.select_(take, i1, i0),
+                        cutlass.select_(take, s1, s0),
+                    )
+                )
+            if const_expr(len(cand) % 2 == 1):
+                nxt.append(cand[len(cand) - 1])
+            cand = nxt
+        bv, bi, bs = cand[0]
         for off in cutlass.range_constexpr(5):
             ov = cute.arch.shuffle_sync_bfly(bv, offset=1 << off)
             oi = cute.arch.shuffle_sync_bfly(bi, offset=1 << off)
