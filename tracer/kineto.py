@@ -71,6 +71,16 @@ def _module_ranges(events: list) -> list:
     return [e for e in events if type(e.name) is str and e.name.startswith(_MODULE_PREFIX)]
 
 
+# Kineto before user_annotation (2021) wrote record_function ranges as "Operator" events like
+# any aten op; the profiler's own step ranges are told apart by name: "ProfilerStep#5"
+LEGACY_OP_CATS = frozenset({"Operator"})
+_STEP_PREFIX = "ProfilerStep#"
+
+
+def _legacy_step_ranges(events: list) -> list:
+    return [e for e in events if type(e.name) is str and e.name.startswith(_STEP_PREFIX)]
+
+
 # categories Kineto writes that hold nothing for the run's tables (host ops, Python frames, flow
 # arrows, instants, metadata); they are neither imported nor reported
 OTHER_CATS = frozenset(
@@ -714,9 +724,10 @@ class _Builder:
         launches = self._launches(pick(LAUNCH_CATS))
         kernels = self._kernels(pick(KERNEL_CATS), launches)
         memops = self._memops(pick(MEMCPY_CATS), pick(MEMSET_CATS))
-        ranges = self._ranges(
-            pick(CPU_RANGE_CATS) + _module_ranges(pick(PYTHON_CATS)), pick(GPU_RANGE_CATS)
-        )
+        cpu_ranges = pick(CPU_RANGE_CATS) + _module_ranges(pick(PYTHON_CATS))
+        if not cpu_ranges:
+            cpu_ranges = _legacy_step_ranges(pick(LEGACY_OP_CATS))
+        ranges = self._ranges(cpu_ranges, pick(GPU_RANGE_CATS))
         overhead_rows = self._overhead_events(pick(OVERHEAD_CATS))
         for cat, n in counts.items():
             if isinstance(cat, str) or cat is None:  # a category this importer does not know
