@@ -448,6 +448,14 @@ def main(argv: list[str] | None = None) -> int:
         r = run_variant(v, args)
         results["variants"][v] = r
         msg = r.get("error") or f"{r.get('process_s', 0):.0f} s"
+        se = r.get("session") or {}
+        if se:
+            msg += (f"; kernel rows {se.get('kernel_rows')}, markers {se.get('marker_rows')}, "
+                    f"launch rows {se.get('launch_rows')}, buffers {se.get('buffers_completed')}, "
+                    f"dropped {se.get('dropped')}, callback errors {se.get('callback_errors')}, "
+                    f"stop {r.get('stop_s', 0):.2f} s")  # fmt: skip
+            for e in se.get("errors") or []:
+                msg += f"\n      note: {e}"
         print(f"  {LABELS.get(v, v)}: {msg}", flush=True)
     results.update(summarize(results))
     print_table(results)
