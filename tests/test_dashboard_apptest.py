@@ -263,3 +263,18 @@ def test_every_real_trace_renders_in_every_view(monkeypatch, trace):
         no_exception(at)
         assert not at.error, (view, texts(at.error))
     assert texts(at.subheader)
+
+
+def test_runs_that_measured_bytes_and_bandwidth_show_the_floor(monkeypatch, tmp_path):
+    # the real H100 run, with the two figures a capture of ours records (DESIGN.md section 7)
+    a = tracer.read_run(H100)
+    meta = a.meta.replace(layer_bytes={"layer": 844_000_000}, copy_bw_tbs=4.22)
+    tracer.write_run(a.replace(meta=meta), tmp_path / "a")
+    at = run_app(monkeypatch, tmp_path / "a", B200)
+    no_exception(at)
+    assert any(m.startswith("**Bytes floor**") for m in texts(at.markdown))
+    floor = at.dataframe[-1].value
+    row = floor[floor["run"] == "A"].iloc[0]
+    assert row["floor_us"] == pytest.approx(200.0)  # 844 MB at 4.22 TB/s
+    assert row["efficiency"] == pytest.approx(row["span_us"] / 200.0)
+    assert list(floor["run"]) == ["A"]  # B measured neither

@@ -414,6 +414,36 @@ def view_side_by_side(pair: Tables, labels: tuple[str, str], single: bool) -> No
             downloads("one_side", pair["one_side"], "dl-oneside")
 
 
+def view_floor(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: bool) -> None:
+    """The bytes floor per layer kind (DESIGN.md section 7), for runs that measured it."""
+    parts = []
+    sides = [(labels[0], sa, run_a)] + ([] if single else [(labels[1], sb, run_b)])
+    for lab, tables, run in sides:
+        m = run.meta
+        if not (m.layer_bytes and m.copy_bw_tbs):
+            continue
+        t = metrics.with_floor(tables["kinds"], m.layer_bytes, m.copy_bw_tbs)
+        t = t.select(["layer_kind", "kernels", "span_us", "bytes", "floor_us", "efficiency"])
+        parts.append(t.add_column(0, "run", pa.array([lab] * t.num_rows, pa.string())))
+    if not parts:
+        return
+    floor = pa.concat_tables(parts)
+    st.markdown(
+        "**Bytes floor** per layer kind: bytes one layer must move per rank and step / the "
+        "copy bandwidth measured in the same process; efficiency = span / floor"
+    )
+    _show(
+        floor,
+        column_config={
+            "span_us": _NUM("span us", format="%.1f"),
+            "floor_us": _NUM("floor us", format="%.1f"),
+            "efficiency": _NUM("span / floor", format="%.2fx"),
+            "bytes": _NUM("bytes", format="%d"),
+        },
+    )
+    downloads("bytes_floor", floor, "dl-floor")
+
+
 def view_charts(
     sa: Tables, sb: Tables, pair: Tables, labels: tuple[str, str], single: bool
 ) -> None:
@@ -721,7 +751,10 @@ def page() -> None:
     # lazy tabs: only the open tab's content runs (and travels to the browser)
     tabs = st.tabs(VIEWS, key="view", on_change="rerun")
     views = {
-        "Side by side": lambda: view_side_by_side(pair, labels, single),
+        "Side by side": lambda: (
+            view_side_by_side(pair, labels, single),
+            view_floor(sa, sb, run_a, run_b, labels, single),
+        ),
         "Charts": lambda: view_charts(sa, sb, pair, labels, single),
         "Timeline": lambda: view_timeline(run_a, run_b, rank, labels, single),
         "Kernels": lambda: view_kernels(sa, sb, labels, single),
