@@ -237,7 +237,9 @@ def check_layer(cfg, spec, w, state, B, T, ctx, std_ok: bool) -> None:
             check("attention.h vs standard", ctx, h_out, std.h, TOL["out"])
             for k in st:
                 sl = slice(None) if k != "kv_cache" else (slice(None), slice(cfg.context_len, None))
-                check(f"attention.{k} vs standard", ctx, st[k][sl], st2[k][sl], 2e-2)
+                # FP8 rows: a value near a rounding boundary may land one e4m3 step (6%) apart
+                tol = 6e-2 if st[k].dtype == torch.float8_e4m3fn else 2e-2
+                check(f"attention.{k} vs standard", ctx, st[k][sl], st2[k][sl], tol)
 
         guarded("vs_standard", ctx, vs_standard)
 
@@ -431,10 +433,10 @@ def table_md() -> str:
     return "\n".join(lines)
 
 
-def run_point(a, cfg, preset, tp, spec, w, pt: str, bw: float, t0: float) -> None:
+def run_point(a, cfg, preset, tp, spec, w, pt: str, bw: float, t0: float, label: str) -> None:
     kind = spec.attn
     B, T = (int(v) for v in pt.split("x"))
-    ctx = {"preset": preset, "tp": tp, "kind": kind, "point": pt}
+    ctx = {"preset": preset, "tp": tp, "kind": label, "point": pt}
     state = make_state(cfg, spec, B, T, seed=B * 10 + T, device=DEV)
     t1 = time.time()
     guarded("kernels", ctx, lambda: check_kernels(cfg, kind, w, state, B, T, ctx))
@@ -450,7 +452,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/specialized_attn")
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--kinds", nargs="+", default=["kda", "mla"])
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["kda", "mla", "mla-fp8"],
+        help="kda, mla (BF16 latent cache), mla-fp8 (FP8 e4m3 latent cache)",
+    )
     ap.add_argument("--points", nargs="+", default=["1x1", "8x1", "32x1", "64x1", "1x8", "8x8"])
     ap.add_argument("--copies", type=int, default=0, help="layers rotated past L2 (0: auto)")
     ap.add_argument("--replays", type=int, default=30)
@@ -468,14 +475,16 @@ def main() -> int:
     t0 = time.time()
     for preset, tp in shapes:
         cfg = get_config(preset, tp)
-        for kind in a.kinds:
+        for label in a.kinds:
+            kind = "kda" if label == "kda" else "mla"
+            kcfg = get_config(preset, tp, kv_cache_dtype="fp8_e4m3") if label == "mla-fp8" else cfg
             spec = LayerSpec(3 if kind == "kda" else 7, kind, "moe")
-            w = guarded("weights", {"tp": tp, "kind": kind},
+            w = guarded("weights", {"tp": tp, "kind": label},
                         lambda cfg=cfg, spec=spec: make_layer_weights(cfg, spec, 0, DEV))  # fmt: skip
             if w is None:
                 continue
             for pt in a.points:
-                run_point(a, cfg, preset, tp, spec, w, pt, bw, t0)
+                run_point(a, kcfg, preset, tp, spec, w, pt, bw, t0, label)
                 (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
             del w
             torch.cuda.empty_cache()

@@ -112,3 +112,25 @@ def test_gemm_sweep_variants_compile(rt, ks):
     p = sg.GemmPlan(**{**p.__dict__, "rt_force": rt, "ks_force": ks})
     assert p.grid == -(-(cfg.kda_in_proj_out // 16) // rt)
     assert sg.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("tiny", 1)])
+def test_mla_fp8_cache_compiles(preset, tp):
+    cfg = get_config(preset, tp, kv_cache_dtype="fp8_e4m3")
+    p = mla.plan_for(cfg, 2, 1)
+    assert p.cache_dtype == "fp8_e4m3"
+    assert mla.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (2, 3)])
+def test_mla_fp8_ref_matches_float64_reference(batch, tokens):
+    cfg = get_config("tiny", 1, kv_cache_dtype="fp8_e4m3")
+    spec, w, st, x, r = _layer(cfg, "mla", batch, tokens, 77 + batch)
+    r_out, h, new_state = attention_ref(cfg, spec, w, st, x, r, tokens)
+    h64, r64 = R.attn_res_ref(x, r, w["attn_norm"], cfg.eps)
+    a64, cache64 = R.mla_attn_ref(cfg, w, h64, st["kv_cache"], tokens)
+    hm64, rm64 = R.attn_res_ref(a64, r64, w["mlp_norm"], cfg.eps)
+    assert R.rel_l2(r_out, rm64) < 2e-2
+    assert R.rel_l2(h, hm64) < 2e-2
+    ctx = cfg.context_len
+    assert R.rel_l2(new_state["kv_cache"][:, ctx:], cache64[:, ctx:]) < 6e-2

@@ -21,7 +21,7 @@ batch (at batch 1, TP8: 12 heads x 16 splits of 64 cached keys); 8 warps per CTA
    for the next launch / graph replay) merges the splits and computes ``o = o_lat @ w_uv[h]``
    times ``sigmoid(g)``. With one split the CTA does it directly.
 
-Not done yet (notes/specialized.md): FP8 cache reads; tensor-core score/PV MMAs with heads x
+Not done yet (notes/specialized.md): tensor-core score/PV MMAs with heads x
 tokens as the MMA rows (1+7 tokens re-read the split's keys once per token, from L2).
 """
 
@@ -64,11 +64,16 @@ class MLAPlan:
     v_dim: int  # 128
     ctx: int  # cached rows before this step
     eps: float = 1e-5
+    cache_dtype: str = "bf16"  # or "fp8_e4m3" (plain cast, no scale: what the standard stores)
     pdl: bool = field(default_factory=pdl_enabled)
 
     @property
     def lat(self) -> int:
         return self.kv_lora + self.rope
+
+    @property
+    def cache_type(self) -> type:
+        return cutlass.Float8E4M3FN if self.cache_dtype == "fp8_e4m3" else BFloat16
 
     @property
     def a_width(self) -> int:
@@ -104,7 +109,7 @@ class MLADecode:
         mKvNorm: cute.Tensor,  # [kv_lora] bf16
         mWuk: cute.Tensor,  # [heads, nope, kv_lora] bf16
         mWuv: cute.Tensor,  # [heads, kv_lora, v] bf16
-        mCache: cute.Tensor,  # [B, ctx+T, lat] bf16, new rows written
+        mCache: cute.Tensor,  # [B, ctx+T, lat] bf16 or fp8 e4m3, new rows written
         mPart: cute.Tensor,  # [B*T, heads, splits, kv_lora + 2] f32 workspace
         mCnt: cute.Tensor,  # [B, heads] int32, zero between launches
         mOut: cute.Tensor,  # [B*T, heads*v] bf16
@@ -176,9 +181,10 @@ class MLADecode:
                         val = (y * mKvNorm[c].to(Float32)).to(BFloat16).to(Float32)
                     else:
                         val = mA[row, p.q_lora + c].to(Float32)
-                    sNew[t, c] = val
+                    # what the cache stores is what every key read sees (FP8: rounded)
+                    sNew[t, c] = val.to(p.cache_type).to(Float32)
                     if h == 0 and sp == 0:
-                        mCache[b, p.ctx + t, c] = val.to(BFloat16)
+                        mCache[b, p.ctx + t, c] = val.to(p.cache_type)
         cute.arch.sync_threads()
 
         scale = Float32(1.0 / math.sqrt(p.nope + R))
@@ -221,7 +227,7 @@ class MLADecode:
             for blk in cutlass.range(nblk):
                 key0 = k_begin + (blk * WARPS + warp) * KB
                 kb = cute.make_rmem_tensor(  # row-major: kb[q, vi, :] is 16 contiguous bytes
-                    cute.make_layout((KB, vpl, 8), stride=(vpl * 8, 8, 1)), BFloat16
+                    cute.make_layout((KB, vpl, 8), stride=(vpl * 8, 8, 1)), p.cache_type
                 )
                 kb.fill(0.0)
                 for q in cutlass.range_constexpr(KB):
@@ -362,7 +368,7 @@ class MLADecode:
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def plan_for(cfg, batch: int, tokens: int) -> MLAPlan:
+def plan_for(cfg, batch: int, tokens: int, cache_dtype: str | None = None) -> MLAPlan:
     m = cfg.mla
     return MLAPlan(
         batch=batch,
@@ -375,6 +381,7 @@ def plan_for(cfg, batch: int, tokens: int) -> MLAPlan:
         v_dim=m.v_head_dim,
         ctx=cfg.context_len,
         eps=cfg.eps,
+        cache_dtype=cache_dtype or cfg.kv_cache_dtype,
     )
 
 
@@ -388,7 +395,7 @@ def _fake_args(p: MLAPlan):
         itf.fake(bf, (p.kv_lora,), align=4),
         itf.fake(bf, (p.heads, p.nope, p.kv_lora)),
         itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
-        itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
+        itf.fake(p.cache_type, (p.batch, p.ctx + p.tokens, p.lat)),
         itf.fake(torch.float32, (M, p.heads, p.splits, p.kv_lora + 2), align=4),
         itf.fake(torch.int32, (p.batch, p.heads), align=4),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
@@ -402,10 +409,11 @@ def compile_plan(p: MLAPlan):
 
 def mla_decode(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
     """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows."""
-    if kv_cache.dtype != torch.bfloat16:
-        raise NotImplementedError("mla_decode: only a BF16 latent cache so far")
+    cache_dtype = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}.get(kv_cache.dtype)
+    if cache_dtype is None:
+        raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
     batch = a.shape[0] // tokens
-    plan = plan_for(cfg, batch, tokens)
+    plan = plan_for(cfg, batch, tokens, cache_dtype)
     fn = compile_plan(plan)
     part, cnt = _workspace(plan, a.device)
     fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, part, cnt, out)
@@ -441,8 +449,7 @@ def mla_decode_ref(cfg, w: dict, a, q, g, kv_cache, tokens: int):
     new = torch.cat([kv_n.float(), k_pe], -1).view(B, T, m.latent_dim)
     cache = kv_cache.clone()
     cache[:, ctx : ctx + T] = new.to(cache.dtype)
-    kv = cache.to(f32)
-    kv[:, ctx : ctx + T] = new
+    kv = cache.to(f32)  # the new rows as stored (FP8: rounded), as the kernel reads them
     qf = q.float().view(B * T, nh, m.qk_head_dim)
     q_nope, q_pe = qf.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
     q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w["w_uk"].float())
