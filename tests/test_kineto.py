@@ -67,6 +67,7 @@ def scan(name: str) -> dict:
                 e.get("cat") in ("python_function", "Python")
                 and e["name"].startswith("nn.Module: ")
             )
+            or (e.get("cat") == "Operator" and e["name"].startswith("ProfilerStep#"))
         ]
         _scans[name] = trace
     return _scans[name]
@@ -180,6 +181,8 @@ def test_range_counts_match_a_json_scan(name: str) -> None:
     cpu = events(name, "user_annotation") + [
         e for e in events(name, "python_function", "Python") if e["name"].startswith("nn.Module: ")
     ]
+    if not cpu:  # Kineto 2021 wrote its ProfilerStep ranges as "Operator" events
+        cpu = [e for e in events(name, "Operator") if e["name"].startswith("ProfilerStep#")]
     gpu = events(name, "gpu_user_annotation")
     timeline = Counter(run.ranges["timeline"].to_pylist())
     assert timeline["cpu"] == len(cpu)
@@ -302,6 +305,8 @@ def test_legacy_2021_categories_and_string_tids() -> None:
     threads = run.kernels["launch_thread"].unique().to_pylist()
     assert all(isinstance(t, int) for t in threads)
     assert run.meta.gpu == "Tesla V100-DGXS-32GB"
+    steps = run.ranges["name"].to_pylist()
+    assert steps == [f"ProfilerStep#{i}" for i in range(5, 11)]
 
 
 def test_run_id_is_stable_and_overridable() -> None:
