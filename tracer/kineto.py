@@ -8,8 +8,11 @@ What is read (everything else in the trace is outside the run's tables and is le
   ``Runtime``) event of the same correlation id. Kernels replayed from a CUDA graph all share the
   ``cudaGraphLaunch``'s correlation id, so they all get that launch.
 - memops: ``gpu_memcpy`` / ``gpu_memset`` (older: ``Memcpy`` / ``Memset``), bytes from ``args``.
-- ranges: ``user_annotation`` (timeline ``cpu``, thread = OS thread id) and
-  ``gpu_user_annotation`` (timeline ``gpu``, thread = stream), nested per thread.
+- ranges: ``user_annotation`` and the ``nn.Module: ...`` ``python_function`` events that
+  ``torch.profiler(with_modules=True)`` writes (timeline ``cpu``, thread = OS thread id; in a 2021
+  trace, which has neither, its ``ProfilerStep#N`` ``Operator`` events), and
+  ``gpu_user_annotation`` (timeline ``gpu``, thread = stream); nested per thread by a sweep over
+  the intervals sorted by start (longest first), which gives ``path``, ``depth`` and ``parent``.
 - overheads: Kineto's ``overhead`` events, and a count of every event of an imported category
   that could not be converted (``skipped_events``) and of categories this importer does not know
   (``unknown_category``): nothing is dropped silently.
@@ -21,8 +24,9 @@ trace has ``baseTimeNanoseconds`` (Kineto 2.4+), ``ts`` counts from it and it is
 time in the run is nanoseconds since the Unix epoch. ``end_ns = start_ns + dur``.
 
 Speed: the file is decoded once by msgspec into small typed records that keep only the fields
-read here (other keys are skipped by the decoder without building Python objects), then each
-table is built column by column with pyarrow / numpy. A trace that does not fit the typed
+read here (other keys are skipped by the decoder without building Python objects; flow, instant
+and metadata events decode to empty records), then each table is built column by column with
+pyarrow / numpy. benchmarks/bench_import.py measures it against HolisticTraceAnalysis. A trace that does not fit the typed
 decoder (an event that is not an object, ``args`` that is not an object) is decoded generically
 and converted event by event, skipping and counting what does not convert.
 """
