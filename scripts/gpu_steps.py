@@ -17,13 +17,15 @@ weights, which is checked) and check the specialized step against the standard s
   (the standard's selection score of each differing expert within ``--tie`` of the k-th score),
   and at least ``--min-rows`` of the rows must be compared.
 
-Each case runs in a child process (``--isolate case``, default; ``group``: one child per TP
-shape, a crash resumes the group in a fresh child; ``none``: in this process), with a time limit
-per case: a crash, a hang or an illegal address fails that case only, and the run goes on.
+Cases run in child processes (``--isolate group``, default: one child per TP shape, and after a
+crash, a hang or a sticky CUDA error the group resumes in a fresh child; ``case``: one child per
+case; ``none``: in this process), with a time limit per case: a failing case fails alone and the
+run goes on. Each case compiles its own kernels (shapes differ); about a minute per case, so run
+one TP shape per device command (10 minutes each).
 Writes ``results.json``, ``table.md`` and per-case JSON under ``--out``; prints the table last.
 
     python scripts/gpu_steps.py --out $OUT/steps [--tp 8 16] [--points 1x1 8x1 32x1 64x1 8x8]
-        [--layers kda,mla] [--draws 2] [--isolate case|group|none] [--case-timeout 300]
+        [--layers kda,mla] [--draws 2] [--isolate group|case|none] [--case-timeout 240]
 """
 
 from __future__ import annotations
@@ -357,7 +359,15 @@ def run_isolated(cases: list[dict], a) -> list[dict]:
                         }  # fmt: skip
                         log(f"== case {bad} ERROR: {how}\n   " + "\n   ".join(tail[-8:]))
                 still = [c for c in still if case_id(c) not in results]
+            for c in group:
+                r = results.get(case_id(c))
+                if r is not None and not r.get("_logged"):
+                    r["_logged"] = True
+                    err = f": {r.get('error', '')[:200]}" if r["status"] != "PASS" else ""
+                    log(f"== {case_id(c)} {r['status']} ({r.get('seconds', '?')} s){err}")
             pending = still
+    for r in results.values():
+        r.pop("_logged", None)
     return [results[case_id(c)] for c in cases if case_id(c) in results]
 
 
@@ -426,8 +436,8 @@ def main() -> int:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--tie", type=float, default=TIE)
     ap.add_argument("--min-rows", type=float, default=MIN_ROWS)
-    ap.add_argument("--isolate", choices=["case", "group", "none"], default="case")
-    ap.add_argument("--case-timeout", type=float, default=300.0)
+    ap.add_argument("--isolate", choices=["group", "case", "none"], default="group")
+    ap.add_argument("--case-timeout", type=float, default=240.0)
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
