@@ -40,10 +40,11 @@ def g():
 _WEIGHTS: dict = {}
 
 
-def _weights(g, preset, tp, kind):
+def _weights(g, preset, tp, label):
     from decodescope.kernels.config import LayerSpec, get_config
     from decodescope.kernels.weights import make_layer_weights
 
+    kind = "kda" if label == "kda" else "mla"
     key = (preset, tp, kind)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()  # one layer's weights at a time (MoE weights are GBs)
@@ -51,18 +52,22 @@ def _weights(g, preset, tp, kind):
         cfg = get_config(preset, tp)
         spec = LayerSpec(3 if kind == "kda" else 7, kind, "moe")
         _WEIGHTS[key] = (cfg, spec, make_layer_weights(cfg, spec, 0, g.DEV))
-    return _WEIGHTS[key]
+    cfg, spec, w = _WEIGHTS[key]
+    if label == "mla-fp8":
+        cfg = get_config(preset, tp, kv_cache_dtype="fp8_e4m3")
+    return cfg, spec, w
 
 
 @pytest.mark.parametrize("preset,tp", SHAPES)
-@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("label", ["kda", "mla", "mla-fp8"])
 @pytest.mark.parametrize("point", POINTS)
-def test_attention_half(g, preset, tp, kind, point):
+def test_attention_half(g, preset, tp, label, point):
     from decodescope.kernels.weights import make_state
 
-    cfg, spec, w = _weights(g, preset, tp, kind)
+    cfg, spec, w = _weights(g, preset, tp, label)
+    kind = spec.attn
     B, T = (int(v) for v in point.split("x"))
-    ctx = {"preset": preset, "tp": tp, "kind": kind, "point": point}
+    ctx = {"preset": preset, "tp": tp, "kind": label, "point": point}
     state = make_state(cfg, spec, B, T, seed=B * 10 + T, device=g.DEV)
     n0 = len(g.RESULTS)
     torch.manual_seed(B * 100 + T)
