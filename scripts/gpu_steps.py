@@ -43,7 +43,10 @@ from pathlib import Path
 
 STAGES = ("spec_vs_std",)
 POINTS = ("1x1", "8x1", "32x1", "64x1", "8x8")
-TOL = {"out": 2e-2, "state0": 2e-2, "state": 5e-2}
+# Two bf16 implementations each within 1.5e-2 of the exact layer (tests/test_standard_gpu.py's
+# bound) may differ by twice that: 3e-2 for what a layer's MoE output and later state carry;
+# the residual stream and layer 0's state (a function of the step's inputs only) stay at 2e-2.
+TOL = {"x_out": 3e-2, "r_out": 2e-2, "state0": 2e-2, "state": 3e-2}
 TIE = 0.02  # sigmoid-score units: a routing difference within this of the k-th score is a tie
 MIN_ROWS = 0.25
 
@@ -120,28 +123,32 @@ def _rel(out, ref) -> float:
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
 
 
-def _routing(std_m, spec_m, tie: float):
-    """Per layer: rows whose routing agrees [N] bool, and whether every difference is a tie."""
+def _routing(std_m, spec_m):
+    """Per layer: ``(agree [N] bool, tie [N] float)``: whether the row's selected experts are
+    the same set, and for a row where they are not, how far (in the standard's selection score,
+    sigmoid(logit) + bias) the furthest differing expert lies from the k-th score."""
     import torch
 
-    agree, ties_ok, worst = [], True, 0.0
+    out = []
     k = std_m.cfg.moe.top_k
     for lay, moe in zip(std_m.layers, spec_m.moe, strict=True):
         a = torch.sort(lay.topk_ids.long(), 1).values
         b = torch.sort(moe.topk_ids.long(), 1).values
         same = (a == b).all(1)
-        agree.append(same)
+        dist = torch.zeros(same.shape, dtype=torch.float64)
         bad = (~same).nonzero().flatten().tolist()
-        if not bad:
-            continue
-        score = torch.sigmoid(lay.logits.float()) + lay.w["router_bias"].float()
-        kth = torch.topk(score, k, dim=1).values[:, -1]
-        for n in bad:
-            diff = set(a[n].tolist()) ^ set(b[n].tolist())
-            d = max(abs(float(score[n, e] - kth[n])) for e in diff)
-            worst = max(worst, d)
-            ties_ok &= d <= tie
-    return agree, ties_ok, worst
+        if bad:
+            score = torch.sigmoid(lay.logits.float()) + lay.w["router_bias"].float()
+            kth = torch.topk(score, k, dim=1).values[:, -1]
+            E = score.shape[1]
+            for n in bad:
+                diff = set(a[n].tolist()) ^ set(b[n].tolist())
+                if any(not 0 <= e < E for e in diff):  # an id out of range: no tie
+                    dist[n] = float("inf")
+                    continue
+                dist[n] = max(abs(float(score[n, e] - kth[n])) for e in diff)
+        out.append((same.cpu(), dist))
+    return out
 
 
 def compare_step(std_m, spec_m, B: int, T: int, run_spec, seed: int, tie: float = TIE,
@@ -157,17 +164,25 @@ def compare_step(std_m, spec_m, B: int, T: int, run_spec, seed: int, tie: float 
     std_m.step()
     run_spec()
     _sync(std_m)
-    agree, ties_ok, worst = _routing(std_m, spec_m, tie)
-    # ok_before[l][b, t]: routing agrees in layers < l for tokens <= t of sequence b
-    ok = torch.ones(B, T, dtype=torch.bool, device=std_m.x_in.device)
+    routing = _routing(std_m, spec_m)
+    # ok_before[l][b, t]: routing agrees in layers < l for tokens <= t of sequence b (a row
+    # routed differently earlier has a different input here: only those rows are compared)
+    ok = torch.ones(B, T, dtype=torch.bool)
     ok_before = [ok.clone()]
-    for a in agree:
-        ok = ok & torch.cummin(a.view(B, T).int(), dim=1).values.bool()
+    worst = 0.0
+    for agree, dist in routing:
+        # a difference where the inputs still agree must be a near-tie
+        d = dist[ok.flatten() & ~agree]
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+        ok = ok & torch.cummin(agree.view(B, T).int(), dim=1).values.bool()
         ok_before.append(ok.clone())
+    ties_ok = worst <= tie
+    dev = std_m.x_in.device
+    ok_before = [o.to(dev) for o in ok_before]
     rows = ok_before[-1].flatten()
     res: dict = {"seed": seed, "rows_compared": int(rows.sum()), "rows": B * T}
-    res["routing_rows_agree"] = [int(a.sum()) for a in agree]
-    res["routing_worst_tie"] = round(worst, 5)
+    res["routing_rows_agree"] = [int(a.sum()) for a, _ in routing]
+    res["routing_worst_tie"] = worst
     checks = []
 
     def add(name, value, tol, ok_=None):
@@ -177,7 +192,7 @@ def compare_step(std_m, spec_m, B: int, T: int, run_spec, seed: int, tie: float 
     for name in ("x_out", "r_out"):
         out, ref = getattr(spec_m, name), getattr(std_m, name)
         add(f"{name} written", 0.0, 0.0, bool(out.isfinite().all()))
-        add(name, _rel(out[rows], ref[rows]), TOL["out"])
+        add(name, _rel(out[rows], ref[rows]), TOL[name])
     ctx = std_m.cfg.context_len
     for i, (a, b) in enumerate(zip(spec_m.states, std_m.states, strict=True)):
         okl = ok_before[i]
@@ -398,13 +413,14 @@ def table(results: list[dict]) -> str:
             "| worst tie | launches | status |")  # fmt: skip
     lines = [head, "|" + "---|" * 12]
     for r in results:
-        rows = [f"{d['rows_compared']}/{d['rows']}" for d in r.get("draws", [])]
+        least = min(r.get("draws", []), key=lambda d: d["rows_compared"], default=None)
+        rows = f"{least['rows_compared']}/{least['rows']}" if least else "-"
         ties = [d.get("routing_worst_tie", 0.0) for d in r.get("draws", [])]
         la = r.get("launches") or {}
         lines.append(
             f"| {r['tp']} | {r['batch']} | {r['tokens']} | {_worst(r, 'eager', 'x_out')} "
             f"| {_worst(r, 'eager', 'r_out')} | {_worst(r, 'graph', 'x_out')} "
-            f"| {_worst(r, 'graph', 'r_out')} | {_worst_state(r)} | {min(rows, default='-')} "
+            f"| {_worst(r, 'graph', 'r_out')} | {_worst_state(r)} | {rows} "
             f"| {max(ties, default=0):.3f} | {','.join(str(v) for v in la.values())} "
             f"| {r['status']} |"
         )

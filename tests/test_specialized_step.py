@@ -304,3 +304,24 @@ def test_gpu_steps_compare_on_cpu(monkeypatch, batch, tokens):
            "draws": [{"mode": "eager", **r}, {"mode": "graph", **bad}]}  # fmt: skip
     t = g.table([rec])
     assert "| FAIL |" in t and "x_out written" in t
+
+
+def test_gpu_steps_flags_a_routing_bug(monkeypatch):
+    """A routing difference that is no near-tie (an expert far below the k-th score) fails."""
+    from decodescope.kernels.standard.model import StandardModel
+
+    g = _gpu_steps()
+    p, m = _model(batch=4, tokens=1, layers="kda,mla", seed=11)
+    _reference_halves(monkeypatch, m)
+    std = StandardModel(p.cfg, p.specs, 4, 1, seed=11, device="cpu")
+
+    def wrong_routing():
+        m.step()
+        lay = std.layers[0]
+        score = torch.sigmoid(lay.logits.float()) + lay.w["router_bias"].float()
+        m.moe[0].topk_ids[0, 0] = int(torch.argmin(score[0]))  # the least likely expert
+
+    r = g.compare_step(std, m, 4, 1, wrong_routing, seed=5, tie=0.05, min_rows=0.0)
+    failed = {c["check"] for c in r["checks"] if not c["ok"]}
+    assert "routing differences are near-ties" in failed
+    assert r["routing_rows_agree"][0] <= 3
