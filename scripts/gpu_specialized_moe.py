@@ -95,6 +95,11 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> 
     check("front_residual_norm", ctx, rel_l2(blk.y_front, rt.front_gemv_ref(h_ref, blk.w_front)),
           5e-3)  # fmt: skip
     check("front_residual_out", ctx, rel_l2(r_out, r_ref), 1e-6)
+    blk.y_front.fill_(float("nan"))
+    blk.front_norm(ra)  # norm only (the residual already added upstream)
+    torch.cuda.synchronize()
+    h_ref, _ = rt.residual_norm_ref(ra, torch.zeros_like(ra), w["mlp_norm"], cfg.eps)
+    check("front_norm", ctx, rel_l2(blk.y_front, rt.front_gemv_ref(h_ref, blk.w_front)), 5e-3)
     blk.front(h)  # back to the plain path for the checks below
     torch.cuda.synchronize()
 
@@ -203,7 +208,8 @@ def floor_bytes(cfg, ids: torch.Tensor, N: int) -> dict[str, int]:
     back = H * L * 2 + L * 2 + N * L * 4 + N * H * 4 + N * H * 2
     weights = (E + L + 2 * S) * H * 2 + n_exp * 3 * Ie * L * 2 + S * H * 2 + H * L * 2 + L * 2
     return {"front": front, "experts": experts, "back": back,
-            "block": weights + 2 * N * H * 2, "block_residual_norm": weights + 4 * N * H * 2,
+            "block": weights + 2 * N * H * 2, "block_norm": weights + 2 * N * H * 2,
+            "block_residual_norm": weights + 4 * N * H * 2,
             "n_experts": n_exp}  # fmt: skip
 
 
@@ -221,6 +227,7 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
         "experts": [(lambda b=b, h=h: (b.front(h), b.experts())) for b, h, _ in trip],
         "back": [(lambda b=b, o=o: b.back(o)) for b, _, o in trip],
         "block": [(lambda b=b, h=h, o=o: b.forward(h, o)) for b, h, o in trip],
+        "block_norm": [(lambda b=b, h=h, o=o: b.forward_norm(h, o)) for b, h, o in trip],
         "block_residual_norm": [
             (lambda b=b, h=h, o=o, ro=ro: b.forward_residual(h, h, ro, o))
             for (b, h, o), ro in zip(trip, r_outs, strict=True)

@@ -42,9 +42,10 @@ def test_front_gemv_compiles(preset, tp):
 def test_front_gemv_with_residual_norm_compiles(preset, tp):
     cfg, d = _dims(preset, tp)
     for T in [1, 8] if preset == "kimi-k3" else [1, 3]:
-        op, args = rt._build(T, d["H"], d["E"] + d["L"] + 2 * d["S"], T * d["L"], d["E"], True,
-                             True, cfg.eps)  # fmt: skip
-        assert itf.compile_only(op, *args) is not None
+        for add in (True, False):
+            op, args = rt._build(T, d["H"], d["E"] + d["L"] + 2 * d["S"], T * d["L"], d["E"],
+                                 True, True, cfg.eps, add)  # fmt: skip
+            assert itf.compile_only(op, *args) is not None
 
 
 def test_residual_norm_ref_matches_reference():

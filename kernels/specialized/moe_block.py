@@ -40,7 +40,7 @@ OPS = (
     "grouped_topk+align+routed_experts+shared_experts+topk_sum",
     "latent_norm+latent_up+add",
 )
-# the front kernel with the post-attention residual-add + RMSNorm fused in (forward_residual)
+# the front kernel with the post-attention (residual-add +) RMSNorm fused in
 OP_FRONT_NORM = "residual_norm+router+latent_down+shared_experts"
 
 
@@ -103,6 +103,15 @@ class SpecializedMoE:
             _rt.front_gemv(x, self.w_front, self.y_front, self.acc, self.done, residual=r_in,
                            norm_w=self.mlp_norm, residual_out=r_out, eps=self.cfg.eps)  # fmt: skip
 
+    def front_norm(self, r: torch.Tensor) -> None:
+        """Front kernel on ``rmsnorm(r) * mlp_norm`` (the residual already added upstream, as
+        the attention side's ``o_proj`` does)."""
+        if self.mlp_norm is None:
+            raise ValueError("forward_norm needs the layer's mlp_norm weight")
+        with self._r(OP_FRONT_NORM):
+            _rt.front_gemv(r, self.w_front, self.y_front, self.acc, self.done,
+                           norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+
     def experts(self) -> None:
         with self._r(OPS[1]):
             _me.moe_experts(
@@ -132,6 +141,13 @@ class SpecializedMoE:
     def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""
         self.front(h)
+        self.experts()
+        self.back(out)
+
+    def forward_norm(self, r: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = MoE(rmsnorm(r) * mlp_norm)`` in 3 launches: pass the attention half's
+        ``r_out`` and skip its ``residual_norm`` launch (KDA layer 6 launches, MLA 7)."""
+        self.front_norm(r)
         self.experts()
         self.back(out)
 

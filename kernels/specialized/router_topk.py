@@ -63,9 +63,11 @@ class FrontGemv:
         pdl: bool = True,
         norm: bool = False,
         eps: float = 1e-5,
+        add_residual: bool = True,
     ):
         self.T, self.K, self.NF, self.n_acc, self.n_done = T, K, NF, n_acc, n_done
         self.pdl, self.norm, self.eps = pdl, norm, eps
+        self.add_residual = norm and add_residual
         if norm and min(TT, T) > NW:
             raise ValueError("the fused residual norm uses one warp per staged token: TT <= NW")
         self.TT, self.NW, self.R = min(TT, T), NW, R
@@ -161,9 +163,9 @@ class FrontGemv:
                     nt: cutlass.Constexpr[int]):  # fmt: skip
         """Stage tokens t0 .. t0+nt of h, multiply by this lane's rows, store FP32 sums.
 
-        With ``norm``: h = bf16(bf16(x + r) * rstd) * w_norm rounded to BF16 (vLLM's
-        fused_add_rms_norm rounding); every CTA takes the per-token rstd itself (one warp per
-        token) and CTA 0 writes the new residual bf16(x + r)."""
+        With ``norm``: h = bf16(bf16(x' * rstd) * w_norm), x' = x or, with ``add_residual``,
+        bf16(x + r) (vLLM's fused_add_rms_norm rounding); every CTA takes the per-token rstd
+        itself (one warp per token) and CTA 0 writes the new residual x'."""
         NT = self.NW * 32
         KV = self.K // VEC
         tid, _, _ = cute.arch.thread_idx()
@@ -174,12 +176,13 @@ class FrontGemv:
             if warp < nt:
                 ss = Float32(0.0)
                 for c in cutlass.range(lane, KV, 32, unroll=4):
-                    hv = (
-                        gXv[(0, None), (t0 + warp, c)].load().to(Float32)
-                        + gRv[(0, None), (t0 + warp, c)].load().to(Float32)
-                    ).to(BFloat16)
-                    if bid == 0:
-                        gROv[(0, None), (t0 + warp, c)].store(hv)
+                    hv = gXv[(0, None), (t0 + warp, c)].load()
+                    if const_expr(self.add_residual):
+                        hv = (
+                            hv.to(Float32) + gRv[(0, None), (t0 + warp, c)].load().to(Float32)
+                        ).to(BFloat16)
+                        if bid == 0:
+                            gROv[(0, None), (t0 + warp, c)].store(hv)
                     hf = hv.to(Float32)
                     ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
@@ -189,10 +192,11 @@ class FrontGemv:
             for i in cutlass.range(tid, nt * KV, NT, unroll=4):
                 t = i // KV
                 c = i % KV
-                hv = (
-                    gXv[(0, None), (t0 + t, c)].load().to(Float32)
-                    + gRv[(0, None), (t0 + t, c)].load().to(Float32)
-                ).to(BFloat16)
+                hv = gXv[(0, None), (t0 + t, c)].load()
+                if const_expr(self.add_residual):
+                    hv = (hv.to(Float32) + gRv[(0, None), (t0 + t, c)].load().to(Float32)).to(
+                        BFloat16
+                    )
                 hn = (hv.to(Float32) * sRstd[t]).to(BFloat16).to(Float32)
                 wn = gNv[(0, None), (0, c)].load().to(Float32)
                 sXv[(0, None), (t, c)].store((hn * wn).to(BFloat16))
@@ -307,9 +311,11 @@ def _build(
     pdl: bool = True,
     norm: bool = False,
     eps: float = 1e-5,
+    add_residual: bool = True,
 ):
-    op = FrontGemv(T, K, NF, n_acc, n_done, pdl=pdl, norm=norm, eps=eps)
-    tk = (T, K) if norm else (1, VEC)  # placeholders without the fused norm
+    op = FrontGemv(T, K, NF, n_acc, n_done, pdl=pdl, norm=norm, eps=eps,
+                   add_residual=add_residual)  # fmt: skip
+    tk = (T, K) if norm and add_residual else (1, VEC)  # placeholders when unused
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
@@ -347,26 +353,31 @@ def front_gemv(
     eps: float = 1e-5,
 ) -> None:
     """Launch :class:`FrontGemv` on the current stream: ``y = h @ w_front^T`` (FP32), zero
-    ``acc`` and ``done`` (flat views). ``h = x`` or, with ``residual`` / ``norm_w`` /
-    ``residual_out`` given, ``h = rmsnorm(x + residual) * norm_w`` with ``residual_out =
-    x + residual`` (the residual-add + RMSNorm before the MoE block, fused: one launch less)."""
+    ``acc`` and ``done`` (flat views). ``h = x``; with ``norm_w``, ``h = rmsnorm(x) * norm_w``;
+    with ``residual`` / ``residual_out`` as well, ``h = rmsnorm(x + residual) * norm_w`` and
+    ``residual_out = x + residual`` (the norm before the MoE block fused: one launch less)."""
     T, K = x.shape
     NF = w_front.shape[0]
     itf.check(x, "x", (T, K), torch.bfloat16)
     itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
     itf.check(y, "y_front", (T, NF), torch.float32)
-    norm = residual is not None
+    norm = norm_w is not None
+    add = residual is not None
+    if add and not norm:
+        raise ValueError("residual needs norm_w (the fused residual-add + RMSNorm)")
     if norm:
-        itf.check(residual, "residual", (T, K), torch.bfloat16)
         itf.check(norm_w, "norm_w", (K,), torch.bfloat16)
+    else:
+        norm_w = _placeholder((VEC,), x.device)
+    if add:
+        itf.check(residual, "residual", (T, K), torch.bfloat16)
         itf.check(residual_out, "residual_out", (T, K), torch.bfloat16)
     else:
         residual = residual_out = _placeholder((1, VEC), x.device)
-        norm_w = _placeholder((VEC,), x.device)
     pdl = pdl_enabled()
-    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel(), pdl, norm, float(eps))
+    key = ("moe_front_gemv", T, K, NF, acc.numel(), done.numel(), pdl, norm, add, float(eps))
     fn = itf.compiled(
-        key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, norm, float(eps))
+        key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, norm, float(eps), add)
     )
     fn(x, w_front, y, acc.view(-1), done.view(-1), residual, norm_w, residual_out)
 
