@@ -518,6 +518,9 @@ def short_name(name: str) -> str:
 _OPEN = {"<": ">", "(": ")", "[": "]", "{": "}"}
 
 
+_BRACKET = re.compile(r"[<>()\[\]{}]")
+
+
 def _split_top(s: str) -> tuple[str, str]:
     """Split ``s`` into the qualified name with top-level template arguments and the parameter
     list removed, and the text of the last top-level template argument list of the name.
@@ -527,19 +530,24 @@ def _split_top(s: str) -> tuple[str, str]:
     stack: list[str] = []
     last_targs = ""
     start = -1
-    for i, ch in enumerate(s):
+    prev = 0  # where the top-level text since the last bracket began
+    for m in _BRACKET.finditer(s):
+        ch, i = m.group(), m.start()
         if ch in _OPEN and not (ch == "<" and stack and stack[-1] == ")"):
             if not stack:
+                out.append(s[prev:i])
                 if ch == "(":
                     return "".join(out), last_targs
                 start = i
             stack.append(_OPEN[ch])
         elif stack and ch == stack[-1]:
             stack.pop()
-            if not stack and ch == ">":
-                last_targs = s[start + 1 : i]
-        elif not stack:
-            out.append(ch)
+            if not stack:
+                prev = i + 1
+                if ch == ">":
+                    last_targs = s[start + 1 : i]
+    if not stack:
+        out.append(s[prev:])
     return "".join(out), last_targs
 
 
@@ -852,10 +860,14 @@ class _Builder:
 
     @staticmethod
     def _dims(values: list) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """Three int32 columns from [x, y, z] lists; anything else becomes null."""
         try:
-            m = np.array(values, dtype=np.int64)
-            if m.ndim != 2 or m.shape[1] != 3 or (m.size and (m.min() < 0 or m.max() >= 2**31)):
-                raise ValueError
+            if set(map(type, values)) != {list} or set(map(len, values)) != {3}:
+                raise ValueError("not all [x, y, z]")
+            flat = itertools.chain.from_iterable(values)
+            m = np.fromiter(flat, dtype=np.int64, count=3 * len(values)).reshape(-1, 3)
+            if m.min() < 0 or m.max() >= 2**31:
+                raise ValueError("out of range")
             return tuple(pa.array(m[:, i].astype(np.int32)) for i in range(3))  # type: ignore[return-value]
         except (ValueError, TypeError, OverflowError):
             trip = [_dim3(v) for v in values]
