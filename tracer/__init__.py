@@ -67,13 +67,13 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
     """Load any supported trace or run folder as a :class:`Run` (format detected from content).
 
     Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`)
-    with ``scheme`` (default: ``analysis/naming.toml``); a run folder as it was written, or
-    renamed with ``scheme`` where one is given (its range paths are kept).
+    with ``scheme`` (default: ``analysis/naming.toml``); a run folder keeps the range paths
+    and steps it was written with, and gets layer, kind, block and op from them.
     """
     kind = detect(path)
     if kind == "run":
-        run = read_run(path)
-        return run if scheme is None else attribute(run, scheme)
+        # attribution fills only what is missing (a capture's range paths and steps are kept)
+        return attribute(read_run(path), scheme)
     if kind == "kineto":
         from decodescope.tracer.kineto import load_kineto
 

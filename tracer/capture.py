@@ -687,6 +687,12 @@ def run_capture(
         message=message or late_signal,
     )
     run = cr.assemble(raw, run_meta)
+    try:  # layer, kind, block and op from the range paths, as `load` would give them
+        from decodescope.analysis.attribution import attribute
+
+        run = attribute(run)
+    except Exception as e:  # never lose a capture to a naming problem; load() retries
+        print(f"decodescope: attribution of the capture failed: {e}", file=sys.stderr)
     if message:
         n = run.kernels.num_rows
         message += f"; run marked partial with {n} kernel record{'s' if n != 1 else ''} flushed"

@@ -50,10 +50,18 @@ def compare(
     """Compare run A with run B: kernels and span per layer kind, layer and op; ratio = A/B time."""
     run_a = load_with_progress(a, scheme)
     run_b = load_with_progress(b, scheme)
-    data = compare_data(run_a, run_b)
     if json_out:
-        typer.echo(dumps(data))
+        typer.echo(dumps(compare_data(run_a, run_b)))
         return
+    print_compare(run_a, run_b, top=top, a_label=str(a), b_label=str(b))
+
+
+def print_compare(
+    run_a: Run, run_b: Run, *, top: int = 20, a_label: str = "A", b_label: str = "B"
+) -> None:
+    """Print the comparison tables of run A and run B (what ``compare`` shows)."""
+    a, b = a_label, b_label
+    data = compare_data(run_a, run_b)
     console.print(
         f"A: {a}  ({data['a']['run_id']}, {data['a']['kernels']} kernels)", highlight=False
     )

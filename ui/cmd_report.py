@@ -125,10 +125,15 @@ def report(
 ) -> None:
     """Per-layer-kind and per-layer tables, ops and the top kernels of one run or trace."""
     run = load_with_progress(source, scheme)
-    data = report_data(run, top)
     if json_out:
-        typer.echo(dumps(data))
+        typer.echo(dumps(report_data(run, top)))
         return
+    print_report(run, top=top)
+
+
+def print_report(run: Run, *, top: int = 15) -> None:
+    """Print the tables of one run (what ``report`` shows)."""
+    data = report_data(run, top)
     print_meta(data["run"])
     if data["layers"].num_rows == 0:
         console.print(

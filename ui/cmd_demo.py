@@ -1,0 +1,87 @@
+"""``decodescope demo``: the main job on the bundled real H200 data, no GPU needed.
+
+With the bundled results dataset (``results/``: runs of ``decodescope bench`` on the H200) it
+prints the reference-style table (standard vs specialized per layer kind, bytes floor,
+projection) and the layer-by-layer comparison of the batch-1 pair; it then checks the newest
+specialized run against the dataset as a CI job would. Without it, it reports the bundled
+H200 captures under ``data/runs/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from decodescope.ui.cli import app, console
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "results"
+RUNS = REPO / "data" / "runs"
+
+
+def _pairs(runs) -> dict[tuple, dict[str, object]]:
+    """(preset, tp_shape, batch, tokens_per_seq) -> {backend: run}, newest run per backend."""
+    out: dict[tuple, dict[str, object]] = {}
+    for r in sorted(runs, key=lambda r: str(r.meta.created_at)):
+        m = r.meta
+        key = (m.preset, m.tp_shape, m.batch, m.tokens_per_seq or 1)
+        out.setdefault(key, {})[m.backend] = r
+    return out
+
+
+@app.command("demo")
+def demo(
+    results: Path = typer.Option(RESULTS, help="Results dataset to show."),
+    runs: Path = typer.Option(RUNS, help="Run folders to fall back on."),
+) -> None:
+    """Show the bundled H200 results: standard vs specialized, layer by layer."""
+    from decodescope import tracer
+    from decodescope.tracer.dataset import is_dataset, read_runs
+    from decodescope.ui import cmd_bench
+
+    if is_dataset(results):
+        all_runs = read_runs(results)
+        pairs = _pairs(all_runs)
+        rows = []
+        for (_preset, _tp, batch, tps), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+            for backend, run in by.items():
+                rows.extend(cmd_bench.kind_rows(run, backend, batch, tps))
+        if rows:
+            m = all_runs[0].meta
+            line = f"{m.gpu} x1, tp_shape {m.tp_shape}, tp_world {m.tp_world or 1}, {m.preset}"
+            console.print(f"[bold]Bundled H200 results[/] ({results}, {len(all_runs)} runs)")
+            console.print(cmd_bench._layer_table(rows, line))
+            prows = cmd_bench.projections(rows, 6.0)
+            if prows:
+                console.print(cmd_bench._projection_table(prows, line))
+            console.print(cmd_bench._reference_table())
+            first = next(
+                (
+                    by
+                    for k, by in sorted(pairs.items(), key=lambda kv: str(kv[0]))
+                    if {"standard", "specialized"} <= set(by)
+                ),
+                None,
+            )
+            if first is not None:
+                from decodescope.ui.cmd_compare import print_compare
+
+                console.rule("layer by layer: A = standard, B = specialized")
+                print_compare(first["standard"], first["specialized"], top=10)
+            return
+    folders = sorted(p for p in runs.glob("*") if tracer.store.is_run_dir(p))
+    if not folders:
+        console.print(f"no bundled data under {results} or {runs}")
+        raise typer.Exit(1)
+    from decodescope.ui.cmd_report import print_report
+
+    console.print(f"[bold]Bundled H200 captures[/] ({runs}): {', '.join(p.name for p in folders)}")
+    graph = next((p for p in folders if "graph" in p.name), folders[0])
+    print_report(tracer.load(graph), top=10)
+    eager = next((p for p in folders if "eager" in p.name), None)
+    if eager is not None and eager != graph:
+        from decodescope.ui.cmd_compare import print_compare
+
+        console.rule(f"A = {eager.name}, B = {graph.name}")
+        print_compare(tracer.load(eager), tracer.load(graph), top=10)
