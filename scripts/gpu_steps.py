@@ -26,6 +26,7 @@ Writes ``results.json``, ``table.md`` and per-case JSON under ``--out``; prints 
 
     python scripts/gpu_steps.py --out $OUT/steps [--tp 8 16] [--points 1x1 8x1 32x1 64x1 8x8]
         [--layers kda,mla] [--draws 2] [--isolate group|case|none] [--case-timeout 240]
+        [--front-norm 0|1|auto]
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def log(*a) -> None:
 # -- the comparison (importable: tests/test_specialized_step_gpu.py uses it) -------------------
 
 
-def build_pair(preset: str, tp: int, batch: int, tokens: int, layers: str, seed: int):
+def build_pair(preset: str, tp: int, batch: int, tokens: int, layers: str, seed: int,
+               front_norm: str = "0"):  # fmt: skip
     """``(standard workload, specialized workload)`` from the same options and seed."""
     import decodescope.kernels.specialized.step as spec_step
     from decodescope.kernels.workloads import WORKLOADS
@@ -66,7 +68,7 @@ def build_pair(preset: str, tp: int, batch: int, tokens: int, layers: str, seed:
     opts = dict(preset=preset, tp_shape=tp, batch=batch, tokens_per_seq=tokens, layers=layers,
                 seed=seed)  # fmt: skip
     std = WORKLOADS["standard"](**opts)
-    spec = spec_step.specialized(**opts)
+    spec = spec_step.specialized(**opts, front_norm=front_norm)
     return std, spec
 
 
@@ -232,7 +234,8 @@ def capture_graph(step, warmup: int = 2):
 
 
 def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws: int,
-             graph: bool = True, tie: float = TIE, min_rows: float = MIN_ROWS) -> dict:  # fmt: skip
+             graph: bool = True, tie: float = TIE, min_rows: float = MIN_ROWS,
+             front_norm: str = "0") -> dict:  # fmt: skip
     """Both workloads, eager and graph-replayed comparisons. Never raises."""
     import gc
 
@@ -240,17 +243,18 @@ def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws
 
     t0 = time.time()
     rec: dict = {"stage": "spec_vs_std", "preset": preset, "tp": tp, "batch": B, "tokens": T,
-                 "layers": layers, "draws": []}  # fmt: skip
+                 "layers": layers, "front_norm": str(front_norm), "draws": []}  # fmt: skip
     std = spec = g = None
     try:
         import decodescope.kernels.specialized.step as spec_step
 
         try:  # the specialized path says plainly what it lacks for this point
-            spec_step.plan(preset=preset, tp_shape=tp, batch=B, tokens_per_seq=T, layers=layers)
+            spec_step.plan(preset=preset, tp_shape=tp, batch=B, tokens_per_seq=T, layers=layers,
+                           front_norm=front_norm)  # fmt: skip
         except ValueError as e:
             rec.update(status="UNUSABLE", error=str(e))
             return rec
-        std, spec = build_pair(preset, tp, B, T, layers, seed)
+        std, spec = build_pair(preset, tp, B, T, layers, seed, front_norm)
         sm, pm = std.model, spec.model
         cfgj = json.loads(spec.meta["config_json"])
         rec["launches"] = cfgj.get("launches")
@@ -299,7 +303,8 @@ def run_child_cases(cases: list[dict], a) -> None:
         (cdir / "current").write_text(case_id(c))
         log(f"== case {case_id(c)} start")
         rec = run_case(a.preset, c["tp"], c["batch"], c["tokens"], a.layers, a.seed, a.draws,
-                       graph=not a.no_graph, tie=a.tie, min_rows=a.min_rows)  # fmt: skip
+                       graph=not a.no_graph, tie=a.tie, min_rows=a.min_rows,
+                       front_norm=a.front_norm)  # fmt: skip
         tmp = cdir / f"{case_id(c)}.json.tmp"
         tmp.write_text(json.dumps(rec, indent=1, default=str))
         tmp.rename(cdir / f"{case_id(c)}.json")
@@ -314,7 +319,8 @@ def _launch(cases: list[dict], a, logf) -> subprocess.Popen:
     argv = [sys.executable, __file__, "--_child", json.dumps(cases), "--out", a.out,
             "--preset", a.preset, "--layers", a.layers, "--seed", str(a.seed),
             "--draws", str(a.draws), "--tie", str(a.tie), "--min-rows", str(a.min_rows),
-            "--isolate", a.isolate] + (["--no-graph"] if a.no_graph else [])  # fmt: skip
+            "--isolate", a.isolate, "--front-norm", a.front_norm]  # fmt: skip
+    argv += ["--no-graph"] if a.no_graph else []
     return subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -450,6 +456,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draws", type=int, default=2, help="fresh input draws per mode")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--front-norm", default="0", help="specialized option front_norm: 0|1|auto")
     ap.add_argument("--tie", type=float, default=TIE)
     ap.add_argument("--min-rows", type=float, default=MIN_ROWS)
     ap.add_argument("--isolate", choices=["group", "case", "none"], default="group")

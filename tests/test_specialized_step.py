@@ -73,7 +73,6 @@ def test_range_names_follow_the_scheme():
         ({"layers": "kda,xyz"}, ["unknown layer kind"]),
         ({"tp_world": 2}, ["all-reduce"]),
         ({"layers": "dense,kda"}, ["dense-MLP"]),
-        ({"kv_cache_dtype": "fp8_e4m3"}, ["MLA decode", "BF16 latent cache"]),
         ({"expert_dtype": "mxfp4"}, ["MoE", "mxfp4"]),
         ({"batch": 65}, ["skinny GEMM", "64 tokens"]),
     ],
@@ -121,12 +120,16 @@ def test_factory_without_cuda_says_so(monkeypatch):
 # -- the model on a CPU -----------------------------------------------------------------------
 
 
-def _model(batch=2, tokens=2, layers="kda,mla", seed=0):
-    p = S.plan(**TINY, batch=batch, tokens_per_seq=tokens, layers=layers, seed=seed)
-    return p, S.SpecializedModel(p.cfg, p.specs, batch, tokens, seed=seed, device="cpu")
+def _model(batch=2, tokens=2, layers="kda,mla", seed=0, front_norm=0):
+    p = S.plan(**TINY, batch=batch, tokens_per_seq=tokens, layers=layers, seed=seed,
+               front_norm=front_norm)  # fmt: skip
+    m = S.SpecializedModel(p.cfg, p.specs, batch, tokens, seed=seed, device="cpu",
+                           front_norm=p.front_norm)  # fmt: skip
+    return p, m
 
 
-def test_dry_run_ranges_and_launches(monkeypatch):
+@pytest.mark.parametrize("front_norm", [0, 1])
+def test_dry_run_ranges_and_launches(monkeypatch, front_norm):
     """Every launch goes through interface.compiled: record the range path open at each."""
     from decodescope.kernels.specialized import interface as itf
 
@@ -136,7 +139,7 @@ def test_dry_run_ranges_and_launches(monkeypatch):
         return lambda *a, **k: calls.append((tracer.current_path(), str(key[0])))
 
     monkeypatch.setattr(itf, "compiled", fake_compiled)
-    p, m = _model(batch=2, tokens=2, layers="kda,mla")
+    p, m = _model(batch=2, tokens=2, layers="kda,mla", front_norm=front_norm)
     with tracer.range("step"):
         m.step()
     assert tracer.current_path() == ""
@@ -148,6 +151,33 @@ def test_dry_run_ranges_and_launches(monkeypatch):
         lay = path.split("/")[1]
         per_layer[lay] = per_layer.get(lay, 0) + 1
     assert per_layer == p.launches()
+    want_n = {"layer.0:kda": 7, "layer.1:mla": 8}
+    assert p.launches() == {k: v - front_norm for k, v in want_n.items()}
+    names = [c[0] for c in calls]
+    if front_norm:
+        assert not any(n.endswith(".attn.residual_norm") for n in names)
+        assert "step/layer.0:kda/layer.0.moe.residual_norm+router+latent_down+shared_experts" in (
+            names
+        )
+    else:
+        assert "step/layer.0:kda/layer.0.attn.residual_norm" in names
+
+
+def test_front_norm_option():
+    assert S.plan(**TINY, batch=16, front_norm="auto").front_norm
+    assert not S.plan(**TINY, batch=17, front_norm="auto").front_norm
+    assert not S.plan(**TINY).front_norm  # default: the halves as they stand
+    assert S.plan(**TINY, front_norm="1").front_norm
+    with pytest.raises(ValueError, match="front_norm"):
+        S.plan(**TINY, front_norm="maybe")
+    cfg = json.loads(S.plan(**TINY, front_norm=1).meta["config_json"])
+    assert cfg["front_norm"] is True
+    assert "moe.residual_norm+router+latent_down+shared_experts" in cfg["op_impl"]
+    assert cfg["launches"] == {"layer.0:kda": 6, "layer.1:mla": 7}
+
+
+def test_fp8_cache_is_accepted():
+    S.plan(**TINY, kv_cache_dtype="fp8_e4m3")
 
 
 def test_same_weights_state_inputs_as_standard():

@@ -15,6 +15,10 @@ of inputs and state), the KDA / MLA state updated in place, every kernel on torc
 stream: one CUDA graph per step. Kernels compile on the first (eager) step, which the factory
 runs: the capture child's warm-up and capture then find them compiled.
 
+Option ``front_norm`` (0 | 1 | auto; default 0) drops the attention half's last launch (the
+post-attention RMSNorm) and lets the MoE front kernel normalize the residual stream in its
+prologue (``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer.
+
 Where a half cannot run a preset or shape (no dense-MLP kernels, no all-reduce, an FP8 latent
 cache, MXFP4 experts, more than 64 tokens per step, ...), :func:`check_usable` raises a
 ValueError naming each missing piece. Without a CUDA GPU the factory validates the options, then
@@ -49,10 +53,47 @@ def _attn_ops(kind: str) -> tuple[str, ...]:
     return al.KDA_OPS if kind == "kda" else al.MLA_OPS
 
 
-def _moe_ops() -> tuple[str, ...]:
+def _moe_ops(front_norm: bool = False) -> tuple[str, ...]:
     from decodescope.kernels.specialized import moe_block as mb
 
+    if front_norm:
+        return (mb.OP_FRONT_NORM, *mb.OPS[1:])
     return mb.OPS
+
+
+FRONT_NORM_DROPS = "residual_norm"  # the attention launch the MoE front kernel takes over
+
+
+def parse_front_norm(v: Any, n_tokens: int) -> bool:
+    """``front_norm`` option: 0 | 1 | auto (on up to 16 tokens per step, where the front
+    kernel's per-CTA recompute of the row norms costs less than the launch it saves)."""
+    s = str(v).strip().lower()
+    if s in ("auto", ""):
+        return n_tokens <= 16
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", "none"):
+        return False
+    raise ValueError(f"option front_norm must be 0, 1 or auto, got {v!r}")
+
+
+def _front_norm_problems() -> list[str]:
+    """What the fused-norm front needs from the halves (present at the time of writing)."""
+    import inspect
+
+    from decodescope.kernels.specialized import attention_layers as al
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import router_topk as rt
+
+    out = []
+    if not hasattr(mb, "OP_FRONT_NORM"):
+        out.append("moe_block.OP_FRONT_NORM (the fused residual_norm front) is missing")
+    if "norm_w" not in inspect.signature(rt.front_gemv).parameters:
+        out.append("router_topk.front_gemv has no norm_w prologue")
+    for ops in (al.KDA_OPS, al.MLA_OPS):
+        if ops[-1] != FRONT_NORM_DROPS:
+            out.append(f"the attention half's last launch is {ops[-1]!r}, not {FRONT_NORM_DROPS!r}")
+    return [f"front_norm: {p}" for p in out]
 
 
 def _try(problems: list[str], what: str, fn) -> None:
@@ -82,11 +123,6 @@ def _attn_problems(cfg, kind: str, batch: int, tokens: int) -> list[str]:
     if kind == "kda":
         _try(out, f"{where}, KDA decode", lambda: kda.KDADecode(kda.plan_for(cfg, batch, tokens)))
     else:
-        if cfg.kv_cache_dtype != "bf16":
-            out.append(
-                f"{where}: the MLA decode kernel reads a BF16 latent cache only "
-                f"(kv_cache_dtype={cfg.kv_cache_dtype} is not implemented)"
-            )
         _try(out, f"{where}, q_b_proj", lambda: op.q_b_plan(cfg, N))
         _try(out, f"{where}, MLA decode", lambda: mla.MLADecode(mla.plan_for(cfg, batch, tokens)))
     return out
@@ -117,9 +153,13 @@ def _moe_problems(cfg, n_tokens: int) -> list[str]:
     return out
 
 
-def check_usable(cfg, specs, batch: int, tokens: int, tp_world: int = 1) -> None:
+def check_usable(
+    cfg, specs, batch: int, tokens: int, tp_world: int = 1, front_norm: bool = False
+) -> None:
     """Raise ValueError naming every piece the specialized path lacks for this step."""
     problems: list[str] = []
+    if front_norm:
+        problems += _front_norm_problems()
     if tp_world != 1:
         problems.append(
             f"tp_world={tp_world}: the specialized kernels have no all-reduce yet (o_proj, latent "
@@ -158,11 +198,16 @@ class Plan:
     seed: int
     tp_world: int
     preset: str
+    front_norm: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
 
     def op_names(self, spec) -> list[str]:
         """``block.op`` names of one layer's launches, in launch order."""
-        return [f"attn.{o}" for o in _attn_ops(spec.attn)] + [f"moe.{o}" for o in _moe_ops()]
+        attn = _attn_ops(spec.attn)
+        if self.front_norm:
+            attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
+        moe = _moe_ops(self.front_norm)
+        return [f"attn.{o}" for o in attn] + [f"moe.{o}" for o in moe]
 
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``."""
@@ -191,6 +236,7 @@ def plan(
     expert_dtype: str = "bf16",
     device: str | None = None,
     tp_world: int | str = 1,
+    front_norm: str | int = 0,
     **unknown: Any,
 ) -> Plan:
     """Validate the options (the ``standard`` workload's) and say what the step will run."""
@@ -218,8 +264,9 @@ def plan(
         raise ValueError(f"batch must be >= 1, got {b}")
     if not 1 <= t <= 8:
         raise ValueError(f"tokens_per_seq must be in 1..8 (1 + k drafts), got {t}")
-    check_usable(cfg, specs, b, t, world)
-    p = Plan(cfg, specs, b, t, s, world, preset)
+    fn = parse_front_norm(front_norm, b * t)
+    check_usable(cfg, specs, b, t, world, fn)
+    p = Plan(cfg, specs, b, t, s, world, preset, fn)
     launches = p.launches()
     per_kind: dict[str, int] = {}
     for s_ in specs:
@@ -244,6 +291,7 @@ def plan(
             "launches_per_kind": per_kind,
             "ranges": p.range_names(),
             "seed": s,
+            "front_norm": fn,
             "layer_bytes_from": "expected (uniform routing): no step has run",
         },
         default=str,
@@ -272,6 +320,7 @@ class SpecializedModel:
         seed: int = 0,
         device="cpu",
         weights: list[dict] | None = None,
+        front_norm: bool = False,
     ) -> None:
         import torch
 
@@ -279,7 +328,8 @@ class SpecializedModel:
         from decodescope.kernels.specialized.moe_block import SpecializedMoE
         from decodescope.kernels.weights import make_inputs, make_layer_weights, make_state
 
-        check_usable(cfg, specs, batch, tokens_per_seq)
+        check_usable(cfg, specs, batch, tokens_per_seq, front_norm=front_norm)
+        self.front_norm = front_norm
         self.cfg, self.specs = cfg, specs
         self.batch, self.T, self.seed = batch, tokens_per_seq, seed
         self.N = batch * tokens_per_seq
@@ -308,15 +358,22 @@ class SpecializedModel:
 
         spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
         h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
-        with _range(f"layer.{spec.index}:{spec.kind}"):
-            if not guarded:
-                attn.forward(x, r, r_out, h)
-                moe.forward(h, x_out)
-                return
-            for what, fn in (
+        if self.front_norm:
+            halves = (
+                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
+                ("MoE", lambda: self._moe_front_norm(i, r_out, x_out)),
+            )
+        else:
+            halves = (
                 (f"attention ({spec.attn})", lambda: attn.forward(x, r, r_out, h)),
                 ("MoE", lambda: moe.forward(h, x_out)),
-            ):
+            )
+        with _range(f"layer.{spec.index}:{spec.kind}"):
+            if not guarded:
+                halves[0][1]()
+                halves[1][1]()
+                return
+            for what, fn in halves:
                 try:
                     fn()
                 except Exception as e:
@@ -326,6 +383,27 @@ class SpecializedModel:
                         f"{self.cfg.tp} batch {self.batch} tokens_per_seq {self.T}): "
                         f"{type(e).__name__}: {e}"
                     ) from e
+
+    def _attn_no_norm(self, i: int, x, r, r_out, h) -> None:
+        """The attention half without its last launch (the post-attention RMSNorm): ``r_out``
+        is the residual stream after attention (o_proj's residual epilogue wrote it)."""
+        attn = self.attn[i]
+        for op, fn in attn.stages(x, r, r_out, h):
+            if op != FRONT_NORM_DROPS:
+                with attn._r(op):
+                    fn()
+
+    def _moe_front_norm(self, i: int, r_out, x_out) -> None:
+        """The MoE block with ``h = rmsnorm(r_out) * mlp_norm`` in its front kernel's prologue."""
+        from decodescope.kernels.specialized import moe_block as mb
+        from decodescope.kernels.specialized import router_topk as rt
+
+        moe = self.moe[i]
+        with moe._r(mb.OP_FRONT_NORM):
+            rt.front_gemv(r_out, moe.w_front, moe.y_front, moe.acc, moe.done,
+                          norm_w=moe.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+        moe.experts()
+        moe.back(x_out)
 
     def _run(self, guarded: bool) -> None:
         x, r = self.x_in, self.r_in
@@ -359,8 +437,9 @@ class SpecializedModel:
         """Launches per layer (attention half + MoE block)."""
         from decodescope.kernels.specialized import moe_block as mb
 
+        drop = 1 if self.front_norm else 0
         return {
-            f"layer.{s.index}:{s.kind}": a.launches + len(mb.OPS)
+            f"layer.{s.index}:{s.kind}": a.launches - drop + len(mb.OPS)
             for s, a in zip(self.specs, self.attn, strict=True)
         }
 
@@ -402,7 +481,9 @@ def _require_gpu(dev) -> None:
 def specialized(**opts: Any) -> Workload:
     """The fused CuTe DSL decode layers (kernels/specialized), same options as ``standard``:
     preset (kimi-k3 | tiny), tp_shape, batch, tokens_per_seq (1..8), layers ("kda,mla", ...),
-    seed, context_len, kv_cache_dtype (bf16), expert_dtype (bf16), device (cuda), tp_world (1).
+    seed, context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16), device (cuda),
+    tp_world (1); and front_norm (0 | 1 | auto): the post-attention RMSNorm in the MoE front
+    kernel's prologue, one launch less per layer (default 0: the two halves as they stand).
     """
     import torch
 
@@ -410,7 +491,9 @@ def specialized(**opts: Any) -> Workload:
     device = opts.get("device")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     _require_gpu(dev)
-    model = SpecializedModel(p.cfg, p.specs, p.batch, p.tokens, seed=p.seed, device=dev)
+    model = SpecializedModel(
+        p.cfg, p.specs, p.batch, p.tokens, seed=p.seed, device=dev, front_norm=p.front_norm
+    )
     meta = dict(p.meta)
     config = json.loads(meta["config_json"])
     first = [True]
