@@ -9,27 +9,31 @@ numbering below is the same in all of them.
 
 Tiles, handed out round-robin over a persistent grid of one CTA per SM, in this order:
 
-1. w13 tiles ``(expert a, gate-row block)``: each warp owns one gate row and its up row
+1. shared-down tiles (rows of ``shared_w2 [H, S]`` against SiTU of the shared gate/up that the
+   front kernel produced) -> FP32 ``shared_out [T, H]``: independent of the routing, so each
+   CTA prefetches its first one into L2 before the prologue (even before the front kernel has
+   finished, under PDL); the "shared experts overlapped" of the reference, inside one launch.
+2. w13 tiles ``(expert a, gate-row block)``: each warp owns one gate row and its up row
    (``w13[e, r]`` and ``w13[e, Ie + r]``) for all the expert's pairs. A lane's weight chunks
    are loaded into registers once per tile and reused for every chunk of pairs (chunks of 1, 2
    or 4 staged tokens: no FMAs on empty slots), so each selected expert's weights stream from
    HBM once per step. Applies SiTU, writes the BF16 intermediate ``h [T*k, Ie]``, then bumps
    ``done[e]`` (release).
-2. shared-down tiles (rows of ``shared_w2 [H, S]`` against SiTU of the shared gate/up that the
-   front kernel produced) -> FP32 ``shared_out [T, H]``: independent work that overlaps the
-   routed experts (the "shared experts overlapped" of the reference, inside one launch).
 3. w2 tiles ``(expert a, row block of L)``: wait until ``done[e]`` says all of the expert's w13
    tiles finished (acquire), then ``acc[t, :] += weight[t, k] * (w2[e] @ h[t*k + k])``.
 
-The weighted sum over the top-k is FP32 atomics (``red.global.add.f32``) into ``acc``, which
+At the top of each tile the CTA issues ``prefetch.global.L2`` for its next tile's weights.
+
+The weighted sum over the top-k is FP32 atomics (``atom.global.add.f32``) into ``acc``, which
 the front kernel zeroed: the sum order across experts varies from run to run (last-bit
 nondeterminism, far under BF16 tolerances); a deterministic reduction would cost a
 ``[T, k, L]`` FP32 round trip.
 
-Deadlock freedom of the wait: tiles are numbered w13 first, and each CTA walks its tiles in
-increasing order, so when any CTA waits on a w2 tile every w13 tile is finished or held by a
-running CTA that never waits; this needs all CTAs resident at once, which a grid of one CTA
-per SM (256 threads, < 100 KB shared memory) guarantees when nothing else runs beside it.
+Deadlock freedom of the wait: w13 tiles are numbered before w2 tiles, and each CTA walks its
+tiles in increasing order, so when any CTA waits on a w2 tile every w13 tile is finished or
+held by a running CTA that never waits; this needs all CTAs resident at once, which a grid of
+one CTA per SM (256 threads at 255 registers, < 100 KB shared memory) guarantees when nothing
+else runs beside it (under PDL the up-projection launches only as this grid's CTAs exit).
 
 Launch count: 1.
 """
@@ -164,6 +168,13 @@ class MoeExperts:
             BFloat16, cute.make_ordered_layout((TT, Ie), order=(1, 0)), byte_alignment=16
         )
 
+        if bid < self.NSB:
+            # this CTA's first tile is a shared-expert tile (weights only): into L2 while the
+            # front kernel finishes and the routing prologue runs
+            r0 = bid * self.rowss
+            self._prefetch_span(
+                mWs2.iterator + r0 * S, (cutlass.min(r0 + self.rowss, H) - r0) * S * 2
+            )
         if const_expr(self.pdl):
             # launched once every front CTA started; wait for the front grid to complete. No
             # early trigger here: the up-projection launches as this grid's CTAs exit, so all
@@ -216,9 +227,9 @@ class MoeExperts:
         cute.arch.barrier()
 
         nact = sNact[0]
-        n13 = nact * self.NRB13
-        nsh = n13 + self.NSB
-        total = nsh + nact * self.NRB2
+        nsh = self.NSB  # tiles [0, nsh): shared down; [nsh, n13): w13; [n13, total): w2
+        n13 = nsh + nact * self.NRB13
+        total = n13 + nact * self.NRB2
 
         gYv = cute.zipped_divide(mY, (1, VEC))
         sZv = cute.zipped_divide(sZ, (1, VEC))
@@ -233,11 +244,25 @@ class MoeExperts:
         tile = bid
         while tile < total:
             # the next tile's weights into L2 now: its loads then skip the HBM latency
-            self._prefetch_tile(mW13, mW2, mWs2, sActE, n13, nsh, total, tile + self.num_ctas)
-            if tile < n13:
+            self._prefetch_tile(mW13, mW2, mWs2, sActE, nsh, n13, total, tile + self.num_ctas)
+            if tile < nsh:
+                # ---- shared experts: down GEMM over SiTU(gate, up) ----
+                sb = tile
+                grp = lane // self.LPRs
+                li = lane % self.LPRs
+                row0 = sb * self.rowss + (warp * self.Gs + grp) * self.Rs
+                ws = load_rows(gWs2v, cutlass.min(row0, H - self.Rs), 1, li, self.Rs, self.LPRs,
+                               self.NCHs)  # fmt: skip
+                TTs = self.TTs
+                for t0 in cutlass.range(0, (T // TTs) * TTs, TTs, unroll=1):
+                    self._shared_tile(ws, gYv, sAv, mShared, accs, t0, row0, li, TTs)
+                if const_expr(T % TTs):
+                    self._shared_tile(ws, gYv, sAv, mShared, accs, T - T % TTs, row0, li, T % TTs)
+            elif tile < n13:
                 # ---- w13 + SiTU ----
-                a = tile // self.NRB13
-                rb = tile % self.NRB13
+                t1 = tile - nsh
+                a = t1 // self.NRB13
+                rb = t1 % self.NRB13
                 e = sActE[a]
                 start = sActOff[a]
                 n = sActN[a]
@@ -260,22 +285,9 @@ class MoeExperts:
                 cute.arch.barrier()
                 if tid == 0:
                     cute.arch.atomic_add(mDone.iterator + e, Int32(1), sem="release", scope="gpu")
-            elif tile < nsh:
-                # ---- shared experts: down GEMM over SiTU(gate, up) ----
-                sb = tile - n13
-                grp = lane // self.LPRs
-                li = lane % self.LPRs
-                row0 = sb * self.rowss + (warp * self.Gs + grp) * self.Rs
-                ws = load_rows(gWs2v, cutlass.min(row0, H - self.Rs), 1, li, self.Rs, self.LPRs,
-                               self.NCHs)  # fmt: skip
-                TTs = self.TTs
-                for t0 in cutlass.range(0, (T // TTs) * TTs, TTs, unroll=1):
-                    self._shared_tile(ws, gYv, sAv, mShared, accs, t0, row0, li, TTs)
-                if const_expr(T % TTs):
-                    self._shared_tile(ws, gYv, sAv, mShared, accs, T - T % TTs, row0, li, T % TTs)
             else:
                 # ---- w2 + routing-weighted sum ----
-                t2 = tile - nsh
+                t2 = tile - n13
                 a = t2 // self.NRB2
                 rb = t2 % self.NRB2
                 e = sActE[a]
@@ -332,23 +344,24 @@ class MoeExperts:
             cute.arch.prefetch((base + i * 64).llvm_ptr, cache_level="L2")
 
     @cute.jit
-    def _prefetch_tile(self, mW13, mW2, mWs2, sActE, n13, nsh, total, tile):
+    def _prefetch_tile(self, mW13, mW2, mWs2, sActE, nsh, n13, total, tile):
         """Prefetch the weight rows tile ``tile`` will read (nothing past the last tile)."""
         L, Ie, S = self.L, self.Ie, self.S
         if tile < total:
-            if tile < n13:
-                e = sActE[tile // self.NRB13]
-                r0 = (tile % self.NRB13) * self.rows13
+            if tile < nsh:
+                r0 = tile * self.rowss
+                nb = (cutlass.min(r0 + self.rowss, self.H) - r0) * S * 2
+                self._prefetch_span(mWs2.iterator + r0 * S, nb)
+            elif tile < n13:
+                t1 = tile - nsh
+                e = sActE[t1 // self.NRB13]
+                r0 = (t1 % self.NRB13) * self.rows13
                 nb = (cutlass.min(r0 + self.rows13, Ie) - r0) * L * 2
                 base = mW13.iterator + Int64(e) * (2 * Ie * L) + r0 * L
                 self._prefetch_span(base, nb)
                 self._prefetch_span(base + Ie * L, nb)
-            elif tile < nsh:
-                r0 = (tile - n13) * self.rowss
-                nb = (cutlass.min(r0 + self.rowss, self.H) - r0) * S * 2
-                self._prefetch_span(mWs2.iterator + r0 * S, nb)
             else:
-                t2 = tile - nsh
+                t2 = tile - n13
                 e = sActE[t2 // self.NRB2]
                 r0 = (t2 % self.NRB2) * self.rows2
                 nb = (cutlass.min(r0 + self.rows2, L) - r0) * Ie * 2
