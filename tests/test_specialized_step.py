@@ -355,3 +355,19 @@ def test_gpu_steps_flags_a_routing_bug(monkeypatch):
     failed = {c["check"] for c in r["checks"] if not c["ok"]}
     assert "routing differences are near-ties" in failed
     assert r["routing_rows_agree"][0] <= 3
+
+
+def test_warmup_names_the_failing_half(monkeypatch):
+    from decodescope.kernels.specialized import interface as itf
+
+    def fake_compiled(key, build):
+        if str(key[0]) == "moe_experts":
+            raise RuntimeError("no such kernel today")
+        return lambda *a, **k: None
+
+    monkeypatch.setattr(itf, "compiled", fake_compiled)
+    _, m = _model(batch=2, tokens=1)
+    with pytest.raises(ValueError) as ei:
+        m.warmup()
+    msg = str(ei.value)
+    assert "MoE of layer.0:kda" in msg and "no such kernel today" in msg and "tiny" in msg

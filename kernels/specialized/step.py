@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decodescope.kernels.workloads import Workload, register
+from decodescope.tracer import range as _range
 
 CUTE = "cute:decodescope"
 BACKEND = "specialized"
@@ -354,10 +355,24 @@ class SpecializedModel:
         self.x_out, self.r_out = self.xs[last], self.rs[last]
 
     def _layer(self, i: int, x, r, guarded: bool) -> None:
-        from decodescope.tracer import range as _range
-
         spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
         h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
+        with _range(f"layer.{spec.index}:{spec.kind}"):
+            if guarded:
+                self._guarded(i, x, r, r_out, h, x_out)
+            elif self.front_norm:
+                self._attn_no_norm(i, x, r, r_out, h)
+                self._moe_front_norm(i, r_out, x_out)
+            else:
+                attn.forward(x, r, r_out, h)
+                moe.forward(h, x_out)
+
+    def _guarded(self, i: int, x, r, r_out, h, x_out) -> None:
+        """One layer, each half checked (compiled, launched, synchronized): a failure says
+        which half of which layer, for which shape."""
+        import torch
+
+        spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
         if self.front_norm:
             halves = (
                 (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
@@ -368,21 +383,18 @@ class SpecializedModel:
                 (f"attention ({spec.attn})", lambda: attn.forward(x, r, r_out, h)),
                 ("MoE", lambda: moe.forward(h, x_out)),
             )
-        with _range(f"layer.{spec.index}:{spec.kind}"):
-            if not guarded:
-                halves[0][1]()
-                halves[1][1]()
-                return
-            for what, fn in halves:
-                try:
-                    fn()
-                except Exception as e:
-                    raise ValueError(
-                        f"specialized {what} of layer.{spec.index}:{spec.kind} failed to compile "
-                        f"or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
-                        f"{self.cfg.tp} batch {self.batch} tokens_per_seq {self.T}): "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
+        for what, fn in halves:
+            try:
+                fn()
+                if self.device.type == "cuda":  # a fault in this half surfaces here
+                    torch.cuda.synchronize(self.device)
+            except Exception as e:
+                raise ValueError(
+                    f"specialized {what} of layer.{spec.index}:{spec.kind} failed to compile "
+                    f"or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
+                    f"{self.cfg.tp} batch {self.batch} tokens_per_seq {self.T}): "
+                    f"{type(e).__name__}: {e}"
+                ) from e
 
     def _attn_no_norm(self, i: int, x, r, r_out, h) -> None:
         """The attention half without its last launch (the post-attention RMSNorm): ``r_out``
