@@ -244,7 +244,7 @@ def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws
     t0 = time.time()
     rec: dict = {"stage": "spec_vs_std", "preset": preset, "tp": tp, "batch": B, "tokens": T,
                  "layers": layers, "front_norm": str(front_norm), "draws": []}  # fmt: skip
-    std = spec = g = None
+    std = spec = g = sm = pm = None
     try:
         import decodescope.kernels.specialized.step as spec_step
 
@@ -278,11 +278,12 @@ def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws
                    trace=traceback.format_exc()[-4000:])  # fmt: skip
     finally:
         rec["seconds"] = round(time.time() - t0, 1)
-        del std, spec, g
+        del std, spec, g, sm, pm
         gc.collect()
         try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         except Exception as e:  # a sticky CUDA error: the next case in this process fails too
             rec.setdefault("cleanup_error", f"{type(e).__name__}: {e}"[:300])
     return rec
