@@ -371,3 +371,25 @@ def test_warmup_names_the_failing_half(monkeypatch):
         m.warmup()
     msg = str(ei.value)
     assert "MoE of layer.0:kda" in msg and "no such kernel today" in msg and "tiny" in msg
+
+
+@pytest.mark.slow
+def test_every_kernel_of_the_step_compiles_for_sm90a(monkeypatch):
+    """The kernels the tiny step launches (both front_norm modes), compiled for sm_90a with
+    the very keys the step uses (CUTE_DSL_ARCH set by the package; no GPU), none launched."""
+    from decodescope.kernels.specialized import interface as itf
+
+    real = itf.compiled
+    keys: list[str] = []
+
+    def compile_only(key, build):
+        real(key, build)
+        keys.append(str(key[0]))
+        return lambda *a, **k: None
+
+    monkeypatch.setattr(itf, "compiled", compile_only)
+    for fn in (0, 1):
+        _, m = _model(batch=2, tokens=2, layers="kda,mla", front_norm=fn)
+        m.warmup()
+    assert {"skinny_gemm", "kda_decode", "mla_decode", "rmsnorm", "moe_front_gemv",
+            "moe_experts", "moe_up_proj_shared_add"} <= set(keys)  # fmt: skip
