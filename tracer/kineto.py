@@ -763,7 +763,7 @@ class _Builder:
                 tids = [_int_or_none(t) for t in tids]
             return {
                 "corr": corr.to_numpy(),
-                "name": names,
+                "api": _dict_array(names),
                 "thread": _ints(tids, pa.int64()),
                 "start": _us_to_ns(list(map(_get_ts, evs))) + self.base_ns,
             }
@@ -888,7 +888,7 @@ class _Builder:
         hit = valid & (sorted_c[pos_c] == k)
         idx = np.where(hit, order[pos_c], 0)
         hit_arr = pa.array(hit)
-        api = _dict_array(launches["name"])
+        api = launches["api"]
         return {
             "launch_api": pa.DictionaryArray.from_arrays(
                 pa.array(api.indices.to_numpy(zero_copy_only=False)[idx], mask=~hit),
@@ -1082,7 +1082,8 @@ class _Builder:
             ),
         )
         graph_kernels = pc.sum(from_graph).as_py() or 0
-        has_graph = any(_GRAPH_LAUNCH.match(n) for n in set(launches.get("name") or ()))
+        apis = launches["api"].dictionary.to_pylist() if "api" in launches else []
+        has_graph = any(_GRAPH_LAUNCH.match(n) for n in apis)
         if not kernels.num_rows:
             mode = "unknown"
         elif graph_kernels == kernels.num_rows:
