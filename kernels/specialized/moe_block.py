@@ -153,7 +153,8 @@ class SpecializedMoE:
 
     def forward_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor,
                          out: torch.Tensor) -> None:  # fmt: skip
-        """``r_out = x + r_in``; ``out = MoE(rmsnorm(r_out) * mlp_norm)``: the layer's
+        """``r_out = x + r_in`` (``r_out`` must not alias ``x`` or ``r_in``);
+        ``out = MoE(rmsnorm(r_out) * mlp_norm)``: the layer's
         post-attention residual norm and the MoE block in 3 launches (the attention side then
         skips its ``residual_norm`` launch). The per-token rstd is recomputed by every front CTA
         (an L2 read of 2 x T x H BF16 per CTA): worth it up to about 16 tokens."""

@@ -372,6 +372,9 @@ def front_gemv(
     if add:
         itf.check(residual, "residual", (T, K), torch.bfloat16)
         itf.check(residual_out, "residual_out", (T, K), torch.bfloat16)
+        if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+            # CTA 0 writes it while the other CTAs still read x and residual
+            raise ValueError("residual_out must not alias x or residual")
     else:
         residual = residual_out = _placeholder((1, VEC), x.device)
     pdl = pdl_enabled()
