@@ -3,9 +3,10 @@
 Every measurement runs in a fresh Python process (``--worker``), so imports, caches and peak
 memory of one loader never colour another's:
 
-- time: wall time of one load, median (and min / max) over ``--repeats`` loads in that process,
+- time: wall time of one load, median (and min / max) over ``--repeats`` loads in that process
   after one warm-up load (the first load of a process also pays pyarrow's lazy start-up; the cold
-  first load is reported apart);
+  first load is reported apart), and the median CPU time (``time.process_time``, all threads),
+  which other work on a shared machine disturbs far less than wall time;
 - peak memory: the process's peak RSS during the first load (VmHWM, reset after the imports)
   minus its RSS before it, i.e. what loading the trace added at its peak;
 - events/s and MB/s: the trace's event count and uncompressed JSON size over the median time.
@@ -108,11 +109,12 @@ def worker(loader: str, path: str, repeats: int) -> dict:
     load()
     first = time.perf_counter() - t
     _, peak = _mem_mb()
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         load()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     if loader == "hta":
         shutil.rmtree(tmp, ignore_errors=True)
     return {
@@ -121,6 +123,8 @@ def worker(loader: str, path: str, repeats: int) -> dict:
         "first_s": first,
         "times_s": times,
         "median_s": statistics.median(times) if times else first,
+        "cpu_times_s": cpu,
+        "cpu_median_s": statistics.median(cpu) if cpu else None,
         "rss_base_mb": base,
         "rss_peak_mb": peak,
         "rss_added_mb": peak - base,
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["peak_x_json"] = r["rss_added_mb"] / facts["json_mb"]
                 if name != "hta" and "median_s" in hta:
                     row["speedup_vs_hta"] = hta["median_s"] / r["median_s"]
+                    if hta.get("cpu_median_s") and r.get("cpu_median_s"):
+                        row["cpu_speedup_vs_hta"] = hta["cpu_median_s"] / r["cpu_median_s"]
             rows.append(row)
     report = {"machine": mach, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +249,8 @@ def print_table(report: dict) -> None:
         "peak +MB",
         "peak/JSON",
         "vs HTA",
+        "CPU s",
+        "vs HTA (CPU)",
     ]
     body = []
     for r in report["rows"]:
@@ -255,7 +263,7 @@ def print_table(report: dict) -> None:
                     r["loader"],
                     "failed: " + r["error"][:60],
                 ]
-                + [""] * 7
+                + [""] * 9
             )
             continue
         t = r["times_s"] or [r["median_s"]]
@@ -273,6 +281,8 @@ def print_table(report: dict) -> None:
                 f"{r['rss_added_mb']:.0f}",
                 f"{r['peak_x_json']:.2f}x",
                 f"{r['speedup_vs_hta']:.1f}x" if "speedup_vs_hta" in r else "",
+                f"{r['cpu_median_s']:.3f}" if r.get("cpu_median_s") else "",
+                f"{r['cpu_speedup_vs_hta']:.1f}x" if "cpu_speedup_vs_hta" in r else "",
             ]
         )
     try:
