@@ -26,9 +26,15 @@ time in the run is nanoseconds since the Unix epoch. ``end_ns = start_ns + dur``
 Speed: the file is decoded once by msgspec into small typed records that keep only the fields
 read here (other keys are skipped by the decoder without building Python objects; flow, instant
 and metadata events decode to empty records), then each table is built column by column with
-pyarrow / numpy. benchmarks/bench_import.py measures it against HolisticTraceAnalysis. A trace that does not fit the typed
-decoder (an event that is not an object, ``args`` that is not an object) is decoded generically
-and converted event by event, skipping and counting what does not convert.
+pyarrow / numpy (benchmarks/bench_import.py measures it against HolisticTraceAnalysis). A trace
+that does not fit the typed decoder (an event that is not an object, ``args`` that is not an
+object, an unknown phase) is decoded generically and converted event by event; a column that
+meets a value of the wrong type is rebuilt from the events that pass a per-event check, the
+others skipped and counted.
+
+Also recorded: the shared memory Kineto reports (static and dynamic together) goes to
+``shared_dynamic``, ``shared_static`` stays null; ``rank`` is ``distributedInfo.rank`` (else 0);
+the run id is a hash of the file as stored.
 """
 
 from __future__ import annotations
