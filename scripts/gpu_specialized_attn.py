@@ -132,6 +132,12 @@ def check_kernels(cfg, kind: str, w: dict, state: dict, B: int, T: int, ctx: dic
         poison(h)
         rms.rmsnorm(r, w["mlp_norm"], h, cfg.eps)
         check("rmsnorm", ctx, h, rms.rmsnorm_ref(r, w["mlp_norm"], cfg.eps), 1e-2)
+        x, r2 = rnd(N, H), torch.empty_like(r)
+        poison(h, r2)
+        rms.rmsnorm(x, w["attn_norm"], h, cfg.eps, residual=r, residual_out=r2)
+        check("residual+rmsnorm.r_out", ctx, r2, (x.float() + r.float()).to(BF16), 1e-6)
+        ref = rms.rmsnorm_ref(x, w["attn_norm"], cfg.eps, residual=r)
+        check("residual+rmsnorm.h", ctx, h, ref, 1e-2)
 
     guarded("rmsnorm", ctx, norm)
 
@@ -399,9 +405,25 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
         check(f"gemm rt{rt}/ks{ks}", ctx, outs[0], ref[0], TOL["out"])
         timed(f"rt{rt}/ks{ks}", [(lambda i=i: one(i)) for i in range(n)])
 
+    def split(rt: int) -> None:  # residual+norm in its own launch, then the plain GEMM on h
+        hb = torch.empty(M, K, dtype=BF16, device=DEV)
+
+        def one(i: int) -> None:
+            rms.rmsnorm(x, nw, hb, 1e-5, residual=r, residual_out=rout)
+            sg.skinny_gemm(hb, [ws[i]], [outs[i]], rt=rt)
+
+        poison(outs[0])
+        one(0)
+        torch.cuda.synchronize()
+        check(f"gemm split rt{rt}", ctx, outs[0], ref[0], TOL["out"])
+        timed(f"norm launch + GEMM rt{rt} (2 kernels)", [(lambda i=i: one(i)) for i in range(n)])
+
     for rt, ks in SWEEP_VARIANTS:
         if (K // sg.KCHUNK) % ks == 0:
             guarded(f"gemm {name} rt{rt}/ks{ks}", ctx, lambda rt=rt, ks=ks: variant(rt, ks))
+    if norm and M > 8:
+        for rt in (1, 2, 4):
+            guarded(f"gemm {name} split rt{rt}", ctx, lambda rt=rt: split(rt))
     guarded(f"gemm {name} cublas", ctx, lambda: timed("cuBLAS (no norm/epilogue)", [
         (lambda i=i: torch.mm(x, ws[i].t(), out=outs[i])) for i in range(n)]))  # fmt: skip
 

@@ -134,3 +134,12 @@ def test_mla_fp8_ref_matches_float64_reference(batch, tokens):
     assert R.rel_l2(h, hm64) < 2e-2
     ctx = cfg.context_len
     assert R.rel_l2(new_state["kv_cache"][:, ctx:], cache64[:, ctx:]) < 6e-2
+
+
+def test_rmsnorm_residual_variant_compiles_and_ref():
+    assert rms.compile_plan(rms.NormPlan(64, 7168, 1e-5, residual=True)) is not None
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(4, 256, generator=g).bfloat16(), torch.randn(4, 256, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(256, generator=g)).bfloat16()
+    ref = R.rmsnorm_ref(x.double() + r.double(), w.double(), 1e-5)
+    assert R.rel_l2(rms.rmsnorm_ref(x, w, 1e-5, residual=r), ref) < 1e-2

@@ -1,7 +1,11 @@
-"""RMSNorm of the residual stream for the MoE block's input: ``h = bf16(bf16(r * rstd) * w)``.
+"""RMSNorm of the residual stream, ``h = bf16(bf16(r * rstd) * w)``, optionally after the
+residual add ``r = bf16(x + r_in)`` (written out as the new residual).
 
-A stop-gap launch: the specialized MoE block's first kernel takes the normalized ``h``; once it
-recomputes the rstd in its own prologue (as :mod:`.norm_qkv_proj` does) this launch goes away
+Two uses: the MoE block's input (its first kernel takes the normalized ``h``; once it
+recomputes the rstd in its own prologue this launch goes away), and, at more than
+``FUSED_NORM_MAX_M`` tokens, the attention input: there the skinny GEMM's fused prologue would
+make each of its CTAs read ``x`` and ``r`` twice (M x K x 8 bytes per CTA, 1.4 GB of L2 reads
+at 64 tokens), so one launch normalizes once and the GEMM reads ``h`` only
 (notes/specialized.md). One CTA per token, 128 threads, 16-byte loads and stores.
 """
 
@@ -33,6 +37,7 @@ class NormPlan:
     n: int
     eps: float = 1e-5
     pdl: bool = field(default_factory=pdl_enabled)
+    residual: bool = False  # r = x + r_in first (written to r_out), then the norm of r
 
 
 class RMSNorm:
@@ -42,13 +47,21 @@ class RMSNorm:
         self.p = plan
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, N]
+        mR: cute.Tensor,  # [M, N] residual in (plan.residual) else a placeholder
+        mRout: cute.Tensor,  # [M, N] new residual out (plan.residual) else a placeholder
+        mW: cute.Tensor,  # [N]
+        mY: cute.Tensor,  # [M, N]
+        stream: cuda.CUstream,
+    ):
         @cute.struct
         class Smem:
             red: cute.struct.MemRange[Float32, 8]
 
         self.smem_cls = Smem
-        self.kernel(mX, mW, mY).launch(
+        self.kernel(mX, mR, mRout, mW, mY).launch(
             grid=[self.p.m, 1, 1],
             block=[THREADS, 1, 1],
             smem=Smem.size_in_bytes(),
@@ -57,7 +70,7 @@ class RMSNorm:
         )
 
     @cute.kernel
-    def kernel(self, mX, mW, mY):
+    def kernel(self, mX, mR, mRout, mW, mY):
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         m, _, _ = cute.arch.block_idx()
@@ -73,6 +86,12 @@ class RMSNorm:
             v = tidx + i * THREADS
             if v < nvec:
                 load_vec8(mX[m, None], v * 8, rx[i, None])
+                if cutlass.const_expr(p.residual):
+                    rv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mR[m, None], v * 8, rv)
+                    for e in cutlass.range_constexpr(8):
+                        rx[i, e] = (rx[i, e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                    store_vec8(rx[i, None], mRout[m, None], v * 8)
                 for e in cutlass.range_constexpr(8):
                     f = rx[i, e].to(Float32)
                     ss = ss + f * f
@@ -90,23 +109,51 @@ class RMSNorm:
                 store_vec8(yv, mY[m, None], v * 8)
 
 
+_PH = (16, 16)
+
+
 def compile_plan(p: NormPlan):
     bf = torch.bfloat16
+    mn = (p.m, p.n) if p.residual else _PH
     return itf.compiled(
         ("rmsnorm", p),
         lambda: (
             RMSNorm(p),
-            (itf.fake(bf, (p.m, p.n)), itf.fake(bf, (p.n,)), itf.fake(bf, (p.m, p.n)),
-             itf.env_stream()),
+            (itf.fake(bf, (p.m, p.n)), itf.fake(bf, mn), itf.fake(bf, mn), itf.fake(bf, (p.n,)),
+             itf.fake(bf, (p.m, p.n)), itf.env_stream()),
         ),
     )  # fmt: skip
 
 
-def rmsnorm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, eps: float) -> None:
-    compile_plan(NormPlan(int(x.shape[0]), int(x.shape[1]), float(eps)))(x, w, y)
+_PH_CACHE: dict[str, torch.Tensor] = {}
 
 
-def rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> None:
+    """``y = rmsnorm(x (+ residual)) * w``; with ``residual``, ``residual_out = x + residual``
+    (may alias ``residual``: each element is read and written by the same thread)."""
+    plan = NormPlan(int(x.shape[0]), int(x.shape[1]), float(eps), residual=residual is not None)
+    if residual is None:
+        ph = _PH_CACHE.get(str(x.device))
+        if ph is None:
+            ph = _PH_CACHE[str(x.device)] = torch.zeros(_PH, dtype=x.dtype, device=x.device)
+        residual = residual_out = ph
+    compile_plan(plan)(x, residual, residual_out, w, y)
+
+
+def rmsnorm_ref(
+    x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rmsnorm(x (+ residual)) * w`` with the kernel's rounding points (the residual sum is
+    ``bf16(x + residual)``)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(torch.bfloat16)
     xf = x.float()
     t = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
     return (t.float() * w.float()).to(torch.bfloat16)
