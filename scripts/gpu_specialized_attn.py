@@ -1,24 +1,30 @@
 """Specialized attention halves (KDA, gated MLA) on the H200: every check, then a timing table.
 
-    python scripts/gpu_specialized_attn.py --out results/specialized_attn [--tp 8 16]
-        [--kinds kda mla] [--points 1x1 8x1 32x1 64x1 1x8 8x8] [--copies 0] [--replays 30]
-        [--no-timing] [--no-standard] [--tiny]
+    python scripts/gpu_specialized_attn.py --out $OUT/attn [--tp 8 16]
+        [--kinds kda mla mla-fp8] [--points 1x1 8x1 32x1 64x1 1x8 8x8] [--copies 0]
+        [--replays 30] [--no-timing] [--no-standard] [--tiny] [--no-sweep | --sweep-only]
 
 A point ``BxT`` is B sequences of T tokens (1x8: one sequence verifying 7 drafts). Per (TP
 shape, kind, point), with fresh random inputs and outputs poisoned with NaN before each launch:
 
 - each kernel vs its torch reference (same rounding points, FP32 math): the fused residual +
   RMSNorm + input projection(s), KDA decode (output, recurrent state, conv state), MLA decode
-  (output, the new cache rows), q_b with its q_a norm prologue, o_proj + residual, RMSNorm;
+  (output, the new cache rows; BF16 or FP8 e4m3 cache), q_b with its q_a norm prologue, o_proj +
+  residual, RMSNorm with and without the residual add;
 - the whole attention half vs the chained references, vs the float32 evaluation of the layer's
   reference math (``decodescope.kernels.reference``), and vs the standard path's attention half
   (``StandardLayer``: residual norm, its attention ops, the post-attention residual norm);
 - timing: CUDA-graph replay medians per kernel and per attention half, weights and state rotated
   over ``--copies`` independent layers (0: enough to pass 3x the L2), the standard path's
-  attention half beside it, the bytes floor at the copy bandwidth measured in this process.
+  attention half beside it, the bytes floor at the copy bandwidth measured in this process; at
+  1x1 and 64x1 also with programmatic dependent launch off;
+- then (first TP only) a tiling sweep of the skinny GEMM on the in_proj and o_proj shapes at
+  M = 1, 8, 32, 64, each variant checked, the split norm path and cuBLAS beside.
 
-One failing piece is recorded and the run goes on. Writes ``results.json`` and ``table.md``
-under ``--out``; prints the table last.
+One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
+point (a run cut short keeps what it measured). Writes ``results.json`` and ``table.md`` under
+``--out``; prints the table last. A full TP with all kinds takes longer than 10 minutes: split
+runs by ``--kinds`` (and ``--sweep-only`` / ``--no-sweep``).
 """
 
 from __future__ import annotations
@@ -487,6 +493,7 @@ def main() -> int:
     ap.add_argument("--no-standard", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tiling sweep")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -494,6 +501,8 @@ def main() -> int:
     bw = guarded("copy_bw", {}, copy_bandwidth_tbs) or 4.22
     record(what="copy_bw_tbs", value=f"{bw:.3f}", gpu=torch.cuda.get_device_name(), status="info")
     shapes = [("kimi-k3", tp) for tp in a.tp] + ([("tiny", 1)] if a.tiny else [])
+    if a.sweep_only:
+        shapes = []
     t0 = time.time()
     for preset, tp in shapes:
         cfg = get_config(preset, tp)
