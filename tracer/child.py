@@ -168,6 +168,11 @@ def run_workload(spec: dict[str, Any], session: cap.Session) -> dict[str, Any]:
     )
     if wl.refresh is not None:
         wl.refresh()
+    meta_extra: dict[str, Any] = {}
+    if spec.get("copy_bw"):  # the bytes floor's bandwidth, measured in this process
+        from decodescope.kernels.bandwidth import copy_bandwidth_tbs
+
+        meta_extra["copy_bw_tbs"] = copy_bandwidth_tbs()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -195,7 +200,7 @@ def run_workload(spec: dict[str, Any], session: cap.Session) -> dict[str, Any]:
                 wl.step()
             times.append(time.perf_counter() - t)
     torch.cuda.synchronize()
-    return {"meta": dict(wl.meta), "host_step_s": times}
+    return {"meta": {**dict(wl.meta), **meta_extra}, "host_step_s": times}
 
 
 def _fake(kind: str) -> None:

@@ -7,7 +7,7 @@ out=${OUT:-/tmp/out}
 work=/tmp/ds-results
 rm -rf "$work"; mkdir -p "$work/logs"
 export DECODESCOPE_RESULTS="$work"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 COLUMNS=200
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$work/logs/nvidia-smi.csv" 2>&1
 summary="$work/summary.txt"
 for spec in "$@"; do
