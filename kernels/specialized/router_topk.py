@@ -3,8 +3,8 @@
 All three read the same normalized hidden state ``h [T, H]``, so the specialized path packs their
 weights into one matrix ``w_front [E + L + 2S, H]`` (router rows, latent_down rows, shared gate
 rows, shared up rows) and reads ``h`` once per CTA. The rows are split over CTAs (the router GEMM
-"split into parts": 896 rows of 7168 become 56 CTAs of 16 rows at TP8, beside 224 latent CTAs
-and 96 shared CTAs); every CTA loads its weight rows into registers once, stages ``h`` in
+"split into parts": 896 rows of 7168 become 112 CTAs of 8 rows at TP8, beside 448 latent CTAs
+and 192 shared CTAs); every CTA loads its weight rows into registers once, stages ``h`` in
 shared memory (8 tokens at a time) and its warps run the skinny GEMV of :mod:`moe_common`.
 Output: FP32 ``y_front [T, E + L + 2S]`` (router logits, latent z, shared gate/up
 pre-activations).
