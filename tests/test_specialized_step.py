@@ -393,3 +393,31 @@ def test_every_kernel_of_the_step_compiles_for_sm90a(monkeypatch):
         m.warmup()
     assert {"skinny_gemm", "kda_decode", "mla_decode", "rmsnorm", "moe_front_gemv",
             "moe_experts", "moe_up_proj_shared_add"} <= set(keys)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, batch, tokens", [(8, 1, 1), (16, 8, 8)])
+def test_kimi_k3_step_kernels_compile(monkeypatch, tp, batch, tokens):
+    """The full-size step's kernels compile for sm_90a on a CPU: weights, state and buffers on
+    the meta device (shapes only, no memory), every launch compiled with its real key."""
+    from decodescope.kernels import weights as W
+    from decodescope.kernels.specialized import interface as itf
+
+    monkeypatch.setattr(W, "_gen", lambda device, seed: None)
+    monkeypatch.setattr(
+        W, "_randn", lambda shape, g, device, std, dtype=torch.bfloat16: torch.empty(
+            shape, device="meta", dtype=dtype)
+    )  # fmt: skip
+    real = itf.compiled
+    n = [0]
+
+    def compile_only(key, build):
+        real(key, build)
+        n[0] += 1
+        return lambda *a, **k: None
+
+    monkeypatch.setattr(itf, "compiled", compile_only)
+    p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=tokens)
+    m = S.SpecializedModel(p.cfg, p.specs, batch, tokens, device="meta")
+    m.warmup()
+    assert n[0] == sum(p.launches().values())
