@@ -46,20 +46,30 @@ def open_view(at: AppTest, view: str) -> AppTest:
     return at.run()
 
 
-def test_default_view_renders_the_bundled_runs(monkeypatch):
-    at = run_app(monkeypatch)  # no sources: DEFAULT_DATA
+def test_default_view_renders_the_h200_results(monkeypatch):
+    at = run_app(monkeypatch)  # no sources: DEFAULT_DATA, the committed H200 results dataset
+    assert dashboard.DEFAULT_DATA == (dashboard.RESULTS_DATA,)
     no_exception(at)
     assert not at.error, texts(at.error)
-    # the headline: per layer kind, A vs B
+    # the headline per layer kind: standard (A) vs specialized (B) of one setup
+    heads = texts(at.subheader)
+    assert any(h.startswith("KDA layer: ") and " vs " in h for h in heads), heads
+    assert any(h.startswith("MLA layer: ") and " vs " in h for h in heads), heads
+    assert any(m.startswith("**Verdict:** B is") for m in texts(at.markdown))
+    assert [t.label for t in at.tabs] == list(dashboard.VIEWS)
+    kinds = at.dataframe[0].value
+    assert {"a_kernels", "b_kernels", "kernels_delta", "ratio"} <= set(kinds.columns)
+    assert set(kinds["layer_kind"]) == {"kda", "mla"}
+
+
+def test_bundled_traces_render_side_by_side(monkeypatch):
+    at = run_app(monkeypatch, dashboard.BUNDLED_TRACES)
+    no_exception(at)
+    assert not at.error, texts(at.error)
     heads = texts(at.subheader)
     assert heads and heads[0].startswith("Layer: ") and " vs " in heads[0]
     assert any(m.startswith("**Verdict:** B is 1.29x faster") for m in texts(at.markdown))
-    labels = [t.label for t in at.tabs]
-    assert labels == list(dashboard.VIEWS)
-    # side by side: per kind, then per layer (one table per layer kind), A and B with deltas
     assert len(at.dataframe) >= 2
-    kinds = at.dataframe[0].value
-    assert {"a_kernels", "b_kernels", "kernels_delta", "ratio"} <= set(kinds.columns)
     layers = at.dataframe[1].value
     assert {"a_span_us", "b_span_us", "a_busy_us", "a_gaps_us", "a_kernel_sum_us"} <= set(
         layers.columns

@@ -68,7 +68,7 @@ def _fmt(x, nd=1) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
-        return f"{x:,.{nd}f}"
+        return f"{x:,.0f}" if (nd == 1 and x.is_integer() and abs(x) < 1000) else f"{x:,.{nd}f}"
     return f"{x:,}"
 
 

@@ -43,32 +43,44 @@ def demo(
     if is_dataset(results):
         all_runs = read_runs(results)
         pairs = _pairs(all_runs)
-        rows = []
-        for (_preset, _tp, batch, tps), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
-            for backend, run in by.items():
-                rows.extend(cmd_bench.kind_rows(run, backend, batch, tps))
-        if rows:
-            m = all_runs[0].meta
-            line = f"{m.gpu} x1, tp_shape {m.tp_shape}, tp_world {m.tp_world or 1}, {m.preset}"
+        if pairs:
             console.print(f"[bold]Bundled H200 results[/] ({results}, {len(all_runs)} runs)")
+        setups = sorted({(k[0], k[1]) for k in pairs}, key=lambda s: (str(s[0]), s[1] or 0))
+        for preset, tp in setups:
+            rows = []
+            for (p_, tp_, batch, tps), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+                if (p_, tp_) != (preset, tp):
+                    continue
+                for backend, run in by.items():
+                    rows.extend(cmd_bench.kind_rows(run, backend, batch, tps))
+            if not rows:
+                continue
+            m = next(r.meta for r in all_runs if (r.meta.preset, r.meta.tp_shape) == (preset, tp))
+            line = f"{m.gpu} x1, tp_shape {tp}, tp_world {m.tp_world or 1}, {preset}"
             console.print(cmd_bench._layer_table(rows, line))
             prows = cmd_bench.projections(rows, 6.0)
             if prows:
                 console.print(cmd_bench._projection_table(prows, line))
+        if pairs:
             console.print(cmd_bench._reference_table())
-            first = next(
-                (
-                    by
-                    for k, by in sorted(pairs.items(), key=lambda kv: str(kv[0]))
-                    if {"standard", "specialized"} <= set(by)
-                ),
-                None,
-            )
-            if first is not None:
+            both = [(k, by) for k, by in pairs.items() if {"standard", "specialized"} <= set(by)]
+            # the reference's figure is one layer at batch 1: show that pair, TP8 shapes first
+            both.sort(key=lambda kv: (kv[0][2] or 0, kv[0][1] != 8, kv[0][3], str(kv[0])))
+            if both:
                 from decodescope.ui.cmd_compare import print_compare
 
-                console.rule("layer by layer: A = standard, B = specialized")
-                print_compare(first["standard"], first["specialized"], top=10)
+                (preset, tp, batch, tps), by = both[0]
+                console.rule(
+                    f"layer by layer, {preset} tp_shape {tp} batch {batch}: "
+                    "A = standard, B = specialized"
+                )
+                print_compare(
+                    by["standard"],
+                    by["specialized"],
+                    top=10,
+                    a_label="standard",
+                    b_label="specialized",
+                )
             return
     folders = sorted(p for p in runs.glob("*") if tracer.store.is_run_dir(p))
     if not folders:

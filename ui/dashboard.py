@@ -37,9 +37,12 @@ from decodescope.tracer import dataset
 from decodescope.tracer.errors import TraceError
 from decodescope.ui import figures
 
-# The data a bare `decodescope dashboard` opens: run folders, traces or results datasets.
-# Point this at the committed H200 standard-vs-specialized runs once they exist.
-DEFAULT_DATA: tuple[Path, ...] = (Path(__file__).parent / "data" / "default",)
+# The data a bare `decodescope dashboard` opens: the committed H200 results dataset
+# (standard vs specialized, `decodescope bench`), else the two real imported traces bundled
+# with the package (an installed copy without the repository's results/).
+RESULTS_DATA = Path(__file__).resolve().parent.parent / "results"
+BUNDLED_TRACES = Path(__file__).parent / "data" / "default"
+DEFAULT_DATA: tuple[Path, ...] = (RESULTS_DATA,) if RESULTS_DATA.is_dir() else (BUNDLED_TRACES,)
 SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"
 VIEWS = ("Side by side", "Charts", "Timeline", "Kernels", "History", "Run metadata")
 UPLOAD_DIR = Path(tempfile.gettempdir()) / "decodescope-uploads"
