@@ -254,6 +254,7 @@ def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws
         except ValueError as e:
             rec.update(status="UNUSABLE", error=str(e))
             return rec
+        rec["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
         std, spec = build_pair(preset, tp, B, T, layers, seed, front_norm)
         sm, pm = std.model, spec.model
         cfgj = json.loads(spec.meta["config_json"])
