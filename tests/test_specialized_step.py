@@ -421,3 +421,29 @@ def test_kimi_k3_step_kernels_compile(monkeypatch, tp, batch, tokens):
     m = S.SpecializedModel(p.cfg, p.specs, batch, tokens, device="meta")
     m.warmup()
     assert n[0] == sum(p.launches().values())
+
+
+def test_gpu_steps_redraws_when_ties_hide_every_row(monkeypatch):
+    """Batch 1 and a near-tie flip in layer 0: no row left to compare, nothing else wrong: the
+    draw is inconclusive and drawn again; never enough conclusive draws fails the mode."""
+    from decodescope.kernels.standard.model import StandardModel
+
+    g = _gpu_steps()
+    p, m = _model(batch=1, tokens=1, layers="kda,mla", seed=11)
+    _reference_halves(monkeypatch, m)
+    std = StandardModel(p.cfg, p.specs, 1, 1, seed=11, device="cpu")
+    k = p.cfg.moe.top_k
+
+    def next_best_expert():
+        m.step()
+        lay = std.layers[0]
+        score = torch.sigmoid(lay.logits.float()) + lay.w["router_bias"].float()
+        order = torch.argsort(score[0], descending=True)
+        ids = m.moe[0].topk_ids[0]
+        ids[ids == order[k - 1].to(ids.dtype)] = int(order[k])  # swap the k-th for the next
+
+    out = g.run_draws(std, m, 1, 1, next_best_expert, "eager", 2, 100, tie=1.0, min_rows=0.25)
+    assert [d["mode"] for d in out] == ["eager-inconclusive"] * 6 + ["eager-too-few"]
+    assert not out[-1]["ok"]
+    ok = g.run_draws(std, m, 1, 1, m.step, "eager", 2, 100, tie=0.05, min_rows=0.25)
+    assert [d["mode"] for d in ok if d["mode"] == "eager"] == ["eager", "eager"]

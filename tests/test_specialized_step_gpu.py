@@ -36,8 +36,9 @@ def _failures(rec: dict) -> str:
     if rec.get("error"):
         return f"{rec['status']}: {rec['error']}\n{rec.get('trace', '')}"
     bad = [
-        f"{d['mode']} seed {d['seed']}: {c['check']} = {c['value']:.3g} (tol {c['tol']})"
+        f"{d['mode']} seed {d.get('seed')}: {c['check']} = {c['value']:.3g} (tol {c['tol']})"
         for d in rec["draws"]
+        if not d["mode"].endswith("-inconclusive")
         for c in d["checks"]
         if not c["ok"]
     ]
@@ -51,8 +52,8 @@ def test_specialized_step_equals_standard(g, batch):
     rec = g.run_case("kimi-k3", 8, batch, 1, "kda,mla", seed=0, draws=2, graph=True)
     print(json.dumps({k: v for k, v in rec.items() if k != "draws"}, default=str))
     assert rec["status"] == "PASS", _failures(rec)
-    modes = {d["mode"] for d in rec["draws"]}
-    assert modes == {"eager", "graph"}
+    modes = [d["mode"] for d in rec["draws"]]
+    assert modes.count("eager") == 2 and modes.count("graph") == 2
     assert rec["same_weights"]
     assert rec["launches"] and all(n <= 11 for n in rec["launches"].values())
 
