@@ -693,7 +693,7 @@ def test_discard_drains_and_keeps_markers(tmp_path):
 @pytest.mark.parametrize(
     "kw, launch, resource",
     [
-        ({}, True, True),
+        ({}, False, True),  # the default: native launch records, no launch callbacks
         ({"launch_records": "activity"}, False, True),
         ({"launch_records": "none", "graph_nodes": False}, False, False),
         ({"launch_records": "callback", "graph_nodes": False}, True, False),
@@ -716,7 +716,9 @@ def test_session_parts_enable_only_what_they_name(tmp_path, kw, launch, resource
     assert any(d != res for d, _ in c.enabled_callbacks) == launch
     assert any(d == res for d, _ in c.enabled_callbacks) == resource
     assert (c.subscribed is not None) == (launch or resource)
-    assert (getattr(c, "api_records", 0) > 0) == (kw.get("launch_records") == "activity")
+    assert (getattr(c, "api_records", 0) > 0) == (
+        kw.get("launch_records", "activity") == "activity"
+    )
     s.stop()
 
 

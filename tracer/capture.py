@@ -136,7 +136,10 @@ class Session:
       ``flush_period_ms`` (program mode) makes CUPTI deliver buffers periodically.
 
     ``kinds``, ``launch_records`` ("callback" | "activity" | "none") and ``graph_nodes`` select
-    the parts, so that the overhead benchmark can enable them one at a time.
+    the parts, so that the overhead benchmark can enable them one at a time. The default launch
+    records are CUPTI's native API records for the launch functions only ("activity"): on the
+    H200 (2026-11-30, benchmarks/bench_capture_overhead.py, toy workload) they cost +49% per
+    eager step against +431% for Python callbacks, whose trampoline costs ~27 us a launch.
     """
 
     def __init__(
@@ -145,7 +148,7 @@ class Session:
         *,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         flush_period_ms: int = 0,
-        launch_records: str = "callback",
+        launch_records: str = "activity",
         kinds: Sequence[str] = ACTIVITY_KINDS,
         graph_nodes: bool = True,
         defer_conversion: bool = True,

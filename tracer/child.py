@@ -87,7 +87,7 @@ def _start(spec: dict[str, Any]) -> cap.Session:
     _session = cap.Session(
         _out,
         flush_period_ms=int(spec.get("flush_period_ms", 0) or 0),
-        launch_records=spec.get("launch_records", "callback"),
+        launch_records=spec.get("launch_records", "activity"),
         **extra,
     )
     if spec.get("fake"):
