@@ -1,0 +1,107 @@
+"""The committed H200 results dataset (results/, written by `decodescope bench` on the H200):
+the bench table, the projection and `decodescope check` against it, on the real runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from decodescope.analysis.metrics import kind_table
+from decodescope.analysis.projection import K3_LAYER_MIX
+from decodescope.tracer import write_run
+from decodescope.tracer.dataset import read_runs
+from decodescope.ui import cmd_bench
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+@pytest.fixture(scope="module")
+def runs():
+    rs = read_runs(RESULTS)
+    assert rs, "no runs in results/"
+    return rs
+
+
+def _newest(runs, backend, tp, batch):
+    c = [
+        r
+        for r in runs
+        if (r.meta.backend, r.meta.tp_shape, r.meta.batch) == (backend, tp, batch)
+        and (r.meta.tokens_per_seq or 1) == 1
+    ]
+    return max(c, key=lambda r: str(r.meta.created_at))
+
+
+def test_every_run_is_a_real_h200_capture_with_both_layer_kinds(runs):
+    for r in runs:
+        m = r.meta
+        assert m.source == "cupti" and m.gpu == "NVIDIA H200" and m.graph_mode == "graph"
+        assert m.backend in ("standard", "specialized") and m.preset == "kimi-k3"
+        assert m.tp_world == 1 and m.tp_shape in (8, 16)
+        assert m.git_commit and m.layer_bytes and set(m.layer_bytes) >= {"kda", "mla"}
+        kt = kind_table(r.kernels)
+        assert set(kt["layer_kind"].to_pylist()) == {"kda", "mla"}
+        assert min(kt["steps"].to_pylist()) >= 20  # medians over at least 20 replays
+
+
+def test_bench_rows_and_projection_are_the_layer_mix_sum(runs):
+    std = _newest(runs, "standard", 8, 1)
+    rows = cmd_bench.kind_rows(std, "standard", 1, 1)
+    spans = {r["layer_kind"]: r["span_us"] for r in rows}
+    (p,) = cmd_bench.projections(rows, 6.0)
+    assert p["step_us"] == pytest.approx(
+        K3_LAYER_MIX["kda"] * spans["kda"] + K3_LAYER_MIX["mla"] * spans["mla"]
+    )
+    assert p["tok_s"] == pytest.approx(1 / (p["step_us"] * 1e-6))
+    assert "dense" in p["label"] and "projection" in p["label"]
+    for r in rows:
+        if r["copy_bw_tbs"]:
+            assert r["floor_us"] == pytest.approx(
+                r["layer_bytes"] / (r["copy_bw_tbs"] * 1e12) * 1e6
+            )
+
+
+def test_specialized_path_launches_fewer_kernels(runs):
+    for tp in (8, 16):
+        for batch in (1, 8, 32, 64):
+            std = kind_table(_newest(runs, "standard", tp, batch).kernels).to_pylist()
+            spec = kind_table(_newest(runs, "specialized", tp, batch).kernels).to_pylist()
+            s = {r["layer_kind"]: r["kernels"] for r in std}
+            p = {r["layer_kind"]: r["kernels"] for r in spec}
+            assert p["kda"] < s["kda"] and p["mla"] < s["mla"]
+
+
+def _check(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "decodescope", "check", str(run_dir), "--baseline", str(RESULTS),
+         "--max-regression", "5", *extra],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_check_against_the_dataset(runs, tmp_path):
+    # the dataset never serves a run as its own baseline: check it under a new run id, as a
+    # repeat capture that measured exactly the same would come
+    orig = _newest(runs, "standard", 8, 1)
+    run = orig.replace(meta=orig.meta.replace(run_id=orig.run_id + "-repeat"))
+    same = write_run(run, tmp_path / "same")
+    p = _check(same)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # a derived run (stated): the same kernels, every duration 1.5x longer, starts spread so that
+    # each layer's span grows too
+    k = run.kernels
+    start = pc.subtract(k["start_ns"], pc.min(k["start_ns"]))
+    dur = pc.subtract(k["end_ns"], k["start_ns"])
+    s2 = pc.add(pc.min(k["start_ns"]), pc.cast(pc.multiply(start, 1.5), pa.int64()))
+    e2 = pc.add(s2, pc.cast(pc.multiply(dur, 1.5), pa.int64()))
+    k2 = k.set_column(k.schema.get_field_index("start_ns"), "start_ns", s2)
+    k2 = k2.set_column(k2.schema.get_field_index("end_ns"), "end_ns", e2)
+    slow = write_run(run.replace(kernels=k2), tmp_path / "slow")
+    p = _check(slow)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "regress" in (p.stdout + p.stderr).lower()
