@@ -99,6 +99,12 @@ class MLADecode:
             raise ValueError("v_dim and rope must be <= 256")
         if plan.lat % 8:
             raise ValueError("the latent width must be a multiple of 8")
+        ncg, nvg = plan.kv_lora // 8, plan.v_dim // 8
+        if plan.kv_lora % 8 or self.threads % ncg or plan.nope % (self.threads // ncg):
+            raise ValueError("kv_lora / 8 must divide 256 threads and nope their quotient")
+        if plan.v_dim % 8 or self.threads % nvg or plan.kv_lora % (self.threads // nvg):
+            raise ValueError("v_dim / 8 must divide 256 threads and kv_lora their quotient")
+        self.part_size = max(self.threads // ncg * plan.kv_lora, self.threads // nvg * plan.v_dim)
 
     @cute.jit
     def __call__(
@@ -125,6 +131,7 @@ class MLADecode:
             o: cute.struct.MemRange[Float32, WARPS * p.kv_lora]
             ml: cute.struct.MemRange[Float32, 2 * WARPS]
             olat: cute.struct.MemRange[Float32, p.kv_lora]
+            part: cute.struct.MemRange[Float32, self.part_size]
             red: cute.struct.MemRange[Float32, 8]
             last: cute.struct.MemRange[Int32, 1]
 
@@ -155,6 +162,7 @@ class MLADecode:
         sO = st.o.get_tensor(cute.make_layout((WARPS, KVL), stride=(KVL, 1)))
         sML = st.ml.get_tensor(cute.make_layout((2, WARPS), stride=(WARPS, 1)))
         sOlat = st.olat.get_tensor(cute.make_layout(KVL))
+        sPart = st.part.get_tensor(cute.make_layout(self.part_size))
         sRed = st.red.get_tensor(cute.make_layout(8))
         sLast = st.last.get_tensor(cute.make_layout(1))
 
@@ -203,14 +211,7 @@ class MLADecode:
             if tidx < R:
                 sQ[KVL + tidx] = mQ[row, h * qw + p.nope + tidx].to(Float32) * scale
             cute.arch.sync_threads()
-            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
-                c = tidx + i * NT
-                if c < KVL:
-                    acc = Float32(0.0)
-                    for d in cutlass.range(p.nope, unroll=8):
-                        acc = acc + sQn[d] * mWuk[h, d, c].to(Float32)
-                    sQ[c] = acc * scale
-            cute.arch.sync_threads()
+            self.absorb_q(mWuk, sQn, sQ, sPart, h, tidx, scale)
 
             # -- 2b. this split's keys, online softmax per warp -----------------------------
             rq = cute.make_rmem_tensor(cute.make_layout((vpl, 8), stride=(8, 1)), Float32)
@@ -316,7 +317,7 @@ class MLADecode:
                     mPart[row, h, sp, KVL + 1] = lall
             else:
                 cute.arch.sync_threads()
-                self.finish(mG, mWuv, mOut, sOlat, row, h, tidx)
+                self.finish(mG, mWuv, mOut, sOlat, sPart, row, h, tidx)
             cute.arch.sync_threads()
 
         # -- 3. the last split of (b, h) merges the partials ---------------------------------
@@ -348,21 +349,74 @@ class MLADecode:
                                 acc = acc + mPart[row, h, s2, c] * wgt
                             sOlat[c] = acc / lall
                     cute.arch.sync_threads()
-                    self.finish(mG, mWuv, mOut, sOlat, row, h, tidx)
+                    self.finish(mG, mWuv, mOut, sOlat, sPart, row, h, tidx)
                     cute.arch.sync_threads()
                 if tidx == 0:
                     mCnt[b, h] = Int32(0)
 
     @cute.jit
-    def finish(self, mG, mWuv, mOut, sOlat, row, h, tidx):
-        """``out[row, h] = (o_lat @ w_uv[h]) * sigmoid(g[row, h])``."""
+    def absorb_q(self, mWuk, sQn, sQ, sPart, h, tidx, scale):
+        """``sQ[:512] = (q_nope @ w_uk[h]) * scale``. Thread = (8 latent columns, a slice of
+        the nope rows): 16-byte loads of w_uk, all of a thread's in flight at once, partial sums
+        joined through shared memory (one scalar 2-byte load per column and row would be 128
+        dependent round trips)."""
         p = self.p
-        if tidx < p.v_dim:
-            acc = Float32(0.0)
-            for c in cutlass.range(p.kv_lora, unroll=8):
-                acc = acc + sOlat[c] * mWuv[h, c, tidx].to(Float32)
-            gate = sigmoid(mG[row, h * p.v_dim + tidx].to(Float32))
-            mOut[row, h * p.v_dim + tidx] = (acc * gate).to(BFloat16)
+        KVL = p.kv_lora
+        ncg = KVL // 8
+        dg = self.threads // ncg
+        per = p.nope // dg
+        cg = tidx % ncg
+        g = tidx // ncg
+        acc = cute.make_rmem_tensor((8,), Float32)
+        acc.fill(0.0)
+        for i in cutlass.range(per, unroll_full=True):
+            d = g * per + i
+            wv = cute.make_rmem_tensor((8,), BFloat16)
+            load_vec8(mWuk[h, d, None], cg * 8, wv)
+            qd = sQn[d]
+            for e in cutlass.range_constexpr(8):
+                acc[e] = acc[e] + qd * wv[e].to(Float32)
+        for e in cutlass.range_constexpr(8):
+            sPart[g * KVL + cg * 8 + e] = acc[e]
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr((KVL + self.threads - 1) // self.threads):
+            c = tidx + i * self.threads
+            if c < KVL:
+                tot = Float32(0.0)
+                for gg in cutlass.range_constexpr(dg):
+                    tot = tot + sPart[gg * KVL + c]
+                sQ[c] = tot * scale
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def finish(self, mG, mWuv, mOut, sOlat, sPart, row, h, tidx):
+        """``out[row, h] = (o_lat @ w_uv[h]) * sigmoid(g[row, h])``; thread = (8 output
+        columns, a slice of the 512 latent rows), 16-byte loads, partials joined in smem."""
+        p = self.p
+        V = p.v_dim
+        nvg = V // 8
+        cgs = self.threads // nvg
+        per = p.kv_lora // cgs
+        vg = tidx % nvg
+        g = tidx // nvg
+        acc = cute.make_rmem_tensor((8,), Float32)
+        acc.fill(0.0)
+        for i in cutlass.range(per, unroll_full=True):
+            c = g * per + i
+            wv = cute.make_rmem_tensor((8,), BFloat16)
+            load_vec8(mWuv[h, c, None], vg * 8, wv)
+            oc = sOlat[c]
+            for e in cutlass.range_constexpr(8):
+                acc[e] = acc[e] + oc * wv[e].to(Float32)
+        for e in cutlass.range_constexpr(8):
+            sPart[g * V + vg * 8 + e] = acc[e]
+        cute.arch.sync_threads()
+        if tidx < V:
+            tot = Float32(0.0)
+            for gg in cutlass.range_constexpr(cgs):
+                tot = tot + sPart[gg * V + tidx]
+            gate = sigmoid(mG[row, h * V + tidx].to(Float32))
+            mOut[row, h * V + tidx] = (tot * gate).to(BFloat16)
 
 
 # -- torch-facing --------------------------------------------------------------------------
