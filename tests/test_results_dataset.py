@@ -97,8 +97,8 @@ def test_check_against_the_dataset(runs, tmp_path):
     k = run.kernels
     start = pc.subtract(k["start_ns"], pc.min(k["start_ns"]))
     dur = pc.subtract(k["end_ns"], k["start_ns"])
-    s2 = pc.add(pc.min(k["start_ns"]), pc.cast(pc.multiply(start, 1.5), pa.int64()))
-    e2 = pc.add(s2, pc.cast(pc.multiply(dur, 1.5), pa.int64()))
+    s2 = pc.add(pc.min(k["start_ns"]), pc.cast(pc.floor(pc.multiply(start, 1.5)), pa.int64()))
+    e2 = pc.add(s2, pc.cast(pc.floor(pc.multiply(dur, 1.5)), pa.int64()))
     k2 = k.set_column(k.schema.get_field_index("start_ns"), "start_ns", s2)
     k2 = k2.set_column(k2.schema.get_field_index("end_ns"), "end_ns", e2)
     slow = write_run(run.replace(kernels=k2), tmp_path / "slow")
