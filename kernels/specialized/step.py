@@ -80,17 +80,14 @@ def parse_front_norm(v: Any, n_tokens: int) -> bool:
 
 def _front_norm_problems() -> list[str]:
     """What the fused-norm front needs from the halves (present at the time of writing)."""
-    import inspect
-
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
-    from decodescope.kernels.specialized import router_topk as rt
 
     out = []
     if not hasattr(mb, "OP_FRONT_NORM"):
         out.append("moe_block.OP_FRONT_NORM (the fused residual_norm front) is missing")
-    if "norm_w" not in inspect.signature(rt.front_gemv).parameters:
-        out.append("router_topk.front_gemv has no norm_w prologue")
+    if not hasattr(mb.SpecializedMoE, "forward_norm"):
+        out.append("SpecializedMoE.forward_norm (RMSNorm in the front prologue) is missing")
     for ops in (al.KDA_OPS, al.MLA_OPS):
         if ops[-1] != FRONT_NORM_DROPS:
             out.append(f"the attention half's last launch is {ops[-1]!r}, not {FRONT_NORM_DROPS!r}")
@@ -407,15 +404,7 @@ class SpecializedModel:
 
     def _moe_front_norm(self, i: int, r_out, x_out) -> None:
         """The MoE block with ``h = rmsnorm(r_out) * mlp_norm`` in its front kernel's prologue."""
-        from decodescope.kernels.specialized import moe_block as mb
-        from decodescope.kernels.specialized import router_topk as rt
-
-        moe = self.moe[i]
-        with moe._r(mb.OP_FRONT_NORM):
-            rt.front_gemv(r_out, moe.w_front, moe.y_front, moe.acc, moe.done,
-                          norm_w=moe.mlp_norm, eps=self.cfg.eps)  # fmt: skip
-        moe.experts()
-        moe.back(x_out)
+        self.moe[i].forward_norm(r_out, x_out)
 
     def _run(self, guarded: bool) -> None:
         x, r = self.x_in, self.r_in
