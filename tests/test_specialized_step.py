@@ -221,16 +221,19 @@ def _rel(a, b, rows=None):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("front_norm", [0, 1])
 @pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 3)])
-def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, tokens):
+def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, tokens, front_norm):
     """Each half replaced by its chained torch reference (attention_ref, moe_block_ref): the
-    step's wiring (buffers, residual stream, state in place, layer order) must give the standard
-    model's step on the CPU."""
+    step's wiring (buffers, residual stream, state in place, layer order; with front_norm, the
+    attention half without its RMSNorm launch and the MoE half normalizing r_out) must give
+    the standard model's step on the CPU."""
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import rmsnorm as rms
     from decodescope.kernels.standard.model import StandardModel
 
-    p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3)
+    p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3, front_norm=front_norm)
     w_of = {id(moe): w for moe, w in zip(m.moe, m.weights, strict=True)}
 
     def attn_forward(self, x_in, r_in, r_out, h_out):
@@ -240,13 +243,32 @@ def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, token
         for k, v in ns.items():
             self.state[k].copy_(v)
 
+    def attn_stages(self, x_in, r_in, r_out, h_out):
+        def body():  # everything up to o_proj's residual epilogue: r_out only
+            r, _, ns = al.attention_ref(self.cfg, self.spec, self.w, self.state, x_in, r_in,
+                                        self.T)  # fmt: skip
+            r_out.copy_(r)
+            for k, v in ns.items():
+                self.state[k].copy_(v)
+
+        def norm():
+            raise AssertionError("front_norm must skip the attention's residual_norm launch")
+
+        return [("body", body), ("residual_norm", norm)]
+
     def moe_forward(self, h, out):
         o, ids = mb.moe_block_ref(self.cfg, w_of[id(self)], h)
         out.copy_(o)
         self.topk_ids.copy_(ids)
 
+    def moe_forward_norm(self, r, out):
+        h = rms.rmsnorm_ref(r, w_of[id(self)]["mlp_norm"], self.cfg.eps)
+        moe_forward(self, h, out)
+
     monkeypatch.setattr(al.SpecializedAttention, "forward", attn_forward)
+    monkeypatch.setattr(al.SpecializedAttention, "stages", attn_stages)
     monkeypatch.setattr(mb.SpecializedMoE, "forward", moe_forward)
+    monkeypatch.setattr(mb.SpecializedMoE, "forward_norm", moe_forward_norm)
     std = StandardModel(p.cfg, p.specs, batch, tokens, seed=3, device="cpu")
     m.step()
     std.step()
