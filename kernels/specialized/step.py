@@ -472,9 +472,9 @@ def _require_gpu(dev) -> None:
         )
     major, minor = torch.cuda.get_device_capability(dev)
     if major != 9:
+        name = torch.cuda.get_device_name(dev)
         raise ValueError(
-            f"workload 'specialized' compiles for sm_90a (Hopper); {torch.cuda.get_device_name(dev)}"
-            f" is sm_{major}{minor}"
+            f"workload 'specialized' compiles for sm_90a (Hopper); {name} is sm_{major}{minor}"
         )
 
 
