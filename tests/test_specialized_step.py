@@ -26,6 +26,12 @@ def test_registered():
     assert WORKLOADS["specialized"] is S.specialized
 
 
+def test_capture_child_finds_it():
+    from decodescope.tracer.child import _find_workload
+
+    assert _find_workload("specialized") is S.specialized
+
+
 def test_plan_meta_tiny():
     p = S.plan(**TINY, batch=3, tokens_per_seq=2, layers="kda,mla", seed=5)
     m = p.meta
