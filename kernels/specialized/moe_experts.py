@@ -281,9 +281,11 @@ class MoeExperts:
                     else:
                         self._w13_chunk(ws, gYv, sZv, sPairs, mH, acc13, start, n, p0, row, li, TT)
                     p0 = p0 + cutlass.min(rem, TT)
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.barrier()
+                # the chunk's trailing barrier ordered every thread's h stores before this;
+                # thread 0's release (cumulative, GPU scope) publishes them: the other warps go
+                # straight on to their next tile instead of each waiting on a fence
                 if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
                     cute.arch.atomic_add(mDone.iterator + e, Int32(1), sem="release", scope="gpu")
             else:
                 # ---- w2 + routing-weighted sum ----
