@@ -58,6 +58,13 @@ def test_specialized_step_equals_standard(g, batch):
     assert rec["launches"] and all(n <= 11 for n in rec["launches"].values())
 
 
+def test_front_norm_step_equals_standard(g):
+    """front_norm=1: the post-attention RMSNorm inside the MoE front kernel (6 / 7 launches)."""
+    rec = g.run_case("kimi-k3", 8, 8, 1, "kda,mla", seed=0, draws=2, graph=True, front_norm="1")
+    assert rec["status"] == "PASS", _failures(rec)
+    assert rec["launches"] == {"layer.0:kda": 6, "layer.1:mla": 7}
+
+
 def test_workload_meta_on_gpu():
     """The factory's meta after the first (compiling) step: real routing in layer_bytes."""
     from decodescope.kernels import bytes as kbytes
