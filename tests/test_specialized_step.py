@@ -475,3 +475,29 @@ def test_gpu_steps_redraws_when_ties_hide_every_row(monkeypatch):
     assert not out[-1]["ok"]
     ok = g.run_draws(std, m, 1, 1, m.step, "eager", 2, 100, tie=0.05, min_rows=0.25)
     assert [d["mode"] for d in ok if d["mode"] == "eager"] == ["eager", "eager"]
+
+
+def test_gpu_steps_run_case_plumbing_on_cpu(monkeypatch):
+    """scripts/gpu_steps.py's run_case end to end on a CPU: the real factories (the GPU check
+    of the specialized one bypassed, its halves replaced by their references), a stand-in for
+    the CUDA graph; then the table."""
+    import types
+
+    g = _gpu_steps()
+    monkeypatch.setattr(S, "_require_gpu", lambda dev: None)
+    real_init = S.SpecializedModel.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        _reference_halves(monkeypatch, self)
+
+    monkeypatch.setattr(S.SpecializedModel, "__init__", init)
+    monkeypatch.setattr(g, "capture_graph", lambda step: types.SimpleNamespace(replay=step))
+    rec = g.run_case("tiny", 1, 3, 1, "kda,mla", seed=0, draws=1, tie=0.05)
+    assert rec["status"] == "PASS", rec.get("error") or rec
+    assert rec["same_weights"] and rec["launches"] == {"layer.0:kda": 7, "layer.1:mla": 8}
+    assert [d["mode"] for d in rec["draws"] if "-" not in d["mode"]] == ["eager", "graph"]
+    t = g.table([rec])
+    assert "| PASS |" in t and "1/1 PASS" in t
+    bad = g.run_case("tiny", 1, 3, 1, "dense,kda", seed=0, draws=1)
+    assert bad["status"] == "UNUSABLE" and "dense-MLP" in bad["error"]

@@ -518,7 +518,8 @@ def specialized(**opts: Any) -> Workload:
             first[0] = False
         else:
             model.step()  # eager, outside capture: warms up and routes the new inputs
-        torch.cuda.synchronize(model.device)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
         update_meta()
 
     refresh()
