@@ -97,6 +97,35 @@ def dot_rows(
 
 
 @cute.jit
+def dot_rows_idx(
+    ws,
+    sXv: cute.Tensor,
+    rows,
+    acc: cute.Tensor,
+    li,
+    R: cutlass.Constexpr[int],
+    TT: cutlass.Constexpr[int],
+    LPR: cutlass.Constexpr[int],
+    NCH: cutlass.Constexpr[int],
+):
+    """``dot_rows`` against staged rows ``rows[t]`` of ``sXv`` (a list of TT row indices)."""
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = Float32(0.0)
+    for j in cutlass.range_constexpr(NCH):
+        for t in cutlass.range_constexpr(TT):
+            x = sXv[(0, None), (rows[t], li + j * LPR)].load().to(Float32)
+            for r in cutlass.range_constexpr(R):
+                w = ws[r * NCH + j].to(Float32)
+                acc[r, t] = acc[r, t] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = cute.arch.warp_reduction(
+                acc[r, t], lambda a, b: a + b, threads_in_group=LPR
+            )
+
+
+@cute.jit
 def warp_gemv(
     gWv: cute.Tensor,
     row0,

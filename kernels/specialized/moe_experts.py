@@ -46,7 +46,14 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.moe_common import VEC, dot_rows, lanes_per_row, load_rows, situ
+from decodescope.kernels.specialized.moe_common import (
+    VEC,
+    dot_rows,
+    dot_rows_idx,
+    lanes_per_row,
+    load_rows,
+    situ,
+)
 from decodescope.kernels.specialized.router_topk import pdl_enabled, select_topk
 
 
@@ -79,6 +86,9 @@ class MoeExperts:
         self.T, self.E, self.K, self.L, self.Ie, self.H, self.S = T, E, K, L, Ie, H, S
         self.scaling, self.beta, self.lbeta = scaling, beta, lbeta
         self.num_ctas, self.TT, self.NW = num_ctas, TT, NW
+        # up to 8 tokens: every CTA stages all tokens' latent z once (BF16, <= 57 KB) in its
+        # prologue, and the w13 tiles read it by token: no staging round trip per tile
+        self.prestage = T <= 8
         self.TTs = min(TT, T)
         # w13: K = L, one gate row + its up row per lane group
         self.LPR13 = lanes_per_row(L)
@@ -158,8 +168,9 @@ class MoeExperts:
         sActOff = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
         sActN = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
         sNact = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        ZT = T if const_expr(self.prestage) else TT
         sZ = smem.allocate_tensor(
-            BFloat16, cute.make_ordered_layout((TT, L), order=(1, 0)), byte_alignment=16
+            BFloat16, cute.make_ordered_layout((ZT, L), order=(1, 0)), byte_alignment=16
         )
         sA = smem.allocate_tensor(
             BFloat16, cute.make_ordered_layout((self.TTs, S), order=(1, 0)), byte_alignment=16
@@ -224,6 +235,14 @@ class MoeExperts:
         for p in cutlass.range(tid, T * K, NT):
             pos = cute.arch.atomic_add(sCnt.iterator + sIds[p], Int32(1))
             sPairs[pos] = p
+        if const_expr(self.prestage):
+            gYz = cute.zipped_divide(mY, (1, VEC))
+            sZz = cute.zipped_divide(sZ, (1, VEC))
+            KVL = L // VEC
+            for i in cutlass.range(tid, T * KVL, NT, unroll=4):
+                t = i // KVL
+                c = i % KVL
+                sZz[(0, None), (t, c)].store(gYz[(0, None), (t, E // VEC + c)].load().to(BFloat16))
         cute.arch.barrier()
 
         nact = sNact[0]
@@ -400,20 +419,26 @@ class MoeExperts:
     ):
         """Pairs p0 .. p0+TTc of one expert: stage their latent z (BF16), gate + up rows, SiTU,
         write ``h``. Slots past ``n`` are zero and never stored."""
-        NT = self.NW * 32
-        KV = self.L // VEC
-        tid, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
-            ts = i // KV
-            c = i % KV
-            slot = cutlass.min(p0 + ts, n - 1)
-            tok = sPairs[start + slot] // self.K
-            v = gYv[(0, None), (tok, self.E // VEC + c)].load()
-            if p0 + ts >= n:
-                v = cute.zeros_like(v)
-            sZv[(0, None), (ts, c)].store(v.to(BFloat16))
-        cute.arch.barrier()
-        dot_rows(ws, sZv, acc13, li, 2, TTc, self.LPR13, self.NCH13)
+        if const_expr(self.prestage):
+            # all tokens' z are in shared memory already: read them by token (slots past n
+            # repeat the last pair and are never stored)
+            toks = [sPairs[start + cutlass.min(p0 + t, n - 1)] // self.K for t in range(TTc)]
+            dot_rows_idx(ws, sZv, toks, acc13, li, 2, TTc, self.LPR13, self.NCH13)
+        else:
+            NT = self.NW * 32
+            KV = self.L // VEC
+            tid, _, _ = cute.arch.thread_idx()
+            for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
+                ts = i // KV
+                c = i % KV
+                slot = cutlass.min(p0 + ts, n - 1)
+                tok = sPairs[start + slot] // self.K
+                v = gYv[(0, None), (tok, self.E // VEC + c)].load()
+                if p0 + ts >= n:
+                    v = cute.zeros_like(v)
+                sZv[(0, None), (ts, c)].store(v.to(BFloat16))
+            cute.arch.barrier()
+            dot_rows(ws, sZv, acc13, li, 2, TTc, self.LPR13, self.NCH13)
         if li == 0:  # noqa: SIM102 (dynamic conditions: nested ifs)
             if row < self.Ie:
                 for t in cutlass.range_constexpr(TTc):
