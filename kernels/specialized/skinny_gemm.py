@@ -207,7 +207,7 @@ class SkinnyGemm:
             pdl_begin()
 
         if cutlass.const_expr(p.norm):
-            self.prologue(mX, mR, mRout, sRstd, bidx, warp, lane)
+            self.prologue(mX, mR, mRout, sRstd, sRed, bidx, warp, lane)
             cute.arch.sync_threads()
 
         weights = (mW0, mW1, mW2)
@@ -238,32 +238,45 @@ class SkinnyGemm:
                     cute.arch.prefetch(tile.iterator.llvm_ptr, cache_level="L2")
 
     @cute.jit
-    def prologue(self, mX, mR, mRout, sRstd, bidx, warp, lane):
-        """Per-token rstd of h = x (+ r); CTA 0 writes h to the new residual."""
+    def prologue(self, mX, mR, mRout, sRstd, sRed, bidx, warp, lane):
+        """Per-token rstd of h = x (+ r); CTA 0 writes h to the new residual.
+
+        Every thread takes a share of every token's row (all of its 16-byte loads in flight at
+        once: one L2 round trip at M = 1, where one warp per token took 7), the warps' partial
+        sums meet in shared memory (``sRed[w, 0, m]``, free until the main loop)."""
         p = self.p
+        nt = self.threads
+        tidx = warp * 32 + lane
         nvec = p.k // 8
-        for mi in cutlass.range((p.m + p.ks - 1) // p.ks):
-            m = warp + mi * p.ks
-            if m < p.m:
-                ss = Float32(0.0)
-                for v in cutlass.range((nvec + 31) // 32, unroll=4):
-                    kv = v * 32 + lane
-                    if kv < nvec:
-                        xv = cute.make_rmem_tensor((8,), BFloat16)
-                        load_vec8(mX[m, None], kv * 8, xv)
-                        if cutlass.const_expr(p.add_residual):
-                            rv = cute.make_rmem_tensor((8,), BFloat16)
-                            load_vec8(mR[m, None], kv * 8, rv)
-                            for e in cutlass.range_constexpr(8):
-                                xv[e] = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
-                            if bidx == 0:
-                                cute.autovec_copy(xv, cute.local_tile(mRout[m, None], (8,), (kv,)))
+        per = (nvec + nt - 1) // nt
+        for m in cutlass.range(p.m):
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * nt
+                if kv < nvec:
+                    xv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mX[m, None], kv * 8, xv)
+                    if cutlass.const_expr(p.add_residual):
+                        rv = cute.make_rmem_tensor((8,), BFloat16)
+                        load_vec8(mR[m, None], kv * 8, rv)
                         for e in cutlass.range_constexpr(8):
-                            f = xv[e].to(Float32)
-                            ss = ss + f * f
-                ss = warp_sum(ss)
-                if lane == 0:
-                    sRstd[m] = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
+                            xv[e] = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                        if bidx == 0:
+                            cute.autovec_copy(xv, cute.local_tile(mRout[m, None], (8,), (kv,)))
+                    for e in cutlass.range_constexpr(8):
+                        f = xv[e].to(Float32)
+                        ss = ss + f * f
+            ss = warp_sum(ss)
+            if lane == 0:
+                sRed[warp, 0, m] = ss
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr((p.m + nt - 1) // nt):
+            m = tidx + i * nt
+            if m < p.m:
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(p.ks):
+                    tot = tot + sRed[w, 0, m]
+                sRstd[m] = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
 
     @cute.jit
     def tile(self, mX, mR, mNW, sRstd, sRed, mW, mO, mE, cta, ntiles, warp, lane):
@@ -291,7 +304,9 @@ class SkinnyGemm:
         chunks_per_warp = p.k // KCHUNK // p.ks
         u = p.unroll
         chunk0 = warp * chunks_per_warp
-        for it in cutlass.range(chunks_per_warp // u):
+        # small M: the whole K loop unrolled, so the compiler can issue the next chunks' weight
+        # loads ahead of the current MMAs (a runtime loop ends each iteration in a round trip)
+        for it in cutlass.range(chunks_per_warp // u, unroll_full=p.m <= 16):
             wlo = []
             whi = []
             for v in cutlass.range_constexpr(u):
