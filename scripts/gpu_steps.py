@@ -26,7 +26,7 @@ Writes ``results.json``, ``table.md`` and per-case JSON under ``--out``; prints 
 
     python scripts/gpu_steps.py --out $OUT/steps [--tp 8 16] [--points 1x1 8x1 32x1 64x1 8x8]
         [--layers kda,mla] [--draws 2] [--isolate group|case|none] [--case-timeout 240]
-        [--front-norm 0|1|auto]
+        [--front-norm 0|1|auto] [--budget 540]
 """
 
 from __future__ import annotations
@@ -355,15 +355,38 @@ def _stop(p: subprocess.Popen) -> None:
     p.wait()
 
 
-def run_isolated(cases: list[dict], a) -> list[dict]:
+def _skipped(c: dict, a, why: str) -> dict:
+    return {"stage": "spec_vs_std", "preset": a.preset, "tp": c["tp"], "batch": c["batch"],
+            "tokens": c["tokens"], "layers": a.layers, "status": "SKIPPED", "error": why,
+            "draws": []}  # fmt: skip
+
+
+def write_outputs(out: Path, results: list[dict]) -> str:
+    """results.json and table.md as they stand (rewritten after every case)."""
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    t = table(results)
+    (out / "table.md").write_text(t + "\n")
+    return t
+
+
+def run_isolated(cases: list[dict], a, t0: float) -> list[dict]:
     out, cdir = Path(a.out), Path(a.out) / "cases"
     cdir.mkdir(parents=True, exist_ok=True)
     groups = [[c] for c in cases] if a.isolate == "case" else _by_tp(cases)
     results: dict[str, dict] = {}
+    over = False  # --budget spent: the rest is skipped, the table still printed
+
+    def ordered() -> list[dict]:
+        return [results[case_id(c)] for c in cases if case_id(c) in results]
+
     for gi, group in enumerate(groups):
         pending = list(group)
         tries = 0
-        while pending and tries < len(group) + 1:
+        while pending and tries < len(group) + 1 and not over:
+            if a.budget and time.time() - t0 > a.budget:
+                log(f"   --budget {a.budget:.0f} s spent: the rest is skipped")
+                over = True
+                break
             tries += 1
             (cdir / "current").unlink(missing_ok=True)
             logpath = out / "logs" / f"child_{gi}_{tries}.log"
@@ -381,6 +404,11 @@ def run_isolated(cases: list[dict], a) -> list[dict]:
                             f"{a.case_timeout:.0f} s, stopping the child")  # fmt: skip
                         _stop(p)
                         break
+                    if a.budget and time.time() - t0 > a.budget:
+                        log(f"   --budget {a.budget:.0f} s spent: stopping, the rest is skipped")
+                        _stop(p)
+                        over = True
+                        break
             rc = p.returncode
             tail = logpath.read_text(errors="replace").splitlines()[-25:]
             still = []
@@ -390,6 +418,10 @@ def run_isolated(cases: list[dict], a) -> list[dict]:
                     results[case_id(c)] = json.loads(f.read_text())
                 else:
                     still.append(c)
+            if still and over:
+                for c in still:
+                    results[case_id(c)] = _skipped(c, a, f"--budget {a.budget:.0f} s spent")
+                still = []
             if still:
                 cur = cdir / "current"
                 bad = cur.read_text() if cur.exists() else case_id(still[0])
@@ -411,9 +443,14 @@ def run_isolated(cases: list[dict], a) -> list[dict]:
                     err = f": {r.get('error', '')[:200]}" if r["status"] != "PASS" else ""
                     log(f"== {case_id(c)} {r['status']} ({r.get('seconds', '?')} s){err}")
             pending = still
+            write_outputs(out, [{k: v for k, v in r.items() if k != "_logged"} for r in ordered()])
+        for c in group:
+            if case_id(c) not in results:
+                why = "--budget spent" if over else "not run (the child kept failing)"
+                results[case_id(c)] = _skipped(c, a, why)
     for r in results.values():
         r.pop("_logged", None)
-    return [results[case_id(c)] for c in cases if case_id(c) in results]
+    return ordered()
 
 
 def _by_tp(cases: list[dict]) -> list[list[dict]]:
@@ -488,6 +525,12 @@ def main() -> int:
     ap.add_argument("--min-rows", type=float, default=MIN_ROWS)
     ap.add_argument("--isolate", choices=["group", "case", "none"], default="group")
     ap.add_argument("--case-timeout", type=float, default=240.0)
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="stop after this many seconds (0: none), skip the rest, print the table",
+    )
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -506,10 +549,8 @@ def main() -> int:
             results = [json.loads((cdir / f"{case_id(c)}.json").read_text()) for c in cases
                        if (cdir / f"{case_id(c)}.json").exists()]  # fmt: skip
         else:
-            results = run_isolated(cases, a)
-    (Path(a.out) / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    t = table(results)
-    (Path(a.out) / "table.md").write_text(t + "\n")
+            results = run_isolated(cases, a, t0)
+    t = write_outputs(Path(a.out), results)
     log(f"\n({time.time() - t0:.0f} s)\n" + t)
     return 0 if results and all(r["status"] == "PASS" for r in results) else 1
 
