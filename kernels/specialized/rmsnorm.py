@@ -81,11 +81,13 @@ class RMSNorm:
         nvec = p.n // 8
         per = (nvec + THREADS - 1) // THREADS
         rx = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), BFloat16)
+        rw = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), BFloat16)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(per):
             v = tidx + i * THREADS
             if v < nvec:
                 load_vec8(mX[m, None], v * 8, rx[i, None])
+                load_vec8(mW, v * 8, rw[i, None])  # with x: one round trip, not two
                 if cutlass.const_expr(p.residual):
                     rv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mR[m, None], v * 8, rv)
@@ -100,12 +102,10 @@ class RMSNorm:
         for i in cutlass.range_constexpr(per):
             v = tidx + i * THREADS
             if v < nvec:
-                wv = cute.make_rmem_tensor((8,), BFloat16)
                 yv = cute.make_rmem_tensor((8,), BFloat16)
-                load_vec8(mW, v * 8, wv)
                 for e in cutlass.range_constexpr(8):
                     t = (rx[i, e].to(Float32) * rstd).to(BFloat16).to(Float32)
-                    yv[e] = (t * wv[e].to(Float32)).to(BFloat16)
+                    yv[e] = (t * rw[i, e].to(Float32)).to(BFloat16)
                 store_vec8(yv, mY[m, None], v * 8)
 
 
