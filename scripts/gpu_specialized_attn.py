@@ -65,6 +65,7 @@ ATTN_KEYS = {
 }  # fmt: skip
 TOL = {"out": 2e-2, "state": 2e-3}
 PDL_AB_POINTS = ("1x1", "64x1")
+TIMING = {"on": False, "replays": 30}
 
 
 def record(**kw) -> dict:
@@ -173,20 +174,31 @@ def check_kernels(cfg, kind: str, w: dict, state: dict, B: int, T: int, ctx: dic
 
         guarded("q_b_proj", ctx, qb)
 
-        def mla_k():
+        def mla_k(hpc: int):
             a, q = rnd(N, cfg.mla_qkv_a_out), rnd(N, cfg.mla_q_b_out)
             g = rnd(N, cfg.mla_v_dim)
             cache = state["kv_cache"].clone()
             poison(cache[:, cfg.context_len :])
             out = torch.empty(N, cfg.mla_v_dim, dtype=BF16, device=DEV)
             poison(out)
-            mla.mla_decode(cfg, w, a, q, g, cache, out, T)
+            mla.mla_decode(cfg, w, a, q, g, cache, out, T, heads_per_cta=hpc)
             ro, rc = mla.mla_decode_ref(cfg, w, a, q, g, state["kv_cache"], T)
-            check("mla_decode.out", ctx, out, ro, TOL["out"])
+            tag = "" if hpc == 1 else f"[heads_per_cta={hpc}]"
+            check(f"mla_decode.out{tag}", ctx, out, ro, TOL["out"])
             ctx_len = cfg.context_len
-            check("mla_decode.new_cache_rows", ctx, cache[:, ctx_len:], rc[:, ctx_len:], 1e-2)
+            check(f"mla_decode.new_cache_rows{tag}", ctx, cache[:, ctx_len:], rc[:, ctx_len:],
+                  1e-2)  # fmt: skip
+            if TIMING["on"]:  # the kernel alone (cache L2-warm at small batch): A/B of hpc
+                med, lo, hi = graph_time_us(
+                    [lambda: mla.mla_decode(cfg, w, a, q, g, cache, out, T, heads_per_cta=hpc)],
+                    TIMING["replays"],
+                )
+                record(time=f"mla_decode alone, heads_per_cta={hpc}", **ctx, us=f"{med:.1f}",
+                       us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", status="time")  # fmt: skip
 
-        guarded("mla_decode", ctx, mla_k)
+        for hpc in (1, 2, 4):
+            if cfg.mla_heads % hpc == 0:
+                guarded(f"mla_decode hpc{hpc}", ctx, lambda hpc=hpc: mla_k(hpc))
 
 
 def std_attention(layer, kind: str, x_in, r_in, r_out) -> None:
@@ -495,6 +507,7 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tiling sweep")
     a = ap.parse_args()
+    TIMING.update(on=not a.no_timing, replays=a.replays)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1234)

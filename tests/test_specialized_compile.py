@@ -143,3 +143,13 @@ def test_rmsnorm_residual_variant_compiles_and_ref():
     w = (1 + 0.1 * torch.randn(256, generator=g)).bfloat16()
     ref = R.rmsnorm_ref(x.double() + r.double(), w.double(), 1e-5)
     assert R.rel_l2(rms.rmsnorm_ref(x, w, 1e-5, residual=r), ref) < 1e-2
+
+
+@pytest.mark.parametrize("preset,tp,hpc", [("kimi-k3", 8, 4), ("kimi-k3", 16, 2), ("tiny", 1, 2)])
+def test_mla_heads_per_cta_compiles(preset, tp, hpc):
+    import dataclasses
+
+    cfg = get_config(preset, tp)
+    p = dataclasses.replace(mla.plan_for(cfg, 8, 1), heads_per_cta=hpc)
+    assert p.keys_per_split * p.splits >= cfg.context_len
+    assert mla.compile_plan(p) is not None

@@ -27,7 +27,9 @@ tokens as the MMA rows (1+7 tokens re-read the split's keys once per token, from
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
@@ -66,6 +68,16 @@ class MLAPlan:
     eps: float = 1e-5
     cache_dtype: str = "bf16"  # or "fp8_e4m3" (plain cast, no scale: what the standard stores)
     pdl: bool = field(default_factory=pdl_enabled)
+    heads_per_cta: int = 1  # heads sharing one CTA's key reads (their warps hit the same lines)
+
+    @property
+    def hg(self) -> int:
+        return self.heads_per_cta
+
+    @property
+    def wph(self) -> int:
+        """Warps per head."""
+        return WARPS // self.heads_per_cta
 
     @property
     def lat(self) -> int:
@@ -81,13 +93,13 @@ class MLAPlan:
 
     @property
     def splits(self) -> int:
-        want = -(-2 * NUM_SMS // (self.heads * self.batch))
+        want = -(-2 * NUM_SMS // (self.heads // self.hg * self.batch))
         most = max(1, self.ctx // MIN_KEYS_PER_SPLIT)
         return max(1, min(want, most, 64))
 
     @property
     def keys_per_split(self) -> int:
-        blk = WARPS * KB
+        blk = self.wph * KB
         return -(-self.ctx // (self.splits * blk)) * blk
 
 
@@ -99,6 +111,8 @@ class MLADecode:
             raise ValueError("v_dim and rope must be <= 256")
         if plan.lat % 8:
             raise ValueError("the latent width must be a multiple of 8")
+        if WARPS % plan.hg or plan.heads % plan.hg:
+            raise ValueError(f"heads_per_cta={plan.hg} must divide {WARPS} warps and the heads")
         ncg, nvg = plan.kv_lora // 8, plan.v_dim // 8
         if plan.kv_lora % 8 or self.threads % ncg or plan.nope % (self.threads // ncg):
             raise ValueError("kv_lora / 8 must divide 256 threads and nope their quotient")
@@ -126,18 +140,18 @@ class MLADecode:
         @cute.struct
         class Smem:
             new: cute.struct.MemRange[Float32, p.tokens * p.lat]
-            q: cute.struct.MemRange[Float32, p.lat]
-            qn: cute.struct.MemRange[Float32, p.nope]
+            q: cute.struct.MemRange[Float32, p.hg * p.lat]
+            qn: cute.struct.MemRange[Float32, p.hg * p.nope]
             o: cute.struct.MemRange[Float32, WARPS * p.kv_lora]
             ml: cute.struct.MemRange[Float32, 2 * WARPS]
-            olat: cute.struct.MemRange[Float32, p.kv_lora]
+            olat: cute.struct.MemRange[Float32, p.hg * p.kv_lora]
             part: cute.struct.MemRange[Float32, self.part_size]
             red: cute.struct.MemRange[Float32, 8]
             last: cute.struct.MemRange[Int32, 1]
 
         self.smem_cls = Smem
         self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
-            grid=[p.heads, p.batch, p.splits],
+            grid=[p.heads // p.hg, p.batch, p.splits],
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
@@ -150,18 +164,22 @@ class MLADecode:
         NT = self.threads
         L, R, KVL, T, S = p.lat, p.rope, p.kv_lora, p.tokens, p.splits
         tidx, _, _ = cute.arch.thread_idx()
-        h, b, sp = cute.arch.block_idx()
+        hgi, b, sp = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
+        HG, WPH = p.hg, p.wph
+        h0 = hgi * HG  # first head of this CTA
+        hh = warp // WPH  # this warp's head (local index) and its slot among the head's warps
+        ws = warp % WPH
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sNew = st.new.get_tensor(cute.make_layout((T, L), stride=(L, 1)))
-        sQ = st.q.get_tensor(cute.make_layout(L))
-        sQn = st.qn.get_tensor(cute.make_layout(p.nope))
+        sQ = st.q.get_tensor(cute.make_layout((HG, L), stride=(L, 1)))
+        sQn = st.qn.get_tensor(cute.make_layout((HG, p.nope), stride=(p.nope, 1)))
         sO = st.o.get_tensor(cute.make_layout((WARPS, KVL), stride=(KVL, 1)))
         sML = st.ml.get_tensor(cute.make_layout((2, WARPS), stride=(WARPS, 1)))
-        sOlat = st.olat.get_tensor(cute.make_layout(KVL))
+        sOlat = st.olat.get_tensor(cute.make_layout((HG, KVL), stride=(KVL, 1)))
         sPart = st.part.get_tensor(cute.make_layout(self.part_size))
         sRed = st.red.get_tensor(cute.make_layout(8))
         sLast = st.last.get_tensor(cute.make_layout(1))
@@ -191,7 +209,7 @@ class MLADecode:
                         val = mA[row, p.q_lora + c].to(Float32)
                     # what the cache stores is what every key read sees (FP8: rounded)
                     sNew[t, c] = val.to(p.cache_type).to(Float32)
-                    if h == 0 and sp == 0:
+                    if hgi == 0 and sp == 0:
                         mCache[b, p.ctx + t, c] = val.to(p.cache_type)
         cute.arch.sync_threads()
 
@@ -200,18 +218,20 @@ class MLADecode:
         nvec = L // 8
         vpl = (nvec + 31) // 32  # 16-byte vectors per lane
         k_begin = sp * p.keys_per_split
-        nblk = p.keys_per_split // (WARPS * KB)
+        nblk = p.keys_per_split // (WPH * KB)
         for t in cutlass.range(T):
             row = b * T + t
-            # -- 2a. absorbed query: q_lat = q_nope @ w_uk[h], q_pe as is ---------------------
-            for i in cutlass.range_constexpr((p.nope + NT - 1) // NT):
-                d = tidx + i * NT
-                if d < p.nope:
-                    sQn[d] = mQ[row, h * qw + d].to(Float32)
-            if tidx < R:
-                sQ[KVL + tidx] = mQ[row, h * qw + p.nope + tidx].to(Float32) * scale
-            cute.arch.sync_threads()
-            self.absorb_q(mWuk, sQn, sQ, sPart, h, tidx, scale)
+            # -- 2a. absorbed queries: q_lat = q_nope @ w_uk[h], q_pe as is, each head --------
+            for j in cutlass.range_constexpr(HG):
+                hj = h0 + j
+                for i in cutlass.range_constexpr((p.nope + NT - 1) // NT):
+                    d = tidx + i * NT
+                    if d < p.nope:
+                        sQn[j, d] = mQ[row, hj * qw + d].to(Float32)
+                if tidx < R:
+                    sQ[j, KVL + tidx] = mQ[row, hj * qw + p.nope + tidx].to(Float32) * scale
+                cute.arch.sync_threads()
+                self.absorb_q(mWuk, sQn[j, None], sQ[j, None], sPart, hj, tidx, scale)
 
             # -- 2b. this split's keys, online softmax per warp -----------------------------
             rq = cute.make_rmem_tensor(cute.make_layout((vpl, 8), stride=(8, 1)), Float32)
@@ -220,13 +240,13 @@ class MLADecode:
                 for e in cutlass.range_constexpr(8):
                     rq[vi, e] = Float32(0.0)
                     if v < nvec:
-                        rq[vi, e] = sQ[v * 8 + e]
+                        rq[vi, e] = sQ[hh, v * 8 + e]
             ro = cute.make_rmem_tensor(cute.make_layout((vpl, 8), stride=(8, 1)), Float32)
             ro.fill(0.0)
             mrun = Float32(-1.0e30)
             lrun = Float32(0.0)
             for blk in cutlass.range(nblk):
-                key0 = k_begin + (blk * WARPS + warp) * KB
+                key0 = k_begin + (blk * WPH + ws) * KB
                 kb = cute.make_rmem_tensor(  # row-major: kb[q, vi, :] is 16 contiguous bytes
                     cute.make_layout((KB, vpl, 8), stride=(vpl * 8, 8, 1)), p.cache_type
                 )
@@ -263,8 +283,8 @@ class MLADecode:
                         for e in cutlass.range_constexpr(8):
                             ro[vi, e] = ro[vi, e] + pk * kb[q, vi, e].to(Float32)
                 mrun = mnew
-            # the new rows ctx .. ctx + t: last split, warp 0
-            if sp == S - 1 and warp == 0:
+            # the new rows ctx .. ctx + t: last split, first warp of each head
+            if sp == S - 1 and ws == 0:
                 for key in cutlass.range(t + 1):
                     s = Float32(0.0)
                     for vi in cutlass.range_constexpr(vpl):
@@ -295,37 +315,41 @@ class MLADecode:
                 sML[0, warp] = mrun
                 sML[1, warp] = lrun
             cute.arch.sync_threads()
-            mall = sML[0, 0]
-            for w in cutlass.range_constexpr(1, WARPS):
-                mall = cute.arch.fmax(mall, sML[0, w])
-            lall = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
-                lall = lall + sML[1, w] * cute.math.exp(sML[0, w] - mall, fastmath=True)
-            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
-                c = tidx + i * NT
-                if c < KVL:
-                    acc = Float32(0.0)
-                    for w in cutlass.range_constexpr(WARPS):
-                        acc = acc + sO[w, c] * cute.math.exp(sML[0, w] - mall, fastmath=True)
-                    if cutlass.const_expr(S == 1):
-                        sOlat[c] = acc / lall
-                    else:
-                        mPart[row, h, sp, c] = acc
-            if cutlass.const_expr(S > 1):
-                if tidx == 0:
-                    mPart[row, h, sp, KVL] = mall
-                    mPart[row, h, sp, KVL + 1] = lall
-            else:
+            for j in cutlass.range_constexpr(HG):  # each head: merge its WPH warps
+                w0 = j * WPH
+                mall = sML[0, w0]
+                for w in cutlass.range_constexpr(w0 + 1, w0 + WPH):
+                    mall = cute.arch.fmax(mall, sML[0, w])
+                lall = Float32(0.0)
+                for w in cutlass.range_constexpr(w0, w0 + WPH):
+                    lall = lall + sML[1, w] * cute.math.exp(sML[0, w] - mall, fastmath=True)
+                for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                    c = tidx + i * NT
+                    if c < KVL:
+                        acc = Float32(0.0)
+                        for w in cutlass.range_constexpr(w0, w0 + WPH):
+                            acc = acc + sO[w, c] * cute.math.exp(sML[0, w] - mall, fastmath=True)
+                        if cutlass.const_expr(S == 1):
+                            sOlat[j, c] = acc / lall
+                        else:
+                            mPart[row, h0 + j, sp, c] = acc
+                if cutlass.const_expr(S > 1):  # noqa: SIM102 (compile-time, then run-time)
+                    if tidx == 0:
+                        mPart[row, h0 + j, sp, KVL] = mall
+                        mPart[row, h0 + j, sp, KVL + 1] = lall
+            if cutlass.const_expr(S == 1):
                 cute.arch.sync_threads()
-                self.finish(mG, mWuv, mOut, sOlat, sPart, row, h, tidx)
+                for j in cutlass.range_constexpr(HG):
+                    self.finish(mG, mWuv, mOut, sOlat[j, None], sPart, row, h0 + j, tidx)
+                    cute.arch.sync_threads()
             cute.arch.sync_threads()
 
-        # -- 3. the last split of (b, h) merges the partials ---------------------------------
+        # -- 3. the last split of (b, head group) merges the partials ------------------------
         if cutlass.const_expr(S > 1):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
             if tidx == 0:
-                old = cute.arch.atomic_add(mCnt.iterator + (b * p.heads + h), Int32(1),
+                old = cute.arch.atomic_add(mCnt.iterator + (b * p.heads + h0), Int32(1),
                                            sem="acq_rel", scope="gpu")  # fmt: skip
                 sLast[0] = old
             cute.arch.sync_threads()
@@ -333,26 +357,29 @@ class MLADecode:
                 cute.arch.fence_acq_rel_gpu()
                 for t in cutlass.range(T):
                     row = b * T + t
-                    mall = Float32(-1.0e30)
-                    for s2 in cutlass.range(S):
-                        mall = cute.arch.fmax(mall, mPart[row, h, s2, KVL])
-                    lall = Float32(0.0)
-                    for s2 in cutlass.range(S):
-                        wgt = cute.math.exp(mPart[row, h, s2, KVL] - mall, fastmath=True)
-                        lall = lall + mPart[row, h, s2, KVL + 1] * wgt
-                    for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
-                        c = tidx + i * NT
-                        if c < KVL:
-                            acc = Float32(0.0)
-                            for s2 in cutlass.range(S):
-                                wgt = cute.math.exp(mPart[row, h, s2, KVL] - mall, fastmath=True)
-                                acc = acc + mPart[row, h, s2, c] * wgt
-                            sOlat[c] = acc / lall
-                    cute.arch.sync_threads()
-                    self.finish(mG, mWuv, mOut, sOlat, sPart, row, h, tidx)
-                    cute.arch.sync_threads()
+                    for j in cutlass.range_constexpr(HG):
+                        hj = h0 + j
+                        mall = Float32(-1.0e30)
+                        for s2 in cutlass.range(S):
+                            mall = cute.arch.fmax(mall, mPart[row, hj, s2, KVL])
+                        lall = Float32(0.0)
+                        for s2 in cutlass.range(S):
+                            wgt = cute.math.exp(mPart[row, hj, s2, KVL] - mall, fastmath=True)
+                            lall = lall + mPart[row, hj, s2, KVL + 1] * wgt
+                        for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                            c = tidx + i * NT
+                            if c < KVL:
+                                acc = Float32(0.0)
+                                for s2 in cutlass.range(S):
+                                    m2 = mPart[row, hj, s2, KVL]
+                                    wgt = cute.math.exp(m2 - mall, fastmath=True)
+                                    acc = acc + mPart[row, hj, s2, c] * wgt
+                                sOlat[j, c] = acc / lall
+                        cute.arch.sync_threads()
+                        self.finish(mG, mWuv, mOut, sOlat[j, None], sPart, row, hj, tidx)
+                        cute.arch.sync_threads()
                 if tidx == 0:
-                    mCnt[b, h] = Int32(0)
+                    mCnt[b, h0] = Int32(0)
 
     @cute.jit
     def absorb_q(self, mWuk, sQn, sQ, sPart, h, tidx, scale):
@@ -461,13 +488,17 @@ def compile_plan(p: MLAPlan):
     return itf.compiled(("mla_decode", p), lambda: (MLADecode(p), _fake_args(p)))
 
 
-def mla_decode(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
-    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows."""
+def mla_decode(cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0) -> None:
+    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows.
+
+    ``heads_per_cta`` (0: ``DECODESCOPE_MLA_HEADS_PER_CTA`` or 1) lets that many heads share a
+    CTA, their warps reading the same key lines (one L2 fetch, the rest L1 hits)."""
     cache_dtype = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}.get(kv_cache.dtype)
     if cache_dtype is None:
         raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
     batch = a.shape[0] // tokens
-    plan = plan_for(cfg, batch, tokens, cache_dtype)
+    hpc = heads_per_cta or int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "1") or 1)
+    plan = dataclasses.replace(plan_for(cfg, batch, tokens, cache_dtype), heads_per_cta=hpc)
     fn = compile_plan(plan)
     part, cnt = _workspace(plan, a.device)
     fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, part, cnt, out)
