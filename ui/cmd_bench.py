@@ -261,12 +261,12 @@ def bench_cmd(
                 continue
             run = tracer.load(res.out)
             runs.append(run)
+            if out is not None:  # each run as it completes: a later failure or timeout keeps it
+                from decodescope.tracer.dataset import append_run
+
+                append_run(run, out, replace=True)
             rows.extend(kind_rows(run, backend, n, tps))
             progress.advance(task)
-    if out is not None and runs:
-        from decodescope.tracer.dataset import append_runs
-
-        append_runs(runs, out, replace=True)
     meta = runs[0].meta if runs else None
     meta_line = (
         f"{meta.gpu or 'GPU ?'} x1, tp_shape {tp_shape}, tp_world {meta.tp_world or 1}, {preset}"
