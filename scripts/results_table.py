@@ -18,20 +18,29 @@ def main(path: str = "results") -> None:
     gpu = runs[0].meta.gpu
     print(
         f"Measured by `decodescope bench` on one {gpu} (tp_world 1: the per-rank shapes of TP8 "
-        f"and TP16 without communication), runs of {dates[0]} to {dates[-1]} UTC, commit(s) "
-        f"{', '.join(commits)}; each figure the median over 30 CUDA-graph replays of one KDA "
-        "and one gated-MLA layer, each with its LatentMoE block, BF16 experts.\n"
+        f"and TP16 without communication), runs of {dates[0]} to {dates[-1]} UTC, commits "
+        f"{', '.join(commits)} (the newest run of each setup is shown; `results/` keeps them "
+        "all); each figure the median over 30 CUDA-graph replays of one KDA and one gated-MLA "
+        "layer, each with its LatentMoE block, BF16 experts. Batch `1x8` is the verify step of "
+        "speculative decoding: 1 sequence of 1+7 tokens. The floor is the layer's bytes "
+        "(weights, the experts the batch's routing selected, state, cache) over the copy "
+        "bandwidth measured in the same process (4.10-4.18 TB/s); runs of commit 688d6c5 did "
+        "not record the bandwidth yet.\n"
     )
     print(
         "| tp_shape | batch | kind | std kernels | spec kernels | std us | spec us | speedup "
-        "| floor us | std / floor | spec / floor |"
+        "| floor us | std / floor | spec / floor | commit |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     proj = []
+    commit: dict[tuple, str] = {}
     for (_preset, tp, batch, tps), by in sorted(
         pairs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])
     ):
         rows = {}
+        commit[(tp, batch, tps)] = ", ".join(
+            sorted({(r.meta.git_commit or "?")[:7] for r in by.values()})
+        )
         for backend, run in by.items():
             for r in cmd_bench.kind_rows(run, backend, batch, tps):
                 rows[(backend, r["layer_kind"])] = r
@@ -48,7 +57,8 @@ def main(path: str = "results") -> None:
                 f"| {tp} | {batch}{'' if tps == 1 else f'x{tps}'} | {kind} | {s['kernels']:.0f} "
                 f"| {p['kernels']:.0f} | {s['span_us']:,.1f} | {p['span_us']:,.1f} "
                 f"| {s['span_us'] / p['span_us']:.2f}x | {f'{fl:,.1f}' if fl else '-'} "
-                f"| {f(s['span_us'] / fl) if fl else '-'} | {f(p['span_us'] / fl) if fl else '-'} |"
+                f"| {f(s['span_us'] / fl) if fl else '-'} | {f(p['span_us'] / fl) if fl else '-'} "
+                f"| {commit[(tp, batch, tps)]} |"
             )
     print(
         "\nPROJECTION (not a served-request measurement): the full model's decode step as "
