@@ -622,7 +622,7 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
     fig = figures.history(points, metric, x=x, baseline=baseline, regressions=regressed)
     chart(fig, "history", "fig-history")
     if regressed:
-        st.error(f"{len(regressed)} run(s) regressed against the baseline (+{pct:g}%):")
+        st.warning(f"{len(regressed)} run(s) regressed against the baseline (+{pct:g}%):")
         for rid in regressed:
             st.markdown(f"- `{rid}`: " + "; ".join(reasons[rid]))
     else:
