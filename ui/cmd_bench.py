@@ -286,6 +286,7 @@ def bench_cmd(
         json_out.write_text(json.dumps(payload, indent=1, default=str))
     for f in failures:
         err_console.print(f"[bold red]failed:[/] {f}", highlight=False, soft_wrap=True)
+    console.print(f"run folders: {root}")
     if out is not None:
         console.print(f"{len(runs)} run(s) appended to {out}")
     if failures and not rows:
