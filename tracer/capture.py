@@ -558,6 +558,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     lib = libcupti_path()
     if lib and "NVTX_INJECTION64_PATH" not in env:
         env["NVTX_INJECTION64_PATH"] = lib
+    elif not lib and "NVTX_INJECTION64_PATH" not in env:
+        # never silently: without it no NVTX range reaches CUPTI and nothing is attributed
+        print(
+            "decodescope: libcupti not found through cuda.pathfinder; NVTX ranges will not be "
+            "captured (set NVTX_INJECTION64_PATH to the libcupti cupti-python loads)",
+            file=sys.stderr,
+        )
     env.pop(OWNER_ENV, None)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if extra:
