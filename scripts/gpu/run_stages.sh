@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Runs named stages on the GPU machine, each with its own time limit, never stopping at a failing
 # one; logs and results land in $OUT/results.tar.gz (the device tool returns at most 8 files).
-# usage: scripts/gpu/run_stages.sh SECONDS:NAME:COMMAND ...
+# usage: [DS_STAGES_NAME=results] scripts/gpu/run_stages.sh SECONDS:NAME:COMMAND ...
+# Several runs side by side (one per GPU, CUDA_VISIBLE_DEVICES) need distinct DS_STAGES_NAMEs:
+# each writes /tmp/ds-NAME and $OUT/NAME.tar.gz.
 set -u
 out=${OUT:-/tmp/out}
-work=/tmp/ds-results
+name_=${DS_STAGES_NAME:-results}
+work=/tmp/ds-$name_
 rm -rf "$work"; mkdir -p "$work/logs"
 export DECODESCOPE_RESULTS="$work"
 export PYTHONUNBUFFERED=1 COLUMNS=200
@@ -18,5 +21,5 @@ for spec in "$@"; do
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$summary"
   tail -n 25 "$work/logs/$name.log" | sed "s/^/  [$name] /"
 done
-tar czf "$out/results.tar.gz" -C "$work" .
+tar czf "$out/$name_.tar.gz" -C "$work" .
 cat "$summary"
