@@ -1,0 +1,292 @@
+"""Peer-memory plumbing for the fused two-GPU reductions (o_proj and the MoE back end).
+
+Host side: :class:`PeerWorkspace`, one per fused-kernel kind per rank: a torch symmetric-memory
+allocation (``torch.distributed._symmetric_memory.empty`` + ``rendezvous``) holding the flags and
+the double-buffered receive tiles, the peer's view of the same allocation (``get_buffer(peer,
+...)``: its flags and receive tiles, which this rank's kernel *writes* over NVLink), and two
+local counters (the epoch and the CTA arrival counter). Device side: the system-scope
+synchronization the kernels use, as inline PTX (``ld.acquire.sys``, ``st.release.sys``,
+``fence.acq_rel.sys``), a bounded spin and an L2 prefetch of a byte range.
+
+The protocol (every fused-reduction kernel follows it; the kernels' docstrings name it):
+
+- ``epoch`` (int32, local) counts the launches that used this workspace on this rank. Every CTA
+  reads it after ``griddepcontrol.wait``; each CTA then adds 1 to the arrival counter
+  (acq_rel, gpu scope); the CTA that arrives last (old value = grid - 1) writes ``epoch + 1`` and
+  resets the counter to 0. Every CTA of one launch therefore sees the same ``e``, and the next
+  launch (which starts after this one has completed: stream order, and ``griddepcontrol.wait``
+  under PDL) sees ``e + 1``. Both ranks launch the same sequence of kernels on their workspaces
+  (the same step, the same graph), so launch number ``e`` on rank A pairs with launch ``e`` on
+  rank B. No host argument changes between graph replays.
+- In launch ``e``, CTA ``b`` writes its partial tile into the *peer's* ``recv[e % 2]`` (plain
+  stores over NVLink; ``recv[p]`` is a flat FP32 area laid out by the kernel, e.g. the peer's
+  partial output as [M, N]), every thread of the CTA passes ``bar.sync``, then thread 0 issues
+  ``fence.acq_rel.sys`` and ``st.release.sys`` of ``e + 1`` into the peer's ``flags[b]``. It then
+  spins on its *own* ``flags[b'']`` (the peer's flag(s) for the tile(s) it needs) with
+  ``ld.acquire.sys`` until the value is ``>= e + 1`` (signed difference), passes ``bar.sync``,
+  and the CTA reads those tiles of its own ``recv[e % 2]`` (after the flag: nothing of this
+  launch cached them in L1 before, and L1 holds nothing across kernel launches).
+
+Why it is safe (A and B the two ranks; the same argument holds with the names swapped):
+
+1. *The data is there when read.* A reads its tiles of ``recv[e % 2]`` after observing flag ``>= e + 1``,
+   which B releases only after its writes of launch ``e`` to that tile (bar.sync orders the
+   CTA's stores before thread 0's release; the release is at system scope and A's acquire is at
+   system scope: the stores happen-before A's loads). A flag ``>= e + 1`` cannot come from an
+   *earlier* launch (flags only grow and launch ``e' < e`` writes ``e' + 1 <= e``).
+2. *A rank one launch ahead never overwrites unread data.* B's launch ``e + 1`` writes
+   ``recv[(e + 1) % 2]`` (the other half) and may raise A's flag to ``e + 2`` before A's CTA has
+   looked (hence ``>=``, not ``==``). For B to write ``recv[e % 2]`` again it must run launch
+   ``e + 2``, which starts only after B's launch ``e + 1`` has completed, which needed A's
+   flags of launch ``e + 1``, which A writes only in its launch ``e + 1``, which starts after A's
+   launch ``e`` completed, reads included. So B is at most one launch ahead, and the parity
+   keeps that one launch on the other half.
+3. *Graph replay and back-to-back layers.* Nothing depends on host arguments: ``e`` lives on
+   the device and advances once per launch, on both ranks alike, whichever layer's weights the
+   launch uses; the receive slots hold up to one launch's tiles whatever its grid. Grids of
+   different sizes may share a workspace: a slot the current launch does not use keeps an older
+   flag that only later launches (with larger ``e``) look at.
+4. *Zeroing.* Flags, receive tiles and counters are zeroed, then ``torch.cuda.synchronize`` and a
+   process-group barrier run before either rank's first launch: no peer write can precede the
+   zeroing.
+5. *No hang.* The spin gives up after ``SPIN_TIMEOUT_NS`` of the global timer, sets the
+   local ``error`` word to the flag it waited for and goes on (the output is then wrong, never a
+   dead GPU); :meth:`PeerWorkspace.check` raises if it is set.
+
+The kernels must run on both ranks in the same order, each launch exactly once per rank
+(a kernel run on one rank alone hangs its CTAs until the timeout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import torch  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
+
+from decodescope.kernels.specialized import interface as itf  # noqa: F401  (sets CUTE_DSL_ARCH)
+
+SPIN_TIMEOUT_NS = 2_000_000_000  # 2 s of global timer before a spin gives up
+LINE = 128  # bytes per L2 prefetch
+
+
+# -- device side: system-scope synchronization as inline PTX ----------------------------------
+
+
+def _ptr(p, loc, ip):
+    return p.to_llvm_ptr(loc=loc, ip=ip) if hasattr(p, "to_llvm_ptr") else p
+
+
+@dsl_user_op
+def ld_acquire_sys(ptr, *, loc=None, ip=None) -> Int32:
+    """``ld.acquire.sys.global.b32``: a flag another GPU releases."""
+    v = llvm.inline_asm(
+        Int32.mlir_type,
+        [_ptr(ptr, loc, ip)],
+        "ld.acquire.sys.global.b32 $0, [$1];",
+        "=r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
+def st_release_sys(ptr, val, *, loc=None, ip=None) -> None:
+    """``st.release.sys.global.b32``: raise a flag another GPU acquires."""
+    llvm.inline_asm(
+        None,
+        [_ptr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
+        "st.release.sys.global.b32 [$0], $1;",
+        "l,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
+    """``fence.acq_rel.sys``."""
+    llvm.inline_asm(
+        None,
+        [],
+        "fence.acq_rel.sys;",
+        "~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def global_timer_ns(*, loc=None, ip=None) -> Int64:
+    """``mov.u64 %globaltimer``."""
+    v = llvm.inline_asm(
+        Int64.mlir_type,
+        [],
+        "mov.u64 $0, %globaltimer;",
+        "=l",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int64(v)
+
+
+@cute.jit
+def wait_flag(flag_ptr, target: Int32, err_ptr) -> None:
+    """Spin (one thread) until ``*flag_ptr - target >= 0``; after ``SPIN_TIMEOUT_NS`` record
+    ``target`` in ``*err_ptr`` and return."""
+    v = ld_acquire_sys(flag_ptr)
+    if v - target < 0:
+        t0 = global_timer_ns()
+        going = True
+        while going:
+            v = ld_acquire_sys(flag_ptr)
+            if v - target >= 0:
+                going = False
+            elif global_timer_ns() - t0 > Int64(SPIN_TIMEOUT_NS):
+                cute.arch.store(err_ptr, target)
+                going = False
+
+
+@cute.jit
+def begin_epoch(mCtl: cute.Tensor, nctas: cutlass.Constexpr[int], sEpoch: cute.Tensor) -> None:
+    """Every CTA: read the launch's epoch ``mCtl[0]`` into ``sEpoch[0]`` (thread 0), arrive on
+    ``mCtl[1]``; the last CTA to arrive advances the epoch and resets the counter (see the module
+    docstring). Ends with ``bar.sync``: ``sEpoch[0]`` is valid for the whole CTA."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        e = cute.arch.load(mCtl.iterator, Int32, sem="relaxed", scope="gpu")
+        sEpoch[0] = e
+        cute.arch.fence_acq_rel_gpu()
+        old = cute.arch.atomic_add(mCtl.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+        if old == nctas - 1:
+            cute.arch.store(mCtl.iterator + 1, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.store(mCtl.iterator, e + 1, sem="relaxed", scope="gpu")
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def release_to_peer(mPeerFlags: cute.Tensor, slot, value: Int32) -> None:
+    """Thread 0, after the CTA's stores to the peer and a ``bar.sync``: make them visible at
+    system scope, then raise the peer's ``flags[slot]`` to ``value``."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        fence_acq_rel_sys()
+        st_release_sys(mPeerFlags.iterator + slot, value)
+
+
+@cute.jit
+def prefetch_range(mP: cute.Tensor, part, nparts: cutlass.Constexpr[int],
+                   nthreads: cutlass.Constexpr[int]) -> None:  # fmt: skip
+    """Issue ``prefetch.global.L2`` for share ``part`` of ``nparts`` of the bytes of ``mP`` (a
+    flat 1-D bf16 tensor: the next op's weights), one 128-byte line per thread and step."""
+    n = cute.size(mP)
+    per_line = LINE // 2
+    lines = (n + per_line - 1) // per_line
+    share = (lines + nparts - 1) // nparts
+    tidx, _, _ = cute.arch.thread_idx()
+    l0 = part * share
+    for i in cutlass.range((share + nthreads - 1) // nthreads, unroll=1):
+        li = l0 + i * nthreads + tidx
+        if li < lines and li < l0 + share:
+            cute.arch.prefetch((mP.iterator + li * per_line).llvm_ptr, cache_level="L2")
+
+
+# -- host side ----------------------------------------------------------------------------------
+
+FLAG_SLOTS = 1024  # CTAs per launch at most
+RECV_FLOATS = 64 * 16384  # FP32 per parity: 64 tokens x (7168 + 3584 + spare)
+
+
+@dataclass
+class PeerWorkspace:
+    """One rank's half of a fused reduction's buffers (see the module docstring).
+
+    ``flags`` / ``recv``: this rank's symmetric allocation (the peer writes them);
+    ``peer_flags`` / ``peer_recv``: the peer's (this rank writes them); ``ctl`` int32 [4]:
+    epoch, arrival counter, error word, spare (local). ``recv`` is [2, RECV_FLOATS] FP32.
+    One workspace serves every fused kernel of the process (they run in one stream order)."""
+
+    rank: int
+    world: int
+    flags: torch.Tensor
+    recv: torch.Tensor
+    peer_flags: torch.Tensor
+    peer_recv: torch.Tensor
+    ctl: torch.Tensor
+    handle: object = None
+
+    @classmethod
+    def create(
+        cls,
+        group=None,
+        slots: int = FLAG_SLOTS,
+        recv_floats: int = RECV_FLOATS,
+        device: torch.device | None = None,
+    ) -> PeerWorkspace:
+        """Collective: every rank of ``group`` (two ranks) calls it at the same point."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm
+
+        group = group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world != 2:
+            raise ValueError(f"comm.PeerWorkspace: the fused reductions are two-rank, got {world}")
+        rank = dist.get_rank(group)
+        dev = device or torch.device("cuda", torch.cuda.current_device())
+        n_flag = -(-slots // 32) * 32  # int32 words, keeps recv 128-byte aligned
+        n_recv = 2 * recv_floats
+        buf = symm.empty(n_flag + n_recv, dtype=torch.int32, device=dev)
+        handle = symm.rendezvous(buf, group)
+        buf.zero_()
+        peer = 1 - rank
+
+        def views(r: int):
+            f = handle.get_buffer(r, (slots,), torch.int32, 0)
+            v = handle.get_buffer(r, (2, recv_floats), torch.float32, n_flag)
+            return f, v
+
+        flags, recv = views(rank)
+        peer_flags, peer_recv = views(peer)
+        ctl = torch.zeros(4, dtype=torch.int32, device=dev)
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=group)
+        return cls(rank, world, flags, recv, peer_flags, peer_recv, ctl, handle)
+
+    def check(self) -> None:
+        """Raise if a spin timed out (host sync)."""
+        err = int(self.ctl[2].item())
+        if err:
+            raise RuntimeError(
+                f"comm: rank {self.rank} waited over {SPIN_TIMEOUT_NS / 1e9:.0f} s for the "
+                f"peer's flag of epoch {err - 1}: the ranks launched different kernel sequences"
+            )
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """The kernels' workspace arguments, in their order."""
+        return (self.flags, self.recv, self.peer_flags, self.peer_recv, self.ctl)
+
+
+def fake_workspace_args(slots: int = FLAG_SLOTS, recv_floats: int = RECV_FLOATS) -> tuple:
+    """Fake tensors of a workspace (flags, recv, peer_flags, peer_recv, ctl) for compiling."""
+    flags = itf.fake(torch.int32, (slots,))
+    recv = itf.fake(torch.float32, (2, recv_floats))
+    return (
+        flags,
+        recv,
+        itf.fake(torch.int32, (slots,)),
+        itf.fake(torch.float32, (2, recv_floats)),
+        itf.fake(torch.int32, (4,)),
+    )

@@ -1,0 +1,252 @@
+"""LatentMoE back end with the two-GPU reductions inside: latent all-reduce + RMSNorm +
+up-projection + shared-expert all-reduce + add, one launch per rank (tp_world 2, NVLink).
+
+``out[t] = bf16( rmsnorm(A_0[t] + A_1[t]) * latent_norm @ latent_up^T + (S_0[t] + S_1[t]) )``
+
+with ``A_i [T, L]`` rank i's FP32 routed-expert sum (its expert-intermediate shard) and ``S_i
+[T, H]`` its FP32 shared-expert output: the standard path's latent all-reduce, RMSNorm,
+up-projection, shared-output all-reduce and add (:mod:`.up_proj_shared_add` on one GPU). Both
+ranks get the same ``out`` bit for bit (FP32 ``a + b == b + a``).
+
+The latent norm needs the whole reduced row in every CTA, so the exchange comes first (protocol
+of :mod:`.comm`, whose docstring holds the safety argument):
+
+1. ``griddepcontrol.wait``, epoch ``e``;
+2. CTA ``b`` stores its share of ``A`` (a contiguous slice of the [T, L] floats) and the
+   ``S`` columns of its own output rows into the peer's ``recv[e % 2]`` (laid out as [T, L]
+   then [T, H]); ``bar.sync``; ``st.release.sys`` of ``e + 1`` into the peer's ``flags[b]``;
+3. L2 prefetch of a share of the next op's weights (the next layer's first GEMM) while the
+   peer's slices travel;
+4. every CTA waits for *all* of the peer's flags (one thread per flag, ``ld.acquire.sys``),
+   then runs :class:`.up_proj_shared_add.UpProjSharedAdd`'s token tiles on ``A_0 + A_1`` and
+   adds ``S_0 + S_1`` in the epilogue.
+
+Because every CTA waits for every peer CTA, the whole grid must be resident at once: it is
+persistent (at most one CTA per SM), each CTA looping over its 16-row units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from decodescope.kernels.specialized import comm
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.moe_common import VEC, dot_rows, load_rows
+from decodescope.kernels.specialized.oproj_allreduce import H200_SMS, _prefetch_view, device_sms
+from decodescope.kernels.specialized.router_topk import pdl_enabled
+from decodescope.kernels.specialized.up_proj_shared_add import UpProjSharedAdd
+
+
+@dataclass(frozen=True)
+class MoeARPlan:
+    T: int
+    L: int
+    H: int
+    eps: float
+    prefetch: int = 0
+    sms: int = H200_SMS
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.T * (self.L + self.H) > comm.RECV_FLOATS:
+            raise ValueError(f"moe_allreduce: {self.T} tokens exceed the receive area")
+
+
+class MoeAllReduce(UpProjSharedAdd):
+    def __init__(self, plan: MoeARPlan):
+        super().__init__(plan.T, plan.L, plan.H, plan.eps, pdl=plan.pdl)
+        self.q = plan
+        if self.rows_per_cta % VEC:
+            raise ValueError(
+                f"moe_allreduce: {self.rows_per_cta} rows per unit, need a multiple of 8"
+            )
+        self.units = self.grid
+        self.grid = min(self.units, plan.sms, comm.FLAG_SLOTS)
+        self.acc_chunks = (plan.T * plan.L) // VEC
+        self.share = -(-self.acc_chunks // self.grid)
+        self.sh_off = -(-(plan.T * plan.L) // 32) * 32  # [T, H] shared area, 128-byte aligned
+
+    @cute.jit
+    def __call__(self, mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags,
+                 mPeerRecv, mCtl, stream):  # fmt: skip
+        self.kernel(mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv,
+                    mCtl).launch(grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1],
+                                 stream=stream, use_pdl=self.pdl)  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv,
+               mCtl):  # fmt: skip
+        T, L, H, TT = self.T, self.L, self.H, self.TT
+        NT = self.NW * 32
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        RPC = self.rows_per_cta
+
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((TT, L), order=(1, 0)), byte_alignment=16
+        )
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
+        sEp = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        comm.begin_epoch(mCtl, self.grid, sEp)
+        e = sEp[0]
+        par = e % 2
+        rowL = cute.make_ordered_layout((T, L), order=(1, 0))
+        rowH = cute.make_ordered_layout((T, H), order=(1, 0))
+        pbase = mPeerRecv.iterator + par * mPeerRecv.shape[1]
+        obase = mRecv.iterator + par * mRecv.shape[1]
+        mPeerA = cute.make_tensor(pbase, rowL)
+        mPeerS = cute.make_tensor(pbase + self.sh_off, rowH)
+        mOwnA = cute.make_tensor(obase, rowL)
+        mOwnS = cute.make_tensor(obase + self.sh_off, rowH)
+
+        # 2: push this CTA's slice of A and its rows of S
+        flatA = cute.zipped_divide(cute.make_tensor(mAcc.iterator, cute.make_layout(T * L)), (VEC,))
+        flatP = cute.zipped_divide(cute.make_tensor(pbase, cute.make_layout(T * L)), (VEC,))
+        c0 = bid * self.share
+        for i in cutlass.range(tid, self.share, NT, unroll=1):
+            c = c0 + i
+            if c < self.acc_chunks:
+                flatP[None, c].store(flatA[None, c].load())
+        gS = cute.zipped_divide(mShared, (1, VEC))
+        gPS = cute.zipped_divide(mPeerS, (1, VEC))
+        cpr = RPC // VEC
+        for u in cutlass.range(bid, self.units, self.grid, unroll=1):
+            for i in cutlass.range(tid, T * cpr, NT, unroll=1):
+                t = i // cpr
+                cc = u * cpr + i % cpr
+                if cc * VEC < H:
+                    gPS[(0, None), (t, cc)].store(gS[(0, None), (t, cc)].load())
+        cute.arch.sync_threads()
+        comm.release_to_peer(mPeerFlags, bid, e + 1)
+        # 3: prefetch the next op's weights while the peer's slices travel
+        if const_expr(self.q.prefetch > 0):
+            comm.prefetch_range(mPre, bid, self.grid, NT)
+        # 4: wait for every peer CTA
+        for i in cutlass.range(tid, self.grid, NT, unroll=1):
+            comm.wait_flag(mFlags.iterator + i, e + 1, mCtl.iterator + 2)
+        cute.arch.sync_threads()
+
+        gAv = cute.zipped_divide(mAcc, (1, VEC))
+        gOv = cute.zipped_divide(mOwnA, (1, VEC))
+        gGv = cute.zipped_divide(
+            cute.make_tensor(mGamma.iterator, cute.make_layout((1, L))), (1, VEC)
+        )
+        sXv = cute.zipped_divide(sX, (1, VEC))
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        acc = cute.make_rmem_tensor((self.R, TT), Float32)
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        for u in cutlass.range(bid, self.units, self.grid, unroll=1):
+            row0 = u * RPC + (warp * self.G + grp) * self.R
+            ws = load_rows(gWv, cutlass.min(row0, H - self.R), 1, li, self.R, self.LPR, self.NCH)
+            for t0 in cutlass.range(0, (T // TT) * TT, TT, unroll=1):
+                self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, t0, row0,
+                              li, TT)  # fmt: skip
+            if const_expr(T % TT):
+                self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc,
+                              T - T % TT, row0, li, T % TT)  # fmt: skip
+
+    @cute.jit
+    def _tile_ar(self, ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, t0, row0, li,
+                 nt: cutlass.Constexpr[int]):  # fmt: skip
+        """``UpProjSharedAdd._token_tile`` on the reduced latent ``A_0 + A_1`` and shared
+        output ``S_0 + S_1`` (this rank's own + the peer's received copy)."""
+        L, H = self.L, self.H
+        NT = self.NW * 32
+        KV = L // VEC
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        if warp < nt:
+            ss = Float32(0.0)
+            for c in cutlass.range(lane, KV, 32, unroll=4):
+                v = gAv[(0, None), (t0 + warp, c)].load() + gOv[(0, None), (t0 + warp, c)].load()
+                ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+            if lane == 0:
+                sRstd[warp] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+        cute.arch.barrier()
+        for i in cutlass.range(tid, nt * KV, NT, unroll=4):
+            t = i // KV
+            c = i % KV
+            v = gAv[(0, None), (t0 + t, c)].load() + gOv[(0, None), (t0 + t, c)].load()
+            gm = gGv[(0, None), (0, c)].load().to(Float32)
+            sXv[(0, None), (t, c)].store((v * gm * sRstd[t]).to(BFloat16))
+        cute.arch.barrier()
+        dot_rows(ws, sXv, acc, li, self.R, nt, self.LPR, self.NCH)
+        if li == 0:
+            for r in cutlass.range_constexpr(self.R):
+                if row0 + r < H:
+                    for t in cutlass.range_constexpr(nt):
+                        s = mShared[t0 + t, row0 + r] + mOwnS[t0 + t, row0 + r]
+                        mOut[t0 + t, row0 + r] = (acc[r, t] + s).to(BFloat16)
+        cute.arch.barrier()
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def _build(plan: MoeARPlan):
+    op = MoeAllReduce(plan)
+    T, L, H = plan.T, plan.L, plan.H
+    args = (
+        itf.fake(torch.float32, (T, L)),
+        itf.fake(torch.bfloat16, (L,)),
+        itf.fake(torch.bfloat16, (H, L)),
+        itf.fake(torch.float32, (T, H)),
+        itf.fake(torch.bfloat16, (T, H)),
+        itf.fake(torch.bfloat16, (max(plan.prefetch, 16),)),
+        *comm.fake_workspace_args(),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def compile_plan(plan: MoeARPlan):
+    return itf.compiled(("moe_allreduce", plan), lambda: _build(plan))
+
+
+def moe_allreduce(
+    ws: comm.PeerWorkspace,
+    acc: torch.Tensor,
+    latent_norm: torch.Tensor,
+    latent_up: torch.Tensor,
+    shared_out: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+    prefetch: torch.Tensor | None = None,
+) -> None:
+    """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``)."""
+    T, L = acc.shape
+    H = latent_up.shape[0]
+    itf.check(acc, "acc", (T, L), torch.float32)
+    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
+    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    itf.check(out, "out", (T, H), torch.bfloat16)
+    pre = _prefetch_view(prefetch, acc.device)
+    plan = MoeARPlan(T, L, H, float(eps), pre.numel() if prefetch is not None else 0,
+                     device_sms(acc.device), pdl_enabled())  # fmt: skip
+    compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, pre, *ws.args())
+
+
+def moe_allreduce_ref(accs, latent_norm, latent_up, shareds, eps: float) -> torch.Tensor:
+    """Torch reference over simulated ranks: FP32 partials summed, then
+    ``up_proj_shared_add_ref``'s math (BF16 staging of the normalized latent)."""
+    a = sum(x.float() for x in accs)
+    s = sum(x.float() for x in shareds)
+    xn = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * latent_norm.float()
+    y = xn.to(torch.bfloat16).float() @ latent_up.float().T + s
+    return y.to(torch.bfloat16)
