@@ -56,6 +56,8 @@ def standard(
     expert_dtype: str = "bf16",
     device: str | None = None,
     tp_world: int | str = 1,
+    allreduce: str = "nccl",
+    weights: str = "rank",
     **unknown: Any,
 ) -> Workload:
     """vLLM's default Hopper decomposition of Kimi K3 decode layers (kernels/standard).
@@ -63,7 +65,13 @@ def standard(
     Options (strings or ints from the CLI): preset (kimi-k3 | kimi-k2 | tiny), tp_shape, batch,
     tokens_per_seq (1 + k drafts, k <= 7), layers ("kda,mla", "mix", "mix:8", ...), seed,
     context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16 | mxfp4: routed experts
-    dequantized in the fused-MoE kernel, W4A16), device (default cuda if available)."""
+    dequantized in the fused-MoE kernel, W4A16), device (default cuda if available).
+
+    Two or more GPUs (tp_world > 1, one process per rank, started by
+    decodescope.tracer.distributed): allreduce (nccl | oneshot: torch symmetric memory), weights
+    (rank: per-rank random weights at tp_shape, replicated tensors equal on every rank | shard:
+    the weights of tp_shape / tp_world built whole on each rank and sharded the way vLLM shards
+    them, kernels/sharding.py)."""
     import json
 
     import torch
@@ -87,7 +95,22 @@ def standard(
     specs = parse_layers(cfg, layers)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     b, t, s = _int(batch, "batch"), _int(tokens_per_seq, "tokens_per_seq"), _int(seed, "seed")
-    model = StandardModel(cfg, specs, b, t, seed=s, device=dev, tp_world=_int(tp_world, "tp_world"))
+    world = _int(tp_world, "tp_world")
+    rank, comm, wts = 0, None, None
+    if world > 1:
+        from decodescope.kernels import sharding
+        from decodescope.kernels.standard.comm import Comm, init_from_env
+
+        rank, dev = init_from_env(world)
+        comm = Comm(allreduce, dev)
+        wts = sharding.build_rank_weights(cfg, specs, s, rank, world, weights, dev)
+    elif allreduce not in ("nccl", "oneshot") or weights not in ("rank", "shard"):
+        raise ValueError(f"allreduce={allreduce!r} / weights={weights!r}: unknown value")
+    model = StandardModel(
+        cfg, specs, b, t, seed=s, device=dev, tp_world=world, weights=wts, comm=comm
+    )
+    if world > 1 and weights == "shard":
+        sharding.shard_model_state_(model, rank, world)
     meta: dict[str, Any] = {
         "workload": "standard",
         "backend": "standard",
@@ -95,7 +118,7 @@ def standard(
         "batch": b,
         "tokens_per_seq": t,
         "tp_shape": cfg.tp,
-        "tp_world": _int(tp_world, "tp_world"),
+        "tp_world": world,
     }
 
     def update_meta() -> None:
@@ -122,6 +145,8 @@ def standard(
             "seed": model.seed,
             "kda_path": "fused" if cfg.model.kda and cfg.kda_heads >= 12 else "triton-chain",
         }
+        if world > 1:
+            config |= {"rank": rank, "allreduce": allreduce, "weights": weights}
         meta["config_json"] = json.dumps(config, default=str)
         meta["notes"] = "; ".join(cfg.notes) + (
             "; tp_world 1: no all-reduce runs" if meta["tp_world"] == 1 else ""

@@ -49,6 +49,12 @@ from decodescope.tracer import cupti_records as cr
 from decodescope.tracer.ranges import current_path
 
 SPEC_ENV = "DECODESCOPE_CAPTURE_SPEC"  # path of the child's spec JSON
+# set in every capture child, always (before torch or NCCL start): no NVLink multicast (NVLS)
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 OWNER_ENV = "DECODESCOPE_CAPTURE_OWNER"  # pid of the process that holds the session
 
 # launch APIs whose callbacks we enable (matched by prefix against cupti's cbid enum names)
@@ -567,6 +573,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         )
     env.pop(OWNER_ENV, None)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(NO_MULTICAST_ENV)  # always: NVLink multicast can take the host's GPUs down
     if extra:
         env.update(extra)
     return env
@@ -616,6 +623,7 @@ def run_capture(
     env: dict[str, str] | None = None,
     grace_s: float = 10.0,
     echo: bool = True,
+    on_start: Any = None,
 ) -> CaptureResult:
     """Run one capture in a child process and write the run to ``out`` (unless ``None``).
 
@@ -648,6 +656,8 @@ def run_capture(
             proc = subprocess.Popen(argv, env=child_env(extra), stderr=errf, start_new_session=True)
         except OSError as e:
             raise RuntimeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        if on_start is not None:  # tracer/distributed.py: stops every rank when one fails
+            on_start(proc)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

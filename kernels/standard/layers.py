@@ -65,8 +65,10 @@ class StandardLayer:
         side_stream: torch.cuda.Stream | None = None,
         tp_world: int = 1,
         kda_mode: str = "auto",
+        comm=None,  # kernels.standard.comm.Comm when tp_world > 1 (None: dist.all_reduce)
     ) -> None:
         self.kda_mode = kda_mode
+        self.comm = comm
         self.cfg, self.spec, self.w, self.state = cfg, spec, weights, state
         self.B, self.T = batch, tokens_per_seq
         self.N = batch * tokens_per_seq
@@ -79,7 +81,8 @@ class StandardLayer:
         self.topk_weights: torch.Tensor | None = None
         N, H = self.N, cfg.hidden
         self.h = self._buf(N, H)
-        self.attn_out = self._buf(N, H)
+        self.attn_out = self._red_buf(N, H)
+        self.attn_red = self.attn_out  # where the attention all-reduce leaves the sum
         gemms = {
             "kda": ("attn.qkv_proj", "attn.f_b_proj", "attn.o_proj"),
             "mla": (
@@ -123,12 +126,25 @@ class StandardLayer:
         if self.side is not None:
             torch.cuda.current_stream(self.dev).wait_stream(self.side)
 
-    def _allreduce(self, block: str, op: str, t: torch.Tensor) -> None:
-        if self.tp_world > 1:
-            import torch.distributed as dist
+    def _red_buf(self, *shape) -> torch.Tensor:
+        """A buffer the layer all-reduces (symmetric memory for allreduce=oneshot)."""
+        if self.comm is not None and self.tp_world > 1:
+            return self.comm.buffer(*shape)
+        return self._buf(*shape)
 
+    def _allreduce(self, block: str, op: str, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks (tp_world > 1); returns the tensor holding the sum."""
+        if self.tp_world <= 1:
+            return t
+        if self.comm is not None:
+            self.ops.impl.setdefault(f"{block}.{op}", self.comm.impl_name)
             with self._r(block, op):
-                dist.all_reduce(t)
+                return self.comm.all_reduce(t)
+        import torch.distributed as dist
+
+        with self._r(block, op):
+            dist.all_reduce(t)
+        return t
 
     def _norm(self, x, w, y, r_in=None, r_out=None) -> None:
         """RMSNorm (with residual add when given): Triton, vLLM or torch, as chosen."""
@@ -273,7 +289,7 @@ class StandardLayer:
                 O.kda_torch(**self._kda_args(self.proj, self.fbuf, cs, st, self.kda_o))
         with self._r("attn", "o_proj"):
             torch.mm(self.kda_o, w["o_proj"].t(), out=self.attn_out)
-        self._allreduce("attn", "allreduce", self.attn_out)
+        self.attn_red = self._allreduce("attn", "allreduce", self.attn_out)
 
     # -- gated MLA -------------------------------------------------------------------------
     def _build_mla(self) -> None:
@@ -461,7 +477,7 @@ class StandardLayer:
                 self.o_gated.view(N, nh, m.v_head_dim).copy_(self.o_v_h.transpose(0, 1))
         with self._r("attn", "o_proj"):
             torch.mm(self.o_gated, w["o_proj"].t(), out=self.attn_out)
-        self._allreduce("attn", "allreduce", self.attn_out)
+        self.attn_red = self._allreduce("attn", "allreduce", self.attn_out)
 
     # -- LatentMoE -------------------------------------------------------------------------
     def _build_moe(self) -> None:
@@ -481,13 +497,13 @@ class StandardLayer:
         self.w13_out = self._buf(numel, 2 * Ie)
         self.act_out = self._buf(numel, Ie)
         self.w2_out = self._buf(numel, L)
-        self.routed = self._buf(N, L)
+        self.routed = self._red_buf(N, L)
         self.routed_n = self._buf(N, L) if e.latent_dim else None
         self.up_out = self._buf(N, cfg.hidden)
         if S:
             self.sh13 = self._buf(N, 2 * S)
             self.sh_act = self._buf(N, S)
-            self.sh_out = self._buf(N, cfg.hidden)
+            self.sh_out = self._red_buf(N, cfg.hidden)
         self.situ = e.activation == "situ"
         self.beta, self.lbeta = cfg.model.situ_beta, cfg.model.situ_linear_beta
 
@@ -698,18 +714,17 @@ class StandardLayer:
             else:
                 torch.sum(self.w2_out.view(N, k, -1), dim=1, out=self.routed)
         if e.latent_dim:
-            self._allreduce("moe", "latent_allreduce", self.routed)
+            routed = self._allreduce("moe", "latent_allreduce", self.routed)
             with self._r("moe", "latent_norm"):
-                self._norm(self.routed, w["latent_norm"], self.routed_n)
+                self._norm(routed, w["latent_norm"], self.routed_n)
             with self._r("moe", "latent_up"):
                 torch.mm(self.routed_n, w["latent_up"].t(), out=self.up_out)
         else:
-            self._allreduce("moe", "routed_allreduce", self.routed)
-            self.up_out = self.routed
+            self.up_out = self._allreduce("moe", "routed_allreduce", self.routed)
         if "shared_w13" in w:
-            self._allreduce("moe", "shared_allreduce", self.sh_out)
+            sh_out = self._allreduce("moe", "shared_allreduce", self.sh_out)
             with self._r("moe", "add"):
-                torch.add(self.up_out, self.sh_out, out=x_out)
+                torch.add(self.up_out, sh_out, out=x_out)
         else:
             with self._r("moe", "add"):
                 x_out.copy_(self.up_out)
@@ -754,7 +769,7 @@ class StandardLayer:
                 self._mla_forward()
             blk = "attn"  # the post-attention AttnRes: what a fused o_proj+allreduce covers
             with self._r(blk, "residual_norm"):
-                self._norm(self.attn_out, w["mlp_norm"], self.h, r_out, r_out)
+                self._norm(self.attn_red, w["mlp_norm"], self.h, r_out, r_out)
             if spec.mlp == "dense":
                 self._dense_forward(x_out)
             else:

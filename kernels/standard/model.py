@@ -54,6 +54,7 @@ class StandardModel:
         tp_world: int = 1,
         kda_mode: str = "auto",
         weights: list[dict[str, torch.Tensor]] | None = None,
+        comm=None,  # kernels.standard.comm.Comm: the all-reduce at tp_world > 1
     ) -> None:
         if not 1 <= tokens_per_seq <= 8:
             raise ConfigError(
@@ -75,7 +76,7 @@ class StandardModel:
         self.x_in, self.r_in = make_inputs(cfg, self.N, seed, self.device)
         self.layers = [
             StandardLayer(
-                cfg, s, w, st, batch, tokens_per_seq, self.ops, self.side, tp_world, kda_mode
+                cfg, s, w, st, batch, tokens_per_seq, self.ops, self.side, tp_world, kda_mode, comm
             )
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]
