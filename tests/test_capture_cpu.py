@@ -7,7 +7,6 @@ Records are namespace objects with the attribute names cupti-python's record cla
 
 from __future__ import annotations
 
-import tempfile
 import time
 from types import SimpleNamespace as NS
 
@@ -225,6 +224,49 @@ def test_graph_replays_join_node_paths_and_number_steps():
     assert run.meta.graph_mode == "graph"
     ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
     assert ov["graph_kernels_unmapped"] == 0
+
+
+def graph_trace_rec(start, end, corr, graph=9, stream=7):
+    """Attribute names of cupti-python's ActivityGraphTrace2."""
+    return NS(kind=51, start=start, end=end, correlation_id=corr, graph_id=graph, device_id=0,
+              context_id=1, stream_id=stream, end_device_id=0, end_context_id=1)  # fmt: skip
+
+
+def test_graph_trace_records_become_gpu_ranges_after_the_attributed_replays():
+    """Kernel-level replays first (attribution), then one GRAPH_TRACE record per launch."""
+    conv, rows = convert([graph_trace_rec(5000, 5400, 900), graph_trace_rec(6000, 6390, 901)])
+    assert rows["graph"][0] == {"device": 0, "stream": 7, "start_ns": 5000, "end_ns": 5400,
+                                "correlation_id": 900, "graph_id": 9}  # fmt: skip
+    raw = dict(_graph_raw(replays=2))
+    raw["graph"] = cr.raw_table("graph", rows["graph"])
+    run = cr.assemble(raw, RunMeta(run_id="gt", source="cupti"))
+    assert run.kernels.num_rows == 8 and {x["step"] for x in run.kernels.to_pylist()} == {0, 1}
+    gr = [r for r in run.ranges.to_pylist() if r["timeline"] == "gpu"]
+    assert [(r["name"], r["thread"], r["end_ns"] - r["start_ns"]) for r in gr] == [
+        (cr.GRAPH_RANGE_NAME, 7, 400), (cr.GRAPH_RANGE_NAME, 7, 390)]  # fmt: skip
+    ids = [r["range_id"] for r in run.ranges.to_pylist()]
+    assert len(ids) == len(set(ids))
+    ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist()}
+    assert ov["graph_trace_records"] == 2 and ov["graph_kernels_unmapped"] == 0
+    from decodescope.analysis.attribution import attribute
+
+    att = attribute(run)  # GPU-timeline graph ranges leave the kernels' attribution alone
+    assert (
+        att.kernels.column("range_path").to_pylist() == run.kernels.column("range_path").to_pylist()
+    )
+
+
+def test_graph_trace_conversion_reads_the_real_record_class():
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("cupti")
+    from cupti import cupti as real
+
+    a = np.zeros(1, dtype=real.activity_graph_trace2_dtype)
+    a["kind"], a["start"], a["end"], a["correlation_id"] = 51, 100, 250, 77
+    a["graph_id"], a["stream_id"], a["device_id"] = 3, 13, 0
+    _, rows = convert([real.ActivityGraphTrace2.from_data(a)])
+    assert rows["graph"] == [{"device": 0, "stream": 13, "start_ns": 100, "end_ns": 250,
+                              "correlation_id": 77, "graph_id": 3}]  # fmt: skip
 
 
 def test_graph_kernel_without_node_entry_is_counted_not_guessed():
@@ -735,7 +777,54 @@ def test_launch_rows_get_api_names_when_written(tmp_path):
     assert [r["api"] for r in rows] == ["cudaLaunchKernel", "999999"]
 
 
-def test_overhead_bench_summary_and_table(capsys):
+class ApiCupti(HybridCupti):
+    """HybridCupti that also keeps the per-API record switches and the flush period."""
+
+    def __init__(self):
+        super().__init__()
+        self.api_calls = []
+        self.flush_periods = []
+        self.disabled_kinds = []
+
+    def activity_enable_runtime_api(self, cbid, on):
+        self.api_calls.append(("rt", int(cbid), int(on)))
+
+    def activity_enable_driver_api(self, cbid, on):
+        self.api_calls.append(("drv", int(cbid), int(on)))
+
+    def activity_flush_period(self, ms):
+        self.flush_periods.append(int(ms))
+
+    def activity_disable(self, kind):
+        self.disabled_kinds.append(int(kind))
+
+
+def test_stop_switches_off_what_start_switched_on(tmp_path):
+    """API records, kinds and the flush period: a later session (or none) starts clean."""
+    pytest.importorskip("cupti")
+    c = ApiCupti()
+    s = cap.Session(tmp_path, cupti_module=c, flush_period_ms=20).start()
+    on = [x for x in c.api_calls if x[2] == 1]
+    assert on and c.flush_periods == [20]
+    s.stop()
+    off = [x for x in c.api_calls if x[2] == 0]
+    assert sorted(x[:2] for x in off) == sorted(x[:2] for x in on)
+    assert c.flush_periods == [20, 0] and sorted(c.disabled_kinds) == sorted(c.enabled_kinds)
+    assert s.enable_kind("NO_SUCH_KIND") is False and s.counts["enable_failed:NO_SUCH_KIND"] == 1
+
+
+def test_graph_trace_can_be_enabled_while_running(tmp_path):
+    pytest.importorskip("cupti")
+    c = ApiCupti()
+    s = cap.Session(tmp_path, cupti_module=c, kinds=("CONCURRENT_KERNEL",)).start()
+    assert s.enable_kind("GRAPH_TRACE")
+    assert c.enabled_kinds[-1] == int(c._real.ActivityKind.GRAPH_TRACE) == cr.KIND_GRAPH_TRACE
+    assert int(c._real.ActivityKind.KERNEL) == cr.KIND_KERNEL
+    s.stop()
+    assert int(c._real.ActivityKind.GRAPH_TRACE) in c.disabled_kinds
+
+
+def _bench():
     import importlib.util
     from pathlib import Path
 
@@ -743,30 +832,209 @@ def test_overhead_bench_summary_and_table(capsys):
     spec = importlib.util.spec_from_file_location("bench_capture_overhead", path)
     b = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(b)
+    return b
 
-    def m(gpu, host, nat, rows=0.0):
-        return {"natural_us": [nat] * 3, "natural_host_us": [host] * 3, "gpu_us": [gpu] * 3,
-                "host_us": [host] * 3, "hidden": True, "spin_us": 1, "steps_timed": 10,
-                "launch_rows_per_step": rows, "buffers_completed_timed": 0,
-                "buffer_callback_ms_timed": 0.0}  # fmt: skip
 
-    res = {
-        "modes_measured": ["graph", "eager"],
-        "variants": {
-            "off": {"graph": m(84, 6.4, 84), "eager": m(300, 450, 450)},
-            "kernel": {"graph": m(85, 7, 85), "eager": m(310, 480, 480)},
-            "launch_cb": {"error": "exit 1: boom"},
-            "all": {"graph": m(85.5, 20, 86, 2), "eager": m(320, 480, 480, 34)},
-        },
+def test_overhead_bench_variants_are_session_options(tmp_path):
+    pytest.importorskip("cupti")
+    b = _bench()
+    for name, v in b.VARIANTS.items():
+        if v is None:
+            continue
+        c = ApiCupti()
+        s = cap.Session(tmp_path / name, cupti_module=c, **v).start()
+        real = c._real
+        want = [int(getattr(real.ActivityKind, k)) for k in v.get("kinds", cap.ACTIVITY_KINDS)]
+        assert c.enabled_kinds == want, name
+        assert not s.errors, (name, s.errors)
+        s.stop()
+    assert set(b.CORRECT) <= set(b.VARIANTS) and set(b.LAST) <= set(b.VARIANTS)
+    assert set(b.LABELS) == set(b.VARIANTS)
+
+
+def test_overhead_bench_plan_rotates_and_puts_one_way_variants_last():
+    b = _bench()
+    vs = b.parse_variants("default,kernel,graph_trace,lean,default")
+    assert vs == ["default", "kernel", "graph_trace", "lean"]
+    orders = [b.round_order(vs, r) for r in range(3)]
+    for o in orders:
+        assert o.count("off") == 2 and o[0] == "off" and "graph_trace" not in o
+        assert sorted(x for x in o if x != "off") == ["default", "kernel", "lean"]
+    assert len({tuple(o) for o in orders}) == 3  # the order rotates round by round
+    assert b.last_phase_order(vs, 0) == ["off", "graph_trace"]
+    assert b.last_phase_order(vs, 1) == ["graph_trace", "off"]
+    assert b.last_phase_order(["default"], 0) == []
+    with pytest.raises(ValueError, match="unknown variants"):
+        b.parse_variants("default,nope")
+    assert b.steps_for(400, 25, 10, 400) == 62 and b.steps_for(7000, 25, 10, 400) == 10
+    assert b.steps_for(0, 25, 3, 50) == 3
+    assert b.parse_attrs("host_pinned=1,device_buffer_mb=32") == {
+        "host_pinned": 1,
+        "device_buffer_mb": 32,
     }
-    res.update(b.summarize(res))
-    assert res["modes"]["graph"]["verdict"] == "ok" and res["modes"]["graph"]["figure"] == "gpu"
-    assert res["modes"]["eager"]["figure"] == "natural"
-    assert abs(res["modes"]["eager"]["overhead"] - 30 / 450) < 1e-9
-    assert res["summary"]["graph"]["launch_cb"] == {"error": "exit 1: boom"}
-    b.print_table(res)
-    out = capsys.readouterr().out
-    assert "(e) all (default)" in out and "verdict graph (gpu)" in out and "+1.8%" in out
-    for v in b.VARIANTS.values():  # every variant's options are Session options
-        if v:
-            cap.Session(Path(tempfile.mkdtemp()), **{k: x for k, x in v.items() if k != "inject"})
+    with pytest.raises(ValueError, match="--attrs"):
+        b.parse_attrs("pinned=1")
+    opts = b.workload_opts("standard", "64", ["layers=kda"])
+    assert opts == {"preset": "kimi-k3", "tp_shape": "8", "layers": "kda", "batch": "64"}
+
+
+def _blocks(phase, variant, graph_gpu, eager_nat, n=3, records=None):
+    def fig(gpu, nat):
+        return {"natural_us": nat, "natural_host_us": 5.0, "gpu_us": gpu, "host_us": 5.0,
+                "hidden": True, "n": 10, "n_gpu": 5, "buffers_in_loop": 0}  # fmt: skip
+
+    figs = {"graph": fig(graph_gpu, graph_gpu), "eager": fig(eager_nat * 0.3, eager_nat)}
+    if variant == "off":
+        figs["graph_pre"] = fig(graph_gpu, graph_gpu)
+    return [
+        {"phase": phase, "variant": variant, "figures": figs, "records": records or {}}  # fmt: skip
+        for _ in range(n)
+    ]
+
+
+def test_overhead_bench_summary_overheads_per_phase_and_verdicts(capsys):
+    b = _bench()
+    recs = {"graph": {"kernel": 57.0, "launch_api": 1.0}, "eager": {"kernel": 57.0}}
+    blocks = (
+        _blocks("pristine", "off", 400, 3000, 2)
+        + _blocks("main", "off", 400, 3000, 4)
+        + _blocks("main", "default", 410, 3600, 2, recs)
+        + _blocks("main", "no_marker_data", 406, 3100, 2, recs)
+        + _blocks("main", "kernel", 404, 3050, 2)
+        + _blocks("last", "off", 420, 3000, 2)  # drift: the last phase has its own baseline
+        + _blocks("last", "graph_trace", 421, 3200, 2, {"graph": {"graph": 1.0}})
+    )
+    res = {"case": "standard-b1", "blocks": blocks, "notes": [], "rounds": 2,
+           "step_us": {"graph": 400, "eager": 3000}}  # fmt: skip
+    s = b.summarize_case(res)
+    g, e = s["graph"], s["eager"]
+    assert abs(g["default"]["gpu_overhead"] - 0.025) < 1e-9
+    assert abs(g["graph_trace"]["gpu_overhead"] - 1 / 420) < 1e-9  # vs the last phase's off
+    assert "off (last phase)" in g and g["off"]["gpu_overhead"] == 0
+    assert g["default"]["records_per_step"] == {"kernel": 57.0, "launch_api": 1.0}
+    assert abs(e["default"]["natural_overhead"] - 0.2) < 1e-9
+    v = s["verdicts"]
+    assert (
+        v["graph"]["ok"] is False and v["graph"]["best"] == "graph_trace" and v["graph"]["best_ok"]
+    )
+    assert v["eager"]["best"] == "no_marker_data" and v["eager"]["best_ok"]
+    assert s["checks"]["pristine_graph_pre_gpu_us"] == 400
+    results = {"cases": {"standard-b1": res, "specialized-b1": {"case": "specialized-b1",
+               "error": "exit 1"}}, "summaries": {"standard-b1": s}}  # fmt: skip
+    text = b.format_case(res, s) + b.format_verdicts(results)
+    for want in ("default (capture)", "default+GRAPH_TRACE", "kernel=57.0", "+2.5%",
+                 "verdict standard-b1 graph (gpu): default  +2.5% (over 2%)",
+                 "cheapest complete: default+GRAPH_TRACE", "specialized-b1: error: exit 1"):  # fmt: skip
+        assert want in text, want
+    assert "error: exit 1" in b.format_case({"case": "x", "error": "exit 1"}, {})
+
+
+class _FakeCuda:
+    """Just enough of torch.cuda for the benchmark's inner loop, on the host clock."""
+
+    def __init__(self):
+        self.steps = 0
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self):
+        return self.Stream()
+
+    @staticmethod
+    def synchronize(*a):
+        pass
+
+    @staticmethod
+    def _sleep(cycles):
+        pass
+
+    def stream(self, s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    class CUDAGraph:
+        def replay(self):
+            time.sleep(2e-5)
+
+    def graph(self, g):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def is_available():
+        return False
+
+
+def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
+    """The whole inner loop (pristine, capture under a session, rotated rounds, the one-way
+    phase, record counts per block, summary) with torch.cuda and CUPTI stubbed."""
+    import json
+    import sys
+    from types import ModuleType
+
+    pytest.importorskip("cupti")
+    b = _bench()
+    from decodescope.kernels import workloads as reg
+
+    torch = ModuleType("torch")
+    torch.cuda = _FakeCuda()
+    torch.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+    sessions = []
+
+    class FakeSession(cap.Session):
+        def __init__(self, out, **kw):
+            super().__init__(out, cupti_module=ApiCupti(), **kw)
+            sessions.append(self)
+
+        def flush(self):  # stands in for CUPTI delivering one kernel record per step so far
+            if self.running and self._pending is not None:
+                self._completed([kernel_rec(1, 2, 1)])
+
+    monkeypatch.setattr(cap, "Session", FakeSession)
+    calls = []
+
+    def fake(**opts):
+        calls.append(opts)
+        return reg.Workload(name="fake", step=lambda: time.sleep(1e-5), refresh=lambda: None,
+                            meta={"workload": "fake", "batch": int(opts["batch"])})  # fmt: skip
+
+    monkeypatch.setitem(reg.WORKLOADS, "fakebench", fake)
+    case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
+            "variants": ["default", "kernel", "graph_trace"], "attrs": {},
+            "deadline": time.time() + 60}  # fmt: skip
+    args = b.argparse.Namespace(inner=json.dumps(case), rounds=3, block_ms=1.0, pristine=1)
+    res = b.inner(args)
+    assert "failed" not in res, res.get("failed")
+    phases = [(x["phase"], x["variant"]) for x in res["blocks"]]
+    assert phases[0] == ("pristine", "off") and res["rounds"] == 3
+    assert phases.count(("main", "off")) == 6 and phases.count(("main", "default")) == 3
+    assert phases[-6:] == [("last", "off"), ("last", "graph_trace")] * 1 + [
+        ("last", "graph_trace"), ("last", "off"), ("last", "off"), ("last", "graph_trace")]  # fmt: skip
+    assert all(p != "last" for p, _ in phases[:-6])  # nothing after the one-way phase but it
+    d = next(x for x in res["blocks"] if x["variant"] == "default")
+    assert set(d["figures"]) == {"graph", "eager"} and d["records"]["graph"]["kernel"] > 0
+    off = next(x for x in res["blocks"] if x["phase"] == "main" and x["variant"] == "off")
+    assert set(off["figures"]) == {"graph", "graph_pre", "eager"} and off["records"] == {}
+    assert all(not s.running for s in sessions)  # every block's session stopped
+    s = b.summarize_case(json.loads(json.dumps(res, default=str)))
+    assert {"default", "kernel", "off", "graph_trace", "off (last phase)"} <= set(s["graph"])
+    assert calls == [{"batch": "1"}]

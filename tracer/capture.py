@@ -184,6 +184,7 @@ class Session:
         self._chunk = 0
         self._subscriber: int | None = None
         self._enabled: list[int] = []
+        self._api_enabled: list[tuple[Any, int]] = []  # (activity_enable_*_api, cbid)
         self._api: dict[int, dict[int, str]] = {}
         self._dom_rt = self._dom_drv = self._dom_res = -1
         self._enter = -1
@@ -251,17 +252,12 @@ class Session:
                 for cbid, name in self._api[dom].items():
                     try:
                         fn(cbid, 1)
+                        self._api_enabled.append((fn, cbid))
                     except Exception as e:
                         self.counts["enable_api_record_failed"] += 1
                         self._note(f"activity_enable_*_api({name}): {e}")
         for name in self.kinds:
-            try:
-                kind = getattr(c.ActivityKind, name)
-                c.activity_enable(kind)
-                self._enabled.append(kind)
-            except Exception as e:
-                self.counts[f"enable_failed:{name}"] += 1
-                self._note(f"activity_enable({name}): {e}")
+            self.enable_kind(name)
         if self.flush_period_ms:
             try:
                 c.activity_flush_period(int(self.flush_period_ms))
@@ -286,6 +282,21 @@ class Session:
                     self._note(f"enable_callback({name}): {e}")
         self.running = True
         return self
+
+    def enable_kind(self, name: str) -> bool:
+        """Enable one activity kind by its ``cupti.ActivityKind`` name (also while running:
+        ``GRAPH_TRACE`` after the replays that attribute kernels switches the session to one
+        record per graph launch for good, CUPTI's rule). False, with a note, if CUPTI refuses."""
+        c = self._cupti
+        try:
+            kind = getattr(c.ActivityKind, name)
+            c.activity_enable(kind)
+        except Exception as e:
+            self.counts[f"enable_failed:{name}"] += 1
+            self._note(f"activity_enable({name}): {e}")
+            return False
+        self._enabled.append(kind)
+        return True
 
     def _note(self, msg: str) -> None:
         if len(self.errors) < 50:
@@ -475,6 +486,13 @@ class Session:
             with contextlib.suppress(Exception):
                 c.activity_disable(kind)
         self._enabled = []
+        for fn, cbid in self._api_enabled:  # per-API records outlive the kinds otherwise
+            with contextlib.suppress(Exception):
+                fn(cbid, 0)
+        self._api_enabled = []
+        if self.flush_period_ms:
+            with contextlib.suppress(Exception):
+                c.activity_flush_period(0)
         if self.errors:
             self.counts["session_notes"] += len(self.errors)
             (self.out / "session-notes.txt").write_text("\n".join(self.errors) + "\n")

@@ -13,7 +13,13 @@ mirror cupti-python's record attributes:
    that was open when their graph node was created (DESIGN.md section 8), and steps are numbered.
 
 Raw table kinds (one Arrow table each, columns as in ``RAW_COLUMNS``):
-``kernel``, ``memop``, ``marker``, ``overhead``, ``launch``, ``gnode``, ``count``.
+``kernel``, ``memop``, ``marker``, ``overhead``, ``graph``, ``launch``, ``gnode``, ``count``.
+
+``graph`` rows come from CUPTI's graph-level records (``GRAPH_TRACE``: one record per graph
+launch, start and end of the whole graph on the GPU, no kernel records): a capture that switches
+to them after the replays that attribute kernels keeps measuring step time at almost no cost.
+:func:`assemble` turns them into ``ranges`` rows on the GPU timeline (``thread`` = stream, name
+``graph_launch``, domain ``cupti:graph_trace``) and counts them (``graph_trace_records``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ KIND_CONCURRENT_KERNEL = 10
 KIND_MARKER = 12
 KIND_MARKER_DATA = 13
 KIND_OVERHEAD = 17
+KIND_GRAPH_TRACE = 51
+
+# graph-level records (GRAPH_TRACE: one per graph launch, no kernels) become GPU-timeline ranges
+GRAPH_RANGE_NAME = "graph_launch"
+GRAPH_RANGE_DOMAIN = "cupti:graph_trace"
 
 # CUpti_ActivityFlag bits of a marker record (`flags_` in cupti-python).
 MARKER_INSTANT = 1
@@ -111,6 +122,14 @@ RAW_COLUMNS: dict[str, dict[str, pa.DataType]] = {
         "start_ns": pa.int64(),
         "end_ns": pa.int64(),
         "detail": pa.string(),
+    },
+    "graph": {
+        "device": pa.int32(),
+        "stream": pa.int64(),
+        "start_ns": pa.int64(),
+        "end_ns": pa.int64(),
+        "correlation_id": pa.int64(),
+        "graph_id": pa.int64(),
     },
     # host-side callback rows (capture.py writes them)
     "launch": {
@@ -205,6 +224,8 @@ class RecordConverter:
             return "overhead", self._overhead(rec)
         if kind in (KIND_RUNTIME, KIND_DRIVER):
             return "launch", self._api(rec, kind)
+        if kind == KIND_GRAPH_TRACE:
+            return "graph", self._graph(rec)
         return None  # MARKER_DATA and anything else: nothing we keep
 
     def convert_all(self, records: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:
@@ -308,6 +329,18 @@ class RecordConverter:
         }
 
     @staticmethod
+    def _graph(rec: Any) -> dict[str, Any]:
+        """A graph-level record (``ActivityGraphTrace2``): one graph launch, start to end."""
+        return {
+            "device": _int(_get(rec, "device_id")),
+            "stream": _int(_get(rec, "stream_id")),
+            "start_ns": int(rec.start),
+            "end_ns": int(rec.end),
+            "correlation_id": _int(_get(rec, "correlation_id")),
+            "graph_id": _graph_id(_get(rec, "graph_id")),
+        }
+
+    @staticmethod
     def _overhead(rec: Any) -> dict[str, Any]:
         ok = _int(_get(rec, "overhead_kind")) or 0
         return {
@@ -330,6 +363,7 @@ def _kind_name(rec: Any) -> str:
         KIND_MEMCPY: "memop",
         KIND_MEMSET: "memop",
         KIND_OVERHEAD: "overhead",
+        KIND_GRAPH_TRACE: "graph",
         KIND_RUNTIME: "launch",
         KIND_DRIVER: "launch",
     }.get(k, f"kind{k}")
@@ -547,6 +581,28 @@ def graph_node_paths(gnodes: list[dict[str, Any]], ranges: list[dict[str, Any]])
     return out
 
 
+def graph_launch_ranges(graphs: list[dict[str, Any]], first_id: int = 0) -> list[dict[str, Any]]:
+    """GRAPH_TRACE rows -> ``ranges`` rows on the GPU timeline (one per graph launch, in time
+    order; ``thread`` is the stream, as for Kineto's GPU annotations)."""
+    out: list[dict[str, Any]] = []
+    for i, g in enumerate(sorted(graphs, key=lambda g: (g["start_ns"], g["end_ns"]))):
+        out.append(
+            {
+                "range_id": first_id + i,
+                "thread": g.get("stream"),
+                "timeline": "gpu",
+                "start_ns": g["start_ns"],
+                "end_ns": g["end_ns"],
+                "domain": GRAPH_RANGE_DOMAIN,
+                "name": GRAPH_RANGE_NAME,
+                "path": GRAPH_RANGE_NAME,
+                "depth": 0,
+                "parent": None,
+            }
+        )
+    return out
+
+
 def number_steps(
     kernels: list[dict[str, Any]],
     ranges: list[dict[str, Any]],
@@ -595,6 +651,9 @@ def assemble(
     run_id = meta.run_id
     markers = _rows(raw.get("marker"))
     ranges, range_counts = build_ranges(markers)
+    graph_ranges = graph_launch_ranges(_rows(raw.get("graph")), first_id=len(ranges))
+    if graph_ranges:
+        range_counts["graph_trace_records"] = len(graph_ranges)
 
     launches: dict[int, dict[str, Any]] = {}
     for row in _rows(raw.get("launch")):
@@ -602,6 +661,7 @@ def assemble(
         if c is not None and c not in launches:
             launches[c] = row
     node_paths = graph_node_paths(_rows(raw.get("gnode")), ranges)
+    ranges = ranges + graph_ranges
 
     kernels = _rows(raw.get("kernel"))
     for k in kernels:
