@@ -106,7 +106,6 @@ class MoeAllReduce(UpProjSharedAdd):
         rowH = cute.make_ordered_layout((T, H), order=(1, 0))
         pbase = mPeerRecv.iterator + par * mPeerRecv.shape[1]
         obase = mRecv.iterator + par * mRecv.shape[1]
-        mPeerA = cute.make_tensor(pbase, rowL)
         mPeerS = cute.make_tensor(pbase + self.sh_off, rowH)
         mOwnA = cute.make_tensor(obase, rowL)
         mOwnS = cute.make_tensor(obase + self.sh_off, rowH)

@@ -146,12 +146,10 @@ class OProjAllReduce(SkinnyGemm):
         comm.begin_epoch(mCtl, q.grid, sEp)
         e = sEp[0]
         par = e % 2
-        flat = q.m * q.n
         mPeerP = cute.make_tensor(mPeerRecv.iterator + par * mPeerRecv.shape[1],
                                   cute.make_ordered_layout((q.m, q.n), order=(1, 0)))  # fmt: skip
         mOwnP = cute.make_tensor(mRecv.iterator + par * mRecv.shape[1],
                                  cute.make_ordered_layout((q.m, q.n), order=(1, 0)))  # fmt: skip
-        del flat
 
         # 2: every unit's partial into sOwn and the peer's receive area
         for i in cutlass.range_constexpr(q.upc):
