@@ -78,7 +78,7 @@ def test_range_names_follow_the_scheme():
         ({"tp_shape": 3}, ["tp_shape"]),
         ({"layers": "kda,xyz"}, ["unknown layer kind"]),
         ({"tp_world": 2}, ["all-reduce"]),
-        ({"layers": "dense,kda"}, ["dense-MLP"]),
+        ({"layers": "dense,kda", "batch": 65}, ["specialized dense MLP", "64 tokens"]),
         ({"expert_dtype": "mxfp4"}, ["MoE", "mxfp4"]),
         ({"batch": 65}, ["skinny GEMM", "64 tokens"]),
     ],
@@ -499,5 +499,5 @@ def test_gpu_steps_run_case_plumbing_on_cpu(monkeypatch):
     assert [d["mode"] for d in rec["draws"] if "-" not in d["mode"]] == ["eager", "graph"]
     t = g.table([rec])
     assert "| PASS |" in t and "1/1 PASS" in t
-    bad = g.run_case("tiny", 1, 3, 1, "dense,kda", seed=0, draws=1)
-    assert bad["status"] == "UNUSABLE" and "dense-MLP" in bad["error"]
+    bad = g.run_case("tiny", 1, 3, 9, "kda,mla", seed=0, draws=1)
+    assert bad["status"] == "UNUSABLE" and "tokens_per_seq" in bad["error"]

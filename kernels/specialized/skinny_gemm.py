@@ -26,7 +26,10 @@ One kernel family serves every dense projection of the specialized layers (``nor
   fragments on the fly: ``bf16(bf16(h * rstd) * w_norm)``, the rounding vLLM's
   ``fused_add_rms_norm`` applies.
 - **Fused epilogue** (``residual_epilogue``): ``out = bf16(bf16(acc) + res)``: o_proj writing
-  the new residual stream. The next RMSNorm needs the whole row (all CTAs' outputs): it is not
+  the new residual stream. ``situ``: SiTU-and-mul of a gate/up weight ``[2*D, K]`` (gate rows
+  ``0..D-1``, up rows ``D..2D-1``, as vLLM's merged ``gate_up``): each CTA takes ``rt / 2`` gate
+  tiles and the matching ``rt / 2`` up tiles, and writes ``out[m, d] = bf16(situ(bf16(g),
+  bf16(u)))`` into an ``[M, D]`` output (the dense MLP's w13 + act in one launch). The next RMSNorm needs the whole row (all CTAs' outputs): it is not
   fused here; the next kernel recomputes ``rstd`` in its prologue, as this one does.
 
 Compile key: (m, k, segment widths, flags, x row stride). Shapes are static.
@@ -43,6 +46,7 @@ import torch  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
 
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.moe_common import situ
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum  # noqa: E402
 
 ROWS = 16  # weight rows per CTA (the MMA's M)
@@ -64,6 +68,9 @@ class GemmPlan:
     pdl: bool = field(default_factory=pdl_enabled)  # programmatic dependent launch
     rt_force: int = 0  # row tiles per CTA (0: by M; set by tuning sweeps)
     ks_force: int = 0  # warps per CTA (0: 8 where K allows)
+    situ: bool = False  # SiTU-and-mul epilogue over gate/up halves of one segment
+    situ_beta: float = 4.0
+    situ_lbeta: float = 25.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -77,6 +84,16 @@ class GemmPlan:
             raise ValueError("1..3 segments per launch")
         if self.add_residual and not self.norm:
             raise ValueError("add_residual needs norm (the fused residual-add + RMSNorm)")
+        if self.situ:
+            if len(self.segments) != 1 or self.segments[0] % (2 * ROWS):
+                raise ValueError(
+                    f"situ needs one gate/up segment of a multiple of {2 * ROWS} rows, "
+                    f"got {self.segments}"
+                )
+            if self.residual_epilogue:
+                raise ValueError("situ and residual_epilogue do not combine")
+            if self.rt % 2:
+                raise ValueError(f"situ needs an even number of row tiles per CTA, got {self.rt}")
 
     @property
     def ks(self) -> int:
@@ -98,7 +115,7 @@ class GemmPlan:
         if self.rt_force:
             return self.rt_force
         if self.m <= 16:
-            return 1
+            return 2 if self.situ else 1  # situ: a gate tile and its up tile
         return 2 if self.m <= 32 else 4
 
     @property
@@ -111,7 +128,22 @@ class GemmPlan:
 
     def ctas(self, n: int) -> int:
         """CTAs of a segment of ``n`` rows (the last one may hold fewer than ``rt`` tiles)."""
+        if self.situ:  # rt/2 gate tiles + their rt/2 up tiles per CTA
+            return -(-(n // 2 // ROWS) // (self.rt // 2))
         return -(-(n // ROWS) // self.rt)
+
+    def out_width(self, n: int) -> int:
+        """Columns of a segment's output (``n / 2`` with the SiTU epilogue)."""
+        return n // 2 if self.situ else n
+
+    def weight_tile(self, cta, q: int, ntiles: int):
+        """The weight row tile that CTA ``cta`` computes as its ``q``-th tile, clamped to a
+        valid tile (an invalid one is loaded, never stored). With ``situ``: tiles
+        ``0..rt/2-1`` are gate tiles, ``rt/2..rt-1`` the matching up tiles ``D/16`` further."""
+        if self.situ:
+            h, half = self.rt // 2, ntiles // 2
+            return cutlass.min(cta * h + q % h, half - 1) + (q // h) * half
+        return cutlass.min(cta * self.rt + q, ntiles - 1)
 
     @property
     def ntiles(self) -> int:
@@ -157,6 +189,7 @@ class SkinnyGemm:
         class Smem:
             rstd: cute.struct.MemRange[Float32, mp]
             red: cute.struct.Align[cute.struct.MemRange[Float32, p.ks * ROWS * mp], 16]
+            gate: cute.struct.MemRange[Float32, (p.rt // 2) * ROWS * mp if p.situ else 4]
 
         self.smem_cls = Smem
         self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
@@ -193,6 +226,10 @@ class SkinnyGemm:
         st = smem.allocate(self.smem_cls)
         sRstd = st.rstd.get_tensor(cute.make_layout(mp))
         sRed = st.red.get_tensor(cute.make_layout((p.ks, ROWS, mp), stride=(ROWS * mp, mp, 1)))
+        sGate = None
+        if cutlass.const_expr(p.situ):
+            h = p.rt // 2
+            sGate = st.gate.get_tensor(cute.make_layout((h, ROWS, mp), stride=(ROWS * mp, mp, 1)))
 
         if cutlass.const_expr(p.pdl):
             # the weights never come from the previous kernel: start pulling this CTA's first
@@ -217,7 +254,7 @@ class SkinnyGemm:
             nc = p.ctas(p.segments[s])
             if bidx >= t0 and bidx < t0 + nc:
                 self.tile(
-                    mX, mR, mNW, sRstd, sRed, weights[s], outs[s], mE, bidx - t0,
+                    mX, mR, mNW, sRstd, sRed, sGate, weights[s], outs[s], mE, bidx - t0,
                     p.segments[s] // ROWS, warp, lane,
                 )  # fmt: skip
             t0 += nc
@@ -230,7 +267,7 @@ class SkinnyGemm:
         c = lane % 4
         chunk0 = warp * (p.k // KCHUNK // p.ks)
         for q in cutlass.range_constexpr(p.rt):
-            row = cutlass.min(cta * p.rt + q, ntiles - 1) * ROWS + g
+            row = self.p.weight_tile(cta, q, ntiles) * ROWS + g
             for v in cutlass.range_constexpr(p.unroll):
                 k0 = (chunk0 + v) * KCHUNK + c * 8
                 for hh in cutlass.range_constexpr(2):
@@ -279,7 +316,7 @@ class SkinnyGemm:
                 sRstd[m] = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
 
     @cute.jit
-    def tile(self, mX, mR, mNW, sRstd, sRed, mW, mO, mE, cta, ntiles, warp, lane):
+    def tile(self, mX, mR, mNW, sRstd, sRed, sGate, mW, mO, mE, cta, ntiles, warp, lane):
         """Row tiles ``cta * rt .. cta * rt + rt - 1`` of one weight (clamped to the last tile
         for loads; only valid tiles are stored)."""
         p = self.p
@@ -289,8 +326,7 @@ class SkinnyGemm:
         atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
         rows = []
         for q in cutlass.range_constexpr(rt):
-            t = cutlass.min(cta * rt + q, ntiles - 1)
-            rows.append(t * ROWS + g)
+            rows.append(p.weight_tile(cta, q, ntiles) * ROWS + g)
 
         accs = []
         for _q in cutlass.range_constexpr(rt):
@@ -355,21 +391,50 @@ class SkinnyGemm:
                 sRed[warp, g + 8, n0] = acc[2]
                 sRed[warp, g + 8, n0 + 1] = acc[3]
             cute.arch.sync_threads()
-            t = cta * rt + q
-            if t < ntiles:
-                for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
-                    idx = tidx + i * self.threads
-                    if idx < total:
-                        r = idx % ROWS
-                        m = idx // ROWS
-                        val = Float32(0.0)
-                        for w in cutlass.range_constexpr(p.ks):
-                            val = val + sRed[w, r, m]
-                        n = t * ROWS + r
-                        if cutlass.const_expr(p.residual_epilogue):
-                            val = val.to(BFloat16).to(Float32) + mE[m, n].to(Float32)
-                        mO[m, n] = val.to(BFloat16)
+            if cutlass.const_expr(p.situ):
+                self.situ_store(sRed, sGate, mO, cta, q, ntiles // 2, tidx)
+            else:
+                t = cta * rt + q
+                if t < ntiles:
+                    for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+                        idx = tidx + i * self.threads
+                        if idx < total:
+                            r = idx % ROWS
+                            m = idx // ROWS
+                            val = Float32(0.0)
+                            for w in cutlass.range_constexpr(p.ks):
+                                val = val + sRed[w, r, m]
+                            n = t * ROWS + r
+                            if cutlass.const_expr(p.residual_epilogue):
+                                val = val.to(BFloat16).to(Float32) + mE[m, n].to(Float32)
+                            mO[m, n] = val.to(BFloat16)
             cute.arch.sync_threads()
+
+    @cute.jit
+    def situ_store(self, sRed, sGate, mO, cta, q, half, tidx):
+        """SiTU epilogue, tile ``q`` summed in ``sRed``: a gate tile (``q < rt/2``) is kept in
+        ``sGate`` as bf16-rounded FP32 (what vLLM's GEMM writes); its up tile (``q - rt/2``)
+        meets it there (the same thread holds the same (row, token) both times) and the
+        product is stored: ``out[m, d] = bf16(situ(g, u))``."""
+        p = self.p
+        h = p.rt // 2
+        total = ROWS * p.m
+        t = cta * h + q % h  # the gate tile index (0 .. half - 1)
+        if t < half:
+            for i in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+                idx = tidx + i * self.threads
+                if idx < total:
+                    r = idx % ROWS
+                    m = idx // ROWS
+                    val = Float32(0.0)
+                    for w in cutlass.range_constexpr(p.ks):
+                        val = val + sRed[w, r, m]
+                    val = val.to(BFloat16).to(Float32)
+                    if cutlass.const_expr(q < h):
+                        sGate[q, r, m] = val
+                    else:
+                        y = situ(sGate[q - h, r, m], val, p.situ_beta, p.situ_lbeta)
+                        mO[m, t * ROWS + r] = y.to(BFloat16)
 
     @cute.jit
     def load_b(self, mX, mR, sRstd, nw, m, k0, j):
@@ -417,7 +482,7 @@ def _fake_args(plan: GemmPlan):
     for s in range(3):
         if s < len(plan.segments):
             n = plan.segments[s]
-            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, n))]
+            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, plan.out_width(n)))]
         else:
             segs += [ph, ph]
     e = itf.fake(bf, (M, plan.segments[0])) if plan.residual_epilogue else ph
@@ -453,6 +518,7 @@ def skinny_gemm(
     eps: float = 1e-5,
     rt: int = 0,
     ks: int = 0,
+    situ: tuple[float, float] | None = None,
 ) -> None:
     """Run one launch: ``outs[s] = norm(x (+ residual)) @ weights[s]^T (+ epilogue_residual)``.
 
@@ -460,6 +526,8 @@ def skinny_gemm(
     With ``residual``, ``residual_out`` receives ``bf16(x + residual)`` (the new residual
     stream); it must not alias ``x`` or ``residual`` (CTA 0 writes it while the others still
     read them). ``rt`` / ``ks`` force the tiling (tuning sweeps; 0 = the plan's choice).
+    ``situ=(beta, linear_beta)``: one gate/up weight ``[2D, K]``, ``outs[0]`` is ``[M, D]``
+    and receives SiTU-and-mul of the two halves.
     """
     M, K = x.shape
     plan = GemmPlan(
@@ -473,6 +541,9 @@ def skinny_gemm(
         eps=float(eps),
         rt_force=rt,
         ks_force=ks,
+        situ=situ is not None,
+        situ_beta=float(situ[0]) if situ is not None else 4.0,
+        situ_lbeta=float(situ[1]) if situ is not None else 25.0,
     )
     fn = compile_plan(plan)
     ph = _placeholder(x.device)
@@ -497,6 +568,7 @@ def skinny_gemm_ref(
     norm_weight: torch.Tensor | None = None,
     epilogue_residual: torch.Tensor | None = None,
     eps: float = 1e-5,
+    situ: tuple[float, float] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Torch reference with the kernel's rounding points. Returns ``(outs, residual_out)``."""
     h = x
@@ -513,5 +585,10 @@ def skinny_gemm_ref(
         o = (h.float() @ w.float().T).to(torch.bfloat16)
         if epilogue_residual is not None:
             o = (o.float() + epilogue_residual.float()).to(torch.bfloat16)
+        if situ is not None:
+            from decodescope.kernels.reference import situ_ref
+
+            d = o.shape[-1] // 2
+            o = situ_ref(o[:, :d].float(), o[:, d:].float(), *situ).to(torch.bfloat16)
         outs.append(o)
     return outs, rout

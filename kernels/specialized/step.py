@@ -15,12 +15,17 @@ of inputs and state), the KDA / MLA state updated in place, every kernel on torc
 stream: one CUDA graph per step. Kernels compile on the first (eager) step, which the factory
 runs: the capture child's warm-up and capture then find them compiled.
 
+A dense layer (``layers="dense,kda,mla"``: K3's layer 0) is the attention half without its
+``residual_norm`` launch, then :class:`.dense_mlp.SpecializedDenseMLP` (two launches,
+``layer.{i}.mlp.residual_norm+gate_up+act`` and ``layer.{i}.mlp.down``) normalizing the
+residual stream in its first kernel's prologue.
+
 Option ``front_norm`` (0 | 1 | auto; default 0) drops the attention half's last launch (the
 post-attention RMSNorm) and lets the MoE front kernel normalize the residual stream in its
 prologue (``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer.
 
-Where a half cannot run a preset or shape (no dense-MLP kernels, no all-reduce, an FP8 latent
-cache, MXFP4 experts, more than 64 tokens per step, ...), :func:`check_usable` raises a
+Where a half cannot run a preset or shape (no all-reduce, an FP8 latent cache, MXFP4 experts,
+more than 64 tokens per step, ...), :func:`check_usable` raises a
 ValueError naming each missing piece. Without a CUDA GPU the factory validates the options, then
 raises a ValueError saying so; :func:`plan` gives the meta and range names without a GPU.
 """
@@ -76,6 +81,22 @@ def parse_front_norm(v: Any, n_tokens: int) -> bool:
     if s in ("0", "false", "no", "off", "none"):
         return False
     raise ValueError(f"option front_norm must be 0, 1 or auto, got {v!r}")
+
+
+def _dense_ops() -> tuple[str, ...]:
+    from decodescope.kernels.specialized import dense_mlp as dm
+
+    return dm.OPS
+
+
+def _dense_problems(cfg, n_tokens: int) -> list[str]:
+    from decodescope.kernels.specialized import dense_mlp as dm
+
+    out: list[str] = []
+    where = "specialized dense MLP"
+    _try(out, f"{where}, residual_norm+gate_up+act", lambda: dm.gate_up_plan(cfg, n_tokens))
+    _try(out, f"{where}, down", lambda: dm.down_plan(cfg, n_tokens))
+    return out
 
 
 def _front_norm_problems() -> list[str]:
@@ -163,12 +184,8 @@ def check_usable(
             f"tp_world={tp_world}: the specialized kernels have no all-reduce yet (o_proj, latent "
             "and shared-expert reductions); run tp_world 1 (the per-rank shapes of tp_shape)"
         )
-    dense = [s.index for s in specs if s.mlp == "dense"]
-    if dense:
-        problems.append(
-            f"layers {dense} are dense-MLP layers: the specialized path has no dense-MLP kernels "
-            "(ask for kda / mla layers)"
-        )
+    if any(s.mlp == "dense" for s in specs):
+        problems += _dense_problems(cfg, batch * tokens)
     seen: set[str] = set()
     for s in specs:
         if s.attn not in seen:
@@ -202,6 +219,9 @@ class Plan:
     def op_names(self, spec) -> list[str]:
         """``block.op`` names of one layer's launches, in launch order."""
         attn = _attn_ops(spec.attn)
+        if spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
+            attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
+            return [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in _dense_ops()]
         if self.front_norm:
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
         moe = _moe_ops(self.front_norm)
@@ -323,6 +343,7 @@ class SpecializedModel:
         import torch
 
         from decodescope.kernels.specialized.attention_layers import SpecializedAttention
+        from decodescope.kernels.specialized.dense_mlp import SpecializedDenseMLP
         from decodescope.kernels.specialized.moe_block import SpecializedMoE
         from decodescope.kernels.weights import make_inputs, make_layer_weights, make_state
 
@@ -341,8 +362,17 @@ class SpecializedModel:
             SpecializedAttention(cfg, s, w, st, batch, tokens_per_seq)
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]
+        # per layer: the MoE block, or None for a dense layer (its MLP is in self.dense)
         self.moe = [
             SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device)
+            if s.mlp == "moe"
+            else None
+            for s, w in zip(specs, self.weights, strict=True)
+        ]
+        self.dense = [
+            SpecializedDenseMLP(cfg, w, self.N, layer=s.index, device=self.device)
+            if s.mlp == "dense"
+            else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
         self.hs = [torch.empty_like(self.x_in) for _ in specs]  # the MoE input of each layer
@@ -357,6 +387,9 @@ class SpecializedModel:
         with _range(f"layer.{spec.index}:{spec.kind}"):
             if guarded:
                 self._guarded(i, x, r, r_out, h, x_out)
+            elif spec.mlp == "dense":
+                self._attn_no_norm(i, x, r, r_out, h)
+                self.dense[i].forward_norm(r_out, x_out)
             elif self.front_norm:
                 self._attn_no_norm(i, x, r, r_out, h)
                 self._moe_front_norm(i, r_out, x_out)
@@ -370,7 +403,12 @@ class SpecializedModel:
         import torch
 
         spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
-        if self.front_norm:
+        if spec.mlp == "dense":
+            halves = (
+                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
+                ("dense MLP", lambda: self.dense[i].forward_norm(r_out, x_out)),
+            )
+        elif self.front_norm:
             halves = (
                 (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
                 ("MoE", lambda: self._moe_front_norm(i, r_out, x_out)),
@@ -431,18 +469,22 @@ class SpecializedModel:
         self.r_in.copy_(r)
 
     def selected_experts(self) -> dict[int, Any]:
-        """The routing of the last step: ``{layer index: topk_ids [N, k]}``."""
-        return {s.index: m.topk_ids for s, m in zip(self.specs, self.moe, strict=True)}
+        """The routing of the last step: ``{layer index: topk_ids [N, k]}`` (MoE layers)."""
+        return {
+            s.index: m.topk_ids for s, m in zip(self.specs, self.moe, strict=True) if m is not None
+        }
 
     def launches(self) -> dict[str, int]:
-        """Launches per layer (attention half + MoE block)."""
+        """Launches per layer (attention half + MoE block or dense MLP)."""
         from decodescope.kernels.specialized import moe_block as mb
 
         drop = 1 if self.front_norm else 0
-        return {
-            f"layer.{s.index}:{s.kind}": a.launches - drop + len(mb.OPS)
-            for s, a in zip(self.specs, self.attn, strict=True)
-        }
+        out = {}
+        for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
+            lay = f"layer.{s.index}:{s.kind}"
+            out[lay] = a.launches - 1 + d.launches if d is not None else (
+                a.launches - drop + len(mb.OPS))  # fmt: skip
+        return out
 
 
 def layer_bytes_meta(cfg, specs, batch: int, tokens: int, selected: dict) -> tuple[dict, dict]:
@@ -481,7 +523,8 @@ def _require_gpu(dev) -> None:
 @register("specialized")
 def specialized(**opts: Any) -> Workload:
     """The fused CuTe DSL decode layers (kernels/specialized), same options as ``standard``:
-    preset (kimi-k3 | tiny), tp_shape, batch, tokens_per_seq (1..8), layers ("kda,mla", ...),
+    preset (kimi-k3 | tiny), tp_shape, batch, tokens_per_seq (1..8), layers ("kda,mla",
+    "dense,kda,mla": layer 0's attention + dense MLP first, ...),
     seed, context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16), device (cuda),
     tp_world (1); and front_norm (0 | 1 | auto): the post-attention RMSNorm in the MoE front
     kernel's prologue, one launch less per layer (default 0: the two halves as they stand).
