@@ -35,7 +35,7 @@ PROTOCOL_PTX = ("ld.acquire.sys.global.b32", "st.release.sys.global.b32", "fence
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_oproj_allreduce_compiles(tp, m):
     cfg = get_config("kimi-k3", tp)
-    plan = oa.plan_for(cfg, "kda", m, prefetch=1 << 20)
+    plan = oa.plan_for(cfg, "kda", m, prefetch=True)
     assert plan.grid <= 2 * plan.sms and plan.upc >= 1
     assert oa.compile_plan(plan) is not None
 
@@ -51,7 +51,7 @@ def test_moe_allreduce_compiles(t):
         cfg = get_config("kimi-k3", tp)
         assert (cfg.expert_dim, cfg.hidden) == (3584, 7168)
     cfg = get_config("kimi-k3", 8)
-    plan = ma.MoeARPlan(t, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=1 << 20)
+    plan = ma.MoeARPlan(t, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True)
     op = ma.MoeAllReduce(plan)
     assert op.grid <= plan.sms  # persistent: the whole grid resident (every CTA waits on all)
     assert ma.compile_plan(plan) is not None
@@ -69,12 +69,12 @@ def _ptx(op, args, tmp_path: Path) -> str:
 
 def test_protocol_ptx(tmp_path):
     cfg = get_config("kimi-k3", 8)
-    plan = oa.plan_for(cfg, "kda", 1, prefetch=1 << 20)
+    plan = oa.plan_for(cfg, "kda", 1, prefetch=True)
     ptx = _ptx(oa.OProjAllReduce(plan), oa._fake_args(plan), tmp_path / "o")
     for ins in PROTOCOL_PTX:
         assert ins in ptx, ins
     assert "prefetch.global.L2" in ptx
-    mplan = ma.MoeARPlan(1, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=1 << 20)
+    mplan = ma.MoeARPlan(1, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True)
     ptx = _ptx(*ma._build(mplan), tmp_path / "m")
     for ins in PROTOCOL_PTX:
         assert ins in ptx, ins
@@ -117,9 +117,16 @@ def test_moe_allreduce_ref_is_the_single_gpu_back_end():
     assert torch.equal(got, want)
 
 
-def test_prefetch_view_and_checks():
-    t = torch.zeros(10, dtype=torch.uint8)
-    assert oa._prefetch_view(t, "cpu").dtype == torch.bfloat16
+def test_prefetch_args_and_checks():
+    from decodescope.kernels.specialized.comm import PREFETCH_HEAD, PeerWorkspace
+
+    t = torch.zeros(1000, dtype=torch.uint8)
+    head, n = PeerWorkspace.prefetch_args(t, "cpu")
+    assert head.dtype == torch.bfloat16 and head.numel() == PREFETCH_HEAD and n == 500
+    assert head.data_ptr() == t.data_ptr()
+    assert PeerWorkspace.prefetch_args(None, "cpu")[1] == 0
+    with pytest.raises(ValueError, match="prefetch"):
+        PeerWorkspace.prefetch_args(torch.zeros(4, dtype=torch.uint8), "cpu")
     with pytest.raises(ValueError, match="exceeds the receive area"):
         oa.OProjARPlan(m=64, k=1536, n=1 << 16)
     assert itf.cache_size() >= 0

@@ -146,9 +146,10 @@ def global_timer_ns(*, loc=None, ip=None) -> Int64:
 @cute.jit
 def wait_flag(flag_ptr, target: Int32, err_ptr) -> None:
     """Spin (one thread) until ``*flag_ptr - target >= 0``; after ``SPIN_TIMEOUT_NS`` record
-    ``target`` in ``*err_ptr`` and return."""
+    ``target`` in ``*err_ptr`` and return. Once a spin has timed out (``*err_ptr`` set) later
+    ones return at once: a desynchronized pair costs one timeout, not one per launch."""
     v = ld_acquire_sys(flag_ptr)
-    if v - target < 0:
+    if v - target < 0 and cute.arch.load(err_ptr, Int32, sem="relaxed", scope="gpu") == 0:
         t0 = global_timer_ns()
         going = True
         while going:
@@ -188,11 +189,11 @@ def release_to_peer(mPeerFlags: cute.Tensor, slot, value: Int32) -> None:
 
 
 @cute.jit
-def prefetch_range(mP: cute.Tensor, part, nparts: cutlass.Constexpr[int],
+def prefetch_range(mP: cute.Tensor, n, part, nparts: cutlass.Constexpr[int],
                    nthreads: cutlass.Constexpr[int]) -> None:  # fmt: skip
-    """Issue ``prefetch.global.L2`` for share ``part`` of ``nparts`` of the bytes of ``mP`` (a
-    flat 1-D bf16 tensor: the next op's weights), one 128-byte line per thread and step."""
-    n = cute.size(mP)
+    """Issue ``prefetch.global.L2`` for share ``part`` of ``nparts`` of the ``n`` bf16 elements
+    that start at ``mP``'s base (the next op's weights; ``n`` is a runtime count, ``mP`` only
+    carries the address), one 128-byte line per thread and step. ``n = 0``: nothing."""
     per_line = LINE // 2
     lines = (n + per_line - 1) // per_line
     share = (lines + nparts - 1) // nparts
@@ -207,6 +208,8 @@ def prefetch_range(mP: cute.Tensor, part, nparts: cutlass.Constexpr[int],
 # -- host side ----------------------------------------------------------------------------------
 
 FLAG_SLOTS = 1024  # CTAs per launch at most
+PREFETCH_HEAD = 16  # bf16 elements of the prefetch address argument
+_PH: dict[str, torch.Tensor] = {}
 RECV_FLOATS = 64 * 16384  # FP32 per parity: 64 tokens x (7168 + 3584 + spare)
 
 
@@ -273,6 +276,38 @@ class PeerWorkspace:
                 f"comm: rank {self.rank} waited over {SPIN_TIMEOUT_NS / 1e9:.0f} s for the "
                 f"peer's flag of epoch {err - 1}: the ranks launched different kernel sequences"
             )
+
+    def reset(self, group=None) -> None:
+        """Collective: zero flags, receive areas and counters on both ranks (after a timeout
+        left the pair out of step)."""
+        import torch.distributed as dist
+
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        self.flags.zero_()
+        self.recv.zero_()
+        self.ctl.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+
+    @staticmethod
+    def prefetch_args(t: torch.Tensor | None, device) -> tuple[torch.Tensor, int]:
+        """``(head, n)`` for a kernel's prefetch parameters: a [PREFETCH_HEAD] bf16 view at the
+        base of ``t`` (the address) and its length in bf16 elements (the runtime count)."""
+        if t is None:
+            key = str(device)
+            if key not in _PH:
+                _PH[key] = torch.zeros(PREFETCH_HEAD, dtype=torch.bfloat16, device=device)
+            return _PH[key], 0
+        if not t.is_contiguous():
+            raise ValueError("prefetch: the next op's weights must be one contiguous tensor")
+        nbytes = t.numel() * t.element_size()
+        if nbytes < 2 * PREFETCH_HEAD or t.data_ptr() % 16:
+            raise ValueError(
+                f"prefetch: need a 16-byte aligned tensor of at least {2 * PREFETCH_HEAD} bytes"
+            )
+        flat = t.view(-1).view(torch.uint8)[: nbytes // 2 * 2].view(torch.bfloat16)
+        return flat[:PREFETCH_HEAD], nbytes // 2
 
     def args(self) -> tuple[torch.Tensor, ...]:
         """The kernels' workspace arguments, in their order."""

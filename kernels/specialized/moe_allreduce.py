@@ -37,7 +37,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from decodescope.kernels.specialized import comm
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized.moe_common import VEC, dot_rows, load_rows
-from decodescope.kernels.specialized.oproj_allreduce import H200_SMS, _prefetch_view, device_sms
+from decodescope.kernels.specialized.oproj_allreduce import H200_SMS, device_sms
 from decodescope.kernels.specialized.router_topk import pdl_enabled
 from decodescope.kernels.specialized.up_proj_shared_add import UpProjSharedAdd
 
@@ -48,7 +48,7 @@ class MoeARPlan:
     L: int
     H: int
     eps: float
-    prefetch: int = 0
+    prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = True
 
@@ -72,15 +72,15 @@ class MoeAllReduce(UpProjSharedAdd):
         self.sh_off = -(-(plan.T * plan.L) // 32) * 32  # [T, H] shared area, 128-byte aligned
 
     @cute.jit
-    def __call__(self, mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags,
-                 mPeerRecv, mCtl, stream):  # fmt: skip
-        self.kernel(mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv,
-                    mCtl).launch(grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1],
+    def __call__(self, mAcc, mGamma, mW, mShared, mOut, mPre, nPre: Int32, mFlags, mRecv,
+                 mPeerFlags, mPeerRecv, mCtl, stream):  # fmt: skip
+        self.kernel(mAcc, mGamma, mW, mShared, mOut, mPre, nPre, mFlags, mRecv, mPeerFlags,
+                    mPeerRecv, mCtl).launch(grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1],
                                  stream=stream, use_pdl=self.pdl)  # fmt: skip
 
     @cute.kernel
-    def kernel(self, mAcc, mGamma, mW, mShared, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv,
-               mCtl):  # fmt: skip
+    def kernel(self, mAcc, mGamma, mW, mShared, mOut, mPre, nPre, mFlags, mRecv, mPeerFlags,
+               mPeerRecv, mCtl):  # fmt: skip
         T, L, H, TT = self.T, self.L, self.H, self.TT
         NT = self.NW * 32
         tid, _, _ = cute.arch.thread_idx()
@@ -130,8 +130,8 @@ class MoeAllReduce(UpProjSharedAdd):
         cute.arch.sync_threads()
         comm.release_to_peer(mPeerFlags, bid, e + 1)
         # 3: prefetch the next op's weights while the peer's slices travel
-        if const_expr(self.q.prefetch > 0):
-            comm.prefetch_range(mPre, bid, self.grid, NT)
+        if const_expr(self.q.prefetch):
+            comm.prefetch_range(mPre, nPre, bid, self.grid, NT)
         # 4: wait for every peer CTA
         for i in cutlass.range(tid, self.grid, NT, unroll=1):
             comm.wait_flag(mFlags.iterator + i, e + 1, mCtl.iterator + 2)
@@ -206,7 +206,8 @@ def _build(plan: MoeARPlan):
         itf.fake(torch.bfloat16, (H, L)),
         itf.fake(torch.float32, (T, H)),
         itf.fake(torch.bfloat16, (T, H)),
-        itf.fake(torch.bfloat16, (max(plan.prefetch, 16),)),
+        itf.fake(torch.bfloat16, (comm.PREFETCH_HEAD,)),
+        Int32(0),
         *comm.fake_workspace_args(),
         itf.env_stream(),
     )
@@ -235,10 +236,9 @@ def moe_allreduce(
     itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
     itf.check(shared_out, "shared_out", (T, H), torch.float32)
     itf.check(out, "out", (T, H), torch.bfloat16)
-    pre = _prefetch_view(prefetch, acc.device)
-    plan = MoeARPlan(T, L, H, float(eps), pre.numel() if prefetch is not None else 0,
-                     device_sms(acc.device), pdl_enabled())  # fmt: skip
-    compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, pre, *ws.args())
+    head, npre = comm.PeerWorkspace.prefetch_args(prefetch, acc.device)
+    plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled())
+    compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, head, npre, *ws.args())
 
 
 def moe_allreduce_ref(accs, latent_norm, latent_up, shareds, eps: float) -> torch.Tensor:

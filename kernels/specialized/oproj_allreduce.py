@@ -48,13 +48,13 @@ H200_SMS = 132
 
 @dataclass(frozen=True)
 class OProjARPlan:
-    """Compile-time facts: tokens m, per-rank K, output N, prefetch length (bf16 elements of
-    the next op's weights to pull into L2, 0 = none), SM count, PDL."""
+    """Compile-time facts: tokens m, per-rank K, output N, whether the kernel takes an L2
+    prefetch range (the next op's weights; its length is a runtime argument), SM count, PDL."""
 
     m: int
     k: int
     n: int
-    prefetch: int = 0
+    prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = field(default_factory=pdl_enabled)
 
@@ -97,7 +97,8 @@ class OProjAllReduce(SkinnyGemm):
         mW: cute.Tensor,  # [N, K] bf16: this rank's o_proj shard
         mR: cute.Tensor,  # [M, N] bf16 residual in
         mOut: cute.Tensor,  # [M, N] bf16 new residual out (may alias mR)
-        mPre: cute.Tensor,  # [P] bf16 next op's weights (prefetch) or a placeholder
+        mPre: cute.Tensor,  # [16] bf16 view at the base of the next op's weights (prefetch)
+        nPre: Int32,  # bf16 elements to prefetch from mPre's base (0: none)
         mFlags: cute.Tensor,
         mRecv: cute.Tensor,
         mPeerFlags: cute.Tensor,
@@ -115,7 +116,9 @@ class OProjAllReduce(SkinnyGemm):
             red: cute.struct.Align[cute.struct.MemRange[Float32, p.ks * ROWS * mp], 16]
 
         self.smem_cls = Smem
-        self.kernel(mX, mW, mR, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv, mCtl).launch(
+        self.kernel(
+            mX, mW, mR, mOut, mPre, nPre, mFlags, mRecv, mPeerFlags, mPeerRecv, mCtl
+        ).launch(
             grid=[q.grid, 1, 1],
             block=[self.threads, 1, 1],
             smem=Smem.size_in_bytes(),
@@ -124,7 +127,7 @@ class OProjAllReduce(SkinnyGemm):
         )
 
     @cute.kernel
-    def kernel(self, mX, mW, mR, mOut, mPre, mFlags, mRecv, mPeerFlags, mPeerRecv, mCtl):
+    def kernel(self, mX, mW, mR, mOut, mPre, nPre, mFlags, mRecv, mPeerFlags, mPeerRecv, mCtl):
         p, q = self.p, self.q
         mp = p.ntiles * 8
         tidx, _, _ = cute.arch.thread_idx()
@@ -160,8 +163,8 @@ class OProjAllReduce(SkinnyGemm):
         # 3: release
         comm.release_to_peer(mPeerFlags, bidx, e + 1)
         # 4: prefetch the next op's weights while the peer's tile travels
-        if cutlass.const_expr(q.prefetch > 0):
-            comm.prefetch_range(mPre, bidx, q.grid, self.threads)
+        if cutlass.const_expr(q.prefetch):
+            comm.prefetch_range(mPre, nPre, bidx, q.grid, self.threads)
         # 5: acquire, sum, epilogue
         if tidx == 0:
             comm.wait_flag(mFlags.iterator + bidx, e + 1, mCtl.iterator + 2)
@@ -273,7 +276,7 @@ class OProjAllReduce(SkinnyGemm):
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def plan_for(cfg, kind: str, m: int, prefetch: int = 0, sms: int = H200_SMS) -> OProjARPlan:
+def plan_for(cfg, kind: str, m: int, prefetch: bool = True, sms: int = H200_SMS) -> OProjARPlan:
     k = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
     return OProjARPlan(m=m, k=k, n=cfg.hidden, prefetch=prefetch, sms=sms)
 
@@ -281,13 +284,13 @@ def plan_for(cfg, kind: str, m: int, prefetch: int = 0, sms: int = H200_SMS) -> 
 def _fake_args(plan: OProjARPlan):
     bf = torch.bfloat16
     M, K, N = plan.m, plan.k, plan.n
-    pre = itf.fake(bf, (max(plan.prefetch, 16),))
     return (
         itf.fake(bf, (M, K)),
         itf.fake(bf, (N, K)),
         itf.fake(bf, (M, N)),
         itf.fake(bf, (M, N)),
-        pre,
+        itf.fake(bf, (comm.PREFETCH_HEAD,)),
+        Int32(0),
         *comm.fake_workspace_args(),
         itf.env_stream(),
     )
@@ -300,9 +303,6 @@ def compile_plan(plan: OProjARPlan):
 
 def device_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_PH: dict[str, torch.Tensor] = {}
 
 
 def oproj_allreduce(
@@ -323,27 +323,9 @@ def oproj_allreduce(
     itf.check(w_o, "w_o", (N, K), torch.bfloat16)
     itf.check(r, "r", (M, N), torch.bfloat16)
     itf.check(r_out, "r_out", (M, N), torch.bfloat16)
-    pre = _prefetch_view(prefetch, o.device)
-    plan = OProjARPlan(m=M, k=K, n=N, prefetch=pre.numel() if prefetch is not None else 0,
-                       sms=device_sms(o.device))  # fmt: skip
-    fn = compile_plan(plan)
-    fn(o, w_o, r, r_out, pre, *ws.args())
-
-
-def _prefetch_view(t: torch.Tensor | None, device) -> torch.Tensor:
-    if t is None:
-        key = str(device)
-        if key not in _PH:
-            _PH[key] = torch.zeros(16, dtype=torch.bfloat16, device=device)
-        return _PH[key]
-    if not t.is_contiguous():
-        raise ValueError("prefetch: the next op's weights must be contiguous")
-    flat = t.view(-1)
-    if flat.dtype != torch.bfloat16:
-        flat = flat.view(torch.uint8)[: flat.numel() * flat.element_size() // 2 * 2].view(
-            torch.bfloat16
-        )
-    return flat
+    head, npre = comm.PeerWorkspace.prefetch_args(prefetch, o.device)
+    fn = compile_plan(OProjARPlan(m=M, k=K, n=N, sms=device_sms(o.device)))
+    fn(o, w_o, r, r_out, head, npre, *ws.args())
 
 
 def oproj_allreduce_ref(os_: list[torch.Tensor], ws_: list[torch.Tensor], r: torch.Tensor):

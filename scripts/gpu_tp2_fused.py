@@ -1,0 +1,485 @@
+"""Two H200 (NVLink): the fused o_proj + all-reduce + residual and the fused MoE back end with
+its all-reduces, against o_proj + NCCL all_reduce + residual; then CUDA-graph timing.
+
+    torchrun --nproc-per-node 2 scripts/gpu_tp2_fused.py --out $OUT/tp2
+        [--tps 8 2] [--batches 1 8 32 64] [--replays 40] [--burst 32] [--no-moe] [--no-timing]
+
+Launch with torchrun (one process per GPU; NCCL; ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` set here before torch loads).
+
+Correctness, per (TP per-rank shape, batch), fresh random inputs, outputs poisoned with NaN:
+
+- ``oproj``: one launch vs each rank's bf16 o_proj (cuBLAS) + NCCL all_reduce + residual, and
+  vs the FP32 partials all-reduced (the kernel's rounding points); both ranks' ``r'`` equal bit
+  for bit (all_gather).
+- ``oproj_burst``: two layers' kernels back to back in one CUDA graph (layer B's residual is
+  layer A's output; the same workspace), replayed ``--burst`` times in a row with no host sync,
+  new inputs copied in between replays, and rank 1 sleeping a random while before some replays
+  so that rank 0 runs ahead: every replay's outputs saved and checked afterwards.
+- ``moe``: the MoE back end (latent all-reduce + RMSNorm + up-projection + shared all-reduce +
+  add) vs NCCL all_reduce of the FP32 partials + the single-GPU kernel ``up_proj_shared_add``;
+  a burst of graph replays as above.
+
+Timing (CUDA graph of ``--copies`` layers rotated (weights past L2), medians of ``--replays``,
+ranks aligned by a barrier before each replay; the slower rank's median is reported):
+fused kernel; single-GPU ``oproj_residual`` (the same GEMM without communication); cuBLAS o_proj
++ NCCL all_reduce + residual add; NCCL all_reduce alone; ``comm`` = fused - single-GPU (the
+target: <= 6 us at batch 1). MoE: fused vs ``up_proj_shared_add`` and vs 2 NCCL all_reduces +
+``up_proj_shared_add``.
+
+One failing piece is recorded and the run goes on (a spin timeout resets the workspace on both
+ranks). ``results.json`` is rewritten after every piece; the table is printed last (rank 0).
+Budget: about 3-4 minutes (compiles included); stops starting pieces after ``--budget-s``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+BF16 = torch.bfloat16
+F32 = torch.float32
+RESULTS: list[dict] = []
+T0 = time.time()
+RANK = 0
+OUT: Path | None = None
+
+
+def log(*a) -> None:
+    if RANK == 0:
+        print(*a, flush=True)
+
+
+def save() -> None:
+    if RANK == 0 and OUT is not None:
+        tmp = OUT / "results.json.tmp"
+        tmp.write_text(json.dumps(RESULTS, indent=1))
+        tmp.replace(OUT / "results.json")
+
+
+def record(**kw) -> None:
+    RESULTS.append(kw)
+    log(" ".join(f"{k}={v}" for k, v in kw.items() if k != "trace"))
+    save()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def all_ok(ok: bool) -> bool:
+    t = torch.tensor([0 if ok else 1], device="cuda", dtype=torch.int32)
+    dist.all_reduce(t)
+    return int(t.item()) == 0
+
+
+def piece(name: str, ctx: dict, ws, fn, *args) -> None:
+    """Run ``fn`` on both ranks; an exception or a spin timeout fails the piece (both ranks
+    agree), resets the workspace and the run goes on."""
+    ok = True
+    err = ""
+    try:
+        fn(*args)
+        torch.cuda.synchronize()
+        ws.check()
+    except Exception as e:  # one piece never stops the run
+        ok = False
+        err = f"{type(e).__name__}: {e}"[:300]
+        print(
+            f"rank {RANK}: {name} {ctx}: {err}\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not all_ok(ok):
+        record(piece=name, **ctx, status="error", error=err or "failed on the other rank")
+        ws.reset()
+
+
+def check(name: str, ctx: dict, err: float, tol: float) -> bool:
+    """Both ranks' errors; PASS when the larger is within tol."""
+    t = torch.tensor([err if err == err else float("inf")], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    e = float(t.item())
+    ok = e <= tol
+    record(check=name, **ctx, err=f"{e:.2e}", tol=tol, status="PASS" if ok else "FAIL")
+    return ok
+
+
+def same_on_ranks(name: str, ctx: dict, x: torch.Tensor) -> None:
+    got = [torch.empty_like(x) for _ in range(2)]
+    dist.all_gather(got, x.contiguous())
+    same = torch.equal(got[0].view(torch.int16), got[1].view(torch.int16))
+    record(check=name, **ctx, err="bitwise" if same else "differ", tol="equal",
+           status="PASS" if same else "FAIL")  # fmt: skip
+
+
+def seeded(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(shape, g, scale=1.0, dtype=BF16) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+
+# -- o_proj --------------------------------------------------------------------------------
+
+
+def oproj_standard(o, w, r) -> torch.Tensor:
+    """What the standard path does: bf16 GEMM per rank, NCCL all_reduce (bf16), residual add."""
+    y = o @ w.T
+    dist.all_reduce(y)
+    return (y.float() + r.float()).to(BF16)
+
+
+def oproj_exact(o, w, r) -> torch.Tensor:
+    """The kernel's rounding points: FP32 partials all-reduced, one bf16 round, + residual."""
+    p = o.float() @ w.float().T
+    dist.all_reduce(p)
+    return (p.to(BF16).float() + r.float()).to(BF16)
+
+
+def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
+    seed = 1000 * M + K + 17 * RANK
+    g = seeded(seed)
+    gs = seeded(4242 + M)  # shared across ranks: the residual stream is replicated
+    w = randn((N, K), g, (2 * K) ** -0.5)
+    o = randn((M, K), g)
+    r = randn((M, N), gs)
+    pre = randn((1 << 20,), g)  # an 2 MB stand-in for the next op's weights
+    out = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+    oa.oproj_allreduce(ws, o, w, r, out, prefetch=pre)
+    torch.cuda.synchronize()
+    ws.check()
+    check("oproj_vs_exact", ctx, rel(out, oproj_exact(o, w, r)), 2e-3)
+    check("oproj_vs_standard", ctx, rel(out, oproj_standard(o, w, r)), 1e-2)
+    same_on_ranks("oproj_ranks_equal", ctx, out)
+    # in place (r_out aliases r)
+    r2 = r.clone()
+    oa.oproj_allreduce(ws, o, w, r2, r2)
+    torch.cuda.synchronize()
+    check("oproj_in_place", ctx, rel(r2, out), 0.0)
+
+    # burst: two layers back to back in one graph, replayed with no host sync in between
+    wb = randn((N, K), g, (2 * K) ** -0.5)
+    n = a.burst
+    pool_o = [randn((M, K), g) for _ in range(2 * n)]
+    pool_r = [randn((M, N), gs) for _ in range(n)]
+    oa_in, ob_in, ra_in = o.clone(), o.clone(), r.clone()
+    xa = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+    xb = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+
+    def step():
+        oa.oproj_allreduce(ws, oa_in, w, ra_in, xa, prefetch=wb)
+        oa.oproj_allreduce(ws, ob_in, wb, xa, xb)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    hist_a = torch.empty(n, M, N, dtype=BF16, device="cuda")
+    hist_b = torch.empty(n, M, N, dtype=BF16, device="cuda")
+    rng = random.Random(seed)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for i in range(n):
+        oa_in.copy_(pool_o[2 * i])
+        ob_in.copy_(pool_o[2 * i + 1])
+        ra_in.copy_(pool_r[i])
+        xa.fill_(float("nan"))
+        xb.fill_(float("nan"))
+        if RANK == 1 and rng.random() < 0.3:
+            torch.cuda._sleep(rng.randrange(1000, 200_000))  # let rank 0 run ahead
+        graph.replay()
+        hist_a[i].copy_(xa)
+        hist_b[i].copy_(xb)
+    torch.cuda.synchronize()
+    ws.check()
+    ea = eb = 0.0
+    for i in range(n):
+        want_a = oproj_exact(pool_o[2 * i], w, pool_r[i])
+        ea = max(ea, rel(hist_a[i], want_a))
+        eb = max(eb, rel(hist_b[i], oproj_exact(pool_o[2 * i + 1], wb, hist_a[i])))
+    check("oproj_burst_layerA", {**ctx, "replays": n}, ea, 2e-3)
+    check("oproj_burst_layerB", {**ctx, "replays": n}, eb, 2e-3)
+    same_on_ranks("oproj_burst_ranks_equal", ctx, hist_b)
+
+
+# -- MoE back end ------------------------------------------------------------------------------
+
+
+def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
+    L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
+    g = seeded(77 + T + 31 * RANK)
+    gs = seeded(99 + T)
+    gam = (torch.rand(L, generator=gs, device="cuda") + 0.5).to(BF16)
+    wu = randn((H, L), gs, L**-0.5)
+    acc = randn((T, L), g, 1.0, F32)
+    sh = randn((T, H), g, 1.0, F32)
+    pre = randn((1 << 20,), g)
+    out = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
+
+    def want(acc, sh):
+        ar, sr = acc.clone(), sh.clone()
+        dist.all_reduce(ar)
+        dist.all_reduce(sr)
+        y = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
+        up.up_proj_shared_add(ar, gam, wu, sr, y, eps)
+        return y
+
+    ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre)
+    torch.cuda.synchronize()
+    ws.check()
+    check("moe_vs_single_gpu_kernel", ctx, rel(out, want(acc, sh)), 2e-3)
+    same_on_ranks("moe_ranks_equal", ctx, out)
+
+    n = a.burst
+    pa = [randn((T, L), g, 1.0, F32) for _ in range(n)]
+    ps = [randn((T, H), g, 1.0, F32) for _ in range(n)]
+    ain, sin = acc.clone(), sh.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps)
+    hist = torch.empty(n, T, H, dtype=BF16, device="cuda")
+    rng = random.Random(T)
+    dist.barrier()
+    for i in range(n):
+        ain.copy_(pa[i])
+        sin.copy_(ps[i])
+        out.fill_(float("nan"))
+        if RANK == 1 and rng.random() < 0.3:
+            torch.cuda._sleep(rng.randrange(1000, 200_000))
+        graph.replay()
+        hist[i].copy_(out)
+    torch.cuda.synchronize()
+    ws.check()
+    e = max(rel(hist[i], want(pa[i], ps[i])) for i in range(n))
+    check("moe_burst", {**ctx, "replays": n}, e, 2e-3)
+    same_on_ranks("moe_burst_ranks_equal", ctx, hist)
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def graph_us(fns: list, replays: int) -> float:
+    """Median us per element of ``fns`` (one graph of all, replayed); ranks aligned by a barrier
+    before each replay; the larger of the two ranks' medians."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        ev0.record()
+        graph.replay()
+        ev1.record()
+        ev1.synchronize()
+        ts.append(ev0.elapsed_time(ev1) * 1e3 / len(fns))
+    ts.sort()
+    t = torch.tensor([ts[len(ts) // 2]], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
+    g = seeded(5 + M + RANK)
+    ws_ = [randn((N, K), g, (2 * K) ** -0.5) for _ in range(a.copies)]
+    o = randn((M, K), g)
+    r = randn((M, N), seeded(6 + M))
+    out = torch.empty(M, N, dtype=BF16, device="cuda")
+    y = torch.empty(M, N, dtype=BF16, device="cuda")
+    wdict = [{"o_proj": w} for w in ws_]
+    res = {}
+    res["fused_us"] = graph_us(
+        [lambda w=w: oa.oproj_allreduce(ws, o, w, r, out) for w in ws_], a.replays
+    )
+    res["single_gpu_us"] = graph_us([lambda d=d: opr.oproj_residual(cfg, d, o, r, out) for d in wdict],
+                                    a.replays)  # fmt: skip
+
+    def std(w):
+        torch.matmul(o, w.T, out=y)
+        dist.all_reduce(y)
+        torch.add(y, r, out=out)
+
+    res["standard_us"] = graph_us([lambda w=w: std(w) for w in ws_], a.replays)
+    res["nccl_allreduce_us"] = graph_us([lambda: dist.all_reduce(y)] * a.copies, a.replays)
+    res["cublas_oproj_us"] = graph_us(
+        [lambda w=w: torch.matmul(o, w.T, out=y) for w in ws_], a.replays
+    )
+    res["comm_us"] = res["fused_us"] - res["single_gpu_us"]
+    res["standard_comm_us"] = res["standard_us"] - res["cublas_oproj_us"]
+    record(timing="oproj", **ctx, **{k: round(v, 2) for k, v in res.items()},
+           status="PASS" if (M != 1 or res["comm_us"] <= 6.0) else "MISS(>6us)")  # fmt: skip
+
+
+def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
+    L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
+    g = seeded(8 + T + RANK)
+    gam = (torch.rand(L, generator=g, device="cuda") + 0.5).to(BF16)
+    wus = [randn((H, L), g, L**-0.5) for _ in range(a.copies)]
+    acc = randn((T, L), g, 1.0, F32)
+    sh = randn((T, H), g, 1.0, F32)
+    out = torch.empty(T, H, dtype=BF16, device="cuda")
+    res = {}
+    res["fused_us"] = graph_us([lambda w=w: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps) for w in wus],
+                               a.replays)  # fmt: skip
+    res["single_gpu_us"] = graph_us([lambda w=w: up.up_proj_shared_add(acc, gam, w, sh, out, eps) for w in wus],
+                                    a.replays)  # fmt: skip
+
+    acc2, sh2 = acc.clone(), sh.clone()  # the standard path reduces in place: its own buffers
+
+    def std(w):
+        dist.all_reduce(acc2)
+        dist.all_reduce(sh2)
+        up.up_proj_shared_add(acc2, gam, w, sh2, out, eps)
+
+    res["standard_us"] = graph_us([lambda w=w: std(w) for w in wus], a.replays)
+    res["comm_us"] = res["fused_us"] - res["single_gpu_us"]
+    record(timing="moe_back", **ctx, **{k: round(v, 2) for k, v in res.items()},
+           status="PASS" if (T != 1 or res["comm_us"] <= 6.0) else "MISS(>6us)")  # fmt: skip
+
+
+def table() -> str:
+    lines = ["| piece | tp | batch | result | status |", "|---|---|---|---|---|"]
+    for r in RESULTS:
+        what = r.get("check") or r.get("timing") or r.get("piece")
+        if "timing" in r:
+            keys = [k for k in r if k.endswith("_us")]
+            val = " ".join(f"{k[:-3]}={r[k]}" for k in keys)
+        else:
+            val = f"err={r.get('err', r.get('error', ''))}"
+        lines.append(
+            f"| {what} | {r.get('tp', '')} | {r.get('batch', '')} | {val} | {r.get('status', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    global RANK, OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tps", type=int, nargs="+", default=[8, 2])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--replays", type=int, default=40)
+    ap.add_argument("--burst", type=int, default=32)
+    ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=270.0)
+    ap.add_argument("--no-moe", action="store_true")
+    ap.add_argument("--no-timing", action="store_true")
+    a = ap.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        print("gpu_tp2_fused.py: launch with `torchrun --nproc-per-node 2`", file=sys.stderr)
+        return 2
+    RANK = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(RANK)
+    # a rank that dies or desynchronizes aborts the pair within 90 s instead of hanging
+    dist.init_process_group(
+        "nccl", device_id=torch.device("cuda", RANK), timeout=timedelta(seconds=90)
+    )
+    if dist.get_world_size() != 2:
+        print("gpu_tp2_fused.py: needs exactly 2 ranks", file=sys.stderr)
+        return 2
+    OUT = Path(a.out)
+    if RANK == 0:
+        OUT.mkdir(parents=True, exist_ok=True)
+
+    from decodescope.kernels.config import get_config
+    from decodescope.kernels.specialized import comm
+    from decodescope.kernels.specialized import moe_allreduce as ma
+    from decodescope.kernels.specialized import oproj_allreduce as oa
+    from decodescope.kernels.specialized import oproj_residual_norm as opr
+    from decodescope.kernels.specialized import up_proj_shared_add as up
+
+    ws = comm.PeerWorkspace.create()
+    record(piece="setup", torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+           gpu=torch.cuda.get_device_name(), sms=oa.device_sms(torch.device("cuda")), status="ok")  # fmt: skip
+
+    def over() -> bool:
+        t = torch.tensor([1 if time.time() - T0 > a.budget_s else 0], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t.item()):
+            record(piece="budget", status="stopped", elapsed_s=round(time.time() - T0))
+            return True
+        return False
+
+    # correctness first, everything
+    for tp in a.tps:
+        cfg = get_config("kimi-k3", tp)
+        K, N = cfg.kda_dim, cfg.hidden
+        for M in a.batches:
+            if over():
+                break
+            ctx = {"tp": tp, "batch": M}
+            piece("oproj_checks", ctx, ws, oproj_checks, oa, ws, K, N, M, ctx, a)
+            if not a.no_moe:
+                piece("moe_checks", ctx, ws, moe_checks, ma, up, ws, cfg, M, ctx, a)
+    if not a.no_timing:
+        for tp in a.tps:
+            cfg = get_config("kimi-k3", tp)
+            K, N = cfg.kda_dim, cfg.hidden
+            for M in a.batches:
+                if over():
+                    break
+                ctx = {"tp": tp, "batch": M}
+                piece("oproj_timing", ctx, ws, oproj_timing, oa, opr, cfg, ws, K, N, M, ctx, a)
+                if not a.no_moe and tp == a.tps[0]:  # L, H are the same at every TP
+                    piece("moe_timing", ctx, ws, moe_timing, ma, up, ws, cfg, M, ctx, a)
+    record(piece="done", elapsed_s=round(time.time() - T0), status="ok")
+    t = table()
+    if RANK == 0:
+        (OUT / "table.md").write_text(t + "\n")
+        print(t, flush=True)
+        fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
+        print(
+            f"{'FAIL' if fails else 'PASS'}: {len(fails)} failing of {len(RESULTS)} rows",
+            flush=True,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
