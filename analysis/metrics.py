@@ -324,3 +324,127 @@ def with_floor(
         .append_column("floor_us", pa.array(floor, pa.float64()))
         .append_column("efficiency", pa.array(eff, pa.float64()))
     )
+
+
+# -- several ranks (tp_world > 1) ------------------------------------------------------------------
+
+SKEW_METRICS = ("start_skew_us", "end_skew_us", "span_all_us", "span_rank_max_us")
+
+
+def ranks_of(kernels: pa.Table) -> list[int]:
+    """The ranks present in a kernels table (null rank counts as 0), sorted."""
+    if kernels.num_rows == 0:
+        return []
+    return sorted({int(r) for r in pc.fill_null(kernels["rank"], 0).to_pylist()})
+
+
+def rank_kind_table(kernels: pa.Table) -> pa.Table:
+    """:func:`kind_table` for each rank apart: one row per (rank, layer_kind). With one rank it is
+    ``kind_table`` with a ``rank`` column in front."""
+    ranks = ranks_of(kernels)
+    parts = []
+    rank_col = pc.fill_null(kernels["rank"], 0) if kernels.num_rows else None
+    for r in ranks:
+        kt = kind_table(kernels.filter(pc.equal(rank_col, r)))
+        parts.append(kt.add_column(0, "rank", pa.array([r] * kt.num_rows, pa.int32())))
+    if not parts:
+        kt = kind_table(kernels)
+        return kt.add_column(0, "rank", pa.array([], pa.int32()))
+    return pa.concat_tables(parts)
+
+
+def rank_skew(kernels: pa.Table) -> pa.Table:
+    """One row per (step, layer) seen on more than one rank: how far apart the ranks ran it.
+
+    - ``start_skew_us``: latest minus earliest of the ranks' layer starts (first kernel start of
+      the layer on that rank in that step);
+    - ``end_skew_us``: the same for the layer ends (last kernel end);
+    - ``span_all_us``: latest end minus earliest start over the ranks (the layer as the group
+      ran it); ``span_rank_max_us`` / ``span_rank_min_us``: the longest / shortest rank's span;
+    - ``ranks``: ranks that ran it; ``late_rank``: the rank that started last.
+
+    The ranks' clocks must be comparable (one host: CUPTI normalises to the host clock). A rank
+    that starts late makes the others wait inside the all-reduce: their all-reduce kernels get
+    longer, and their spans with them."""
+    ls_cols = ["rank", "step", "layer", "layer_kind"]
+    k = _attributed(kernels)
+    empty = pa.table(
+        {
+            "step": pa.array([], pa.int32()),
+            "layer": pa.array([], pa.int32()),
+            "layer_kind": pa.array([], pa.string()),
+            "ranks": pa.array([], pa.int64()),
+            "late_rank": pa.array([], pa.int32()),
+            **{m: pa.array([], pa.float64()) for m in SKEW_METRICS},
+            "span_rank_min_us": pa.array([], pa.float64()),
+        }
+    )
+    if k.num_rows == 0:
+        return empty
+    k = _plain(k.select([*ls_cols, "start_ns", "end_ns"]))
+    k = k.set_column(0, "rank", pc.fill_null(k["rank"], 0))
+    k = k.set_column(1, "step", pc.fill_null(k["step"], 0))
+    k = k.set_column(3, "layer_kind", pc.fill_null(k["layer_kind"], ""))
+    groups, gid = _group_ids(k, ls_cols)
+    ng = groups.num_rows
+    start = _num(k["start_ns"])
+    end = np.maximum(_num(k["end_ns"]), start)
+    first = np.full(ng, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(ng, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, gid, start)
+    np.maximum.at(last, gid, end)
+    # per (step, layer): over the rank rows
+    per = groups.append_column("first", pa.array(first)).append_column("last", pa.array(last))
+    g2, gid2 = _group_ids(per, ["step", "layer"])
+    n2 = g2.num_rows
+    f, la = first.astype(np.float64), last.astype(np.float64)
+    span = la - f
+    ranks = np.bincount(gid2, minlength=n2)
+
+    def red(v, fn, init):
+        out = np.full(n2, init, dtype=np.float64)
+        fn.at(out, gid2, v)
+        return out
+
+    f_min, f_max = red(f, np.minimum, np.inf), red(f, np.maximum, -np.inf)
+    l_min, l_max = red(la, np.minimum, np.inf), red(la, np.maximum, -np.inf)
+    s_max, s_min = red(span, np.maximum, -np.inf), red(span, np.minimum, np.inf)
+    rank_arr = _num(per["rank"])
+    late = np.full(n2, -1, dtype=np.int64)
+    for i in np.argsort(f, kind="stable"):  # the last writer per group is the latest start
+        late[gid2[i]] = rank_arr[i]
+    kinds = _plain(per.select(["layer_kind"]))["layer_kind"].to_pylist()
+    kind2: list[str | None] = [None] * n2
+    for i, g in enumerate(gid2.tolist()):
+        kind2[g] = kind2[g] or (kinds[i] or None)
+    keep = ranks > 1
+    return pa.table(
+        {
+            "step": g2["step"].filter(pa.array(keep)),
+            "layer": g2["layer"].filter(pa.array(keep)),
+            "layer_kind": pa.array([k2 for k2, kp in zip(kind2, keep, strict=True) if kp],
+                                   pa.string()),
+            "ranks": pa.array(ranks[keep], pa.int64()),
+            "late_rank": pa.array(late[keep], pa.int32()),
+            "start_skew_us": pa.array((f_max - f_min)[keep] / 1e3),
+            "end_skew_us": pa.array((l_max - l_min)[keep] / 1e3),
+            "span_all_us": pa.array((l_max - f_min)[keep] / 1e3),
+            "span_rank_max_us": pa.array(s_max[keep] / 1e3),
+            "span_rank_min_us": pa.array(s_min[keep] / 1e3),
+        }
+    )  # fmt: skip
+
+
+def skew_table(kernels: pa.Table) -> pa.Table:
+    """One row per layer seen on several ranks: layer_kind, steps, and for each of
+    :data:`SKEW_METRICS` the median over steps with min and max (see :func:`rank_skew`)."""
+    sk = rank_skew(kernels)
+    sk = sk.set_column(2, "layer_kind", pc.fill_null(sk["layer_kind"], ""))
+    out = group_stats(sk, ["layer", "layer_kind"], SKEW_METRICS, "steps")
+    kind = pc.if_else(
+        pc.equal(out["layer_kind"], ""), pa.scalar(None, pa.string()), out["layer_kind"]
+    )
+    return out.set_column(1, "layer_kind", kind).sort_by([("layer", "ascending")])
+
+
+__all__ += ["SKEW_METRICS", "ranks_of", "rank_kind_table", "rank_skew", "skew_table"]

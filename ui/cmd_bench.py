@@ -31,10 +31,24 @@ def _ints(s: str, what: str) -> list[int]:
 
 
 def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
-    """Per layer kind of one captured run: kernels, span, floor and efficiency."""
-    from decodescope.analysis.metrics import kind_table
+    """Per layer kind of one captured run: kernels, span, floor and efficiency. A run of several
+    ranks gives rank 0's figures, with the ranks' skew (median start skew over layers and steps,
+    analysis.metrics.rank_skew) and every rank's span in ``rank_span_us``."""
+    import pyarrow.compute as pc
 
-    kt = kind_table(run.kernels).to_pylist()
+    from decodescope.analysis.metrics import kind_table, rank_kind_table, ranks_of, skew_table
+
+    kern = run.kernels
+    ranks = ranks_of(kern)
+    skew: dict[str, list] = {}
+    rank_span: dict[str, dict[int, float]] = {}
+    if len(ranks) > 1:
+        for r in skew_table(kern).to_pylist():
+            skew.setdefault(r["layer_kind"], []).append((r["start_skew_us"], r["end_skew_us"]))
+        for r in rank_kind_table(kern).to_pylist():
+            rank_span.setdefault(r["layer_kind"], {})[r["rank"]] = r["span_us"]
+        kern = kern.filter(pc.equal(pc.fill_null(kern["rank"], 0), ranks[0]))
+    kt = kind_table(kern).to_pylist()
     bw = run.meta.copy_bw_tbs
     lb = run.meta.layer_bytes or {}
     rows = []
@@ -61,6 +75,14 @@ def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
                 "run_id": run.run_id,
             }
         )
+        if len(ranks) > 1:
+            sk = sorted(skew.get(kind, []))
+            rows[-1].update(
+                ranks=len(ranks),
+                skew_us=sk[len(sk) // 2][0] if sk else None,
+                end_skew_us=sk[len(sk) // 2][1] if sk else None,
+                rank_span_us=rank_span.get(kind),
+            )
     return rows
 
 
@@ -109,6 +131,26 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
             f"{s['efficiency']:.2f}" if (s and s.get("efficiency")) else "-",
             f"{p['efficiency']:.2f}" if (p and p.get("efficiency")) else "-",
         )
+    return t
+
+
+def _rank_table(rows: list[dict]) -> Table:
+    """Runs of several ranks: each rank's span and the skew between the ranks (median over the
+    layers and steps; start skew = spread of the ranks' layer start times, end skew = of the
+    ends)."""
+    t = Table(title="Per rank (the table above shows rank 0)", title_justify="left")
+    for c in ("backend", "kind", "batch", "tok/seq", "span us per rank", "start skew us",
+              "end skew us"):  # fmt: skip
+        t.add_column(c, justify="left" if c in ("backend", "kind") else "right")
+    for r in rows:
+        if not r.get("ranks"):
+            continue
+        spans = r.get("rank_span_us") or {}
+        t.add_row(
+            r["backend"], r["layer_kind"], str(r["batch"]), str(r["tokens_per_seq"]),
+            " / ".join(_fmt(spans[k]) for k in sorted(spans)),
+            _fmt(r.get("skew_us")), _fmt(r.get("end_skew_us")),
+        )  # fmt: skip
     return t
 
 
@@ -209,6 +251,12 @@ def bench_cmd(
     runs_dir: Path | None = typer.Option(None, "--runs-dir", help="Keep the run folders here."),
     timeout: float = typer.Option(900.0, help="Seconds allowed per capture."),
     json_out: Path | None = typer.Option(None, "--json", help="Write all tables as JSON here."),
+    tp_world: int = typer.Option(
+        1, "--tp-world", help="GPUs that really run (one process per rank, real all-reduces)."
+    ),
+    allreduce: str = typer.Option(
+        "nccl", "--allreduce", help="Standard path's all-reduce at --tp-world > 1: nccl|oneshot."
+    ),
 ) -> None:
     """Run both decode paths under CUDA graphs, capture, and print the reference-style table."""
     from decodescope import tracer
@@ -218,6 +266,8 @@ def bench_cmd(
     bks = [b.strip() for b in backends.split(",") if b.strip()]
     if spec_verify < 0 or spec_verify > 7:
         raise UsageError("--spec-verify takes 0..7 draft tokens")
+    if tp_world < 1:
+        raise UsageError(f"--tp-world must be >= 1, got {tp_world}")
     tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
     root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))
@@ -234,6 +284,8 @@ def bench_cmd(
         task = progress.add_task("bench", total=len(jobs))
         for backend, n, tps in jobs:
             name = f"{backend}-{preset}-tp{tp_shape}-b{n}-t{tps}"
+            if tp_world > 1:
+                name = f"{backend}-{preset}-tp{tp_shape}-w{tp_world}-b{n}-t{tps}"
             progress.update(task, description=name)
             spec = {
                 "workload": backend,
@@ -249,8 +301,19 @@ def bench_cmd(
                 "warmup": warmup,
                 "copy_bw": True,
             }
+            if tp_world > 1:
+                spec["opts"]["tp_world"] = tp_world
+                if backend == "standard":
+                    spec["opts"]["allreduce"] = allreduce
             try:
-                res = run_capture(spec, out=root / name, timeout=timeout, echo=False)
+                if tp_world > 1:
+                    from decodescope.tracer.distributed import run_distributed_capture
+
+                    res = run_distributed_capture(
+                        spec, tp_world, out=root / name, timeout=timeout, echo=False
+                    )
+                else:
+                    res = run_capture(spec, out=root / name, timeout=timeout, echo=False)
             except Exception as e:  # a run that fails is reported; the others go on
                 failures.append(f"{name}: {' '.join(str(e).split())}")
                 progress.advance(task)
@@ -269,12 +332,15 @@ def bench_cmd(
             progress.advance(task)
     meta = runs[0].meta if runs else None
     meta_line = (
-        f"{meta.gpu or 'GPU ?'} x1, tp_shape {tp_shape}, tp_world {meta.tp_world or 1}, {preset}"
+        f"{meta.gpu or 'GPU ?'} x{meta.tp_world or 1}, tp_shape {tp_shape}, "
+        f"tp_world {meta.tp_world or 1}, {preset}"
         if meta
         else f"tp_shape {tp_shape}, {preset}"
     )
     if rows:
         console.print(_layer_table(rows, meta_line))
+        if any(r.get("ranks") for r in rows):
+            console.print(_rank_table(rows))
         prows = projections(rows, acceptance)
         if prows:
             console.print(_projection_table(prows, meta_line))

@@ -37,6 +37,12 @@ def capture_cmd(
     steps: int = typer.Option(20, "--steps", help="Steps (eager) or replays (graph)."),
     warmup: int = typer.Option(3, "--warmup", help="Warm-up steps, not recorded."),
     modules: bool = typer.Option(False, "--modules", help="Wrap nn.Module forwards in ranges."),
+    tp_world: int = typer.Option(
+        1,
+        "--tp-world",
+        help="GPUs (ranks) that really run: one capture child per rank, merged into one run "
+        "with a rank column (workloads only; option tp_world is set to it).",
+    ),
 ) -> None:
     """Capture a workload (--workload NAME) or a program (-- python prog.py args...)."""
     from decodescope.tracer.capture import run_capture
@@ -48,6 +54,10 @@ def capture_cmd(
         raise UsageError(
             "give either --workload NAME or a program after --, e.g. -- python prog.py"
         )
+    if tp_world < 1:
+        raise UsageError(f"--tp-world must be >= 1, got {tp_world}")
+    if tp_world > 1 and not workload:
+        raise UsageError("--tp-world > 1 captures a workload (--workload NAME), not a program")
     if workload:
         spec = {
             "workload": workload,
@@ -64,7 +74,12 @@ def capture_cmd(
         out = (
             Path("runs") / f"{workload or Path(command[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
-    res = run_capture(spec, out=out, timeout=timeout, command=command or None)
+    if tp_world > 1:
+        from decodescope.tracer.distributed import run_distributed_capture
+
+        res = run_distributed_capture(spec, tp_world, out=out, timeout=timeout)
+    else:
+        res = run_capture(spec, out=out, timeout=timeout, command=command or None)
     run = res.run
     ov = {r["kind"]: r["count"] for r in run.overheads.to_pylist() if r["count"] is not None}
     steps_seen = len({s for s in run.kernels.column("step").to_pylist() if s is not None})
@@ -76,6 +91,10 @@ def capture_cmd(
         f"{ov.get('graph_kernels_unmapped', 0)}",
         highlight=False,
     )
+    if tp_world > 1:
+        per = run.kernels.group_by("rank").aggregate([("start_ns", "count")]).to_pylist()
+        counts = ", ".join(f"rank {r['rank']}: {r['start_ns_count']}" for r in per)
+        console.print(f"  tp_world {run.meta.tp_world}: kernels {counts}", highlight=False)
     if res.message:
         err_console.print(
             f"[bold yellow]partial:[/] {res.message}", highlight=False, soft_wrap=True
