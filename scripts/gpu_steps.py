@@ -1,7 +1,8 @@
 """Whole decode steps on the H200, stage by stage; each stage prints a PASS/FAIL table.
 
 Stage ``spec_vs_std``: for kimi-k3 at the TP8 and TP16 per-rank shapes, batch 1, 8, 32, 64 and
-8 sequences of 1+7 tokens (layers "kda,mla" by default), build the ``standard`` and the
+8 sequences of 1+7 tokens (layers "kda,mla" by default; "dense,kda,mla" puts K3's layer 0,
+attention + dense MLP, first), build the ``standard`` and the
 ``specialized`` workloads from the same seed (independently: the same seed must give the same
 weights, which is checked) and check the specialized step against the standard step:
 
@@ -134,6 +135,10 @@ def _routing(std_m, spec_m):
     out = []
     k = std_m.cfg.moe.top_k
     for lay, moe in zip(std_m.layers, spec_m.moe, strict=True):
+        if moe is None:  # a dense layer routes nothing: every row agrees
+            n = std_m.x_in.shape[0]
+            out.append((torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64)))
+            continue
         a = torch.sort(lay.topk_ids.long(), 1).values
         b = torch.sort(moe.topk_ids.long(), 1).values
         same = (a == b).all(1)

@@ -313,3 +313,34 @@ def test_dense_step_kernels_compile_kimi_k3(monkeypatch):
     m = S.SpecializedModel(p.cfg, p.specs, 1, 1, device="meta")
     m.warmup()
     assert n[0] == 5
+
+
+def _gpu_steps():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_steps.py"
+    spec = importlib.util.spec_from_file_location("gpu_steps_dense", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("layers", ["dense", "dense,kda,mla"])
+def test_gpu_steps_compare_with_a_dense_layer_on_cpu(monkeypatch, layers):
+    """scripts/gpu_steps.py's comparison with layer 0 dense (no routing there), on the CPU with
+    the kernels' references; a step that writes nothing fails."""
+    from decodescope.kernels.standard.model import StandardModel
+
+    g = _gpu_steps()
+    p, m = _model(4, 1, layers, seed=11)
+    _reference_kernels(monkeypatch, m)
+    std = StandardModel(p.cfg, p.specs, 4, 1, seed=11, device="cpu")
+    assert g.same_weights(std, m)
+    r = g.compare_step(std, m, 4, 1, m.step, seed=5, tie=0.05, min_rows=0.0)
+    assert r["ok"], [c for c in r["checks"] if not c["ok"]]
+    assert r["routing_rows_agree"][0] == 4  # the dense layer: every row agrees
+    names = {c["check"] for c in r["checks"]}
+    assert {"x_out", "r_out", "layer0.kda_state", "layer0.conv_state"} <= names
+    bad = g.compare_step(std, m, 4, 1, lambda: None, seed=6, tie=0.05, min_rows=0.0)
+    assert not bad["ok"]
