@@ -237,9 +237,11 @@ def _set_attrs(attrs: dict[str, int]) -> list[str]:
     return notes
 
 
-def _take_counts(session) -> tuple[dict[str, int], int]:
-    """Flush; count what the session recorded since the last call, by record kind; drop it.
-    Returns (counts, buffers completed so far)."""
+def _take_counts(session) -> dict[str, int]:
+    """Flush; count what the session recorded since the last call, by record kind, and drop it:
+    records still kept unconverted by kind, plus rows converted meanwhile (the converter's
+    ``seen``: in the buffer callback, or in chunks that a flush period wrote), plus launch
+    callback rows."""
     from decodescope.tracer import cupti_records as cr
 
     names = {
@@ -251,19 +253,22 @@ def _take_counts(session) -> tuple[dict[str, int], int]:
     c: Counter = Counter()
     with session._lock:
         pending, session._pending = session._pending, []
-        for k, rows in session._rows.items():
-            c[{"launch": "launch_api"}.get(k, k)] += len(rows)
+        for rows in session._rows.values():
             rows.clear()
         c["launch_cb"] += len(session._launch)
         del session._launch[:]
-        buffers = session.counts.get("buffers_completed", 0)
+        seen = dict(session.conv.seen)
+    prev = getattr(session, "_bench_seen", {})
+    session._bench_seen = seen
+    for k, v in seen.items():
+        c[{"launch": "launch_api"}.get(k, k)] += v - prev.get(k, 0)
     for acts in pending:
         for a in acts:
             try:
                 c[names.get(int(a.kind), f"kind{int(a.kind)}")] += 1
             except Exception:
                 c["unreadable"] += 1
-    return dict(c), buffers
+    return {k: v for k, v in c.items() if v}
 
 
 def _time_steps(torch, fn, n: int, spin_cycles: int | None) -> tuple[list[float], float]:
@@ -308,6 +313,10 @@ def inner(args: argparse.Namespace) -> dict:
         res["notes"] += _set_attrs(case["attrs"])
     import torch
 
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "the overhead benchmark needs a CUDA GPU (torch.cuda.is_available() is False)"
+        )
     from decodescope.tracer import range as trange
     from decodescope.tracer.capture import Session
     from decodescope.tracer.child import _find_workload, env_info
@@ -362,12 +371,21 @@ def inner(args: argparse.Namespace) -> dict:
         f"eager step {e_us:.0f} us x {n_e}")  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="ds-overhead-"))
 
+    class Counted(Session):
+        """Counts delivered buffers itself (``counts`` resets whenever a chunk is written)."""
+
+        buffers = 0
+
+        def _completed(self, *a):
+            self.buffers += 1
+            super()._completed(*a)
+
     def block(phase: str, variant: str, graph, targets: list[str]) -> dict:
         opts = VARIANTS[variant]
         rec: dict = {"phase": phase, "variant": variant, "figures": {}, "records": {}}
         session = None
         if opts is not None:
-            session = Session(tmp / f"b{len(res['blocks'])}", **opts).start()
+            session = Counted(tmp / f"b{len(res['blocks'])}", **opts).start()
             _take_counts(session)
         for tgt in targets:
             fn = (
@@ -376,12 +394,11 @@ def inner(args: argparse.Namespace) -> dict:
                 else (g_pre.replay if tgt == "graph_pre" else graph.replay)
             )
             n_nat, n_gpu = sizes["eager" if tgt == "eager" else "graph"]
-            b0 = session.counts.get("buffers_completed", 0) if session else 0
+            b0 = session.buffers if session else 0
             f = _figure(torch, fn, n_nat, n_gpu, cyc)
             if session is not None:
-                with session._lock:
-                    f["buffers_in_loop"] = session.counts.get("buffers_completed", 0) - b0
-                counts, _ = _take_counts(session)
+                f["buffers_in_loop"] = session.buffers - b0
+                counts = _take_counts(session)
                 steps = 1 + n_nat + n_gpu
                 rec["records"][tgt] = {k: v / steps for k, v in counts.items()}
             rec["figures"][tgt] = f

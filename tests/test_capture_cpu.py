@@ -979,7 +979,7 @@ class _FakeCuda:
 
     @staticmethod
     def is_available():
-        return False
+        return True
 
 
 def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
@@ -1019,7 +1019,7 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
 
     monkeypatch.setitem(reg.WORKLOADS, "fakebench", fake)
     case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
-            "variants": ["default", "kernel", "graph_trace"], "attrs": {},
+            "variants": ["default", "flush_period", "graph_trace"], "attrs": {},
             "deadline": time.time() + 60}  # fmt: skip
     args = b.argparse.Namespace(inner=json.dumps(case), rounds=3, block_ms=1.0, pristine=1)
     res = b.inner(args)
@@ -1032,9 +1032,11 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
     assert all(p != "last" for p, _ in phases[:-6])  # nothing after the one-way phase but it
     d = next(x for x in res["blocks"] if x["variant"] == "default")
     assert set(d["figures"]) == {"graph", "eager"} and d["records"]["graph"]["kernel"] > 0
+    fp = next(x for x in res["blocks"] if x["variant"] == "flush_period")
+    assert fp["records"]["graph"]["kernel"] > 0  # rows a chunk write converted count too
     off = next(x for x in res["blocks"] if x["phase"] == "main" and x["variant"] == "off")
     assert set(off["figures"]) == {"graph", "graph_pre", "eager"} and off["records"] == {}
     assert all(not s.running for s in sessions)  # every block's session stopped
     s = b.summarize_case(json.loads(json.dumps(res, default=str)))
-    assert {"default", "kernel", "off", "graph_trace", "off (last phase)"} <= set(s["graph"])
+    assert {"default", "flush_period", "off", "graph_trace", "off (last phase)"} <= set(s["graph"])
     assert calls == [{"batch": "1"}]
