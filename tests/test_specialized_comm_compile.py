@@ -206,3 +206,46 @@ def test_protocol_simulated(seed):
     grids = [rng.choice([1, 2, 3, 8]) for _ in range(12)]
     all_flags = [rng.random() < 0.5 for _ in grids]
     _simulate(seed, grids, all_flags)
+
+
+# -- the tp_world 2 hook on a SpecializedModel ---------------------------------------------
+
+
+def test_enable_tp2_routes_the_reductions(monkeypatch):
+    """``step.enable_tp2`` swaps each layer's o_proj and MoE back-end launches for the fused
+    kernels (same launch count, renamed ranges), with the MoE front weights and the next
+    layer's first GEMM as prefetch targets. Tiny preset on the CPU; kernels recorded, not
+    compiled or run."""
+    from decodescope.kernels.specialized import comm, tp2
+    from decodescope.kernels.specialized import step as S
+    from decodescope.tracer import ranges as _ranges  # noqa: F401
+
+    keys: list[tuple] = []
+    calls: list[tuple] = []
+
+    def record(key, build):
+        keys.append(key)
+        return lambda *a, **k: calls.append((key[0], a))
+
+    monkeypatch.setattr(itf, "compiled", record)
+    p = S.plan(preset="tiny", tp_shape=1, batch=1, tokens_per_seq=1, layers="kda,mla")
+    m = S.SpecializedModel(p.cfg, p.specs, 1, 1, device="cpu")
+    dev = torch.device("cpu")
+    ws = comm.PeerWorkspace(
+        0, 2,
+        torch.empty(comm.FLAG_SLOTS, dtype=torch.int32, device=dev),
+        torch.empty(2, 16, device=dev),
+        torch.empty(comm.FLAG_SLOTS, dtype=torch.int32, device=dev),
+        torch.empty(2, 16, device=dev),
+        torch.empty(4, dtype=torch.int32, device=dev),
+    )  # fmt: skip
+    S.enable_tp2(m, ws)
+    ops = [op for op, _ in m.attn[0].stages(m.x_in, m.r_in, m.rs[0], m.hs[0])]
+    assert tp2.OP_OPROJ in ops and "o_proj" not in ops
+    m.step()
+    kinds = [k[0] for k in keys]
+    assert kinds.count("oproj_allreduce") == 2 and kinds.count("moe_allreduce") == 2
+    assert "moe_up_proj_shared_add" not in kinds
+    oa_calls = [a for k, a in calls if k == "oproj_allreduce"]
+    assert oa_calls[0][5] > 0  # a prefetch range (the MoE front weights) was passed
+    assert oa_calls[0][6] is ws.flags and oa_calls[0][8] is ws.peer_flags

@@ -302,6 +302,10 @@ def compile_plan(plan: OProjARPlan):
 
 
 def device_sms(device) -> int:
+    """SMs of a CUDA device (the H200's 132 for other devices: meta / CPU compile checks)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return H200_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -570,3 +570,15 @@ def specialized(**opts: Any) -> Workload:
     wl.model = model  # type: ignore[attr-defined]  (tests and scripts reach the layers)
     wl.plan = p  # type: ignore[attr-defined]
     return wl
+
+
+# -- tp_world 2 (issue 8; kernels/specialized/tp2.py) ------------------------------------------
+
+
+def enable_tp2(model: SpecializedModel, ws) -> None:
+    """Route ``model``'s o_proj and MoE back-end launches through the two-GPU fused reductions
+    (``comm.PeerWorkspace`` ``ws``; ``oproj_allreduce`` / ``moe_allreduce``). Call on both ranks
+    of a tp_world 2 process group, after building the model from that rank's weights."""
+    from decodescope.kernels.specialized import tp2
+
+    tp2.install(model, ws)

@@ -1,0 +1,85 @@
+"""tp_world 2: route a :class:`~decodescope.kernels.specialized.step.SpecializedModel`'s
+reductions through the fused peer-memory kernels (``oproj_allreduce``, ``moe_allreduce``).
+
+Per layer, on both ranks:
+
+- attention: the ``o_proj`` launch (single-GPU: GEMM + residual epilogue) becomes
+  ``o_proj+allreduce+residual`` (:func:`.oproj_allreduce.oproj_allreduce`): the partial sums of
+  the two ranks' head shards are exchanged over NVLink in the GEMM's epilogue; while the peer's
+  tile travels, each CTA prefetches a share of the MoE front kernel's packed weights into L2;
+- MoE: the back end ``latent_norm+latent_up+add`` becomes
+  ``latent_allreduce+latent_norm+latent_up+shared_allreduce+add``
+  (:func:`.moe_allreduce.moe_allreduce`), prefetching the next layer's first GEMM weights.
+
+Launch counts do not change (the reductions ride inside existing launches). Both ranks must
+build the same layers and run the same steps (every launch pairs with the peer's). Weights
+are the caller's: at tp_world 2 each rank holds its own o_proj / expert shards and the same
+replicated weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decodescope.kernels.specialized import comm
+from decodescope.kernels.specialized import moe_allreduce as _ma
+from decodescope.kernels.specialized import oproj_allreduce as _oa
+
+OP_OPROJ = "o_proj+allreduce+residual"
+OP_BACK = "latent_allreduce+latent_norm+latent_up+shared_allreduce+add"
+PREFETCH_BYTES = 16 << 20  # at most this much of the next op's weights per prefetch
+
+
+def _head(t: torch.Tensor | None, nbytes: int = PREFETCH_BYTES) -> torch.Tensor | None:
+    """The first ``nbytes`` of a weight tensor as a flat contiguous view (what to prefetch)."""
+    if t is None:
+        return None
+    flat = t.reshape(-1)
+    n = max(1, min(flat.numel(), nbytes // flat.element_size()))
+    return flat[:n]
+
+
+def _first_gemm_weight(w: dict) -> torch.Tensor | None:
+    for k in ("in_proj", "qkv_a", "w13_dense", "w13"):
+        if k in w:
+            return w[k]
+    return None
+
+
+def install(model, ws: comm.PeerWorkspace) -> None:
+    """Patch ``model`` (a SpecializedModel built with tp_world 2 per-rank weights) in place."""
+    n = len(model.specs)
+    for i in range(n):
+        attn, moe = model.attn[i], model.moe[i]
+        nxt = _head(moe.w_front) if moe is not None else None
+        _patch_attn(attn, ws, nxt)
+        if moe is not None:
+            following = _head(_first_gemm_weight(model.weights[i + 1])) if i + 1 < n else None
+            _patch_moe(moe, ws, following)
+    model.tp2_workspace = ws
+
+
+def _patch_attn(attn, ws, prefetch) -> None:
+    orig = attn.stages
+
+    def stages(x_in, r_in, r_out, h_out):
+        out = []
+        for op, fn in orig(x_in, r_in, r_out, h_out):
+            if op == "o_proj":
+                op = OP_OPROJ
+                fn = lambda r_out=r_out: _oa.oproj_allreduce(  # noqa: E731
+                    ws, attn.o, attn.w["o_proj"], attn.r_mid, r_out, prefetch=prefetch
+                )
+            out.append((op, fn))
+        return out
+
+    attn.stages = stages
+
+
+def _patch_moe(moe, ws, prefetch) -> None:
+    def back(out: torch.Tensor) -> None:
+        with moe._r(OP_BACK):
+            _ma.moe_allreduce(ws, moe.acc, moe.latent_norm, moe.latent_up, moe.shared_out, out,
+                              moe.cfg.eps, prefetch=prefetch)  # fmt: skip
+
+    moe.back = back
