@@ -381,11 +381,28 @@ def inner(args: argparse.Namespace) -> dict:
             super()._completed(*a)
 
     def block(phase: str, variant: str, graph, targets: list[str]) -> dict:
-        opts = VARIANTS[variant]
+        """One block; a failure is recorded in the block (and its session stopped), so one
+        variant that CUPTI refuses fails alone."""
         rec: dict = {"phase": phase, "variant": variant, "figures": {}, "records": {}}
+        held: list = []
+        try:
+            _measure_block(rec, variant, graph, targets, held)
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
+            log(f"[{case['name']}] block {rec['phase']}/{variant}: {rec['error']}")
+            for session in held:
+                with contextlib.suppress(Exception):
+                    session.stop()
+        res["blocks"].append(rec)
+        return rec
+
+    def _measure_block(rec: dict, variant: str, graph, targets: list[str], held: list) -> None:
+        opts = VARIANTS[variant]
         session = None
         if opts is not None:
-            session = Counted(tmp / f"b{len(res['blocks'])}", **opts).start()
+            session = Counted(tmp / f"b{len(res['blocks'])}", **opts)
+            held.append(session)
+            session.start()
             _take_counts(session)
         for tgt in targets:
             fn = (
@@ -407,8 +424,6 @@ def inner(args: argparse.Namespace) -> dict:
             rec["callback_errors"] = session.counts.get("callback_errors", 0)
             if session.errors:
                 rec["notes"] = session.errors[:5]
-        res["blocks"].append(rec)
-        return rec
 
     def refresh() -> None:
         if wl.refresh:
@@ -538,6 +553,11 @@ def summarize_case(res: dict) -> dict:
             ]
         ),  # fmt: skip
     }
+    out["block_errors"] = [
+        f"{b['phase']}/{b['variant']}: {b['error']}" for b in blocks if b.get("error")
+    ]
+    notes = Counter(f"{b['variant']}: {n}" for b in blocks for n in b.get("notes") or [])
+    out["session_notes"] = [f"{k} (x{v})" for k, v in notes.items()]
     out["verdicts"] = verdicts(out)
     return out
 
@@ -580,8 +600,10 @@ def format_case(res: dict, summary: dict) -> str:
       f"{su.get('eager', 0):.0f} us; {res.get('rounds')} rounds; built in "
       f"{res.get('build_s', 0):.0f} s, case {res.get('case_s', 0):.0f} s; graph nodes seen at "
       f"capture {res.get('graph_nodes_seen')}")  # fmt: skip
-    for n in res.get("notes", []):
+    for n in res.get("notes", []) + summary.get("session_notes", []):
         p(f"   note: {n}")
+    for n in summary.get("block_errors", [])[:10]:
+        p(f"   block error: {n}")
     for mode in ("graph", "eager"):
         f = VERDICT_ON[mode]
         p(f"  {mode}: us per step, median over blocks (overhead vs off of the same phase); "

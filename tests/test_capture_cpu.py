@@ -1005,6 +1005,11 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
             super().__init__(out, cupti_module=ApiCupti(), **kw)
             sessions.append(self)
 
+        def start(self):
+            if self.kinds == ("KERNEL",):
+                raise RuntimeError("CUPTI_ERROR_NOT_COMPATIBLE")  # a variant CUPTI refuses
+            return super().start()
+
         def flush(self):  # stands in for CUPTI delivering one kernel record per step so far
             if self.running and self._pending is not None:
                 self._completed([kernel_rec(1, 2, 1)])
@@ -1019,7 +1024,7 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
 
     monkeypatch.setitem(reg.WORKLOADS, "fakebench", fake)
     case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
-            "variants": ["default", "flush_period", "graph_trace"], "attrs": {},
+            "variants": ["default", "flush_period", "kernel_serial", "graph_trace"], "attrs": {},
             "deadline": time.time() + 60}  # fmt: skip
     args = b.argparse.Namespace(inner=json.dumps(case), rounds=3, block_ms=1.0, pristine=1)
     res = b.inner(args)
@@ -1027,6 +1032,8 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
     phases = [(x["phase"], x["variant"]) for x in res["blocks"]]
     assert phases[0] == ("pristine", "off") and res["rounds"] == 3
     assert phases.count(("main", "off")) == 6 and phases.count(("main", "default")) == 3
+    bad = [x for x in res["blocks"] if x["variant"] == "kernel_serial"]
+    assert len(bad) == 3 and all("NOT_COMPATIBLE" in x["error"] for x in bad)  # fails alone
     assert phases[-6:] == [("last", "off"), ("last", "graph_trace")] * 1 + [
         ("last", "graph_trace"), ("last", "off"), ("last", "off"), ("last", "graph_trace")]  # fmt: skip
     assert all(p != "last" for p, _ in phases[:-6])  # nothing after the one-way phase but it
@@ -1040,3 +1047,5 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
     s = b.summarize_case(json.loads(json.dumps(res, default=str)))
     assert {"default", "flush_period", "off", "graph_trace", "off (last phase)"} <= set(s["graph"])
     assert calls == [{"batch": "1"}]
+    assert len(s["block_errors"]) == 3 and "kernel_serial" not in s["graph"]
+    assert "block error: main/kernel_serial" in b.format_case(res, s)
