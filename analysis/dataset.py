@@ -24,7 +24,9 @@ PARTITIONS = ("gpu", "preset", "backend", "run_id")
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 PART_FILE = "part-0.parquet"
 # columns that must agree for a dataset row to serve as a baseline of a run
-BASELINE_KEYS = ("workload", "preset", "backend", "batch", "tp_shape", "gpu")
+BASELINE_KEYS = (
+    "workload", "preset", "backend", "batch", "tokens_per_seq", "tp_shape", "tp_world", "gpu"
+)  # fmt: skip
 
 _UNSAFE = set('/\\%=:*?"<>|#\n\r\t')
 
@@ -87,7 +89,8 @@ def select_baseline(
     runs: Sequence[Mapping[str, Any]], meta: RunMeta, keys: Sequence[str] = BASELINE_KEYS
 ) -> list[str]:
     """run_ids of the dataset rows that can serve as a baseline for ``meta``: same workload,
-    preset, backend, batch, tp_shape and gpu; never the run itself."""
+    preset, backend, batch, tokens per sequence, tp_shape, tp_world and gpu; never the run
+    itself."""
     want = {k: getattr(meta, k) for k in keys}
     return [r["run_id"] for r in runs if r["run_id"] != meta.run_id and same_setup(r, want, keys)]
 

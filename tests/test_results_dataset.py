@@ -59,6 +59,9 @@ def test_bench_rows_and_projection_are_the_layer_mix_sum(runs):
     )
     assert p["tok_s"] == pytest.approx(1 / (p["step_us"] * 1e-6))
     assert "dense" in p["label"] and "projection" in p["label"]
+    # the committed runs captured layers "kda,mla": the dense layer 0 is excluded, and said
+    assert p["dense_layer"] == "excluded (not measured)"
+    assert "excludes dense: not measured" in p["label"]
     for r in rows:
         if r["copy_bw_tbs"]:
             assert r["floor_us"] == pytest.approx(
@@ -105,3 +108,56 @@ def test_check_against_the_dataset(runs, tmp_path):
     p = _check(slow)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "regress" in (p.stdout + p.stderr).lower()
+
+
+def test_baseline_matches_tokens_per_seq(runs):
+    # the verify step (1+7 tokens per sequence) is never the baseline of a 1-token step
+    import dataclasses
+
+    from decodescope.analysis.dataset import select_baseline
+
+    rows = [dataclasses.asdict(r.meta) for r in runs]
+    one = _newest(runs, "standard", 8, 1)
+    ids = select_baseline(rows, one.meta)
+    assert ids, "no other run of the same setup"
+    by_id = {r["run_id"]: r for r in rows}
+    assert all(by_id[i]["tokens_per_seq"] == one.meta.tokens_per_seq for i in ids)
+
+
+def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_path, monkeypatch):
+    """`decodescope bench` on a CPU, its capture replaced by the committed real runs: both
+    backends are asked for layers "dense,kda,mla" (layer 0 dense first); these runs hold no
+    dense layer, so the projection says the dense layer is excluded, not measured."""
+    import contextlib
+    import io
+    import json
+
+    import decodescope.tracer.capture as cap
+    from decodescope.ui import cli as cli_mod
+
+    asked = []
+
+    def fake_capture(spec, out, timeout, echo):
+        asked.append(spec)
+        o = spec["opts"]
+        run = _newest(runs, spec["workload"], o["tp_shape"], o["batch"])
+        write_run(run, out)
+        return cap.CaptureResult(run=run, out=out, ok=True, message=None, returncode=0)
+
+    monkeypatch.setattr(cap, "run_capture", fake_capture)
+    cli_mod.console.width = 250
+    js = tmp_path / "bench.json"
+    buf = io.StringIO()
+    args = ["bench", "--batch", "1", "--json", str(js), "--runs-dir", str(tmp_path / "runs")]
+    with (
+        contextlib.redirect_stdout(buf),
+        contextlib.redirect_stderr(io.StringIO()),
+        contextlib.suppress(SystemExit),
+    ):
+        cli_mod.main(args)
+    assert [s["workload"] for s in asked] == ["standard", "specialized"]
+    assert all(s["opts"]["layers"] == "dense,kda,mla" for s in asked)
+    payload = json.loads(js.read_text())
+    assert {r["layer_kind"] for r in payload["layers"]} == {"kda", "mla"}
+    assert {p["dense_layer"] for p in payload["projections"]} == {"excluded (not measured)"}
+    assert "dense layer excluded (not measured)" in buf.getvalue()
