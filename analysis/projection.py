@@ -43,13 +43,22 @@ class StepProjection:
     parts: dict[str, float]  # kind -> count * span_us
     missing: tuple[str, ...]  # layer kinds of the mix with no measurement (excluded)
     outside_us: float
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)  # kind -> layers summed
+
+    @property
+    def dense_measured(self) -> bool:
+        """Whether the dense layer(s) of the mix came from a measured dense span."""
+        return "dense" in self.parts
 
     @property
     def label(self) -> str:
-        s = "projection from per-layer spans"
+        notes = []
+        if self.counts:
+            notes.append(" + ".join(f"{n} {k}" for k, n in self.counts.items()) + " layers")
         if self.missing:
-            s += f" (excludes {', '.join(self.missing)}: not measured)"
-        return s
+            notes.append(f"excludes {', '.join(self.missing)}: not measured")
+        s = "projection from per-layer spans"
+        return s + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def project_step(
@@ -62,12 +71,17 @@ def project_step(
 ) -> StepProjection:
     """Sum per-kind layer spans over ``layer_mix``; tok/s = batch * tokens_per_seq / step.
 
+    A kind of the mix with no span (the dense layer 0 in a run of ``layers="kda,mla"``, as the
+    first committed results/ runs are) is left out and named in ``missing`` and the label; with
+    a measured ``dense`` span (``layers="dense,kda,mla"``) it is summed like the others.
+
     ``tokens_per_seq`` is 1 for plain decode, or the accepted tokens per verify step (the
     acceptance length) for speculative decoding.
     """
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch}")
     parts: dict[str, float] = {}
+    counts: dict[str, int] = {}
     missing = []
     for kind, count in layer_mix.items():
         if count <= 0:
@@ -77,6 +91,7 @@ def project_step(
             missing.append(kind)
             continue
         parts[kind] = count * float(span)
+        counts[kind] = int(count)
     if not parts:
         raise ValueError("no layer kind of the mix was measured")
     step = sum(parts.values()) + outside_us
@@ -89,6 +104,7 @@ def project_step(
         parts=parts,
         missing=tuple(missing),
         outside_us=outside_us,
+        counts=counts,
     )
 
 

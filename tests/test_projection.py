@@ -37,3 +37,15 @@ def test_reference_mix_and_floor():
         project_step({}, batch=1)
     with pytest.raises(ValueError):
         project_step({"kda": 1.0}, batch=0)
+
+
+def test_measured_dense_layer_is_summed_and_said():
+    """A run with layers "dense,kda,mla" has a dense span: the one dense layer is summed and
+    the label names every kind it summed; without one the label says it is excluded."""
+    with_dense = project_step({"kda": 100.0, "mla": 200.0, "dense": 80.0}, batch=1)
+    without = project_step({"kda": 100.0, "mla": 200.0}, batch=1)
+    assert with_dense.dense_measured and not without.dense_measured
+    assert with_dense.step_us - without.step_us == pytest.approx(80.0)
+    assert with_dense.parts["dense"] == pytest.approx(80.0)
+    assert "1 dense" in with_dense.label and "not measured" not in with_dense.label
+    assert "69 kda + 24 mla" in without.label and "excludes dense" in without.label

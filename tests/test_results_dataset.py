@@ -160,4 +160,4 @@ def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_p
     payload = json.loads(js.read_text())
     assert {r["layer_kind"] for r in payload["layers"]} == {"kda", "mla"}
     assert {p["dense_layer"] for p in payload["projections"]} == {"excluded (not measured)"}
-    assert "dense layer excluded (not measured)" in buf.getvalue()
+    assert "dense layer 0: excluded (not measured)" in buf.getvalue()

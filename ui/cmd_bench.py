@@ -1,9 +1,12 @@
 """``decodescope bench``: both decode paths under the same load, captured, side by side.
 
-For each backend and batch: build the decode step (both layer kinds), capture it under a CUDA
-graph with the tracer, append the run to a results dataset, then print the per-layer-kind table
+For each backend and batch: build the decode step (``--layers``, default ``dense,kda,mla``: K3's
+dense layer 0 first, then both decoder layer kinds), capture it under a CUDA graph with the
+tracer, append the run to a results dataset, then print the per-layer-kind table
 (kernels, span, bytes floor, efficiency), the projected decode step of the full model and the
-reference figures, each labelled with its hardware.
+reference figures, each labelled with its hardware. The projection sums the measured dense span
+for the model's one dense layer; a run without a dense layer (``--layers kda,mla``, the first
+committed results/ runs) leaves it out and says so.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def _fmt(x, nd=1) -> str:
 
 def _layer_table(rows: list[dict], meta_line: str) -> Table:
     t = Table(
-        title=f"Per layer (one layer + its MoE block, one step; {meta_line})", title_justify="left"
+        title=f"Per layer (one layer + its MoE block or dense MLP, one step; {meta_line})",
+        title_justify="left",
     )
     for c in (
         "kind",
@@ -177,14 +181,28 @@ def projections(rows: list[dict], acceptance: float) -> list[dict]:
                 "step_us": p.step_us,
                 "tok_s": p.tok_s,
                 "label": p.label,
+                "dense_layer": "measured" if p.dense_measured else "excluded (not measured)",
             }
         )
     return out
 
 
+def dense_line(prows: list[dict], layers: str) -> str:
+    """One line: whether the projection summed a measured dense layer 0 or left it out."""
+    how = sorted({r.get("dense_layer", "") for r in prows} - {""})
+    if how == ["measured"]:
+        return "dense layer 0: measured (its span is summed once into each projected step)"
+    if "measured" in how:
+        return "dense layer 0: measured in some runs only (see each projection's label)"
+    return (
+        f"dense layer 0: excluded (not measured): no run holds a dense layer (asked for "
+        f"--layers {layers}); the projected steps leave it out"
+    )
+
+
 def _projection_table(prows: list[dict], meta_line: str) -> Table:
     t = Table(
-        title=f"PROJECTION: full model (69 KDA + 24 MLA + dense) from per-layer spans; {meta_line}",
+        title=f"PROJECTION: full model (69 KDA + 24 MLA + 1 dense) from per-layer spans; {meta_line}",
         title_justify="left",
     )
     for c in (
@@ -244,7 +262,10 @@ def bench_cmd(
         6.0, help="Synthetic acceptance length for --spec-verify (tokens accepted per step)."
     ),
     backends: str = typer.Option("standard,specialized", help="Backends to run."),
-    layers: str = typer.Option("kda,mla", help="Layer kinds in the captured step."),
+    layers: str = typer.Option(
+        "dense,kda,mla",
+        help="Layer kinds in the captured step (dense = K3's layer 0: attention + dense MLP).",
+    ),
     replays: int = typer.Option(30, help="Graph replays captured per run (medians over them)."),
     warmup: int = typer.Option(5, help="Warm-up steps before capture."),
     out: Path | None = typer.Option(None, "--out", help="Results dataset to append the runs to."),
@@ -344,6 +365,7 @@ def bench_cmd(
         prows = projections(rows, acceptance)
         if prows:
             console.print(_projection_table(prows, meta_line))
+            console.print(dense_line(prows, layers), highlight=False)
     else:
         prows = []
     console.print(_reference_table())
