@@ -562,6 +562,10 @@ def summarize_case(res: dict) -> dict:
     return out
 
 
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b - 1 if a and b and a == a and b == b else float("nan")
+
+
 def _spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / _med(xs) if len(xs) > 1 and _med(xs) else float("nan")
 
@@ -619,7 +623,8 @@ def format_case(res: dict, summary: dict) -> str:
     c = summary.get("checks", {})
     p(f"  checks: G_pre gpu pristine {c.get('pristine_graph_pre_gpu_us', 0):.1f} -> off "
       f"{c.get('off_graph_pre_gpu_us', 0):.1f} us (CUPTI attached, nothing enabled); G (captured "
-      f"under the session) off {c.get('off_graph_gpu_us', 0):.1f} us; eager pristine "
+      f"under the session) off {c.get('off_graph_gpu_us', 0):.1f} us "
+      f"({_pct(_ratio(c.get('off_graph_gpu_us'), c.get('off_graph_pre_gpu_us')))} vs G_pre); eager pristine "
       f"{c.get('pristine_eager_natural_us', 0):.1f} -> off {c.get('off_eager_natural_us', 0):.1f} us; "
       f"off spread gpu {_pct(c.get('off_graph_gpu_spread'))}, eager "
       f"{_pct(c.get('off_eager_natural_spread'))}")  # fmt: skip
