@@ -397,7 +397,8 @@ def rank_skew(kernels: pa.Table) -> pa.Table:
     per = groups.append_column("first", pa.array(first)).append_column("last", pa.array(last))
     g2, gid2 = _group_ids(per, ["step", "layer"])
     n2 = g2.num_rows
-    f, la = first.astype(np.float64), last.astype(np.float64)
+    base = int(first.min()) if ng else 0  # ns since the epoch do not fit a float exactly
+    f, la = (first - base).astype(np.float64), (last - base).astype(np.float64)
     span = la - f
     ranks = np.bincount(gid2, minlength=n2)
 

@@ -540,7 +540,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "out") + "/tp2")
     p.add_argument("--pieces", default=",".join(PIECES))
     p.add_argument("--batch", default="1,64", help="batches of the tp8 piece")
-    p.add_argument("--tp2-batch", default="1,8", help="batches of the tp2_* pieces")
+    p.add_argument("--tp2-batch", default="1", help="batches of the tp2_* pieces (e.g. 1,8)")
     p.add_argument("--bench-batch", default="1,64")
     p.add_argument("--allreduce", default="nccl,oneshot")
     p.add_argument("--seed", type=int, default=0)

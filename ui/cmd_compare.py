@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import typer
 
 from decodescope.analysis import compare as cmp
+from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
@@ -24,9 +26,44 @@ def _cols(prefix_keys: list[str], ms: list[str]) -> list[str]:
     return [*out, "ratio"]
 
 
+def _skew_pair(ak, bk) -> pa.Table:
+    """Per layer: the ranks' start and end skew of A and of B (medians over steps; null on a
+    side with one rank)."""
+    sides = []
+    for k in (ak, bk):
+        t = metrics.skew_table(k) if len(metrics.ranks_of(k)) > 1 else None
+        sides.append({} if t is None else {r["layer"]: r for r in t.to_pylist()})
+    layers = sorted(set(sides[0]) | set(sides[1]))
+
+    def col(side: int, m: str) -> list:
+        return [sides[side].get(lyr, {}).get(m) for lyr in layers]
+
+    kinds = [(sides[0].get(lyr) or sides[1].get(lyr) or {}).get("layer_kind") for lyr in layers]
+    return pa.table(
+        {
+            "layer": pa.array(layers, pa.int32()),
+            "layer_kind": pa.array(kinds, pa.string()),
+            **{
+                f"{s}_{m}": pa.array(col(i, m), pa.float64())
+                for m in ("start_skew_us", "end_skew_us", "span_all_us")
+                for i, s in enumerate("ab")
+            },
+        }
+    )
+
+
 def compare_data(a: Run, b: Run) -> dict[str, Any]:
     ak, bk = a.kernels, b.kernels
     kinds = cmp.compare_kinds(ak, bk)
+    extra: dict[str, Any] = {}
+    if len(metrics.ranks_of(ak)) > 1 or len(metrics.ranks_of(bk)) > 1:
+        # several ranks on a side: layer kinds per rank (rank 0 of A against rank 0 of B, ...)
+        # and the skew between ranks per layer
+        extra["rank_kinds"] = cmp._side_by_side(
+            metrics.rank_kind_table(ak), metrics.rank_kind_table(bk), ["rank", "layer_kind"],
+            ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us"),
+        )  # fmt: skip
+        extra["skew"] = _skew_pair(ak, bk)
     return {
         "a": run_summary(a),
         "b": run_summary(b),
@@ -36,6 +73,7 @@ def compare_data(a: Run, b: Run) -> dict[str, Any]:
         "ops": cmp.compare_ops(ak, bk),
         "fused": cmp.fused_coverage(ak, bk),
         "only_one_side": cmp.only_one_side(ak, bk),
+        **extra,
     }
 
 
@@ -85,6 +123,25 @@ def print_compare(
                 HEADERS,
             )
         )
+        if "rank_kinds" in data:
+            console.print(
+                arrow_table(
+                    data["rank_kinds"],
+                    "per layer kind and rank (ratio = A span / B span)",
+                    _cols(["rank", "layer_kind", "a_layers", "b_layers"], _SIDE),
+                    HEADERS,
+                )
+            )
+            console.print(
+                arrow_table(
+                    data["skew"],
+                    "skew between ranks per layer (median over steps; start/end skew = latest "
+                    "minus earliest rank's layer start/end)",
+                    ["layer", "layer_kind", "a_start_skew_us", "b_start_skew_us",
+                     "a_end_skew_us", "b_end_skew_us", "a_span_all_us", "b_span_all_us"],
+                    HEADERS,
+                )
+            )  # fmt: skip
         console.print(
             arrow_table(
                 data["layers"], "per layer", _cols(["rank", "layer", "layer_kind"], _SIDE), HEADERS

@@ -95,15 +95,28 @@ def run_summary(run: Run) -> dict[str, Any]:
 
 def report_data(run: Run, top: int) -> dict[str, Any]:
     k = run.kernels
-    return {
+    multi = len(metrics.ranks_of(k)) > 1
+    kinds = metrics.rank_kind_table(k) if multi else metrics.kind_table(k)
+    out = {
         "run": run_summary(run),
-        "kinds": metrics.with_floor(
-            metrics.kind_table(k), run.meta.layer_bytes, run.meta.copy_bw_tbs
-        ),
+        "kinds": metrics.with_floor(kinds, run.meta.layer_bytes, run.meta.copy_bw_tbs),
         "layers": metrics.layer_table(k),
         "ops": metrics.op_table(k),
         "kernels": metrics.kernel_table(k).slice(0, top),
     }
+    if multi:  # several ranks: layer kinds per rank, and how far apart the ranks ran
+        out["skew"] = metrics.skew_table(k)
+    return out
+
+
+SKEW_HEADERS = {
+    "start_skew_us": "start skew us",
+    "end_skew_us": "end skew us",
+    "span_all_us": "span all ranks us",
+    "span_rank_max_us": "longest rank span us",
+    "start_skew_us_min": "start skew min",
+    "start_skew_us_max": "start skew max",
+}
 
 
 def print_meta(summary: dict[str, Any], title: str = "run") -> None:
@@ -142,14 +155,18 @@ def print_report(run: Run, *, top: int = 15) -> None:
             soft_wrap=True,
         )
     else:
+        per_rank = "skew" in data
         console.print(
             arrow_table(
                 data["kinds"],
-                "per layer kind (median over layers of the per-step medians)",
-                ["layer_kind", "layers", "steps", *LAYER_COLS, *_floor_cols(data["kinds"])],
+                "per layer kind"
+                + (", per rank" if per_rank else "")
+                + " (median over layers of the per-step medians)",
+                [*(["rank"] if per_rank else []), "layer_kind", "layers", "steps", *LAYER_COLS,
+                 *_floor_cols(data["kinds"])],
                 HEADERS,
             )
-        )
+        )  # fmt: skip
         console.print(
             arrow_table(
                 data["layers"],
@@ -158,6 +175,17 @@ def print_report(run: Run, *, top: int = 15) -> None:
                 HEADERS,
             )
         )
+        if "skew" in data:
+            console.print(
+                arrow_table(
+                    data["skew"],
+                    "skew between ranks per layer (median over steps; start/end skew = latest "
+                    "minus earliest rank's layer start/end)",
+                    ["layer", "layer_kind", "steps", "start_skew_us", "start_skew_us_min",
+                     "start_skew_us_max", "end_skew_us", "span_all_us", "span_rank_max_us"],
+                    {**HEADERS, **SKEW_HEADERS},
+                )
+            )  # fmt: skip
         console.print(
             arrow_table(
                 data["ops"],

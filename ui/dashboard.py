@@ -215,7 +215,10 @@ SIDE_TABLES: dict[str, Callable[[pa.Table], pa.Table]] = {
     "layers": metrics.layer_table,
     "ops": metrics.op_table,
     "kernels": metrics.kernel_table,
+    "skew": metrics.skew_table,  # several ranks: the skew between them (all ranks, see below)
+    "all_ranks_layers": metrics.layer_table,
 }
+ALL_RANKS = {"skew", "all_ranks_layers"}  # tables over every rank, whatever the Rank choice
 PAIR_TABLES: dict[str, Callable[[pa.Table, pa.Table], pa.Table]] = {
     "kinds": compare.compare_kinds,
     "layers": compare.compare_layers,
@@ -228,7 +231,9 @@ PAIR_TABLES: dict[str, Callable[[pa.Table, pa.Table], pa.Table]] = {
 @st.cache_data(show_spinner=False, max_entries=256)
 def side_table(name: str, path: str, stamp: float, rank: int | None) -> pa.Table:
     """One per-run table of the analysis (``SIDE_TABLES``) for one run and rank."""
-    return SIDE_TABLES[name](_rank_filter(load_run(path, stamp).kernels, rank))
+    return SIDE_TABLES[name](
+        _rank_filter(load_run(path, stamp).kernels, None if name in ALL_RANKS else rank)
+    )
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
@@ -468,6 +473,22 @@ def view_charts(
         "it swallowed."
     )
     chart(fig, "op_stack", "fig-ops")
+    view_ranks([sa] if single else [sa, sb], labels)
+
+
+def view_ranks(sides: list[Tables], labels: tuple[str, str]) -> None:
+    """Runs of several ranks (tp_world > 1): each rank's layer spans and the skew between the
+    ranks (docs/internal-api.md, "Several GPUs")."""
+    for side, label in zip(sides, labels, strict=False):
+        layers = side["all_ranks_layers"]
+        if layers.num_rows == 0 or len(set(layers["rank"].to_pylist())) < 2:
+            continue
+        st.caption(
+            f"{label}: several ranks. Start/end skew = latest minus earliest rank's layer "
+            "start/end in a step (median over steps)."
+        )
+        fig = figures.rank_spans(layers, side["skew"], label)
+        chart(fig, f"rank_spans_{label}", f"fig-ranks-{label}")
 
 
 def _choices(values: list[Any]) -> list[Any]:

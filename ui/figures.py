@@ -216,6 +216,66 @@ def layer_bars(
     return fig
 
 
+def rank_spans(
+    layers: pa.Table | pd.DataFrame,
+    skew: pa.Table | pd.DataFrame | None = None,
+    label: str = "A",
+) -> go.Figure:
+    """A run of several ranks: per layer, one bar per rank (span, median over steps, min/max as
+    error bars) and, in a second row, the skew between the ranks (start and end skew, medians).
+
+    Inputs: ``metrics.layer_table`` over all ranks and ``metrics.skew_table``."""
+    df = frame(layers)
+    if df.empty:
+        return _empty("no layers: no kernel of this run is attributed to a layer")
+    sk = frame(skew) if skew is not None else pd.DataFrame()
+    rows = 2 if not sk.empty else 1
+    fig = make_subplots(
+        rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+        subplot_titles=[f"{label}: layer span per rank (us)", "skew between ranks (us)"][:rows],
+    )  # fmt: skip
+    ranks = sorted({int(r) for r in df["rank"].fillna(0)})
+    for i, r in enumerate(ranks):
+        d = df[df["rank"].fillna(0) == r].sort_values(["layer_kind", "layer"], na_position="last")
+        kinds, lay = _layer_axis(d)
+        fig.add_trace(
+            go.Bar(
+                name=f"rank {r}", x=[kinds, lay], y=d["span_us"].tolist(),
+                marker_color=OP_PALETTE[i % len(OP_PALETTE)],
+                error_y=dict(
+                    type="data", symmetric=False,
+                    array=(d["span_us_max"] - d["span_us"]).clip(lower=0).tolist(),
+                    arrayminus=(d["span_us"] - d["span_us_min"]).clip(lower=0).tolist(),
+                    thickness=1, width=2,
+                ),
+                hovertemplate=f"rank {r}<br>layer %{{x}}<br>span %{{y:,.1f}} us<extra></extra>",
+            ),
+            row=1, col=1,
+        )  # fmt: skip
+    if not sk.empty:
+        sk = sk.sort_values(["layer_kind", "layer"], na_position="last")
+        kinds, lay = _layer_axis(sk)
+        for m, name, color in (
+            ("start_skew_us", "start skew", REGRESSION_COLOR),
+            ("end_skew_us", "end skew", "#7f7f7f"),
+        ):
+            fig.add_trace(
+                go.Scatter(
+                    name=name, x=[kinds, lay], y=sk[m].tolist(), mode="markers+lines",
+                    marker_color=color,
+                    hovertemplate=f"{name}<br>layer %{{x}}<br>%{{y:,.2f}} us<extra></extra>",
+                ),
+                row=2, col=1,
+            )  # fmt: skip
+    fig.update_layout(
+        barmode="group",
+        height=300 * rows + 60,
+        margin=dict(t=40, b=40, l=60, r=20),
+        legend=dict(orientation="h", y=1.06, x=0),
+    )
+    return fig
+
+
 # ---- stacked per-op bars ----------------------------------------------------------------------
 
 
