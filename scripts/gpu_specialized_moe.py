@@ -1,7 +1,13 @@
 """Specialized LatentMoE on the H200: every correctness check, then a timing table.
 
     python scripts/gpu_specialized_moe.py --out results/specialized_moe [--tp 8 16]
-        [--tokens 1 8 32 64] [--copies 3] [--replays 30]
+        [--tokens 1 8 32 64] [--copies 3] [--replays 30] [--variants pipe old] [--quick]
+
+``--variants``: the expert kernels to check and time side by side (``DECODESCOPE_MOE_EXPERTS``:
+``pipe``, the bulk-copy pipeline, and ``old``, weights into registers per tile); the front and
+back kernels and the standard block are timed once. Each variant first runs once under a hang
+watchdog (a hung kernel cannot be recovered in-process: the run writes what it has and exits 3).
+``--quick``: one draw, no front-norm checks or timings.
 
 Checks (fresh random inputs, outputs poisoned with NaN first), per (TP shape, tokens):
 front GEMV vs its ref; zeroing of acc/done; top-k ids/weights vs ``router_topk_ref`` on the
@@ -17,8 +23,10 @@ the measured copy bandwidth. One failing piece is recorded and the run goes on. 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -38,6 +46,7 @@ from decodescope.kernels.weights import make_layer_weights, make_state
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 RESULTS: list[dict] = []
+START = time.time()
 
 
 def record(**kw) -> dict:
@@ -58,6 +67,20 @@ def guarded(what: str, ctx: dict, fn):
         return None
 
 
+@contextlib.contextmanager
+def env(**kv):
+    old = {k: os.environ.get(k) for k in kv}
+    os.environ.update({k: str(v) for k, v in kv.items()})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check(what: str, ctx: dict, err: float, tol: float) -> bool:
     ok = bool(err <= tol)  # NaN fails
     record(check=what, **ctx, err=f"{err:.3e}", tol=tol, status="pass" if ok else "FAIL")
@@ -67,9 +90,8 @@ def check(what: str, ctx: dict, err: float, tol: float) -> bool:
 # -- correctness ------------------------------------------------------------------------------
 
 
-def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> None:
-    e = cfg.moe
-    E, L, k = e.num_experts, cfg.expert_dim, e.top_k
+def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
+               front_norm: bool = True) -> None:  # fmt: skip
     g = torch.Generator(device=DEV).manual_seed(seed)
     h = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
 
@@ -85,6 +107,14 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> 
     record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
 
     # 1b. front kernel with the residual-add + RMSNorm prologue
+    if front_norm:
+        _front_norm_checks(cfg, w, blk, N, ctx, g)
+        blk.front(h)  # back to the plain path for the checks below
+        torch.cuda.synchronize()
+    _expert_checks(cfg, w, blk, h, N, ctx)
+
+
+def _front_norm_checks(cfg, w, blk, N, ctx, g) -> None:
     xa = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
     ra = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
     r_out = torch.full_like(xa, float("nan"))
@@ -100,9 +130,11 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int) -> 
     torch.cuda.synchronize()
     h_ref, _ = rt.residual_norm_ref(ra, torch.zeros_like(ra), w["mlp_norm"], cfg.eps)
     check("front_norm", ctx, rel_l2(blk.y_front, rt.front_gemv_ref(h_ref, blk.w_front)), 5e-3)
-    blk.front(h)  # back to the plain path for the checks below
-    torch.cuda.synchronize()
 
+
+def _expert_checks(cfg, w, blk, h, N, ctx) -> None:
+    e = cfg.moe
+    E, L, k = e.num_experts, cfg.expert_dim, e.top_k
     # 2. experts (routing in its prologue)
     y = blk.y_front.clone()
     blk.h.fill_(float("nan"))
@@ -213,7 +245,8 @@ def floor_bytes(cfg, ids: torch.Tensor, N: int) -> dict[str, int]:
             "n_experts": n_exp}  # fmt: skip
 
 
-def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False) -> None:
+def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
+               experts_only: bool = False, front_norm: bool = True) -> None:  # fmt: skip
     hs = [torch.randn(N, cfg.hidden, device=DEV).to(BF16) for _ in blks]
     outs = [torch.empty(N, cfg.hidden, dtype=BF16, device=DEV) for _ in blks]
     for b, h in zip(blks, hs, strict=True):
@@ -233,8 +266,12 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
             for (b, h, o), ro in zip(trip, r_outs, strict=True)
         ],
     }
+    if not front_norm:
+        del pieces["block_norm"], pieces["block_residual_norm"]
     if block_only:
         pieces = {"block": pieces["block"]}
+    elif experts_only:  # another expert kernel beside the full set: front (to subtract) too
+        pieces = {k: pieces[k] for k in ("front", "experts", "block")}
     times = {}
     for name, fns in pieces.items():
         r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
@@ -256,7 +293,7 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
         fns = [(lambda s=s, o=o: s._moe_forward(o)) for s, o in zip(stds, outs, strict=True)]
         return graph_time_us(fns, replays)
 
-    if block_only:
+    if block_only or experts_only:
         return
     r = guarded("time_standard_block", ctx, std_time)
     if r is not None:
@@ -269,12 +306,13 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False)
 
 
 def table_md() -> str:
-    lines = ["| tp | tokens | pdl | what | kernels | us (median) | min | max | floor us "
-             "| span/floor | experts sel. | speedup |", "|" + "---|" * 12]  # fmt: skip
+    lines = ["| tp | tokens | pdl | expert kernel | what | kernels | us (median) | min | max "
+             "| floor us | span/floor | experts sel. | speedup |", "|" + "---|" * 13]  # fmt: skip
     for r in RESULTS:
         if r.get("status") == "time":
             lines.append(
-                f"| {r['tp']} | {r['tokens']} | {r.get('pdl', '')} | {r['time']} "
+                f"| {r['tp']} | {r['tokens']} | {r.get('pdl', '')} | {r.get('experts', '')} "
+                f"| {r['time']} "
                 f"| {r.get('kernels', '')} | {r['us']} | {r['us_min']} | {r['us_max']} "
                 f"| {r['floor_us']} | {r['eff']} | {r.get('n_experts', '')} "
                 f"| {r.get('speedup_specialized', '')} |"
@@ -285,42 +323,139 @@ def table_md() -> str:
     lines.append(f"checks: {passes} pass, {len(fails)} fail/error")
     for r in fails:
         lines.append(f"- {r.get('check')} tp={r.get('tp')} tokens={r.get('tokens')} "
-                     f"pdl={r.get('pdl')}: "
+                     f"pdl={r.get('pdl')} experts={r.get('experts')}: "
                      f"{r.get('err', r.get('error', ''))}")  # fmt: skip
     return "\n".join(lines)
 
 
+def smoke(blk, N: int, ctx: dict, a, timeout_s: float = 30.0) -> bool:
+    """One forward of the block (compiles first), watched: a kernel that never finishes
+    (a deadlocked wait) cannot be recovered in-process, so say so, write what we have, exit 3."""
+    h = torch.randn(N, blk.cfg.hidden, device=DEV).to(BF16)
+    out = torch.empty_like(h)
+    blk.forward(h, out)  # compiles on the host, then enqueues
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > timeout_s:
+            record(
+                check="no_hang",
+                **ctx,
+                status="FAIL",
+                error=f"the block did not finish within {timeout_s:.0f} s (kernel hang)",
+            )
+            finish(a, None)
+            os._exit(3)
+        time.sleep(0.005)
+    record(check="no_hang", **ctx, status="pass")
+    return True
+
+
 def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None:
     pdl = rt.pdl_enabled()
-    ctx = {"preset": preset, "tp": tp, "tokens": N, "pdl": int(pdl)}
-    blks = guarded("build", ctx, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
+    ctx0 = {"preset": preset, "tp": tp, "tokens": N, "pdl": int(pdl)}
+    blks = guarded("build", ctx0, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
     if not blks:
         return
-    n0 = len(RESULTS)
+    for iv, var in enumerate(a.variants):
+        ctx = {**ctx0, "experts": var}
+        if var == "pipe" and (preset, tp, N) not in a.pipe_ok:
+            record(check="pipe_skipped", **ctx, status="FAIL", error="the probe did not finish")
+            continue
+        with env(DECODESCOPE_MOE_EXPERTS=var):
+            if guarded("smoke", ctx, lambda ctx=ctx: smoke(blks[0], N, ctx, a)) is None:
+                continue
+            n0 = len(RESULTS)
 
-    def checks(ctx_p: dict) -> None:
-        for rep in range(2):  # two fresh draws
-            ctx_r = {**ctx_p, "draw": rep}
-            guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
-                cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep))  # fmt: skip
+            def checks(ctx_p: dict, fn: bool = not a.quick and iv == 0) -> None:
+                for rep in range(1 if a.quick else 2):  # fresh draws
+                    ctx_r = {**ctx_p, "draw": rep}
+                    guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
+                        cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep, front_norm=fn))  # fmt: skip
 
-    checks(ctx)
-    failed = any(r.get("status") in ("FAIL", "error") for r in RESULTS[n0:])
-    if failed and pdl:  # tell a PDL problem from a kernel problem
-        os.environ["DECODESCOPE_MOE_PDL"] = "0"
-        try:
-            checks({**ctx, "pdl": 0})
-        finally:
-            os.environ["DECODESCOPE_MOE_PDL"] = "1"
-    if not a.no_timing and preset != "tiny":
-        run_timing(cfg, ws, blks, N, ctx, bw, a.replays)
-        if a.compare_pdl and pdl:
-            os.environ["DECODESCOPE_MOE_PDL"] = "0"
-            try:
-                run_timing(cfg, ws, blks, N, {**ctx, "pdl": 0}, bw, a.replays, block_only=True)
-            finally:
-                os.environ["DECODESCOPE_MOE_PDL"] = "1"
+            checks(ctx)
+            failed = any(r.get("status") in ("FAIL", "error") for r in RESULTS[n0:])
+            if failed and pdl:  # tell a PDL problem from a kernel problem
+                with env(DECODESCOPE_MOE_PDL=0):
+                    checks({**ctx, "pdl": 0})
+            if not a.no_timing and preset != "tiny":
+                run_timing(cfg, ws, blks, N, ctx, bw, a.replays, experts_only=iv > 0,
+                           front_norm=not a.quick)  # fmt: skip
+                if a.compare_pdl and pdl and iv == 0:
+                    with env(DECODESCOPE_MOE_PDL=0):
+                        run_timing(cfg, ws, blks, N, {**ctx, "pdl": 0}, bw, a.replays,
+                                   block_only=True)  # fmt: skip
     torch.cuda.empty_cache()
+
+
+def shapes_of(a) -> list[tuple[str, int]]:
+    return ([("tiny", 1)] if a.tiny else []) + [("kimi-k3", tp) for tp in a.tp]
+
+
+def probe_pipe(a) -> set[tuple[str, int, int]]:
+    """Run the pipe expert kernel once per (TP, tokens) in a child process with a deadline: a
+    deadlocked kernel cannot be recovered in-process, so the child takes the hang (and is
+    killed), and this run checks and times the pipe kernel only where the child finished."""
+    cmd = [sys.executable, __file__, "--probe-child", "--out", a.out, "--tp", *map(str, a.tp),
+           "--tokens", *map(str, a.tokens)] + (["--tiny"] if a.tiny else [])  # fmt: skip
+    limit = 120  # s without progress: the first point builds weights and compiles
+    ok: set[tuple[str, int, int]] = set()
+    log = Path(a.out) / "pipe_probe.log"
+    with open(log, "w") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        last, seen = time.time(), 0
+        while child.poll() is None:
+            time.sleep(0.5)
+            n = log.read_text().count("PROBE_OK")
+            if n > seen:
+                last, seen = time.time(), n
+            elif time.time() - last > limit:
+                child.kill()
+                child.wait()
+                break
+    text = log.read_text()
+    why = (f"exit {child.returncode}; see pipe_probe.log: {text.strip()[-300:]}"
+           if child.returncode is not None and child.returncode >= 0
+           else f"no progress within {limit} s (kernel hang: the child was killed)")  # fmt: skip
+    for line in text.splitlines():
+        if line.startswith("PROBE_OK"):
+            _, preset, tp, n = line.split()
+            ok.add((preset, int(tp), int(n)))
+    want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
+    record(check="pipe_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
+           **({} if ok == want else {"error": why}))  # fmt: skip
+    return ok
+
+
+def probe_child(a) -> int:
+    os.environ["DECODESCOPE_MOE_EXPERTS"] = "pipe"
+    for preset, tp in shapes_of(a):
+        cfg = get_config(preset, tp)
+        w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device=DEV)
+        for n in a.tokens:
+            blk = mb.SpecializedMoE(cfg, w, n)
+            h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+            for _ in range(3):
+                blk.forward(h, torch.empty_like(h))
+            torch.cuda.synchronize()
+            print(f"PROBE_OK {preset} {tp} {n}", flush=True)
+        del w
+        torch.cuda.empty_cache()
+    return 0
+
+
+def finish(a, t0) -> str:
+    out = Path(a.out)
+    commit = os.popen("git rev-parse HEAD").read().strip()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "seconds": round(time.time() - (t0 or START), 1), "commit": commit,
+            "variants": a.variants}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
+    md = table_md()
+    (out / "table.md").write_text(md + "\n")
+    print("\n" + md, flush=True)
+    return md
 
 
 def main() -> int:
@@ -333,15 +468,27 @@ def main() -> int:
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
     ap.add_argument("--compare-pdl", action="store_true", help="also time the block without PDL")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["old", "pipe"],
+        choices=["pipe", "old"],
+        help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"
+    )
+    ap.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.probe_child:
+        return probe_child(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
     record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")
-    shapes = [("tiny", 1)] if a.tiny else []
-    shapes += [("kimi-k3", tp) for tp in a.tp]
-    for preset, tp in shapes:
+    a.pipe_ok = probe_pipe(a) if "pipe" in a.variants else set()
+    for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         ws = []
         for c in range(a.copies if not a.no_timing else 1):
@@ -350,13 +497,7 @@ def main() -> int:
             run_point(a, cfg, preset, tp, ws, N, bw)
         ws = []
         torch.cuda.empty_cache()
-    commit = os.popen("git rev-parse HEAD").read().strip()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 1), "commit": commit}  # fmt: skip
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
-    md = table_md()
-    (out / "table.md").write_text(md + "\n")
-    print("\n" + md)
+    finish(a, t0)
     bad = any(r.get("status") in ("FAIL", "error") for r in RESULTS)
     return 1 if bad else 0
 

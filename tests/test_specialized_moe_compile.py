@@ -60,26 +60,62 @@ def test_residual_norm_ref_matches_reference():
     assert rel_l2(h, h64) < 1e-2
 
 
+def _experts_build(preset, tp, T, variant, stages=0):
+    cfg, d = _dims(preset, tp)
+    return me._build(T, d["E"], d["K"], d["L"], d["I"], d["H"], d["S"], 1.0,
+                     cfg.model.situ_beta, cfg.model.situ_linear_beta, 132, True, variant,
+                     stages)  # fmt: skip
+
+
 @pytest.mark.parametrize("preset,tp", SHAPES)
 def test_moe_experts_compiles(preset, tp):
-    cfg, d = _dims(preset, tp)
-    # the expert kernel's code does not depend on T beyond buffer sizes; kimi-k3 compiles take
-    # about two minutes each on a CPU, so one T there
+    # the old kernel's code does not depend on T beyond buffer sizes; its kimi-k3 compiles take
+    # about a minute each on this CPU, so one T there
     for T in [1] if preset == "kimi-k3" else _tokens(preset):
-        op, args = me._build(
-            T,
-            d["E"],
-            d["K"],
-            d["L"],
-            d["I"],
-            d["H"],
-            d["S"],
-            1.0,
-            cfg.model.situ_beta,
-            cfg.model.situ_linear_beta,
-            132,
-        )
+        op, args = _experts_build(preset, tp, T, "old")
         assert itf.compile_only(op, *args) is not None
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+def test_moe_experts_pipe_compiles(preset, tp):
+    # T <= 8 stages all tokens' z once (T = 8: the largest shared-memory footprint), T > 8
+    # stages z per expert chunk: both paths at kimi-k3 TP8, T = 1 and 64 at TP16
+    Ts = {("kimi-k3", 8): [1, 8, 64], ("kimi-k3", 16): [1, 64]}.get((preset, tp), [1, 3, 8, 16])
+    for T in Ts:
+        op, args = _experts_build(preset, tp, T, "pipe")
+        assert 2 <= op.NS <= 4
+        assert op.smem_bytes() <= me.SMEM_BUDGET
+        assert itf.compile_only(op, *args) is not None
+
+
+@pytest.mark.parametrize("T", [1, 8, 32, 64])
+def test_moe_experts_pipe_geometry(T):
+    """kimi-k3 TP8: 3 (gate, up) pairs per w13 tile (42 KB), 48 KB w2 / shared tiles, at least
+    3 slots in the ring at every batch (2 or more tiles in flight per SM while the math runs)."""
+    op, _ = _experts_build("kimi-k3", 8, T, "pipe")
+    assert (op.P13, op.TPP, op.SLOT * 2) == (3, 64, 49152)
+    assert op.NS >= 3, op.NS
+    assert op.NRB13 == 128 and op.NRB2 == 56
+
+
+@pytest.mark.parametrize("N", [1, 7, 131, 132, 133, 2048, 5000])
+def test_grouped_tile_index_is_a_bijection(N):
+    for nc in (132, 5):
+        idx = [me.grouped_index(t, N, nc) for t in range(N)]
+        assert sorted(idx) == list(range(N))
+        # a CTA's tiles form one contiguous run in increasing order
+        for b in range(min(nc, N)):
+            run = idx[b::nc]
+            assert run == list(range(run[0], run[0] + len(run)))
+
+
+def test_moe_experts_variant_env(monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "old")
+    monkeypatch.setenv("DECODESCOPE_MOE_STAGES", "2")
+    assert me.kernel_variant() == ("old", 2)
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_EXPERTS"):
+        me.kernel_variant()
 
 
 @pytest.mark.parametrize("preset,tp", SHAPES)

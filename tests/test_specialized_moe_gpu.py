@@ -32,19 +32,21 @@ def gsm():
     return _script()
 
 
+@pytest.mark.parametrize("variant", ["pipe", "old"])
 @pytest.mark.parametrize("preset,tp", [("tiny", 1), ("kimi-k3", 8), ("kimi-k3", 16)])
 @pytest.mark.parametrize("n_tokens", [1, 8, 32, 64])
-def test_specialized_moe_block(gsm, preset, tp, n_tokens):
+def test_specialized_moe_block(gsm, preset, tp, n_tokens, variant, monkeypatch):
     from decodescope.kernels.config import LayerSpec, get_config
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
     from decodescope.kernels.weights import make_layer_weights
 
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", variant)  # the expert kernel under test
     cfg = get_config(preset, tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
     blk = SpecializedMoE(cfg, w, n_tokens)
     gsm.RESULTS.clear()
     for draw in range(2):
-        ctx = {"preset": preset, "tp": tp, "tokens": n_tokens, "draw": draw}
+        ctx = {"preset": preset, "tp": tp, "tokens": n_tokens, "draw": draw, "experts": variant}
         gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=7 * n_tokens + draw)
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
     assert not bad, bad

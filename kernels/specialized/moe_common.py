@@ -146,3 +146,35 @@ def warp_gemv(
     """
     ws = load_rows(gWv, row0, row_step, li, R, LPR, NCH)
     dot_rows(ws, sXv, acc, li, R, TT, LPR, NCH)
+
+
+@cute.jit
+def dot_rows_grp(
+    ws,
+    sXv: cute.Tensor,
+    rows,
+    acc: cute.Tensor,
+    li,
+    R: cutlass.Constexpr[int],
+    TT: cutlass.Constexpr[int],
+    LPR: cutlass.Constexpr[int],
+    NCH: cutlass.Constexpr[int],
+    RED: cutlass.Constexpr[int],
+):
+    """``dot_rows_idx`` for a lane group of ``LPR`` threads that may span several warps (chunk
+    ``li + j * LPR``): the shuffle reduction covers ``RED = min(LPR, 32)`` lanes, and the caller
+    adds the warps' partial sums."""
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = Float32(0.0)
+    for j in cutlass.range_constexpr(NCH):
+        for t in cutlass.range_constexpr(TT):
+            x = sXv[(0, None), (rows[t], li + j * LPR)].load().to(Float32)
+            for r in cutlass.range_constexpr(R):
+                w = ws[r * NCH + j].to(Float32)
+                acc[r, t] = acc[r, t] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+    for r in cutlass.range_constexpr(R):
+        for t in cutlass.range_constexpr(TT):
+            acc[r, t] = cute.arch.warp_reduction(
+                acc[r, t], lambda a, b: a + b, threads_in_group=RED
+            )
