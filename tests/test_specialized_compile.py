@@ -19,10 +19,12 @@ from decodescope.kernels import weights as W  # noqa: E402
 from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
 from decodescope.kernels.specialized import kda_decode as kda  # noqa: E402
 from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
+from decodescope.kernels.specialized import mla_decode_tc as mtc  # noqa: E402
 from decodescope.kernels.specialized import norm_qkv_proj as nqp  # noqa: E402
 from decodescope.kernels.specialized import oproj_residual_norm as op  # noqa: E402
 from decodescope.kernels.specialized import rmsnorm as rms  # noqa: E402
 from decodescope.kernels.specialized import skinny_gemm as sg  # noqa: E402
+from decodescope.kernels.specialized import splitk_gemm as sk  # noqa: E402
 from decodescope.kernels.specialized.attention_layers import attention_ref  # noqa: E402
 
 SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
@@ -31,6 +33,8 @@ SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
 @pytest.mark.parametrize("preset,tp", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_gemms_compile(preset, tp, m):
+    """The plans the layers use (small-M skinny GEMM below 8 tokens, split-K from 8 where K
+    allows), compiled for sm_90a."""
     cfg = get_config(preset, tp)
     plans = [
         nqp.plan_for(cfg, "kda", m),
@@ -39,11 +43,55 @@ def test_gemms_compile(preset, tp, m):
         op.plan_for(cfg, "mla", m),
         op.q_b_plan(cfg, m),
     ]
-    if m == 64 and preset == "kimi-k3":
-        plans = plans[:1] + plans[2:3]  # the large-M unrolls compile slowly: one of each kind
+    if m > 1 and preset == "kimi-k3":
+        plans = plans[:1] + plans[2:3]  # the large unrolls compile slowly: one of each kind
     for p in plans:
-        assert sg.compile_plan(p) is not None
+        assert isinstance(p, sk.SplitKPlan) == (m >= sk.MIN_M and p.k % sk.KGRAIN == 0)
+        assert sk.compile_any(p) is not None
     assert rms.compile_plan(rms.NormPlan(m, cfg.hidden, cfg.eps)) is not None
+
+
+@pytest.mark.parametrize("preset,tp,m", [("kimi-k3", 8, 32), ("kimi-k3", 16, 16), ("tiny", 1, 1)])
+def test_splitk_gemm_compiles(preset, tp, m):
+    """Split-K with both segments (MLA qkv_a + g_proj), the strided q_a input of q_b, and a
+    forced split count; the grid covers the SMs twice where the shape allows."""
+    cfg = get_config(preset, tp)
+    p = sk.SplitKPlan(m=m, k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim), norm=True,
+                      add_residual=True)  # fmt: skip
+    assert p.k % p.kl == 0 and p.kl % sk.KGRAIN == 0
+    assert p.smem_for(p.splits) <= sk.SMEM_BUDGET or p.splits == p.k // sk.KGRAIN
+    assert sk.compile_plan(p) is not None
+    if cfg.mla.q_lora_rank % sk.KGRAIN == 0:
+        qb = sk.SplitKPlan(m=m, k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,), norm=True,
+                           x_stride=cfg.mla_qkv_a_out)  # fmt: skip
+        assert sk.compile_plan(qb) is not None
+
+
+def test_splitk_plan_choice():
+    cfg = get_config("kimi-k3", 8)
+    p64 = nqp.plan_for(cfg, "kda", 64)
+    assert (p64.splits, p64.kl, p64.row_ctas) == (14, 512, 50)
+    assert p64.row_ctas * p64.splits >= 2 * sk.NUM_SMS
+    p1 = nqp.plan_for(cfg, "kda", 1)
+    assert isinstance(p1, sg.GemmPlan)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        sk.SplitKPlan(m=16, k=1000, segments=(16,))
+
+
+def test_splitk_ref_matches_float64():
+    """The split-K kernel's reference (rstd applied to the FP32 sums) is the same function as
+    the skinny GEMM's within BF16 rounding."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(20, 512, generator=g).bfloat16()
+    r = torch.randn(20, 512, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(512, generator=g)).bfloat16()
+    wt = (torch.randn(64, 512, generator=g) / 16).bfloat16()
+    (o,), rout = sk.splitk_gemm_ref(x, [wt], residual=r, norm_weight=nw)
+    ref = R.rmsnorm_ref(x.double() + r.double(), nw.double(), 1e-5) @ wt.double().T
+    assert torch.equal(rout, (x.float() + r.float()).bfloat16())
+    assert R.rel_l2(o, ref) < 1e-2
+    (o2,), _ = sg.skinny_gemm_ref(x, [wt], residual=r, norm_weight=nw)
+    assert R.rel_l2(o, o2) < 1e-2
 
 
 @pytest.mark.parametrize("preset,tp", SHAPES)
@@ -52,6 +100,32 @@ def test_attention_kernels_compile(preset, tp, batch, tokens):
     cfg = get_config(preset, tp)
     assert kda.compile_plan(kda.plan_for(cfg, batch, tokens)) is not None
     assert mla.compile_plan(mla.plan_for(cfg, batch, tokens)) is not None
+
+
+@pytest.mark.parametrize(
+    "preset,tp,batch,tokens",
+    [("kimi-k3", 8, 1, 1), ("kimi-k3", 8, 64, 1), ("kimi-k3", 8, 1, 8), ("kimi-k3", 16, 8, 8),
+     ("tiny", 1, 1, 1), ("tiny", 1, 2, 3), ("tiny", 2, 8, 8)],
+)  # fmt: skip
+def test_mla_tc_compiles(preset, tp, batch, tokens):
+    cfg = get_config(preset, tp)
+    p = mtc.plan_for(cfg, batch, tokens)
+    assert p.rows <= mtc.ROWS and p.heads % p.hg == 0
+    assert p.splits * p.keys_per_split >= p.nkeys > (p.splits - 1) * p.keys_per_split
+    assert p.smem_bytes <= mtc.SMEM_MAX
+    assert mtc.compile_plan(p) is not None
+
+
+def test_mla_tc_plan_choice():
+    cfg = get_config("kimi-k3", 8)
+    assert mtc.plan_for(cfg, 1, 1).hg == 1
+    p64 = mtc.plan_for(cfg, 64, 1)
+    assert (p64.hg, p64.splits) == (6, 1)
+    assert mtc.plan_for(cfg, 1, 8).rows == 8
+    assert mla.kernel_choice(torch.bfloat16) == "tc"
+    assert mla.kernel_choice(torch.float8_e4m3fn) == "simt"
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        mtc.plan_for(cfg, 1, 8, heads_per_cta=4)
 
 
 def test_multi_token_compiles_tiny():

@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-POINTS = ["1x1", "8x1", "32x1", "64x1", "1x8"]
+POINTS = ["1x1", "8x1", "32x1", "64x1", "1x8", "8x8"]
 SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1)]
 
 

@@ -94,16 +94,16 @@ class SpecializedAttention:
     def warmup(self) -> None:
         """Compile every kernel of this layer (outside capture)."""
         cfg, N = self.cfg, self.N
-        from decodescope.kernels.specialized import skinny_gemm as _sg
+        from decodescope.kernels.specialized.splitk_gemm import compile_any
 
-        _sg.compile_plan(_nqp.plan_for(cfg, self.spec.attn, N))
-        _sg.compile_plan(_op.plan_for(cfg, self.spec.attn, N))
+        compile_any(_nqp.plan_for(cfg, self.spec.attn, N))
+        compile_any(_op.plan_for(cfg, self.spec.attn, N))
         _rms.compile_plan(_rms.NormPlan(N, cfg.hidden, cfg.eps))
         if self.spec.attn == "kda":
             _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
         else:
-            _sg.compile_plan(_op.q_b_plan(cfg, N))
-            _mla.compile_plan(_mla.plan_for(cfg, self.B, self.T))
+            compile_any(_op.q_b_plan(cfg, N))
+            _mla.compile_for(cfg, self.B, self.T)
 
     def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
         """The layer's launches in order, as ``(op name, thunk)``; ``forward`` runs them."""

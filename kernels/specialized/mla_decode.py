@@ -21,8 +21,9 @@ batch (at batch 1, TP8: 12 heads x 16 splits of 64 cached keys); 8 warps per CTA
    for the next launch / graph replay) merges the splits and computes ``o = o_lat @ w_uv[h]``
    times ``sigmoid(g)``. With one split the CTA does it directly.
 
-Not done yet (notes/specialized.md): tensor-core score/PV MMAs with heads x
-tokens as the MMA rows (1+7 tokens re-read the split's keys once per token, from L2).
+The tensor-core kernel (heads x tokens as the MMA rows, keys staged in shared memory once
+per CTA) is :mod:`.mla_decode_tc`, the default for a BF16 cache; this one serves the FP8 cache
+and stays selectable (``DECODESCOPE_MLA_KERNEL=simt``, :func:`kernel_choice`).
 """
 
 from __future__ import annotations
@@ -488,16 +489,54 @@ def compile_plan(p: MLAPlan):
     return itf.compiled(("mla_decode", p), lambda: (MLADecode(p), _fake_args(p)))
 
 
-def mla_decode(cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0) -> None:
+KERNELS = ("tc", "simt")
+
+
+def kernel_choice(kv_cache_dtype, kernel: str = "") -> str:
+    """Which MLA decode kernel runs: ``tc`` (:mod:`.mla_decode_tc`, tensor cores, BF16 cache
+    only) or ``simt`` (this module's ``MLADecode``). ``kernel`` or ``DECODESCOPE_MLA_KERNEL``
+    chooses; by default ``tc`` for a BF16 cache, ``simt`` for FP8."""
+    k = kernel or os.environ.get("DECODESCOPE_MLA_KERNEL", "")
+    if k and k not in KERNELS:
+        raise ValueError(f"DECODESCOPE_MLA_KERNEL / kernel: one of {KERNELS}, got {k!r}")
+    if kv_cache_dtype != torch.bfloat16:
+        if k == "tc":
+            raise NotImplementedError("mla_decode_tc: BF16 latent cache only")
+        return "simt"
+    return k or "tc"
+
+
+def compile_for(cfg, batch: int, tokens: int, kernel: str = "") -> object:
+    """Compile (cached) the kernel :func:`mla_decode` would run for this shape."""
+    dt = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    if kernel_choice(dt, kernel) == "tc":
+        from decodescope.kernels.specialized import mla_decode_tc as tc
+
+        hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
+        return tc.compile_plan(tc.plan_for(cfg, batch, tokens, hpc))
+    hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "1") or 1)
+    return compile_plan(dataclasses.replace(plan_for(cfg, batch, tokens), heads_per_cta=hpc))
+
+
+def mla_decode(
+    cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0, kernel: str = ""
+) -> None:
     """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows.
 
-    ``heads_per_cta`` (0: ``DECODESCOPE_MLA_HEADS_PER_CTA`` or 1) lets that many heads share a
-    CTA, their warps reading the same key lines (one L2 fetch, the rest L1 hits)."""
+    ``kernel``: see :func:`kernel_choice` (``tc`` by default for a BF16 cache).
+    ``heads_per_cta`` (0: ``DECODESCOPE_MLA_HEADS_PER_CTA``, else the kernel's default: 1 for
+    ``simt``, by batch for ``tc``): heads sharing one CTA's key reads."""
     cache_dtype = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}.get(kv_cache.dtype)
     if cache_dtype is None:
         raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
+    env_hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
+    if kernel_choice(kv_cache.dtype, kernel) == "tc":
+        from decodescope.kernels.specialized.mla_decode_tc import mla_decode_tc
+
+        mla_decode_tc(cfg, w, a, q, g, kv_cache, out, tokens, heads_per_cta or env_hpc)
+        return
     batch = a.shape[0] // tokens
-    hpc = heads_per_cta or int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "1") or 1)
+    hpc = heads_per_cta or env_hpc or 1
     plan = dataclasses.replace(plan_for(cfg, batch, tokens, cache_dtype), heads_per_cta=hpc)
     fn = compile_plan(plan)
     part, cnt = _workspace(plan, a.device)

@@ -2,7 +2,8 @@
 
 KDA: the merged ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, pad) in one segment (``f_b`` is folded
 into :mod:`.kda_decode`). MLA: ``fused_qkv_a_proj`` and ``g_proj`` as two segments of one grid.
-The kernel is :class:`.skinny_gemm.SkinnyGemm` with its prologue on: every CTA computes the
+The kernel is :class:`.skinny_gemm.SkinnyGemm` (or, from 16 tokens on,
+:class:`.splitk_gemm.SplitKGemm`) with its prologue on: every CTA computes the
 per-token rstd of ``r' = x + r`` itself; CTA 0 writes ``r'`` (the new residual stream).
 """
 
@@ -10,15 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
+from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref
+from decodescope.kernels.specialized.splitk_gemm import gemm_plan, project
 
 
-def plan_for(cfg, kind: str, m: int) -> GemmPlan:
+def plan_for(cfg, kind: str, m: int):
     if kind == "kda":
         segs: tuple[int, ...] = (cfg.kda_in_proj_out,)
     else:
         segs = (cfg.mla_qkv_a_out,) + ((cfg.mla_v_dim,) if cfg.mla.output_gate else ())
-    return GemmPlan(m=m, k=cfg.hidden, segments=segs, norm=True, add_residual=True, eps=cfg.eps)
+    return gemm_plan(m, cfg.hidden, segs, norm=True, add_residual=True, eps=cfg.eps)
 
 
 def weights_for(w: dict, kind: str) -> list[torch.Tensor]:
@@ -28,8 +30,9 @@ def weights_for(w: dict, kind: str) -> list[torch.Tensor]:
 
 
 def norm_qkv_proj(cfg, w: dict, kind: str, x, r, r_out, outs: list[torch.Tensor]) -> None:
-    """``r_out = x + r``; ``outs[s] = rmsnorm(r_out) * attn_norm @ W_s^T``. One launch."""
-    skinny_gemm(
+    """``r_out = x + r``; ``outs[s] = rmsnorm(r_out) * attn_norm @ W_s^T``. One launch (the
+    split-K kernel from 16 tokens on, :func:`.splitk_gemm.enabled_for`)."""
+    project(
         x,
         weights_for(w, kind),
         outs,

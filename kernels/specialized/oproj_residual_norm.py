@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
+from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref
+from decodescope.kernels.specialized.splitk_gemm import gemm_plan, project
 
 
-def plan_for(cfg, kind: str, m: int) -> GemmPlan:
+def plan_for(cfg, kind: str, m: int):
     k = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
-    return GemmPlan(m=m, k=k, segments=(cfg.hidden,), residual_epilogue=True, eps=cfg.eps)
+    return gemm_plan(m, k, (cfg.hidden,), residual_epilogue=True, eps=cfg.eps)
 
 
 def oproj_residual(cfg, w: dict, o, r, r_out) -> None:
     """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` may alias ``r``: each element is
     read and then written by the same thread."""
-    skinny_gemm(o, [w["o_proj"]], [r_out], epilogue_residual=r, eps=cfg.eps)
+    project(o, [w["o_proj"]], [r_out], epilogue_residual=r, eps=cfg.eps)
 
 
 def oproj_residual_ref(cfg, w: dict, o, r):
@@ -36,12 +37,12 @@ def oproj_residual_ref(cfg, w: dict, o, r):
     return outs[0]
 
 
-def q_b_plan(cfg, m: int) -> GemmPlan:
+def q_b_plan(cfg, m: int):
     mla = cfg.mla
-    return GemmPlan(
-        m=m,
-        k=mla.q_lora_rank,
-        segments=(cfg.mla_q_b_out,),
+    return gemm_plan(
+        m,
+        mla.q_lora_rank,
+        (cfg.mla_q_b_out,),
         norm=True,
         x_stride=cfg.mla_qkv_a_out,
         eps=cfg.eps,
@@ -51,7 +52,7 @@ def q_b_plan(cfg, m: int) -> GemmPlan:
 def q_b_proj(cfg, w: dict, a: torch.Tensor, q_out: torch.Tensor) -> None:
     """``q = rmsnorm(q_a) * q_a_norm @ q_b^T`` with ``q_a = a[:, :q_lora]`` (a strided view)."""
     q_a = a[:, : cfg.mla.q_lora_rank]
-    skinny_gemm(q_a, [w["q_b"]], [q_out], norm_weight=w["q_a_norm"], eps=cfg.eps)
+    project(q_a, [w["q_b"]], [q_out], norm_weight=w["q_a_norm"], eps=cfg.eps)
 
 
 def q_b_proj_ref(cfg, w: dict, a):

@@ -1,0 +1,726 @@
+"""Gated-MLA absorbed decode on tensor cores: the heads (and draft tokens) of one sequence as
+the MMA rows, keys staged in shared memory once per CTA, split-KV with an in-launch combine.
+
+Same contract as :mod:`.mla_decode` (its ``MLADecode`` stays selectable:
+``DECODESCOPE_MLA_KERNEL=simt``); BF16 latent cache only (FP8 goes to the old kernel).
+
+Grid: (head group, sequence, split). A CTA owns ``hg`` heads x ``T`` tokens = ``rows <= 16``
+query rows (row ``r`` = head ``r // T``, token ``r % T``) and one range of key positions.
+8 warps. Per CTA:
+
+1. The T new latent rows (``rmsnorm(kv_a) * kv_a_norm | k_pe``, BF16) into shared memory;
+   the CTA (group 0, split 0) also writes them to the cache (nobody reads those cache slots in
+   this launch: the key blocks take them from shared memory).
+2. Absorbed queries ``q_lat = q_nope @ w_uk[h]`` for all rows (thread = 8 latent columns x a
+   slice of the nope rows, all T tokens of a head from one load of ``w_uk``), scaled by
+   ``1/sqrt(nope + rope)``, stored in shared memory as BF16 (the MMA's A operand), beside
+   ``q_pe``.
+3. Key blocks of 64 positions, double-buffered with ``cp.async`` (16-byte pieces, issued two
+   blocks ahead; the new rows and the zero fill past the end are plain shared stores). Per
+   block: scores ``S[16, 64] = Q K^T`` with ``mma.sync.m16n8k16`` (warp w: keys 8w..8w+7, the
+   576-wide K in 36 steps; the K order is permuted inside each 16-chunk so that every A and B
+   fragment is one 8-byte shared load), the causal mask (row of token t sees positions
+   ``< ctx + t + 1``), the block's row max across warps through shared memory, the online
+   softmax (all warps use the same running max), P as BF16 into shared memory, then
+   ``O[16, 512] += P V`` with V = the first 512 columns of the same staged keys (warp w:
+   output columns 64w..64w+63; the B fragments are 2-byte shared loads, padding chosen so the
+   4 key rows of a fragment sit in distinct banks).
+4. With one split the CTA normalizes O; with several each writes ``(O, m, l)`` per row to a
+   workspace and the CTA that finishes a (sequence, head group) last (acq_rel counter, reset
+   by that CTA: graph-replay safe) merges them.
+5. ``out = (o_lat @ w_uv[h]) * sigmoid(g)`` (thread = 8 output columns x a slice of the
+   latent rows, all T tokens from one load of ``w_uv``).
+
+Head groups and splits are chosen per (batch, tokens) so that the grid covers the SMs while
+the per-CTA ``w_uk`` / ``w_uv`` reads (``hg`` x 128 KB each from L2) stay spread: one head per
+CTA at batch 1 (as the old kernel), all heads of a sequence from 48 (sequence, group) pairs on.
+``heads_per_cta`` overrides (``DECODESCOPE_MLA_HEADS_PER_CTA``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.utils import (
+    block_sum,
+    load_vec8,
+    pdl_begin,
+    pdl_enabled,
+    sigmoid,
+)
+
+WARPS = 8
+NT = WARPS * 32
+ROWS = 16  # MMA rows: heads x tokens of one CTA
+KBLK = 64  # keys per staged block (8 warps x 8 keys in the score MMAs)
+KPAD = 24  # bf16 padding per staged row: 8-byte A/B loads and 2-byte V loads conflict-free
+PPAD = 8
+NUM_SMS = 132
+NEG = -1.0e30
+ABSORB_SCRATCH = 40 * 1024  # bytes of shared memory for the absorption's partial sums
+SMEM_MAX = 227 * 1024
+PAIRS_ONE_SPLIT = 128  # (sequence, head group) pairs from which each pair is one CTA
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MLATCPlan:
+    batch: int
+    tokens: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v_dim: int
+    ctx: int
+    eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
+    heads_per_cta: int = 0  # 0: by batch (see the module docstring)
+    splits_force: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens > ROWS:
+            raise ValueError(
+                f"mla_decode_tc: at most {ROWS} tokens per sequence, got {self.tokens}"
+            )
+        if self.lat % 16 or self.kv_lora % (8 * WARPS) or self.v_dim % 8 or self.nope % 8:
+            raise ValueError("mla_decode_tc: latent % 16, kv_lora % 64, v_dim % 8, nope % 8")
+        if self.heads_per_cta and (
+            self.heads % self.heads_per_cta or self.heads_per_cta * self.tokens > ROWS
+        ):
+            raise ValueError(
+                f"heads_per_cta={self.heads_per_cta} must divide {self.heads} heads and x "
+                f"{self.tokens} tokens fit {ROWS} rows"
+            )
+
+    @property
+    def lat(self) -> int:
+        return self.kv_lora + self.rope
+
+    @property
+    def a_width(self) -> int:
+        return self.q_lora + self.kv_lora + self.rope
+
+    @property
+    def hg(self) -> int:
+        if self.heads_per_cta:
+            return self.heads_per_cta
+        if self.batch * self.tokens < 8:
+            return 1
+        fit = [d for d in _divisors(self.heads) if d * self.tokens <= ROWS]
+        for d in fit:  # the fewest heads per CTA that keep (sequence, group) pairs <= 128
+            if self.heads // d * self.batch <= PAIRS_ONE_SPLIT:
+                return d
+        return fit[-1]
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.hg
+
+    @property
+    def rows(self) -> int:
+        return self.hg * self.tokens
+
+    @property
+    def nkeys(self) -> int:
+        return self.ctx + self.tokens
+
+    @property
+    def keys_per_split(self) -> int:
+        pairs = self.groups * self.batch
+        want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT else -(-NUM_SMS // pairs))
+        most = -(-self.nkeys // KBLK)
+        s = max(1, min(want, most, 64))
+        return -(-self.nkeys // (s * KBLK)) * KBLK
+
+    @property
+    def splits(self) -> int:
+        return -(-self.nkeys // self.keys_per_split)
+
+    @property
+    def nblk(self) -> int:
+        return self.keys_per_split // KBLK
+
+    @property
+    def lp(self) -> int:
+        return self.lat + KPAD
+
+    @property
+    def ds(self) -> int:
+        """Slices of the nope rows in the absorption (a smem reduction when > 1)."""
+        ncg = self.kv_lora // 8
+        d = 1 << (max(1, NT // (self.hg * ncg)).bit_length() - 1)
+        while d > 1 and (self.nope // 8) % d:
+            d //= 2
+        while d > 1 and d * self.rows * self.kv_lora * 4 > ABSORB_SCRATCH:
+            d //= 2
+        return d
+
+    @property
+    def cs(self) -> int:
+        """Slices of the latent rows in the W_UV product (reduced in the key buffers)."""
+        units = self.hg * (self.v_dim // 8)
+        c = 1 << (max(4, NT // units).bit_length() - 1)  # a power of two
+        budget = 2 * KBLK * self.lp * 2 - ROWS * self.kv_lora * 4
+        while c > 1 and (self.kv_lora % c or c * ROWS * self.v_dim * 4 > budget):
+            c //= 2
+        return c
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA (the ``Smem`` struct's fields, 16-byte alignment slack)."""
+        bf = 2 * (2 * KBLK * self.lp + ROWS * self.lp + self.tokens * self.lp)
+        bf += 2 * ROWS * (KBLK + PPAD)
+        f32 = self.rows * self.nope + (self.ds * self.rows * self.kv_lora if self.ds > 1 else 4)
+        f32 += 2 * WARPS * ROWS + ROWS * max(self.splits, 2) + 8 + 1
+        return bf + 4 * f32 + 8 * 16
+
+
+class MLADecodeTC:
+    def __init__(self, plan: MLATCPlan):
+        self.p = plan
+        if plan.smem_bytes > SMEM_MAX:
+            raise ValueError(f"mla_decode_tc: {plan.smem_bytes} bytes of shared memory per CTA")
+        if plan.cs * ROWS * plan.v_dim * 4 + ROWS * plan.kv_lora * 4 > 2 * KBLK * plan.lp * 2:
+            raise ValueError("mla_decode_tc: the W_UV scratch does not fit the key buffers")
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # [B*T, a_width] bf16
+        mQ: cute.Tensor,  # [B*T, heads*(nope+rope)] bf16
+        mG: cute.Tensor,  # [B*T, heads*v] bf16
+        mKvNorm: cute.Tensor,  # [kv_lora] bf16
+        mWuk: cute.Tensor,  # [heads, nope, kv_lora] bf16
+        mWuv: cute.Tensor,  # [heads, kv_lora, v] bf16
+        mCache: cute.Tensor,  # [B, ctx+T, lat] bf16
+        mPart: cute.Tensor,  # [B, groups, splits, 16, kv_lora + 2] f32
+        mCnt: cute.Tensor,  # [B, groups] i32, zero between launches
+        mOut: cute.Tensor,  # [B*T, heads*v] bf16
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        LP = p.lp
+
+        @cute.struct
+        class Smem:
+            k: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * KBLK * LP], 16]
+            q: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * LP], 16]
+            new: cute.struct.Align[cute.struct.MemRange[BFloat16, p.tokens * LP], 16]
+            pm: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * (KBLK + PPAD)], 16]
+            qn: cute.struct.MemRange[Float32, p.rows * p.nope]
+            ascr: cute.struct.Align[
+                cute.struct.MemRange[Float32, max(4, p.ds * p.rows * p.kv_lora if p.ds > 1 else 4)],
+                16,
+            ]
+            red: cute.struct.MemRange[Float32, 2 * WARPS * ROWS]
+            wgt: cute.struct.MemRange[Float32, ROWS * max(p.splits, 2)]
+            misc: cute.struct.MemRange[Float32, 8]
+            last: cute.struct.MemRange[Int32, 1]
+
+        self.smem_cls = Smem
+        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
+            grid=[p.groups, p.batch, p.splits],
+            block=[NT, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut):
+        p = self.p
+        LP, L, KVL, T, R, HG = p.lp, p.lat, p.kv_lora, p.tokens, p.rows, p.hg
+        tidx, _, _ = cute.arch.thread_idx()
+        gi, b, sp = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        h0 = gi * HG
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sK = st.k.get_tensor(cute.make_layout((2, KBLK, LP), stride=(KBLK * LP, LP, 1)))
+        sQ = st.q.get_tensor(cute.make_layout((ROWS, LP), stride=(LP, 1)))
+        sNew = st.new.get_tensor(cute.make_layout((T, LP), stride=(LP, 1)))
+        sP = st.pm.get_tensor(cute.make_layout((ROWS, KBLK + PPAD), stride=(KBLK + PPAD, 1)))
+        sQn = st.qn.get_tensor(cute.make_layout((R, p.nope), stride=(p.nope, 1)))
+        sAscr = st.ascr.get_tensor(cute.make_layout(max(4, p.ds * R * KVL if p.ds > 1 else 4)))
+        sRed = st.red.get_tensor(cute.make_layout((2, WARPS, ROWS), stride=(WARPS * ROWS, ROWS, 1)))
+        sWgt = st.wgt.get_tensor(
+            cute.make_layout((ROWS, max(p.splits, 2)), stride=(max(p.splits, 2), 1))
+        )
+        sMisc = st.misc.get_tensor(cute.make_layout(8))
+        sLast = st.last.get_tensor(cute.make_layout(1))
+        # after the key loop the key buffers hold o_lat (f32 [16, KVL]) and the W_UV scratch
+        sOlat = st.k.get_tensor(cute.make_layout((ROWS, KVL), stride=(KVL, 1)), dtype=Float32)
+
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+
+        k_begin = sp * p.keys_per_split
+        k_end = cutlass.min(k_begin + p.keys_per_split, p.nkeys)
+        # -- cached keys of the first two blocks in flight at once --------------------------
+        for blk0 in cutlass.range_constexpr(2):
+            if cutlass.const_expr(blk0 < p.nblk):
+                self.issue_block(mCache, sK, b, k_begin + blk0 * KBLK, blk0, tidx)
+            cute.arch.cp_async_commit_group()
+
+        # -- 1. the new latent rows (bf16, as the cache stores them) ------------------------
+        for t in cutlass.range(T):
+            row = b * T + t
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < KVL:
+                    x = mA[row, p.q_lora + cc].to(Float32)
+                    ss = ss + x * x
+            ss = block_sum(ss, sMisc, WARPS)
+            rstd = cute.math.rsqrt(ss / Float32(KVL) + Float32(p.eps))
+            for i in cutlass.range_constexpr((L + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < L:
+                    val = mA[row, p.q_lora + cc]
+                    if cc < KVL:
+                        y = (val.to(Float32) * rstd).to(BFloat16).to(Float32)
+                        val = (y * mKvNorm[cc].to(Float32)).to(BFloat16)
+                    sNew[t, cc] = val
+                    if gi == 0 and sp == 0:
+                        mCache[b, p.ctx + t, cc] = val
+
+        # -- 2. queries: q_nope (f32) for the absorption, q_pe scaled; padding rows zero ------
+        scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
+        qw = p.nope + p.rope
+        for i in cutlass.range_constexpr((R * p.nope + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < R * p.nope:
+                r = idx // p.nope
+                d = idx % p.nope
+                sQn[r, d] = mQ[b * T + r % T, (h0 + r // T) * qw + d].to(Float32)
+        for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < ROWS * p.rope:
+                r = idx // p.rope
+                e = idx % p.rope
+                v = Float32(0.0)
+                if r < R:
+                    v = mQ[b * T + r % T, (h0 + r // T) * qw + p.nope + e].to(Float32) * scale
+                sQ[r, KVL + e] = v.to(BFloat16)
+        if cutlass.const_expr(R < ROWS):
+            for i in cutlass.range_constexpr(((ROWS - R) * KVL + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < (ROWS - R) * KVL:
+                    sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
+        cute.arch.sync_threads()
+        self.absorb(mWuk, sQn, sQ, sAscr, h0, tidx, scale)
+        cute.arch.sync_threads()
+
+        # -- 3. the key blocks ----------------------------------------------------------------
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        NTL = KVL // 8 // WARPS  # PV n-tiles per warp
+        oacc = []
+        for _nt in cutlass.range_constexpr(NTL):
+            a = cute.make_rmem_tensor((4, 1, 1), Float32)
+            a.fill(0.0)
+            oacc.append(a)
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        m0 = Float32(NEG)
+        m1 = Float32(NEG)
+        l0 = Float32(0.0)
+        l1 = Float32(0.0)
+        r0 = g
+        r1 = g + 8
+        t0 = r0 % T
+        t1 = r1 % T
+        for blk in cutlass.range(p.nblk):
+            buf = blk % 2
+            cute.arch.cp_async_wait_group(1)
+            kb = k_begin + blk * KBLK
+            self.fill_block(sK, sNew, kb, buf, tidx)
+            cute.arch.sync_threads()
+            # scores of keys 8w .. 8w + 7
+            sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
+            sacc.fill(0.0)
+            for kc in cutlass.range_constexpr(L // 16):
+                alo = cute.make_rmem_tensor((4,), BFloat16)
+                ahi = cute.make_rmem_tensor((4,), BFloat16)
+                bk = cute.make_rmem_tensor((4,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sQ[r0, None], (4,), (kc * 4 + c,)), alo)
+                cute.autovec_copy(cute.local_tile(sQ[r1, None], (4,), (kc * 4 + c,)), ahi)
+                cute.autovec_copy(
+                    cute.local_tile(sK[buf, warp * 8 + g, None], (4,), (kc * 4 + c,)), bk
+                )
+                fa[0] = alo[0]
+                fa[1] = alo[1]
+                fa[2] = ahi[0]
+                fa[3] = ahi[1]
+                fa[4] = alo[2]
+                fa[5] = alo[3]
+                fa[6] = ahi[2]
+                fa[7] = ahi[3]
+                for e in cutlass.range_constexpr(4):
+                    fb[e] = bk[e]
+                cute.gemm(atom, sacc, fa, fb, sacc)
+            # mask: row r (token r % T) sees positions < ctx + t + 1, this split's only
+            kp = kb + warp * 8 + 2 * c
+            sv = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                rr = r0 if e < 2 else r1
+                tt = t0 if e < 2 else t1
+                pos = kp + e % 2
+                sv[e] = Float32(NEG)
+                if rr < R and pos < k_end and pos < p.ctx + tt + 1:
+                    sv[e] = sacc[e]
+            mx0 = cute.arch.fmax(sv[0], sv[1])
+            mx1 = cute.arch.fmax(sv[2], sv[3])
+            for off in cutlass.range_constexpr(1, 3):
+                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=off))
+                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=off))
+            if c == 0:
+                sRed[0, warp, r0] = mx0
+                sRed[0, warp, r1] = mx1
+            cute.arch.sync_threads()
+            bm0 = sRed[0, 0, r0]
+            bm1 = sRed[0, 0, r1]
+            for w in cutlass.range_constexpr(1, WARPS):
+                bm0 = cute.arch.fmax(bm0, sRed[0, w, r0])
+                bm1 = cute.arch.fmax(bm1, sRed[0, w, r1])
+            mn0 = cute.arch.fmax(m0, bm0)
+            mn1 = cute.arch.fmax(m1, bm1)
+            corr0 = cute.math.exp(m0 - mn0, fastmath=True)
+            corr1 = cute.math.exp(m1 - mn1, fastmath=True)
+            pv = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                mn = mn0 if e < 2 else mn1
+                pv[e] = Float32(0.0)
+                if sv[e] > Float32(NEG):
+                    pv[e] = cute.math.exp(sv[e] - mn, fastmath=True)
+            l0 = l0 * corr0 + pv[0] + pv[1]
+            l1 = l1 * corr1 + pv[2] + pv[3]
+            m0 = mn0
+            m1 = mn1
+            for nt in cutlass.range_constexpr(NTL):
+                oacc[nt][0] = oacc[nt][0] * corr0
+                oacc[nt][1] = oacc[nt][1] * corr0
+                oacc[nt][2] = oacc[nt][2] * corr1
+                oacc[nt][3] = oacc[nt][3] * corr1
+            kl = warp * 8 + 2 * c
+            sP[r0, kl] = pv[0].to(BFloat16)
+            sP[r0, kl + 1] = pv[1].to(BFloat16)
+            sP[r1, kl] = pv[2].to(BFloat16)
+            sP[r1, kl + 1] = pv[3].to(BFloat16)
+            cute.arch.sync_threads()
+            # O += P V, output columns 64w .. 64w + 63
+            for kk in cutlass.range_constexpr(KBLK // 16):
+                k0 = kk * 16 + 2 * c
+                fa[0] = sP[r0, k0]
+                fa[1] = sP[r0, k0 + 1]
+                fa[2] = sP[r1, k0]
+                fa[3] = sP[r1, k0 + 1]
+                fa[4] = sP[r0, k0 + 8]
+                fa[5] = sP[r0, k0 + 9]
+                fa[6] = sP[r1, k0 + 8]
+                fa[7] = sP[r1, k0 + 9]
+                for nt in cutlass.range_constexpr(NTL):
+                    col = (warp * NTL + nt) * 8 + g
+                    fb[0] = sK[buf, k0, col]
+                    fb[1] = sK[buf, k0 + 1, col]
+                    fb[2] = sK[buf, k0 + 8, col]
+                    fb[3] = sK[buf, k0 + 9, col]
+                    cute.gemm(atom, oacc[nt], fa, fb, oacc[nt])
+            cute.arch.sync_threads()
+            if blk + 2 < p.nblk:
+                self.issue_block(mCache, sK, b, kb + 2 * KBLK, buf, tidx)
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+        # -- 4. row sums; normalize (one split) or write the partial and merge --------------
+        for off in cutlass.range_constexpr(1, 3):
+            l0 = l0 + cute.arch.shuffle_sync_bfly(l0, offset=off)
+            l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=off)
+        if c == 0:
+            sRed[1, warp, r0] = l0
+            sRed[1, warp, r1] = l1
+        cute.arch.sync_threads()
+        la0 = Float32(0.0)
+        la1 = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            la0 = la0 + sRed[1, w, r0]
+            la1 = la1 + sRed[1, w, r1]
+        if cutlass.const_expr(p.splits == 1):
+            for nt in cutlass.range_constexpr(NTL):
+                col = (warp * NTL + nt) * 8 + 2 * c
+                sOlat[r0, col] = oacc[nt][0] / la0
+                sOlat[r0, col + 1] = oacc[nt][1] / la0
+                sOlat[r1, col] = oacc[nt][2] / la1
+                sOlat[r1, col + 1] = oacc[nt][3] / la1
+            cute.arch.sync_threads()
+            self.finish(mG, mWuv, mOut, sOlat, sK, b, h0, tidx)
+        else:
+            for nt in cutlass.range_constexpr(NTL):
+                col = (warp * NTL + nt) * 8 + 2 * c
+                if r0 < R:
+                    mPart[b, gi, sp, r0, col] = oacc[nt][0]
+                    mPart[b, gi, sp, r0, col + 1] = oacc[nt][1]
+                if r1 < R:
+                    mPart[b, gi, sp, r1, col] = oacc[nt][2]
+                    mPart[b, gi, sp, r1, col + 1] = oacc[nt][3]
+            if warp == 0 and c == 0:
+                if r0 < R:
+                    mPart[b, gi, sp, r0, KVL] = m0
+                    mPart[b, gi, sp, r0, KVL + 1] = la0
+                if r1 < R:
+                    mPart[b, gi, sp, r1, KVL] = m1
+                    mPart[b, gi, sp, r1, KVL + 1] = la1
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + (b * p.groups + gi), Int32(1),
+                                           sem="acq_rel", scope="gpu")  # fmt: skip
+                sLast[0] = old
+            cute.arch.sync_threads()
+            if sLast[0] == p.splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                self.merge(mPart, sOlat, sWgt, b, gi, tidx)
+                cute.arch.sync_threads()
+                self.finish(mG, mWuv, mOut, sOlat, sK, b, h0, tidx)
+                if tidx == 0:
+                    mCnt[b, gi] = Int32(0)
+
+    @cute.jit
+    def issue_block(self, mCache, sK, b, kb, buf, tidx):
+        """cp.async of the cached positions (< ctx) of block ``kb .. kb + 63`` into ``buf``."""
+        p = self.p
+        nv = p.lat // 8
+        for i in cutlass.range_constexpr((KBLK * nv + NT - 1) // NT):
+            idx = tidx + i * NT
+            kk = idx // nv
+            v = idx % nv
+            pos = kb + kk
+            if idx < KBLK * nv and pos < p.ctx:
+                src = cute.local_tile(mCache[b, pos, None], (8,), (v,))
+                dst = cute.local_tile(sK[buf, kk, None], (8,), (v,))
+                cute.arch.inline_ptx(
+                    "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                    read_only_args=[dst.iterator, src.iterator],
+                )
+
+    @cute.jit
+    def fill_block(self, sK, sNew, kb, buf, tidx):
+        """The positions >= ctx of the block: the new rows from shared memory, zeros past them
+        (a NaN left in an unused slot would reach O through 0 * NaN)."""
+        p = self.p
+        nv = p.lat // 8
+        if kb + KBLK > p.ctx:
+            for i in cutlass.range_constexpr((KBLK * nv + NT - 1) // NT):
+                idx = tidx + i * NT
+                kk = idx // nv
+                v = idx % nv
+                pos = kb + kk
+                if idx < KBLK * nv and pos >= p.ctx:
+                    x = cute.make_rmem_tensor((8,), BFloat16)
+                    x.fill(0.0)
+                    if pos < p.nkeys:
+                        cute.autovec_copy(cute.local_tile(sNew[pos - p.ctx, None], (8,), (v,)), x)
+                    cute.autovec_copy(x, cute.local_tile(sK[buf, kk, None], (8,), (v,)))
+
+    @cute.jit
+    def absorb(self, mWuk, sQn, sQ, sAscr, h0, tidx, scale):
+        """``sQ[r, :kv_lora] = bf16(scale * q_nope[r] @ w_uk[h_r])``. Unit = (head j, nope
+        slice, 8 latent columns); a unit loads each ``w_uk`` row piece once for all T tokens."""
+        p = self.p
+        T, KVL = p.tokens, p.kv_lora
+        ncg = KVL // 8
+        DS = p.ds
+        per = p.nope // DS
+        units = p.hg * DS * ncg
+        for i in cutlass.range_constexpr((units + NT - 1) // NT):
+            u = tidx + i * NT
+            if u < units:
+                cg = u % ncg
+                ds = (u // ncg) % DS
+                j = u // (ncg * DS)
+                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc.fill(0.0)
+                for dd in cutlass.range(per, unroll=8):
+                    d = ds * per + dd
+                    wv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
+                    for t in cutlass.range_constexpr(T):
+                        qv = sQn[j * T + t, d]
+                        for e in cutlass.range_constexpr(8):
+                            acc[t, e] = acc[t, e] + qv * wv[e].to(Float32)
+                for t in cutlass.range_constexpr(T):
+                    r = j * T + t
+                    for e in cutlass.range_constexpr(8):
+                        if cutlass.const_expr(DS == 1):
+                            sQ[r, cg * 8 + e] = (acc[t, e] * scale).to(BFloat16)
+                        else:
+                            sAscr[(ds * p.rows + r) * KVL + cg * 8 + e] = acc[t, e]
+        if cutlass.const_expr(DS > 1):
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr((p.rows * KVL + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < p.rows * KVL:
+                    tot = Float32(0.0)
+                    for s in cutlass.range_constexpr(DS):
+                        tot = tot + sAscr[s * p.rows * KVL + idx]
+                    sQ[idx // KVL, idx % KVL] = (tot * scale).to(BFloat16)
+
+    @cute.jit
+    def merge(self, mPart, sOlat, sWgt, b, gi, tidx):
+        """The last split's CTA: ``o_lat[r] = sum_s O_s[r] exp(m_s - m) / sum_s l_s exp(m_s - m)``."""
+        p = self.p
+        S, R, KVL = p.splits, p.rows, p.kv_lora
+        if tidx < R:
+            mall = Float32(NEG)
+            for s in cutlass.range(S):
+                mall = cute.arch.fmax(mall, mPart[b, gi, s, tidx, KVL])
+            lall = Float32(0.0)
+            for s in cutlass.range(S):
+                w = cute.math.exp(mPart[b, gi, s, tidx, KVL] - mall, fastmath=True)
+                sWgt[tidx, s] = w
+                lall = lall + mPart[b, gi, s, tidx, KVL + 1] * w
+            for s in cutlass.range(S):
+                sWgt[tidx, s] = sWgt[tidx, s] / lall
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr((R * KVL + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < R * KVL:
+                r = idx // KVL
+                cc = idx % KVL
+                acc = Float32(0.0)
+                for s in cutlass.range(S):
+                    acc = acc + mPart[b, gi, s, r, cc] * sWgt[r, s]
+                sOlat[r, cc] = acc
+
+    @cute.jit
+    def finish(self, mG, mWuv, mOut, sOlat, sK, b, h0, tidx):
+        """``out[b*T + t, h*v + :] = (o_lat[r] @ w_uv[h]) * sigmoid(g)``. Unit = (head j, latent
+        slice, 8 output columns); partial sums reduced through the (free) key buffers."""
+        p = self.p
+        T, KVL, V, R = p.tokens, p.kv_lora, p.v_dim, p.rows
+        nvg = V // 8
+        CS = p.cs
+        per = KVL // CS
+        units = p.hg * CS * nvg
+        sScr = cute.make_tensor(
+            cute.recast_ptr(sK.iterator, dtype=Float32) + ROWS * KVL,
+            cute.make_layout((CS, ROWS, V), stride=(ROWS * V, V, 1)),
+        )
+        for i in cutlass.range_constexpr((units + NT - 1) // NT):
+            u = tidx + i * NT
+            if u < units:
+                vg = u % nvg
+                cs = (u // nvg) % CS
+                j = u // (nvg * CS)
+                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc.fill(0.0)
+                for cc in cutlass.range(per, unroll=8):
+                    ci = cs * per + cc
+                    wv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)
+                    for t in cutlass.range_constexpr(T):
+                        ov = sOlat[j * T + t, ci]
+                        for e in cutlass.range_constexpr(8):
+                            acc[t, e] = acc[t, e] + ov * wv[e].to(Float32)
+                for t in cutlass.range_constexpr(T):
+                    for e in cutlass.range_constexpr(8):
+                        sScr[cs, j * T + t, vg * 8 + e] = acc[t, e]
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr((R * V + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < R * V:
+                r = idx // V
+                v = idx % V
+                tot = Float32(0.0)
+                for s in cutlass.range_constexpr(CS):
+                    tot = tot + sScr[s, r, v]
+                row = b * T + r % T
+                col = (h0 + r // T) * V + v
+                mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def plan_for(cfg, batch: int, tokens: int, heads_per_cta: int = 0, splits: int = 0) -> MLATCPlan:
+    m = cfg.mla
+    return MLATCPlan(
+        batch=batch,
+        tokens=tokens,
+        heads=cfg.mla_heads,
+        q_lora=m.q_lora_rank,
+        kv_lora=m.kv_lora_rank,
+        nope=m.qk_nope_head_dim,
+        rope=m.qk_rope_head_dim,
+        v_dim=m.v_head_dim,
+        ctx=cfg.context_len,
+        eps=cfg.eps,
+        heads_per_cta=heads_per_cta,
+        splits_force=splits,
+    )
+
+
+def _fake_args(p: MLATCPlan):
+    bf = torch.bfloat16
+    M = p.batch * p.tokens
+    return (
+        itf.fake(bf, (M, p.a_width), align=4),
+        itf.fake(bf, (M, p.heads * (p.nope + p.rope)), align=4),
+        itf.fake(bf, (M, p.heads * p.v_dim), align=4),
+        itf.fake(bf, (p.kv_lora,), align=4),
+        itf.fake(bf, (p.heads, p.nope, p.kv_lora)),
+        itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
+        itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
+        itf.fake(torch.float32, (p.batch, p.groups, p.splits, ROWS, p.kv_lora + 2), align=4),
+        itf.fake(torch.int32, (p.batch, p.groups), align=4),
+        itf.fake(bf, (M, p.heads * p.v_dim), align=4),
+        itf.env_stream(),
+    )
+
+
+def compile_plan(p: MLATCPlan):
+    # the key's name is the op's ("mla_decode"); the plan type tells the two kernels apart
+    return itf.compiled(("mla_decode", p), lambda: (MLADecodeTC(p), _fake_args(p)))
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(p: MLATCPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (p, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        part = torch.empty(p.batch, p.groups, p.splits, ROWS, p.kv_lora + 2,
+                           dtype=torch.float32, device=device)  # fmt: skip
+        cnt = torch.zeros(p.batch, p.groups, dtype=torch.int32, device=device)
+        ws = _WS[key] = (part, cnt)
+    return ws
+
+
+def mla_decode_tc(
+    cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0, splits: int = 0
+) -> None:
+    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows (BF16 cache).
+    ``heads_per_cta`` / ``splits`` override the plan's choice (0: by batch)."""
+    if kv_cache.dtype != torch.bfloat16:
+        raise NotImplementedError(f"mla_decode_tc: BF16 latent cache only, got {kv_cache.dtype}")
+    plan = plan_for(cfg, a.shape[0] // tokens, tokens, heads_per_cta, splits)
+    fn = compile_plan(plan)
+    part, cnt = _workspace(plan, a.device)
+    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, part, cnt, out)
