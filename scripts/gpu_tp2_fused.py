@@ -58,6 +58,46 @@ RESULTS: list[dict] = []
 T0 = time.time()
 RANK = 0
 OUT: Path | None = None
+DEV = "cuda"
+DRY = False  # --dry-run: CPU + gloo, the fused kernels emulated by torch + dist (CI checks the
+# script's own logic; nothing of the kernels or the protocol is tested that way)
+
+
+def sync() -> None:
+    if not DRY:
+        sync()
+
+
+def sleep_gpu(cycles: int) -> None:
+    if not DRY:
+        sleep_gpu(cycles)
+
+
+class Graph:
+    """``fn`` warmed up once on a side stream, captured into a CUDA graph, ``replay()``-ed
+    (dry run: ``replay`` calls ``fn``)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.g = None
+        if DRY:
+            fn()
+            return
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()  # warm-up: compiles outside capture; the pair's epochs advance alike
+        torch.cuda.current_stream().wait_stream(s)
+        sync()
+        self.g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.g):
+            fn()
+
+    def replay(self) -> None:
+        if self.g is None:
+            self.fn()
+        else:
+            self.g.replay()
 
 
 def log(*a) -> None:
@@ -86,19 +126,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def all_ok(ok: bool) -> bool:
-    t = torch.tensor([0 if ok else 1], device="cuda", dtype=torch.int32)
+    t = torch.tensor([0 if ok else 1], device=DEV, dtype=torch.int32)
     dist.all_reduce(t)
     return int(t.item()) == 0
 
 
 def piece(name: str, ctx: dict, ws, fn, *args) -> None:
     """Run ``fn`` on both ranks; an exception or a spin timeout fails the piece (both ranks
-    agree), resets the workspace and the run goes on."""
+    agree), resets the workspace and the run goes on. The timeout word is read only here, after
+    both ranks ran the same collectives (a timeout inside shows as failing checks)."""
     ok = True
     err = ""
     try:
         fn(*args)
-        torch.cuda.synchronize()
+        sync()
         ws.check()
     except Exception as e:  # one piece never stops the run
         ok = False
@@ -115,7 +156,7 @@ def piece(name: str, ctx: dict, ws, fn, *args) -> None:
 
 def check(name: str, ctx: dict, err: float, tol: float) -> bool:
     """Both ranks' errors; PASS when the larger is within tol."""
-    t = torch.tensor([err if err == err else float("inf")], device="cuda", dtype=torch.float64)
+    t = torch.tensor([err if err == err else float("inf")], device=DEV, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     e = float(t.item())
     ok = e <= tol
@@ -132,13 +173,13 @@ def same_on_ranks(name: str, ctx: dict, x: torch.Tensor) -> None:
 
 
 def seeded(seed: int) -> torch.Generator:
-    g = torch.Generator(device="cuda")
+    g = torch.Generator(device=DEV)
     g.manual_seed(seed)
     return g
 
 
 def randn(shape, g, scale=1.0, dtype=BF16) -> torch.Tensor:
-    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
 
 
 # -- o_proj --------------------------------------------------------------------------------
@@ -166,17 +207,16 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
     o = randn((M, K), g)
     r = randn((M, N), gs)
     pre = randn((1 << 20,), g)  # an 2 MB stand-in for the next op's weights
-    out = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+    out = torch.full((M, N), float("nan"), dtype=BF16, device=DEV)
     oa.oproj_allreduce(ws, o, w, r, out, prefetch=pre)
-    torch.cuda.synchronize()
-    ws.check()
+    sync()
     check("oproj_vs_exact", ctx, rel(out, oproj_exact(o, w, r)), 2e-3)
     check("oproj_vs_standard", ctx, rel(out, oproj_standard(o, w, r)), 1e-2)
     same_on_ranks("oproj_ranks_equal", ctx, out)
     # in place (r_out aliases r)
     r2 = r.clone()
     oa.oproj_allreduce(ws, o, w, r2, r2)
-    torch.cuda.synchronize()
+    sync()
     check("oproj_in_place", ctx, rel(r2, out), 0.0)
 
     # burst: two layers back to back in one graph, replayed with no host sync in between
@@ -185,26 +225,18 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
     pool_o = [randn((M, K), g) for _ in range(2 * n)]
     pool_r = [randn((M, N), gs) for _ in range(n)]
     oa_in, ob_in, ra_in = o.clone(), o.clone(), r.clone()
-    xa = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
-    xb = torch.full((M, N), float("nan"), dtype=BF16, device="cuda")
+    xa = torch.full((M, N), float("nan"), dtype=BF16, device=DEV)
+    xb = torch.full((M, N), float("nan"), dtype=BF16, device=DEV)
 
     def step():
         oa.oproj_allreduce(ws, oa_in, w, ra_in, xa, prefetch=wb)
         oa.oproj_allreduce(ws, ob_in, wb, xa, xb)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    hist_a = torch.empty(n, M, N, dtype=BF16, device="cuda")
-    hist_b = torch.empty(n, M, N, dtype=BF16, device="cuda")
+    graph = Graph(step)
+    hist_a = torch.empty(n, M, N, dtype=BF16, device=DEV)
+    hist_b = torch.empty(n, M, N, dtype=BF16, device=DEV)
     rng = random.Random(seed)
-    torch.cuda.synchronize()
+    sync()
     dist.barrier()
     for i in range(n):
         oa_in.copy_(pool_o[2 * i])
@@ -213,12 +245,11 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
         xa.fill_(float("nan"))
         xb.fill_(float("nan"))
         if RANK == 1 and rng.random() < 0.3:
-            torch.cuda._sleep(rng.randrange(1000, 200_000))  # let rank 0 run ahead
+            sleep_gpu(rng.randrange(1000, 200_000))  # let rank 0 run ahead
         graph.replay()
         hist_a[i].copy_(xa)
         hist_b[i].copy_(xb)
-    torch.cuda.synchronize()
-    ws.check()
+    sync()
     ea = eb = 0.0
     for i in range(n):
         want_a = oproj_exact(pool_o[2 * i], w, pool_r[i])
@@ -236,24 +267,23 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
     g = seeded(77 + T + 31 * RANK)
     gs = seeded(99 + T)
-    gam = (torch.rand(L, generator=gs, device="cuda") + 0.5).to(BF16)
+    gam = (torch.rand(L, generator=gs, device=DEV) + 0.5).to(BF16)
     wu = randn((H, L), gs, L**-0.5)
     acc = randn((T, L), g, 1.0, F32)
     sh = randn((T, H), g, 1.0, F32)
     pre = randn((1 << 20,), g)
-    out = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
+    out = torch.full((T, H), float("nan"), dtype=BF16, device=DEV)
 
     def want(acc, sh):
         ar, sr = acc.clone(), sh.clone()
         dist.all_reduce(ar)
         dist.all_reduce(sr)
-        y = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
+        y = torch.full((T, H), float("nan"), dtype=BF16, device=DEV)
         up.up_proj_shared_add(ar, gam, wu, sr, y, eps)
         return y
 
     ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre)
-    torch.cuda.synchronize()
-    ws.check()
+    sync()
     check("moe_vs_single_gpu_kernel", ctx, rel(out, want(acc, sh)), 2e-3)
     same_on_ranks("moe_ranks_equal", ctx, out)
 
@@ -261,16 +291,8 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     pa = [randn((T, L), g, 1.0, F32) for _ in range(n)]
     ps = [randn((T, H), g, 1.0, F32) for _ in range(n)]
     ain, sin = acc.clone(), sh.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps)
-    hist = torch.empty(n, T, H, dtype=BF16, device="cuda")
+    graph = Graph(lambda: ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps))
+    hist = torch.empty(n, T, H, dtype=BF16, device=DEV)
     rng = random.Random(T)
     dist.barrier()
     for i in range(n):
@@ -278,11 +300,10 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
         sin.copy_(ps[i])
         out.fill_(float("nan"))
         if RANK == 1 and rng.random() < 0.3:
-            torch.cuda._sleep(rng.randrange(1000, 200_000))
+            sleep_gpu(rng.randrange(1000, 200_000))
         graph.replay()
         hist[i].copy_(out)
-    torch.cuda.synchronize()
-    ws.check()
+    sync()
     e = max(rel(hist[i], want(pa[i], ps[i])) for i in range(n))
     check("moe_burst", {**ctx, "replays": n}, e, 2e-3)
     same_on_ranks("moe_burst_ranks_equal", ctx, hist)
@@ -294,31 +315,31 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
 def graph_us(fns: list, replays: int) -> float:
     """Median us per element of ``fns`` (one graph of all, replayed); ranks aligned by a barrier
     before each replay; the larger of the two ranks' medians."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+
+    def all_fns():
         for f in fns:
             f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
+
+    graph = Graph(all_fns)
     for _ in range(3):
         graph.replay()
-    torch.cuda.synchronize()
+    sync()
     ts = []
     for _ in range(replays):
-        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         dist.barrier()
+        if DRY:
+            t0 = time.perf_counter()
+            graph.replay()
+            ts.append((time.perf_counter() - t0) * 1e6 / len(fns))
+            continue
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ev0.record()
         graph.replay()
         ev1.record()
         ev1.synchronize()
         ts.append(ev0.elapsed_time(ev1) * 1e3 / len(fns))
     ts.sort()
-    t = torch.tensor([ts[len(ts) // 2]], device="cuda", dtype=torch.float64)
+    t = torch.tensor([ts[len(ts) // 2]], device=DEV, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -328,8 +349,8 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
     ws_ = [randn((N, K), g, (2 * K) ** -0.5) for _ in range(a.copies)]
     o = randn((M, K), g)
     r = randn((M, N), seeded(6 + M))
-    out = torch.empty(M, N, dtype=BF16, device="cuda")
-    y = torch.empty(M, N, dtype=BF16, device="cuda")
+    out = torch.empty(M, N, dtype=BF16, device=DEV)
+    y = torch.empty(M, N, dtype=BF16, device=DEV)
     wdict = [{"o_proj": w} for w in ws_]
     res = {}
     res["fused_us"] = graph_us(
@@ -351,17 +372,17 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
     res["comm_us"] = res["fused_us"] - res["single_gpu_us"]
     res["standard_comm_us"] = res["standard_us"] - res["cublas_oproj_us"]
     record(timing="oproj", **ctx, **{k: round(v, 2) for k, v in res.items()},
-           status="PASS" if (M != 1 or res["comm_us"] <= 6.0) else "MISS(>6us)")  # fmt: skip
+           status=_target(M, res["comm_us"]))  # fmt: skip
 
 
 def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
     g = seeded(8 + T + RANK)
-    gam = (torch.rand(L, generator=g, device="cuda") + 0.5).to(BF16)
+    gam = (torch.rand(L, generator=g, device=DEV) + 0.5).to(BF16)
     wus = [randn((H, L), g, L**-0.5) for _ in range(a.copies)]
     acc = randn((T, L), g, 1.0, F32)
     sh = randn((T, H), g, 1.0, F32)
-    out = torch.empty(T, H, dtype=BF16, device="cuda")
+    out = torch.empty(T, H, dtype=BF16, device=DEV)
     res = {}
     res["fused_us"] = graph_us([lambda w=w: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps) for w in wus],
                                a.replays)  # fmt: skip
@@ -378,7 +399,14 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     res["standard_us"] = graph_us([lambda w=w: std(w) for w in wus], a.replays)
     res["comm_us"] = res["fused_us"] - res["single_gpu_us"]
     record(timing="moe_back", **ctx, **{k: round(v, 2) for k, v in res.items()},
-           status="PASS" if (T != 1 or res["comm_us"] <= 6.0) else "MISS(>6us)")  # fmt: skip
+           status=_target(T, res["comm_us"]))  # fmt: skip
+
+
+def _target(batch: int, comm_us: float) -> str:
+    """The issue's target applies at batch 1: communication part <= 6 us."""
+    if batch != 1:
+        return "timed"
+    return "target met (<=6us)" if comm_us <= 6.0 else "MISS(>6us)"
 
 
 def table() -> str:
@@ -396,8 +424,38 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    global RANK, OUT
+class _DryWorkspace:
+    def check(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _dry_patch(oa, ma, opr, up) -> None:
+    """Dry run: the kernels replaced by torch + dist emulations of what they compute."""
+
+    def oproj_allreduce(ws, o, w, r, out, prefetch=None):
+        p = o.float() @ w.float().T
+        dist.all_reduce(p)
+        out.copy_((p.to(BF16).float() + r.float()).to(BF16))
+
+    def moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=None):
+        a, s = acc.clone(), sh.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(s)
+        out.copy_(up.up_proj_shared_add_ref(a, gam, wu, s, eps))
+
+    oa.oproj_allreduce = oproj_allreduce
+    ma.moe_allreduce = moe_allreduce
+    opr.oproj_residual = lambda cfg, w, o, r, out: out.copy_(opr.oproj_residual_ref(cfg, w, o, r))
+    up.up_proj_shared_add = lambda acc, g, w, s, out, eps: out.copy_(
+        up.up_proj_shared_add_ref(acc, g, w, s, eps)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    global RANK, OUT, DEV, DRY
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tps", type=int, nargs="+", default=[8, 2])
@@ -408,16 +466,22 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=270.0)
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
-    a = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true", help="CPU + gloo, kernels emulated (CI)")
+    a = ap.parse_args(argv)
+    DRY = a.dry_run
+    DEV = "cpu" if DRY else "cuda"
     if "LOCAL_RANK" not in os.environ:
         print("gpu_tp2_fused.py: launch with `torchrun --nproc-per-node 2`", file=sys.stderr)
         return 2
     RANK = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(RANK)
     # a rank that dies or desynchronizes aborts the pair within 90 s instead of hanging
-    dist.init_process_group(
-        "nccl", device_id=torch.device("cuda", RANK), timeout=timedelta(seconds=90)
-    )
+    if DRY:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    else:
+        torch.cuda.set_device(RANK)
+        dist.init_process_group(
+            "nccl", device_id=torch.device("cuda", RANK), timeout=timedelta(seconds=90)
+        )
     if dist.get_world_size() != 2:
         print("gpu_tp2_fused.py: needs exactly 2 ranks", file=sys.stderr)
         return 2
@@ -432,12 +496,17 @@ def main() -> int:
     from decodescope.kernels.specialized import oproj_residual_norm as opr
     from decodescope.kernels.specialized import up_proj_shared_add as up
 
-    ws = comm.PeerWorkspace.create()
-    record(piece="setup", torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
-           gpu=torch.cuda.get_device_name(), sms=oa.device_sms(torch.device("cuda")), status="ok")  # fmt: skip
+    if DRY:
+        _dry_patch(oa, ma, opr, up)
+        ws = _DryWorkspace()
+        record(piece="setup", torch=torch.__version__, gpu="none (dry run)", status="ok")
+    else:
+        ws = comm.PeerWorkspace.create()
+        record(piece="setup", torch=torch.__version__, nccl=".".join(map(str, torch.cuda.nccl.version())),
+               gpu=torch.cuda.get_device_name(), sms=oa.device_sms(torch.device("cuda")), status="ok")  # fmt: skip
 
     def over() -> bool:
-        t = torch.tensor([1 if time.time() - T0 > a.budget_s else 0], device="cuda")
+        t = torch.tensor([1 if time.time() - T0 > a.budget_s else 0], device=DEV)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if int(t.item()):
             record(piece="budget", status="stopped", elapsed_s=round(time.time() - T0))
@@ -478,7 +547,7 @@ def main() -> int:
         )
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return 1 if DRY and any(r.get("status") in ("FAIL", "error") for r in RESULTS) else 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ of :mod:`.comm`, whose docstring holds the safety argument):
    adds ``S_0 + S_1`` in the epilogue.
 
 Because every CTA waits for every peer CTA, the whole grid must be resident at once: it is
-persistent (at most one CTA per SM), each CTA looping over its 16-row units.
+persistent (at most one CTA per SM), each CTA looping over its 16-row units; the first unit's
+weights are loaded before the PDL wait and stay in registers through the exchange.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ class MoeAllReduce(UpProjSharedAdd):
         sRstd = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
         sEp = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
 
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        # the first unit's weight chunks before anything else (registers): they stream in while
+        # the previous kernel finishes (PDL) and while the partial sums are exchanged
+        row_first = bid * RPC + (warp * self.G + grp) * self.R
+        ws0 = load_rows(gWv, cutlass.min(row_first, H - self.R), 1, li, self.R, self.LPR,
+                        self.NCH)  # fmt: skip
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -143,19 +152,24 @@ class MoeAllReduce(UpProjSharedAdd):
             cute.make_tensor(mGamma.iterator, cute.make_layout((1, L))), (1, VEC)
         )
         sXv = cute.zipped_divide(sX, (1, VEC))
-        gWv = cute.zipped_divide(mW, (1, VEC))
         acc = cute.make_rmem_tensor((self.R, TT), Float32)
-        grp = lane // self.LPR
-        li = lane % self.LPR
-        for u in cutlass.range(bid, self.units, self.grid, unroll=1):
+        # grid <= units: every CTA has its first unit (weights already in registers)
+        self._unit(ws0, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, row_first, li)
+        for u in cutlass.range(bid + self.grid, self.units, self.grid, unroll=1):
             row0 = u * RPC + (warp * self.G + grp) * self.R
             ws = load_rows(gWv, cutlass.min(row0, H - self.R), 1, li, self.R, self.LPR, self.NCH)
-            for t0 in cutlass.range(0, (T // TT) * TT, TT, unroll=1):
-                self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, t0, row0,
-                              li, TT)  # fmt: skip
-            if const_expr(T % TT):
-                self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc,
-                              T - T % TT, row0, li, T % TT)  # fmt: skip
+            self._unit(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, row0, li)
+
+    @cute.jit
+    def _unit(self, ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, row0, li):
+        """Every token tile of one 16-row unit."""
+        T, TT = self.T, self.TT
+        for t0 in cutlass.range(0, (T // TT) * TT, TT, unroll=1):
+            self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, t0, row0, li,
+                          TT)  # fmt: skip
+        if const_expr(T % TT):
+            self._tile_ar(ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, T - T % TT,
+                          row0, li, T % TT)  # fmt: skip
 
     @cute.jit
     def _tile_ar(self, ws, gAv, gOv, gGv, sXv, sRstd, mShared, mOwnS, mOut, acc, t0, row0, li,
