@@ -45,7 +45,7 @@ def test_dense_gemms_compile(preset, tp, m):
 @pytest.mark.parametrize("tp", [8, 16])
 def test_dense_gemms_compile_m64(tp):
     cfg = get_config("kimi-k3", tp)
-    assert sg.compile_plan(dm.gate_up_plan(cfg, 64)) is not None
+    assert sg.compile_plan(dm.gate_up_plan(cfg, 64, norm=False)) is not None  # the split path
     assert sg.compile_plan(dm.down_plan(cfg, 64)) is not None
 
 
@@ -99,12 +99,13 @@ def test_situ_epilogue_ref():
     assert R.rel_l2(o, ref) < 4e-3
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("n", [1, 5, 24])
-def test_dense_refs_match_float64_reference(tp, n):
+def test_dense_refs_match_float64_reference(tp, n, split):
     cfg = get_config("tiny", tp)
     w, r = _dense_layer(cfg, n, seed=100 * tp + n)
-    out = dm.dense_mlp_ref(cfg, w, r)
+    out = dm.dense_mlp_ref(cfg, w, r, split_norm=split)
     h64 = R.rmsnorm_ref(r.double(), w["mlp_norm"].double(), cfg.eps)
     ref = R.dense_mlp_ref(cfg, w, h64)
     assert out.shape == (n, cfg.hidden) and out.dtype == torch.bfloat16
@@ -127,6 +128,18 @@ def test_dense_refs_match_float64_reference_kimi_k3_tp16():
     assert R.rel_l2(out, ref) < 2e-2
 
 
+def test_split_norm_choice(monkeypatch):
+    assert dm.ops_for(1) == dm.OPS and dm.ops_for(31) == dm.OPS
+    assert dm.ops_for(32) == dm.OPS_SPLIT == ("residual_norm", "gate_up+act", "down")
+    monkeypatch.setenv("DECODESCOPE_DENSE_SPLIT_NORM", "1")
+    assert dm.ops_for(1) == dm.OPS_SPLIT
+    monkeypatch.setenv("DECODESCOPE_DENSE_SPLIT_NORM", "0")
+    assert dm.ops_for(64) == dm.OPS
+    monkeypatch.setenv("DECODESCOPE_DENSE_SPLIT_NORM", "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_DENSE_SPLIT_NORM"):
+        S.plan(**TINY, layers="dense")
+
+
 def test_silu_preset_is_refused():
     import dataclasses
 
@@ -145,7 +158,8 @@ def test_plan_accepts_dense_first():
         for b, t in ((1, 1), (64, 1), (8, 8)):
             p = S.plan(preset=preset, tp_shape=tp, batch=b, tokens_per_seq=t,
                        layers="dense,kda,mla")  # fmt: skip
-            assert p.launches()["layer.0:dense"] == 5
+            want = 6 if b * t >= dm.SPLIT_NORM_FROM else 5  # the norm launch of its own
+            assert p.launches()["layer.0:dense"] == want
     p = S.plan(**TINY, batch=2, layers="dense,kda,mla")
     cfg = json.loads(p.meta["config_json"])
     assert cfg["layers"] == ["0:dense", "1:kda", "2:mla"]
@@ -223,9 +237,12 @@ def _reference_kernels(monkeypatch, m):
     monkeypatch.setattr(al.SpecializedAttention, "stages", attn_stages)
     monkeypatch.setattr(al.SpecializedAttention, "forward", attn_forward)
     monkeypatch.setattr(mb.SpecializedMoE, "forward", moe_forward)
-    monkeypatch.setattr(
-        dm, "gate_up_act", lambda cfg, w, r, act: act.copy_(dm.gate_up_act_ref(cfg, w, r))
-    )
+    from decodescope.kernels.specialized import rmsnorm as rms
+
+    monkeypatch.setattr(dm, "gate_up_act", lambda cfg, w, r, act, norm=True: act.copy_(
+        dm.gate_up_act_ref(cfg, w, r, norm=norm)))  # fmt: skip
+    monkeypatch.setattr(rms, "rmsnorm",
+                        lambda x, w, y, eps: y.copy_(rms.rmsnorm_ref(x, w, eps)))  # fmt: skip
     monkeypatch.setattr(dm, "down_proj",
                         lambda cfg, w, act, out: out.copy_(dm.down_proj_ref(cfg, w, act)))  # fmt: skip
 
@@ -237,11 +254,12 @@ def _rel(a, b, rows=None):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 3)])
+@pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 3), (32, 1)])
 def test_dense_first_step_matches_standard(monkeypatch, batch, tokens):
     from decodescope.kernels.standard.model import StandardModel
 
     p, m = _model(batch, tokens, "dense,kda,mla", seed=5)
+    assert m.dense[0].split == (batch * tokens >= 32)
     _reference_kernels(monkeypatch, m)
     std = StandardModel(p.cfg, p.specs, batch, tokens, seed=5, device="cpu")
     m.step()

@@ -15,14 +15,23 @@ w2^T``, with ``w13 = dense_w13 [2*Dn, H]`` (gate rows first, then up rows, vLLM'
    (``bf16(x_out + r)``, the rounding an o_proj-style residual epilogue would apply) and
    normalizes; a residual epilogue here would add ``r`` twice.
 
+From 32 tokens per step on (``SPLIT_NORM_FROM``; ``DECODESCOPE_DENSE_SPLIT_NORM=0|1`` forces
+it for A/B runs) the RMSNorm runs as its own launch (``residual_norm``, :mod:`.rmsnorm`,
+writing ``h``) and launch 1 becomes ``gate_up+act`` on ``h``: the skinny GEMM's fused prologue
+re-reads every token's row per CTA, which the H200 sweep measured at 2-3x the cost of a separate
+norm launch at M >= 32 (notes/specialized.md, "Dense layer 0"). Three launches then.
+
 The weights are the standard path's tensors as they are (no re-layout: the CTA's row map picks
 gate and up tiles, :meth:`.skinny_gemm.GemmPlan.weight_tile`), so both paths can share them.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from decodescope.kernels.specialized import rmsnorm as _rms
 from decodescope.kernels.specialized import skinny_gemm as _sg
 from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
 from decodescope.tracer import range as _range
@@ -30,7 +39,24 @@ from decodescope.tracer import range as _range
 BF16 = torch.bfloat16
 
 OPS = ("residual_norm+gate_up+act", "down")  # block "mlp"
+OPS_SPLIT = ("residual_norm", "gate_up+act", "down")  # from SPLIT_NORM_FROM tokens on
 BLOCK = "mlp"
+SPLIT_NORM_FROM = 32
+
+
+def split_norm_for(n_tokens: int) -> bool:
+    """Whether the RMSNorm runs as its own launch for ``n_tokens`` tokens per step."""
+    env = os.environ.get("DECODESCOPE_DENSE_SPLIT_NORM", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if env:
+        raise ValueError(f"DECODESCOPE_DENSE_SPLIT_NORM must be 0 or 1, got {env!r}")
+    return n_tokens >= SPLIT_NORM_FROM
+
+
+def ops_for(n_tokens: int) -> tuple[str, ...]:
+    """The dense MLP's launches (``mlp.<op>`` names) for ``n_tokens`` tokens per step."""
+    return OPS_SPLIT if split_norm_for(n_tokens) else OPS
 
 
 def _betas(cfg) -> tuple[float, float]:
@@ -53,13 +79,13 @@ def _warps(k: int) -> int:
     return 1
 
 
-def gate_up_plan(cfg, m: int) -> GemmPlan:
+def gate_up_plan(cfg, m: int, norm: bool = True) -> GemmPlan:
     beta, lbeta = _betas(cfg)
     return GemmPlan(
         m=m,
         k=cfg.hidden,
         segments=(2 * cfg.dense_inter,),
-        norm=True,
+        norm=norm,
         eps=cfg.eps,
         situ=True,
         situ_beta=beta,
@@ -77,10 +103,11 @@ def down_plan(cfg, m: int) -> GemmPlan:
     )
 
 
-def gate_up_act(cfg, w: dict, r: torch.Tensor, act: torch.Tensor) -> None:
-    """``act = situ_and_mul(rmsnorm(r) * mlp_norm @ dense_w13^T)``. One launch."""
-    skinny_gemm(r, [w["dense_w13"]], [act], norm_weight=w["mlp_norm"], eps=cfg.eps,
-                situ=_betas(cfg))  # fmt: skip
+def gate_up_act(cfg, w: dict, r: torch.Tensor, act: torch.Tensor, norm: bool = True) -> None:
+    """``act = situ_and_mul(rmsnorm(r) * mlp_norm @ dense_w13^T)`` (``norm=False``: ``r`` is
+    already normalized). One launch."""
+    nw = w["mlp_norm"] if norm else None
+    skinny_gemm(r, [w["dense_w13"]], [act], norm_weight=nw, eps=cfg.eps, situ=_betas(cfg))
 
 
 def down_proj(cfg, w: dict, act: torch.Tensor, x_out: torch.Tensor) -> None:
@@ -88,10 +115,10 @@ def down_proj(cfg, w: dict, act: torch.Tensor, x_out: torch.Tensor) -> None:
     skinny_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps, ks=_warps(cfg.dense_inter))
 
 
-def gate_up_act_ref(cfg, w: dict, r: torch.Tensor) -> torch.Tensor:
+def gate_up_act_ref(cfg, w: dict, r: torch.Tensor, norm: bool = True) -> torch.Tensor:
     """Launch 1's torch reference (FP32 math, the kernel's bf16 rounding points)."""
-    outs, _ = skinny_gemm_ref(r, [w["dense_w13"]], norm_weight=w["mlp_norm"], eps=cfg.eps,
-                              situ=_betas(cfg))  # fmt: skip
+    nw = w["mlp_norm"] if norm else None
+    outs, _ = skinny_gemm_ref(r, [w["dense_w13"]], norm_weight=nw, eps=cfg.eps, situ=_betas(cfg))
     return outs[0]
 
 
@@ -100,8 +127,12 @@ def down_proj_ref(cfg, w: dict, act: torch.Tensor) -> torch.Tensor:
     return outs[0]
 
 
-def dense_mlp_ref(cfg, w: dict, r: torch.Tensor) -> torch.Tensor:
-    """Both launches' references chained: the MLP output ``x_out`` from the residual ``r``."""
+def dense_mlp_ref(cfg, w: dict, r: torch.Tensor, split_norm: bool = False) -> torch.Tensor:
+    """The launches' references chained: the MLP output ``x_out`` from the residual ``r``
+    (``split_norm``: the RMSNorm launch's reference, then the GEMM without its prologue)."""
+    if split_norm:
+        h = _rms.rmsnorm_ref(r, w["mlp_norm"], cfg.eps)
+        return down_proj_ref(cfg, w, gate_up_act_ref(cfg, w, h, norm=False))
     return down_proj_ref(cfg, w, gate_up_act_ref(cfg, w, r))
 
 
@@ -116,19 +147,30 @@ class SpecializedDenseMLP:
         self.cfg, self.w, self.N, self.i = cfg, w, n_tokens, layer
         dev = device if device is not None else w["dense_w13"].device
         self.act = torch.empty(n_tokens, cfg.dense_inter, dtype=BF16, device=dev)
+        self.ops = ops_for(n_tokens)
+        self.split = self.ops == OPS_SPLIT
+        self.h = torch.empty(n_tokens, cfg.hidden, dtype=BF16, device=dev) if self.split else None
 
     @property
     def launches(self) -> int:
-        return len(OPS)
+        return len(self.ops)
 
     def warmup(self) -> None:
-        """Compile both kernels (outside capture)."""
-        _sg.compile_plan(gate_up_plan(self.cfg, self.N))
+        """Compile every kernel (outside capture)."""
+        if self.split:
+            _rms.compile_plan(_rms.NormPlan(self.N, self.cfg.hidden, self.cfg.eps))
+        _sg.compile_plan(gate_up_plan(self.cfg, self.N, norm=not self.split))
         _sg.compile_plan(down_plan(self.cfg, self.N))
 
     def stages(self, r: torch.Tensor, x_out: torch.Tensor):
         """``(op name, thunk)`` per launch, in order."""
         cfg, w = self.cfg, self.w
+        if self.split:
+            return [
+                (OPS_SPLIT[0], lambda: _rms.rmsnorm(r, w["mlp_norm"], self.h, cfg.eps)),
+                (OPS_SPLIT[1], lambda: gate_up_act(cfg, w, self.h, self.act, norm=False)),
+                (OPS_SPLIT[2], lambda: down_proj(cfg, w, self.act, x_out)),
+            ]
         return [
             (OPS[0], lambda: gate_up_act(cfg, w, r, self.act)),
             (OPS[1], lambda: down_proj(cfg, w, self.act, x_out)),

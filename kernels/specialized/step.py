@@ -83,10 +83,10 @@ def parse_front_norm(v: Any, n_tokens: int) -> bool:
     raise ValueError(f"option front_norm must be 0, 1 or auto, got {v!r}")
 
 
-def _dense_ops() -> tuple[str, ...]:
+def _dense_ops(n_tokens: int) -> tuple[str, ...]:
     from decodescope.kernels.specialized import dense_mlp as dm
 
-    return dm.OPS
+    return dm.ops_for(n_tokens)
 
 
 def _dense_problems(cfg, n_tokens: int) -> list[str]:
@@ -94,7 +94,12 @@ def _dense_problems(cfg, n_tokens: int) -> list[str]:
 
     out: list[str] = []
     where = "specialized dense MLP"
-    _try(out, f"{where}, residual_norm+gate_up+act", lambda: dm.gate_up_plan(cfg, n_tokens))
+    split = False
+    try:
+        split = dm.split_norm_for(n_tokens)
+    except ValueError as e:
+        out.append(f"{where}: {e}")
+    _try(out, f"{where}, gate_up+act", lambda: dm.gate_up_plan(cfg, n_tokens, norm=not split))
     _try(out, f"{where}, down", lambda: dm.down_plan(cfg, n_tokens))
     return out
 
@@ -221,7 +226,8 @@ class Plan:
         attn = _attn_ops(spec.attn)
         if spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
-            return [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in _dense_ops()]
+            dense = _dense_ops(self.batch * self.tokens)
+            return [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in dense]
         if self.front_norm:
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
         moe = _moe_ops(self.front_norm)
