@@ -362,3 +362,13 @@ def test_gpu_steps_compare_with_a_dense_layer_on_cpu(monkeypatch, layers):
     assert {"x_out", "r_out", "layer0.kda_state", "layer0.conv_state"} <= names
     bad = g.compare_step(std, m, 4, 1, lambda: None, seed=6, tie=0.05, min_rows=0.0)
     assert not bad["ok"]
+
+
+def test_dense_layer_needs_tp_world_1():
+    """The down projection's partial sums would need an all-reduce with more GPUs: refused,
+    said plainly (whatever else the specialized path learns about tp_world)."""
+    from decodescope.kernels.standard.model import parse_layers
+
+    cfg = get_config("tiny", 1)
+    with pytest.raises(ValueError, match="dense MLP: tp_world=2"):
+        S.check_usable(cfg, parse_layers(cfg, "dense,kda"), 2, 1, tp_world=2)

@@ -89,11 +89,16 @@ def _dense_ops(n_tokens: int) -> tuple[str, ...]:
     return dm.ops_for(n_tokens)
 
 
-def _dense_problems(cfg, n_tokens: int) -> list[str]:
+def _dense_problems(cfg, n_tokens: int, tp_world: int = 1) -> list[str]:
     from decodescope.kernels.specialized import dense_mlp as dm
 
     out: list[str] = []
     where = "specialized dense MLP"
+    if tp_world != 1:
+        out.append(
+            f"{where}: tp_world={tp_world}: the down projection's partial sums have no "
+            "all-reduce yet (run the dense layer at tp_world 1, or layers kda / mla)"
+        )
     split = False
     try:
         split = dm.split_norm_for(n_tokens)
@@ -190,7 +195,7 @@ def check_usable(
             "and shared-expert reductions); run tp_world 1 (the per-rank shapes of tp_shape)"
         )
     if any(s.mlp == "dense" for s in specs):
-        problems += _dense_problems(cfg, batch * tokens)
+        problems += _dense_problems(cfg, batch * tokens, tp_world)
     seen: set[str] = set()
     for s in specs:
         if s.attn not in seen:
