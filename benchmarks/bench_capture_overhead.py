@@ -655,7 +655,10 @@ def format_verdicts(results: dict) -> str:
 
 
 def run_case(case: dict, args: argparse.Namespace) -> dict:
+    from decodescope.tracer import capture as cap
+
     env = dict(os.environ)
+    env.update(getattr(cap, "NO_MULTICAST_ENV", {}))  # as in capture children
     env.pop("NVTX_INJECTION64_PATH", None)
     if not args.no_inject:
         from decodescope.tracer.capture import libcupti_path
