@@ -67,6 +67,16 @@ def guarded(what: str, ctx: dict, fn):
         return None
 
 
+def under(f, **kv):
+    """``f`` called with the environment variables ``kv`` set (also while a graph captures)."""
+
+    def g():
+        with env(**kv):
+            return f()
+
+    return g
+
+
 @contextlib.contextmanager
 def env(**kv):
     old = {k: os.environ.get(k) for k in kv}
@@ -91,7 +101,7 @@ def check(what: str, ctx: dict, err: float, tol: float) -> bool:
 
 
 def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
-               front_norm: bool = True) -> None:  # fmt: skip
+               front_norm: bool = True, fronts: bool = True) -> None:  # fmt: skip
     g = torch.Generator(device=DEV).manual_seed(seed)
     h = torch.randn(N, cfg.hidden, device=DEV, generator=g).to(BF16)
 
@@ -105,6 +115,19 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
     check("front_gemv", ctx, rel_l2(blk.y_front, yref), 1e-4)
     zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
     record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
+    if fronts:  # both front kernels explicitly (the default picks one by token count)
+        for fv in ("simt", "mma"):
+            blk.y_front.fill_(float("nan"))
+            blk.acc.fill_(float("nan"))
+            blk.done.fill_(12345)
+            with env(DECODESCOPE_MOE_FRONT=fv):
+                blk.front(h)
+            torch.cuda.synchronize()
+            check(f"front_gemv_{fv}", ctx, rel_l2(blk.y_front, yref), 1e-4)
+            zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
+            record(check=f"front_zeroes_{fv}", **ctx, status="pass" if zero_ok else "FAIL")
+        blk.front(h)
+        torch.cuda.synchronize()
 
     # 1b. front kernel with the residual-add + RMSNorm prologue
     if front_norm:
@@ -266,6 +289,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
             for (b, h, o), ro in zip(trip, r_outs, strict=True)
         ],
     }
+    for fv in ("simt", "mma"):  # both front kernels (the default picks one by token count)
+        pieces[f"front_{fv}"] = [under(f, DECODESCOPE_MOE_FRONT=fv) for f in pieces["front"]]
     if not front_norm:
         del pieces["block_norm"], pieces["block_residual_norm"]
     if block_only:
@@ -281,7 +306,7 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
         if name == "experts":  # measured with the front kernel before it: subtract its median
             med, lo, hi = (x - times.get("front", 0.0) for x in (med, lo, hi))
         times[name] = med
-        floor = fb[name] / (bw_tbs * 1e6)
+        floor = fb["front" if name.startswith("front") else name] / (bw_tbs * 1e6)
         record(time=name, **ctx, kernels=3 if name.startswith("block") else 1, us=f"{med:.1f}",
                us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
                eff=f"{med / floor:.2f}", n_experts=fb["n_experts"], status="time")  # fmt: skip
@@ -368,11 +393,12 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
                 continue
             n0 = len(RESULTS)
 
-            def checks(ctx_p: dict, fn: bool = not a.quick and iv == 0) -> None:
+            def checks(ctx_p: dict, fn: bool = not a.quick and iv == 0, first: bool = iv == 0):
                 for rep in range(1 if a.quick else 2):  # fresh draws
                     ctx_r = {**ctx_p, "draw": rep}
                     guarded("checks", ctx_r, lambda ctx_r=ctx_r, rep=rep: run_checks(
-                        cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep, front_norm=fn))  # fmt: skip
+                        cfg, ws[0], blks[0], N, ctx_r, 1000 * N + rep, front_norm=fn,
+                        fronts=first))  # fmt: skip
 
             checks(ctx)
             failed = any(r.get("status") in ("FAIL", "error") for r in RESULTS[n0:])
@@ -430,6 +456,7 @@ def probe_pipe(a) -> set[tuple[str, int, int]]:
 
 def probe_child(a) -> int:
     os.environ["DECODESCOPE_MOE_EXPERTS"] = "pipe"
+    os.environ["DECODESCOPE_MOE_FRONT"] = "simt"  # the probe is about the expert kernel
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device=DEV)

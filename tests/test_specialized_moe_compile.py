@@ -9,6 +9,7 @@ import torch
 
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.reference import attn_res_ref, moe_ref, rel_l2, routing_ref
+from decodescope.kernels.specialized import front_mma as fm
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import moe_block as mb
 from decodescope.kernels.specialized import moe_experts as me
@@ -107,6 +108,30 @@ def test_grouped_tile_index_is_a_bijection(N):
         for b in range(min(nc, N)):
             run = idx[b::nc]
             assert run == list(range(run[0], run[0] + len(run)))
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+def test_front_mma_compiles(preset, tp):
+    _, d = _dims(preset, tp)
+    NF = d["E"] + d["L"] + 2 * d["S"]
+    Ts = {("kimi-k3", 8): [8, 64], ("kimi-k3", 16): [32]}.get((preset, tp), [8, 13])
+    for T in Ts:
+        op, args = fm._build(T, d["H"], NF, T * d["L"], d["E"])
+        assert op.grid * op.RT * 16 >= NF
+        assert itf.compile_only(op, *args) is not None
+
+
+def test_front_variant(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_MOE_FRONT", raising=False)
+    assert [fm.front_variant(T, 7168) for T in (1, 7, 8, 64, 65)] == [
+        "simt", "simt", "mma", "mma", "simt",
+    ]  # fmt: skip
+    assert fm.front_variant(8, 7000) == "simt"  # K not a multiple of 256
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "mma")
+    assert fm.front_variant(1, 7168) == "mma"
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "tc")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_FRONT"):
+        fm.front_variant(8, 7168)
 
 
 def test_moe_experts_variant_env(monkeypatch):

@@ -13,6 +13,10 @@
  3      ``latent_norm+latent_up+add``                                ``up_proj_shared_add``
 =====  ==========================================================  ===========================
 
+From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor cores,
+``DECODESCOPE_MOE_FRONT`` picks); kernel 2 is ``moe_experts.MoeExpertsPipe`` unless
+``DECODESCOPE_MOE_EXPERTS=old``.
+
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
 then drops its ``residual_norm`` launch.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from decodescope.kernels.config import Config
+from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
 from decodescope.kernels.specialized import router_topk as _rt
 from decodescope.kernels.specialized import up_proj_shared_add as _up
@@ -92,8 +97,13 @@ class SpecializedMoE:
         return _range(f"layer.{self.layer}.moe.{op}")
 
     def front(self, h: torch.Tensor) -> None:
+        """Kernel 1: ``front_mma.FrontMma`` (tensor cores) from 8 tokens on, else
+        ``router_topk.FrontGemv`` (``DECODESCOPE_MOE_FRONT`` overrides: ``mma`` / ``simt``)."""
         with self._r(OPS[0]):
-            _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
+            if _fm.front_variant(self.N, self.cfg.hidden) == "mma":
+                _fm.front_mma(h, self.w_front, self.y_front, self.acc, self.done)
+            else:
+                _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
 
     def front_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor) -> None:
         """Front kernel with the residual-add + RMSNorm (``mlp_norm``) in its prologue."""

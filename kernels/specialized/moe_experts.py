@@ -36,6 +36,13 @@ one CTA per SM (256 threads at 255 registers, < 100 KB shared memory) guarantees
 else runs beside it (under PDL the up-projection launches only as this grid's CTAs exit).
 
 Launch count: 1.
+
+:class:`MoeExpertsPipe` (the default; ``DECODESCOPE_MOE_EXPERTS=old`` selects the kernel above)
+computes the same thing with the weights streamed by ``cp.async.bulk`` into a ring of
+shared-memory slots on mbarriers, several tiles ahead of the math, in a grouped tile order (a
+CTA's tiles are consecutive row blocks of one expert, so staged z / h rows are reused and the
+``done`` counters are bumped once per run of tiles). See its docstring and
+notes/specialized_moe.md.
 """
 
 from __future__ import annotations
@@ -527,8 +534,9 @@ SMEM_BUDGET = 232448 - 4096
 
 
 class MoeExpertsPipe(MoeExperts):
-    """The same function as :class:`MoeExperts` (same prologue, tile order, ``done`` protocol,
-    atomics), with the weights streamed into shared memory ahead of the math.
+    """The same function as :class:`MoeExperts` (same prologue, tile kinds and numbering,
+    ``done`` protocol, FP32 atomics), with the weights streamed into shared memory ahead of the
+    math.
 
     Every tile's weights are one stage of a ring of ``NS`` (2-4) shared-memory slots: thread 0
     issues ``cp.async.bulk`` global -> shared copies (one per contiguous row block: gate rows
@@ -546,8 +554,14 @@ class MoeExpertsPipe(MoeExperts):
     L = 3584), each pair on ``TPP`` threads (64 at L = 3584: two warps, partial sums added
     through shared memory).
 
+    Tile order inside each phase (shared, w13, w2) is grouped (:func:`grouped_index`): a CTA
+    works on consecutive row blocks of one expert, so the z (T > 8) or h rows it staged for a
+    one-chunk expert are reused by its next tiles, and a run of finished w13 tiles is published
+    with one GPU-scope release (``done[e] += run``) instead of one per tile.
+
     Deadlock freedom as in :class:`MoeExperts` (one CTA per SM: ~200 KB of shared memory per
-    CTA; w13 tiles numbered first; the copies never wait on other CTAs)."""
+    CTA; every w13 tile of a CTA comes before its w2 tiles and its last release; the copies
+    never wait on other CTAs)."""
 
     def __init__(self, *args, stages: int = 0, **kw):
         super().__init__(*args, **kw)
@@ -675,13 +689,15 @@ class MoeExpertsPipe(MoeExperts):
         tile = bid
         kk = Int32(0)
         zk = Int32(-1)  # expert whose (one-chunk) z is staged in sZ
+        run = Int32(0)  # w13 tiles of the current expert finished by this CTA, not yet published
         hk = Int32(-1)  # expert whose (one-chunk) h rows are staged in sHx
         we = Int32(-1)  # expert whose done counter this CTA last saw complete
         while tile < total:
             slot = kk % NS
             cute.arch.mbarrier_wait(sBar.iterator + slot, (kk // NS) % 2)
             base = sRing.iterator + slot * SLOT
-            rel = Int32(-1)  # expert of a w13 tile to publish after the closing barrier
+            rel = Int32(-1)  # expert whose finished w13 tiles to publish after the closing barrier
+            reln = Int32(0)
             if tile < nsh:
                 # ---- shared experts: down GEMM over SiTU(gate, up) ----
                 sWv = cute.zipped_divide(
@@ -731,7 +747,14 @@ class MoeExpertsPipe(MoeExperts):
                                          r0, j, stz, TT)  # fmt: skip
                     p0 = p0 + cutlass.min(rem, TT)
                 zk = cutlass.select_(n > TT, Int32(-1), e)
-                rel = e
+                # publish once per run of this CTA's tiles on one expert (the grouped order
+                # makes them consecutive): one GPU-scope release per run, not one per tile
+                run = run + 1
+                tn = tile + nc
+                if (tn >= n13) | (self._grouped(tn - nsh, n13 - nsh) // self.NRB13 != a):
+                    rel = e
+                    reln = run
+                    run = Int32(0)
             else:
                 # ---- w2 + routing-weighted sum ----
                 f = self._grouped(tile - n13, total - n13)
@@ -778,8 +801,8 @@ class MoeExpertsPipe(MoeExperts):
                     p0 = p0 + cutlass.min(rem, TT)
                 hk = cutlass.select_(n > TT, Int32(-1), e)
             # every thread is past its reads of this slot (and its h stores): refill the slot
-            # with the tile NS ahead, then publish a finished w13 tile (thread 0's cumulative
-            # GPU-scope release after the barrier), off the other warps' path
+            # with the tile NS ahead, then publish a finished run of w13 tiles (thread 0's
+            # cumulative GPU-scope release after the barrier), off the other warps' path
             cute.arch.barrier()
             if tid == 0:
                 nxt = tile + NS * nc
@@ -788,7 +811,7 @@ class MoeExpertsPipe(MoeExperts):
                                 slot)  # fmt: skip
                 if rel >= 0:
                     cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add(mDone.iterator + rel, Int32(1), sem="release",
+                    cute.arch.atomic_add(mDone.iterator + rel, reln, sem="release",
                                          scope="gpu")  # fmt: skip
             tile = tile + nc
             kk = kk + 1
@@ -891,7 +914,11 @@ class MoeExpertsPipe(MoeExperts):
                     sZv[(0, None), (ts, c)].store(v.to(BFloat16))
                 cute.arch.barrier()
             toks = list(range(TTc))
-        dot_rows_grp(ws, sZv, toks, acc13, j, 2, TTc, TPP, self.NCHp, self.RED13)
+        # whole warps past the tile's pairs (2 of 8 at L = 3584) skip the math (warp-uniform:
+        # the reduction shuffles need every lane of a warp)
+        busy = tid < -(-P13 * TPP // 32) * 32
+        if busy:
+            dot_rows_grp(ws, sZv, toks, acc13, j, 2, TTc, TPP, self.NCHp, self.RED13)
         q = tid // TPP
         if const_expr(self.WPP == 1):
             if j == 0 and q < P13 and r0 + q < self.Ie:
@@ -904,7 +931,7 @@ class MoeExpertsPipe(MoeExperts):
         else:
             # TPP spans WPP warps: each warp's lane 0 leaves its partial sums, then one thread
             # per (pair, token) adds them, applies SiTU and stores
-            if lane == 0:
+            if busy & (lane == 0):
                 for t in cutlass.range_constexpr(TTc):
                     sRed[(warp * 2) * TT + t] = acc13[0, t]
                     sRed[(warp * 2 + 1) * TT + t] = acc13[1, t]

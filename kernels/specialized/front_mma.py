@@ -1,0 +1,218 @@
+"""LatentMoE front on tensor cores: ``y[T, NF] = h[T, K] @ w_front[NF, K]^T`` in FP32 with
+``mma.sync.m16n8k16`` (BF16 in, FP32 accumulate), zeroing ``acc`` / ``done`` like
+:class:`router_topk.FrontGemv`. For 8 and more tokens, where the SIMT GEMV of ``FrontGemv`` is
+bound by FMAs and converts (H200, 14:25 run: 75.6 us at 8 tokens, 634 us at 64, against a
+~21 us floor).
+
+Swapped operands: the weight rows are the MMA's M (16 rows per tile), the tokens its N (8 per
+MMA). Each CTA owns ``RT`` row tiles and all tokens; its 8 warps split K into contiguous
+slices and their partial sums meet in shared memory. K is permuted inside each 32-wide chunk so
+that lane (g = lane / 4, c = lane % 4) reads its A fragment as two 16-byte loads of contiguous
+weights (rows g and g + 8, columns 8c .. 8c + 7) and its B fragment as one 16-byte load of
+contiguous activations (token g of each 8-token tile, the same columns): chunk column
+``8c + 4s + {0, 1}`` is MMA k ``2c + {0, 1}`` and ``8c + 4s + {2, 3}`` is ``2c + 8 + {0, 1}``
+in MMA step s of the chunk; a dot product does not care about the order of K as long as A and
+B use the same one. FP32 output: the router's logits stay FP32 for the top-k.
+
+Launch count: 1 (replaces ``FrontGemv``; no norm prologue: ``forward_norm`` /
+``forward_residual`` keep the SIMT kernel).
+"""
+
+from __future__ import annotations
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.router_topk import pdl_enabled
+
+ROWS = 16  # MMA M
+KCH = 32  # k per chunk: two m16n8k16 steps
+NW = 8  # warps per CTA (K slices)
+
+
+class FrontMma:
+    """Compile-time facts: T tokens, K, NF packed rows, sizes of ``acc`` / ``done``."""
+
+    def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True):
+        if not 1 <= T <= 64:
+            raise ValueError(f"front_mma: 1..64 tokens, got {T}")
+        if K % (KCH * NW):
+            raise ValueError(f"front_mma: K={K} must be a multiple of {KCH * NW}")
+        if NF % ROWS:
+            raise ValueError(f"front_mma: NF={NF} must be a multiple of {ROWS}")
+        self.T, self.K, self.NF, self.n_acc, self.n_done, self.pdl = T, K, NF, n_acc, n_done, pdl
+        self.NJ = -(-T // 8)  # 8-token MMA tiles
+        self.MP = self.NJ * 8
+        # row tiles per CTA: each B fragment feeds RT MMAs (fewer activation re-reads at large T)
+        self.RT = 1 if T <= 16 else (2 if T <= 32 else 4)
+        self.ntiles = NF // ROWS
+        self.grid = -(-self.ntiles // self.RT)
+        self.CPW = K // KCH // NW  # chunks per warp
+        u = 1
+        for c in (4, 3, 2, 1):
+            if self.CPW % c == 0 and c * self.RT <= 4:
+                u = c
+                break
+        self.U = u
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mX, mW, mY, mAcc, mDone).launch(
+            grid=[self.grid, 1, 1], block=[NW * 32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+    ):
+        T, RT, NJ, MP, U = self.T, self.RT, self.NJ, self.MP, self.U
+        NT = NW * 32
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((NW, ROWS, MP), stride=(ROWS * MP, MP, 1)),
+            byte_alignment=16,
+        )
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
+            mAcc[i] = Float32(0.0)
+        for i in cutlass.range(bid * NT + tid, self.n_done, self.grid * NT):
+            mDone[i] = Int32(0)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        rows = []
+        for q in cutlass.range_constexpr(RT):
+            rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
+        toks = []
+        for j in cutlass.range_constexpr(NJ):
+            toks.append(cutlass.min(j * 8 + g, T - 1))  # rows past T: computed, never stored
+        accs = []
+        for _q in cutlass.range_constexpr(RT):
+            for _j in cutlass.range_constexpr(NJ):
+                a = cute.make_rmem_tensor((4, 1, 1), Float32)
+                a.fill(0.0)
+                accs.append(a)
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        chunk0 = warp * self.CPW
+        for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
+            wlo = []
+            whi = []
+            for v in cutlass.range_constexpr(U):
+                k0 = (chunk0 + it * U + v) * KCH + c * 8
+                for q in cutlass.range_constexpr(RT):
+                    lo = cute.make_rmem_tensor((8,), BFloat16)
+                    hi = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(mW[rows[q], None], (8,), (k0 // 8,)), lo)
+                    cute.autovec_copy(cute.local_tile(mW[rows[q] + 8, None], (8,), (k0 // 8,)), hi)
+                    wlo.append(lo)
+                    whi.append(hi)
+            for v in cutlass.range_constexpr(U):
+                k0 = (chunk0 + it * U + v) * KCH + c * 8
+                for j in cutlass.range_constexpr(NJ):
+                    xb = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(mX[toks[j], None], (8,), (k0 // 8,)), xb)
+                    for s in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(4):
+                            fb[e] = xb[4 * s + e]
+                        for q in cutlass.range_constexpr(RT):
+                            lo = wlo[v * RT + q]
+                            hi = whi[v * RT + q]
+                            fa[0] = lo[4 * s + 0]
+                            fa[1] = lo[4 * s + 1]
+                            fa[2] = hi[4 * s + 0]
+                            fa[3] = hi[4 * s + 1]
+                            fa[4] = lo[4 * s + 2]
+                            fa[5] = lo[4 * s + 3]
+                            fa[6] = hi[4 * s + 2]
+                            fa[7] = hi[4 * s + 3]
+                            acc = accs[q * NJ + j]
+                            cute.gemm(atom, acc, fa, fb, acc)
+
+        # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
+        # the warps' K slices are summed through shared memory, one row tile at a time
+        for q in cutlass.range_constexpr(RT):
+            for j in cutlass.range_constexpr(NJ):
+                acc = accs[q * NJ + j]
+                n0 = j * 8 + 2 * c
+                sRed[warp, g, n0] = acc[0]
+                sRed[warp, g, n0 + 1] = acc[1]
+                sRed[warp, g + 8, n0] = acc[2]
+                sRed[warp, g + 8, n0 + 1] = acc[3]
+            cute.arch.barrier()
+            t = bid * RT + q
+            if t < self.ntiles:
+                for i in cutlass.range_constexpr(-(-(ROWS * T) // NT)):
+                    idx = tid + i * NT
+                    if idx < ROWS * T:
+                        r = idx % ROWS
+                        m = idx // ROWS
+                        val = Float32(0.0)
+                        for w in cutlass.range_constexpr(NW):
+                            val = val + sRed[w, r, m]
+                        mY[m, t * ROWS + r] = val
+            cute.arch.barrier()
+
+
+def _build(T, K, NF, n_acc, n_done, pdl=True):
+    op = FrontMma(T, K, NF, n_acc, n_done, pdl)
+    args = (
+        itf.fake(torch.bfloat16, (T, K)),
+        itf.fake(torch.bfloat16, (NF, K)),
+        itf.fake(torch.float32, (T, NF)),
+        itf.fake(torch.float32, (n_acc,)),
+        itf.fake(torch.int32, (n_done,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def front_variant(T: int, K: int) -> str:
+    """``DECODESCOPE_MOE_FRONT``: ``auto`` (default: tensor cores from 8 tokens on, where the
+    shapes allow), ``mma`` or ``simt`` (:class:`router_topk.FrontGemv`). Read at each call."""
+    v = os.environ.get("DECODESCOPE_MOE_FRONT", "auto")
+    if v not in ("auto", "mma", "simt"):
+        raise ValueError(f"DECODESCOPE_MOE_FRONT={v!r}: expected 'auto', 'mma' or 'simt'")
+    if v == "auto":
+        return "mma" if 8 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
+    return v
+
+
+def front_mma(x, w_front, y, acc, done) -> None:
+    """Launch :class:`FrontMma`: ``y = x @ w_front^T`` (FP32), zero ``acc`` and ``done``."""
+    T, K = x.shape
+    NF = w_front.shape[0]
+    itf.check(x, "x", (T, K), torch.bfloat16)
+    itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
+    itf.check(y, "y_front", (T, NF), torch.float32)
+    pdl = pdl_enabled()
+    key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl)
+    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl))
+    fn(x, w_front, y, acc.view(-1), done.view(-1))
