@@ -38,6 +38,7 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -282,11 +283,13 @@ def piece_tp2(rows: Rows, args, kind: str) -> None:
             )
             log(f"rank 0: TP1 {kind} batch {b} ran ({time.time() - t1:.0f} s)")
             del m1
+            gc.collect()
             torch.cuda.empty_cache()
     dist.barrier()
     # -- shard, free the whole layer ----------------------------------------------------------
     w_rank = sharding.shard_layer_weights(full, cfg, spec, w_full, rank)
     del w_full
+    gc.collect()
     torch.cuda.empty_cache()
     for b in batches:
         # TP1 results to every rank
@@ -463,11 +466,7 @@ def worker(piece: str, out: Path, args) -> int:
         rows.add(piece=piece, check="(piece)", ok=False, error=_one(e))
         return 1
     finally:
-        import torch.distributed as dist
-
-        sync()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        sync()  # the worker leaves with os._exit (no teardown that could wait on the peer)
     return 0
 
 
@@ -596,4 +595,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
