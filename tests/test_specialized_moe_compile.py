@@ -141,6 +141,14 @@ def test_moe_experts_variant_env(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "fast")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_EXPERTS"):
         me.kernel_variant()
+    monkeypatch.delenv("DECODESCOPE_MOE_EXPERTS")
+    monkeypatch.delenv("DECODESCOPE_MOE_STAGES")
+    assert me.kernel_variant() == ("auto", 0)
+    _, d = _dims("kimi-k3", 8)
+    dims = (d["E"], d["K"], d["L"], d["I"], d["H"], d["S"])
+    assert me.resolve_variant("auto", 64, *dims) == "pipe"
+    assert me.resolve_variant("auto", 64, *dims, stages=5) == "old"  # 5 slots do not fit
+    assert me.resolve_variant("old", 1, *dims) == "old"
 
 
 @pytest.mark.parametrize("preset,tp", SHAPES)

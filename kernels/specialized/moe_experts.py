@@ -954,17 +954,30 @@ class MoeExpertsPipe(MoeExperts):
 
 
 def kernel_variant() -> tuple[str, int]:
-    """Which expert kernel runs: ``DECODESCOPE_MOE_EXPERTS=pipe`` (default: weights streamed into
-    shared memory by bulk copies, :class:`MoeExpertsPipe`) or ``old`` (:class:`MoeExperts`,
-    weights loaded into registers per tile); ``DECODESCOPE_MOE_STAGES`` (0 = as many as fit,
-    at most 4) sets the pipe's ring depth. Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "pipe")
-    if v not in ("pipe", "old"):
-        raise ValueError(f"DECODESCOPE_MOE_EXPERTS={v!r}: expected 'pipe' or 'old'")
+    """Which expert kernel runs: ``DECODESCOPE_MOE_EXPERTS=pipe`` (weights streamed into shared
+    memory by bulk copies, :class:`MoeExpertsPipe`), ``old`` (:class:`MoeExperts`, weights
+    loaded into registers per tile) or ``auto`` (default: the pipe where its ring of at least
+    two slots fits in shared memory, else the old kernel: :func:`resolve_variant`);
+    ``DECODESCOPE_MOE_STAGES`` (0 = as many as fit, at most 4) sets the pipe's ring depth. Read
+    at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto")
+    if v not in ("auto", "pipe", "old"):
+        raise ValueError(f"DECODESCOPE_MOE_EXPERTS={v!r}: expected 'auto', 'pipe' or 'old'")
     st = os.environ.get("DECODESCOPE_MOE_STAGES", "0")
     if not st.isdigit():
         raise ValueError(f"DECODESCOPE_MOE_STAGES={st!r}: expected an integer")
     return v, int(st)
+
+
+def resolve_variant(v, T, E, K, L, Ie, H, S, stages=0) -> str:
+    """``auto`` -> ``pipe`` where :class:`MoeExpertsPipe` fits these shapes, else ``old``."""
+    if v != "auto":
+        return v
+    try:
+        MoeExpertsPipe(T, E, K, L, Ie, H, S, 1.0, 1.0, 1.0, 132, stages=stages)
+    except ValueError:
+        return "old"
+    return "pipe"
 
 
 def _build(T, E, K, L, Ie, H, S, scaling, beta, lbeta, num_ctas, pdl=True, variant="pipe",
@@ -1032,6 +1045,7 @@ def moe_experts(
     nsm = num_sms(y_front.device)
     pdl = pdl_enabled()
     var, st = kernel_variant()
+    var = resolve_variant(var, T, E, top_k, L, Ie, H, S, st)
     key = ("moe_experts", T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm, pdl, var, st)
     fn = itf.compiled(
         key, lambda: _build(T, E, top_k, L, Ie, H, S, scaling, beta, lbeta, nsm, pdl, var, st)
