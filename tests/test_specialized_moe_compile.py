@@ -189,3 +189,48 @@ def test_block_rejects_unsupported_config():
     cfg = get_config("kimi-k2", 8)
     with pytest.raises(ValueError):
         mb._check_cfg(cfg)
+
+
+@pytest.mark.parametrize("nact", [1, 16, 111, 445, 613])
+def test_pipe_schedule_publishes_every_tile_and_never_deadlocks(nact):
+    """The pipe kernel's control flow replayed in Python (kimi-k3 TP8 geometry, 132 CTAs): the
+    grouped w13 tiles of each CTA form runs on one expert, the run releases add up to exactly
+    ``NRB13`` per expert, and with every CTA resident (walking its tiles in order, w2 tiles
+    blocked until their expert's counter is full) all tiles finish."""
+    op, _ = _experts_build("kimi-k3", 8, 1, "pipe")
+    nc, nsh, nrb13, nrb2 = 132, op.NSB, op.NRB13, op.NRB2
+    n13 = nsh + nact * nrb13
+    total = n13 + nact * nrb2
+    done = [0] * nact
+    queues = []
+    for b in range(nc):
+        steps, run = [], 0
+        for tile in range(b, total, nc):
+            if tile < nsh:
+                steps.append(("shared", None, 0))
+            elif tile < n13:
+                a = me.grouped_index(tile - nsh, n13 - nsh, nc) // nrb13
+                run += 1
+                tn = tile + nc
+                last = tn >= n13 or me.grouped_index(tn - nsh, n13 - nsh, nc) // nrb13 != a
+                steps.append(("w13", a, run if last else 0))
+                run = 0 if last else run
+            else:
+                a = me.grouped_index(tile - n13, total - n13, nc) // nrb2
+                steps.append(("w2", a, 0))
+        assert run == 0
+        queues.append(steps)
+    pos = [0] * nc
+    while any(p < len(q) for p, q in zip(pos, queues, strict=True)):
+        moved = False
+        for b in range(nc):
+            while pos[b] < len(queues[b]):
+                kind, a, rel = queues[b][pos[b]]
+                if kind == "w2" and done[a] < nrb13:
+                    break  # waits on the expert's w13 tiles
+                if kind == "w13":
+                    done[a] += rel
+                pos[b] += 1
+                moved = True
+        assert moved, "deadlock"
+    assert done == [nrb13] * nact
