@@ -47,6 +47,8 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 RESULTS: list[dict] = []
 START = time.time()
+USER_FRONT = os.environ.get("DECODESCOPE_MOE_FRONT")  # the caller's choice, kept per point
+FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed)
 
 
 def record(**kw) -> dict:
@@ -116,7 +118,7 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
     zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
     record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
     if fronts:  # both front kernels explicitly (the default picks one by token count)
-        for fv in ("simt", "mma"):
+        for fv in FRONTS:
             blk.y_front.fill_(float("nan"))
             blk.acc.fill_(float("nan"))
             blk.done.fill_(12345)
@@ -289,7 +291,7 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
             for (b, h, o), ro in zip(trip, r_outs, strict=True)
         ],
     }
-    for fv in ("simt", "mma"):  # both front kernels (the default picks one by token count)
+    for fv in FRONTS:  # both front kernels (the default picks one by token count)
         pieces[f"front_{fv}"] = [under(f, DECODESCOPE_MOE_FRONT=fv) for f in pieces["front"]]
     if not front_norm:
         del pieces["block_norm"], pieces["block_residual_norm"]
@@ -383,6 +385,14 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
     blks = guarded("build", ctx0, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
     if not blks:
         return
+    FRONTS[:] = ["simt", "mma"] if (preset, tp, N) in a.front_ok else ["simt"]
+    if "mma" not in FRONTS:  # the default would pick the MMA front from 8 tokens on
+        record(check="front_mma_skipped", **ctx0, status="FAIL", error="its probe did not finish")
+        os.environ["DECODESCOPE_MOE_FRONT"] = "simt"
+    elif USER_FRONT is None:
+        os.environ.pop("DECODESCOPE_MOE_FRONT", None)
+    else:
+        os.environ["DECODESCOPE_MOE_FRONT"] = USER_FRONT
     for iv, var in enumerate(a.variants):
         ctx = {**ctx0, "experts": var}
         if var == "pipe" and (preset, tp, N) not in a.pipe_ok:
@@ -419,21 +429,23 @@ def shapes_of(a) -> list[tuple[str, int]]:
     return ([("tiny", 1)] if a.tiny else []) + [("kimi-k3", tp) for tp in a.tp]
 
 
-def probe_pipe(a) -> set[tuple[str, int, int]]:
-    """Run the pipe expert kernel once per (TP, tokens) in a child process with a deadline: a
-    deadlocked kernel cannot be recovered in-process, so the child takes the hang (and is
-    killed), and this run checks and times the pipe kernel only where the child finished."""
+def probe_pipe(a) -> tuple[set, set]:
+    """Run the pipe expert kernel (with the SIMT front), then the tensor-core front alone, once
+    per (TP, tokens) in a child process with a deadline: a deadlocked kernel or a sticky CUDA
+    error cannot be recovered in-process, so the child takes it (and is killed), and this run
+    uses the pipe / the MMA front only where the child finished them."""
     cmd = [sys.executable, __file__, "--probe-child", "--out", a.out, "--tp", *map(str, a.tp),
            "--tokens", *map(str, a.tokens)] + (["--tiny"] if a.tiny else [])  # fmt: skip
     limit = 120  # s without progress: the first point builds weights and compiles
     ok: set[tuple[str, int, int]] = set()
+    front_ok: set[tuple[str, int, int]] = set()
     log = Path(a.out) / "pipe_probe.log"
     with open(log, "w") as f:
         child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
         last, seen = time.time(), 0
         while child.poll() is None:
             time.sleep(0.5)
-            n = log.read_text().count("PROBE_OK")
+            n = log.read_text().count("_OK ")
             if n > seen:
                 last, seen = time.time(), n
             elif time.time() - last > limit:
@@ -445,13 +457,16 @@ def probe_pipe(a) -> set[tuple[str, int, int]]:
            if child.returncode is not None and child.returncode >= 0
            else f"no progress within {limit} s (kernel hang: the child was killed)")  # fmt: skip
     for line in text.splitlines():
-        if line.startswith("PROBE_OK"):
-            _, preset, tp, n = line.split()
-            ok.add((preset, int(tp), int(n)))
+        if line.startswith(("PROBE_OK ", "FRONT_OK ")):
+            what, preset, tp, n = line.split()
+            (ok if what == "PROBE_OK" else front_ok).add((preset, int(tp), int(n)))
     want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
     record(check="pipe_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
            **({} if ok == want else {"error": why}))  # fmt: skip
-    return ok
+    record(check="front_mma_probe", ok=sorted(front_ok),
+           status="pass" if front_ok == want else "FAIL",
+           **({} if front_ok == want else {"error": why}))  # fmt: skip
+    return ok, front_ok
 
 
 def probe_child(a) -> int:
@@ -467,6 +482,17 @@ def probe_child(a) -> int:
                 blk.forward(h, torch.empty_like(h))
             torch.cuda.synchronize()
             print(f"PROBE_OK {preset} {tp} {n}", flush=True)
+        # then the tensor-core front alone (after every pipe point: a crash here loses no
+        # pipe result)
+        os.environ["DECODESCOPE_MOE_FRONT"] = "mma"
+        for n in a.tokens:
+            blk = mb.SpecializedMoE(cfg, w, n)
+            h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+            for _ in range(3):
+                blk.front(h)
+            torch.cuda.synchronize()
+            print(f"FRONT_OK {preset} {tp} {n}", flush=True)
+        os.environ["DECODESCOPE_MOE_FRONT"] = "simt"
         del w
         torch.cuda.empty_cache()
     return 0
@@ -514,7 +540,7 @@ def main() -> int:
     t0 = time.time()
     bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
     record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")
-    a.pipe_ok = probe_pipe(a) if "pipe" in a.variants else set()
+    a.pipe_ok, a.front_ok = probe_pipe(a)
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         ws = []
