@@ -37,8 +37,8 @@ CTA at batch 1 (as the old kernel), all heads of a sequence from 48 (sequence, g
 ``heads_per_cta`` overrides (``DECODESCOPE_MLA_HEADS_PER_CTA``).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: the Smem struct reads its (evaluated) field
+# annotations; as strings they failed to resolve in one test ordering (pytest run, 14:48)
 import math
 from dataclasses import dataclass, field
 
@@ -167,6 +167,12 @@ class MLATCPlan:
         while d > 1 and d * self.rows * self.kv_lora * 4 > ABSORB_SCRATCH:
             d //= 2
         return d
+
+    @property
+    def unroll(self) -> int:
+        """w_uk / w_uv loads in flight per thread (the absorption and W_UV loops are L2-latency
+        chains: per = 128 loads per unit at 64x1); fewer at T = 8 (8 x 8 accumulators)."""
+        return 16 if self.tokens <= 2 else 8
 
     @property
     def cs(self) -> int:
@@ -556,7 +562,7 @@ class MLADecodeTC:
                 j = u // (ncg * DS)
                 acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for dd in cutlass.range(per, unroll=8):
+                for dd in cutlass.range(per, unroll=p.unroll):
                     d = ds * per + dd
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
@@ -630,7 +636,7 @@ class MLADecodeTC:
                 j = u // (nvg * CS)
                 acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for cc in cutlass.range(per, unroll=8):
+                for cc in cutlass.range(per, unroll=p.unroll):
                     ci = cs * per + cc
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)

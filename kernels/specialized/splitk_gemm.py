@@ -34,8 +34,8 @@ FP32 atomics make the sums' order vary between runs (last-bit differences before
 rounding). Compile key: the plan (every shape static).
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: the Smem struct reads its (evaluated) field
+# annotations; as strings they failed to resolve in one test ordering (pytest run, 14:48)
 import os
 from dataclasses import dataclass, field
 
