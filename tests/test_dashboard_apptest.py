@@ -209,7 +209,10 @@ def test_a_results_dataset_shows_history_with_baseline_and_regression(monkeypatc
 
     h100 = tracer.read_run(H100)
     b200 = tracer.read_run(B200)
-    same = dict(workload="decode-layer", preset="kimi-k3", backend="standard", gpu="H200")
+    same = dict(
+        workload="decode-layer", preset="kimi-k3", backend="standard", gpu="H200",
+        batch=1, tokens_per_seq=1, tp_shape=8, tp_world=1,
+    )  # fmt: skip
     for i, (run, rid) in enumerate(((h100, "base"), (b200, "slower"), (h100, "equal"))):
         meta = run.meta.replace(
             run_id=rid,
