@@ -570,6 +570,10 @@ def table_md() -> str:
             f"| {r['us']} | {r['us_min']} | {r['us_max']} | {r.get('floor_us', '')} "
             f"| {r.get('eff', '')} | {r.get('speedup', '')} |"
         )
+    skipped = [r for r in RESULTS if r.get("status") == "skipped"]
+    for r in skipped:
+        lines.append(f"| {r.get('tp', '')} | {r.get('kind', '')} | {r.get('point', '')} "
+                     "| skipped (--budget) | | | | | | | |")  # fmt: skip
     fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
     oks = sum(1 for r in RESULTS if r.get("status") == "ok")
     lines.append("")
@@ -614,6 +618,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tiling sweep")
+    ap.add_argument("--budget", type=float, default=540,
+                    help="seconds: later points / the sweep are skipped (and listed) past it")  # fmt: skip
     a = ap.parse_args()
     TIMING.update(on=not a.no_timing, replays=a.replays)
     out = Path(a.out)
@@ -636,11 +642,17 @@ def main() -> int:
             if w is None:
                 continue
             for pt in a.points:
+                if time.time() - t0 > a.budget:
+                    record(what="skipped (budget)", preset=preset, tp=tp, kind=label, point=pt,
+                           status="skipped")  # fmt: skip
+                    continue
                 run_point(a, kcfg, preset, tp, spec, w, pt, bw, t0, label)
                 (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
             del w
             torch.cuda.empty_cache()
-    if not a.no_sweep and not a.no_timing:
+    if not a.no_sweep and not a.no_timing and time.time() - t0 > a.budget:
+        record(what="skipped (budget)", tp=a.tp[0], kind="gemm sweep", status="skipped")
+    elif not a.no_sweep and not a.no_timing:
         cfg = get_config("kimi-k3", a.tp[0])
         guarded("gemm_sweep", {"tp": a.tp[0]}, lambda: gemm_sweep(cfg, a.tp[0], bw, a.replays))
     table = table_md()
