@@ -49,6 +49,8 @@ RESULTS: list[dict] = []
 START = time.time()
 USER_FRONT = os.environ.get("DECODESCOPE_MOE_FRONT")  # the caller's choice, kept per point
 FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed)
+BACKS = ["simt", "mma"]  # the same for the back kernels
+USER_BACK = os.environ.get("DECODESCOPE_MOE_BACK")
 
 
 def record(**kw) -> dict:
@@ -136,7 +138,7 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
         _front_norm_checks(cfg, w, blk, N, ctx, g)
         blk.front(h)  # back to the plain path for the checks below
         torch.cuda.synchronize()
-    _expert_checks(cfg, w, blk, h, N, ctx)
+    _expert_checks(cfg, w, blk, h, N, ctx, fronts)
 
 
 def _front_norm_checks(cfg, w, blk, N, ctx, g) -> None:
@@ -157,7 +159,7 @@ def _front_norm_checks(cfg, w, blk, N, ctx, g) -> None:
     check("front_norm", ctx, rel_l2(blk.y_front, rt.front_gemv_ref(h_ref, blk.w_front)), 5e-3)
 
 
-def _expert_checks(cfg, w, blk, h, N, ctx) -> None:
+def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     e = cfg.moe
     E, L, k = e.num_experts, cfg.expert_dim, e.top_k
     # 2. experts (routing in its prologue)
@@ -190,6 +192,12 @@ def _expert_checks(cfg, w, blk, h, N, ctx) -> None:
     torch.cuda.synchronize()
     ref3 = up.up_proj_shared_add_ref(acc, w["latent_norm"], w["latent_up"], blk.shared_out, cfg.eps)
     check("up_proj_shared_add", ctx, rel_l2(out, ref3), 1e-2)
+    for bv in BACKS if fronts else []:  # both back kernels explicitly
+        out.fill_(float("nan"))
+        with env(DECODESCOPE_MOE_BACK=bv):
+            blk.back(out)
+        torch.cuda.synchronize()
+        check(f"up_proj_shared_add_{bv}", ctx, rel_l2(out, ref3), 1e-2)
 
     # 4. whole block vs the float32 reference of the math, and vs the standard path
     out.fill_(float("nan"))
@@ -293,6 +301,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
     }
     for fv in FRONTS:  # both front kernels (the default picks one by token count)
         pieces[f"front_{fv}"] = [under(f, DECODESCOPE_MOE_FRONT=fv) for f in pieces["front"]]
+    for bv in BACKS:  # both back kernels
+        pieces[f"back_{bv}"] = [under(f, DECODESCOPE_MOE_BACK=bv) for f in pieces["back"]]
     if not front_norm:
         del pieces["block_norm"], pieces["block_residual_norm"]
     if block_only:
@@ -308,7 +318,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
         if name == "experts":  # measured with the front kernel before it: subtract its median
             med, lo, hi = (x - times.get("front", 0.0) for x in (med, lo, hi))
         times[name] = med
-        floor = fb["front" if name.startswith("front") else name] / (bw_tbs * 1e6)
+        floor = fb[name.split("_")[0] if name.startswith(("front", "back")) else name]
+        floor = floor / (bw_tbs * 1e6)
         record(time=name, **ctx, kernels=3 if name.startswith("block") else 1, us=f"{med:.1f}",
                us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
                eff=f"{med / floor:.2f}", n_experts=fb["n_experts"], status="time")  # fmt: skip
@@ -385,14 +396,18 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
     blks = guarded("build", ctx0, lambda: [mb.SpecializedMoE(cfg, w, N) for w in ws])
     if not blks:
         return
-    FRONTS[:] = ["simt", "mma"] if (preset, tp, N) in a.front_ok else ["simt"]
-    if "mma" not in FRONTS:  # the default would pick the MMA front from 8 tokens on
-        record(check="front_mma_skipped", **ctx0, status="FAIL", error="its probe did not finish")
-        os.environ["DECODESCOPE_MOE_FRONT"] = "simt"
-    elif USER_FRONT is None:
-        os.environ.pop("DECODESCOPE_MOE_FRONT", None)
-    else:
-        os.environ["DECODESCOPE_MOE_FRONT"] = USER_FRONT
+    mma_ok = (preset, tp, N) in a.front_ok
+    FRONTS[:] = BACKS[:] = ["simt", "mma"] if mma_ok else ["simt"]
+    for var, user in (("DECODESCOPE_MOE_FRONT", USER_FRONT), ("DECODESCOPE_MOE_BACK", USER_BACK)):
+        if not mma_ok:  # the default would pick the MMA kernels from 8 tokens on
+            os.environ[var] = "simt"
+        elif user is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = user
+    if not mma_ok:
+        record(check="front_back_mma_skipped", **ctx0, status="FAIL",
+               error="their probe did not finish")  # fmt: skip
     for iv, var in enumerate(a.variants):
         ctx = {**ctx0, "experts": var}
         if var == "pipe" and (preset, tp, N) not in a.pipe_ok:
@@ -463,7 +478,7 @@ def probe_pipe(a) -> tuple[set, set]:
     want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
     record(check="pipe_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
            **({} if ok == want else {"error": why}))  # fmt: skip
-    record(check="front_mma_probe", ok=sorted(front_ok),
+    record(check="front_back_mma_probe", ok=sorted(front_ok),
            status="pass" if front_ok == want else "FAIL",
            **({} if front_ok == want else {"error": why}))  # fmt: skip
     return ok, front_ok
@@ -488,8 +503,11 @@ def probe_child(a) -> int:
         for n in a.tokens:
             blk = mb.SpecializedMoE(cfg, w, n)
             h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+            out = torch.empty_like(h)
             for _ in range(3):
                 blk.front(h)
+                with env(DECODESCOPE_MOE_BACK="mma"):
+                    blk.back(out)
             torch.cuda.synchronize()
             print(f"FRONT_OK {preset} {tp} {n}", flush=True)
         os.environ["DECODESCOPE_MOE_FRONT"] = "simt"

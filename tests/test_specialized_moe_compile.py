@@ -9,6 +9,7 @@ import torch
 
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.reference import attn_res_ref, moe_ref, rel_l2, routing_ref
+from decodescope.kernels.specialized import back_mma as bm
 from decodescope.kernels.specialized import front_mma as fm
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import moe_block as mb
@@ -119,6 +120,28 @@ def test_front_mma_compiles(preset, tp):
         op, args = fm._build(T, d["H"], NF, T * d["L"], d["E"])
         assert op.grid * op.RT * 16 >= NF
         assert itf.compile_only(op, *args) is not None
+
+
+@pytest.mark.parametrize("preset,tp", SHAPES)
+def test_back_mma_compiles(preset, tp):
+    cfg, d = _dims(preset, tp)
+    Ts = {("kimi-k3", 8): [8, 64], ("kimi-k3", 16): [32]}.get((preset, tp), [8, 13])
+    for T in Ts:
+        op, args = bm._build(T, d["L"], d["H"], cfg.eps)
+        assert op.grid * op.RT * 16 >= d["H"]
+        assert itf.compile_only(op, *args) is not None
+
+
+def test_back_variant(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
+    assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 64, 65)] == [
+        "simt", "mma", "mma", "simt",
+    ]  # fmt: skip
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")
+    assert bm.back_variant(64, 3584, 7168) == "simt"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK"):
+        bm.back_variant(8, 3584, 7168)
 
 
 def test_front_variant(monkeypatch):

@@ -13,8 +13,8 @@
  3      ``latent_norm+latent_up+add``                                ``up_proj_shared_add``
 =====  ==========================================================  ===========================
 
-From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor cores,
-``DECODESCOPE_MOE_FRONT`` picks); kernel 2 is ``moe_experts.MoeExpertsPipe`` unless
+From 8 tokens on, kernels 1 and 3 are ``front_mma.FrontMma`` and ``back_mma.BackMma`` (the
+same outputs on tensor cores; ``DECODESCOPE_MOE_FRONT`` / ``DECODESCOPE_MOE_BACK`` pick); kernel 2 is ``moe_experts.MoeExpertsPipe`` unless
 ``DECODESCOPE_MOE_EXPERTS=old``.
 
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from decodescope.kernels.config import Config
+from decodescope.kernels.specialized import back_mma as _bm
 from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
 from decodescope.kernels.specialized import router_topk as _rt
@@ -143,10 +144,14 @@ class SpecializedMoE:
             )
 
     def back(self, out: torch.Tensor) -> None:
+        """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 8 tokens on, else
+        ``up_proj_shared_add`` (``DECODESCOPE_MOE_BACK`` overrides: ``mma`` / ``simt``)."""
+        args = (self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps)
         with self._r(OPS[2]):
-            _up.up_proj_shared_add(
-                self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps
-            )
+            if _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden) == "mma":
+                _bm.back_mma(*args)
+            else:
+                _up.up_proj_shared_add(*args)
 
     def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""

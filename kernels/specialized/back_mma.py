@@ -1,0 +1,240 @@
+"""LatentMoE back on tensor cores: ``out[T, H] = bf16(bf16(rmsnorm(acc) * latent_norm) @
+latent_up^T + shared_out)``, the function of ``up_proj_shared_add.UpProjSharedAdd`` (its
+reference ``up_proj_shared_add_ref``), with ``mma.sync.m16n8k16`` for 8 and more tokens, where
+the SIMT kernel is bound by FMAs and converts (H200, 14:25 run: 61.4 us at 8 tokens, 381.8 us
+at 64, against a ~13 us floor).
+
+Same MMA scheme as :mod:`front_mma` (weight rows as M, tokens as N, K permuted inside each
+32-wide chunk so that A and B fragments are 16-byte loads; warps split K; partial sums through
+shared memory). The B operand is built on the fly from the FP32 routed sum: every CTA first
+takes the per-token ``rstd`` of ``acc`` (each warp a share of the tokens, all of L), then each
+lane turns its 8 FP32 values of token g into ``bf16(acc * rstd * latent_norm)``, the rounding
+the SIMT kernel and the reference apply. The epilogue adds the shared experts' FP32 output and
+rounds once to BF16.
+
+Launch count: 1 (replaces ``UpProjSharedAdd`` from 8 tokens on; ``DECODESCOPE_MOE_BACK``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, const_expr
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.router_topk import pdl_enabled
+
+ROWS = 16  # MMA M
+KCH = 32  # k per chunk: two m16n8k16 steps
+
+
+def _warps(L: int) -> int:
+    chunks = L // KCH
+    for w in (8, 4, 2, 1):
+        if chunks % w == 0:
+            return w
+    return 1
+
+
+class BackMma:
+    """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
+
+    def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True):
+        if not 1 <= T <= 64:
+            raise ValueError(f"back_mma: 1..64 tokens, got {T}")
+        if L % KCH:
+            raise ValueError(f"back_mma: latent {L} must be a multiple of {KCH}")
+        if H % ROWS:
+            raise ValueError(f"back_mma: hidden {H} must be a multiple of {ROWS}")
+        self.T, self.L, self.H, self.eps, self.pdl = T, L, H, eps, pdl
+        self.NW = _warps(L)
+        self.NJ = -(-T // 8)
+        self.MP = self.NJ * 8
+        self.RT = 1 if T <= 16 else (2 if T <= 32 else 4)
+        self.ntiles = H // ROWS
+        self.grid = -(-self.ntiles // self.RT)
+        self.CPW = L // KCH // self.NW
+        u = 1
+        for c in (4, 3, 2, 1):
+            if self.CPW % c == 0 and c * self.RT <= 4:
+                u = c
+                break
+        self.U = u
+
+    @cute.jit
+    def __call__(
+        self,
+        mAcc: cute.Tensor,
+        mNW: cute.Tensor,
+        mW: cute.Tensor,
+        mSh: cute.Tensor,
+        mOut: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mAcc, mNW, mW, mSh, mOut).launch(
+            grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mAcc: cute.Tensor,
+        mNW: cute.Tensor,
+        mW: cute.Tensor,
+        mSh: cute.Tensor,
+        mOut: cute.Tensor,
+    ):
+        T, L, RT, NJ, MP, U, NW = self.T, self.L, self.RT, self.NJ, self.MP, self.U, self.NW
+        NT = NW * 32
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        sRed = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((NW, ROWS, MP), stride=(ROWS * MP, MP, 1)),
+            byte_alignment=16,
+        )
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(MP), byte_alignment=16)
+        if const_expr(self.pdl):
+            # acc is complete only when the expert kernel has finished
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        # per-token rstd of the FP32 routed sum (every CTA for all tokens: an L2 read)
+        for t in cutlass.range(warp, T, NW, unroll=1):
+            ss = Float32(0.0)
+            for k8 in cutlass.range(lane, L // 8, 32, unroll=4):
+                v = cute.make_rmem_tensor((8,), Float32)
+                cute.autovec_copy(cute.local_tile(mAcc[t, None], (8,), (k8,)), v)
+                for e in cutlass.range_constexpr(8):
+                    ss = ss + v[e] * v[e]
+            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+            if lane == 0:
+                sRstd[t] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+        cute.arch.barrier()
+
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        rows = []
+        for q in cutlass.range_constexpr(RT):
+            rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
+        toks = []
+        rstd = []
+        for j in cutlass.range_constexpr(NJ):
+            tk = cutlass.min(j * 8 + g, T - 1)  # rows past T: computed, never stored
+            toks.append(tk)
+            rstd.append(sRstd[tk])
+        accs = []
+        for _q in cutlass.range_constexpr(RT):
+            for _j in cutlass.range_constexpr(NJ):
+                a = cute.make_rmem_tensor((4, 1, 1), Float32)
+                a.fill(0.0)
+                accs.append(a)
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        chunk0 = warp * self.CPW
+        for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
+            wlo = []
+            whi = []
+            for v in cutlass.range_constexpr(U):
+                k0 = (chunk0 + it * U + v) * KCH + c * 8
+                for q in cutlass.range_constexpr(RT):
+                    lo = cute.make_rmem_tensor((8,), BFloat16)
+                    hi = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(mW[rows[q], None], (8,), (k0 // 8,)), lo)
+                    cute.autovec_copy(cute.local_tile(mW[rows[q] + 8, None], (8,), (k0 // 8,)), hi)
+                    wlo.append(lo)
+                    whi.append(hi)
+            for v in cutlass.range_constexpr(U):
+                k0 = (chunk0 + it * U + v) * KCH + c * 8
+                nw = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
+                for j in cutlass.range_constexpr(NJ):
+                    xf = cute.make_rmem_tensor((8,), Float32)
+                    cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
+                    xb = cute.make_rmem_tensor((8,), BFloat16)
+                    for e in cutlass.range_constexpr(8):
+                        xb[e] = (xf[e] * rstd[j] * nw[e].to(Float32)).to(BFloat16)
+                    for s in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(4):
+                            fb[e] = xb[4 * s + e]
+                        for q in cutlass.range_constexpr(RT):
+                            lo = wlo[v * RT + q]
+                            hi = whi[v * RT + q]
+                            fa[0] = lo[4 * s + 0]
+                            fa[1] = lo[4 * s + 1]
+                            fa[2] = hi[4 * s + 0]
+                            fa[3] = hi[4 * s + 1]
+                            fa[4] = lo[4 * s + 2]
+                            fa[5] = lo[4 * s + 3]
+                            fa[6] = hi[4 * s + 2]
+                            fa[7] = hi[4 * s + 3]
+                            acc = accs[q * NJ + j]
+                            cute.gemm(atom, acc, fa, fb, acc)
+
+        for q in cutlass.range_constexpr(RT):
+            for j in cutlass.range_constexpr(NJ):
+                acc = accs[q * NJ + j]
+                n0 = j * 8 + 2 * c
+                sRed[warp, g, n0] = acc[0]
+                sRed[warp, g, n0 + 1] = acc[1]
+                sRed[warp, g + 8, n0] = acc[2]
+                sRed[warp, g + 8, n0 + 1] = acc[3]
+            cute.arch.barrier()
+            t = bid * RT + q
+            if t < self.ntiles:
+                for i in cutlass.range_constexpr(-(-(ROWS * T) // NT)):
+                    idx = tid + i * NT
+                    if idx < ROWS * T:
+                        r = idx % ROWS
+                        m = idx // ROWS
+                        val = Float32(0.0)
+                        for w in cutlass.range_constexpr(NW):
+                            val = val + sRed[w, r, m]
+                        n = t * ROWS + r
+                        mOut[m, n] = (val + mSh[m, n]).to(BFloat16)
+            cute.arch.barrier()
+
+
+def _build(T, L, H, eps, pdl=True):
+    op = BackMma(T, L, H, eps, pdl)
+    args = (
+        itf.fake(torch.float32, (T, L)),
+        itf.fake(torch.bfloat16, (L,)),
+        itf.fake(torch.bfloat16, (H, L)),
+        itf.fake(torch.float32, (T, H)),
+        itf.fake(torch.bfloat16, (T, H)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def back_variant(T: int, L: int, H: int) -> str:
+    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: tensor cores from 8 tokens on, where the
+    shapes allow), ``mma`` or ``simt`` (``up_proj_shared_add``). Read at each call."""
+    v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
+    if v not in ("auto", "mma", "simt"):
+        raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected 'auto', 'mma' or 'simt'")
+    if v == "auto":
+        return "mma" if 8 <= T <= 64 and L % KCH == 0 and H % ROWS == 0 else "simt"
+    return v
+
+
+def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
+    """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
+    T, L = acc.shape
+    H = latent_up.shape[0]
+    itf.check(acc, "acc", (T, L), torch.float32)
+    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
+    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    itf.check(out, "out", (T, H), torch.bfloat16)
+    pdl = pdl_enabled()
+    key = ("moe_back_mma", T, L, H, float(eps), pdl)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl))
+    fn(acc, latent_norm, latent_up, shared_out, out)
