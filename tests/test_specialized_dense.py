@@ -364,11 +364,12 @@ def test_gpu_steps_compare_with_a_dense_layer_on_cpu(monkeypatch, layers):
     assert not bad["ok"]
 
 
-def test_dense_layer_needs_tp_world_1():
-    """The down projection's partial sums would need an all-reduce with more GPUs: refused,
-    said plainly (whatever else the specialized path learns about tp_world)."""
+def test_dense_layer_tp_world():
+    """tp_world 2: the down projection's all-reduce is the o_proj fused kernel (tp2.py), so the
+    dense layer runs; more ranks are refused, said plainly (the fused reductions are two-rank)."""
     from decodescope.kernels.standard.model import parse_layers
 
     cfg = get_config("tiny", 1)
-    with pytest.raises(ValueError, match="dense MLP: tp_world=2"):
-        S.check_usable(cfg, parse_layers(cfg, "dense,kda"), 2, 1, tp_world=2)
+    S.check_usable(cfg, parse_layers(cfg, "dense,kda"), 2, 1, tp_world=2)
+    with pytest.raises(ValueError, match="tp_world=4: .*two-rank"):
+        S.check_usable(cfg, parse_layers(cfg, "dense,kda"), 2, 1, tp_world=4)

@@ -68,6 +68,13 @@ def _moe_ops(front_norm: bool = False) -> tuple[str, ...]:
 
 
 FRONT_NORM_DROPS = "residual_norm"  # the attention launch the MoE front kernel takes over
+# tp_world 2: launches that carry the all-reduces (kernels/specialized/tp2.py's names)
+TP2_RENAME = {
+    "attn.o_proj": "attn.o_proj+allreduce+residual",
+    "moe.latent_norm+latent_up+add": "moe.latent_allreduce+latent_norm+latent_up+shared_allreduce+add",
+    "mlp.down": "mlp.down+allreduce",
+}
+ALLREDUCE = "fused"  # the only tp_world 2 reduction of this path: peer memory in the kernels
 
 
 def parse_front_norm(v: Any, n_tokens: int) -> bool:
@@ -94,11 +101,11 @@ def _dense_problems(cfg, n_tokens: int, tp_world: int = 1) -> list[str]:
 
     out: list[str] = []
     where = "specialized dense MLP"
-    if tp_world != 1:
-        out.append(
-            f"{where}: tp_world={tp_world}: the down projection's partial sums have no "
-            "all-reduce yet (run the dense layer at tp_world 1, or layers kda / mla)"
-        )
+    if tp_world == 2:  # the down projection's all-reduce: the o_proj fused kernel (tp2.py)
+        from decodescope.kernels.specialized import oproj_allreduce as oa
+
+        _try(out, f"{where}, down+allreduce", lambda: oa.OProjARPlan(
+            m=n_tokens, k=cfg.dense_inter, n=cfg.hidden))  # fmt: skip
     split = False
     try:
         split = dm.split_norm_for(n_tokens)
@@ -182,6 +189,21 @@ def _moe_problems(cfg, n_tokens: int) -> list[str]:
     return out
 
 
+def _tp2_problems(cfg, specs, n_tokens: int) -> list[str]:
+    """The fused reductions' limits (receive area) for this step."""
+    from decodescope.kernels.specialized import moe_allreduce as ma
+    from decodescope.kernels.specialized import oproj_allreduce as oa
+
+    out: list[str] = []
+    for kind in sorted({s.attn for s in specs}):
+        _try(out, f"tp_world 2, {kind} o_proj+allreduce", lambda k=kind: oa.plan_for(
+            cfg, k, n_tokens))  # fmt: skip
+    if any(s.mlp == "moe" for s in specs):
+        _try(out, "tp_world 2, MoE back end + all-reduces", lambda: ma.MoeARPlan(
+            n_tokens, cfg.expert_dim, cfg.hidden, float(cfg.eps)))  # fmt: skip
+    return out
+
+
 def check_usable(
     cfg, specs, batch: int, tokens: int, tp_world: int = 1, front_norm: bool = False
 ) -> None:
@@ -189,11 +211,13 @@ def check_usable(
     problems: list[str] = []
     if front_norm:
         problems += _front_norm_problems()
-    if tp_world != 1:
+    if tp_world not in (1, 2):
         problems.append(
-            f"tp_world={tp_world}: the specialized kernels have no all-reduce yet (o_proj, latent "
-            "and shared-expert reductions); run tp_world 1 (the per-rank shapes of tp_shape)"
+            f"tp_world={tp_world}: the specialized path's fused reductions are two-rank "
+            "(kernels/specialized/comm.py); run tp_world 1 or 2"
         )
+    if tp_world == 2:
+        problems += _tp2_problems(cfg, specs, batch * tokens)
     if any(s.mlp == "dense" for s in specs):
         problems += _dense_problems(cfg, batch * tokens, tp_world)
     seen: set[str] = set()
@@ -225,6 +249,7 @@ class Plan:
     preset: str
     front_norm: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    weights: str = "rank"  # tp_world 2: kernels/sharding.build_rank_weights mode
 
     def op_names(self, spec) -> list[str]:
         """``block.op`` names of one layer's launches, in launch order."""
@@ -232,11 +257,15 @@ class Plan:
         if spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
             dense = _dense_ops(self.batch * self.tokens)
-            return [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in dense]
-        if self.front_norm:
-            attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
-        moe = _moe_ops(self.front_norm)
-        return [f"attn.{o}" for o in attn] + [f"moe.{o}" for o in moe]
+            names = [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in dense]
+        else:
+            if self.front_norm:
+                attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
+            moe = _moe_ops(self.front_norm)
+            names = [f"attn.{o}" for o in attn] + [f"moe.{o}" for o in moe]
+        if self.tp_world == 2:  # the reductions ride in these launches (tp2.py)
+            names = [TP2_RENAME.get(n, n) for n in names]
+        return names
 
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``."""
@@ -266,6 +295,8 @@ def plan(
     device: str | None = None,
     tp_world: int | str = 1,
     front_norm: str | int = 0,
+    weights: str = "rank",
+    allreduce: str = ALLREDUCE,
     **unknown: Any,
 ) -> Plan:
     """Validate the options (the ``standard`` workload's) and say what the step will run."""
@@ -293,9 +324,25 @@ def plan(
         raise ValueError(f"batch must be >= 1, got {b}")
     if not 1 <= t <= 8:
         raise ValueError(f"tokens_per_seq must be in 1..8 (1 + k drafts), got {t}")
+    if world < 1:
+        raise ValueError(f"tp_world must be >= 1, got {world}")
+    from decodescope.kernels.sharding import WEIGHT_MODES, source_config
+
+    if weights not in WEIGHT_MODES:
+        raise ValueError(
+            f"option weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}"
+        )
+    if allreduce != ALLREDUCE:
+        raise ValueError(
+            f"workload 'specialized' reduces across ranks inside its fused kernels "
+            f"(allreduce={ALLREDUCE!r}), got allreduce={allreduce!r} (nccl / oneshot are the "
+            "standard workload's)"
+        )
+    if world > 1 and weights == "shard":
+        source_config(cfg, world)  # tp_shape divisible by tp_world (ConfigError is a ValueError)
     fn = parse_front_norm(front_norm, b * t)
     check_usable(cfg, specs, b, t, world, fn)
-    p = Plan(cfg, specs, b, t, s, world, preset, fn)
+    p = Plan(cfg, specs, b, t, s, world, preset, fn, weights=weights)
     launches = p.launches()
     per_kind: dict[str, int] = {}
     for s_ in specs:
@@ -325,6 +372,10 @@ def plan(
         },
         default=str,
     )
+    if world > 1:
+        cj = json.loads(p.meta["config_json"])
+        cj |= {"allreduce": ALLREDUCE, "weights": weights}
+        p.meta["config_json"] = json.dumps(cj, default=str)
     p.meta["notes"] = "; ".join(cfg.notes) + (
         "; tp_world 1: no all-reduce runs" if world == 1 else ""
     )
@@ -537,20 +588,42 @@ def specialized(**opts: Any) -> Workload:
     preset (kimi-k3 | tiny), tp_shape, batch, tokens_per_seq (1..8), layers ("kda,mla",
     "dense,kda,mla": layer 0's attention + dense MLP first, ...),
     seed, context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16), device (cuda),
-    tp_world (1); and front_norm (0 | 1 | auto): the post-attention RMSNorm in the MoE front
+    tp_world (1 | 2); and front_norm (0 | 1 | auto): the post-attention RMSNorm in the MoE front
     kernel's prologue, one launch less per layer (default 0: the two halves as they stand).
+
+    tp_world 2 (one process per rank, started by decodescope.tracer.distributed): joins the
+    process group as the standard workload does (``standard.comm.init_from_env``), builds this
+    rank's weights exactly as the standard workload does for the same ``weights`` option (rank |
+    shard, kernels/sharding.py: the same seed gives the same tensors on both paths), and routes
+    the reductions through the fused peer-memory kernels (:func:`enable_tp2`; ``allreduce`` is
+    ``fused``, the only value).
     """
     import torch
 
     p = plan(**opts)
     device = opts.get("device")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, wts = 0, None
+    if p.tp_world > 1:
+        from decodescope.kernels import sharding
+        from decodescope.kernels.standard.comm import init_from_env
+
+        rank, dev = init_from_env(p.tp_world)  # multicast env vars forced off there
+        _require_gpu(dev)
+        wts = sharding.build_rank_weights(p.cfg, p.specs, p.seed, rank, p.tp_world, p.weights, dev)
     _require_gpu(dev)
     model = SpecializedModel(
-        p.cfg, p.specs, p.batch, p.tokens, seed=p.seed, device=dev, front_norm=p.front_norm
-    )
+        p.cfg, p.specs, p.batch, p.tokens, seed=p.seed, device=dev, weights=wts,
+        front_norm=p.front_norm,
+    )  # fmt: skip
+    if p.tp_world > 1:
+        if p.weights == "shard":
+            sharding.shard_model_state_(model, rank, p.tp_world)
+        start_tp2(model)
     meta = dict(p.meta)
     config = json.loads(meta["config_json"])
+    if p.tp_world > 1:
+        config["rank"] = rank
     first = [True]
 
     def update_meta() -> None:
@@ -593,3 +666,31 @@ def enable_tp2(model: SpecializedModel, ws) -> None:
     from decodescope.kernels.specialized import tp2
 
     tp2.install(model, ws)
+
+
+def start_tp2(model: SpecializedModel, ws=None) -> None:
+    """Both ranks of a tp_world 2 group: compile every kernel of the step, then route the
+    reductions through the fused kernels (``ws``: a ``comm.PeerWorkspace``, made here when
+    None). Compiling first matters: a rank still compiling while its peer spins in a fused
+    kernel would let the peer's 2 s spin time out. The compile step is the single-GPU step
+    (each kernel the tp_world 2 step launches except the fused ones, which compile from their
+    plans), run on a copy of the decode state that is put back afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    from decodescope.kernels.specialized import comm, tp2
+
+    saved = [{k: v.clone() for k, v in st.items()} for st in model.states]
+    model.warmup()  # compiles (single-GPU kernels, this rank's weights; outputs discarded)
+    for st, sv in zip(model.states, saved, strict=True):
+        for k, v in sv.items():
+            st[k].copy_(v)
+    del saved
+    if ws is None:
+        ws = comm.PeerWorkspace.create(device=model.device)  # collective
+    enable_tp2(model, ws)
+    tp2.precompile(model)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    if dist.is_initialized():
+        dist.barrier()  # both ranks compiled: the first fused launch pairs within the spin limit

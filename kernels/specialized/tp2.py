@@ -9,7 +9,15 @@ Per layer, on both ranks:
   tile travels, each CTA prefetches a share of the MoE front kernel's packed weights into L2;
 - MoE: the back end ``latent_norm+latent_up+add`` becomes
   ``latent_allreduce+latent_norm+latent_up+shared_allreduce+add``
-  (:func:`.moe_allreduce.moe_allreduce`), prefetching the next layer's first GEMM weights.
+  (:func:`.moe_allreduce.moe_allreduce`), prefetching the next layer's first GEMM weights;
+- dense MLP (K3's layer 0): the ``down`` launch becomes ``down+allreduce``: the o_proj fused
+  kernel on the dense down projection (``act @ dense_w2^T``, row-parallel like o_proj) with a
+  zero residual, so it writes ``bf16(P_0 + P_1)``, the all-reduced MLP output (the next layer's
+  ``input_residual_norm`` adds it to the residual stream, as at tp_world 1).
+
+:func:`precompile` compiles the fused kernels a model will launch: call it on both ranks, then
+a barrier, before the first step (a rank still compiling while its peer spins would let the
+peer's 2-second spin time out).
 
 Launch counts do not change (the reductions ride inside existing launches). Both ranks must
 build the same layers and run the same steps (every launch pairs with the peer's). Weights
@@ -27,6 +35,7 @@ from decodescope.kernels.specialized import oproj_allreduce as _oa
 
 OP_OPROJ = "o_proj+allreduce+residual"
 OP_BACK = "latent_allreduce+latent_norm+latent_up+shared_allreduce+add"
+OP_DENSE_DOWN = "down+allreduce"  # dense MLP's down projection + all-reduce (block "mlp")
 PREFETCH_BYTES = 16 << 20  # at most this much of the next op's weights per prefetch
 
 
@@ -49,14 +58,71 @@ def _first_gemm_weight(w: dict) -> torch.Tensor | None:
 def install(model, ws: comm.PeerWorkspace) -> None:
     """Patch ``model`` (a SpecializedModel built with tp_world 2 per-rank weights) in place."""
     n = len(model.specs)
+    dense = getattr(model, "dense", [None] * n)
     for i in range(n):
-        attn, moe = model.attn[i], model.moe[i]
-        nxt = _head(moe.w_front) if moe is not None else None
+        attn, moe, mlp = model.attn[i], model.moe[i], dense[i]
+        following = _head(_first_gemm_weight(model.weights[i + 1])) if i + 1 < n else None
+        if moe is not None:
+            nxt = _head(moe.w_front)
+        elif mlp is not None:
+            nxt = _head(mlp.w["dense_w13"])
+        else:
+            nxt = None
         _patch_attn(attn, ws, nxt)
         if moe is not None:
-            following = _head(_first_gemm_weight(model.weights[i + 1])) if i + 1 < n else None
             _patch_moe(moe, ws, following)
+        if mlp is not None:
+            _patch_dense(mlp, ws, following)
     model.tp2_workspace = ws
+
+
+def _patch_dense(mlp, ws, prefetch) -> None:
+    """``down`` -> ``down+allreduce``: the o_proj fused kernel with a zero residual."""
+    orig = mlp.stages
+    mlp.zero_residual = torch.zeros(mlp.N, mlp.cfg.hidden, dtype=torch.bfloat16,
+                                    device=mlp.act.device)  # fmt: skip
+
+    def stages(r, x_out):
+        out = []
+        for op, fn in orig(r, x_out):
+            if op == "down":
+                op = OP_DENSE_DOWN
+                fn = lambda x_out=x_out: _oa.oproj_allreduce(  # noqa: E731
+                    ws, mlp.act, mlp.w["dense_w2"], mlp.zero_residual, x_out, prefetch=prefetch
+                )
+            out.append((op, fn))
+        return out
+
+    mlp.stages = stages
+
+
+def fused_plans(model, sms: int | None = None) -> list:
+    """The fused kernels' plans (``OProjARPlan`` / ``MoeARPlan``) ``model`` launches at tp_world
+    2, from its tensors' shapes (the keys the launches compile under)."""
+    from decodescope.kernels.specialized.router_topk import pdl_enabled
+
+    sms = sms if sms is not None else _oa.device_sms(model.device)
+    dense = getattr(model, "dense", [None] * len(model.specs))
+    plans: list = []
+    for attn, moe, mlp in zip(model.attn, model.moe, dense, strict=True):
+        n, k = attn.w["o_proj"].shape
+        plans.append(_oa.OProjARPlan(m=model.N, k=k, n=n, sms=sms))
+        if mlp is not None:
+            n, k = mlp.w["dense_w2"].shape
+            plans.append(_oa.OProjARPlan(m=model.N, k=k, n=n, sms=sms))
+        if moe is not None:
+            T, L = moe.acc.shape
+            H = moe.latent_up.shape[0]
+            plans.append(_ma.MoeARPlan(T, L, H, float(moe.cfg.eps), True, sms, pdl_enabled()))
+    return list(dict.fromkeys(plans))
+
+
+def precompile(model) -> int:
+    """Compile every fused kernel ``model`` launches (no launch); returns how many plans."""
+    plans = fused_plans(model)
+    for p in plans:
+        (_oa.compile_plan if isinstance(p, _oa.OProjARPlan) else _ma.compile_plan)(p)
+    return len(plans)
 
 
 def _patch_attn(attn, ws, prefetch) -> None:

@@ -1,0 +1,131 @@
+"""The ``specialized`` workload at tp_world 2 on a CPU: option handling and names (``plan``),
+the dense layer's down+allreduce hook and the fused plans (tiny preset, kernels recorded, not
+compiled), and scripts/gpu_steps_tp2.py --dry-run (two gloo processes: the factory's tp_world 2
+path for real, the specialized step emulated by a standard model on the same weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from decodescope.kernels.specialized import step as S  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(preset="tiny", tp_shape=2, batch=2, layers="dense,kda,mla")
+
+
+def test_plan_tp_world_2_names_and_meta():
+    p = S.plan(**TINY, tp_world=2)
+    assert p.meta["tp_world"] == 2
+    cfg = json.loads(p.meta["config_json"])
+    assert (cfg["allreduce"], cfg["weights"]) == ("fused", "rank")
+    r = cfg["ranges"]
+    assert "layer.0.mlp.down+allreduce" in r["layer.0:dense"]
+    assert "layer.0.attn.o_proj+allreduce+residual" in r["layer.0:dense"]
+    back = "layer.1.moe.latent_allreduce+latent_norm+latent_up+shared_allreduce+add"
+    assert back in r["layer.1:kda"]
+    assert not any(o.endswith(".o_proj") or o.endswith(".down") for v in r.values() for o in v)
+    # launch counts do not change: the reductions ride inside existing launches
+    one = json.loads(S.plan(**TINY).meta["config_json"])
+    assert cfg["launches"] == one["launches"]
+    assert set(cfg["op_impl"].values()) == {S.CUTE}
+    assert "allreduce" not in one
+
+
+@pytest.mark.parametrize(
+    "opts, words",
+    [
+        ({"tp_world": 3}, ["tp_world=3", "two-rank"]),
+        ({"tp_world": 0}, ["tp_world", ">= 1"]),
+        ({"tp_world": 2, "allreduce": "oneshot"}, ["fused", "oneshot"]),
+        ({"tp_world": 2, "weights": "all"}, ["weights", "rank, shard"]),
+        ({"tp_world": 2, "weights": "shard", "tp_shape": 1}, ["tp_shape 1", "tp_world 2"]),
+    ],
+)
+def test_plan_tp_world_refusals(opts, words):
+    with pytest.raises(ValueError) as ei:
+        S.plan(**{**TINY, **opts})
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+
+
+def test_factory_without_process_group_says_how_to_start():
+    """tp_world 2 outside the launcher: one line naming the missing variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    code = ("from decodescope.kernels.specialized import step as S\n"
+            "S.specialized(preset='tiny', tp_shape=2, batch=1, tp_world=2)")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)  # fmt: skip
+    assert p.returncode != 0
+    assert "one process per rank" in p.stderr and "RANK" in p.stderr, p.stderr[-2000:]
+
+
+def test_enable_tp2_dense_down_and_fused_plans(monkeypatch):
+    """The dense layer's down launch becomes the o_proj fused kernel on dense_w2 with a zero
+    residual (writes the all-reduced MLP output); ``fused_plans`` lists every fused kernel the
+    step launches (the keys the launches compile under)."""
+    from decodescope.kernels.specialized import comm, tp2
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import moe_allreduce as ma
+    from decodescope.kernels.specialized import oproj_allreduce as oa
+
+    keys, calls = [], []
+
+    def record(key, build):
+        keys.append(key)
+        return lambda *a, **k: calls.append((key, a))
+
+    monkeypatch.setattr(itf, "compiled", record)
+    p = S.plan(**TINY)
+    m = S.SpecializedModel(p.cfg, p.specs, p.batch, 1, device="cpu")
+    dev = torch.device("cpu")
+    i32 = torch.int32
+    ws = comm.PeerWorkspace(0, 2, torch.zeros(comm.FLAG_SLOTS, dtype=i32, device=dev),
+                            torch.zeros(2, 16, device=dev),
+                            torch.zeros(comm.FLAG_SLOTS, dtype=i32, device=dev),
+                            torch.zeros(2, 16, device=dev), torch.zeros(4, dtype=i32, device=dev))  # fmt: skip
+    S.enable_tp2(m, ws)
+    dense = m.dense[0]
+    ops = [op for op, _ in dense.stages(m.rs[0], m.xs[0])]
+    assert ops[-1] == tp2.OP_DENSE_DOWN and "down" not in ops
+    m.step()
+    oa_calls = [(k, a) for k, a in calls if k[0] == "oproj_allreduce"]
+    assert len(oa_calls) == 4  # 3 o_proj + the dense down
+    down = [a for k, a in oa_calls if k[1].k == p.cfg.dense_inter]
+    assert len(down) == 1
+    o, w, r, r_out = down[0][:4]
+    assert o is dense.act and w is dense.w["dense_w2"] and r_out is m.xs[0]
+    assert r is dense.zero_residual and not bool(r.any())
+    assert down[0][5] > 0  # prefetch: the next layer's first GEMM weights
+    plans = tp2.fused_plans(m)
+    launched = {k[1] for k, _ in calls if k[0] in ("oproj_allreduce", "moe_allreduce")}
+    assert set(plans) == launched
+    assert sum(isinstance(x, ma.MoeARPlan) for x in plans) == 1  # kda and mla share it
+    assert tp2.precompile(m) == len(plans)
+    assert isinstance(plans[0], oa.OProjARPlan)
+
+
+def test_gpu_steps_tp2_dry_run(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_steps_tp2.py"), "--dry-run", "--out",
+         str(tmp_path), "--batches", "1,2", "--draws", "1", "--budget", "300"],
+        capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    got = {(r["rank"], r["case"], r["check"]) for r in rows if r.get("ok")}
+    for rank in (0, 1):
+        for case in ("b1", "b2"):
+            for check in ("built", "same weights (standard and specialized, this rank)",
+                          "fused kernels launched (the factory's first step)", "eager"):  # fmt: skip
+                assert (rank, case, check) in got, (rank, case, check)
+    assert not [r for r in rows if r.get("ok") is False]
+    assert "PASS: 0 failing" in p.stdout.splitlines()[-1]
