@@ -276,7 +276,10 @@ def bench_cmd(
         1, "--tp-world", help="GPUs that really run (one process per rank, real all-reduces)."
     ),
     allreduce: str = typer.Option(
-        "nccl", "--allreduce", help="Standard path's all-reduce at --tp-world > 1: nccl|oneshot."
+        "nccl",
+        "--allreduce",
+        help="Standard path's all-reduce at --tp-world > 1: nccl|oneshot (the specialized path "
+        "reduces inside its fused kernels, --tp-world 2 only).",
     ),
 ) -> None:
     """Run both decode paths under CUDA graphs, capture, and print the reference-style table."""

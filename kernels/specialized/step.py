@@ -647,6 +647,11 @@ def specialized(**opts: Any) -> Workload:
             model.step()  # eager, outside capture: warms up and routes the new inputs
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
+        if p.tp_world > 1:
+            import torch.distributed as dist
+
+            model.tp2_workspace.check()  # a spin that timed out: the pair is out of step
+            dist.barrier()  # both ranks aligned before what the caller runs next (capture)
         update_meta()
 
     refresh()
