@@ -67,12 +67,12 @@ DRY = False  # --dry-run: CPU + gloo, the fused kernels emulated by torch + dist
 
 def sync() -> None:
     if not DRY:
-        sync()
+        torch.cuda.synchronize()
 
 
 def sleep_gpu(cycles: int) -> None:
     if not DRY:
-        sleep_gpu(cycles)
+        torch.cuda._sleep(cycles)
 
 
 class Graph:
