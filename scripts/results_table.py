@@ -1,4 +1,11 @@
-"""Print the README's results section (markdown) from the committed results dataset."""
+"""Print the README's results section (markdown) from the committed results dataset.
+
+    python scripts/results_table.py [results]
+
+Every figure comes from the runs in the dataset: the newest run of each setup (preset, tp_shape,
+tp_world, batch, tokens per sequence, backend) is shown; the text names their commits, dates,
+GPU and the copy-bandwidth range they measured.
+"""
 
 from __future__ import annotations
 
@@ -9,72 +16,106 @@ from decodescope.tracer.dataset import read_runs
 from decodescope.ui import cmd_bench
 from decodescope.ui.cmd_demo import _pairs
 
+KINDS = ("dense", "kda", "mla")
+DESCRIBE = {
+    "dense": "the dense layer 0 (KDA attention, dense MLP)",
+    "kda": "a KDA layer",
+    "mla": "a gated-MLA layer (each with its LatentMoE block)",
+}
+
+
+def _batch(batch: int, tps: int) -> str:
+    return f"{batch}" if tps == 1 else f"{batch}x{tps}"
+
 
 def main(path: str = "results") -> None:
     runs = read_runs(Path(path))
     pairs = _pairs(runs)
-    commits = sorted({(r.meta.git_commit or "?")[:10] for r in runs})
-    dates = sorted({str(r.meta.created_at)[:16] for r in runs})
-    gpu = runs[0].meta.gpu
+    shown = [r for by in pairs.values() for r in by.values()]
+    commits = sorted({(r.meta.git_commit or "?")[:7] for r in shown})
+    dates = sorted({str(r.meta.created_at)[:16] for r in shown})
+    bws = sorted(r.meta.copy_bw_tbs for r in shown if r.meta.copy_bw_tbs)
+    gpu = shown[0].meta.gpu
+    worlds = sorted({k[2] for k in pairs})
+    kinds = {r["layer_kind"] for x in shown for r in cmd_bench.kind_rows(x, "", 1, 1)}
     print(
-        f"Measured by `decodescope bench` on one {gpu} (tp_world 1: the per-rank shapes of TP8 "
-        f"and TP16 without communication), runs of {dates[0]} to {dates[-1]} UTC, commits "
-        f"{', '.join(commits)} (the newest run of each setup is shown; `results/` keeps them "
-        "all); each figure the median over 30 CUDA-graph replays of one KDA and one gated-MLA "
-        "layer, each with its LatentMoE block, BF16 experts. Batch `1x8` is the verify step of "
-        "speculative decoding: 1 sequence of 1+7 tokens. The floor is the layer's bytes "
-        "(weights, the experts the batch's routing selected, state, cache) over the copy "
-        "bandwidth measured in the same process (4.10-4.18 TB/s); runs of commit 688d6c5 did "
-        "not record the bandwidth yet.\n"
+        f"Measured by `decodescope bench` on {gpu} GPUs (tp_world 1: one GPU running the "
+        f"per-rank shapes of TP8 and TP16 without communication"
+        + (", tp_world 2: two GPUs on NVLink with real all-reduces" if 2 in worlds else "")
+        + f"), runs of {dates[0]} to {dates[-1]} UTC, commit(s) {', '.join(commits)} (the "
+        "newest run of each setup is shown; `results/` keeps them all). Each figure is the "
+        "median over 30 CUDA-graph replays of one decode step of "
+        + ", ".join(DESCRIBE[k] for k in KINDS if k in kinds)
+        + ", BF16 weights. Batch `BxT` is "
+        "the verify step of speculative decoding: B sequences of 1+7 tokens. The floor is the "
+        "layer's bytes (weights, the experts the batch's routing selected, state, cache) over "
+        "the copy bandwidth measured in the same process"
+        + (f" ({bws[0]:.2f}-{bws[-1]:.2f} TB/s)" if bws else "")
+        + ".\n"
     )
     print(
-        "| tp_shape | batch | kind | std kernels | spec kernels | std us | spec us | speedup "
-        "| floor us | std / floor | spec / floor | commit |"
+        "| tp_shape | tp_world | batch | kind | std kernels | spec kernels | std us | spec us "
+        "| speedup | floor us | std / floor | spec / floor | commit |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     proj = []
-    commit: dict[tuple, str] = {}
-    for (_preset, tp, batch, tps), by in sorted(
-        pairs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3])
+    for (_preset, tp, tpw, batch, tps), by in sorted(
+        pairs.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][4], kv[0][3])
     ):
         rows = {}
-        commit[(tp, batch, tps)] = ", ".join(
-            sorted({(r.meta.git_commit or "?")[:7] for r in by.values()})
-        )
+        commit = ", ".join(sorted({(r.meta.git_commit or "?")[:7] for r in by.values()}))
         for backend, run in by.items():
             for r in cmd_bench.kind_rows(run, backend, batch, tps):
                 rows[(backend, r["layer_kind"])] = r
-        allrows = list(rows.values())
-        for p in cmd_bench.projections(allrows, 6.0):
-            proj.append((tp, p))
-        for kind in ("kda", "mla"):
+        for p in cmd_bench.projections(list(rows.values()), 6.0):
+            proj.append((tp, tpw, p))
+        for kind in KINDS:
             s, p = rows.get(("standard", kind)), rows.get(("specialized", kind))
-            if not s or not p:
+            if not s and not p:
                 continue
-            fl = s.get("floor_us") or p.get("floor_us")
-            f = (lambda x: f"{x:.2f}") if fl else (lambda x: "-")
+            fl = (s or {}).get("floor_us") or (p or {}).get("floor_us")
+
+            def cell(r, key, fmt):
+                return fmt.format(r[key]) if r and r.get(key) is not None else "-"
+
+            ratio = f"{s['span_us'] / p['span_us']:.2f}x" if s and p else "-"
+            s_eff = f"{s['span_us'] / fl:.2f}" if s and fl else "-"
+            p_eff = f"{p['span_us'] / fl:.2f}" if p and fl else "-"
             print(
-                f"| {tp} | {batch}{'' if tps == 1 else f'x{tps}'} | {kind} | {s['kernels']:.0f} "
-                f"| {p['kernels']:.0f} | {s['span_us']:,.1f} | {p['span_us']:,.1f} "
-                f"| {s['span_us'] / p['span_us']:.2f}x | {f'{fl:,.1f}' if fl else '-'} "
-                f"| {f(s['span_us'] / fl) if fl else '-'} | {f(p['span_us'] / fl) if fl else '-'} "
-                f"| {commit[(tp, batch, tps)]} |"
+                f"| {tp} | {tpw} | {_batch(batch, tps)} | {kind} | {cell(s, 'kernels', '{:.0f}')} "
+                f"| {cell(p, 'kernels', '{:.0f}')} | {cell(s, 'span_us', '{:,.1f}')} "
+                f"| {cell(p, 'span_us', '{:,.1f}')} | {ratio} | {f'{fl:,.1f}' if fl else '-'} "
+                f"| {s_eff} | {p_eff} | {commit} |"
             )
+    dense = {p["dense_layer"] for _, _, p in proj}
     print(
-        "\nPROJECTION (not a served-request measurement): the full model's decode step as "
-        "69 KDA + 24 MLA layer spans (the dense layer 0 and everything outside the layers are "
-        "not measured and not included), tok/s = batch / step:\n"
+        "\nPROJECTION (not a served-request measurement): the full model's decode step as the "
+        "sum of 69 KDA + 24 MLA layer spans"
+        + (
+            " + the measured dense layer 0"
+            if dense == {"measured"}
+            else " (the dense layer 0 is included only where it was measured: "
+            + ", ".join(sorted(dense))
+            + ")"
+        )
+        + "; nothing outside the layers (embedding, lm_head, sampling) is included; "
+        "tok/s = batch / step, or batch x 6 accepted tokens / step for the verify step "
+        "(synthetic acceptance 6):\n"
     )
-    print("| tp_shape | batch | std step ms | spec step ms | std tok/s | spec tok/s | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| tp_shape | tp_world | batch | std step ms | spec step ms | std tok/s | spec tok/s "
+        "| ratio |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     keyed = {}
-    for tp, p in proj:
-        keyed[(tp, p["batch"], p["tokens_per_seq"], p["backend"])] = p
-    for tp, batch, tps in sorted({(k[0], k[1], k[2]) for k in keyed}):
-        s, p = keyed.get((tp, batch, tps, "standard")), keyed.get((tp, batch, tps, "specialized"))
+    for tp, tpw, p in proj:
+        keyed[(tpw, tp, p["tokens_per_seq"], p["batch"], p["backend"])] = p
+    for tpw, tp, tps, batch in sorted({k[:4] for k in keyed}):
+        s = keyed.get((tpw, tp, tps, batch, "standard"))
+        p = keyed.get((tpw, tp, tps, batch, "specialized"))
         if s and p:
             print(
-                f"| {tp} | {batch}{'' if tps == 1 else f'x{tps}'} | {s['step_us'] / 1e3:.2f} "
+                f"| {tp} | {tpw} | {_batch(batch, tps)} | {s['step_us'] / 1e3:.2f} "
                 f"| {p['step_us'] / 1e3:.2f} | {s['tok_s']:,.1f} | {p['tok_s']:,.1f} "
                 f"| {p['tok_s'] / s['tok_s']:.2f}x |"
             )

@@ -21,11 +21,12 @@ RUNS = REPO / "data" / "runs"
 
 
 def _pairs(runs) -> dict[tuple, dict[str, object]]:
-    """(preset, tp_shape, batch, tokens_per_seq) -> {backend: run}, newest run per backend."""
+    """(preset, tp_shape, tp_world, batch, tokens_per_seq) -> {backend: run}, the newest run per
+    backend."""
     out: dict[tuple, dict[str, object]] = {}
     for r in sorted(runs, key=lambda r: str(r.meta.created_at)):
         m = r.meta
-        key = (m.preset, m.tp_shape, m.batch, m.tokens_per_seq or 1)
+        key = (m.preset, m.tp_shape, m.tp_world or 1, m.batch, m.tokens_per_seq or 1)
         out.setdefault(key, {})[m.backend] = r
     return out
 
@@ -45,18 +46,18 @@ def demo(
         pairs = _pairs(all_runs)
         if pairs:
             console.print(f"[bold]Bundled H200 results[/] ({results}, {len(all_runs)} runs)")
-        setups = sorted({(k[0], k[1]) for k in pairs}, key=lambda s: (str(s[0]), s[1] or 0))
-        for preset, tp in setups:
+        setups = sorted({k[:3] for k in pairs}, key=lambda s: (str(s[0]), s[1] or 0, s[2]))
+        for preset, tp, tpw in setups:
             rows = []
-            for (p_, tp_, batch, tps), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
-                if (p_, tp_) != (preset, tp):
+            for (p_, tp_, tpw_, batch, tps), by in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+                if (p_, tp_, tpw_) != (preset, tp, tpw):
                     continue
                 for backend, run in by.items():
                     rows.extend(cmd_bench.kind_rows(run, backend, batch, tps))
             if not rows:
                 continue
             m = next(r.meta for r in all_runs if (r.meta.preset, r.meta.tp_shape) == (preset, tp))
-            line = f"{m.gpu} x1, tp_shape {tp}, tp_world {m.tp_world or 1}, {preset}"
+            line = f"{m.gpu} x{tpw}, tp_shape {tp}, tp_world {tpw}, {preset}"
             console.print(cmd_bench._layer_table(rows, line))
             prows = cmd_bench.projections(rows, 6.0)
             if prows:
@@ -65,11 +66,11 @@ def demo(
             console.print(cmd_bench._reference_table())
             both = [(k, by) for k, by in pairs.items() if {"standard", "specialized"} <= set(by)]
             # the reference's figure is one layer at batch 1: show that pair, TP8 shapes first
-            both.sort(key=lambda kv: (kv[0][2] or 0, kv[0][1] != 8, kv[0][3], str(kv[0])))
+            both.sort(key=lambda kv: (kv[0][3] or 0, kv[0][2], kv[0][1] != 8, kv[0][4], str(kv[0])))
             if both:
                 from decodescope.ui.cmd_compare import print_compare
 
-                (preset, tp, batch, tps), by = both[0]
+                (preset, tp, _tpw, batch, tps), by = both[0]
                 console.rule(
                     f"layer by layer, {preset} tp_shape {tp} batch {batch}: "
                     "A = standard, B = specialized"
