@@ -134,6 +134,8 @@ def test_back_mma_compiles(preset, tp):
 
 def test_back_variant(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
+    assert bm.back_variant(64, 3584, 7168) == "simt"  # default until it ran on the H200
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "auto")
     assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 64, 65)] == [
         "simt", "mma", "mma", "simt",
     ]  # fmt: skip
@@ -169,8 +171,10 @@ def test_moe_experts_variant_env(monkeypatch):
     assert me.kernel_variant() == ("auto", 0)
     _, d = _dims("kimi-k3", 8)
     dims = (d["E"], d["K"], d["L"], d["I"], d["H"], d["S"])
-    assert me.resolve_variant("auto", 64, *dims) == "pipe"
-    assert me.resolve_variant("auto", 64, *dims, stages=5) == "old"  # 5 slots do not fit
+    assert me.resolve_variant("auto", 1, *dims) == "pipe"
+    assert me.resolve_variant("auto", 8, *dims) == "old"  # measured: old is faster from 8 on
+    assert me.resolve_variant("auto", 1, *dims, stages=5) == "old"  # 5 slots do not fit
+    assert me.resolve_variant("pipe", 64, *dims) == "pipe"
     assert me.resolve_variant("old", 1, *dims) == "old"
 
 

@@ -12,7 +12,8 @@ lane turns its 8 FP32 values of token g into ``bf16(acc * rstd * latent_norm)``,
 the SIMT kernel and the reference apply. The epilogue adds the shared experts' FP32 output and
 rounds once to BF16.
 
-Launch count: 1 (replaces ``UpProjSharedAdd`` from 8 tokens on; ``DECODESCOPE_MOE_BACK``).
+Launch count: 1 (replaces ``UpProjSharedAdd`` with ``DECODESCOPE_MOE_BACK=auto`` from 8 tokens
+on, or ``mma``; the default stays ``simt`` until this kernel has passed its H200 checks).
 """
 
 from __future__ import annotations
@@ -215,9 +216,10 @@ def _build(T, L, H, eps, pdl=True):
 
 
 def back_variant(T: int, L: int, H: int) -> str:
-    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: tensor cores from 8 tokens on, where the
-    shapes allow), ``mma`` or ``simt`` (``up_proj_shared_add``). Read at each call."""
-    v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
+    """``DECODESCOPE_MOE_BACK``: ``simt`` (default: ``up_proj_shared_add``; this kernel has not
+    run on a GPU yet), ``mma`` (this kernel) or ``auto`` (this kernel for 8..64 tokens where
+    the shapes allow). Read at each call."""
+    v = os.environ.get("DECODESCOPE_MOE_BACK", "simt")
     if v not in ("auto", "mma", "simt"):
         raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected 'auto', 'mma' or 'simt'")
     if v == "auto":

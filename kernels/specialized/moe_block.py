@@ -13,9 +13,11 @@
  3      ``latent_norm+latent_up+add``                                ``up_proj_shared_add``
 =====  ==========================================================  ===========================
 
-From 8 tokens on, kernels 1 and 3 are ``front_mma.FrontMma`` and ``back_mma.BackMma`` (the
-same outputs on tensor cores; ``DECODESCOPE_MOE_FRONT`` / ``DECODESCOPE_MOE_BACK`` pick); kernel 2 is ``moe_experts.MoeExpertsPipe`` unless
-``DECODESCOPE_MOE_EXPERTS=old``.
+From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor cores;
+``DECODESCOPE_MOE_FRONT`` picks); kernel 3 is ``back_mma.BackMma`` with
+``DECODESCOPE_MOE_BACK=auto|mma`` (default ``up_proj_shared_add``); kernel 2 is
+``moe_experts.MoeExpertsPipe`` below 8 tokens and ``MoeExperts`` from 8 on
+(``DECODESCOPE_MOE_EXPERTS`` picks).
 
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
@@ -144,8 +146,8 @@ class SpecializedMoE:
             )
 
     def back(self, out: torch.Tensor) -> None:
-        """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 8 tokens on, else
-        ``up_proj_shared_add`` (``DECODESCOPE_MOE_BACK`` overrides: ``mma`` / ``simt``)."""
+        """Kernel 3: ``up_proj_shared_add``, or ``back_mma.BackMma`` (tensor cores) with
+        ``DECODESCOPE_MOE_BACK=auto`` (from 8 tokens on) or ``mma``."""
         args = (self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps)
         with self._r(OPS[2]):
             if _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden) == "mma":

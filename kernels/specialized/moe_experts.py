@@ -956,8 +956,8 @@ class MoeExpertsPipe(MoeExperts):
 def kernel_variant() -> tuple[str, int]:
     """Which expert kernel runs: ``DECODESCOPE_MOE_EXPERTS=pipe`` (weights streamed into shared
     memory by bulk copies, :class:`MoeExpertsPipe`), ``old`` (:class:`MoeExperts`, weights
-    loaded into registers per tile) or ``auto`` (default: the pipe where its ring of at least
-    two slots fits in shared memory, else the old kernel: :func:`resolve_variant`);
+    loaded into registers per tile) or ``auto`` (default, :func:`resolve_variant`: the pipe
+    below 8 tokens, the old kernel from 8 on, as measured on the H200 at 15:15);
     ``DECODESCOPE_MOE_STAGES`` (0 = as many as fit, at most 4) sets the pipe's ring depth. Read
     at each call, part of the compile key."""
     v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto")
@@ -969,10 +969,18 @@ def kernel_variant() -> tuple[str, int]:
     return v, int(st)
 
 
+# H200, 2026-11-30 15:15 (notes/gpu-logs/s4/moe_ab_tp8.log), TP8 expert kernel old vs pipe:
+# 74.7 vs 63.4 us at 1 token, 397.1 vs 407.4 at 8, 1148.4 vs 1557.8 at 32, 1879.4 vs 2902.7 at 64
+PIPE_BELOW = 8
+
+
 def resolve_variant(v, T, E, K, L, Ie, H, S, stages=0) -> str:
-    """``auto`` -> ``pipe`` where :class:`MoeExpertsPipe` fits these shapes, else ``old``."""
+    """``auto`` -> ``pipe`` below ``PIPE_BELOW`` tokens where :class:`MoeExpertsPipe` fits these
+    shapes, else ``old``."""
     if v != "auto":
         return v
+    if T >= PIPE_BELOW:
+        return "old"
     try:
         MoeExpertsPipe(T, E, K, L, Ie, H, S, 1.0, 1.0, 1.0, 132, stages=stages)
     except ValueError:
