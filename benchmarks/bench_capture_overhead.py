@@ -1,32 +1,40 @@
 """What the capture costs on the real decode step, option by option (issue 3, item 7).
 
     python benchmarks/bench_capture_overhead.py [--workload standard,specialized] [--batch 1,64]
-        [--variants default,kernel,...] [--rounds 4] [--block-ms 25] [--budget-s 290]
-        [--out benchmarks/results/capture_overhead_decode]
+        [--variants default[,launch_none,graph_trace,...]] [--rounds 1] [--blocks 3]
+        [--block-ms 25] [--budget-s 190] [--out benchmarks/results/capture_overhead_decode]
     python benchmarks/bench_capture_overhead.py --workload toy --batch 1      # the old toy
     python benchmarks/bench_capture_overhead.py --range-api                  # CPU: range API alone
 
-One child process per case (workload x batch; preset kimi-k3, tp_shape 8, layers kda,mla unless
-``--opt`` says otherwise), so that CUPTI state never leaks between cases. Inside a case every
-option is switched on and off *in the same process*, block by block, so that drift (clocks,
-temperature, the allocator) cancels instead of landing on one variant:
+One short-lived child process per (case, variant), case = workload x batch (preset kimi-k3,
+tp_shape 8, layers kda,mla unless ``--opt`` says otherwise). A child does what a real capture
+does, and nothing else with CUPTI:
 
-1. build the workload, warm up, capture CUDA graph ``G_pre`` before any CUPTI session;
-2. ``pristine``: a few blocks with no session at all (``G_pre`` and eager steps);
-3. capture ``G`` under the capture's default session (GRAPHNODE callbacks fire, as in a real
-   capture), then stop that session;
-4. ``main``: rounds; each round draws fresh inputs (``refresh``: new random activations, an
-   eager step to route them) and runs one block per variant, the order rotated every round, with
-   ``off`` (no session) twice per round. A block starts a :class:`Session` with the variant's
-   options, times ``G`` replays and eager steps, then counts what the session recorded per step
-   (proof that the variant traced what it claims: kernels per replay, graph records, launch
-   records) and stops it;
-5. ``graph_trace`` last: CUPTI's graph-level records (one record per graph launch, no kernel
-   records) cannot be switched back to kernel-level tracing in a process, so its blocks
-   alternate with ``off`` after everything else.
+1. ``build``: build the workload, warm up, capture CUDA graph ``G0`` (no session yet; NVTX
+   injection set, as in capture children);
+2. ``off``: ``--blocks`` blocks with no session (``G0`` replays and eager steps): the child's own
+   baseline;
+3. ``session``: start ONE :class:`Session` with the variant's options, capture ``G`` under it
+   (GRAPHNODE callbacks fire, as in a real capture);
+4. ``on``: ``--blocks`` blocks (``G`` replays and eager steps), with the records per step counted
+   (proof that the variant traced what it claims);
+5. exit with ``os._exit``: the session is never stopped, nothing is replayed after it.
 
-Figures per block and target (``graph`` = ``G`` replays, ``graph_pre`` = ``G_pre`` replays in the
-off blocks only, ``eager`` = eager steps), each a median of per-step CUDA-event intervals:
+Why (the H200 run of eb72dbd, ``notes/gpu-logs/s4/overhead_decode.log``): the earlier design
+switched sessions on and off inside one process and replayed graphs after ``Session.stop()``
+(which unsubscribes the callback subscriber and disables the kinds); every case died with
+SIGSEGV in ``cuGraphLaunch``. Replaying CUDA graphs after CUPTI callbacks are unsubscribed is a
+known crash (pytorch/pytorch#112507, #150957: Kineto turns CUPTI teardown and lazy re-init off
+when graphs are used). The real capture never does that, and neither does this benchmark now.
+
+Each child prints ``[case/variant] phase ...`` (flushed) before every phase, so a crash names
+where it happened; the parent keeps the child's last phase line in the error. Drift: each child
+compares with its own ``off`` blocks (seconds apart, same process); with ``--rounds N`` the
+children of a case run N times, the variant order rotated each round, and a variant's overhead
+is the median over its children.
+
+Figures per block and target (``graph`` = graph replays, ``eager`` = eager steps), each a median
+of per-step CUDA-event intervals:
 
 - ``natural``: steps back to back, an event between consecutive steps;
 - ``gpu``: the same steps enqueued behind a ``torch.cuda._sleep`` spin long enough to hide the
@@ -34,11 +42,9 @@ off blocks only, ``eager`` = eager steps), each a median of per-step CUDA-event 
   (target <= 2%), since a layer span sees GPU time;
 - ``host``: host microseconds per step while the GPU spins (the launch-side cost).
 
-A case's figure for a variant is the median over its blocks (min-max beside it); overheads are
-against the ``off`` blocks of the same phase. The eager verdict is on ``natural`` (target
-<= 10%): eager layer spans include launch gaps. Block sizes adapt to the step time
-(``--block-ms`` of steps per figure). Prints one table per case, verdict lines last; writes
-``OUT.json`` and ``OUT.txt``.
+The eager verdict is on ``natural`` (target <= 10%): eager layer spans include launch gaps.
+Block sizes adapt to the step time (``--block-ms`` of steps per figure). Prints one table per
+case as it goes, verdict lines last; writes ``OUT.json`` and ``OUT.txt`` after every child.
 
 Variants (``VARIANTS``; ``kind`` names are ``cupti.ActivityKind`` members):
 
@@ -57,7 +63,7 @@ Variants (``VARIANTS``; ``kind`` names are ``cupti.ActivityKind`` members):
 - ``flush_period``: ``cuptiActivityFlushPeriod(20 ms)`` and a chunk written per delivered buffer
   (what program mode does)
 - ``graph_trace``: default + GRAPH_TRACE (graph-level records for graphs, kernel records for
-  eager launches), measured last
+  eager launches)
 - ``graph_trace_only``: GRAPH_TRACE alone (what graph-level tracing costs by itself)
 
 Process-wide settings (a separate run each): ``--no-inject`` (no NVTX_INJECTION64_PATH: no
@@ -76,6 +82,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -101,9 +108,6 @@ VARIANTS: dict[str, dict | None] = {
     "graph_trace": {"kinds": [*_ALL, "GRAPH_TRACE"]},
     "graph_trace_only": {"kinds": ["GRAPH_TRACE"], "launch_records": "none", "graph_nodes": False},
 }
-# one-way variants: once enabled, the process cannot go back (CUPTI: enabling GRAPH_TRACE
-# selects graph-level tracing for the session; disabling it does not restore kernel records)
-LAST = ("graph_trace", "graph_trace_only")
 # what each variant still records completely, per mode (the others are ablations)
 CORRECT = {
     "default": ("graph", "eager"),
@@ -156,26 +160,20 @@ def parse_variants(text: str) -> list[str]:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-    return [v for v in dict.fromkeys(names) if v != "off"]
+    out = [v for v in dict.fromkeys(names) if v != "off"]
+    if not out:
+        raise ValueError("--variants needs at least one variant besides off")
+    return out
 
 
-def round_order(variants: list[str], r: int) -> list[str]:
-    """One main-phase round: the variants (one-way ones excluded) rotated by ``r``, with ``off``
-    at the start and in the middle, so that every round brackets the variants with baselines."""
-    vs = [v for v in variants if v not in LAST and v != "off"]
-    if vs:
-        k = r % len(vs)
-        vs = vs[k:] + vs[:k]
-    half = (len(vs) + 1) // 2
-    return ["off", *vs[:half], "off", *vs[half:]]
-
-
-def last_phase_order(variants: list[str], r: int) -> list[str]:
-    """A round of the last phase: each one-way variant with an ``off`` block beside it, the order
-    flipped every other round."""
-    out: list[str] = []
-    for v in (v for v in LAST if v in variants):
-        out += ["off", v] if r % 2 == 0 else [v, "off"]
+def plan_children(cases: list[str], variants: list[str], rounds: int) -> list[tuple[int, str, str]]:
+    """(round, case, variant) for every child, in run order: round by round, case by case, the
+    variant order rotated every round (so that no variant always runs first in a case)."""
+    out = []
+    for r in range(rounds):
+        k = r % len(variants)
+        order = variants[k:] + variants[:k]
+        out += [(r, case, v) for case in cases for v in order]
     return out
 
 
@@ -213,7 +211,7 @@ def workload_opts(workload: str, batch: str, extra: list[str]) -> dict[str, str]
 
 
 # ---------------------------------------------------------------------------------------------
-# inner: one case (workload x batch) in one process
+# inner: one child = one case (workload x batch) and one variant
 
 
 def _set_attrs(attrs: dict[str, int]) -> list[str]:
@@ -305,10 +303,21 @@ def _figure(torch, fn, n_nat: int, n_gpu: int, cyc_per_us: float) -> dict:
 
 
 def inner(args: argparse.Namespace) -> dict:
+    """One child: one case, one variant; off blocks first (no session), then ONE session started,
+    the graph captured under it, the variant's blocks. Never stops the session (the caller
+    leaves with ``os._exit``): no graph is launched after CUPTI callbacks are unsubscribed."""
     case = json.loads(args.inner)
+    variant = case["variant"]
+    tag = f"[{case['name']}/{variant}]"
     t_start = time.time()
-    deadline = case["deadline"]
-    res: dict = {"case": case["name"], "notes": [], "blocks": []}
+    res: dict = {"case": case["name"], "variant": variant, "round": case.get("round", 0),
+                 "notes": [], "blocks": []}  # fmt: skip
+
+    def phase(name: str) -> None:
+        res["phase"] = name
+        log(f"{tag} phase {name} ({time.time() - t_start:.1f} s)")
+
+    phase("import")
     if case.get("attrs"):
         res["notes"] += _set_attrs(case["attrs"])
     import torch
@@ -321,6 +330,7 @@ def inner(args: argparse.Namespace) -> dict:
     from decodescope.tracer.capture import Session
     from decodescope.tracer.child import _find_workload, env_info
 
+    phase("build")
     t = time.perf_counter()
     wl = _find_workload(case["workload"])(**case["opts"])
     if wl.refresh:
@@ -345,9 +355,10 @@ def inner(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         return g
 
-    g_pre = capture()
+    phase("capture G0 (no session)")
+    g0 = capture()
     res["build_s"] = time.perf_counter() - t
-    # spin clock and step sizes
+    phase("sizing (G0 replays, eager steps; no session)")
     torch.cuda._sleep(1000)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -355,7 +366,7 @@ def inner(args: argparse.Namespace) -> dict:
     b.record()
     b.synchronize()
     cyc = 20_000_000 / (a.elapsed_time(b) * 1e3)
-    g_us = statistics.median(_time_steps(torch, g_pre.replay, 10, None)[0])
+    g_us = statistics.median(_time_steps(torch, g0.replay, 10, None)[0])
     e_us = max(
         statistics.median(_time_steps(torch, eager_step, 5, None)[0]),
         _time_steps(torch, eager_step, 5, None)[1],
@@ -367,111 +378,75 @@ def inner(args: argparse.Namespace) -> dict:
     res["env"] = env_info(
         {"workload_meta": {k: v for k, v in wl.meta.items() if k != "config_json"}}
     )
-    log(f"[{case['name']}] built in {res['build_s']:.0f} s; graph step {g_us:.0f} us x {n_g}, "
+    log(f"{tag} built in {res['build_s']:.0f} s; graph step {g_us:.0f} us x {n_g}, "
         f"eager step {e_us:.0f} us x {n_e}")  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="ds-overhead-"))
-
-    class Counted(Session):
-        """Counts delivered buffers itself (``counts`` resets whenever a chunk is written)."""
-
-        buffers = 0
-
-        def _completed(self, *a):
-            self.buffers += 1
-            super()._completed(*a)
-
-    def block(phase: str, variant: str, graph, targets: list[str]) -> dict:
-        """One block; a failure is recorded in the block (and its session stopped), so one
-        variant that CUPTI refuses fails alone."""
-        rec: dict = {"phase": phase, "variant": variant, "figures": {}, "records": {}}
-        held: list = []
-        try:
-            _measure_block(rec, variant, graph, targets, held)
-        except Exception as e:
-            rec["error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
-            log(f"[{case['name']}] block {rec['phase']}/{variant}: {rec['error']}")
-            for session in held:
-                with contextlib.suppress(Exception):
-                    session.stop()
-        res["blocks"].append(rec)
-        return rec
-
-    def _measure_block(rec: dict, variant: str, graph, targets: list[str], held: list) -> None:
-        opts = VARIANTS[variant]
-        session = None
-        if opts is not None:
-            session = Counted(tmp / f"b{len(res['blocks'])}", **opts)
-            held.append(session)
-            session.start()
-            _take_counts(session)
-        for tgt in targets:
-            fn = (
-                eager_step
-                if tgt == "eager"
-                else (g_pre.replay if tgt == "graph_pre" else graph.replay)
-            )
-            n_nat, n_gpu = sizes["eager" if tgt == "eager" else "graph"]
-            b0 = session.buffers if session else 0
-            f = _figure(torch, fn, n_nat, n_gpu, cyc)
-            if session is not None:
-                f["buffers_in_loop"] = session.buffers - b0
-                counts = _take_counts(session)
-                steps = 1 + n_nat + n_gpu
-                rec["records"][tgt] = {k: v / steps for k, v in counts.items()}
-            rec["figures"][tgt] = f
-        if session is not None:
-            session.stop()
-            rec["callback_errors"] = session.counts.get("callback_errors", 0)
-            if session.errors:
-                rec["notes"] = session.errors[:5]
 
     def refresh() -> None:
         if wl.refresh:
             wl.refresh()
         torch.cuda.synchronize()
 
-    variants = case["variants"]
+    def block(kind: str, graph, session) -> None:
+        rec: dict = {"phase": kind, "variant": "off" if kind == "off" else variant,
+                     "figures": {}, "records": {}}  # fmt: skip
+        for tgt, fn in (("graph", graph.replay), ("eager", eager_step)):
+            n_nat, n_gpu = sizes[tgt]
+            b0 = session.buffers if session else 0
+            f = _figure(torch, fn, n_nat, n_gpu, cyc)
+            if session is not None:
+                f["buffers_in_loop"] = session.buffers - b0
+                counts = _take_counts(session)
+                rec["records"][tgt] = {k: v / (1 + n_nat + n_gpu) for k, v in counts.items()}
+            rec["figures"][tgt] = f
+        res["blocks"].append(rec)
+
     try:
-        for _ in range(args.pristine):
-            block("pristine", "off", g_pre, ["graph_pre", "eager"])
-        # the graph a capture replays: captured under the capture's own session
-        s = Session(tmp / "capture").start()
+        phase(f"off: {args.blocks} blocks, G0 + eager, no session")
+        refresh()
+        for _ in range(args.blocks):
+            block("off", g0, None)
+        opts = VARIANTS[variant]
+        session = None
+        if opts is not None:
+            phase(f"session start ({variant}: {opts or 'the capture defaults'})")
+            tmp = Path(tempfile.mkdtemp(prefix="ds-overhead-"))
+
+            class Counted(Session):
+                """Counts delivered buffers itself (``counts`` resets whenever a chunk is
+                written)."""
+
+                buffers = 0
+
+                def _completed(self, *a):
+                    self.buffers += 1
+                    super()._completed(*a)
+
+            session = Counted(tmp / "s", **opts).start()
+            res["session_errors"] = list(session.errors[:5])
+        phase(f"capture G under the session ({variant})")
         graph = capture()
-        res["graph_nodes_seen"] = len(s._gnode)
-        s.stop()
-        per_block = 0.0
-        n_last = len(last_phase_order(variants, 0))
-        res["rounds"] = 0
-        for r in range(args.rounds):
-            # the first two rounds always run; later ones only if they and the last phase fit
-            need = per_block * (len(round_order(variants, r)) + n_last * args.rounds)
-            if r >= 2 and time.time() + need > deadline:
-                res["notes"].append(f"main phase stopped after {r} rounds (time budget)")
-                break
-            refresh()
-            t_round, order = time.time(), round_order(variants, r)
-            for v in order:
-                tg = ["graph", "graph_pre", "eager"] if v == "off" else ["graph", "eager"]
-                block("main", v, graph, tg)
-            per_block = (time.time() - t_round) / len(order)
-            res["rounds"] += 1
-        for r in range(args.rounds if n_last else 0):
-            if r >= 2 and time.time() + per_block * n_last > deadline:
-                res["notes"].append(f"last phase stopped after {r} rounds (time budget)")
-                break
-            refresh()
-            for v in last_phase_order(variants, r):
-                block("last", v, graph, ["graph", "eager"])
+        if session is not None:
+            res["graph_nodes_seen"] = len(session._gnode)
+        phase(f"refresh + first replay of G ({variant})")
+        refresh()
+        graph.replay()
+        torch.cuda.synchronize()
+        if session is not None:
+            _take_counts(session)
+        phase(f"on: {args.blocks} blocks, G + eager, session {variant}")
+        for _ in range(args.blocks):
+            block("on", graph, session)
+        if session is not None:
+            res["session_errors"] = list(session.errors[:5])
+            res["callback_errors"] = session.counts.get("callback_errors", 0)
+        phase("done (session left running; the process exits without stopping it)")
     except Exception as e:  # keep the blocks measured so far
         import traceback
 
         traceback.print_exc()
         res["failed"] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-        res["notes"].append(f"stopped by {res['failed']}")
-    res["case_s"] = time.time() - t_start
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
+        res["notes"].append(f"stopped by {res['failed']} during {res.get('phase')}")
+    res["child_s"] = time.time() - t_start
     return res
 
 
@@ -483,80 +458,62 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize_case(res: dict) -> dict:
-    """Per target (graph, eager) and variant: medians over blocks, overheads against the off
-    blocks of the same phase, records per step; plus the pristine and instantiate checks."""
-    blocks = res.get("blocks", [])
+def _child_fig(child: dict, kind: str, tgt: str, f: str) -> float:
+    return _med([b["figures"][tgt][f"{f}_us"] for b in child.get("blocks", [])
+                 if b["phase"] == kind and tgt in b["figures"]])  # fmt: skip
+
+
+def summarize_case(children: list[dict]) -> dict:
+    """A case's children -> per target (graph, eager) and variant: the median over children of
+    the variant's figure, and of its overhead against the same child's off blocks; records per
+    step; ``off`` = every child's off blocks."""
+    ok = [c for c in children if c.get("blocks")]
     out: dict = {}
     for tgt in ("graph", "eager"):
-        base: dict[str, dict[str, list[float]]] = {}
-        for ph in ("main", "last"):
-            offs = [
-                b["figures"][tgt]
-                for b in blocks
-                if b["phase"] == ph and b["variant"] == "off" and tgt in b["figures"]
-            ]
-            base[ph] = {f: [x[f"{f}_us"] for x in offs] for f in ("natural", "gpu", "host")}
         rows: dict = {}
-        for v in dict.fromkeys(b["variant"] for b in blocks if b["phase"] in ("main", "last")):
-            for ph in ("main", "last"):
-                bl = [
-                    b
-                    for b in blocks
-                    if b["phase"] == ph and b["variant"] == v and tgt in b["figures"]
-                ]
-                if not bl:
-                    continue
-                key = v if ph == "main" or v != "off" else "off (last phase)"
-                row: dict = {"phase": ph, "blocks": len(bl)}
-                for f in ("natural", "gpu", "host"):
-                    xs = [b["figures"][tgt][f"{f}_us"] for b in bl]
-                    row[f] = _med(xs)
-                    row[f"{f}_min"], row[f"{f}_max"] = min(xs), max(xs)
-                    ref = _med(base[ph][f])
-                    row[f"{f}_overhead"] = row[f] / ref - 1 if ref and ref == ref else float("nan")
-                row["hidden"] = all(b["figures"][tgt]["hidden"] for b in bl)
-                row["buffers_in_loop"] = sum(
-                    b["figures"][tgt].get("buffers_in_loop", 0) for b in bl
-                )
-                recs: dict[str, list[float]] = {}
-                for b in bl:
-                    for k, x in (b["records"].get(tgt) or {}).items():
-                        recs.setdefault(k, []).append(x)
-                row["records_per_step"] = {k: _med(x) for k, x in sorted(recs.items())}
-                rows[key] = row
+        offs = [b for c in ok for b in c["blocks"] if b["phase"] == "off" and tgt in b["figures"]]
+        if offs:
+            row: dict = {"children": len({id(c) for c in ok}), "blocks": len(offs)}
+            for f in ("natural", "gpu", "host"):
+                xs = [b["figures"][tgt][f"{f}_us"] for b in offs]
+                row[f], row[f"{f}_min"], row[f"{f}_max"] = _med(xs), min(xs), max(xs)
+                row[f"{f}_overhead"] = 0.0
+            row["hidden"] = all(b["figures"][tgt]["hidden"] for b in offs)
+            row["buffers_in_loop"], row["records_per_step"] = 0, {}
+            rows["off"] = row
+        for v in dict.fromkeys(c["variant"] for c in ok):
+            cs = [c for c in ok if c["variant"] == v]
+            bl = [b for c in cs for b in c["blocks"] if b["phase"] == "on" and tgt in b["figures"]]
+            if not bl:
+                continue
+            row = {"children": len(cs), "blocks": len(bl)}
+            for f in ("natural", "gpu", "host"):
+                xs = [b["figures"][tgt][f"{f}_us"] for b in bl]
+                row[f], row[f"{f}_min"], row[f"{f}_max"] = _med(xs), min(xs), max(xs)
+                ovs = [_ratio(_child_fig(c, "on", tgt, f), _child_fig(c, "off", tgt, f))
+                       for c in cs]  # fmt: skip
+                ovs = [x for x in ovs if x == x]
+                row[f"{f}_overhead"] = _med(ovs)
+                row[f"{f}_overheads"] = ovs
+            row["hidden"] = all(b["figures"][tgt]["hidden"] for b in bl)
+            row["buffers_in_loop"] = sum(b["figures"][tgt].get("buffers_in_loop", 0) for b in bl)
+            recs: dict[str, list[float]] = {}
+            for b in bl:
+                for k, x in (b["records"].get(tgt) or {}).items():
+                    recs.setdefault(k, []).append(x)
+            row["records_per_step"] = {k: _med(x) for k, x in sorted(recs.items())}
+            rows[v] = row
         out[tgt] = rows
-
-    # checks: pristine (no CUPTI at all) vs off blocks; G_pre vs G in off blocks
-    def fig(phase: str, tgt: str, f: str) -> float:
-        return _med([b["figures"][tgt][f"{f}_us"] for b in blocks
-                     if b["phase"] == phase and b["variant"] == "off" and tgt in b["figures"]])  # fmt: skip
-
     out["checks"] = {
-        "pristine_graph_pre_gpu_us": fig("pristine", "graph_pre", "gpu"),
-        "off_graph_pre_gpu_us": fig("main", "graph_pre", "gpu"),
-        "off_graph_gpu_us": fig("main", "graph", "gpu"),
-        "pristine_eager_natural_us": fig("pristine", "eager", "natural"),
-        "off_eager_natural_us": fig("main", "eager", "natural"),
-        "off_graph_gpu_spread": _spread(
-            [
-                b["figures"]["graph"]["gpu_us"]
-                for b in blocks
-                if b["phase"] == "main" and b["variant"] == "off"
-            ]
-        ),  # fmt: skip
-        "off_eager_natural_spread": _spread(
-            [
-                b["figures"]["eager"]["natural_us"]
-                for b in blocks
-                if b["phase"] == "main" and b["variant"] == "off"
-            ]
-        ),  # fmt: skip
+        "off_graph_gpu_spread": _spread([_child_fig(c, "off", "graph", "gpu") for c in ok]),
+        "off_eager_natural_spread": _spread([_child_fig(c, "off", "eager", "natural") for c in ok]),
+        "g_vs_g0_note": "off = G0 (captured before any session), on = G (captured under it)",
     }
-    out["block_errors"] = [
-        f"{b['phase']}/{b['variant']}: {b['error']}" for b in blocks if b.get("error")
-    ]
-    notes = Counter(f"{b['variant']}: {n}" for b in blocks for n in b.get("notes") or [])
+    out["child_errors"] = [
+        f"{c.get('variant')}: {c['error']}" for c in children if c.get("error")
+    ] + [f"{c.get('variant')}: {c['failed']}" for c in children if c.get("failed")]
+    notes = Counter(f"{c.get('variant')}: {n}" for c in children
+                    for n in (c.get("session_errors") or []) + (c.get("notes") or []))  # fmt: skip
     out["session_notes"] = [f"{k} (x{v})" for k, v in notes.items()]
     out["verdicts"] = verdicts(out)
     return out
@@ -567,6 +524,7 @@ def _ratio(a: float | None, b: float | None) -> float:
 
 
 def _spread(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
     return (max(xs) - min(xs)) / _med(xs) if len(xs) > 1 and _med(xs) else float("nan")
 
 
@@ -578,7 +536,7 @@ def verdicts(summary: dict) -> dict:
         rows = summary.get(mode, {})
         d = rows.get(DEFAULT_VARIANT)
         v: dict = {"figure": f, "target": TARGETS[mode]}
-        if d:
+        if d and d[f"{f}_overhead"] == d[f"{f}_overhead"]:
             v.update(default=d[f"{f}_overhead"], ok=d[f"{f}_overhead"] <= TARGETS[mode])
         ok = [(r[f"{f}_overhead"], name) for name, r in rows.items()
               if mode in CORRECT.get(name, ()) and r[f"{f}_overhead"] == r[f"{f}_overhead"]]  # fmt: skip
@@ -593,41 +551,39 @@ def _pct(x: float | None) -> str:
     return "   n/a" if x is None or x != x else f"{x:+6.1%}"
 
 
-def format_case(res: dict, summary: dict) -> str:
+def format_case(name: str, children: list[dict], summary: dict) -> str:
     w = io.StringIO()
     p = lambda *a: print(*a, file=w)  # noqa: E731
-    if "error" in res:
-        p(f"\n== {res.get('case')}: error: {res['error']}")
+    good = [c for c in children if c.get("blocks")]
+    if not good:
+        for c in children:
+            p(f"\n== {name}/{c.get('variant')}: error: {c.get('error') or c.get('failed')}")
         return w.getvalue()
-    su = res.get("step_us", {})
-    p(f"\n== {res['case']}: graph step {su.get('graph', 0):.0f} us, eager step "
-      f"{su.get('eager', 0):.0f} us; {res.get('rounds')} rounds; built in "
-      f"{res.get('build_s', 0):.0f} s, case {res.get('case_s', 0):.0f} s; graph nodes seen at "
-      f"capture {res.get('graph_nodes_seen')}")  # fmt: skip
-    for n in res.get("notes", []) + summary.get("session_notes", []):
+    c0 = good[0]
+    su = c0.get("step_us", {})
+    p(f"\n== {name}: graph step {su.get('graph', 0):.0f} us, eager step {su.get('eager', 0):.0f} "
+      f"us; {len(children)} children (one per variant and round), each: off blocks, then one "
+      f"session; built in {c0.get('build_s', 0):.0f} s, child {c0.get('child_s', 0):.0f} s; "
+      f"graph nodes seen at capture {c0.get('graph_nodes_seen')}")  # fmt: skip
+    for n in summary.get("session_notes", []):
         p(f"   note: {n}")
-    for n in summary.get("block_errors", [])[:10]:
-        p(f"   block error: {n}")
+    for n in summary.get("child_errors", [])[:10]:
+        p(f"   child error: {n}")
     for mode in ("graph", "eager"):
         f = VERDICT_ON[mode]
-        p(f"  {mode}: us per step, median over blocks (overhead vs off of the same phase); "
-          f"verdict on {f}, target {TARGETS[mode]:.0%}")  # fmt: skip
+        p(f"  {mode}: us per step, median over blocks (overhead: median over children of on vs "
+          f"the child's own off); verdict on {f}, target {TARGETS[mode]:.0%}")  # fmt: skip
         p(f"  {'variant':<24}{'gpu':>10}{'':>8}{'natural':>10}{'':>8}{'host':>9}{'':>8}"
           f"{'min-max gpu':>16} bufs hid  records/step")  # fmt: skip
-        for name, r in summary.get(mode, {}).items():
+        for vname, r in summary.get(mode, {}).items():
             recs = " ".join(f"{k}={v:.1f}" for k, v in r["records_per_step"].items() if v)
-            p(f"  {LABELS.get(name, name):<24}{r['gpu']:>10.1f}{_pct(r['gpu_overhead']):>8}"
+            p(f"  {LABELS.get(vname, vname):<24}{r['gpu']:>10.1f}{_pct(r['gpu_overhead']):>8}"
               f"{r['natural']:>10.1f}{_pct(r['natural_overhead']):>8}{r['host']:>9.1f}"
               f"{_pct(r['host_overhead']):>8}{r['gpu_min']:>8.1f}-{r['gpu_max']:<7.1f}"
               f"{r['buffers_in_loop']:>5} {'y' if r['hidden'] else 'n':>3}  {recs}")  # fmt: skip
     c = summary.get("checks", {})
-    p(f"  checks: G_pre gpu pristine {c.get('pristine_graph_pre_gpu_us', 0):.1f} -> off "
-      f"{c.get('off_graph_pre_gpu_us', 0):.1f} us (CUPTI attached, nothing enabled); G (captured "
-      f"under the session) off {c.get('off_graph_gpu_us', 0):.1f} us "
-      f"({_pct(_ratio(c.get('off_graph_gpu_us'), c.get('off_graph_pre_gpu_us')))} vs G_pre); eager pristine "
-      f"{c.get('pristine_eager_natural_us', 0):.1f} -> off {c.get('off_eager_natural_us', 0):.1f} us; "
-      f"off spread gpu {_pct(c.get('off_graph_gpu_spread'))}, eager "
-      f"{_pct(c.get('off_eager_natural_spread'))}")  # fmt: skip
+    p(f"  checks: off spread across children gpu {_pct(c.get('off_graph_gpu_spread'))}, eager "
+      f"{_pct(c.get('off_eager_natural_spread'))}; {c.get('g_vs_g0_note', '')}")  # fmt: skip
     return w.getvalue()
 
 
@@ -635,6 +591,8 @@ def format_verdicts(results: dict) -> str:
     w = io.StringIO()
     for name, s in results.get("summaries", {}).items():
         for mode, v in s.get("verdicts", {}).items():
+            if not s.get(mode):  # nothing measured (the children's errors are listed below)
+                continue
             line = f"  verdict {name} {mode} ({v['figure']}): default"
             if "default" in v:
                 line += f" {_pct(v['default'])} ({'ok' if v['ok'] else 'over'} {v['target']:.0%})"
@@ -644,9 +602,10 @@ def format_verdicts(results: dict) -> str:
                 line += (f"; cheapest complete: {LABELS.get(v['best'], v['best'])} "
                          f"{_pct(v['best_overhead'])} ({'ok' if v['best_ok'] else 'over'})")  # fmt: skip
             print(line, file=w)
-    for name, r in results.get("cases", {}).items():
-        if "error" in r:
-            print(f"  verdict {name}: error: {r['error']}", file=w)
+    for name, cs in results.get("cases", {}).items():
+        for c in cs:
+            if "error" in c:
+                print(f"  verdict {name}/{c.get('variant')}: error: {c['error']}", file=w)
     return w.getvalue()
 
 
@@ -654,30 +613,48 @@ def format_verdicts(results: dict) -> str:
 # outer
 
 
-def run_case(case: dict, args: argparse.Namespace) -> dict:
+def run_child(case: dict, args: argparse.Namespace, timeout: float) -> dict:
+    """One child process; its stderr passes through, its last ``phase`` line is kept so that a
+    crash names the phase it happened in."""
     from decodescope.tracer import capture as cap
 
     env = dict(os.environ)
     env.update(getattr(cap, "NO_MULTICAST_ENV", {}))  # as in capture children
     env.pop("NVTX_INJECTION64_PATH", None)
     if not args.no_inject:
-        from decodescope.tracer.capture import libcupti_path
-
-        lib = libcupti_path()
+        lib = cap.libcupti_path()
         if lib:
             env["NVTX_INJECTION64_PATH"] = lib
-    cmd = [sys.executable, __file__, "--inner", json.dumps(case), "--rounds", str(args.rounds),
-           "--block-ms", str(args.block_ms), "--pristine", str(args.pristine)]  # fmt: skip
-    timeout = max(150.0, case["deadline"] - time.time() + 90)  # builds can outrun the share
+    cmd = [sys.executable, __file__, "--inner", json.dumps(case), "--blocks", str(args.blocks),
+           "--block-ms", str(args.block_ms)]  # fmt: skip
+    name = f"{case['name']}/{case['variant']}"
+    last = {"phase": "start"}
+
+    def relay(stream) -> None:
+        for line in stream:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            if " phase " in line and line.startswith(f"[{name}]"):
+                last["phase"] = line.split(" phase ", 1)[1].strip()
+
     t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    th = threading.Thread(target=relay, args=(proc.stderr,), daemon=True)
+    th.start()
     try:
-        r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=None, text=True,
-                           timeout=timeout)  # fmt: skip
+        stdout, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"case": case["name"], "error": f"timed out after {timeout:.0f} s"}
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        return {"case": case["name"], "error": f"exit {r.returncode} (see the log above)"}
+        proc.kill()
+        proc.wait()
+        th.join(5)
+        return {"case": case["name"], "variant": case["variant"],
+                "error": f"timed out after {timeout:.0f} s in phase: {last['phase']}"}  # fmt: skip
+    th.join(5)
+    lines = (stdout or "").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"case": case["name"], "variant": case["variant"],
+                "error": f"exit {proc.returncode} in phase: {last['phase']}"}  # fmt: skip
     out = json.loads(lines[-1])
     out["process_s"] = time.perf_counter() - t
     return out
@@ -690,11 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", default="standard,specialized", help="standard,specialized,toy")
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--opt", action="append", default=[], help="workload option key=value")
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "off"))
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--pristine", type=int, default=2, help="blocks before any CUPTI session")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated, each its own child per case: " + ", ".join(
+                        v for v in VARIANTS if v != "off"))  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1, help="children per case and variant")
+    ap.add_argument("--blocks", type=int, default=3, help="off blocks and on blocks per child")
     ap.add_argument("--block-ms", type=float, default=25.0, help="ms of steps per figure")
-    ap.add_argument("--budget-s", type=float, default=290.0, help="the whole run, seconds")
+    ap.add_argument("--budget-s", type=float, default=190.0, help="the whole run, seconds")
     ap.add_argument("--no-inject", action="store_true", help="no NVTX_INJECTION64_PATH")
     ap.add_argument("--attrs", default=None, help="CUPTI attributes: " + ", ".join(ATTRS))
     ap.add_argument("--out", default="benchmarks/results/capture_overhead_decode",
@@ -705,12 +684,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.inner:
         try:
             res = inner(args)
-        except Exception as e:  # before any block: the case fails alone, in one line
+        except Exception as e:  # before any block: the child fails alone, in one line
             import traceback
 
             traceback.print_exc()
-            name = json.loads(args.inner).get("name")
-            res = {"case": name, "error": f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]}
+            c = json.loads(args.inner)
+            res = {"case": c.get("name"), "variant": c.get("variant"),
+                   "error": f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]}  # fmt: skip
         sys.stdout.flush()
         print(json.dumps(res, default=str), flush=True)
         return 0
@@ -722,46 +702,62 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = parse_variants(args.variants)
         attrs = parse_attrs(args.attrs)
-        cases = [
-            {"name": f"{wl}-b{b}", "workload": wl, "opts": workload_opts(wl, b, args.opt),
-             "variants": variants, "attrs": attrs}
+        if args.rounds < 1 or args.blocks < 1:
+            raise ValueError("--rounds and --blocks must be at least 1")
+        cases = {
+            f"{wl}-b{b}": {"name": f"{wl}-b{b}", "workload": wl,
+                           "opts": workload_opts(wl, b, args.opt), "attrs": attrs}
             for b in args.batch.split(",") if b for wl in args.workload.split(",") if wl
-        ]  # fmt: skip
+        }  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
     t0 = time.time()
     results: dict = {
         "argv": sys.argv[1:] if argv is None else argv,
+        "design": "one child per case and variant: off blocks, then one session, never stopped",
         "inject": not args.no_inject,
         "attrs": attrs,
         "rounds": args.rounds,
+        "blocks": args.blocks,
         "block_ms": args.block_ms,
-        "cases": {},
+        "cases": {n: [] for n in cases},
         "summaries": {},
     }
-    text = io.StringIO()
-    for i, case in enumerate(cases):
+    plan = plan_children(list(cases), variants, args.rounds)
+    took: dict[str, float] = {}  # workload -> seconds its slowest child took (b64 builds longer)
+    for i, (r, name, v) in enumerate(plan):
         left = args.budget_s - (time.time() - t0)
-        if left < 40:
-            results["cases"][case["name"]] = {"case": case["name"], "error": "skipped: time budget"}
+        wl = cases[name]["workload"]
+        need = took.get(wl, 20.0)
+        if left < need + 5:
+            log(f"child {i + 1}/{len(plan)} {name}/{v} round {r}: skipped (time budget: {left:.0f}"
+                f" s left, a child of this case takes ~{need:.0f} s)")  # fmt: skip
+            results["cases"][name].append({"case": name, "variant": v, "round": r,
+                                           "error": "skipped: time budget"})  # fmt: skip
             continue
-        case["deadline"] = t0 + args.budget_s - 5 - left / (len(cases) - i) * (len(cases) - i - 1)
-        log(f"case {case['name']}: {left:.0f} s left in the budget")
-        r = run_case(case, args)
-        results["cases"][case["name"]] = r
-        if "error" not in r:
-            results["summaries"][case["name"]] = summarize_case(r)
-        chunk = format_case(r, results["summaries"].get(case["name"], {}))
-        print(chunk, flush=True)
-        text.write(chunk)
-        _write(args.out, results, text.getvalue())  # as it goes
-    v = format_verdicts(results)
-    print(v)
-    text.write("\n" + v)
+        log(f"child {i + 1}/{len(plan)} {name}/{v} round {r}: {left:.0f} s left in the budget")
+        t = time.time()
+        child = run_child({**cases[name], "variant": v, "round": r}, args, max(20.0, left - 2))
+        took[wl] = max(took.get(wl, 0.0), time.time() - t)
+        child.setdefault("round", r)
+        results["cases"][name].append(child)
+        results["summaries"][name] = summarize_case(results["cases"][name])
+        _write(args.out, results, _report(results))  # as it goes
+    text = _report(results)
+    print(text, flush=True)
     results["total_s"] = time.time() - t0
-    _write(args.out, results, text.getvalue())
+    _write(args.out, results, text)
     print(f"  total {results['total_s']:.0f} s -> {args.out}.json, {args.out}.txt")
     return 0
+
+
+def _report(results: dict) -> str:
+    text = "".join(
+        format_case(n, cs, results["summaries"].get(n, {}))
+        for n, cs in results["cases"].items()
+        if cs
+    )
+    return text + "\n" + format_verdicts(results)
 
 
 def _write(out: str, results: dict, text: str) -> None:

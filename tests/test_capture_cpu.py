@@ -848,24 +848,25 @@ def test_overhead_bench_variants_are_session_options(tmp_path):
         assert c.enabled_kinds == want, name
         assert not s.errors, (name, s.errors)
         s.stop()
-    assert set(b.CORRECT) <= set(b.VARIANTS) and set(b.LAST) <= set(b.VARIANTS)
+    assert set(b.CORRECT) <= set(b.VARIANTS)
     assert set(b.LABELS) == set(b.VARIANTS)
 
 
-def test_overhead_bench_plan_rotates_and_puts_one_way_variants_last():
+def test_overhead_bench_plan_one_child_per_case_and_variant_rotated_by_round():
     b = _bench()
-    vs = b.parse_variants("default,kernel,graph_trace,lean,default")
-    assert vs == ["default", "kernel", "graph_trace", "lean"]
-    orders = [b.round_order(vs, r) for r in range(3)]
-    for o in orders:
-        assert o.count("off") == 2 and o[0] == "off" and "graph_trace" not in o
-        assert sorted(x for x in o if x != "off") == ["default", "kernel", "lean"]
-    assert len({tuple(o) for o in orders}) == 3  # the order rotates round by round
-    assert b.last_phase_order(vs, 0) == ["off", "graph_trace"]
-    assert b.last_phase_order(vs, 1) == ["graph_trace", "off"]
-    assert b.last_phase_order(["default"], 0) == []
+    vs = b.parse_variants("default,kernel,graph_trace,off,default")
+    assert vs == ["default", "kernel", "graph_trace"]
+    plan = b.plan_children(["standard-b1", "specialized-b1"], vs, 2)
+    assert len(plan) == 12 and len(set(plan)) == 12
+    assert [v for r, c, v in plan if r == 0 and c == "standard-b1"] == vs
+    assert [v for r, c, v in plan if r == 1 and c == "standard-b1"] == [
+        "kernel", "graph_trace", "default"]  # fmt: skip
+    assert [c for r, c, v in plan[:3]] == ["standard-b1"] * 3  # a case's children together
+    assert b.plan_children(["x"], ["default"], 1) == [(0, "x", "default")]
     with pytest.raises(ValueError, match="unknown variants"):
         b.parse_variants("default,nope")
+    with pytest.raises(ValueError, match="besides off"):
+        b.parse_variants("off")
     assert b.steps_for(400, 25, 10, 400) == 62 and b.steps_for(7000, 25, 10, 400) == 10
     assert b.steps_for(0, 25, 3, 50) == 3
     assert b.parse_attrs("host_pinned=1,device_buffer_mb=32") == {
@@ -878,55 +879,59 @@ def test_overhead_bench_plan_rotates_and_puts_one_way_variants_last():
     assert opts == {"preset": "kimi-k3", "tp_shape": "8", "layers": "kda", "batch": "64"}
 
 
-def _blocks(phase, variant, graph_gpu, eager_nat, n=3, records=None):
+def _child(variant, off_gpu, off_eager, on_gpu, on_eager, n=3, records=None):
     def fig(gpu, nat):
         return {"natural_us": nat, "natural_host_us": 5.0, "gpu_us": gpu, "host_us": 5.0,
                 "hidden": True, "n": 10, "n_gpu": 5, "buffers_in_loop": 0}  # fmt: skip
 
-    figs = {"graph": fig(graph_gpu, graph_gpu), "eager": fig(eager_nat * 0.3, eager_nat)}
-    if variant == "off":
-        figs["graph_pre"] = fig(graph_gpu, graph_gpu)
-    return [
-        {"phase": phase, "variant": variant, "figures": figs, "records": records or {}}  # fmt: skip
-        for _ in range(n)
-    ]
+    def blocks(phase, v, gpu, nat, recs):
+        figs = {"graph": fig(gpu, gpu), "eager": fig(nat * 0.3, nat)}
+        return [{"phase": phase, "variant": v, "figures": figs, "records": recs}
+                for _ in range(n)]  # fmt: skip
+
+    return {"case": "standard-b1", "variant": variant, "notes": [], "build_s": 2.0,
+            "child_s": 20.0, "step_us": {"graph": off_gpu, "eager": off_eager},
+            "blocks": blocks("off", "off", off_gpu, off_eager, {})
+            + blocks("on", variant, on_gpu, on_eager, records or {})}  # fmt: skip
 
 
-def test_overhead_bench_summary_overheads_per_phase_and_verdicts(capsys):
+def test_overhead_bench_summary_against_each_childs_own_off_and_verdicts():
     b = _bench()
     recs = {"graph": {"kernel": 57.0, "launch_api": 1.0}, "eager": {"kernel": 57.0}}
-    blocks = (
-        _blocks("pristine", "off", 400, 3000, 2)
-        + _blocks("main", "off", 400, 3000, 4)
-        + _blocks("main", "default", 410, 3600, 2, recs)
-        + _blocks("main", "no_marker_data", 406, 3100, 2, recs)
-        + _blocks("main", "kernel", 404, 3050, 2)
-        + _blocks("last", "off", 420, 3000, 2)  # drift: the last phase has its own baseline
-        + _blocks("last", "graph_trace", 421, 3200, 2, {"graph": {"graph": 1.0}})
-    )
-    res = {"case": "standard-b1", "blocks": blocks, "notes": [], "rounds": 2,
-           "step_us": {"graph": 400, "eager": 3000}}  # fmt: skip
-    s = b.summarize_case(res)
+    children = [
+        _child("default", 400, 3000, 410, 3600, records=recs),
+        _child("default", 420, 3000, 430.5, 3600, records=recs),  # drift: its own baseline
+        _child("no_marker_data", 400, 3000, 406, 3100, records=recs),
+        _child("graph_trace", 400, 3000, 401, 3200, records={"graph": {"graph": 1.0}}),
+        {"case": "standard-b1", "variant": "kernel", "error": "exit -11 in phase: on: 3 blocks"},
+    ]
+    s = b.summarize_case(children)
     g, e = s["graph"], s["eager"]
-    assert abs(g["default"]["gpu_overhead"] - 0.025) < 1e-9
-    assert abs(g["graph_trace"]["gpu_overhead"] - 1 / 420) < 1e-9  # vs the last phase's off
-    assert "off (last phase)" in g and g["off"]["gpu_overhead"] == 0
+    assert g["default"]["children"] == 2 and g["default"]["gpu_overheads"] == pytest.approx(
+        [0.025, 0.025])  # fmt: skip
+    assert g["default"]["gpu_overhead"] == pytest.approx(0.025)
+    assert g["graph_trace"]["gpu_overhead"] == pytest.approx(0.0025)
+    assert g["off"]["gpu_overhead"] == 0 and g["off"]["blocks"] == 12
     assert g["default"]["records_per_step"] == {"kernel": 57.0, "launch_api": 1.0}
-    assert abs(e["default"]["natural_overhead"] - 0.2) < 1e-9
+    assert e["default"]["natural_overhead"] == pytest.approx(0.2)
+    assert "kernel" not in g
     v = s["verdicts"]
-    assert (
-        v["graph"]["ok"] is False and v["graph"]["best"] == "graph_trace" and v["graph"]["best_ok"]
-    )
-    assert v["eager"]["best"] == "no_marker_data" and v["eager"]["best_ok"]
-    assert s["checks"]["pristine_graph_pre_gpu_us"] == 400
-    results = {"cases": {"standard-b1": res, "specialized-b1": {"case": "specialized-b1",
-               "error": "exit 1"}}, "summaries": {"standard-b1": s}}  # fmt: skip
-    text = b.format_case(res, s) + b.format_verdicts(results)
+    assert v["graph"]["ok"] is False and v["graph"]["best"] == "graph_trace"
+    assert v["graph"]["best_ok"] and v["eager"]["best"] == "no_marker_data"
+    assert s["child_errors"] == ["kernel: exit -11 in phase: on: 3 blocks"]
+    results = {"cases": {"standard-b1": children,
+                         "specialized-b1": [{"case": "specialized-b1", "variant": "default",
+                                             "error": "exit 1 in phase: build"}]},
+               "summaries": {"standard-b1": s}}  # fmt: skip
+    text = b._report(results)
     for want in ("default (capture)", "default+GRAPH_TRACE", "kernel=57.0", "+2.5%",
                  "verdict standard-b1 graph (gpu): default  +2.5% (over 2%)",
-                 "cheapest complete: default+GRAPH_TRACE", "specialized-b1: error: exit 1"):  # fmt: skip
+                 "cheapest complete: default+GRAPH_TRACE",
+                 "child error: kernel: exit -11 in phase: on: 3 blocks",
+                 "specialized-b1/default: error: exit 1 in phase: build"):  # fmt: skip
         assert want in text, want
-    assert "error: exit 1" in b.format_case({"case": "x", "error": "exit 1"}, {})
+    assert b.summarize_case([children[-1]])["verdicts"]["graph"] == {
+        "figure": "gpu", "target": 0.02}  # fmt: skip
 
 
 class _FakeCuda:
@@ -982,22 +987,18 @@ class _FakeCuda:
         return True
 
 
-def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
-    """The whole inner loop (pristine, capture under a session, rotated rounds, the one-way
-    phase, record counts per block, summary) with torch.cuda and CUPTI stubbed."""
+def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3):
     import json
     import sys
     from types import ModuleType
 
-    pytest.importorskip("cupti")
-    b = _bench()
     from decodescope.kernels import workloads as reg
 
     torch = ModuleType("torch")
     torch.cuda = _FakeCuda()
     torch.__version__ = "fake"
     monkeypatch.setitem(sys.modules, "torch", torch)
-
+    events = []
     sessions = []
 
     class FakeSession(cap.Session):
@@ -1008,13 +1009,32 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
         def start(self):
             if self.kinds == ("KERNEL",):
                 raise RuntimeError("CUPTI_ERROR_NOT_COMPATIBLE")  # a variant CUPTI refuses
+            events.append("session start")
             return super().start()
+
+        def stop(self):
+            events.append("session stop")
+            return super().stop()
 
         def flush(self):  # stands in for CUPTI delivering one kernel record per step so far
             if self.running and self._pending is not None:
                 self._completed([kernel_rec(1, 2, 1)])
 
     monkeypatch.setattr(cap, "Session", FakeSession)
+
+    class Graph(_FakeCuda.CUDAGraph):
+        n = 0
+
+        def __init__(self):
+            Graph.n += 1
+            self.id = Graph.n
+            events.append(f"capture G{self.id}")
+
+        def replay(self):
+            events.append(f"replay G{self.id}")
+            time.sleep(2e-5)
+
+    torch.cuda.CUDAGraph = Graph
     calls = []
 
     def fake(**opts):
@@ -1024,28 +1044,95 @@ def test_overhead_bench_inner_runs_every_phase_on_fakes(tmp_path, monkeypatch):
 
     monkeypatch.setitem(reg.WORKLOADS, "fakebench", fake)
     case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
-            "variants": ["default", "flush_period", "kernel_serial", "graph_trace"], "attrs": {},
-            "deadline": time.time() + 60}  # fmt: skip
-    args = b.argparse.Namespace(inner=json.dumps(case), rounds=3, block_ms=1.0, pristine=1)
+            "variant": variant, "attrs": {}, "round": 0}  # fmt: skip
+    args = b.argparse.Namespace(inner=json.dumps(case), blocks=blocks, block_ms=1.0)
     res = b.inner(args)
-    assert "failed" not in res, res.get("failed")
-    phases = [(x["phase"], x["variant"]) for x in res["blocks"]]
-    assert phases[0] == ("pristine", "off") and res["rounds"] == 3
-    assert phases.count(("main", "off")) == 6 and phases.count(("main", "default")) == 3
-    bad = [x for x in res["blocks"] if x["variant"] == "kernel_serial"]
-    assert len(bad) == 3 and all("NOT_COMPATIBLE" in x["error"] for x in bad)  # fails alone
-    assert phases[-6:] == [("last", "off"), ("last", "graph_trace")] * 1 + [
-        ("last", "graph_trace"), ("last", "off"), ("last", "off"), ("last", "graph_trace")]  # fmt: skip
-    assert all(p != "last" for p, _ in phases[:-6])  # nothing after the one-way phase but it
-    d = next(x for x in res["blocks"] if x["variant"] == "default")
-    assert set(d["figures"]) == {"graph", "eager"} and d["records"]["graph"]["kernel"] > 0
-    fp = next(x for x in res["blocks"] if x["variant"] == "flush_period")
-    assert fp["records"]["graph"]["kernel"] > 0  # rows a chunk write converted count too
-    off = next(x for x in res["blocks"] if x["phase"] == "main" and x["variant"] == "off")
-    assert set(off["figures"]) == {"graph", "graph_pre", "eager"} and off["records"] == {}
-    assert all(not s.running for s in sessions)  # every block's session stopped
-    s = b.summarize_case(json.loads(json.dumps(res, default=str)))
-    assert {"default", "flush_period", "off", "graph_trace", "off (last phase)"} <= set(s["graph"])
     assert calls == [{"batch": "1"}]
-    assert len(s["block_errors"]) == 3 and "kernel_serial" not in s["graph"]
-    assert "block error: main/kernel_serial" in b.format_case(res, s)
+    return json.loads(json.dumps(res, default=str)), events, sessions
+
+
+def test_overhead_bench_child_off_first_then_one_session_never_stopped(monkeypatch, capsys):
+    """A child: off blocks on G0 (no session), then ONE session, G captured under it, on blocks
+    on G; the session is never stopped and nothing is replayed after any stop (the H200 crash)."""
+    pytest.importorskip("cupti")
+    b = _bench()
+    res, events, sessions = _run_inner_on_fakes(b, monkeypatch, "default")
+    assert "failed" not in res, res.get("failed")
+    assert [x["phase"] for x in res["blocks"]] == ["off"] * 3 + ["on"] * 3
+    start = events.index("session start")
+    assert "session stop" not in events and len(sessions) == 1 and sessions[0].running
+    assert all(e in ("capture G1", "replay G1") for e in events[:start])  # G0 before the session
+    assert events[start + 1] == "capture G2" and set(events[start + 2 :]) == {"replay G2"}
+    on = res["blocks"][-1]
+    assert set(on["figures"]) == {"graph", "eager"} and on["records"]["graph"]["kernel"] > 0
+    assert res["blocks"][0]["records"] == {}
+    err = capsys.readouterr().err
+    names = [ln.split(" phase ", 1)[1] for ln in err.splitlines() if " phase " in ln]
+    assert [n.split()[0] for n in names] == [
+        "import", "build", "capture", "sizing", "off:", "session", "capture", "refresh", "on:",
+        "done"]  # fmt: skip
+    assert all(ln.startswith("[fakebench-b1/default] phase ") for ln in err.splitlines()
+               if " phase " in ln)  # fmt: skip
+    s = b.summarize_case([res])
+    assert {"off", "default"} <= set(s["graph"]) and "fakebench-b1" in b.format_case(
+        "fakebench-b1", [res], s)  # fmt: skip
+
+
+def test_overhead_bench_child_a_refused_variant_fails_alone_after_its_off_blocks(monkeypatch):
+    pytest.importorskip("cupti")
+    b = _bench()
+    res, events, _ = _run_inner_on_fakes(b, monkeypatch, "kernel_serial", blocks=2)
+    assert "NOT_COMPATIBLE" in res["failed"] and res["phase"].startswith("session start")
+    assert [x["phase"] for x in res["blocks"]] == ["off", "off"]
+    assert "session start" not in events
+
+
+def test_overhead_bench_run_child_names_the_phase_a_crash_happened_in(tmp_path, monkeypatch):
+    """A child killed by SIGSEGV (as on the H200) is one error naming its last phase line."""
+    b = _bench()
+    fake = tmp_path / "crash.py"
+    fake.write_text(
+        "import json, os, signal, sys\n"
+        "c = json.loads(sys.argv[sys.argv.index('--inner') + 1])\n"
+        "tag = f\"[{c['name']}/{c['variant']}]\"\n"
+        "print(tag, 'phase build (1.0 s)', file=sys.stderr, flush=True)\n"
+        "print(tag, 'phase on: 3 blocks, G + eager, session default (2.0 s)', file=sys.stderr,"
+        " flush=True)\n"
+        "print('[other/x] phase not mine', file=sys.stderr, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    monkeypatch.setattr(b, "__file__", str(fake))
+    args = b.argparse.Namespace(no_inject=True, blocks=3, block_ms=25.0)
+    r = b.run_child({"name": "standard-b1", "variant": "default"}, args, 30)
+    assert r["error"] == ("exit -11 in phase: on: 3 blocks, G + eager, session default (2.0 s)"), r
+    ok = tmp_path / "ok.py"
+    ok.write_text('print(\'noise\')\nprint(\'{"case": "x", "variant": "default"}\')\n')
+    monkeypatch.setattr(b, "__file__", str(ok))
+    assert b.run_child({"name": "x", "variant": "default"}, args, 30)["case"] == "x"
+
+
+def test_overhead_bench_main_writes_as_it_goes_and_skips_what_does_not_fit(tmp_path, monkeypatch):
+    import json
+
+    b = _bench()
+    seen = []
+
+    def run_child(case, args, timeout):
+        seen.append((case["name"], case["variant"], case["round"]))
+        time.sleep(0.05)
+        return {"case": case["name"], "variant": case["variant"], "error": "exit -11 in phase: x"}
+
+    monkeypatch.setattr(b, "run_child", run_child)
+    out = tmp_path / "o"
+    assert b.main(["--workload", "standard", "--batch", "1,64", "--variants",
+                   "default,launch_none", "--out", str(out)]) == 0  # fmt: skip
+    assert seen == [("standard-b1", "default", 0), ("standard-b1", "launch_none", 0),
+                    ("standard-b64", "default", 0), ("standard-b64", "launch_none", 0)]  # fmt: skip
+    res = json.loads((tmp_path / "o.json").read_text())
+    assert len(res["cases"]["standard-b1"]) == 2
+    assert "standard-b64/launch_none: error: exit -11" in (tmp_path / "o.txt").read_text()
+    seen.clear()
+    b.main(["--workload", "standard", "--batch", "1", "--budget-s", "10", "--out", str(out)])
+    assert seen == []  # a child is assumed to need ~20 s until one has run
+    res = json.loads((tmp_path / "o.json").read_text())
+    assert res["cases"]["standard-b1"][0]["error"] == "skipped: time budget"
