@@ -2,7 +2,7 @@
 
     python benchmarks/bench_capture_overhead.py [--workload standard,specialized] [--batch 1,64]
         [--variants default[,launch_none,graph_trace,...]] [--rounds 1] [--blocks 3]
-        [--block-ms 25] [--budget-s 190] [--out benchmarks/results/capture_overhead_decode]
+        [--block-ms 25] [--budget-s 195] [--out benchmarks/results/capture_overhead_decode]
     python benchmarks/bench_capture_overhead.py --workload toy --batch 1      # the old toy
     python benchmarks/bench_capture_overhead.py --range-api                  # CPU: range API alone
 
@@ -65,6 +65,8 @@ Variants (``VARIANTS``; ``kind`` names are ``cupti.ActivityKind`` members):
 - ``graph_trace``: default + GRAPH_TRACE (graph-level records for graphs, kernel records for
   eager launches)
 - ``graph_trace_only``: GRAPH_TRACE alone (what graph-level tracing costs by itself)
+- ``control``: no session in either phase (G captured again, no CUPTI): an A/A child that
+  measures what "off blocks first, on blocks second" costs by itself (order, drift)
 
 Process-wide settings (a separate run each): ``--no-inject`` (no NVTX_INJECTION64_PATH: no
 marker records at all); ``--attrs host_pinned=1,device_buffer_mb=32,prealloc=3,pool_limit=N``
@@ -95,6 +97,7 @@ _ALL = ["CONCURRENT_KERNEL", "MEMCPY", "MEMSET", "MARKER", "MARKER_DATA", "OVERH
 # variant -> Session keyword options (None: no session)
 VARIANTS: dict[str, dict | None] = {
     "off": None,
+    "control": None,  # A/A: a child with no session in either phase (order/drift bias)
     "default": {},
     "kernel": {"kinds": ["CONCURRENT_KERNEL"], "launch_records": "none", "graph_nodes": False},
     "kernel_serial": {"kinds": ["KERNEL"], "launch_records": "none", "graph_nodes": False},
@@ -121,6 +124,7 @@ CORRECT = {
 }
 LABELS = {
     "off": "off",
+    "control": "control (A/A, no session)",
     "default": "default (capture)",
     "kernel": "kernel only",
     "kernel_serial": "KERNEL (serial)",
@@ -423,7 +427,7 @@ def inner(args: argparse.Namespace) -> dict:
 
             session = Counted(tmp / "s", **opts).start()
             res["session_errors"] = list(session.errors[:5])
-        phase(f"capture G under the session ({variant})")
+        phase(f"capture G under the session ({variant})" if session else "capture G (control)")
         graph = capture()
         if session is not None:
             res["graph_nodes_seen"] = len(session._gnode)
@@ -673,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="children per case and variant")
     ap.add_argument("--blocks", type=int, default=3, help="off blocks and on blocks per child")
     ap.add_argument("--block-ms", type=float, default=25.0, help="ms of steps per figure")
-    ap.add_argument("--budget-s", type=float, default=190.0, help="the whole run, seconds")
+    ap.add_argument("--budget-s", type=float, default=195.0, help="the whole run, seconds")
     ap.add_argument("--no-inject", action="store_true", help="no NVTX_INJECTION64_PATH")
     ap.add_argument("--attrs", default=None, help="CUPTI attributes: " + ", ".join(ATTRS))
     ap.add_argument("--out", default="benchmarks/results/capture_overhead_decode",

@@ -863,6 +863,8 @@ def test_overhead_bench_plan_one_child_per_case_and_variant_rotated_by_round():
         "kernel", "graph_trace", "default"]  # fmt: skip
     assert [c for r, c, v in plan[:3]] == ["standard-b1"] * 3  # a case's children together
     assert b.plan_children(["x"], ["default"], 1) == [(0, "x", "default")]
+    assert b.parse_variants("control,default") == ["control", "default"]
+    assert b.VARIANTS["control"] is None and "control" not in b.CORRECT
     with pytest.raises(ValueError, match="unknown variants"):
         b.parse_variants("default,nope")
     with pytest.raises(ValueError, match="besides off"):
@@ -1076,6 +1078,17 @@ def test_overhead_bench_child_off_first_then_one_session_never_stopped(monkeypat
     s = b.summarize_case([res])
     assert {"off", "default"} <= set(s["graph"]) and "fakebench-b1" in b.format_case(
         "fakebench-b1", [res], s)  # fmt: skip
+
+
+def test_overhead_bench_control_child_has_no_session_in_either_phase(monkeypatch):
+    pytest.importorskip("cupti")
+    b = _bench()
+    res, events, sessions = _run_inner_on_fakes(b, monkeypatch, "control", blocks=2)
+    assert "failed" not in res and not sessions and "session start" not in events
+    assert [(x["phase"], x["variant"]) for x in res["blocks"]] == [("off", "off")] * 2 + [
+        ("on", "control")] * 2  # fmt: skip
+    assert "capture G2" in events and all(x["records"] == {} for x in res["blocks"])
+    assert "control" in b.summarize_case([res])["graph"]
 
 
 def test_overhead_bench_child_a_refused_variant_fails_alone_after_its_off_blocks(monkeypatch):
