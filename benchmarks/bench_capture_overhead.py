@@ -644,18 +644,23 @@ def run_child(case: dict, args: argparse.Namespace, timeout: float) -> dict:
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
-    th = threading.Thread(target=relay, args=(proc.stderr,), daemon=True)
-    th.start()
+    got: list[str] = []  # stdout, read by its own thread (stderr is the relay's alone)
+    threads = [threading.Thread(target=relay, args=(proc.stderr,), daemon=True),
+               threading.Thread(target=lambda: got.append(proc.stdout.read()), daemon=True)]  # fmt: skip
+    for th in threads:
+        th.start()
     try:
-        stdout, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        th.join(5)
+        for th in threads:
+            th.join(5)
         return {"case": case["name"], "variant": case["variant"],
                 "error": f"timed out after {timeout:.0f} s in phase: {last['phase']}"}  # fmt: skip
-    th.join(5)
-    lines = (stdout or "").strip().splitlines()
+    for th in threads:
+        th.join(5)
+    lines = "".join(got).strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"case": case["name"], "variant": case["variant"],
                 "error": f"exit {proc.returncode} in phase: {last['phase']}"}  # fmt: skip

@@ -1122,6 +1122,15 @@ def test_overhead_bench_run_child_names_the_phase_a_crash_happened_in(tmp_path, 
     ok.write_text('print(\'noise\')\nprint(\'{"case": "x", "variant": "default"}\')\n')
     monkeypatch.setattr(b, "__file__", str(ok))
     assert b.run_child({"name": "x", "variant": "default"}, args, 30)["case"] == "x"
+    hang = tmp_path / "hang.py"
+    hang.write_text(
+        "import sys, time\n"
+        "print('[y/lean] phase build (0.1 s)', file=sys.stderr, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(b, "__file__", str(hang))
+    r = b.run_child({"name": "y", "variant": "lean"}, args, 2)
+    assert r["error"] == "timed out after 2 s in phase: build (0.1 s)", r
 
 
 def test_overhead_bench_main_writes_as_it_goes_and_skips_what_does_not_fit(tmp_path, monkeypatch):
