@@ -124,7 +124,7 @@ CORRECT = {
 }
 LABELS = {
     "off": "off",
-    "control": "control (A/A, no session)",
+    "control": "control (A/A)",
     "default": "default (capture)",
     "kernel": "kernel only",
     "kernel_serial": "KERNEL (serial)",
