@@ -46,7 +46,8 @@ def test_gemms_compile(preset, tp, m):
     if m > 1 and preset == "kimi-k3":
         plans = plans[:1] + plans[2:3]  # the large unrolls compile slowly: one of each kind
     for p in plans:
-        assert isinstance(p, sk.SplitKPlan) == (m >= sk.MIN_M and p.k % sk.KGRAIN == 0)
+        want = m >= sk.MIN_M and p.k >= sk.MIN_K and p.k % sk.KGRAIN == 0
+        assert isinstance(p, sk.SplitKPlan) == want
         assert sk.compile_any(p) is not None
     assert rms.compile_plan(rms.NormPlan(m, cfg.hidden, cfg.eps)) is not None
 
@@ -74,6 +75,9 @@ def test_splitk_plan_choice():
     assert p64.row_ctas * p64.splits >= 2 * sk.NUM_SMS
     p1 = nqp.plan_for(cfg, "kda", 1)
     assert isinstance(p1, sg.GemmPlan)
+    # small K (o_proj, q_b): the skinny kernel from every M (H200: split-K o_proj 2x slower)
+    assert isinstance(op.plan_for(cfg, "kda", 64), sg.GemmPlan)
+    assert isinstance(op.q_b_plan(cfg, 64), sg.GemmPlan)
     with pytest.raises(ValueError, match="multiple of 256"):
         sk.SplitKPlan(m=16, k=1000, segments=(16,))
 
@@ -123,6 +127,11 @@ def test_mla_tc_plan_choice():
     assert (p64.hg, p64.splits) == (6, 1)
     assert mtc.plan_for(cfg, 1, 8).rows == 8
     assert mla.kernel_choice(torch.bfloat16) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 1) == "simt"  # H200: simt faster at 1x1, 8x1
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "tc", 1, 1) == "tc"
+    p88 = mtc.plan_for(cfg, 8, 8)
+    assert (p88.hg, p88.splits) == (2, 3)  # the H200's best of the 8x8 sweep
     assert mla.kernel_choice(torch.float8_e4m3fn) == "simt"
     with pytest.raises(ValueError, match="heads_per_cta"):
         mtc.plan_for(cfg, 1, 8, heads_per_cta=4)

@@ -120,8 +120,11 @@ class MLATCPlan:
         if self.batch * self.tokens < 8:
             return 1
         fit = [d for d in _divisors(self.heads) if d * self.tokens <= ROWS]
-        for d in fit:  # the fewest heads per CTA that keep (sequence, group) pairs <= 128
-            if self.heads // d * self.batch <= PAIRS_ONE_SPLIT:
+        # the fewest heads per CTA that keep (sequence, group) pairs <= 128 (one token) or
+        # <= 64 (several: H200 at 8x8, hg 2 with 3 splits 102.0 us, hg 1 with 2 splits 111.2)
+        most = PAIRS_ONE_SPLIT if self.tokens == 1 else PAIRS_ONE_SPLIT // 2
+        for d in fit:
+            if self.heads // d * self.batch <= most:
                 return d
         return fit[-1]
 

@@ -72,15 +72,19 @@ def ld_cg_f32(ptr) -> Float32:
 
 def enabled_for(m: int, k: int) -> bool:
     """Whether the split-K path serves an M x K projection: ``DECODESCOPE_SPLITK_GEMM`` = 0
-    (never), 1 (wherever the shape allows) or unset (M >= 8: the small-M kernel measured
-    2.2x its floor at M = 8, notes/specialized.md)."""
+    (never), 1 (wherever the shape allows) or unset (M >= 8 and K >= 4096: the hidden-size
+    input projections). H200, 15:15 run of eb72dbd: in_proj 48.3 -> 38.1 us at M = 8, 191.4 ->
+    101.9 at 64, qkv_a+g_proj 189.6 -> 78.0 at 64; but o_proj (K = 1536) 10.0 -> 15.0 and
+    26.3 -> 51.7, q_b 6.5 -> 8.4 at M = 8: the FP32 atomics of the reduction cost about as
+    much as those small-K GEMMs' weights, notes/specialized.md)."""
     env = os.environ.get("DECODESCOPE_SPLITK_GEMM", "")
     if env == "0" or k % KGRAIN or not 1 <= m <= 64:
         return False
-    return env == "1" or m >= MIN_M
+    return env == "1" or (m >= MIN_M and k >= MIN_K)
 
 
 MIN_M = 8
+MIN_K = 4096
 
 
 @dataclass(frozen=True)
