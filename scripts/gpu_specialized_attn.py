@@ -20,8 +20,9 @@ shape, kind, point), with fresh random inputs and outputs poisoned with NaN befo
   (``StandardLayer``: residual norm, its attention ops, the post-attention residual norm);
 - timing: CUDA-graph replay medians per kernel and per attention half, weights and state rotated
   over ``--copies`` independent layers (0: enough to pass 3x the L2), for the new default
-  kernels and for the old ones (``[old kernels]``: skinny GEMM everywhere, simt MLA; below 8
-  tokens also ``[splitk-all kernels]``), the standard path's attention half beside it, the bytes
+  kernels, for the old ones (``[old kernels]``: skinny GEMM everywhere, simt MLA), and for the
+  defaults with the split-K partial-sum reduction (``[partial kernels]``); below 8 tokens also
+  ``[splitk-all kernels]``, the standard path's attention half beside it, the bytes
   floor at the copy bandwidth measured in this process; at 1x1 and 64x1 also with programmatic
   dependent launch off;
 - then (first TP only) a sweep of the GEMMs on the in_proj and o_proj shapes at M = 1, 8, 32,
@@ -29,8 +30,9 @@ shape, kind, point), with fresh random inputs and outputs poisoned with NaN befo
   norm path and cuBLAS beside.
 
 Kernel choice is by environment, read at each launch: ``DECODESCOPE_SPLITK_GEMM`` (0 never, 1
-wherever K allows, unset from 8 tokens on), ``DECODESCOPE_MLA_KERNEL`` (tc / simt),
-``DECODESCOPE_MLA_HEADS_PER_CTA``, ``DECODESCOPE_NO_PDL``.
+wherever K allows, unset from 8 tokens on at K >= 4096), ``DECODESCOPE_SPLITK_REDUCE``
+(atomic / partial), ``DECODESCOPE_MLA_KERNEL`` (tc / simt), ``DECODESCOPE_MLA_HEADS_PER_CTA``,
+``DECODESCOPE_NO_PDL``.
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 point (a run cut short keeps what it measured). Writes ``results.json`` and ``table.md`` under
@@ -84,6 +86,8 @@ PDL_AB_POINTS = ("1x1", "64x1")
 VARIANTS = {  # old first (see check_kernels)
     "old": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_MLA_KERNEL": "simt"},
     "new": {},
+    # the defaults with the split-K partial-sum reduction instead of FP32 atomics
+    "partial": {"DECODESCOPE_SPLITK_REDUCE": "partial"},
 }
 MLA_SWEEP = {  # (heads per CTA, splits; 0 = the plan's) of the tc kernel, timed alone
     "8x1": [(2, 0), (1, 4)],
@@ -94,6 +98,7 @@ MLA_SWEEP = {  # (heads per CTA, splits; 0 = the plan's) of the tc kernel, timed
 GEMM_KINDS = {
     "skinny": {"DECODESCOPE_SPLITK_GEMM": "0"},
     "splitk": {"DECODESCOPE_SPLITK_GEMM": "1"},
+    "splitk-partial": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_SPLITK_REDUCE": "partial"},
 }
 TIMING = {"on": False, "replays": 30}
 
@@ -145,7 +150,7 @@ class env:
 
 def gemm_kinds(m: int, k: int) -> list[str]:
     """The GEMM kernels that can serve an m x k projection (split-K needs K % 256 == 0)."""
-    return ["skinny"] + (["splitk"] if k % sk.KGRAIN == 0 else [])
+    return ["skinny"] + (["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else [])
 
 
 def poison(*ts: torch.Tensor) -> None:
@@ -524,16 +529,17 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
         check(f"gemm split rt{rt}", ctx, outs[0], ref[0], TOL["out"])
         timed(f"norm launch + GEMM rt{rt} (2 kernels)", [(lambda i=i: one(i)) for i in range(n)])
 
-    def splitk(splits: int) -> None:
+    def splitk(splits: int, reduce: str = "atomic") -> None:
         def one(i: int) -> None:
-            sk.splitk_gemm(x, [ws[i]], [outs[i]], splits=splits, **kw)
+            with env({"DECODESCOPE_SPLITK_REDUCE": reduce}):
+                sk.splitk_gemm(x, [ws[i]], [outs[i]], splits=splits, **kw)
 
         plan = sk.SplitKPlan(m=M, k=K, segments=(N,), norm=norm, add_residual=norm,
                              residual_epilogue=not norm, splits_force=splits)  # fmt: skip
         poison(outs[0])
         one(0)
         torch.cuda.synchronize()
-        tag = f"splitK S{plan.splits} (kl {plan.kl}, {plan.row_ctas * plan.splits} CTAs)"
+        tag = f"splitK {reduce} S{plan.splits} (kl {plan.kl}, {plan.row_ctas * plan.splits} CTAs)"
         check(f"gemm {tag}", ctx, outs[0], ref[0], TOL["out"])
         timed(tag, [(lambda i=i: one(i)) for i in range(n)])
 
@@ -548,6 +554,7 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
                       key=lambda d: abs(math.log(d / p0.splits)))  # fmt: skip
         for S in [0] + near[:2]:
             guarded(f"gemm {name} splitK S{S}", ctx, lambda S=S: splitk(S))
+            guarded(f"gemm {name} splitK partial S{S}", ctx, lambda S=S: splitk(S, "partial"))
     if norm and M > 8:
         guarded(f"gemm {name} split rt1", ctx, lambda: split(1))
     guarded(f"gemm {name} cublas", ctx, lambda: timed("cuBLAS (no norm/epilogue)", [

@@ -68,6 +68,19 @@ def test_splitk_gemm_compiles(preset, tp, m):
         assert sk.compile_plan(qb) is not None
 
 
+@pytest.mark.parametrize("preset,tp,m", [("kimi-k3", 8, 8), ("tiny", 1, 16)])
+def test_splitk_partial_reduce_compiles(preset, tp, m):
+    """The opt-in partial-sum reduction (``DECODESCOPE_SPLITK_REDUCE=partial``): one FP32
+    partial per split in the workspace, summed by the last CTA."""
+    cfg = get_config(preset, tp)
+    p = sk.SplitKPlan(m=m, k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
+                      add_residual=True, reduce="partial")  # fmt: skip
+    assert p.ws_rows == p.acc_rows * p.splits
+    assert sk.compile_plan(p) is not None
+    with pytest.raises(ValueError, match="reduce"):
+        sk.SplitKPlan(m=m, k=cfg.hidden, segments=(16,), reduce="tree")
+
+
 def test_splitk_plan_choice():
     cfg = get_config("kimi-k3", 8)
     p64 = nqp.plan_for(cfg, "kda", 64)

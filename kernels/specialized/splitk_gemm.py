@@ -85,6 +85,17 @@ def enabled_for(m: int, k: int) -> bool:
 
 MIN_M = 8
 MIN_K = 4096
+REDUCE_MODES = ("atomic", "partial")
+
+
+def reduce_mode() -> str:
+    """How the K-slices meet: ``atomic`` (red.add into one FP32 accumulator; measured) or
+    ``partial`` (each split stores its partial sums, the last CTA adds them; not yet run on a
+    GPU): ``DECODESCOPE_SPLITK_REDUCE``."""
+    m = os.environ.get("DECODESCOPE_SPLITK_REDUCE", "") or "atomic"
+    if m not in REDUCE_MODES:
+        raise ValueError(f"DECODESCOPE_SPLITK_REDUCE: one of {REDUCE_MODES}, got {m!r}")
+    return m
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,7 @@ class SplitKPlan:
     eps: float = 1e-5
     pdl: bool = field(default_factory=pdl_enabled)
     splits_force: int = 0
+    reduce: str = field(default_factory=reduce_mode)  # "atomic" or "partial"
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -109,6 +121,8 @@ class SplitKPlan:
             raise ValueError(f"1..3 segments, each a multiple of {ROWS} rows: {self.segments}")
         if self.add_residual and not self.norm:
             raise ValueError("add_residual needs norm")
+        if self.reduce not in REDUCE_MODES:
+            raise ValueError(f"split-K GEMM: reduce is one of {REDUCE_MODES}, got {self.reduce!r}")
         if self.splits_force and (self.k // KGRAIN) % self.splits_force:
             raise ValueError(f"splits={self.splits_force} does not divide K/{KGRAIN}")
 
@@ -157,6 +171,11 @@ class SplitKPlan:
     @property
     def acc_rows(self) -> int:
         return self.row_ctas * CTA_ROWS
+
+    @property
+    def ws_rows(self) -> int:
+        """Rows of the FP32 workspace: one accumulator, or one partial per split."""
+        return self.acc_rows * (self.splits if self.reduce == "partial" else 1)
 
 
 class SplitKGemm:
@@ -293,11 +312,18 @@ class SplitKGemm:
             for j in cutlass.range_constexpr(p.ntiles):
                 m0 = j * 8 + 2 * c
                 for hh in cutlass.range_constexpr(2):
-                    ptr = mAcc.iterator + ((arow + 8 * hh) * p.mp + m0)
-                    cute.arch.inline_ptx(
-                        "red.relaxed.gpu.global.add.v2.f32 [{$r0}], {{$r1}, {$r2}};",
-                        read_only_args=[ptr, accs[j][2 * hh], accs[j][2 * hh + 1]],
-                    )
+                    if cutlass.const_expr(p.reduce == "partial"):  # this split's own rows
+                        ptr = mAcc.iterator + ((sp * p.acc_rows + arow + 8 * hh) * p.mp + m0)
+                        cute.arch.inline_ptx(
+                            "st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};",
+                            read_only_args=[ptr, accs[j][2 * hh], accs[j][2 * hh + 1]],
+                        )
+                    else:
+                        ptr = mAcc.iterator + ((arow + 8 * hh) * p.mp + m0)
+                        cute.arch.inline_ptx(
+                            "red.relaxed.gpu.global.add.v2.f32 [{$r0}], {{$r1}, {$r2}};",
+                            read_only_args=[ptr, accs[j][2 * hh], accs[j][2 * hh + 1]],
+                        )
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         tidx = warp * 32 + lane
@@ -378,6 +404,9 @@ class SplitKGemm:
         if tidx < p.mp:
             mSS[bx, tidx] = Float32(0.0)
         total = CTA_ROWS * p.m
+        if cutlass.const_expr(p.reduce == "partial"):
+            self.epilogue_partial(mO, mE, mAcc, sRstd, bx, cta, n, tidx)
+            total = 0
         for i in cutlass.range_constexpr((total + NT - 1) // NT):
             idx = tidx + i * NT
             if idx < total:
@@ -395,6 +424,30 @@ class SplitKGemm:
                 mAcc[arow, m] = Float32(0.0)
         if tidx == 0:
             mCnt[bx] = Int32(0)
+
+    @cute.jit
+    def epilogue_partial(self, mO, mE, mAcc, sRstd, bx, cta, n, tidx):
+        """``reduce == "partial"``: sum the splits' partials (consecutive threads read
+        consecutive tokens of one row: coalesced); nothing to zero."""
+        p = self.p
+        NT = self.threads
+        total = CTA_ROWS * p.m
+        for i in cutlass.range_constexpr((total + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < total:
+                m = idx % p.m
+                r = idx // p.m
+                nn = cta * CTA_ROWS + r
+                arow = bx * CTA_ROWS + r
+                if nn < n:
+                    val = Float32(0.0)
+                    for s in cutlass.range(p.splits, unroll_full=True):
+                        val = val + ld_cg_f32(mAcc.iterator + ((s * p.acc_rows + arow) * p.mp + m))
+                    if cutlass.const_expr(p.norm):
+                        val = val * sRstd[m]
+                    if cutlass.const_expr(p.residual_epilogue):
+                        val = val.to(BFloat16).to(Float32) + mE[m, nn].to(Float32)
+                    mO[m, nn] = val.to(BFloat16)
 
 
 # -- torch-facing --------------------------------------------------------------------------
@@ -417,7 +470,7 @@ def _fake_args(p: SplitKPlan):
         else:
             segs += [ph, ph]
     e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
-    acc = itf.fake(torch.float32, (p.acc_rows, p.mp))
+    acc = itf.fake(torch.float32, (p.ws_rows, p.mp))
     ss = itf.fake(torch.float32, (p.row_ctas, p.mp), align=4)
     cnt = itf.fake(torch.int32, (p.row_ctas,), align=4)
     return (x, r, rout, nw, *segs, e, acc, ss, cnt, itf.env_stream())
@@ -439,7 +492,7 @@ def _workspace(p: SplitKPlan, device) -> tuple[torch.Tensor, torch.Tensor, torch
     ws = _WS.get(key)
     if ws is None:
         ws = _WS[key] = (
-            torch.zeros(p.acc_rows, p.mp, dtype=torch.float32, device=device),
+            torch.zeros(p.ws_rows, p.mp, dtype=torch.float32, device=device),
             torch.zeros(p.row_ctas, p.mp, dtype=torch.float32, device=device),
             torch.zeros(p.row_ctas, dtype=torch.int32, device=device),
         )
