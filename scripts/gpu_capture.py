@@ -18,8 +18,8 @@ Steps (each isolated: one failing step never stops the others; each has its own 
   hang        a program that hangs after GPU work: stopped at the timeout, partial run with the
               kernels flushed before the hang
   validate    the toy eager run against torch.profiler (Kineto) in a separate process
-  overhead    benchmarks/bench_capture_overhead.py: ablation off/(a)..(f), GPU-side, host-side and
-              natural figures (graph verdict on GPU-side <= 2%, eager on natural <= 10%)
+  overhead    benchmarks/bench_capture_overhead.py --workload toy: default capture vs off,
+              GPU-side, host-side and natural figures (graph verdict on GPU-side <= 2%, eager on natural <= 10%)
   chrome      Chrome-trace export of the graph run (open in ui.perfetto.dev)
 
 Writes OUT/runs/<step>/ (run folders; toy_eager and toy_graph are the small real runs for
@@ -474,44 +474,31 @@ def step_validate(ctx: Ctx) -> tuple[bool, str]:
 
 
 def step_overhead(ctx: Ctx) -> tuple[bool, str]:
-    """The ablation benchmark: off, (a) kernel, (b) + launch callbacks, (c) + graph-node
-    callbacks, (d) + markers/NVTX, (e) all (default), (f) all with activity launch records;
-    graph and eager in each process. Verdict on (e): graph on GPU-side time, eager on natural."""
-    out = ctx.out / "overhead.json"
+    """benchmarks/bench_capture_overhead.py on the toy step (one child per variant: off blocks,
+    then one session); verdicts: graph on GPU-side time (target 2%), eager on natural (10%)."""
+    out = ctx.out / "overhead"
     bench = str(ROOT / "benchmarks" / "bench_capture_overhead.py")
-    reps = ["--quick", "--steps-eager", "30"] if ctx.quick else []
-    r = subprocess.run([sys.executable, bench, "--out", str(out), *reps],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    budget = "90" if ctx.quick else "180"
+    r = subprocess.run([sys.executable, bench, "--workload", "toy", "--batch", "1", "--budget-s", budget,
+                        "--out", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
     print(textwrap.indent(r.stdout + r.stderr[-3000:], "  "))
-    if not ctx.quick:  # the range API alone (CPU); measured before, skipped in --quick
-        r2 = subprocess.run([sys.executable, bench, "--range-api"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
-        print(textwrap.indent(r2.stdout, "  "))
-    if not out.exists():
+    js = out.with_suffix(".json")
+    if not js.exists():
         return False, f"benchmark exit {r.returncode}"
-    res = json.loads(out.read_text())
-    parts = []
-    for m, v in res.get("modes", {}).items():
-        if v.get("verdict") == "error":
-            parts.append(f"{m}: error")
-            continue
-        parts.append(
-            f"{m} ({v['figure']}): {v['overhead']:+.1%} ({v['verdict']}), host/step "
-            f"{v['off_host_us']:.1f} -> {v['on_host_us']:.1f} us"
-        )
-    summ = res.get("summary", {})
-    for m in ("graph", "eager"):
-        f = "gpu" if m == "graph" else "natural"
-        steps = [
-            f"{k}={row[f + '_overhead']:+.0%}"
-            for k, row in summ.get(m, {}).items()
-            if k != "off" and f"{f}_overhead" in row
-        ]
-        if steps:
-            parts.append(f"{m} ablation: " + " ".join(steps))
-    modes = res.get("modes", {})
-    ok = bool(modes) and all(v.get("verdict") == "ok" for v in modes.values())
-    return ok, "; ".join(parts)
+    res = json.loads(js.read_text())
+    parts, ok = [], True
+    for name, summ in res.get("summaries", {}).items():
+        for mode, v in summ.get("verdicts", {}).items():
+            if "default" not in v:
+                parts.append(f"{name} {mode}: not measured")
+                ok = False
+                continue
+            parts.append(f"{name} {mode} ({v['figure']}): {v['default']:+.1%} "
+                         f"({'ok' if v['ok'] else 'over'} {v['target']:.0%})")  # fmt: skip
+            ok = ok and bool(v["ok"])
+    errors = [c for cs in res.get("cases", {}).values() for c in cs if c.get("error")]
+    parts += [f"{c.get('variant')}: error: {c['error']}" for c in errors]
+    return ok and bool(parts) and not errors, "; ".join(parts) or "no verdicts"
 
 
 def step_chrome(ctx: Ctx) -> tuple[bool, str]:
