@@ -78,7 +78,7 @@ def test_range_names_follow_the_scheme():
         ({"tp_shape": 3}, ["tp_shape"]),
         ({"layers": "kda,xyz"}, ["unknown layer kind"]),
         ({"tp_world": 3}, ["tp_world=3", "two-rank"]),
-        ({"tp_world": 2, "allreduce": "nccl"}, ["allreduce", "fused"]),
+        ({"tp_world": 2, "allreduce": "oneshot"}, ["allreduce", "fused"]),
         ({"tp_world": 2, "weights": "half"}, ["weights"]),
         ({"layers": "dense,kda", "batch": 65}, ["specialized dense MLP", "64 tokens"]),
         ({"expert_dtype": "mxfp4"}, ["MoE", "mxfp4"]),

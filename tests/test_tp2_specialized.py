@@ -112,11 +112,13 @@ def test_enable_tp2_dense_down_and_fused_plans(monkeypatch):
     assert isinstance(plans[0], oa.OProjARPlan)
 
 
-def test_gpu_steps_tp2_dry_run(tmp_path):
+@pytest.mark.parametrize("spec_allreduce", ["fused", "nccl"])
+def test_gpu_steps_tp2_dry_run(tmp_path, spec_allreduce):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_steps_tp2.py"), "--dry-run", "--out",
-         str(tmp_path), "--batches", "1,2", "--draws", "1", "--budget", "300"],
+         str(tmp_path), "--batches", "1,2", "--draws", "1", "--budget", "300",
+         "--spec-allreduce", spec_allreduce],
         capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
@@ -128,4 +130,69 @@ def test_gpu_steps_tp2_dry_run(tmp_path):
                           "fused kernels launched (the factory's first step)", "eager"):  # fmt: skip
                 assert (rank, case, check) in got, (rank, case, check)
     assert not [r for r in rows if r.get("ok") is False]
+    built = [r for r in rows if r["check"] == "built"]
+    assert {r["spec_allreduce"] for r in built} == {spec_allreduce}
     assert "PASS: 0 failing" in p.stdout.splitlines()[-1]
+
+
+def test_plan_tp_world_2_nccl_fallback():
+    """allreduce=nccl: explicit all-reduce launches around the single-GPU kernels, named and
+    recorded as torch.distributed (o_proj with a zero residual, all-reduce, residual add)."""
+    p = S.plan(**TINY, tp_world=2, allreduce="nccl")
+    cfg = json.loads(p.meta["config_json"])
+    assert cfg["allreduce"] == "nccl"
+    kda = cfg["ranges"]["layer.1:kda"]
+    i = kda.index("layer.1.attn.o_proj")
+    assert kda[i + 1 : i + 3] == ["layer.1.attn.allreduce", "layer.1.attn.residual_add"]
+    assert kda[-3:-1] == ["layer.1.moe.latent_allreduce", "layer.1.moe.shared_allreduce"]
+    assert cfg["ranges"]["layer.0:dense"][-1] == "layer.0.mlp.allreduce"
+    one = json.loads(S.plan(**TINY).meta["config_json"])["launches"]
+    assert cfg["launches"] == {
+        "layer.0:dense": one["layer.0:dense"] + 3,
+        "layer.1:kda": one["layer.1:kda"] + 4,
+        "layer.2:mla": one["layer.2:mla"] + 4,
+    }
+    impl = cfg["op_impl"]
+    assert impl["attn.allreduce"] == impl["moe.latent_allreduce"] == "torch.distributed:nccl"
+    assert impl["attn.residual_add"] == "torch:add" and impl["attn.o_proj"] == S.CUTE
+
+
+@pytest.mark.parametrize("allreduce", ["fused", "nccl"])
+def test_step_ranges_match_the_plan(monkeypatch, allreduce):
+    """The ranges a tp_world 2 step opens (kernels recorded, all-reduce a no-op on this CPU)
+    are the plan's range names, in order: what analysis maps the kernels to."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from decodescope.kernels.specialized import attention_layers, comm, dense_mlp, moe_block, tp2
+    from decodescope.kernels.specialized import interface as itf
+
+    opened: list[str] = []
+
+    @contextlib.contextmanager
+    def rec(name):
+        opened.append(name)
+        yield
+
+    for mod in (attention_layers, moe_block, dense_mlp, S):
+        monkeypatch.setattr(mod, "_range", rec)
+    monkeypatch.setattr(itf, "compiled", lambda key, build: lambda *a, **k: None)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: None)
+    p = S.plan(**TINY, tp_world=2, allreduce=allreduce)
+    m = S.SpecializedModel(p.cfg, p.specs, p.batch, 1, device="cpu")
+    if allreduce == "nccl":
+        tp2.install_nccl(m)
+    else:
+        i32, dev = torch.int32, torch.device("cpu")
+        ws = comm.PeerWorkspace(0, 2, torch.zeros(comm.FLAG_SLOTS, dtype=i32, device=dev),
+                                torch.zeros(2, 16, device=dev),
+                                torch.zeros(comm.FLAG_SLOTS, dtype=i32, device=dev),
+                                torch.zeros(2, 16, device=dev),
+                                torch.zeros(4, dtype=i32, device=dev))  # fmt: skip
+        S.enable_tp2(m, ws)
+    m.step()
+    want = []
+    for lay, ops in p.range_names().items():
+        want += [lay, *ops]
+    assert opened == want

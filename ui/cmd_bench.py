@@ -281,6 +281,12 @@ def bench_cmd(
         help="Standard path's all-reduce at --tp-world > 1: nccl|oneshot (the specialized path "
         "reduces inside its fused kernels, --tp-world 2 only).",
     ),
+    spec_allreduce: str = typer.Option(
+        "fused",
+        "--spec-allreduce",
+        help="Specialized path's reductions at --tp-world 2: fused (inside its kernels, peer "
+        "memory) | nccl (explicit NCCL all-reduce launches around its single-GPU kernels).",
+    ),
 ) -> None:
     """Run both decode paths under CUDA graphs, capture, and print the reference-style table."""
     from decodescope import tracer
@@ -329,6 +335,8 @@ def bench_cmd(
                 spec["opts"]["tp_world"] = tp_world
                 if backend == "standard":
                     spec["opts"]["allreduce"] = allreduce
+                elif backend == "specialized":
+                    spec["opts"]["allreduce"] = spec_allreduce
             try:
                 if tp_world > 1:
                     from decodescope.tracer.distributed import run_distributed_capture

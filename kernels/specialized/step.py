@@ -74,7 +74,8 @@ TP2_RENAME = {
     "moe.latent_norm+latent_up+add": "moe.latent_allreduce+latent_norm+latent_up+shared_allreduce+add",
     "mlp.down": "mlp.down+allreduce",
 }
-ALLREDUCE = "fused"  # the only tp_world 2 reduction of this path: peer memory in the kernels
+ALLREDUCE = "fused"  # tp_world 2 default: peer memory inside the kernels (tp2.install)
+ALLREDUCES = (ALLREDUCE, "nccl")  # nccl: explicit dist.all_reduce launches (tp2.install_nccl)
 
 
 def parse_front_norm(v: Any, n_tokens: int) -> bool:
@@ -250,6 +251,7 @@ class Plan:
     front_norm: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
     weights: str = "rank"  # tp_world 2: kernels/sharding.build_rank_weights mode
+    allreduce: str = ALLREDUCE  # tp_world 2: fused | nccl
 
     def op_names(self, spec) -> list[str]:
         """``block.op`` names of one layer's launches, in launch order."""
@@ -263,7 +265,11 @@ class Plan:
                 attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
             moe = _moe_ops(self.front_norm)
             names = [f"attn.{o}" for o in attn] + [f"moe.{o}" for o in moe]
-        if self.tp_world == 2:  # the reductions ride in these launches (tp2.py)
+        if self.tp_world == 2 and self.allreduce == "nccl":  # explicit all-reduce launches
+            from decodescope.kernels.specialized.tp2 import NCCL_OPS
+
+            names = [x for n in names for x in NCCL_OPS.get(n, (n,))]
+        elif self.tp_world == 2:  # the reductions ride in these launches (tp2.py)
             names = [TP2_RENAME.get(n, n) for n in names]
         return names
 
@@ -278,7 +284,16 @@ class Plan:
         return {lay: len(ops) for lay, ops in self.range_names().items()}
 
     def op_impl(self) -> dict[str, str]:
-        return {o: CUTE for s in self.specs for o in self.op_names(s)}
+        from decodescope.kernels.specialized.tp2 import NCCL_IMPL
+
+        nccl = self.tp_world == 2 and self.allreduce == "nccl"
+        out = {}
+        for s in self.specs:
+            for o in self.op_names(s):
+                last = o.split(".")[-1]
+                key = "allreduce" if last.endswith("allreduce") else last
+                out[o] = NCCL_IMPL.get(key, CUTE) if nccl else CUTE
+        return out
 
 
 def plan(
@@ -332,17 +347,16 @@ def plan(
         raise ValueError(
             f"option weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}"
         )
-    if allreduce != ALLREDUCE:
+    if allreduce not in ALLREDUCES:
         raise ValueError(
-            f"workload 'specialized' reduces across ranks inside its fused kernels "
-            f"(allreduce={ALLREDUCE!r}), got allreduce={allreduce!r} (nccl / oneshot are the "
-            "standard workload's)"
+            f"workload 'specialized': allreduce must be {ALLREDUCE!r} (reductions inside the "
+            f"fused kernels) or 'nccl' (explicit NCCL launches), got {allreduce!r}"
         )
     if world > 1 and weights == "shard":
         source_config(cfg, world)  # tp_shape divisible by tp_world (ConfigError is a ValueError)
     fn = parse_front_norm(front_norm, b * t)
     check_usable(cfg, specs, b, t, world, fn)
-    p = Plan(cfg, specs, b, t, s, world, preset, fn, weights=weights)
+    p = Plan(cfg, specs, b, t, s, world, preset, fn, weights=weights, allreduce=allreduce)
     launches = p.launches()
     per_kind: dict[str, int] = {}
     for s_ in specs:
@@ -374,7 +388,7 @@ def plan(
     )
     if world > 1:
         cj = json.loads(p.meta["config_json"])
-        cj |= {"allreduce": ALLREDUCE, "weights": weights}
+        cj |= {"allreduce": allreduce, "weights": weights}
         p.meta["config_json"] = json.dumps(cj, default=str)
     p.meta["notes"] = "; ".join(cfg.notes) + (
         "; tp_world 1: no all-reduce runs" if world == 1 else ""
@@ -619,7 +633,7 @@ def specialized(**opts: Any) -> Workload:
     if p.tp_world > 1:
         if p.weights == "shard":
             sharding.shard_model_state_(model, rank, p.tp_world)
-        start_tp2(model)
+        start_tp2(model, allreduce=p.allreduce)
     meta = dict(p.meta)
     config = json.loads(meta["config_json"])
     if p.tp_world > 1:
@@ -631,7 +645,9 @@ def specialized(**opts: Any) -> Workload:
         meta["layer_bytes"] = lb
         config["distinct_experts"] = distinct
         config["layer_bytes_from"] = "the routing of the last refresh step"
-        config["launches"] = model.launches()
+        # tp_world 2 with nccl: the model's kernels plus the all-reduce / add launches
+        config["launches"] = p.launches() if p.allreduce == "nccl" and p.tp_world > 1 else (
+            model.launches())  # fmt: skip
         config["seed"] = model.seed
         meta["config_json"] = json.dumps(config, default=str)
 
@@ -650,7 +666,8 @@ def specialized(**opts: Any) -> Workload:
         if p.tp_world > 1:
             import torch.distributed as dist
 
-            model.tp2_workspace.check()  # a spin that timed out: the pair is out of step
+            if model.tp2_workspace is not None:  # a spin that timed out: the pair is out of step
+                model.tp2_workspace.check()
             dist.barrier()  # both ranks aligned before what the caller runs next (capture)
         update_meta()
 
@@ -673,7 +690,7 @@ def enable_tp2(model: SpecializedModel, ws) -> None:
     tp2.install(model, ws)
 
 
-def start_tp2(model: SpecializedModel, ws=None) -> None:
+def start_tp2(model: SpecializedModel, ws=None, allreduce: str = ALLREDUCE) -> None:
     """Both ranks of a tp_world 2 group: compile every kernel of the step, then route the
     reductions through the fused kernels (``ws``: a ``comm.PeerWorkspace``, made here when
     None). Compiling first matters: a rank still compiling while its peer spins in a fused
@@ -691,6 +708,11 @@ def start_tp2(model: SpecializedModel, ws=None) -> None:
         for k, v in sv.items():
             st[k].copy_(v)
     del saved
+    if allreduce == "nccl":  # explicit NCCL launches, no peer workspace, no spin
+        tp2.install_nccl(model)
+        if dist.is_initialized():
+            dist.barrier()
+        return
     if ws is None:
         ws = comm.PeerWorkspace.create(device=model.device)  # collective
     enable_tp2(model, ws)

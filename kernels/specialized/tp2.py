@@ -96,6 +96,91 @@ def _patch_dense(mlp, ws, prefetch) -> None:
     mlp.stages = stages
 
 
+# -- allreduce=nccl: explicit NCCL all-reduce launches (the fallback, recorded as such) ---------
+
+NCCL_OPS = {  # launch -> the launches that replace it (step.Plan.op_names uses the same)
+    "attn.o_proj": ("attn.o_proj", "attn.allreduce", "attn.residual_add"),
+    "moe.latent_norm+latent_up+add": (
+        "moe.latent_allreduce",
+        "moe.shared_allreduce",
+        "moe.latent_norm+latent_up+add",
+    ),
+    "mlp.down": ("mlp.down", "mlp.allreduce"),
+}
+NCCL_IMPL = {"allreduce": "torch.distributed:nccl", "residual_add": "torch:add"}
+
+
+def install_nccl(model) -> None:
+    """tp_world 2 without the fused kernels: every reduction as an explicit ``dist.all_reduce``
+    launch on the default process group (NCCL; captured into the step's graph like any kernel),
+    the single-GPU kernels unchanged around it. o_proj runs with a zero residual into a buffer,
+    which is all-reduced, then ``r_out = y + r`` (``attn.residual_add``, one torch launch); the
+    MoE's FP32 routed sum and shared-expert output are all-reduced before its back-end kernel;
+    the dense MLP's output after its down projection."""
+    import torch.distributed as dist
+
+    from decodescope.kernels.specialized import oproj_residual_norm as _op
+
+    dense = getattr(model, "dense", [None] * len(model.specs))
+    for attn, moe, mlp in zip(model.attn, model.moe, dense, strict=True):
+        _nccl_attn(attn, _op, dist)
+        if moe is not None:
+            _nccl_moe(moe, dist)
+        if mlp is not None:
+            _nccl_dense(mlp, dist)
+    model.tp2_workspace = None
+    model.tp2_allreduce = "nccl"
+
+
+def _nccl_attn(attn, _op, dist) -> None:
+    orig = attn.stages
+    y = torch.empty_like(attn.r_mid)
+    zero = torch.zeros_like(attn.r_mid)
+    attn.nccl_partial = y
+
+    def stages(x_in, r_in, r_out, h_out):
+        out = []
+        for op, fn in orig(x_in, r_in, r_out, h_out):
+            if op == "o_proj":
+                out += [
+                    ("o_proj", lambda: _op.oproj_residual(attn.cfg, attn.w, attn.o, zero, y)),
+                    ("allreduce", lambda: dist.all_reduce(y)),
+                    ("residual_add", lambda r_out=r_out: torch.add(y, attn.r_mid, out=r_out)),
+                ]
+            else:
+                out.append((op, fn))
+        return out
+
+    attn.stages = stages
+
+
+def _nccl_moe(moe, dist) -> None:
+    orig = moe.back
+
+    def back(out: torch.Tensor) -> None:
+        with moe._r("latent_allreduce"):
+            dist.all_reduce(moe.acc)
+        with moe._r("shared_allreduce"):
+            dist.all_reduce(moe.shared_out)
+        orig(out)
+
+    moe.back = back
+
+
+def _nccl_dense(mlp, dist) -> None:
+    orig = mlp.stages
+
+    def stages(r, x_out):
+        out = []
+        for op, fn in orig(r, x_out):
+            out.append((op, fn))
+            if op == "down":
+                out.append(("allreduce", lambda x_out=x_out: dist.all_reduce(x_out)))
+        return out
+
+    mlp.stages = stages
+
+
 def fused_plans(model, sms: int | None = None) -> list:
     """The fused kernels' plans (``OProjARPlan`` / ``MoeARPlan``) ``model`` launches at tp_world
     2, from its tensors' shapes (the keys the launches compile under)."""
