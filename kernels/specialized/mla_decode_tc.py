@@ -37,8 +37,9 @@ CTA at batch 1 (as the old kernel), all heads of a sequence from 48 (sequence, g
 ``heads_per_cta`` overrides (``DECODESCOPE_MLA_HEADS_PER_CTA``).
 """
 
-# no `from __future__ import annotations`: the Smem struct reads its (evaluated) field
-# annotations; as strings they failed to resolve in one test ordering (pytest run, 14:48)
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+# (the DSL re-reads the source to preprocess a kernel: never edit a kernel file while a
+# process that imported it still compiles, its line numbers no longer match)
 import math
 from dataclasses import dataclass, field
 

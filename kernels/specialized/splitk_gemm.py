@@ -34,8 +34,9 @@ FP32 atomics make the sums' order vary between runs (last-bit differences before
 rounding). Compile key: the plan (every shape static).
 """
 
-# no `from __future__ import annotations`: the Smem struct reads its (evaluated) field
-# annotations; as strings they failed to resolve in one test ordering (pytest run, 14:48)
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+# (the DSL re-reads the source to preprocess a kernel: never edit a kernel file while a
+# process that imported it still compiles, its line numbers no longer match)
 import os
 from dataclasses import dataclass, field
 
