@@ -168,7 +168,7 @@ def _summary(d: dict) -> dict:
             "failing": [f"{c['check']}={c['value']:.3g} (tol {c['tol']})" for c in bad]}  # fmt: skip
 
 
-def run_case(rows: Rows, a, B: int, calls: dict | None) -> None:
+def run_case(rows: Rows, a, B: int, calls: dict | None, mode: str = "fused") -> None:
     import torch
     import torch.distributed as dist
 
@@ -179,12 +179,12 @@ def run_case(rows: Rows, a, B: int, calls: dict | None) -> None:
     opts = dict(preset=a.preset, tp_shape=a.tp_shape, batch=B, layers=a.layers, seed=a.seed,
                 tp_world=2, weights=a.weights)  # fmt: skip
     std = spec = twin = g = None
-    case = f"b{B}"
+    case = f"b{B}" + ("" if mode == "fused" else f"-{mode}")
     try:
         std = WORKLOADS["standard"](**opts, allreduce="nccl")
         if calls is not None:
             calls.clear()
-        spec = S.specialized(**opts, allreduce=a.spec_allreduce)
+        spec = S.specialized(**opts, allreduce=mode)
         sm, pm = std.model, spec.model
         ws = pm.tp2_workspace
         cfgj = json.loads(spec.meta["config_json"])
@@ -193,7 +193,7 @@ def run_case(rows: Rows, a, B: int, calls: dict | None) -> None:
                  std_allreduce=json.loads(std.meta["config_json"]).get("allreduce"),
                  spec_allreduce=cfgj.get("allreduce"))  # fmt: skip
         if calls is not None:  # dry run: the fused reductions the factory's first step launched
-            fused = a.spec_allreduce == "fused"
+            fused = mode == "fused"
             want = {"oproj_allreduce": fused * (len(pm.specs) + sum(s.mlp == "dense" for s in pm.specs)),
                     "moe_allreduce": fused * sum(s.mlp == "moe" for s in pm.specs)}  # fmt: skip
             got = {k: calls.get(k, 0) for k in want}
@@ -240,12 +240,14 @@ def worker(out: Path, a) -> int:
     rank, _ = init_from_env(2)
     rows = Rows(out, rank)
     t0 = time.time()
-    for i, B in enumerate(int(x) for x in a.batches.split(",") if x):
+    modes = [x for x in a.spec_allreduce.split(",") if x]
+    cases = [(m, int(x)) for m in modes for x in a.batches.split(",") if x]
+    for i, (mode, B) in enumerate(cases):
         late = i > 0 and time.time() - t0 > a.budget * 0.6
         if _flag(late, _dev()):  # decided jointly: both ranks skip or both run
-            rows.add(case=f"b{B}", check="(skipped: budget)", ok=None)
+            rows.add(case=f"b{B}-{mode}", check="(skipped: budget)", ok=None)
             continue
-        run_case(rows, a, B, calls)
+        run_case(rows, a, B, calls, mode)
     return 0
 
 
@@ -270,7 +272,8 @@ def main() -> int:
     p.add_argument("--weights", default="rank", help="rank | shard (kernels/sharding.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spec-allreduce", default="fused",
-                   help="the specialized path's reductions: fused (peer-memory kernels) | nccl")  # fmt: skip
+                   help="the specialized path's reductions, a list of: fused (peer-memory "
+                        "kernels) | nccl (explicit NCCL launches); each with every batch")  # fmt: skip
     p.add_argument("--draws", type=int, default=2, help="conclusive draws per mode")
     p.add_argument("--tie", type=float, default=gs.TIE)
     p.add_argument("--min-rows", type=float, default=gs.MIN_ROWS)
@@ -323,14 +326,14 @@ def main() -> int:
         if lf.exists():
             log("\n".join(lf.read_text(errors="replace").splitlines()[-15:]))
     log("")
-    log(f"{'case':<5} {'rank':>4} {'result':<6} check / figures")
+    log(f"{'case':<8} {'rank':>4} {'result':<6} check / figures")
     bad = 0
     for r in rows:
         res_ = {True: "PASS", False: "FAIL", None: "----"}[r.get("ok")]
         bad += r.get("ok") is False
         figs = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in r.items()
                 if k not in ("case", "check", "ok", "rank")}  # fmt: skip
-        log(f"{r.get('case', ''):<5} {str(r.get('rank', '')):>4} {res_:<6} {r.get('check', '')}"
+        log(f"{r.get('case', ''):<8} {str(r.get('rank', '')):>4} {res_:<6} {r.get('check', '')}"
             f"  {json.dumps(figs, default=str)[:300]}")  # fmt: skip
     n = sum(r.get("ok") is not None for r in rows)
     log(f"total {time.time() - t0:.0f} s; " + (f"FAIL: {bad} of {n} rows" if bad else

@@ -124,8 +124,9 @@ def test_gpu_steps_tp2_dry_run(tmp_path, spec_allreduce):
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     got = {(r["rank"], r["case"], r["check"]) for r in rows if r.get("ok")}
+    sfx = "" if spec_allreduce == "fused" else "-nccl"
     for rank in (0, 1):
-        for case in ("b1", "b2"):
+        for case in ("b1" + sfx, "b2" + sfx):
             for check in ("built", "same weights (standard and specialized, this rank)",
                           "fused kernels launched (the factory's first step)", "eager"):  # fmt: skip
                 assert (rank, case, check) in got, (rank, case, check)
