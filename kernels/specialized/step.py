@@ -609,8 +609,9 @@ def specialized(**opts: Any) -> Workload:
     process group as the standard workload does (``standard.comm.init_from_env``), builds this
     rank's weights exactly as the standard workload does for the same ``weights`` option (rank |
     shard, kernels/sharding.py: the same seed gives the same tensors on both paths), and routes
-    the reductions through the fused peer-memory kernels (:func:`enable_tp2`; ``allreduce`` is
-    ``fused``, the only value).
+    the reductions through the fused peer-memory kernels (:func:`enable_tp2`, ``allreduce=fused``,
+    the default) or through explicit NCCL all-reduce launches around the single-GPU kernels
+    (``allreduce=nccl``, ``tp2.install_nccl``: the fallback, recorded in op_impl and ranges).
     """
     import torch
 
