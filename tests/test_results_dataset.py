@@ -27,12 +27,20 @@ def runs():
     return rs
 
 
-def _newest(runs, backend, tp, batch):
+def _kinds(run):
+    return set(kind_table(run.kernels)["layer_kind"].to_pylist())
+
+
+def _newest(runs, backend, tp, batch, tp_world=1, dense=None):
+    """The newest one-token run of a setup; ``dense``: only runs with (True) or without (False)
+    a measured dense layer 0 (the runs before the dense layer was benched have none)."""
     c = [
         r
         for r in runs
         if (r.meta.backend, r.meta.tp_shape, r.meta.batch) == (backend, tp, batch)
         and (r.meta.tokens_per_seq or 1) == 1
+        and (r.meta.tp_world or 1) == tp_world
+        and (dense is None or ("dense" in _kinds(r)) == dense)
     ]
     return max(c, key=lambda r: str(r.meta.created_at))
 
@@ -42,15 +50,29 @@ def test_every_run_is_a_real_h200_capture_with_both_layer_kinds(runs):
         m = r.meta
         assert m.source == "cupti" and m.gpu == "NVIDIA H200" and m.graph_mode == "graph"
         assert m.backend in ("standard", "specialized") and m.preset == "kimi-k3"
-        assert m.tp_world == 1 and m.tp_shape in (8, 16)
+        assert m.tp_world in (1, 2) and m.tp_shape in (8, 16)
         assert m.git_commit and m.layer_bytes and set(m.layer_bytes) >= {"kda", "mla"}
         kt = kind_table(r.kernels)
-        assert set(kt["layer_kind"].to_pylist()) == {"kda", "mla"}
+        kinds = set(kt["layer_kind"].to_pylist())
+        assert kinds in ({"kda", "mla"}, {"dense", "kda", "mla"})
+        assert kinds <= set(m.layer_bytes)
+        ranks = set(pc.unique(pc.fill_null(r.kernels["rank"], 0)).to_pylist())
+        assert ranks == set(range(m.tp_world))  # one capture per GPU, merged
         assert min(kt["steps"].to_pylist()) >= 20  # medians over at least 20 replays
 
 
 def test_bench_rows_and_projection_are_the_layer_mix_sum(runs):
-    std = _newest(runs, "standard", 8, 1)
+    # a run of the layers "dense,kda,mla": the measured dense layer 0 is summed once
+    new = _newest(runs, "standard", 8, 1, dense=True)
+    rows = cmd_bench.kind_rows(new, "standard", 1, 1)
+    spans = {r["layer_kind"]: r["span_us"] for r in rows}
+    (p,) = cmd_bench.projections(rows, 6.0)
+    assert p["step_us"] == pytest.approx(
+        sum(K3_LAYER_MIX[k] * spans[k] for k in ("dense", "kda", "mla"))
+    )
+    assert p["dense_layer"] == "measured"
+    # an earlier run of the layers "kda,mla"
+    std = _newest(runs, "standard", 8, 1, dense=False)
     rows = cmd_bench.kind_rows(std, "standard", 1, 1)
     spans = {r["layer_kind"]: r["span_us"] for r in rows}
     (p,) = cmd_bench.projections(rows, 6.0)
@@ -59,7 +81,7 @@ def test_bench_rows_and_projection_are_the_layer_mix_sum(runs):
     )
     assert p["tok_s"] == pytest.approx(1 / (p["step_us"] * 1e-6))
     assert "dense" in p["label"] and "projection" in p["label"]
-    # the committed runs captured layers "kda,mla": the dense layer 0 is excluded, and said
+    # that run captured layers "kda,mla": the dense layer 0 is excluded, and said
     assert p["dense_layer"] == "excluded (not measured)"
     assert "excludes dense: not measured" in p["label"]
     for r in rows:
@@ -126,8 +148,9 @@ def test_baseline_matches_tokens_per_seq(runs):
 
 def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_path, monkeypatch):
     """`decodescope bench` on a CPU, its capture replaced by the committed real runs: both
-    backends are asked for layers "dense,kda,mla" (layer 0 dense first); these runs hold no
-    dense layer, so the projection says the dense layer is excluded, not measured."""
+    backends are asked for layers "dense,kda,mla" (layer 0 dense first); the runs served here
+    (earlier ones, of layers "kda,mla") hold no dense layer, so the projection says the dense
+    layer is excluded, not measured."""
     import contextlib
     import io
     import json
@@ -140,7 +163,7 @@ def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_p
     def fake_capture(spec, out, timeout, echo):
         asked.append(spec)
         o = spec["opts"]
-        run = _newest(runs, spec["workload"], o["tp_shape"], o["batch"])
+        run = _newest(runs, spec["workload"], o["tp_shape"], o["batch"], dense=False)
         write_run(run, out)
         return cap.CaptureResult(run=run, out=out, ok=True, message=None, returncode=0)
 
