@@ -7,6 +7,7 @@ Every user-facing failure is a :class:`~decodescope.tracer.errors.TraceError` (o
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -21,7 +22,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+# Piped or captured output (a log, CI) has no terminal width: rich would then fold every table to
+# 80 columns and cut the numbers short; give such output room for the widest table instead.
+_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200
+console = Console(width=_WIDTH)
 err_console = Console(stderr=True)
 
 
