@@ -288,7 +288,7 @@ def main() -> int:
     if a.worker:
         return worker(out, a)
 
-    from decodescope.tracer.distributed import free_port, launch, rank_env
+    from decodescope.tracer.distributed import collect_rank_rows, free_port, launch, rank_env
 
     t0 = time.time()
     for f in out.glob("rank*.json"):
@@ -305,18 +305,7 @@ def main() -> int:
     log(f"gpu_steps_tp2: 2 ranks, batches {a.batches}, layers {a.layers}, {a.preset} "
         f"tp_shape {a.tp_shape}, budget {a.budget:.0f} s")  # fmt: skip
     res = launch([argv, argv], envs, timeout=a.budget, logs=[out / "rank0.log", out / "rank1.log"])
-    rows: list[dict] = []
-    for r in range(2):
-        f = out / f"rank{r}.json"
-        if f.exists():
-            rows.extend(json.loads(f.read_text()))
-    for rr in res:
-        if rr.returncode != 0:
-            why = "stopped (time limit or the other rank failed)" if rr.stopped else (
-                f"exit code {rr.returncode}")  # fmt: skip
-            last = next((x for x in reversed(rr.tail) if x.strip()), "")
-            rows.append({"case": "-", "check": f"rank {rr.rank} process", "ok": False,
-                         "error": f"{why}: {last[:300]}", "rank": rr.rank})  # fmt: skip
+    rows = collect_rank_rows(res, out, case="-")
     results = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                "total_s": round(time.time() - t0, 1), "dry_run": a.dry_run, "rows": rows}  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))

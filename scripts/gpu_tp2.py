@@ -405,28 +405,21 @@ def piece_tp8(rows: Rows, args) -> None:
                 eager, graph = run_with_graph(m)
                 ids = m.selected_experts()
                 x_in, r_in = m.x_in.clone(), m.r_in.clone()
+
                 # rank 1's weights and starting state to rank 0
-                other_w, other_st = [], []
-                for li in range(len(specs)):
-                    wd, sd = {}, {}
-                    for name in sorted(ws[li]):
-                        t = ws[li][name]
+                def to_rank0(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                    got = {}
+                    for name in sorted(tensors):
+                        t = tensors[name]
                         if rank == 1:
                             dist.send(t.contiguous(), 0)
                         else:
-                            buf = torch.empty_like(t)
-                            dist.recv(buf, 1)
-                            wd[name] = buf
-                    for name in sorted(start[li]):
-                        t = start[li][name]
-                        if rank == 1:
-                            dist.send(t.contiguous(), 0)
-                        else:
-                            buf = torch.empty_like(t)
-                            dist.recv(buf, 1)
-                            sd[name] = buf
-                    other_w.append(wd)
-                    other_st.append(sd)
+                            got[name] = torch.empty_like(t)
+                            dist.recv(got[name], 1)
+                    return got
+
+                other_w = [to_rank0(ws[li]) for li in range(len(specs))]
+                other_st = [to_rank0(start[li]) for li in range(len(specs))]
                 if rank == 0:
                     x, r = x_in, r_in
                     for li, sp in enumerate(specs):
@@ -491,7 +484,7 @@ def worker(piece: str, out: Path, args) -> int:
 
 
 def run_piece(piece: str, out: Path, args, limit: float) -> list[dict]:
-    from decodescope.tracer.distributed import free_port, launch, rank_env
+    from decodescope.tracer.distributed import collect_rank_rows, free_port, launch, rank_env
 
     d = out / piece
     d.mkdir(parents=True, exist_ok=True)
@@ -503,18 +496,7 @@ def run_piece(piece: str, out: Path, args, limit: float) -> list[dict]:
         argv[argv.index("--batch") + 1] = args.tp2_batch
     envs = [{**rank_env(r, 2, port), "DECODESCOPE_DIST_TIMEOUT": "600"} for r in range(2)]
     res = launch([argv, argv], envs, timeout=limit, logs=[d / "rank0.log", d / "rank1.log"])
-    rows = []
-    for r in range(2):
-        f = d / f"rank{r}.json"
-        if f.exists():
-            rows.extend(json.loads(f.read_text()))
-    for rr in res:
-        if rr.returncode != 0:
-            why = "stopped (time limit or the other rank failed)" if rr.stopped else (
-                f"exit code {rr.returncode}")  # fmt: skip
-            last = next((x for x in reversed(rr.tail) if x.strip()), "")
-            rows.append({"piece": piece, "check": f"rank {rr.rank} process", "ok": False,
-                         "error": f"{why}: {last[:300]}", "rank": rr.rank})  # fmt: skip
+    rows = collect_rank_rows(res, d, piece=piece)
     return rows
 
 

@@ -101,6 +101,38 @@ class RankResult:
     log: Path | None = None
     tail: list[str] = dataclasses.field(default_factory=list)
 
+    def failure(self) -> str | None:
+        """One line on why this rank failed (with its last line of output); None if it exited 0."""
+        if self.returncode == 0:
+            return None
+        why = (
+            "stopped (time limit or the other rank failed)"
+            if self.stopped
+            else f"exit code {self.returncode}"
+        )
+        last = next((x for x in reversed(self.tail) if x.strip()), "")
+        return f"{why}: {last[:300]}"
+
+
+def collect_rank_rows(
+    results: Sequence[RankResult], folder: Path, **row: Any
+) -> list[dict[str, Any]]:
+    """The rows a GPU script's ranks wrote to ``folder/rank{r}.json`` (JSON lists), then one
+    failing row per rank process that did not exit 0 (``row`` + check, ok, error, rank)."""
+    rows: list[dict[str, Any]] = []
+    for r in results:
+        f = Path(folder) / f"rank{r.rank}.json"
+        if f.exists():
+            rows.extend(json.loads(f.read_text()))
+    for r in results:
+        err = r.failure()
+        if err is not None:
+            rows.append(
+                {**row, "check": f"rank {r.rank} process", "ok": False, "error": err,
+                 "rank": r.rank}
+            )  # fmt: skip
+    return rows
+
 
 class _Group:
     """Watches processes; when one fails, stops the rest (SIGTERM, then SIGKILL after grace)."""
