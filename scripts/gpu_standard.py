@@ -102,16 +102,6 @@ def _profile_kernels(fn) -> list[str]:
     return names
 
 
-def poison_buffers(layer) -> None:
-    """NaN into every intermediate float buffer of a layer (never weights, state or scales)."""
-    keep = {id(t) for t in (*layer.w.values(), *layer.state.values())}
-    for name, v in vars(layer).items():
-        if name in ("cache_scale",) or not isinstance(v, torch.Tensor):
-            continue
-        if v.is_floating_point() and id(v) not in keep:
-            v.fill_(float("nan"))
-
-
 MOE_SWEEP = [
     {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
     {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
@@ -184,7 +174,7 @@ def run_case(tp: int, batch: int, T: int, out: dict, weights_cache: dict, args) 
     for t in (*m.xs, *m.rs):
         t.fill_(float("nan"))
     for layer in m.layers:
-        poison_buffers(layer)
+        layer.poison()
     t0 = time.time()
     m.step()
     torch.cuda.synchronize()

@@ -180,20 +180,6 @@ def _one(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
 
 
-def poison(model) -> None:
-    import torch
-
-    for t in (*model.xs, *model.rs):
-        t.fill_(float("nan"))
-    for layer in model.layers:
-        keep = {id(t) for t in (*layer.w.values(), *layer.state.values())}
-        for name, v in vars(layer).items():
-            if name == "cache_scale" or not isinstance(v, torch.Tensor):
-                continue
-            if v.is_floating_point() and id(v) not in keep:
-                v.fill_(float("nan"))
-
-
 def fingerprint(w: dict) -> list[float]:
     return [float(w[k].reshape(-1)[: 1 << 20].float().sum()) for k in sorted(w)]
 
@@ -222,7 +208,7 @@ def run_with_graph(model):
                 st[k].copy_(v)
 
     start = [{k: v.clone() for k, v in st.items()} for st in model.states]
-    poison(model)
+    model.poison()
     model.step()
     sync()
     eager = snap()
@@ -242,7 +228,7 @@ def run_with_graph(model):
         model.step()
     torch.cuda.synchronize()
     restore(start)
-    poison(model)
+    model.poison()
     g.replay()
     torch.cuda.synchronize()
     graph = snap()
@@ -283,7 +269,7 @@ def piece_tp2(rows: Rows, args, kind: str) -> None:
         for b in batches:
             t1 = time.time()
             m1 = StandardModel(full, [spec], b, 1, seed=seed, device=dev, weights=[w_full])
-            poison(m1)
+            m1.poison()
             m1.step()
             sync()
             ref[b] = (

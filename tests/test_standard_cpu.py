@@ -365,3 +365,22 @@ def test_triton_kernels_in_the_interpreter(kind, mode, options):
         assert R.rel_l2(m.x_out, x) < TOL, (seed, m.ops.impl)
     finally:
         interp._patch_lang_tensor = orig
+
+
+def test_a_step_writes_everything_poison_left():
+    # poison() fills the outputs and every intermediate with NaN; a step writes all of them, so
+    # the step after poisoning equals the one before (weights and state untouched by poison)
+    cfg = get_config("tiny", 1)
+    m = StandardModel(cfg, parse_layers(cfg, "dense,kda,mla"), 2, 1, seed=3)
+    start = [{k: v.clone() for k, v in state.items()} for state in m.states]
+    m.step()
+    want = (m.x_out.clone(), m.r_out.clone())
+    for state, s0 in zip(m.states, start, strict=True):
+        for k, v in s0.items():
+            state[k].copy_(v)
+    m.poison()
+    assert torch.isnan(m.x_out).all()
+    m.step()
+    assert torch.isfinite(m.x_out).all() and torch.isfinite(m.r_out).all()
+    torch.testing.assert_close(m.x_out, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(m.r_out, want[1], rtol=0, atol=0)

@@ -18,25 +18,13 @@ pytestmark = [
 TOL = 1.5e-2
 
 
-def _poison(m: StandardModel) -> None:
-    for t in (*m.xs, *m.rs):
-        t.fill_(float("nan"))
-    for layer in m.layers:
-        keep = {id(t) for t in (*layer.w.values(), *layer.state.values())}
-        for name, v in vars(layer).items():
-            if name == "cache_scale" or not isinstance(v, torch.Tensor):
-                continue
-            if v.is_floating_point() and id(v) not in keep:
-                v.fill_(float("nan"))
-
-
 def _check(preset, tp, kind, batch, T, dtype=torch.float64, **options):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     cfg = get_config(preset, tp, **options)
     specs = parse_layers(cfg, kind)
     m = StandardModel(cfg, specs, batch, T, seed=seed, device="cuda")
     before = {k: v.clone() for k, v in m.states[0].items()}
-    _poison(m)
+    m.poison()
     m.step()
     torch.cuda.synchronize()
     x, r, ns, _ = R.layer_ref(

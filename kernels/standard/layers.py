@@ -757,6 +757,16 @@ class StandardLayer:
         self._allreduce("mlp", "allreduce", x_out)
 
     # -- the layer ---------------------------------------------------------------------------
+    def poison(self) -> None:
+        """NaN into every intermediate floating-point buffer of the layer (never its weights,
+        state or cache scale), so that a check sees any output a kernel failed to write."""
+        keep = {id(t) for t in (*self.w.values(), *self.state.values())}
+        for name, v in vars(self).items():
+            if name == "cache_scale" or not isinstance(v, torch.Tensor):
+                continue
+            if v.is_floating_point() and id(v) not in keep:
+                v.fill_(float("nan"))
+
     def forward(self, x_in, r_in, x_out, r_out) -> None:
         """``r_out = x_in + r_in`` ... ``x_out`` = this layer's MLP output (see reference)."""
         spec, w = self.spec, self.w

@@ -91,6 +91,14 @@ class StandardModel:
             layer.forward(x, r, self.xs[i % 2], self.rs[i % 2])
             x, r = self.xs[i % 2], self.rs[i % 2]
 
+    def poison(self) -> None:
+        """NaN into the step's output buffers and every layer's intermediates (tests: whatever
+        a step does not write stays NaN)."""
+        for t in (*self.xs, *self.rs):
+            t.fill_(float("nan"))
+        for layer in self.layers:
+            layer.poison()
+
     def refresh(self, seed: int | None = None) -> None:
         """Fresh random inputs (same buffers): call outside graph capture."""
         s = self.seed + 1 if seed is None else seed
