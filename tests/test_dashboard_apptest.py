@@ -263,6 +263,9 @@ def test_the_default_pair_is_standard_vs_specialized_of_one_setup():
     runs = [run("specialized", 1), run("standard", 64), run("specialized", 64), run("other", 1)]
     assert dashboard.default_pair(runs) == (1, 2)
     assert dashboard.default_pair([run("other", 1), run("other", 1)]) == (0, 1)
+    # of several pairs, batch 1 (the reference's per-layer figure) comes first
+    pairs = [run("standard", 1), run("specialized", 1), run("standard", 64), run("specialized", 64)]
+    assert dashboard.default_pair(pairs) == (0, 1)
     assert dashboard.default_pair([run("other", 1)]) == (0, 0)
 
 

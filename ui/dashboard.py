@@ -283,21 +283,39 @@ def run_label(run: Run) -> str:
     return f"{text} [{m.run_id[:20]}]"
 
 
-PAIR_KEYS = ("workload", "preset", "batch", "tp_shape", "gpu")  # what A and B should share
+# what A (standard) and B (specialized) should share; the two backends are different workloads
+PAIR_KEYS = ("preset", "batch", "tokens_per_seq", "tp_shape", "tp_world", "gpu")
 
 
 def default_pair(runs: list[Run]) -> tuple[int, int]:
-    """A = the latest standard run (else the first run), B = the latest specialized run of the
-    same setup (workload, preset, batch, tp_shape, gpu; else any specialized run; else the
-    next run; else A). Runs come in order of creation."""
+    """A = a standard run, B = the latest specialized run of the same setup (PAIR_KEYS). Among
+    the standard runs that have such a partner, the reference's own figure comes first: batch 1,
+    one token per sequence, one GPU, TP8 shapes, then the latest. Without any pair: the latest
+    standard run (else the first run) and any specialized run, else the next run, else A. Runs
+    come in order of creation."""
     backends = [r.meta.backend for r in runs]
     std = [i for i, b in enumerate(backends) if b == "standard"]
-    a = std[-1] if std else 0
     spec = [i for i, b in enumerate(backends) if b == "specialized"]
-    setup = {k: getattr(runs[a].meta, k) for k in PAIR_KEYS}
-    same = [i for i in spec if same_setup(vars_of(runs[i]), setup, PAIR_KEYS)]
-    if same or spec:
-        return a, (same or spec)[-1]
+
+    def partners(a: int) -> list[int]:
+        setup = {k: getattr(runs[a].meta, k) for k in PAIR_KEYS}
+        return [i for i in spec if same_setup(vars_of(runs[i]), setup, PAIR_KEYS)]
+
+    paired = [i for i in std if partners(i)]
+    if paired:
+
+        def rank(i: int) -> tuple:
+            m = runs[i].meta
+            return (
+                m.batch != 1, (m.tokens_per_seq or 1) != 1, (m.tp_world or 1) != 1,
+                m.tp_shape != 8, -i,
+            )  # fmt: skip
+
+        a = min(paired, key=rank)
+        return a, partners(a)[-1]
+    a = std[-1] if std else 0
+    if spec:
+        return a, spec[-1]
     return a, next((i for i in range(len(runs)) if i != a), a)
 
 
