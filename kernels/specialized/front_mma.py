@@ -28,6 +28,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.router_topk import pdl_enabled
 
 ROWS = 16  # MMA M
@@ -106,66 +107,35 @@ class FrontMma:
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
-        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        atom = mc.mma_atom()
         rows = []
         for q in cutlass.range_constexpr(RT):
             rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
         toks = []
         for j in cutlass.range_constexpr(NJ):
             toks.append(cutlass.min(j * 8 + g, T - 1))  # rows past T: computed, never stored
-        accs = []
-        for _q in cutlass.range_constexpr(RT):
-            for _j in cutlass.range_constexpr(NJ):
-                a = cute.make_rmem_tensor((4, 1, 1), Float32)
-                a.fill(0.0)
-                accs.append(a)
-        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        accs = mc.zero_accs(RT * NJ)
+        fa, fb = mc.fragments()
         chunk0 = warp * self.CPW
         for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
             wlo = []
             whi = []
             for v in cutlass.range_constexpr(U):
                 k0 = (chunk0 + it * U + v) * KCH + c * 8
-                for q in cutlass.range_constexpr(RT):
-                    lo = cute.make_rmem_tensor((8,), BFloat16)
-                    hi = cute.make_rmem_tensor((8,), BFloat16)
-                    cute.autovec_copy(cute.local_tile(mW[rows[q], None], (8,), (k0 // 8,)), lo)
-                    cute.autovec_copy(cute.local_tile(mW[rows[q] + 8, None], (8,), (k0 // 8,)), hi)
-                    wlo.append(lo)
-                    whi.append(hi)
+                mc.load_w_tiles(mW, rows, k0, wlo, whi)
             for v in cutlass.range_constexpr(U):
                 k0 = (chunk0 + it * U + v) * KCH + c * 8
                 for j in cutlass.range_constexpr(NJ):
                     xb = cute.make_rmem_tensor((8,), BFloat16)
                     cute.autovec_copy(cute.local_tile(mX[toks[j], None], (8,), (k0 // 8,)), xb)
-                    for s in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(4):
-                            fb[e] = xb[4 * s + e]
-                        for q in cutlass.range_constexpr(RT):
-                            lo = wlo[v * RT + q]
-                            hi = whi[v * RT + q]
-                            fa[0] = lo[4 * s + 0]
-                            fa[1] = lo[4 * s + 1]
-                            fa[2] = hi[4 * s + 0]
-                            fa[3] = hi[4 * s + 1]
-                            fa[4] = lo[4 * s + 2]
-                            fa[5] = lo[4 * s + 3]
-                            fa[6] = hi[4 * s + 2]
-                            fa[7] = hi[4 * s + 3]
-                            acc = accs[q * NJ + j]
-                            cute.gemm(atom, acc, fa, fb, acc)
+                    tiles = [(wlo[v * RT + q], whi[v * RT + q], q * NJ + j) for q in range(RT)]
+                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
 
         # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
         # the warps' K slices are summed through shared memory, one row tile at a time
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(NJ):
-                acc = accs[q * NJ + j]
-                n0 = j * 8 + 2 * c
-                sRed[warp, g, n0] = acc[0]
-                sRed[warp, g, n0 + 1] = acc[1]
-                sRed[warp, g + 8, n0] = acc[2]
-                sRed[warp, g + 8, n0 + 1] = acc[3]
+                mc.stash_acc(sRed, warp, g, c, j, accs[q * NJ + j])
             cute.arch.barrier()
             t = bid * RT + q
             if t < self.ntiles:

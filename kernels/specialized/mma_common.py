@@ -1,0 +1,84 @@
+"""Trace-time helpers for the warp-level ``mma.sync`` m16n8k16 (BF16 in, FP32 accumulate) GEMMs
+of the specialized kernels (:mod:`skinny_gemm`, :mod:`splitk_gemm`, :mod:`front_mma`,
+:mod:`back_mma`, :mod:`oproj_allreduce`).
+
+These are plain Python functions, not ``@cute.jit``: called from a kernel body while it is traced
+they emit exactly the IR the same lines written inline would (loops are Python loops, unrolled at
+trace time), so moving code into them leaves the generated PTX unchanged
+(``scripts/ptx_snapshot.py`` checks that).
+
+Fragment layout of lane ``(g, c) = (lane // 4, lane % 4)``: A (weights) holds rows ``g`` and
+``g + 8``, K columns ``8 * s + 2c + {0, 1}`` of 8-element runs ``lo`` (row g) and ``hi``
+(row g + 8) loaded at ``k0 = chunk + c * 8``; B (activations) holds 4 K values of token ``g``;
+the accumulator holds (row g, tokens 2c + {0, 1}) and (row g + 8, the same tokens).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+
+def mma_atom():
+    """The m16n8k16 BF16 x BF16 -> FP32 warp MMA atom."""
+    return cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+
+def zero_accs(n: int) -> list:
+    """``n`` zeroed FP32 accumulators (4 registers each)."""
+    accs = []
+    for _ in range(n):
+        a = cute.make_rmem_tensor((4, 1, 1), Float32)
+        a.fill(0.0)
+        accs.append(a)
+    return accs
+
+
+def fragments():
+    """The A (8 x BF16) and B (4 x BF16) operand registers of one MMA."""
+    return cute.make_rmem_tensor((8, 1, 1), BFloat16), cute.make_rmem_tensor((4, 1, 1), BFloat16)
+
+
+def set_a(fa, lo, hi, s: int) -> None:
+    """A fragment of K half ``s`` (0 or 1) from the row-g run ``lo`` and row-(g+8) run ``hi``."""
+    fa[0] = lo[4 * s + 0]
+    fa[1] = lo[4 * s + 1]
+    fa[2] = hi[4 * s + 0]
+    fa[3] = hi[4 * s + 1]
+    fa[4] = lo[4 * s + 2]
+    fa[5] = lo[4 * s + 3]
+    fa[6] = hi[4 * s + 2]
+    fa[7] = hi[4 * s + 3]
+
+
+def mma_k16(atom, accs, fa, fb, xb, tiles) -> None:
+    """Two MMAs (K halves) of one token tile's 8 activations ``xb`` against each weight tile:
+    ``tiles`` is a list of ``(lo, hi, acc_index)``."""
+    for s in range(2):
+        for e in range(4):
+            fb[e] = xb[4 * s + e]
+        for lo, hi, ai in tiles:
+            set_a(fa, lo, hi, s)
+            acc = accs[ai]
+            cute.gemm(atom, acc, fa, fb, acc)
+
+
+def stash_acc(sRed, warp, g, c, j: int, acc) -> None:
+    """Write accumulator ``acc`` of token tile ``j`` to ``sRed[warp, row, token]``."""
+    n0 = j * 8 + 2 * c
+    sRed[warp, g, n0] = acc[0]
+    sRed[warp, g, n0 + 1] = acc[1]
+    sRed[warp, g + 8, n0] = acc[2]
+    sRed[warp, g + 8, n0 + 1] = acc[3]
+
+
+def load_w_tiles(mW, rows, k0, wlo, whi) -> None:
+    """Append, for each row-tile base row ``r`` in ``rows``, the 8 weights ``mW[r, k0 : k0 + 8]``
+    to ``wlo`` and ``mW[r + 8, k0 : k0 + 8]`` to ``whi`` (16-byte loads)."""
+    for r in rows:
+        lo = cute.make_rmem_tensor((8,), BFloat16)
+        hi = cute.make_rmem_tensor((8,), BFloat16)
+        cute.autovec_copy(cute.local_tile(mW[r, None], (8,), (k0 // 8,)), lo)
+        cute.autovec_copy(cute.local_tile(mW[r + 8, None], (8,), (k0 // 8,)), hi)
+        wlo.append(lo)
+        whi.append(hi)

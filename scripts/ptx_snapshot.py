@@ -1,0 +1,219 @@
+"""Snapshot the PTX of every specialized CuTe DSL kernel, for refactors that must not change code.
+
+Compiles each kernel for sm_90a on the CPU (``CUTE_DSL_ARCH=sm_90a``, no GPU) at a fixed set of
+kimi-k3 TP8 / TP16 shapes, normalises the PTX (comments, debug sections and ``.loc`` / ``.file``
+lines dropped, mangled function symbols renamed to ``F0``, ``F1``, ... in order of appearance)
+and writes ``<case>.ptx`` plus ``hashes.json`` (case -> sha256) to ``--out``.
+
+    python scripts/ptx_snapshot.py --out /tmp/ptx_before            # all cases
+    python scripts/ptx_snapshot.py --out /tmp/ptx_after -k mma -j 2  # cases whose name has "mma"
+    python scripts/ptx_snapshot.py --diff /tmp/ptx_before /tmp/ptx_after
+
+``--diff`` compares two snapshots' hashes (cases present in both) and exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _cases() -> dict:
+    """name -> thunk that compiles one kernel through ``interface.compile_only``."""
+    from decodescope.kernels.config import get_config
+    from decodescope.kernels.specialized import back_mma as bm
+    from decodescope.kernels.specialized import dense_mlp as dm
+    from decodescope.kernels.specialized import front_mma as fm
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import kda_decode as kda
+    from decodescope.kernels.specialized import mla_decode as mla
+    from decodescope.kernels.specialized import mla_decode_tc as mtc
+    from decodescope.kernels.specialized import moe_allreduce as ma
+    from decodescope.kernels.specialized import moe_experts as me
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+    from decodescope.kernels.specialized import oproj_allreduce as oa
+    from decodescope.kernels.specialized import oproj_residual_norm as orn
+    from decodescope.kernels.specialized import rmsnorm as rms
+    from decodescope.kernels.specialized import router_topk as rt
+    from decodescope.kernels.specialized import skinny_gemm as sg
+    from decodescope.kernels.specialized import splitk_gemm as sk
+    from decodescope.kernels.specialized import up_proj_shared_add as up
+
+    cases: dict = {}
+    for tp in (8, 16):
+        cfg = get_config("kimi-k3", tp)
+        e = cfg.moe
+        E, K, H, L = e.num_experts, e.top_k, cfg.hidden, cfg.expert_dim
+        Ie, S = cfg.expert_inter, cfg.shared_inter
+        NF = E + L + 2 * S
+        p = f"tp{tp}"
+        # attention-side GEMMs: skinny below 8 tokens, split-K from 8
+        for m in (1, 8):
+            cases[f"{p}_nqp_kda_m{m}"] = (sk.compile_any, nqp.plan_for(cfg, "kda", m))
+            cases[f"{p}_oproj_kda_m{m}"] = (sk.compile_any, orn.plan_for(cfg, "kda", m))
+        cases[f"{p}_nqp_mla_m1"] = (sk.compile_any, nqp.plan_for(cfg, "mla", 1))
+        cases[f"{p}_qb_m1"] = (sk.compile_any, orn.q_b_plan(cfg, 1))
+        cases[f"{p}_dense_up_m1"] = (sg.compile_plan, dm.gate_up_plan(cfg, 1))
+        cases[f"{p}_dense_down_m8"] = (sg.compile_plan, dm.down_plan(cfg, 8))
+        cases[f"{p}_rmsnorm_m1"] = (rms.compile_plan, rms.NormPlan(1, H, cfg.eps))
+        cases[f"{p}_kda_b1"] = (kda.compile_plan, kda.plan_for(cfg, 1, 1))
+        cases[f"{p}_mla_b1"] = (mla.compile_plan, mla.plan_for(cfg, 1, 1))
+        cases[f"{p}_mlatc_b1t8"] = (mtc.compile_plan, mtc.plan_for(cfg, 1, 8))
+        # MoE
+        cases[f"{p}_router_t1"] = ("build", lambda T=1: rt._build(T, H, NF, T * L, E))
+        cases[f"{p}_router_norm_t1"] = (
+            "build",
+            lambda T=1, c=cfg: rt._build(T, H, NF, T * L, E, True, True, c.eps, True),
+        )
+        cases[f"{p}_front_mma_t8"] = ("build", lambda T=8: fm._build(T, H, NF, T * L, E))
+        cases[f"{p}_back_mma_t8"] = ("build", lambda T=8, c=cfg: bm._build(T, L, H, c.eps))
+        cases[f"{p}_up_proj_t1"] = ("build", lambda T=1, c=cfg: up._build(T, L, H, c.eps))
+        for T, var in ((1, "pipe"), (64, "pipe"), (1, "old")):
+            cases[f"{p}_experts_{var}_t{T}"] = (
+                "build",
+                lambda T=T, var=var, c=cfg: me._build(
+                    T, E, K, L, Ie, H, S, 1.0, c.model.situ_beta, c.model.situ_linear_beta,
+                    132, True, var, 0,
+                ),
+            )  # fmt: skip
+        for m in (1, 8, 64):
+            cases[f"{p}_oproj_ar_m{m}"] = (oa.compile_plan, oa.plan_for(cfg, "kda", m))
+    cfg = get_config("kimi-k3", 8)
+    for T in (1, 64):
+        cases[f"moe_ar_t{T}"] = (
+            ma.compile_plan,
+            ma.MoeARPlan(T, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True),
+        )
+    cases["tp16_front_mma_t64"] = (
+        "build",
+        lambda c=get_config("kimi-k3", 16): fm._build(
+            64, c.hidden, c.moe.num_experts + c.expert_dim + 2 * c.shared_inter,
+            64 * c.expert_dim, c.moe.num_experts,
+        ),
+    )  # fmt: skip
+    return cases
+
+
+_SYM = re.compile(r"^\s*(?:\.(?:visible|extern|weak)\s+)*\.(?:entry|func)\s+(?:\([^)]*\)\s*)?(\w+)")
+
+
+def normalise(ptx: str) -> str:
+    out: list[str] = []
+    skip_debug = False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if skip_debug:
+            if s == "}":
+                skip_debug = False
+            continue
+        if s.startswith(".section") and ".debug" in s:
+            skip_debug = True
+            continue
+        if not s or s.startswith("//") or s.startswith(".loc") or s.startswith(".file"):
+            continue
+        line = re.sub(r"\s*//.*$", "", line)
+        out.append(line.rstrip())
+    names: list[str] = []
+    for line in out:
+        m = _SYM.match(line)
+        if m and m.group(1) not in names:
+            names.append(m.group(1))
+    text = "\n".join(out) + "\n"
+    for n in sorted(names, key=len, reverse=True):
+        text = text.replace(n, f"F{names.index(n)}")  # also renames n_param_0 etc.
+    return text
+
+
+def _run_case(name: str, out: str) -> tuple[str, str, float]:
+    import cutlass.cute as cute
+
+    from decodescope.kernels.specialized import interface as itf
+
+    fn, arg = _cases()[name]
+    with tempfile.TemporaryDirectory() as d:
+
+        def compile_only(op, *args):
+            return cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")
+
+        itf.compile_only = compile_only
+        itf._CACHE.clear()
+        t0 = time.time()
+        if fn == "build":
+            op, args = arg()
+            compile_only(op, *args)
+        else:
+            fn(arg)
+        dt = time.time() - t0
+        files = sorted(Path(d).glob("*.ptx"))
+        if len(files) != 1:
+            raise RuntimeError(f"{name}: expected one PTX file in the dump dir, got {len(files)}")
+        text = normalise(files[0].read_text())
+    (Path(out) / f"{name}.ptx").write_text(text)
+    return name, hashlib.sha256(text.encode()).hexdigest(), dt
+
+
+def diff(a: Path, b: Path) -> int:
+    ha = json.loads((a / "hashes.json").read_text())
+    hb = json.loads((b / "hashes.json").read_text())
+    common = sorted(set(ha) & set(hb))
+    bad = [n for n in common if ha[n] != hb[n]]
+    for n in common:
+        print(f"{'SAME' if n not in bad else 'DIFF'}  {n}")
+    only = sorted(set(ha) ^ set(hb))
+    if only:
+        print("in one snapshot only: " + ", ".join(only))
+    print(f"{len(common) - len(bad)}/{len(common)} identical")
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("-k", default="", help="only cases whose name contains one of these (comma)")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--diff", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    a = ap.parse_args()
+    if a.diff:
+        return diff(*a.diff)
+    names = list(_cases())
+    if a.k:
+        keys = a.k.split(",")
+        names = [n for n in names if any(k in n for k in keys)]
+    if a.list:
+        print("\n".join(names))
+        return 0
+    if a.out is None:
+        ap.error("--out is required")
+    a.out.mkdir(parents=True, exist_ok=True)
+    hpath = a.out / "hashes.json"
+    hashes = json.loads(hpath.read_text()) if hpath.exists() else {}
+    t0 = time.time()
+    with ProcessPoolExecutor(a.jobs) as ex:
+        futs = {ex.submit(_run_case, n, str(a.out)): n for n in names}
+        for f in as_completed(futs):
+            n = futs[f]
+            try:
+                _, h, dt = f.result()
+            except Exception as e:  # noqa: BLE001 - report the case and go on
+                print(f"FAIL {n}: {type(e).__name__}: {e}", flush=True)
+                continue
+            hashes[n] = h
+            hpath.write_text(json.dumps(dict(sorted(hashes.items())), indent=1) + "\n")
+            print(f"{h[:12]}  {dt:6.1f}s  {n}", flush=True)
+    print(f"{len(names)} cases in {time.time() - t0:.0f}s -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
