@@ -34,7 +34,6 @@ def _cases() -> dict:
     from decodescope.kernels.specialized import back_mma as bm
     from decodescope.kernels.specialized import dense_mlp as dm
     from decodescope.kernels.specialized import front_mma as fm
-    from decodescope.kernels.specialized import interface as itf
     from decodescope.kernels.specialized import kda_decode as kda
     from decodescope.kernels.specialized import mla_decode as mla
     from decodescope.kernels.specialized import mla_decode_tc as mtc
@@ -63,26 +62,48 @@ def _cases() -> dict:
             cases[f"{p}_oproj_kda_m{m}"] = (sk.compile_any, orn.plan_for(cfg, "kda", m))
         cases[f"{p}_nqp_mla_m1"] = (sk.compile_any, nqp.plan_for(cfg, "mla", 1))
         cases[f"{p}_qb_m1"] = (sk.compile_any, orn.q_b_plan(cfg, 1))
+        mm = 32 if tp == 8 else 16  # split-K: both MLA segments, the strided q_b input
+        cases[f"{p}_splitk_mla_m{mm}"] = (
+            sk.compile_plan,
+            sk.SplitKPlan(m=mm, k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim),
+                          norm=True, add_residual=True),
+        )  # fmt: skip
+        if cfg.mla.q_lora_rank % sk.KGRAIN == 0:
+            cases[f"{p}_splitk_qb_m{mm}"] = (
+                sk.compile_plan,
+                sk.SplitKPlan(m=mm, k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,),
+                              norm=True, x_stride=cfg.mla_qkv_a_out),
+            )  # fmt: skip
+        cases[f"{p}_splitk_partial_m8"] = (
+            sk.compile_plan,
+            sk.SplitKPlan(m=8, k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
+                          add_residual=True, reduce="partial"),
+        )  # fmt: skip
         cases[f"{p}_dense_up_m1"] = (sg.compile_plan, dm.gate_up_plan(cfg, 1))
         cases[f"{p}_dense_down_m8"] = (sg.compile_plan, dm.down_plan(cfg, 8))
         cases[f"{p}_rmsnorm_m1"] = (rms.compile_plan, rms.NormPlan(1, H, cfg.eps))
         cases[f"{p}_kda_b1"] = (kda.compile_plan, kda.plan_for(cfg, 1, 1))
         cases[f"{p}_mla_b1"] = (mla.compile_plan, mla.plan_for(cfg, 1, 1))
         cases[f"{p}_mlatc_b1t8"] = (mtc.compile_plan, mtc.plan_for(cfg, 1, 8))
-        # MoE
-        cases[f"{p}_router_t1"] = ("build", lambda T=1: rt._build(T, H, NF, T * L, E))
+        # MoE (the thunks bind this TP's dims through d, not the loop variables)
+        d = (E, K, H, L, Ie, S, NF, cfg)
+        cases[f"{p}_router_t1"] = ("build", lambda d=d: rt._build(1, d[2], d[6], d[3], d[0]))
         cases[f"{p}_router_norm_t1"] = (
             "build",
-            lambda T=1, c=cfg: rt._build(T, H, NF, T * L, E, True, True, c.eps, True),
+            lambda d=d: rt._build(1, d[2], d[6], d[3], d[0], True, True, d[7].eps, True),
         )
-        cases[f"{p}_front_mma_t8"] = ("build", lambda T=8: fm._build(T, H, NF, T * L, E))
-        cases[f"{p}_back_mma_t8"] = ("build", lambda T=8, c=cfg: bm._build(T, L, H, c.eps))
-        cases[f"{p}_up_proj_t1"] = ("build", lambda T=1, c=cfg: up._build(T, L, H, c.eps))
+        cases[f"{p}_front_mma_t8"] = (
+            "build",
+            lambda d=d: fm._build(8, d[2], d[6], 8 * d[3], d[0]),
+        )
+        cases[f"{p}_back_mma_t8"] = ("build", lambda d=d: bm._build(8, d[3], d[2], d[7].eps))
+        cases[f"{p}_up_proj_t1"] = ("build", lambda d=d: up._build(1, d[3], d[2], d[7].eps))
         for T, var in ((1, "pipe"), (64, "pipe"), (1, "old")):
             cases[f"{p}_experts_{var}_t{T}"] = (
                 "build",
-                lambda T=T, var=var, c=cfg: me._build(
-                    T, E, K, L, Ie, H, S, 1.0, c.model.situ_beta, c.model.situ_linear_beta,
+                lambda T=T, var=var, d=d: me._build(
+                    T, d[0], d[1], d[3], d[4], d[2], d[5], 1.0,
+                    d[7].model.situ_beta, d[7].model.situ_linear_beta,
                     132, True, var, 0,
                 ),
             )  # fmt: skip

@@ -40,8 +40,9 @@ from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
 from decodescope.kernels.specialized import comm
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.skinny_gemm import KCHUNK, ROWS, GemmPlan, SkinnyGemm
-from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled
+from decodescope.kernels.specialized.utils import pdl_begin, pdl_enabled
 
 H200_SMS = 132
 
@@ -196,19 +197,13 @@ class OProjAllReduce(SkinnyGemm):
         rt = p.rt
         g = lane // 4
         c = lane % 4
-        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        atom = mc.mma_atom()
         rows = []
         for rq in cutlass.range_constexpr(rt):
             t = cutlass.min(u * rt + rq, ntiles - 1)
             rows.append(t * ROWS + g)
-        accs = []
-        for _q in cutlass.range_constexpr(rt):
-            for _j in cutlass.range_constexpr(p.ntiles):
-                a = cute.make_rmem_tensor((4, 1, 1), Float32)
-                a.fill(0.0)
-                accs.append(a)
-        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        accs = mc.zero_accs(rt * p.ntiles)
+        fa, fb = mc.fragments()
         chunks_per_warp = p.k // KCHUNK // p.ks
         uu = p.unroll
         chunk0 = warp * chunks_per_warp
@@ -217,46 +212,23 @@ class OProjAllReduce(SkinnyGemm):
             whi = []
             for v in cutlass.range_constexpr(uu):
                 k0 = (chunk0 + it * uu + v) * KCHUNK + c * 8
-                for rq in cutlass.range_constexpr(rt):
-                    lo = cute.make_rmem_tensor((8,), BFloat16)
-                    hi = cute.make_rmem_tensor((8,), BFloat16)
-                    load_vec8(mW[rows[rq], None], k0, lo)
-                    load_vec8(mW[rows[rq] + 8, None], k0, hi)
-                    wlo.append(lo)
-                    whi.append(hi)
+                mc.load_w_tiles(mW, rows, k0, wlo, whi)
             for v in cutlass.range_constexpr(uu):
                 k0 = (chunk0 + it * uu + v) * KCHUNK + c * 8
                 nw = cute.make_rmem_tensor((8,), BFloat16)
                 for j in cutlass.range_constexpr(p.ntiles):
                     xb = self.load_b(mX, mX, None, nw, j * 8 + g, k0, j)
-                    for s in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(4):
-                            fb[e] = xb[4 * s + e]
-                        for rq in cutlass.range_constexpr(rt):
-                            lo = wlo[v * rt + rq]
-                            hi = whi[v * rt + rq]
-                            fa[0] = lo[4 * s + 0]
-                            fa[1] = lo[4 * s + 1]
-                            fa[2] = hi[4 * s + 0]
-                            fa[3] = hi[4 * s + 1]
-                            fa[4] = lo[4 * s + 2]
-                            fa[5] = lo[4 * s + 3]
-                            fa[6] = hi[4 * s + 2]
-                            fa[7] = hi[4 * s + 3]
-                            acc = accs[rq * p.ntiles + j]
-                            cute.gemm(atom, acc, fa, fb, acc)
+                    tiles = [
+                        (wlo[v * rt + rq], whi[v * rt + rq], rq * p.ntiles + j) for rq in range(rt)
+                    ]
+                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
 
         tidx, _, _ = cute.arch.thread_idx()
         mp = p.ntiles * 8
         total = ROWS * p.m
         for rq in cutlass.range_constexpr(rt):
             for j in cutlass.range_constexpr(p.ntiles):
-                acc = accs[rq * p.ntiles + j]
-                n0 = j * 8 + 2 * c
-                sRed[warp, g, n0] = acc[0]
-                sRed[warp, g, n0 + 1] = acc[1]
-                sRed[warp, g + 8, n0] = acc[2]
-                sRed[warp, g + 8, n0 + 1] = acc[3]
+                mc.stash_acc(sRed, warp, g, c, j, accs[rq * p.ntiles + j])
             cute.arch.sync_threads()
             t = u * rt + rq
             if t < ntiles:

@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
 
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.moe_common import situ
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum  # noqa: E402
 
@@ -323,19 +324,13 @@ class SkinnyGemm:
         rt = p.rt
         g = lane // 4
         c = lane % 4
-        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        atom = mc.mma_atom()
         rows = []
         for q in cutlass.range_constexpr(rt):
             rows.append(p.weight_tile(cta, q, ntiles) * ROWS + g)
 
-        accs = []
-        for _q in cutlass.range_constexpr(rt):
-            for _j in cutlass.range_constexpr(p.ntiles):
-                a = cute.make_rmem_tensor((4, 1, 1), Float32)
-                a.fill(0.0)
-                accs.append(a)
-        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        accs = mc.zero_accs(rt * p.ntiles)
+        fa, fb = mc.fragments()
 
         chunks_per_warp = p.k // KCHUNK // p.ks
         u = p.unroll
@@ -347,13 +342,7 @@ class SkinnyGemm:
             whi = []
             for v in cutlass.range_constexpr(u):
                 k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
-                for q in cutlass.range_constexpr(rt):
-                    lo = cute.make_rmem_tensor((8,), BFloat16)
-                    hi = cute.make_rmem_tensor((8,), BFloat16)
-                    load_vec8(mW[rows[q], None], k0, lo)
-                    load_vec8(mW[rows[q] + 8, None], k0, hi)
-                    wlo.append(lo)
-                    whi.append(hi)
+                mc.load_w_tiles(mW, rows, k0, wlo, whi)
             for v in cutlass.range_constexpr(u):
                 k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
                 nw = cute.make_rmem_tensor((8,), BFloat16)
@@ -361,22 +350,10 @@ class SkinnyGemm:
                     load_vec8(mNW, k0, nw)
                 for j in cutlass.range_constexpr(p.ntiles):
                     xb = self.load_b(mX, mR, sRstd, nw, j * 8 + g, k0, j)
-                    for s in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(4):
-                            fb[e] = xb[4 * s + e]
-                        for q in cutlass.range_constexpr(rt):
-                            lo = wlo[v * rt + q]
-                            hi = whi[v * rt + q]
-                            fa[0] = lo[4 * s + 0]
-                            fa[1] = lo[4 * s + 1]
-                            fa[2] = hi[4 * s + 0]
-                            fa[3] = hi[4 * s + 1]
-                            fa[4] = lo[4 * s + 2]
-                            fa[5] = lo[4 * s + 3]
-                            fa[6] = hi[4 * s + 2]
-                            fa[7] = hi[4 * s + 3]
-                            acc = accs[q * p.ntiles + j]
-                            cute.gemm(atom, acc, fa, fb, acc)
+                    tiles = [
+                        (wlo[v * rt + q], whi[v * rt + q], q * p.ntiles + j) for q in range(rt)
+                    ]
+                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
 
         # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same).
         # The K-slices of the warps are summed through shared memory, one row tile at a time.
@@ -384,12 +361,7 @@ class SkinnyGemm:
         total = ROWS * p.m
         for q in cutlass.range_constexpr(rt):
             for j in cutlass.range_constexpr(p.ntiles):
-                acc = accs[q * p.ntiles + j]
-                n0 = j * 8 + 2 * c
-                sRed[warp, g, n0] = acc[0]
-                sRed[warp, g, n0 + 1] = acc[1]
-                sRed[warp, g + 8, n0] = acc[2]
-                sRed[warp, g + 8, n0 + 1] = acc[3]
+                mc.stash_acc(sRed, warp, g, c, j, accs[q * p.ntiles + j])
             cute.arch.sync_threads()
             if cutlass.const_expr(p.situ):
                 self.situ_store(sRed, sGate, mO, cta, q, ntiles // 2, tidx)

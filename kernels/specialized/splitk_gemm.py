@@ -47,6 +47,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32
 
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum
 
 ROWS = 16  # weight rows per warp (the MMA's M)
@@ -272,39 +273,21 @@ class SplitKGemm:
         wlo = []
         whi = []
         for v in cutlass.range_constexpr(min(p.ahead, nch)):
-            self.load_w(mW, row, kbase + v * KCHUNK + c * 8, wlo, whi)
+            mc.load_w_tiles(mW, [row], kbase + v * KCHUNK + c * 8, wlo, whi)
 
         self.stage(mX, mR, mRout, mNW, mSS, sX, bx, sp, warp, lane)
         cute.arch.sync_threads()
 
-        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-        accs = []
-        for _j in cutlass.range_constexpr(p.ntiles):
-            a = cute.make_rmem_tensor((4, 1, 1), Float32)
-            a.fill(0.0)
-            accs.append(a)
-        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        atom = mc.mma_atom()
+        accs = mc.zero_accs(p.ntiles)
+        fa, fb = mc.fragments()
         for ch in cutlass.range_constexpr(nch):
             if cutlass.const_expr(ch + p.ahead < nch):
-                self.load_w(mW, row, kbase + (ch + p.ahead) * KCHUNK + c * 8, wlo, whi)
-            lo = wlo[ch]
-            hi = whi[ch]
+                mc.load_w_tiles(mW, [row], kbase + (ch + p.ahead) * KCHUNK + c * 8, wlo, whi)
             for j in cutlass.range_constexpr(p.ntiles):
                 xb = cute.make_rmem_tensor((8,), BFloat16)
                 load_vec8(sX[j * 8 + g, None], ch * KCHUNK + c * 8, xb)
-                for s in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(4):
-                        fb[e] = xb[4 * s + e]
-                    fa[0] = lo[4 * s + 0]
-                    fa[1] = lo[4 * s + 1]
-                    fa[2] = hi[4 * s + 0]
-                    fa[3] = hi[4 * s + 1]
-                    fa[4] = lo[4 * s + 2]
-                    fa[5] = lo[4 * s + 3]
-                    fa[6] = hi[4 * s + 2]
-                    fa[7] = hi[4 * s + 3]
-                    cute.gemm(atom, accs[j], fa, fb, accs[j])
+                mc.mma_k16(atom, accs, fa, fb, xb, [(wlo[ch], whi[ch], j)])
 
         # -- split-K: add the partial into the L2 accumulator -------------------------------
         # lane (g, c), tile j: rows g / g + 8, tokens 8j + 2c + {0, 1} (contiguous in mAcc)
@@ -335,15 +318,6 @@ class SplitKGemm:
         if sLast[0] == p.splits - 1:
             cute.arch.fence_acq_rel_gpu()
             self.epilogue(mO, mE, mAcc, mSS, mCnt, sRstd, bx, cta, n, tidx)
-
-    @cute.jit
-    def load_w(self, mW, row, k0, wlo, whi):
-        lo = cute.make_rmem_tensor((8,), BFloat16)
-        hi = cute.make_rmem_tensor((8,), BFloat16)
-        load_vec8(mW[row, None], k0, lo)
-        load_vec8(mW[row + 8, None], k0, hi)
-        wlo.append(lo)
-        whi.append(hi)
 
     @cute.jit
     def stage(self, mX, mR, mRout, mNW, mSS, sX, bx, sp, warp, lane):
