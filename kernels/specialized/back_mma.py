@@ -135,23 +135,11 @@ class BackMma:
         fa, fb = mc.fragments()
         chunk0 = warp * self.CPW
         for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
-            wlo = []
-            whi = []
-            for v in cutlass.range_constexpr(U):
-                k0 = (chunk0 + it * U + v) * KCH + c * 8
-                mc.load_w_tiles(mW, rows, k0, wlo, whi)
-            for v in cutlass.range_constexpr(U):
-                k0 = (chunk0 + it * U + v) * KCH + c * 8
-                nw = cute.make_rmem_tensor((8,), BFloat16)
-                cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
-                for j in cutlass.range_constexpr(NJ):
-                    xf = cute.make_rmem_tensor((8,), Float32)
-                    cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
-                    xb = cute.make_rmem_tensor((8,), BFloat16)
-                    for e in cutlass.range_constexpr(8):
-                        xb[e] = (xf[e] * rstd[j] * nw[e].to(Float32)).to(BFloat16)
-                    tiles = [(wlo[v * RT + q], whi[v * RT + q], q * NJ + j) for q in range(RT)]
-                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
+            mc.mma_chunks(
+                atom, accs, fa, fb, mW, rows, NJ, U,
+                lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                lambda k0: _normed_b(mAcc, mNW, toks, rstd, k0),
+            )  # fmt: skip
 
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(NJ):
@@ -170,6 +158,23 @@ class BackMma:
                         n = t * ROWS + r
                         mOut[m, n] = (val + mSh[m, n]).to(BFloat16)
             cute.arch.barrier()
+
+
+def _normed_b(mAcc, mNW, toks, rstd, k0):
+    """Trace-time B loader of one K chunk (:func:`mma_common.mma_chunks`): loads the norm
+    weights at ``k0``, returns ``j -> bf16(acc[token j] * rstd * w_norm)`` (8 values)."""
+    nw = cute.make_rmem_tensor((8,), BFloat16)
+    cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
+
+    def b_of(j):
+        xf = cute.make_rmem_tensor((8,), Float32)
+        cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
+        xb = cute.make_rmem_tensor((8,), BFloat16)
+        for e in range(8):
+            xb[e] = (xf[e] * rstd[j] * nw[e].to(Float32)).to(BFloat16)
+        return xb
+
+    return b_of
 
 
 def _build(T, L, H, eps, pdl=True):

@@ -25,7 +25,7 @@ import os
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
@@ -118,18 +118,11 @@ class FrontMma:
         fa, fb = mc.fragments()
         chunk0 = warp * self.CPW
         for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
-            wlo = []
-            whi = []
-            for v in cutlass.range_constexpr(U):
-                k0 = (chunk0 + it * U + v) * KCH + c * 8
-                mc.load_w_tiles(mW, rows, k0, wlo, whi)
-            for v in cutlass.range_constexpr(U):
-                k0 = (chunk0 + it * U + v) * KCH + c * 8
-                for j in cutlass.range_constexpr(NJ):
-                    xb = cute.make_rmem_tensor((8,), BFloat16)
-                    cute.autovec_copy(cute.local_tile(mX[toks[j], None], (8,), (k0 // 8,)), xb)
-                    tiles = [(wlo[v * RT + q], whi[v * RT + q], q * NJ + j) for q in range(RT)]
-                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
+            mc.mma_chunks(
+                atom, accs, fa, fb, mW, rows, NJ, U,
+                lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                lambda k0: lambda j: mc.load_row8(mX, toks[j], k0),
+            )  # fmt: skip
 
         # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
         # the warps' K slices are summed through shared memory, one row tile at a time

@@ -72,6 +72,13 @@ def stash_acc(sRed, warp, g, c, j: int, acc) -> None:
     sRed[warp, g + 8, n0 + 1] = acc[3]
 
 
+def load_row8(mT, r, k0):
+    """New registers holding ``mT[r, k0 : k0 + 8]`` (one 16-byte load)."""
+    xb = cute.make_rmem_tensor((8,), BFloat16)
+    cute.autovec_copy(cute.local_tile(mT[r, None], (8,), (k0 // 8,)), xb)
+    return xb
+
+
 def load_w_tiles(mW, rows, k0, wlo, whi) -> None:
     """Append, for each row-tile base row ``r`` in ``rows``, the 8 weights ``mW[r, k0 : k0 + 8]``
     to ``wlo`` and ``mW[r + 8, k0 : k0 + 8]`` to ``whi`` (16-byte loads)."""
@@ -82,3 +89,24 @@ def load_w_tiles(mW, rows, k0, wlo, whi) -> None:
         cute.autovec_copy(cute.local_tile(mW[r + 8, None], (8,), (k0 // 8,)), hi)
         wlo.append(lo)
         whi.append(hi)
+
+
+def mma_chunks(atom, accs, fa, fb, mW, rows, nj: int, u: int, k0_of, b_tiles) -> None:
+    """One unrolled group of ``u`` K chunks of the swapped-operand GEMM: the weights of all
+    ``u`` chunks (row tiles ``rows``) are loaded first, then each chunk's MMAs run.
+
+    ``k0_of(v)`` is lane's K offset in chunk ``v``; ``b_tiles(k0)`` is called once per chunk
+    (before its MMAs: a per-chunk prologue such as loading norm weights goes there) and returns
+    ``j -> xb``, the 8 activations of token tile ``j``. Accumulator of (row tile q, token tile j)
+    is ``accs[q * nj + j]``."""
+    rt = len(rows)
+    wlo = []
+    whi = []
+    for v in range(u):
+        load_w_tiles(mW, rows, k0_of(v), wlo, whi)
+    for v in range(u):
+        b_of = b_tiles(k0_of(v))
+        for j in range(nj):
+            xb = b_of(j)
+            tiles = [(wlo[v * rt + q], whi[v * rt + q], q * nj + j) for q in range(rt)]
+            mma_k16(atom, accs, fa, fb, xb, tiles)

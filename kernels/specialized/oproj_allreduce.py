@@ -208,20 +208,11 @@ class OProjAllReduce(SkinnyGemm):
         uu = p.unroll
         chunk0 = warp * chunks_per_warp
         for it in cutlass.range(chunks_per_warp // uu, unroll_full=p.m <= 16):
-            wlo = []
-            whi = []
-            for v in cutlass.range_constexpr(uu):
-                k0 = (chunk0 + it * uu + v) * KCHUNK + c * 8
-                mc.load_w_tiles(mW, rows, k0, wlo, whi)
-            for v in cutlass.range_constexpr(uu):
-                k0 = (chunk0 + it * uu + v) * KCHUNK + c * 8
-                nw = cute.make_rmem_tensor((8,), BFloat16)
-                for j in cutlass.range_constexpr(p.ntiles):
-                    xb = self.load_b(mX, mX, None, nw, j * 8 + g, k0, j)
-                    tiles = [
-                        (wlo[v * rt + rq], whi[v * rt + rq], rq * p.ntiles + j) for rq in range(rt)
-                    ]
-                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
+            mc.mma_chunks(
+                atom, accs, fa, fb, mW, rows, p.ntiles, uu,
+                lambda v, it=it: (chunk0 + it * uu + v) * KCHUNK + c * 8,
+                lambda k0: self.b_tiles(mX, mX, None, None, g, k0, False),
+            )  # fmt: skip
 
         tidx, _, _ = cute.arch.thread_idx()
         mp = p.ntiles * 8

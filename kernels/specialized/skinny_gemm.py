@@ -338,22 +338,11 @@ class SkinnyGemm:
         # small M: the whole K loop unrolled, so the compiler can issue the next chunks' weight
         # loads ahead of the current MMAs (a runtime loop ends each iteration in a round trip)
         for it in cutlass.range(chunks_per_warp // u, unroll_full=p.m <= 16):
-            wlo = []
-            whi = []
-            for v in cutlass.range_constexpr(u):
-                k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
-                mc.load_w_tiles(mW, rows, k0, wlo, whi)
-            for v in cutlass.range_constexpr(u):
-                k0 = (chunk0 + it * u + v) * KCHUNK + c * 8
-                nw = cute.make_rmem_tensor((8,), BFloat16)
-                if cutlass.const_expr(p.norm):
-                    load_vec8(mNW, k0, nw)
-                for j in cutlass.range_constexpr(p.ntiles):
-                    xb = self.load_b(mX, mR, sRstd, nw, j * 8 + g, k0, j)
-                    tiles = [
-                        (wlo[v * rt + q], whi[v * rt + q], q * p.ntiles + j) for q in range(rt)
-                    ]
-                    mc.mma_k16(atom, accs, fa, fb, xb, tiles)
+            mc.mma_chunks(
+                atom, accs, fa, fb, mW, rows, p.ntiles, u,
+                lambda v, it=it: (chunk0 + it * u + v) * KCHUNK + c * 8,
+                lambda k0: self.b_tiles(mX, mR, sRstd, mNW, g, k0, p.norm),
+            )  # fmt: skip
 
         # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same).
         # The K-slices of the warps are summed through shared memory, one row tile at a time.
@@ -407,6 +396,14 @@ class SkinnyGemm:
                     else:
                         y = situ(sGate[q - h, r, m], val, p.situ_beta, p.situ_lbeta)
                         mO[m, t * ROWS + r] = y.to(BFloat16)
+
+    def b_tiles(self, mX, mR, sRstd, mNW, g, k0, norm: bool):
+        """Trace-time B loader of one K chunk (:func:`mma_common.mma_chunks`): the norm
+        weights at ``k0`` (when ``norm``), then ``j -> load_b(token j * 8 + g)``."""
+        nw = cute.make_rmem_tensor((8,), BFloat16)
+        if norm:
+            load_vec8(mNW, k0, nw)
+        return lambda j: self.load_b(mX, mR, sRstd, nw, j * 8 + g, k0, j)
 
     @cute.jit
     def load_b(self, mX, mR, sRstd, nw, m, k0, j):
