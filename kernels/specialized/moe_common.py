@@ -80,20 +80,7 @@ def dot_rows(
 ):
     """``acc[r, t] = sum_k W[r, k] * X[t, k]`` from loaded chunks ``ws`` and the staged tokens
     ``sXv`` [TT, K] (16-byte chunks); reduced over the lane group (every lane gets the sums)."""
-    for r in cutlass.range_constexpr(R):
-        for t in cutlass.range_constexpr(TT):
-            acc[r, t] = Float32(0.0)
-    for j in cutlass.range_constexpr(NCH):
-        for t in cutlass.range_constexpr(TT):
-            x = sXv[(0, None), (t, li + j * LPR)].load().to(Float32)
-            for r in cutlass.range_constexpr(R):
-                w = ws[r * NCH + j].to(Float32)
-                acc[r, t] = acc[r, t] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-    for r in cutlass.range_constexpr(R):
-        for t in cutlass.range_constexpr(TT):
-            acc[r, t] = cute.arch.warp_reduction(
-                acc[r, t], lambda a, b: a + b, threads_in_group=LPR
-            )
+    dot_rows_grp(ws, sXv, list(range(TT)), acc, li, R, TT, LPR, NCH, LPR)
 
 
 @cute.jit
@@ -109,20 +96,7 @@ def dot_rows_idx(
     NCH: cutlass.Constexpr[int],
 ):
     """``dot_rows`` against staged rows ``rows[t]`` of ``sXv`` (a list of TT row indices)."""
-    for r in cutlass.range_constexpr(R):
-        for t in cutlass.range_constexpr(TT):
-            acc[r, t] = Float32(0.0)
-    for j in cutlass.range_constexpr(NCH):
-        for t in cutlass.range_constexpr(TT):
-            x = sXv[(0, None), (rows[t], li + j * LPR)].load().to(Float32)
-            for r in cutlass.range_constexpr(R):
-                w = ws[r * NCH + j].to(Float32)
-                acc[r, t] = acc[r, t] + (w * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-    for r in cutlass.range_constexpr(R):
-        for t in cutlass.range_constexpr(TT):
-            acc[r, t] = cute.arch.warp_reduction(
-                acc[r, t], lambda a, b: a + b, threads_in_group=LPR
-            )
+    dot_rows_grp(ws, sXv, rows, acc, li, R, TT, LPR, NCH, LPR)
 
 
 @cute.jit

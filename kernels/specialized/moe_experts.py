@@ -493,18 +493,29 @@ class MoeExperts:
     ):
         """Pairs p0 .. p0+TTc of one expert: stage their ``h`` rows, w2 rows, and add
         ``weight * y`` into the routed latent sum (FP32 atomics)."""
+        self._w2p_chunk(ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, True,
+                        TTc)  # fmt: skip
+
+    @cute.jit
+    def _w2p_chunk(
+        self, ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, sth,
+        TTc: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """:meth:`_w2_chunk`, staging the pairs' ``h`` rows only when ``sth`` (a Python
+        ``True`` there: the staging is traced unconditionally)."""
         NT = self.NW * 32
         KV = self.Ie // VEC
         tid, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
-            ts = i // KV
-            c = i % KV
-            slot = cutlass.min(p0 + ts, n - 1)
-            v = gHv[(0, None), (sPairs[start + slot], c)].load()
-            if p0 + ts >= n:
-                v = cute.zeros_like(v)
-            sHv[(0, None), (ts, c)].store(v)
-        cute.arch.barrier()
+        if sth:
+            for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
+                ts = i // KV
+                c = i % KV
+                slot = cutlass.min(p0 + ts, n - 1)
+                v = gHv[(0, None), (sPairs[start + slot], c)].load()
+                if p0 + ts >= n:
+                    v = cute.zeros_like(v)
+                sHv[(0, None), (ts, c)].store(v)
+            cute.arch.barrier()
         dot_rows(ws, sHv, acc2, li, self.R2, TTc, self.LPR2, self.NCH2)
         if li == 0:
             for t in cutlass.range_constexpr(TTc):
@@ -819,38 +830,6 @@ class MoeExpertsPipe(MoeExperts):
     @cute.jit
     def _grouped(self, t, N):
         return grouped_index(t, N, self.num_ctas, cutlass.min)
-
-    @cute.jit
-    def _w2p_chunk(
-        self, ws, gHv, sHv, sPairs, sTw, mAcc, acc2, start, n, p0, row0, li, sth,
-        TTc: cutlass.Constexpr[int],
-    ):  # fmt: skip
-        """:meth:`MoeExperts._w2_chunk`, staging the pairs' ``h`` rows only when ``sth``."""
-        NT = self.NW * 32
-        KV = self.Ie // VEC
-        tid, _, _ = cute.arch.thread_idx()
-        if sth:
-            for i in cutlass.range(tid, TTc * KV, NT, unroll=2):
-                ts = i // KV
-                c = i % KV
-                slot = cutlass.min(p0 + ts, n - 1)
-                v = gHv[(0, None), (sPairs[start + slot], c)].load()
-                if p0 + ts >= n:
-                    v = cute.zeros_like(v)
-                sHv[(0, None), (ts, c)].store(v)
-            cute.arch.barrier()
-        dot_rows(ws, sHv, acc2, li, self.R2, TTc, self.LPR2, self.NCH2)
-        if li == 0:
-            for t in cutlass.range_constexpr(TTc):
-                if p0 + t < n:
-                    p = sPairs[start + p0 + t]
-                    wt = sTw[p]
-                    base = (p // self.K) * self.L
-                    for r in cutlass.range_constexpr(self.R2):
-                        if row0 + r < self.L:
-                            cute.arch.atomic_add(mAcc.iterator + (base + row0 + r),
-                                                 wt * acc2[r, t])  # fmt: skip
-        cute.arch.barrier()
 
     @cute.jit
     def _copy(self, dst, src, bar, nbytes):
