@@ -22,12 +22,12 @@ import os
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import BFloat16, Float32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.router_topk import pdl_enabled
+from decodescope.kernels.specialized.up_proj_shared_add import check_back_args, fake_back_args
 
 ROWS = 16  # MMA M
 KCH = 32  # k per chunk: two m16n8k16 steps
@@ -179,15 +179,7 @@ def _normed_b(mAcc, mNW, toks, rstd, k0):
 
 def _build(T, L, H, eps, pdl=True):
     op = BackMma(T, L, H, eps, pdl)
-    args = (
-        itf.fake(torch.float32, (T, L)),
-        itf.fake(torch.bfloat16, (L,)),
-        itf.fake(torch.bfloat16, (H, L)),
-        itf.fake(torch.float32, (T, H)),
-        itf.fake(torch.bfloat16, (T, H)),
-        itf.env_stream(),
-    )
-    return op, args
+    return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
 def back_variant(T: int, L: int, H: int) -> str:
@@ -204,13 +196,7 @@ def back_variant(T: int, L: int, H: int) -> str:
 
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
-    T, L = acc.shape
-    H = latent_up.shape[0]
-    itf.check(acc, "acc", (T, L), torch.float32)
-    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
-    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
-    itf.check(shared_out, "shared_out", (T, H), torch.float32)
-    itf.check(out, "out", (T, H), torch.bfloat16)
+    T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
     key = ("moe_back_mma", T, L, H, float(eps), pdl)
     fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl))

@@ -40,7 +40,11 @@ from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized.moe_common import VEC, dot_rows, load_rows
 from decodescope.kernels.specialized.oproj_allreduce import H200_SMS, device_sms
 from decodescope.kernels.specialized.router_topk import pdl_enabled
-from decodescope.kernels.specialized.up_proj_shared_add import UpProjSharedAdd
+from decodescope.kernels.specialized.up_proj_shared_add import (
+    UpProjSharedAdd,
+    check_back_args,
+    fake_back_args,
+)
 
 
 @dataclass(frozen=True)
@@ -215,11 +219,7 @@ def _build(plan: MoeARPlan):
     op = MoeAllReduce(plan)
     T, L, H = plan.T, plan.L, plan.H
     args = (
-        itf.fake(torch.float32, (T, L)),
-        itf.fake(torch.bfloat16, (L,)),
-        itf.fake(torch.bfloat16, (H, L)),
-        itf.fake(torch.float32, (T, H)),
-        itf.fake(torch.bfloat16, (T, H)),
+        *fake_back_args(T, L, H),
         itf.fake(torch.bfloat16, (comm.PREFETCH_HEAD,)),
         Int32(0),
         *comm.fake_workspace_args(),
@@ -243,13 +243,7 @@ def moe_allreduce(
     prefetch: torch.Tensor | None = None,
 ) -> None:
     """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``)."""
-    T, L = acc.shape
-    H = latent_up.shape[0]
-    itf.check(acc, "acc", (T, L), torch.float32)
-    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
-    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
-    itf.check(shared_out, "shared_out", (T, H), torch.float32)
-    itf.check(out, "out", (T, H), torch.bfloat16)
+    T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, acc.device)
     plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled())
     compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, head, npre, *ws.args())

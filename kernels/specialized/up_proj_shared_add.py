@@ -152,17 +152,33 @@ class UpProjSharedAdd:
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def _build(T: int, L: int, H: int, eps: float, pdl: bool = True):
-    op = UpProjSharedAdd(T, L, H, eps, pdl=pdl)
-    args = (
+def fake_back_args(T: int, L: int, H: int) -> tuple:
+    """Fake ``(acc, latent_norm, latent_up, shared_out, out)`` of the MoE back end kernels
+    (this one, :mod:`back_mma`, :mod:`moe_allreduce`)."""
+    return (
         itf.fake(torch.float32, (T, L)),
         itf.fake(torch.bfloat16, (L,)),
         itf.fake(torch.bfloat16, (H, L)),
         itf.fake(torch.float32, (T, H)),
         itf.fake(torch.bfloat16, (T, H)),
-        itf.env_stream(),
     )
-    return op, args
+
+
+def check_back_args(acc, latent_norm, latent_up, shared_out, out) -> tuple[int, int, int]:
+    """Check the MoE back end kernels' tensors (ValueError naming the bad one); ``(T, L, H)``."""
+    T, L = acc.shape
+    H = latent_up.shape[0]
+    itf.check(acc, "acc", (T, L), torch.float32)
+    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
+    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    itf.check(out, "out", (T, H), torch.bfloat16)
+    return T, L, H
+
+
+def _build(T: int, L: int, H: int, eps: float, pdl: bool = True):
+    op = UpProjSharedAdd(T, L, H, eps, pdl=pdl)
+    return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
 def up_proj_shared_add(
@@ -174,13 +190,7 @@ def up_proj_shared_add(
     eps: float,
 ) -> None:
     """Launch :class:`UpProjSharedAdd` on the current stream."""
-    T, L = acc.shape
-    H = latent_up.shape[0]
-    itf.check(acc, "acc", (T, L), torch.float32)
-    itf.check(latent_norm, "latent_norm", (L,), torch.bfloat16)
-    itf.check(latent_up, "latent_up", (H, L), torch.bfloat16)
-    itf.check(shared_out, "shared_out", (T, H), torch.float32)
-    itf.check(out, "out", (T, H), torch.bfloat16)
+    T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
     key = ("moe_up_proj_shared_add", T, L, H, float(eps), pdl)
     fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl))
