@@ -318,7 +318,9 @@ def check_layer(cfg, spec, w, state, B, T, ctx, std_ok: bool) -> None:
     check("attention.h vs chained refs", ctx, h_out, ref_h, TOL["out"])
     for k, v in ref_state.items():
         sl = slice(None) if k != "kv_cache" else (slice(None), slice(cfg.context_len, None))
-        check(f"attention.{k} vs chained refs", ctx, st[k][sl], v[sl], 1e-2)
+        # FP8 rows: a value near a rounding boundary may land one e4m3 step (6%) apart
+        tol = 6e-2 if st[k].dtype == torch.float8_e4m3fn else 1e-2
+        check(f"attention.{k} vs chained refs", ctx, st[k][sl], v[sl], tol)
 
     def vs_reference():  # the layer's math in float32 on the GPU
         h32, r32 = R.attn_res_ref(x, r, w["attn_norm"], cfg.eps, F32)

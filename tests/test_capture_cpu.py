@@ -813,15 +813,22 @@ def test_stop_switches_off_what_start_switched_on(tmp_path):
     assert s.enable_kind("NO_SUCH_KIND") is False and s.counts["enable_failed:NO_SUCH_KIND"] == 1
 
 
-def test_graph_trace_can_be_enabled_while_running(tmp_path):
+def test_graph_trace_only_at_start(tmp_path):
+    """GRAPH_TRACE switched on mid-session crashed the next graph launch on the H200: the
+    session asks for it at start only and refuses it later, with a note."""
     pytest.importorskip("cupti")
     c = ApiCupti()
-    s = cap.Session(tmp_path, cupti_module=c, kinds=("CONCURRENT_KERNEL",)).start()
-    assert s.enable_kind("GRAPH_TRACE")
+    s = cap.Session(tmp_path, cupti_module=c, kinds=("CONCURRENT_KERNEL", "GRAPH_TRACE")).start()
     assert c.enabled_kinds[-1] == int(c._real.ActivityKind.GRAPH_TRACE) == cr.KIND_GRAPH_TRACE
     assert int(c._real.ActivityKind.KERNEL) == cr.KIND_KERNEL
     s.stop()
     assert int(c._real.ActivityKind.GRAPH_TRACE) in c.disabled_kinds
+    c = ApiCupti()
+    s = cap.Session(tmp_path / "b", cupti_module=c, kinds=("CONCURRENT_KERNEL",)).start()
+    n = len(c.enabled_kinds)
+    assert s.enable_kind("GRAPH_TRACE") is False and len(c.enabled_kinds) == n
+    assert s.counts["enable_failed:GRAPH_TRACE"] == 1 and "session starts" in s.errors[-1]
+    s.stop()
 
 
 def _bench():

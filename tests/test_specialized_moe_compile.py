@@ -134,7 +134,8 @@ def test_back_mma_compiles(preset, tp):
 
 def test_back_variant(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
-    assert bm.back_variant(64, 3584, 7168) == "simt"  # default until it ran on the H200
+    assert bm.back_variant(64, 3584, 7168) == "mma"  # default auto since the H200 run
+    assert bm.back_variant(1, 3584, 7168) == "simt"
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "auto")
     assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 64, 65)] == [
         "simt", "mma", "mma", "simt",

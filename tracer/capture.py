@@ -284,10 +284,17 @@ class Session:
         return self
 
     def enable_kind(self, name: str) -> bool:
-        """Enable one activity kind by its ``cupti.ActivityKind`` name (also while running:
-        ``GRAPH_TRACE`` after the replays that attribute kernels switches the session to one
-        record per graph launch for good, CUPTI's rule). False, with a note, if CUPTI refuses."""
+        """Enable one activity kind by its ``cupti.ActivityKind`` name, also while running.
+        False, with a note, if CUPTI refuses, and for ``GRAPH_TRACE`` once the session runs:
+        switched on after graphs were launched with kernel records, the next ``cuGraphLaunch``
+        crashed (SIGSEGV, H200, CUDA 13 / cupti-python 13.0.1, 2026-11-30, tests/
+        test_capture_gpu.py). Ask for it at start (``kinds=(..., "GRAPH_TRACE")``): graph
+        launches then give one record each and no kernel records, eager kernels keep theirs."""
         c = self._cupti
+        if name == "GRAPH_TRACE" and self.running:
+            self.counts[f"enable_failed:{name}"] += 1
+            self._note("GRAPH_TRACE can only be enabled when the session starts (kinds=...)")
+            return False
         try:
             kind = getattr(c.ActivityKind, name)
             c.activity_enable(kind)

@@ -14,8 +14,8 @@
 =====  ==========================================================  ===========================
 
 From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor cores;
-``DECODESCOPE_MOE_FRONT`` picks); kernel 3 is ``back_mma.BackMma`` with
-``DECODESCOPE_MOE_BACK=auto|mma`` (default ``up_proj_shared_add``); kernel 2 is
+``DECODESCOPE_MOE_FRONT`` picks); kernel 3 is ``back_mma.BackMma``
+(``DECODESCOPE_MOE_BACK=auto|mma|simt``, default auto); kernel 2 is
 ``moe_experts.MoeExpertsPipe`` below 8 tokens and ``MoeExperts`` from 8 on
 (``DECODESCOPE_MOE_EXPERTS`` picks).
 
@@ -146,8 +146,8 @@ class SpecializedMoE:
             )
 
     def back(self, out: torch.Tensor) -> None:
-        """Kernel 3: ``up_proj_shared_add``, or ``back_mma.BackMma`` (tensor cores) with
-        ``DECODESCOPE_MOE_BACK=auto`` (from 8 tokens on) or ``mma``."""
+        """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 8 tokens on, ``up_proj_shared_add``
+        below (``DECODESCOPE_MOE_BACK=auto|mma|simt``)."""
         args = (self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps)
         with self._r(OPS[2]):
             if _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden) == "mma":
