@@ -53,6 +53,15 @@ def test_plan_meta_tiny():
     assert cfg["ranges"] == p.range_names()
 
 
+def test_plan_records_kernel_env(monkeypatch):
+    """Kernel choices forced through DECODESCOPE_* variables are named in the run's config."""
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")
+    monkeypatch.setenv("DECODESCOPE_GIT_COMMIT", "abc1234")
+    cfg = json.loads(S.plan(**TINY).meta["config_json"])
+    assert cfg["kernel_env"]["DECODESCOPE_MOE_BACK"] == "simt"
+    assert "DECODESCOPE_GIT_COMMIT" not in cfg["kernel_env"]
+
+
 def test_range_names_follow_the_scheme():
     p = S.plan(**TINY, layers="kda,mla,mla")
     names = p.range_names()

@@ -33,6 +33,7 @@ raises a ValueError saying so; :func:`plan` gives the meta and range names witho
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +297,17 @@ class Plan:
         return out
 
 
+def kernel_env() -> dict[str, str]:
+    """The ``DECODESCOPE_*`` variables that pick kernels or their options in this process (not
+    the bookkeeping ones): recorded in each run so that a figure names what produced it."""
+    skip = {"DECODESCOPE_GIT_COMMIT", "DECODESCOPE_RESULTS"}
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("DECODESCOPE_") and k not in skip
+    }
+
+
 def plan(
     preset: str = "kimi-k3",
     tp_shape: int | str = 8,
@@ -383,6 +395,8 @@ def plan(
             "seed": s,
             "front_norm": fn,
             "layer_bytes_from": "expected (uniform routing): no step has run",
+            # kernel choices forced through the environment (DECODESCOPE_MOE_EXPERTS=... etc.)
+            "kernel_env": kernel_env(),
         },
         default=str,
     )
