@@ -94,7 +94,7 @@ class SpecializedAttention:
     def warmup(self) -> None:
         """Compile every kernel of this layer (outside capture)."""
         cfg, N = self.cfg, self.N
-        from decodescope.kernels.specialized.splitk_gemm import compile_any
+        from decodescope.kernels.specialized.tile_gemm import compile_any
 
         compile_any(_nqp.plan_for(cfg, self.spec.attn, N))
         compile_any(_op.plan_for(cfg, self.spec.attn, N))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref
-from decodescope.kernels.specialized.splitk_gemm import gemm_plan, project
+from decodescope.kernels.specialized.tile_gemm import gemm_plan, project
 
 
 def plan_for(cfg, kind: str, m: int):
