@@ -1,0 +1,619 @@
+"""Tiled GEMM for 1..64 tokens: weights and activations both streamed through a multi-stage
+``cp.async`` shared-memory pipeline, ``mma.sync.m16n8k16`` from shared memory, split-K across
+CTAs with a partial-sum reduction by the last CTA of each row tile.
+
+``out[m, n] = sum_k x[m, k] * W[n, k]`` (BF16 in, FP32 accumulate, BF16 out), the projections
+of the attention half at 8..64 tokens (issue #5). Why another kernel: :mod:`.skinny_gemm` is
+GEMV-shaped (each warp fetches its activation fragments from L2 per chunk: at 64 tokens every
+CTA re-reads 64 x K activations) and :mod:`.splitk_gemm` stages the activations once per CTA
+but streams the weights with per-lane register loads (32 KB in flight per CTA). Here, per CTA:
+
+- **Tile**: ``warps`` x 32 weight rows (each warp two 16-row MMA tiles, default 4 warps = 128
+  rows) by all tokens (padded to 8), one K-slice of ``K / splits`` columns, walked in 64-wide
+  chunks. Grid (row tiles of all segments, splits); ``splits`` is the smallest divisor of the
+  chunk count that gives at least one CTA per SM.
+- **Pipeline**: ``stages`` shared-memory buffers of (128 weight rows + MP tokens) x 64 BF16
+  (24 KB at 64 tokens; 4 stages = 96 KB, two CTAs per SM). Each thread issues 16-byte
+  ``cp.async.cg`` copies (8 consecutive threads read one row's 128 contiguous bytes); chunk
+  ``i + stages - 1`` is issued while chunk ``i`` is multiplied, so ``stages - 1`` chunks per
+  CTA (48 KB of weights at the default) are in flight. Rows past the segment end and tokens
+  past ``m`` are not loaded (their outputs are never stored; an MMA row/column only feeds the
+  same output row/column). With PDL the first chunks' weights are issued before the wait for
+  the previous kernel (they never come from it); the activations after it.
+- **Shared-memory swizzle**: the 16-byte unit ``u`` of row ``r`` is stored at unit
+  ``(u + 4 * (r % 2)) % 8`` (128-byte rows, no padding): a quarter warp reads rows ``g`` and
+  ``g + 1`` at units ``c`` (or ``4 + c``), which land in opposite bank halves.
+- **Fragments**: the K permutation of :mod:`.skinny_gemm` (lane (g, c) loads 8 contiguous
+  columns ``8c .. 8c + 7`` of each 32-wide half chunk: one 16-byte ``ld.shared`` per weight
+  row and per 8 tokens) and the :mod:`.mma_common` MMA helpers: weight rows are the MMA's M,
+  tokens its N. Per chunk a warp reads 4 KB of weights and MP x 128 B of activations from
+  shared memory.
+- **Split-K reduction** (``splits > 1``): each split stores its FP32 partial tile
+  (``[split, token, row]``, no atomics), the CTA bumps the row tile's counter (acq_rel), the last
+  one sums the partials and runs the epilogue (and zeroes the counter: graph replay safe).
+  With ``splits == 1`` the accumulators are stored directly.
+- **Epilogue**: ``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + res)``
+  (o_proj writing the new residual stream; ``res`` may alias the output).
+- **Norm prologue as its own launch**: the RMSNorm of the input (optional residual add first)
+  runs as :class:`.rmsnorm.RMSNorm` (one CTA per token, compiled here with a strided input so
+  that MLA's ``q_a`` slice works) into a cached ``[M, K]`` buffer, which this GEMM then reads
+  with ``cp.async``. Fusing it would need the activations transformed between global and
+  shared memory (no ``cp.async``) or a per-CTA rstd pass (M x K reads per CTA); the extra
+  launch reads M x K x 2 (or 3) x 2 bytes once (0.9 MB at 64 tokens) and keeps the rounding
+  of vLLM's ``fused_add_rms_norm``: ``bf16(bf16(h * rstd) * w)``.
+
+Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
+attention projection at 1..64 tokens), ``auto`` (from 8 tokens on), unset/``default`` (the
+existing skinny / split-K choice). Compile key: the plan (every shape static).
+"""
+
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+import os
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import rmsnorm as rms
+from decodescope.kernels.specialized import splitk_gemm as sk
+from decodescope.kernels.specialized.utils import pdl_begin, pdl_enabled
+
+BK = 64  # K columns per chunk (128-byte rows in shared memory)
+RT = 2  # 16-row MMA tiles per warp
+WARP_ROWS = 16 * RT
+NUM_SMS = 132
+MODES = ("default", "tile", "auto")
+AUTO_MIN_M = 8
+EPI_BATCH = 4  # epilogue steps whose partial loads are issued together
+
+
+def mode() -> str:
+    m = os.environ.get("DECODESCOPE_ATTN_GEMM", "") or "default"
+    if m not in MODES:
+        raise ValueError(f"DECODESCOPE_ATTN_GEMM: one of {MODES}, got {m!r}")
+    return m
+
+
+def selected(m: int, k: int) -> bool:
+    """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``)."""
+    md = mode()
+    if md == "default" or k % BK or not 1 <= m <= 64:
+        return False
+    return md == "tile" or m >= AUTO_MIN_M
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    m: int
+    k: int
+    segments: tuple[int, ...]  # output widths, each a multiple of 16
+    residual_epilogue: bool = False
+    x_stride: int = 0  # row stride of the GEMM's input (0: compact)
+    pdl: bool = field(default_factory=pdl_enabled)
+    splits_force: int = 0
+    warps: int = 4
+    stages: int = 4
+    # the norm prologue launch (not part of the GEMM kernel; see norm_plan)
+    norm: bool = False
+    add_residual: bool = False
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.m <= 64:
+            raise ValueError(f"tile GEMM supports 1..64 tokens, got {self.m}")
+        if self.k % BK:
+            raise ValueError(f"tile GEMM: K must be a multiple of {BK}, got {self.k}")
+        if not 1 <= len(self.segments) <= 3 or any(n % 16 for n in self.segments):
+            raise ValueError(f"tile GEMM: 1..3 segments, each a multiple of 16: {self.segments}")
+        if self.add_residual and not self.norm:
+            raise ValueError("tile GEMM: add_residual needs norm")
+        if self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
+            raise ValueError(f"tile GEMM: warps in 1/2/4/8, stages in 2..8: {self}")
+        if self.splits_force and self.nch % self.splits_force:
+            raise ValueError(f"tile GEMM: splits={self.splits_force} does not divide {self.nch}")
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"tile GEMM: {self.smem_bytes} bytes of shared memory > 227 KB")
+
+    @property
+    def mp(self) -> int:
+        return (self.m + 7) // 8 * 8
+
+    @property
+    def ntiles(self) -> int:
+        return self.mp // 8
+
+    @property
+    def nch(self) -> int:
+        return self.k // BK
+
+    @property
+    def cta_rows(self) -> int:
+        return self.warps * WARP_ROWS
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def ctas(self, n: int) -> int:
+        return -(-n // self.cta_rows)
+
+    @property
+    def row_ctas(self) -> int:
+        return sum(self.ctas(n) for n in self.segments)
+
+    @property
+    def splits(self) -> int:
+        if self.splits_force:
+            return self.splits_force
+        for d in range(1, self.nch + 1):
+            if self.nch % d == 0 and self.row_ctas * d >= NUM_SMS:
+                return d
+        return self.nch
+
+    @property
+    def chunks(self) -> int:
+        """64-wide K chunks per CTA."""
+        return self.nch // self.splits
+
+    @property
+    def acc_rows(self) -> int:
+        return self.row_ctas * self.cta_rows
+
+    @property
+    def ws_rows(self) -> int:
+        """Rows of the FP32 workspace ``[splits * mp, acc_rows]`` (token-major partials)."""
+        return self.splits * self.mp if self.splits > 1 else 8
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.cta_rows + self.mp) * BK * 2 + 16
+
+    @property
+    def ldx(self) -> int:
+        return self.x_stride or self.k
+
+    def gemm_ldx(self) -> int:
+        """Row stride of the GEMM kernel's input: the norm's compact output, or x itself."""
+        return self.k if self.norm else self.ldx
+
+
+class TileGemm:
+    def __init__(self, plan: TilePlan):
+        self.p = plan
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, ldx] bf16
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mW1: cute.Tensor,
+        mO1: cute.Tensor,
+        mW2: cute.Tensor,
+        mO2: cute.Tensor,
+        mE: cute.Tensor,  # [M, N0] epilogue residual, or placeholder
+        mWs: cute.Tensor,  # [splits * mp, acc_rows] f32 partials (placeholder at 1 split)
+        mCnt: cute.Tensor,  # [row_ctas] i32, zero between launches
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+
+        @cute.struct
+        class Smem:
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            last: cute.struct.MemRange[Int32, 1]
+
+        self.smem_cls = Smem
+        self.kernel(mX, mW0, mO0, mW1, mO1, mW2, mO2, mE, mWs, mCnt).launch(
+            grid=[p.row_ctas, p.splits, 1],
+            block=[p.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mX, mW0, mO0, mW1, mO1, mW2, mO2, mE, mWs, mCnt):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, sp, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sW = st.w.get_tensor(
+            cute.make_layout((p.stages, p.cta_rows, BK), stride=(p.cta_rows * BK, BK, 1))
+        )
+        sX = st.x.get_tensor(cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1)))
+        sLast = st.last.get_tensor(cute.make_layout(1))
+
+        weights = (mW0, mW1, mW2)
+        outs = (mO0, mO1, mO2)
+        t0 = 0
+        for s in cutlass.range_constexpr(len(p.segments)):
+            nc = p.ctas(p.segments[s])
+            if bx >= t0 and bx < t0 + nc:
+                self.body(mX, weights[s], outs[s], mE, mWs, mCnt, sW, sX, sLast, bx, bx - t0,
+                          p.segments[s], sp, tidx)  # fmt: skip
+            t0 += nc
+
+    @cute.jit
+    def load_w(self, mW, sW, n, row0, kc, stg, tidx):
+        """cp.async of weight rows ``row0 ..`` (those < n), chunk ``kc``, into stage ``stg``."""
+        p = self.p
+        nt = p.threads
+        u = tidx % 8
+        for i in cutlass.range_constexpr(p.cta_rows * 8 // nt):
+            r = tidx // 8 + i * (nt // 8)
+            if row0 + r < n:
+                src = cute.local_tile(mW[row0 + r, None], (8,), (kc * 8 + u,))
+                dst = cute.local_tile(sW[stg, r, None], (8,), ((u + 4 * (r % 2)) % 8,))
+                cute.arch.inline_ptx(
+                    "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                    read_only_args=[dst.iterator, src.iterator],
+                )
+
+    @cute.jit
+    def load_x(self, mX, sX, kc, stg, tidx):
+        """cp.async of the activations (tokens < m), chunk ``kc``, into stage ``stg``."""
+        p = self.p
+        nt = p.threads
+        units = p.mp * 8
+        for i in cutlass.range_constexpr((units + nt - 1) // nt):
+            idx = tidx + i * nt
+            r = idx // 8
+            u = idx % 8
+            if idx < units and r < p.m:
+                src = cute.local_tile(mX[r, None], (8,), (kc * 8 + u,))
+                dst = cute.local_tile(sX[stg, r, None], (8,), ((u + 4 * (r % 2)) % 8,))
+                cute.arch.inline_ptx(
+                    "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                    read_only_args=[dst.iterator, src.iterator],
+                )
+
+    @cute.jit
+    def body(self, mX, mW, mO, mE, mWs, mCnt, sW, sX, sLast, bx, cta, n, sp, tidx):
+        p = self.p
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        row0 = cta * p.cta_rows
+        kc0 = sp * p.chunks
+        pre = min(p.stages - 1, p.chunks)
+
+        # weights of the first chunks before the PDL wait (never written by the predecessor)
+        for s in cutlass.range_constexpr(pre):
+            self.load_w(mW, sW, n, row0, kc0 + s, s, tidx)
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+        for s in cutlass.range_constexpr(p.stages - 1):
+            if cutlass.const_expr(s < pre):
+                self.load_x(mX, sX, kc0 + s, s, tidx)
+            cute.arch.cp_async_commit_group()
+
+        atom = mc.mma_atom()
+        accs = mc.zero_accs(RT * p.ntiles)
+        fa, fb = mc.fragments()
+        for i in cutlass.range(p.chunks, unroll=1):
+            cute.arch.cp_async_wait_group(p.stages - 2)
+            cute.arch.sync_threads()
+            # the stage refilled now was read in iteration i - 1: every thread is past it
+            nxt = i + (p.stages - 1)
+            if nxt < p.chunks:
+                sn = nxt % p.stages
+                self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
+                self.load_x(mX, sX, kc0 + nxt, sn, tidx)
+            cute.arch.cp_async_commit_group()
+            self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
+        cute.arch.cp_async_wait_group(0)
+
+        if cutlass.const_expr(p.splits == 1):
+            self.store_direct(mO, mE, accs, row0, n, warp, g, c)
+        else:
+            self.store_partial(mWs, accs, bx, sp, warp, g, c)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + bx, Int32(1), sem="acq_rel", scope="gpu")
+                sLast[0] = old
+            cute.arch.sync_threads()
+            if sLast[0] == p.splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                self.epilogue_partial(mO, mE, mWs, mCnt, bx, cta, n, tidx)
+
+    @cute.jit
+    def compute(self, sW, sX, stg, warp, g, c, accs, fa, fb, atom):
+        """The MMAs of one 64-wide chunk: two 32-wide halves, each two k16 steps per tile."""
+        p = self.p
+        par = 4 * (g % 2)  # rows g, g + 8, 8j + g share g's parity (the swizzle)
+        for h in cutlass.range_constexpr(2):
+            pu = (4 * h + c + par) % 8
+            tiles = []
+            for q in cutlass.range_constexpr(RT):
+                r = warp * WARP_ROWS + q * 16 + g
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                tiles.append((lo, hi, q))
+            for j in cutlass.range_constexpr(p.ntiles):
+                xb = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sX[stg, j * 8 + g, None], (8,), (pu,)), xb)
+                mc.mma_k16(
+                    atom, accs, fa, fb, xb, [(lo, hi, q * p.ntiles + j) for lo, hi, q in tiles]
+                )
+
+    @cute.jit
+    def store_direct(self, mO, mE, accs, row0, n, warp, g, c):
+        """lane (g, c), tile (q, j): rows g / g + 8 of tile q, tokens 8j + 2c + {0, 1}."""
+        p = self.p
+        for q in cutlass.range_constexpr(RT):
+            for hh in cutlass.range_constexpr(2):
+                nn = row0 + warp * WARP_ROWS + q * 16 + g + 8 * hh
+                if nn < n:
+                    for j in cutlass.range_constexpr(p.ntiles):
+                        for e in cutlass.range_constexpr(2):
+                            m = j * 8 + 2 * c + e
+                            if m < p.m:
+                                val = accs[q * p.ntiles + j][2 * hh + e]
+                                if cutlass.const_expr(p.residual_epilogue):
+                                    val = val.to(BFloat16).to(Float32) + mE[m, nn].to(Float32)
+                                mO[m, nn] = val.to(BFloat16)
+
+    @cute.jit
+    def store_partial(self, mWs, accs, bx, sp, warp, g, c):
+        """This split's FP32 partials to ``ws[sp, token, row]`` (rows contiguous: the lanes of
+        one ``c`` write 8 consecutive rows, and the epilogue reads 4 rows per 16 bytes)."""
+        p = self.p
+        for q in cutlass.range_constexpr(RT):
+            for hh in cutlass.range_constexpr(2):
+                arow = bx * p.cta_rows + warp * WARP_ROWS + q * 16 + g + 8 * hh
+                for j in cutlass.range_constexpr(p.ntiles):
+                    for e in cutlass.range_constexpr(2):
+                        m = j * 8 + 2 * c + e
+                        ptr = mWs.iterator + ((sp * p.mp + m) * p.acc_rows + arow)
+                        cute.arch.inline_ptx(
+                            "st.global.f32 [{$r0}], {$r1};",
+                            read_only_args=[ptr, accs[q * p.ntiles + j][2 * hh + e]],
+                        )
+
+    @cute.jit
+    def epilogue_partial(self, mO, mE, mWs, mCnt, bx, cta, n, tidx):
+        """The last CTA of row tile ``bx``: sum the splits' partials, 4 rows of one token per
+        thread and step (16-byte L2 loads, consecutive threads on consecutive rows: coalesced
+        loads and 8-byte output stores), ``EPI_BATCH`` steps' loads issued before any sum;
+        epilogue, store; zero the counter."""
+        p = self.p
+        nt = p.threads
+        quads = p.cta_rows // 4
+        total = p.m * quads
+        steps = (total + nt - 1) // nt
+        bsz = min(EPI_BATCH, steps)
+        for b in cutlass.range((steps + bsz - 1) // bsz, unroll=1):
+            parts = []
+            for t in cutlass.range_constexpr(bsz):
+                f = tidx + (b * bsz + t) * nt
+                ok = f < total
+                fc = cutlass.min(f, total - 1)  # clamped: every load stays in bounds
+                m = fc // quads
+                r4 = (fc % quads) * 4
+                vals = []
+                for s in cutlass.range_constexpr(p.splits):
+                    ptr = mWs.iterator + ((s * p.mp + m) * p.acc_rows + bx * p.cta_rows + r4)
+                    vals.append(
+                        cute.arch.inline_ptx(
+                            "ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                            write_only_types=[Float32, Float32, Float32, Float32],
+                            read_only_args=[ptr],
+                        )
+                    )
+                parts.append((ok, m, r4, vals))
+            for ok, m, r4, vals in parts:
+                nn = cta * p.cta_rows + r4
+                if ok and nn < n:
+                    ov = cute.make_rmem_tensor((4,), BFloat16)
+                    ev = cute.make_rmem_tensor((4,), BFloat16)
+                    if cutlass.const_expr(p.residual_epilogue):
+                        cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), ev)
+                    for e in cutlass.range_constexpr(4):
+                        val = vals[0][e]
+                        for s in cutlass.range_constexpr(1, p.splits):
+                            val = val + vals[s][e]
+                        if cutlass.const_expr(p.residual_epilogue):
+                            val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
+                        ov[e] = val.to(BFloat16)
+                    cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
+        if tidx == 0:
+            mCnt[bx] = Int32(0)
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+_PLACEHOLDER = (16, 16)
+
+
+def _fake_args(p: TilePlan):
+    bf = torch.bfloat16
+    M, K = p.m, p.k
+    ph = itf.fake(bf, _PLACEHOLDER)
+    x = itf.fake_strided(bf, (M, K), (p.gemm_ldx(), 1))
+    segs = []
+    for s in range(3):
+        if s < len(p.segments):
+            segs += [itf.fake(bf, (p.segments[s], K)), itf.fake(bf, (M, p.segments[s]))]
+        else:
+            segs += [ph, ph]
+    e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
+    ws = itf.fake(torch.float32, (p.ws_rows, p.acc_rows if p.splits > 1 else 8))
+    cnt = itf.fake(torch.int32, (p.row_ctas,), align=4)
+    return (x, *segs, e, ws, cnt, itf.env_stream())
+
+
+def norm_plan(p: TilePlan) -> rms.NormPlan:
+    return rms.NormPlan(p.m, p.k, p.eps, pdl=p.pdl, residual=p.add_residual)
+
+
+def _compile_norm(p: TilePlan):
+    """:class:`.rmsnorm.RMSNorm` with the plan's input row stride (``q_a`` is a slice)."""
+    bf = torch.bfloat16
+    np_ = norm_plan(p)
+    mn = (p.m, p.k) if p.add_residual else _PLACEHOLDER
+
+    def build():
+        x = itf.fake_strided(bf, (p.m, p.k), (p.ldx, 1))
+        return rms.RMSNorm(np_), (x, itf.fake(bf, mn), itf.fake(bf, mn), itf.fake(bf, (p.k,)),
+                                  itf.fake(bf, (p.m, p.k)), itf.env_stream())  # fmt: skip
+
+    return itf.compiled(("tile_gemm_norm", np_, p.ldx), build)
+
+
+def compile_plan(p: TilePlan):
+    """Compile (cached) the GEMM kernel of ``p`` (and its norm launch where ``p.norm``)."""
+    fn = itf.compiled(("tile_gemm", p), lambda: (TileGemm(p), _fake_args(p)))
+    if p.norm:
+        _compile_norm(p)
+    return fn
+
+
+def compile_any(plan) -> object:
+    """Compile (cached) a tile, split-K or skinny plan."""
+    if isinstance(plan, TilePlan):
+        return compile_plan(plan)
+    return sk.compile_any(plan)
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_BUF: dict[tuple, torch.Tensor] = {}
+_PH: dict[str, torch.Tensor] = {}
+
+
+def _workspace(p: TilePlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 partials and counters (zeroed once; the last CTA of a row tile re-zeroes its
+    counter: every launch of the plan on one stream reuses them)."""
+    key = (p, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        ws = _WS[key] = (
+            torch.zeros(
+                p.ws_rows, p.acc_rows if p.splits > 1 else 8, dtype=torch.float32, device=device
+            ),
+            torch.zeros(p.row_ctas, dtype=torch.int32, device=device),
+        )
+    return ws
+
+
+def _norm_buffer(p: TilePlan, device) -> torch.Tensor:
+    key = (p.m, p.k, str(device))
+    b = _BUF.get(key)
+    if b is None:
+        b = _BUF[key] = torch.empty(p.m, p.k, dtype=torch.bfloat16, device=device)
+    return b
+
+
+def prepare(p: TilePlan, device) -> None:
+    """Compile and allocate everything a plan's launches use (call before graph capture)."""
+    compile_plan(p)
+    _workspace(p, device)
+    if p.norm:
+        _norm_buffer(p, device)
+
+
+def plan_of(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    epilogue_residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    splits: int = 0,
+    warps: int = 4,
+    stages: int = 4,
+) -> TilePlan:
+    M, K = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
+    return TilePlan(
+        m=int(M),
+        k=int(K),
+        segments=tuple(int(w.shape[0]) for w in weights),
+        residual_epilogue=epilogue_residual is not None,
+        x_stride=0 if x.stride(0) == K else int(x.stride(0)),
+        splits_force=splits,
+        warps=warps,
+        stages=stages,
+        norm=norm_weight is not None,
+        add_residual=residual is not None,
+        eps=float(eps),
+    )
+
+
+def tile_gemm(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    epilogue_residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    splits: int = 0,
+    warps: int = 4,
+    stages: int = 4,
+) -> None:
+    """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
+    ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
+    precedes the GEMM. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps)."""
+    p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
+                epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
+                stages=stages)  # fmt: skip
+    fn = compile_plan(p)
+    dev = x.device
+    ph = _PH.get(str(dev))
+    if ph is None:
+        ph = _PH[str(dev)] = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=dev)
+    a = x
+    if p.norm:
+        a = _norm_buffer(p, dev)
+        r = residual if residual is not None else ph
+        ro = residual_out if residual is not None else ph
+        _compile_norm(p)(x, r, ro, norm_weight, a)
+    segs: list[torch.Tensor] = []
+    for s in range(3):
+        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
+    ws, cnt = _workspace(p, dev)
+    fn(a, *segs, epilogue_residual if epilogue_residual is not None else ph, ws, cnt)
+
+
+# -- dispatch ------------------------------------------------------------------------------
+
+
+def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
+    """The plan that serves an ``m x k`` projection: :class:`TilePlan` where :func:`selected`
+    says so, else :func:`.splitk_gemm.gemm_plan`'s choice (same keyword flags)."""
+    if selected(m, k):
+        return TilePlan(
+            m=m,
+            k=k,
+            segments=segments,
+            residual_epilogue=flags.get("residual_epilogue", False),
+            x_stride=flags.get("x_stride", 0),
+            norm=flags.get("norm", False),
+            add_residual=flags.get("add_residual", False),
+            eps=flags.get("eps", 1e-5),
+        )
+    return sk.gemm_plan(m, k, segments, **flags)
+
+
+def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], **kw) -> None:
+    """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords)."""
+    if selected(x.shape[0], x.shape[1]):
+        tile_gemm(x, weights, outs, **kw)
+    else:
+        sk.project(x, weights, outs, **kw)

@@ -1,0 +1,152 @@
+"""The tiled cp.async GEMM (:mod:`decodescope.kernels.specialized.tile_gemm`).
+
+CPU: it compiles for sm_90a at the kimi-k3 TP8 attention projections (in_proj with the norm
+launch, MLA qkv_a + g_proj, the strided q_b input, o_proj's residual epilogue) at 8 and 64
+tokens; the plan's split choice and errors; ``DECODESCOPE_ATTN_GEMM`` routes the layers'
+projections to it and leaves the default alone. GPU (``-m gpu``): every shape vs the torch
+reference with NaN-poisoned outputs, including forced split counts, stage and warp counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cutlass")
+
+from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.specialized import norm_qkv_proj as nqp  # noqa: E402
+from decodescope.kernels.specialized import oproj_residual_norm as op  # noqa: E402
+from decodescope.kernels.specialized import splitk_gemm as sk  # noqa: E402
+from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
+from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa: E402
+
+CFG = get_config("kimi-k3", 8)
+
+
+def cases(cfg):
+    """(name, plan kwargs) of the attention projections at one rank."""
+    return {
+        "in_proj": dict(k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
+                        add_residual=True, eps=cfg.eps),
+        "qkv_a_g": dict(k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim), norm=True,
+                        add_residual=True, eps=cfg.eps),
+        "q_b": dict(k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,), norm=True,
+                    x_stride=cfg.mla_qkv_a_out, eps=cfg.eps),
+        "o_proj": dict(k=cfg.kda_dim, segments=(cfg.hidden,), residual_epilogue=True),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,m", [("in_proj", 64), ("in_proj", 8), ("qkv_a_g", 64), ("q_b", 64), ("o_proj", 64),
+               ("o_proj", 8)],
+)  # fmt: skip
+def test_compiles(name, m):
+    p = tg.TilePlan(m=m, **cases(CFG)[name])
+    assert p.row_ctas * p.splits >= tg.NUM_SMS
+    assert p.smem_bytes <= 114 * 1024  # two CTAs per SM
+    assert tg.compile_plan(p) is not None
+
+
+def test_plan_choice_and_errors():
+    c = cases(CFG)
+    p = tg.TilePlan(m=64, **c["in_proj"])
+    assert (p.row_ctas, p.splits, p.chunks) == (50, 4, 28)
+    assert tg.TilePlan(m=64, **c["o_proj"]).splits == 3
+    assert tg.TilePlan(m=8, **c["q_b"]).mp == 8
+    assert tg.TilePlan(m=33, **c["q_b"]).mp == 40
+    with pytest.raises(ValueError, match="1..64 tokens"):
+        tg.TilePlan(m=65, **c["o_proj"])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        tg.TilePlan(m=8, k=1000, segments=(16,))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tg.TilePlan(m=8, k=1024, segments=(24,))
+    with pytest.raises(ValueError, match="does not divide"):
+        tg.TilePlan(m=8, k=1024, segments=(16,), splits_force=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        tg.TilePlan(m=64, k=1024, segments=(16,), warps=8, stages=8)
+
+
+def test_selection(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_ATTN_GEMM", raising=False)
+    assert isinstance(nqp.plan_for(CFG, "kda", 64), sk.SplitKPlan)  # default unchanged
+    assert not isinstance(op.plan_for(CFG, "kda", 64), tg.TilePlan)
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "tile")
+    for m in (1, 8, 64):
+        assert isinstance(nqp.plan_for(CFG, "kda", m), tg.TilePlan)
+        assert isinstance(op.plan_for(CFG, "mla", m), tg.TilePlan)
+        qb = op.q_b_plan(CFG, m)
+        assert isinstance(qb, tg.TilePlan) and qb.norm and qb.ldx == CFG.mla_qkv_a_out
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "auto")
+    assert not isinstance(nqp.plan_for(CFG, "kda", 4), tg.TilePlan)
+    assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "bogus")
+    with pytest.raises(ValueError, match="DECODESCOPE_ATTN_GEMM"):
+        tg.selected(8, 7168)
+
+
+# -- GPU -----------------------------------------------------------------------------------
+
+
+def _inputs(cfg, name, m, dev, gen):
+    kw = cases(cfg)[name]
+    k = kw["k"]
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(torch.bfloat16)
+
+    ldx = kw.get("x_stride", 0) or k
+    x = rnd(m, ldx)[:, :k]
+    ws = [rnd(n, k, scale=k**-0.5) for n in kw["segments"]]
+    args = dict(eps=kw.get("eps", 1e-5))
+    if kw.get("norm"):
+        args["norm_weight"] = rnd(k, scale=0.2) + 1.0
+    if kw.get("add_residual"):
+        args["residual"] = rnd(m, k)
+    if kw.get("residual_epilogue"):
+        args["epilogue_residual"] = rnd(m, kw["segments"][0])
+    return x, ws, args
+
+
+def check_tile(cfg, name, m, dev, seed=0, **force):
+    """Run the tile GEMM once on fresh inputs into NaN-poisoned outputs; returns the max
+    relative error (vs the reference's max |value|) over all outputs."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    x, ws, args = _inputs(cfg, name, m, dev, gen)
+    outs = [torch.full((m, w.shape[0]), float("nan"), dtype=torch.bfloat16, device=dev)
+            for w in ws]  # fmt: skip
+    rout = None
+    if "residual" in args:
+        rout = torch.full_like(args["residual"], float("nan"))
+        args["residual_out"] = rout
+    tg.tile_gemm(x, ws, outs, **args, **force)
+    torch.cuda.synchronize()
+    ref_args = {k: v for k, v in args.items() if k != "residual_out"}
+    refs, rref = skinny_gemm_ref(x, ws, **ref_args)
+    err = 0.0
+    for o, r in zip(outs, refs, strict=True):
+        if not torch.isfinite(o).all():
+            return float("inf")
+        err = max(err, ((o.float() - r.float()).abs().max() / r.float().abs().max()).item())
+    if rout is not None:
+        err = max(err, (rout.float() - rref.float()).abs().max().item())
+    return err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["in_proj", "qkv_a_g", "q_b", "o_proj"])
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+def test_tile_gemm_gpu(name, m):
+    assert check_tile(CFG, name, m, "cuda", seed=m) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "force", [dict(splits=1), dict(splits=2), dict(splits=8), dict(stages=2), dict(stages=6), dict(warps=2),
+              dict(warps=8, stages=3)],
+)  # fmt: skip
+def test_tile_gemm_variants_gpu(force):
+    assert check_tile(CFG, "in_proj", 64, "cuda", seed=1, **force) < 2e-2
+    assert check_tile(CFG, "o_proj", 17, "cuda", seed=2, **force) < 2e-2
