@@ -17,7 +17,8 @@ From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor
 ``DECODESCOPE_MOE_FRONT`` picks); kernel 3 is ``back_mma.BackMma``
 (``DECODESCOPE_MOE_BACK=auto|mma|simt``, default auto); kernel 2 is
 ``moe_experts.MoeExpertsPipe`` below 8 tokens and ``MoeExperts`` from 8 on
-(``DECODESCOPE_MOE_EXPERTS`` picks).
+(``DECODESCOPE_MOE_EXPERTS`` picks; ``grouped``: the three non-persistent tensor-core
+launches of ``moe_grouped`` instead, route / w13 + SiTU / w2 + weighted sum, in the same range).
 
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
@@ -36,6 +37,7 @@ from decodescope.kernels.config import Config
 from decodescope.kernels.specialized import back_mma as _bm
 from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
+from decodescope.kernels.specialized import moe_grouped as _mg
 from decodescope.kernels.specialized import router_topk as _rt
 from decodescope.kernels.specialized import up_proj_shared_add as _up
 from decodescope.tracer import range as _range
@@ -126,7 +128,19 @@ class SpecializedMoE:
                            norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
 
     def experts(self) -> None:
+        """Kernel 2 (``moe_experts``), or with ``DECODESCOPE_MOE_EXPERTS=grouped`` the three
+        launches of :mod:`moe_grouped` (route, w13 + SiTU, w2 + weighted sum), same outputs,
+        same range."""
         with self._r(OPS[1]):
+            if _mg.selected():
+                E, S = self.cfg.moe.num_experts, self.cfg.shared_inter
+                bufs = _mg.buffers_for(self, self.N, E, self.top_k, S, self.acc.device)
+                _mg.moe_grouped(
+                    self.y_front, self.bias, self.w13, self.w2, self.shared_w2, self.h, self.acc,
+                    self.shared_out, self.topk_ids, self.topk_weights, bufs, top_k=self.top_k,
+                    scaling=self.scaling, beta=self.beta, lbeta=self.lbeta,
+                )  # fmt: skip
+                return
             _me.moe_experts(
                 self.y_front,
                 self.bias,

@@ -1,0 +1,625 @@
+"""Routed + shared experts as three non-persistent launches on tensor cores (the shape of vLLM's
+Triton ``fused_moe``): ``DECODESCOPE_MOE_EXPERTS=grouped`` in :mod:`moe_block`.
+
+Same outputs as :class:`moe_experts.MoeExperts` (``acc [T, L]`` FP32 routed sum, which the
+front kernel zeroed; ``shared_out [T, H]`` FP32; ``topk_ids`` / ``topk_weights``), same BF16
+rounding points (z and h rounded to BF16, gate/up and the w2 products in FP32), reference
+:func:`moe_experts.moe_experts_ref`. Why not one persistent kernel: the H200 measured the
+persistent kernels latency-bound (one CTA per SM walking a dependent chain per small tile,
+2.6-4.6 us per tile, notes/specialized_moe.md); here each SM holds several small CTAs at once
+and their latencies overlap, as in vLLM's launches, which run at the bytes floor.
+
+1. :class:`GroupedRoute` (``1 + NSH`` CTAs): CTA 0 ranks the tokens (:func:`router_topk.
+   select_topk`: sigmoid + bias, top-k, renormalized x scaling; a warp per token), counts the
+   picks per expert, compacts the selected experts in expert order (``slot_e``, ``slot_off``,
+   ``slot_n``, ``nact``) and writes each expert's pairs ``p = t * k + j`` contiguously
+   (``pairs``; order inside an expert: shared-memory atomics, not deterministic). CTAs 1..NSH
+   write ``hs = bf16(SiTU(shared gate, shared up))`` [T, S] from the front kernel's output.
+2. :class:`GroupedW13` (grid ``slots x Ie/16``): CTA (slot a, row tile r) computes gate rows
+   ``16r..16r+15`` and the matching up rows of expert ``slot_e[a]`` against that expert's
+   tokens (8 per pass) with ``mma.sync.m16n8k16`` in the swapped-operand scheme of
+   :mod:`front_mma` (weights as M, tokens as N, K permuted so that fragments are 16-byte loads;
+   z read as FP32 from ``y_front`` and rounded to BF16 in registers), its warps splitting K,
+   partial sums through shared memory, SiTU epilogue: ``h [T*k, Ie]`` BF16 by pair.
+3. :class:`GroupedW2` (grid ``slots x L/128 + H/128``): 4 warps, each 2 row tiles of 16 rows
+   and all of K (``Ie``, short: no cross-warp reduction, no barrier), epilogue
+   ``acc[t, row] += weight(p) * y`` (FP32 ``red.global.add``: summation order over experts
+   varies, last-bit nondeterminism as in the persistent kernel). The last ``H/128`` CTAs are the
+   shared expert (``shared_w2`` against ``hs``, all tokens, weight 1, plain FP32 stores).
+
+Grids are static (worst case ``slots = min(E, T*k)``); CTAs past ``nact`` exit at once. No host
+sync: one CUDA graph. PDL: each kernel waits for its predecessor, then lets the next launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized.moe_common import situ
+from decodescope.kernels.specialized.router_topk import pdl_enabled, select_topk
+
+ROWS = 16  # MMA M
+KCH = 32  # k per chunk: two m16n8k16 steps
+W2_WARPS = 4  # warps per w2 CTA, each on its own row tiles
+W2_RT = 2  # row tiles per w2 warp
+W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
+W13_MODES = ("w8", "w4")  # GroupedW13 tilings (see its __init__)
+
+
+def _div_pick(n: int, options) -> int:
+    for w in options:
+        if n % w == 0:
+            return w
+    return 1
+
+
+def n_slots(T: int, E: int, K: int) -> int:
+    """Worst-case number of selected experts: the static grids are sized for it."""
+    return min(E, T * K)
+
+
+def _expert_mat(mW, e, rows: int, cols: int):
+    """Expert ``e``'s [rows, cols] matrix of a stacked [E, rows, cols] weight (64-bit offset:
+    at TP8 ``w13`` spans 2.47e9 elements, see ``MoeExperts._expert``). Trace-time helper."""
+    off = cute.assume(Int64(e) * (rows * cols), divby=8)
+    ptr = (mW.iterator + off).align(16)
+    return cute.make_tensor(ptr, cute.make_ordered_layout((rows, cols), order=(1, 0)))
+
+
+def _load_z(mY, tok, cv):
+    """BF16 registers of ``y[tok, 8 cv : 8 cv + 8]`` (FP32 in memory: two 16-byte loads)."""
+    xf = cute.make_rmem_tensor((8,), Float32)
+    cute.autovec_copy(cute.local_tile(mY[tok, None], (8,), (cv,)), xf)
+    xb = cute.make_rmem_tensor((8,), BFloat16)
+    xb.store(xf.load().to(BFloat16))
+    return xb
+
+
+class GroupedRoute:
+    """Kernel 1: top-k routing and the per-expert pair lists (CTA 0), shared SiTU (the rest)."""
+
+    def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True):
+        if E % 32:
+            raise ValueError(f"moe_grouped: num_experts={E} must be a multiple of 32")
+        if K > 32:
+            raise ValueError(f"moe_grouped: top_k={K} must be <= 32")
+        if S % 8:
+            raise ValueError(f"moe_grouped: shared_inter={S} must be a multiple of 8")
+        self.T, self.E, self.K, self.L, self.S = T, E, K, L, S
+        self.scaling, self.beta, self.lbeta, self.pdl = scaling, beta, lbeta, pdl
+        self.NW = 16 if T > 8 else 8  # one token per warp up to 8 (16) tokens
+        self.NT = self.NW * 32
+        self.slots = n_slots(T, E, K)
+        self.nsh = max(1, -(-(T * S // 8) // self.NT))  # shared SiTU CTAs, 8 elements a thread
+        self.grid = 1 + self.nsh
+
+    @cute.jit
+    def __call__(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs,
+                 stream):  # fmt: skip
+        self.kernel(mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs).launch(
+            grid=[self.grid, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs):
+        T, E, K, L, S, NT, NW = self.T, self.E, self.K, self.L, self.S, self.NT, self.NW
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sIds = smem.allocate_tensor(Int32, cute.make_layout(T * K), byte_alignment=16)
+        sTw = smem.allocate_tensor(Float32, cute.make_layout(T * K), byte_alignment=16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        if bid == 0:
+            for e in cutlass.range(tid, E, NT):
+                sCnt[e] = Int32(0)
+            cute.arch.barrier()
+            for t in cutlass.range(warp, T, NW):
+                select_topk(mY, mBias, t, lane, sIds, sTw, sCnt, E, K, self.scaling)
+            cute.arch.barrier()
+            for p in cutlass.range(tid, T * K, NT):
+                mIds[p] = sIds[p]
+                mTw[p] = sTw[p]
+            if warp == 0:
+                # prefix sums over the experts (lane l holds experts l*EPL .. l*EPL+EPL-1):
+                # offsets of each expert's pairs, and the compact list of selected experts
+                EPL = E // 32
+                csum = Int32(0)
+                asum = Int32(0)
+                for i in cutlass.range_constexpr(EPL):
+                    cn = sCnt[lane * EPL + i]
+                    csum = csum + cn
+                    asum = asum + cutlass.select_(cn > 0, Int32(1), Int32(0))
+                cs = csum
+                cas = asum
+                for o in cutlass.range_constexpr(5):
+                    oc = cute.arch.shuffle_sync_up(cs, offset=1 << o)
+                    oa = cute.arch.shuffle_sync_up(cas, offset=1 << o)
+                    cs = cutlass.select_(lane >= (1 << o), cs + oc, cs)
+                    cas = cutlass.select_(lane >= (1 << o), cas + oa, cas)
+                off = cs - csum
+                a = cas - asum
+                for i in cutlass.range_constexpr(EPL):
+                    e = lane * EPL + i
+                    cn = sCnt[e]
+                    if cn > 0:
+                        mSlotE[a] = e
+                        mSlotOff[a] = off
+                        mSlotN[a] = cn
+                        a = a + 1
+                    sCnt[e] = off
+                    off = off + cn
+                if lane == 31:
+                    mNact[0] = cas
+            cute.arch.barrier()
+            for p in cutlass.range(tid, T * K, NT):
+                pos = cute.arch.atomic_add(sCnt.iterator + sIds[p], Int32(1))
+                mPairs[pos] = p
+        else:
+            SV = S // 8
+            for i in cutlass.range((bid - 1) * NT + tid, T * SV, self.nsh * NT):
+                t = i // SV
+                cv = i % SV
+                gf = cute.make_rmem_tensor((8,), Float32)
+                uf = cute.make_rmem_tensor((8,), Float32)
+                cute.autovec_copy(cute.local_tile(mY[t, None], (8,), ((E + L) // 8 + cv,)), gf)
+                cute.autovec_copy(cute.local_tile(mY[t, None], (8,), ((E + L + S) // 8 + cv,)), uf)
+                hv = cute.make_rmem_tensor((8,), Float32)
+                for q in cutlass.range_constexpr(8):
+                    hv[q] = situ(gf[q], uf[q], self.beta, self.lbeta)
+                hb = cute.make_rmem_tensor((8,), BFloat16)
+                hb.store(hv.load().to(BFloat16))
+                cute.autovec_copy(hb, cute.local_tile(mHs[t, None], (8,), (cv,)))
+
+
+class GroupedW13:
+    """Kernel 2: gate/up of each selected expert for its tokens, SiTU, ``h`` by pair."""
+
+    def __init__(self, T, E, K, L, Ie, beta, lbeta, pdl=True, mode: str = "w4"):
+        if L % KCH or E % 8:
+            raise ValueError(f"moe_grouped: latent {L} must be a multiple of {KCH}")
+        if Ie % ROWS:
+            raise ValueError(f"moe_grouped: expert_inter={Ie} must be a multiple of {ROWS}")
+        if mode not in W13_MODES:
+            raise ValueError(f"moe_grouped: w13 mode {mode!r}, expected one of {W13_MODES}")
+        self.T, self.E, self.K, self.L, self.Ie = T, E, K, L, Ie
+        self.beta, self.lbeta, self.pdl, self.mode = beta, lbeta, pdl, mode
+        chunks = L // KCH
+        if mode == "w8":
+            # 8 warps split K, the K loop unrolled (all of a warp's weight loads may be issued
+            # ahead); ptxas capped at 128 registers so that 2 CTAs share an SM
+            self.NW = _div_pick(chunks, (8, 4, 2, 1))
+            self.CPW = chunks // self.NW
+            self.U = _div_pick(self.CPW, (2, 1))
+            self.full_unroll = True
+            self.min_blocks = 2
+        else:
+            # "w4": 4 warps, 4 chunks (16 x 16 B per lane) per runtime loop step, ~100
+            # registers: about 5 CTAs (20 warps) per SM
+            self.NW = _div_pick(chunks, (4, 2, 1))
+            self.CPW = chunks // self.NW
+            self.U = _div_pick(self.CPW, (4, 3, 2, 1))
+            self.full_unroll = False
+            self.min_blocks = 0
+        self.NRT = Ie // ROWS
+        self.slots = n_slots(T, E, K)
+        self.grid = self.slots * self.NRT
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, stream):
+        self.kernel(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact).launch(
+            grid=[self.grid, 1, 1],
+            block=[self.NW * 32, 1, 1],
+            stream=stream,
+            use_pdl=self.pdl,
+            min_blocks_per_mp=self.min_blocks,
+            # set, so that min_blocks_per_mp does not query a device at compile time (-1: the
+            # driver's default carveout, cudaSharedmemCarveoutDefault)
+            preferred_smem_carveout=-1 if self.min_blocks > 1 else None,
+        )
+
+    @cute.kernel
+    def kernel(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact):
+        E, K, L, Ie, NW, U = self.E, self.K, self.L, self.Ie, self.NW, self.U
+        NT = NW * 32
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        red = cute.make_layout((NW, ROWS, 8), stride=(ROWS * 8, 8, 1))
+        sG = smem.allocate_tensor(Float32, red, byte_alignment=16)
+        sU = smem.allocate_tensor(Float32, red, byte_alignment=16)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        a = bid // self.NRT
+        rt = bid % self.NRT
+        nact = mNact[0]
+        if a < nact:
+            e = mSlotE[a]
+            off = mSlotOff[a]
+            n = mSlotN[a]
+            mW = _expert_mat(mW13, e, 2 * Ie, L)
+            rows = [rt * ROWS + g, Ie + rt * ROWS + g]
+            atom = mc.mma_atom()
+            fa, fb = mc.fragments()
+            chunk0 = warp * self.CPW
+            for ps in cutlass.range((n + 7) // 8):
+                tok = mPairs[off + cutlass.min(ps * 8 + g, n - 1)] // K
+                accs = mc.zero_accs(2)
+                for it in cutlass.range(self.CPW // U, unroll_full=self.full_unroll):
+                    mc.mma_chunks(
+                        atom, accs, fa, fb, mW, rows, 1, U,
+                        lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                        lambda k0, tok=tok: lambda j: _load_z(mY, tok, E // 8 + k0 // 8),
+                    )  # fmt: skip
+                mc.stash_acc(sG, warp, g, c, 0, accs[0])
+                mc.stash_acc(sU, warp, g, c, 0, accs[1])
+                cute.arch.barrier()
+                for i in cutlass.range_constexpr(-(-(ROWS * 8) // NT)):
+                    idx = tid + i * NT
+                    r = idx % ROWS
+                    m = idx // ROWS
+                    if idx < ROWS * 8:  # noqa: SIM102 (dynamic conditions: nested ifs)
+                        if ps * 8 + m < n:
+                            gs = Float32(0.0)
+                            us = Float32(0.0)
+                            for w in cutlass.range_constexpr(NW):
+                                gs = gs + sG[w, r, m]
+                                us = us + sU[w, r, m]
+                            p = mPairs[off + ps * 8 + m]
+                            hv = situ(gs, us, self.beta, self.lbeta)
+                            mH[p, rt * ROWS + r] = hv.to(BFloat16)
+                cute.arch.barrier()
+
+
+class GroupedW2:
+    """Kernel 3: w2 of each selected expert, weighted FP32 atomics into ``acc``; shared down."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True):
+        for name, v in (("latent", L), ("hidden", H)):
+            if v % ROWS:
+                raise ValueError(f"moe_grouped: {name} {v} must be a multiple of {ROWS}")
+        for name, v in (("expert_inter", Ie), ("shared_inter", S)):
+            if v % KCH:
+                raise ValueError(f"moe_grouped: {name} {v} must be a multiple of {KCH}")
+        self.T, self.E, self.K, self.L, self.Ie, self.H, self.S = T, E, K, L, Ie, H, S
+        self.pdl = pdl
+        self.U2 = _div_pick(Ie // KCH, (4, 3, 2, 1))
+        self.Us = _div_pick(S // KCH, (4, 3, 2, 1))
+        self.ntL = L // ROWS
+        self.ntH = H // ROWS
+        self.CE = -(-L // W2_ROWS)  # CTAs per expert
+        self.CS = -(-H // W2_ROWS)  # shared-expert CTAs
+        self.slots = n_slots(T, E, K)
+        self.grid = self.slots * self.CE + self.CS
+
+    @cute.jit
+    def __call__(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff,
+                 mSlotN, mNact, stream):  # fmt: skip
+        self.kernel(
+            mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact
+        ).launch(  # fmt: skip
+            grid=[self.grid, 1, 1], block=[W2_WARPS * 32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN,
+               mNact):  # fmt: skip
+        T, K, L, Ie, S = self.T, self.K, self.L, self.Ie, self.S
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        nr = self.slots * self.CE
+        if bid < nr:
+            a = bid // self.CE
+            cb = bid % self.CE
+            nact = mNact[0]
+            if a < nact:
+                e = mSlotE[a]
+                off = mSlotOff[a]
+                n = mSlotN[a]
+                mW = _expert_mat(mW2, e, L, Ie)
+                tiles = [(cb * W2_WARPS + warp) * W2_RT + q for q in range(W2_RT)]
+                rows = [cutlass.min(t, self.ntL - 1) * ROWS + g for t in tiles]
+                U = self.U2
+                for ps in cutlass.range((n + 7) // 8):
+                    prow = mPairs[off + cutlass.min(ps * 8 + g, n - 1)]
+                    accs = mc.zero_accs(W2_RT)
+                    for it in cutlass.range(Ie // KCH // U, unroll_full=True):
+                        mc.mma_chunks(
+                            atom, accs, fa, fb, mW, rows, 1, U,
+                            lambda v, it=it: (it * U + v) * KCH + c * 8,
+                            lambda k0, prow=prow: lambda j: mc.load_row8(mH, prow, k0),
+                        )  # fmt: skip
+                    for s in cutlass.range_constexpr(2):
+                        slot = ps * 8 + 2 * c + s
+                        if slot < n:
+                            p = mPairs[off + slot]
+                            wt = mTw[p]
+                            base = (p // K) * L
+                            for q in cutlass.range_constexpr(W2_RT):
+                                if tiles[q] < self.ntL:
+                                    r0 = base + tiles[q] * ROWS + g
+                                    acc = accs[q]
+                                    cute.arch.atomic_add(mAcc.iterator + r0, wt * acc[s])
+                                    cute.arch.atomic_add(mAcc.iterator + (r0 + 8), wt * acc[2 + s])
+        else:
+            sb = bid - nr
+            tiles = [(sb * W2_WARPS + warp) * W2_RT + q for q in range(W2_RT)]
+            rows = [cutlass.min(t, self.ntH - 1) * ROWS + g for t in tiles]
+            U = self.Us
+            for ps in cutlass.range(-(-T // 8)):
+                tok = cutlass.min(ps * 8 + g, T - 1)
+                accs = mc.zero_accs(W2_RT)
+                for it in cutlass.range(S // KCH // U, unroll_full=True):
+                    mc.mma_chunks(
+                        atom, accs, fa, fb, mWs2, rows, 1, U,
+                        lambda v, it=it: (it * U + v) * KCH + c * 8,
+                        lambda k0, tok=tok: lambda j: mc.load_row8(mHs, tok, k0),
+                    )  # fmt: skip
+                for s in cutlass.range_constexpr(2):
+                    t = ps * 8 + 2 * c + s
+                    if t < T:
+                        for q in cutlass.range_constexpr(W2_RT):
+                            if tiles[q] < self.ntH:
+                                r0 = tiles[q] * ROWS + g
+                                acc = accs[q]
+                                mShared[t, r0] = acc[s]
+                                mShared[t, r0 + 8] = acc[2 + s]
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+class GroupedBuffers:
+    """Scratch of the grouped path for one (T, shapes): routing lists and the shared SiTU."""
+
+    def __init__(self, T, E, K, S, device):
+        i32 = torch.int32
+        sl = n_slots(T, E, K)
+        self.pairs = torch.empty(T * K, dtype=i32, device=device)
+        self.slot_e = torch.empty(sl, dtype=i32, device=device)
+        self.slot_off = torch.empty(sl, dtype=i32, device=device)
+        self.slot_n = torch.empty(sl, dtype=i32, device=device)
+        self.nact = torch.empty(4, dtype=i32, device=device)
+        self.hs = torch.empty(T, S, dtype=torch.bfloat16, device=device)
+
+
+def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl):
+    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl)
+    i32, f32 = torch.int32, torch.float32
+    sl = op.slots
+    args = (
+        itf.fake(f32, (T, E + L + 2 * S)),
+        itf.fake(f32, (E,)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(f32, (T * K,)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (4,)),
+        itf.fake(torch.bfloat16, (T, S)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4"):
+    op = GroupedW13(T, E, K, L, Ie, beta, lbeta, pdl, mode)
+    i32 = torch.int32
+    sl = op.slots
+    args = (
+        itf.fake(torch.float32, (T, E + L + 2 * S)),
+        itf.fake(torch.bfloat16, (E, 2 * Ie, L)),
+        itf.fake(torch.bfloat16, (T * K, Ie)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (4,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def _build_w2(T, E, K, L, Ie, H, S, pdl):
+    op = GroupedW2(T, E, K, L, Ie, H, S, pdl)
+    i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
+    sl = op.slots
+    args = (
+        itf.fake(bf, (T * K, Ie)),
+        itf.fake(bf, (T, S)),
+        itf.fake(bf, (E, L, Ie)),
+        itf.fake(bf, (H, S)),
+        itf.fake(f32, (T * L,)),
+        itf.fake(f32, (T, H)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(f32, (T * K,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (4,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def w13_mode() -> str:
+    """``DECODESCOPE_MOE_GROUPED_W13``: ``w4`` (default) or ``w8`` (:class:`GroupedW13`'s
+    tilings, for A/B runs on the GPU). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "w4")
+    if v not in W13_MODES:
+        raise ValueError(f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {W13_MODES}")
+    return v
+
+
+def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4"):
+    """The three (op, fake args) pairs, for compile tests."""
+    return (
+        _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl),
+        _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode),
+        _build_w2(T, E, K, L, Ie, H, S, pdl),
+    )
+
+
+def supported(T, E, K, L, Ie, H, S) -> bool:
+    """Whether these shapes fit the grouped kernels (the constructors' checks)."""
+    try:
+        GroupedRoute(T, E, K, L, S, 1.0, 1.0, 1.0)
+        GroupedW13(T, E, K, L, Ie, 1.0, 1.0)
+        GroupedW2(T, E, K, L, Ie, H, S)
+    except ValueError:
+        return False
+    return True
+
+
+def moe_grouped(
+    y_front,
+    router_bias,
+    w13,
+    w2,
+    shared_w2,
+    h,
+    acc,
+    shared_out,
+    topk_ids,
+    topk_w,
+    bufs: GroupedBuffers,
+    *,
+    top_k: int,
+    scaling: float,
+    beta: float,
+    lbeta: float,
+) -> None:
+    """The three launches (same contract as :func:`moe_experts.moe_experts`, plus ``bufs``):
+    ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it); ``done`` is not used."""
+    E, twoI, L = w13.shape
+    Ie = twoI // 2
+    H, S = shared_w2.shape
+    T = y_front.shape[0]
+    K = top_k
+    itf.check(y_front, "y_front", (T, E + L + 2 * S), torch.float32)
+    itf.check(router_bias, "router_bias", (E,), torch.float32)
+    itf.check(w13, "w13", (E, 2 * Ie, L), torch.bfloat16)
+    itf.check(w2, "w2", (E, L, Ie), torch.bfloat16)
+    itf.check(h, "h", (T * K, Ie), torch.bfloat16)
+    itf.check(acc, "acc", (T, L), torch.float32)
+    itf.check(shared_out, "shared_out", (T, H), torch.float32)
+    itf.check(topk_ids, "topk_ids", (T, K), torch.int32)
+    itf.check(topk_w, "topk_weights", (T, K), torch.float32)
+    itf.check(bufs.hs, "grouped hs", (T, S), torch.bfloat16)
+    pdl = pdl_enabled()
+    mode = w13_mode()
+    dims = (T, E, K, L, Ie, H, S)
+    r = itf.compiled(
+        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl),
+        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl),
+    )
+    w13k = itf.compiled(
+        ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode),
+        lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode),
+    )
+    w2k = itf.compiled(("moe_grouped_w2", *dims, pdl), lambda: _build_w2(T, E, K, L, Ie, H, S, pdl))
+    b = bufs
+    ids, tw = topk_ids.view(-1), topk_w.view(-1)
+    r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs)
+    w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact)
+    w2k(h, b.hs, w2, shared_w2, acc.view(-1), shared_out, b.pairs, tw, b.slot_e, b.slot_off,
+        b.slot_n, b.nact)  # fmt: skip
+
+
+def lists_from_ids(ids: torch.Tensor, E: int):
+    """The per-expert lists :class:`GroupedRoute` derives from the routing ``ids [T, k]``:
+    ``(slot_e, slot_off, slot_n, nact, pairs)``, selected experts in increasing order, each
+    expert's pairs ``t * k + j`` in increasing order (the kernel's order inside one may differ:
+    compare through :func:`canonical_pairs`)."""
+    flat = ids.reshape(-1).long().cpu()
+    cnt = torch.bincount(flat, minlength=E)
+    sel = torch.nonzero(cnt).flatten()
+    slot_n = cnt[sel]
+    slot_off = torch.cumsum(slot_n, 0) - slot_n
+    pairs = torch.argsort(flat * flat.numel() + torch.arange(flat.numel()), stable=True)
+    i32 = torch.int32
+    return sel.to(i32), slot_off.to(i32), slot_n.to(i32), int(sel.numel()), pairs.to(i32)
+
+
+def route_ref(logits: torch.Tensor, bias: torch.Tensor, k: int, scaling: float = 1.0):
+    """Torch reference of :class:`GroupedRoute`: ``(ids, tw, slot_e, slot_off, slot_n, nact,
+    pairs)`` (:func:`router_topk.router_topk_ref`, then :func:`lists_from_ids`)."""
+    from decodescope.kernels.specialized.router_topk import router_topk_ref
+
+    ids, tw = router_topk_ref(logits, bias, k, scaling)
+    return (ids, tw, *lists_from_ids(ids, logits.shape[1]))
+
+
+def grouped_ref(z, shared_gu, ids, tw, w13, w2, shared_w2, beta, lbeta):
+    """The grouped kernels' computation order in torch (per selected expert, all its tokens at
+    once; FP32 with the BF16 roundings of z and h): equals :func:`moe_experts.moe_experts_ref`.
+    Returns ``(acc [T, L], shared_out [T, H])``."""
+    from decodescope.kernels.reference import situ_ref
+
+    T, K = ids.shape
+    E = w13.shape[0]
+    Ie = w13.shape[1] // 2
+    slot_e, slot_off, slot_n, nact, pairs = lists_from_ids(ids, E)
+    zb = z.to(torch.bfloat16).float()
+    twf = tw.reshape(-1).float()
+    acc = torch.zeros(T, z.shape[1], dtype=torch.float32, device=z.device)
+    for a in range(nact):
+        e, o, n = int(slot_e[a]), int(slot_off[a]), int(slot_n[a])
+        p = pairs[o : o + n].long().to(z.device)
+        toks = p // K
+        gu = zb[toks] @ w13[e].float().T  # [n, 2Ie]
+        h = situ_ref(gu[:, :Ie], gu[:, Ie:], beta, lbeta).to(torch.bfloat16).float()
+        acc.index_add_(0, toks, (h @ w2[e].float().T) * twf[p.to(twf.device)][:, None])
+    S = shared_gu.shape[1] // 2
+    hs = situ_ref(shared_gu[:, :S], shared_gu[:, S:], beta, lbeta).to(torch.bfloat16).float()
+    return acc, hs @ shared_w2.float().T
+
+
+def canonical_pairs(pairs: torch.Tensor, slot_off: torch.Tensor, slot_n: torch.Tensor):
+    """``pairs`` with each expert's segment sorted (the kernel's order inside one is free)."""
+    out = pairs.clone()
+    for o, n in zip(slot_off.tolist(), slot_n.tolist(), strict=True):
+        out[o : o + n] = torch.sort(pairs[o : o + n]).values
+    return out
+
+
+def selected() -> bool:
+    """``DECODESCOPE_MOE_EXPERTS=grouped`` picks these kernels in :mod:`moe_block` (the other
+    values are :func:`moe_experts.kernel_variant`'s). Read at each call."""
+    return os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto") == "grouped"
+
+
+def buffers_for(owner, T, E, K, S, device) -> GroupedBuffers:
+    """The owner's :class:`GroupedBuffers`, made on first use (warm-up, before graph capture)
+    and kept as ``owner._grouped_bufs``."""
+    b = getattr(owner, "_grouped_bufs", None)
+    if b is None:
+        b = GroupedBuffers(T, E, K, S, device)
+        owner._grouped_bufs = b
+    return b

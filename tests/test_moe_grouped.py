@@ -1,0 +1,158 @@
+"""The grouped expert kernels (``kernels/specialized/moe_grouped.py``, ``DECODESCOPE_MOE_EXPERTS=
+grouped``): compile for sm_90a on the CPU at the kimi-k3 TP8 shapes (8, 32, 64 tokens), TP16 and
+the tiny preset; the torch references of the routing lists and of the grouped computation order
+against ``router_topk_ref`` / ``moe_experts_ref``; on a GPU (``-m gpu``) the kernels against
+``moe_experts_ref`` through the checks of ``scripts/gpu_specialized_moe.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.reference import rel_l2
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import moe_experts as me
+from decodescope.kernels.specialized import moe_grouped as mg
+from decodescope.kernels.specialized import router_topk as rt
+from decodescope.kernels.weights import make_layer_weights
+
+
+def _dims(preset: str, tp: int):
+    cfg = get_config(preset, tp)
+    e = cfg.moe
+    d = (e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden, cfg.shared_inter)
+    return cfg, d
+
+
+@pytest.mark.parametrize(
+    "preset,tp,T,mode",
+    [
+        ("kimi-k3", 8, 8, "w4"),
+        ("kimi-k3", 8, 32, "w4"),
+        ("kimi-k3", 8, 64, "w4"),
+        ("kimi-k3", 8, 64, "w8"),
+        ("kimi-k3", 16, 32, "w4"),
+        ("tiny", 1, 3, "w4"),
+        ("tiny", 2, 8, "w8"),
+    ],
+)
+def test_grouped_kernels_compile(preset, tp, T, mode):
+    cfg, (E, K, L, Ie, H, S) = _dims(preset, tp)
+    builds = mg.build_all(T, E, K, L, Ie, H, S, 1.0, cfg.model.situ_beta,
+                          cfg.model.situ_linear_beta, True, mode)  # fmt: skip
+    for op, args in builds:
+        assert itf.compile_only(op, *args) is not None
+
+
+def test_grouped_geometry_kimi_tp8():
+    """TP8, 64 tokens: grids sized for min(E, T*k) = 896 slots; 24 w13 CTAs (16 gate + 16 up
+    rows) and 28 w2 CTAs (128 rows) per expert, 56 shared-down CTAs."""
+    _, (E, K, L, Ie, H, S) = _dims("kimi-k3", 8)
+    w13 = mg.GroupedW13(64, E, K, L, Ie, 4.0, 25.0)
+    w2 = mg.GroupedW2(64, E, K, L, Ie, H, S)
+    assert (w13.slots, w13.NRT, w13.grid) == (896, 24, 896 * 24)
+    assert (w13.NW, w13.CPW, w13.U) == (4, 28, 4)
+    assert (w2.CE, w2.CS, w2.grid) == (28, 56, 896 * 28 + 56)
+    assert mg.n_slots(8, E, K) == 128
+    assert mg.supported(8, E, K, L, Ie, H, S)
+    assert not mg.supported(8, E, K, L, 40, H, S)  # expert_inter not a multiple of 16
+
+
+def test_bad_shapes_and_env(monkeypatch):
+    with pytest.raises(ValueError, match="moe_grouped: expert_inter"):
+        mg.GroupedW13(8, 32, 4, 128, 40, 4.0, 25.0)
+    with pytest.raises(ValueError, match="w13 mode"):
+        mg.GroupedW13(8, 32, 4, 128, 64, 4.0, 25.0, mode="w9")
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "w7")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_GROUPED_W13"):
+        mg.w13_mode()
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "w8")
+    assert mg.w13_mode() == "w8"
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    assert mg.selected()
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "old")
+    assert not mg.selected()
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_route_ref_lists(T):
+    """The route reference equals ``router_topk_ref``, and its lists cover every pair once, in
+    expert order, with the counts of the routing."""
+    cfg, (E, K, L, Ie, H, S) = _dims("kimi-k3", 8)
+    g = torch.Generator().manual_seed(T)
+    logits = torch.randn(T, E, generator=g)
+    bias = 0.1 * torch.randn(E, generator=g)
+    ids, tw, se, so, sn, nact, pairs = mg.route_ref(logits, bias, K, 2.5)
+    ids_r, tw_r = rt.router_topk_ref(logits, bias, K, 2.5)
+    assert torch.equal(ids, ids_r) and torch.equal(tw, tw_r)
+    flat = ids.reshape(-1).long()
+    assert nact == len(set(flat.tolist())) == se.numel() <= mg.n_slots(T, E, K)
+    assert torch.equal(torch.sort(pairs.long()).values, torch.arange(T * K))
+    assert bool((se[1:] > se[:-1]).all())
+    assert int(sn.sum()) == T * K and int(so[0]) == 0
+    for a in range(nact):
+        seg = pairs[int(so[a]) : int(so[a]) + int(sn[a])].long()
+        assert bool((flat[seg] == int(se[a])).all())
+    shuffled = pairs.clone()
+    o, n = int(so[0]), int(sn[0])
+    shuffled[o : o + n] = shuffled[o : o + n].flip(0)
+    assert torch.equal(mg.canonical_pairs(shuffled, so, sn), pairs)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_grouped_ref_matches_moe_experts_ref(T):
+    """The grouped computation order (per expert, all its tokens) equals the pair-by-pair
+    reference the expert kernels are checked against (tiny preset, FP32)."""
+    cfg = get_config("tiny", 1)
+    e = cfg.moe
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=3)
+    g = torch.Generator().manual_seed(40 + T)
+    E, L, S = e.num_experts, cfg.expert_dim, cfg.shared_inter
+    y = torch.randn(T, E + L + 2 * S, generator=g)
+    ids, tw = rt.router_topk_ref(y[:, :E], w["router_bias"].float(), e.top_k, e.routed_scaling)
+    args = (y[:, E : E + L], y[:, E + L :], ids, tw, w["w13"], w["w2"], w["shared_w2"],
+            cfg.model.situ_beta, cfg.model.situ_linear_beta)  # fmt: skip
+    acc_g, sh_g = mg.grouped_ref(*args)
+    acc_r, sh_r = me.moe_experts_ref(*args)
+    assert rel_l2(acc_g, acc_r) < 1e-5
+    assert rel_l2(sh_g, sh_r) < 1e-6
+
+
+# -- GPU (the lead's H200 runs: pytest -m gpu tests/test_moe_grouped.py) ----------------------
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_specialized_moe.py"
+
+
+@pytest.fixture(scope="module")
+def gsm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = importlib.util.spec_from_file_location("gpu_specialized_moe", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("tiny", 1)])
+@pytest.mark.parametrize("n_tokens", [8, 32, 64])
+def test_grouped_block_gpu(gsm, preset, tp, n_tokens, monkeypatch):
+    """Routing, lists, routed sum, shared output and the block (vs ``moe_experts_ref`` and the
+    references of the math), outputs poisoned first, two fresh draws."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    cfg = get_config(preset, tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
+    blk = SpecializedMoE(cfg, w, n_tokens)
+    gsm.RESULTS.clear()
+    for draw in range(2):
+        ctx = {"preset": preset, "tp": tp, "tokens": n_tokens, "draw": draw, "experts": "grouped"}
+        gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=7 * n_tokens + draw, front_norm=False)
+    bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
+    assert not bad, bad
+    assert any(r.get("check") == "grouped_route_lists" for r in gsm.RESULTS)
