@@ -24,17 +24,7 @@ from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa:
 CFG = get_config("kimi-k3", 8)
 
 
-def cases(cfg):
-    """(name, plan kwargs) of the attention projections at one rank."""
-    return {
-        "in_proj": dict(k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
-                        add_residual=True, eps=cfg.eps),
-        "qkv_a_g": dict(k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim), norm=True,
-                        add_residual=True, eps=cfg.eps),
-        "q_b": dict(k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,), norm=True,
-                    x_stride=cfg.mla_qkv_a_out, eps=cfg.eps),
-        "o_proj": dict(k=cfg.kda_dim, segments=(cfg.hidden,), residual_epilogue=True),
-    }  # fmt: skip
+cases = tg.attention_cases
 
 
 @pytest.mark.parametrize(

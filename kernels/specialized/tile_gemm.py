@@ -523,6 +523,38 @@ def prepare(p: TilePlan, device) -> None:
         _norm_buffer(p, device)
 
 
+def _placeholder(dev) -> torch.Tensor:
+    ph = _PH.get(str(dev))
+    if ph is None:
+        ph = _PH[str(dev)] = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=dev)
+    return ph
+
+
+def norm_launch(p: TilePlan, x, norm_weight, residual=None, residual_out=None) -> torch.Tensor:
+    """The plan's norm launch alone: ``bf16(bf16(h * rstd) * w)`` of ``h = x (+ residual)``
+    into the cached ``[M, K]`` buffer (returned); ``residual_out = h`` with a residual."""
+    ph = _placeholder(x.device)
+    a = _norm_buffer(p, x.device)
+    r = residual if residual is not None else ph
+    ro = residual_out if residual is not None else ph
+    _compile_norm(p)(x, r, ro, norm_weight, a)
+    return a
+
+
+def attention_cases(cfg) -> dict[str, dict]:
+    """The attention projections of one rank as :class:`TilePlan` keyword arguments (less
+    ``m``): KDA in_proj, MLA qkv_a + g_proj, MLA q_b (strided q_a input), o_proj."""
+    return {
+        "in_proj": dict(k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
+                        add_residual=True, eps=cfg.eps),
+        "qkv_a_g": dict(k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim), norm=True,
+                        add_residual=True, eps=cfg.eps),
+        "q_b": dict(k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,), norm=True,
+                    x_stride=cfg.mla_qkv_a_out, eps=cfg.eps),
+        "o_proj": dict(k=cfg.kda_dim, segments=(cfg.hidden,), residual_epilogue=True),
+    }  # fmt: skip
+
+
 def plan_of(
     x: torch.Tensor,
     weights: list[torch.Tensor],
@@ -575,15 +607,10 @@ def tile_gemm(
                 stages=stages)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
-    ph = _PH.get(str(dev))
-    if ph is None:
-        ph = _PH[str(dev)] = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=dev)
+    ph = _placeholder(dev)
     a = x
     if p.norm:
-        a = _norm_buffer(p, dev)
-        r = residual if residual is not None else ph
-        ro = residual_out if residual is not None else ph
-        _compile_norm(p)(x, r, ro, norm_weight, a)
+        a = norm_launch(p, x, norm_weight, residual, residual_out)
     segs: list[torch.Tensor] = []
     for s in range(3):
         segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
