@@ -4,7 +4,9 @@
         [--tokens 1 8 32 64] [--copies 3] [--replays 30] [--variants pipe old] [--quick]
 
 ``--variants``: the expert kernels to check and time side by side (``DECODESCOPE_MOE_EXPERTS``:
-``pipe``, the bulk-copy pipeline, and ``old``, weights into registers per tile); the front and
+``pipe``, the bulk-copy pipeline, ``old``, weights into registers per tile, and ``grouped``,
+the three non-persistent tensor-core launches of ``moe_grouped``, which get their own probe
+child and a ``grouped_route_lists`` check); the front and
 back kernels and the standard block are timed once. Each variant first runs once under a hang
 watchdog (a hung kernel cannot be recovered in-process: the run writes what it has and exits 3).
 ``--quick``: one draw, no front-norm checks or timings.
@@ -39,6 +41,7 @@ from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.reference import moe_ref, rel_l2
 from decodescope.kernels.specialized import moe_block as mb
 from decodescope.kernels.specialized import moe_experts as me
+from decodescope.kernels.specialized import moe_grouped as mg
 from decodescope.kernels.specialized import router_topk as rt
 from decodescope.kernels.specialized import up_proj_shared_add as up
 from decodescope.kernels.weights import make_layer_weights, make_state
@@ -168,8 +171,15 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     blk.shared_out.fill_(float("nan"))
     blk.topk_ids.fill_(-1)
     blk.topk_weights.fill_(float("nan"))
+    gb = getattr(blk, "_grouped_bufs", None) if mg.selected() else None
+    if gb is not None:  # the grouped kernels' lists and shared SiTU, poisoned too
+        for t in (gb.pairs, gb.slot_e, gb.slot_off, gb.slot_n, gb.nact):
+            t.fill_(-7)
+        gb.hs.fill_(float("nan"))
     blk.experts()
     torch.cuda.synchronize()
+    if gb is not None:
+        _grouped_route_check(blk, gb, E, ctx)
     ids_r, tw_r = rt.router_topk_ref(y[:, :E], w["router_bias"], k, e.routed_scaling)
     ids = blk.topk_ids.long()
     same = (ids.sort(1).values == ids_r.long().sort(1).values).all(1)
@@ -206,6 +216,20 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     ref, _ = moe_ref(cfg, w, h, topk_ids=blk.topk_ids, dtype=torch.float32)
     check("block_vs_reference", ctx, rel_l2(out, ref), 2e-2)
     guarded("block_vs_standard", ctx, lambda: _vs_standard(cfg, w, h, blk, out, N, ctx))
+
+
+def _grouped_route_check(blk, gb, E: int, ctx: dict) -> None:
+    """The grouped route kernel's lists equal those of its own ids (order inside an expert
+    free): active count, experts, offsets, counts, pairs."""
+    se, so, sn, nact, pairs = mg.lists_from_ids(blk.topk_ids, E)
+    got_n = int(gb.nact[0])
+    ok = got_n == nact
+    if ok:
+        gse, gso, gsn = (t[:nact].cpu() for t in (gb.slot_e, gb.slot_off, gb.slot_n))
+        gp = mg.canonical_pairs(gb.pairs.cpu(), gso, gsn)
+        ok = all(torch.equal(a, b) for a, b in ((gse, se), (gso, so), (gsn, sn), (gp, pairs)))
+    record(check="grouped_route_lists", **ctx, nact=f"{got_n}/{nact}",
+           status="pass" if ok else "FAIL")  # fmt: skip
 
 
 def _standard_layer(cfg, w, N: int):
@@ -413,6 +437,10 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
         if var == "pipe" and (preset, tp, N) not in a.pipe_ok:
             record(check="pipe_skipped", **ctx, status="FAIL", error="the probe did not finish")
             continue
+        if var == "grouped" and (preset, tp, N) not in a.grouped_ok:
+            record(check="grouped_skipped", **ctx, status="FAIL",
+                   error="the grouped probe did not finish")  # fmt: skip
+            continue
         with env(DECODESCOPE_MOE_EXPERTS=var):
             if guarded("smoke", ctx, lambda ctx=ctx: smoke(blks[0], N, ctx, a)) is None:
                 continue
@@ -450,7 +478,8 @@ def probe_pipe(a) -> tuple[set, set]:
     error cannot be recovered in-process, so the child takes it (and is killed), and this run
     uses the pipe / the MMA front only where the child finished them."""
     cmd = [sys.executable, __file__, "--probe-child", "--out", a.out, "--tp", *map(str, a.tp),
-           "--tokens", *map(str, a.tokens)] + (["--tiny"] if a.tiny else [])  # fmt: skip
+           "--tokens", *map(str, a.tokens), "--variants", *a.variants] + (
+           ["--tiny"] if a.tiny else [])  # fmt: skip
     limit = 120  # s without progress: the first point builds weights and compiles
     ok: set[tuple[str, int, int]] = set()
     front_ok: set[tuple[str, int, int]] = set()
@@ -476,8 +505,9 @@ def probe_pipe(a) -> tuple[set, set]:
             what, preset, tp, n = line.split()
             (ok if what == "PROBE_OK" else front_ok).add((preset, int(tp), int(n)))
     want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
-    record(check="pipe_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
-           **({} if ok == want else {"error": why}))  # fmt: skip
+    want_pipe = want if "pipe" in a.variants else set()
+    record(check="pipe_probe", ok=sorted(ok), status="pass" if ok == want_pipe else "FAIL",
+           **({} if ok == want_pipe else {"error": why}))  # fmt: skip
     record(check="front_back_mma_probe", ok=sorted(front_ok),
            status="pass" if front_ok == want else "FAIL",
            **({} if front_ok == want else {"error": why}))  # fmt: skip
@@ -490,7 +520,7 @@ def probe_child(a) -> int:
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device=DEV)
-        for n in a.tokens:
+        for n in a.tokens if "pipe" in a.variants else []:
             blk = mb.SpecializedMoE(cfg, w, n)
             h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
             for _ in range(3):
@@ -511,6 +541,61 @@ def probe_child(a) -> int:
             torch.cuda.synchronize()
             print(f"FRONT_OK {preset} {tp} {n}", flush=True)
         os.environ["DECODESCOPE_MOE_FRONT"] = "simt"
+        del w
+        torch.cuda.empty_cache()
+    return 0
+
+
+def probe_grouped(a) -> set:
+    """The grouped expert kernels once per (TP, tokens) in a child process with a deadline
+    (``grouped_probe.log``), as :func:`probe_pipe` does for the pipe: a hang or a sticky CUDA
+    error fails the grouped points alone."""
+    if "grouped" not in a.variants:
+        return set()
+    cmd = [sys.executable, __file__, "--probe-grouped-child", "--out", a.out, "--tp",
+           *map(str, a.tp), "--tokens", *map(str, a.tokens)] + (
+           ["--tiny"] if a.tiny else [])  # fmt: skip
+    limit = 120
+    log = Path(a.out) / "grouped_probe.log"
+    with open(log, "w") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+        last, seen = time.time(), 0
+        while child.poll() is None:
+            time.sleep(0.5)
+            n = log.read_text().count("_OK ")
+            if n > seen:
+                last, seen = time.time(), n
+            elif time.time() - last > limit:
+                child.kill()
+                child.wait()
+                break
+    text = log.read_text()
+    ok = set()
+    for line in text.splitlines():
+        if line.startswith("GROUPED_OK "):
+            _, preset, tp, n = line.split()
+            ok.add((preset, int(tp), int(n)))
+    want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
+    why = (f"exit {child.returncode}; see grouped_probe.log: {text.strip()[-300:]}"
+           if child.returncode is not None and child.returncode >= 0
+           else f"no progress within {limit} s (kernel hang: the child was killed)")  # fmt: skip
+    record(check="grouped_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
+           **({} if ok == want else {"error": why}))  # fmt: skip
+    return ok
+
+
+def probe_grouped_child(a) -> int:
+    os.environ["DECODESCOPE_MOE_EXPERTS"] = "grouped"
+    for preset, tp in shapes_of(a):
+        cfg = get_config(preset, tp)
+        w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device=DEV)
+        for n in a.tokens:
+            blk = mb.SpecializedMoE(cfg, w, n)
+            h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+            for _ in range(3):
+                blk.forward(h, torch.empty_like(h))
+            torch.cuda.synchronize()
+            print(f"GROUPED_OK {preset} {tp} {n}", flush=True)
         del w
         torch.cuda.empty_cache()
     return 0
@@ -543,22 +628,26 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=["pipe", "old"],
+        choices=["pipe", "old", "grouped"],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )
     ap.add_argument(
         "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"
     )
     ap.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-grouped-child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.probe_child:
         return probe_child(a)
+    if a.probe_grouped_child:
+        return probe_grouped_child(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
     record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")
     a.pipe_ok, a.front_ok = probe_pipe(a)
+    a.grouped_ok = probe_grouped(a)
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         ws = []

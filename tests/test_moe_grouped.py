@@ -156,3 +156,28 @@ def test_grouped_block_gpu(gsm, preset, tp, n_tokens, monkeypatch):
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
     assert not bad, bad
     assert any(r.get("check") == "grouped_route_lists" for r in gsm.RESULTS)
+
+
+def test_script_route_list_check_on_cpu():
+    """The GPU script's ``grouped_route_lists`` check passes on lists built from the ids (any
+    order inside an expert) and fails on a wrong count."""
+    spec = importlib.util.spec_from_file_location("gpu_specialized_moe_cpu", _SCRIPT)
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    E, K, T, S = 32, 4, 6, 64
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(torch.int32)
+
+    class Blk:
+        topk_ids = ids
+
+    gb = mg.GroupedBuffers(T, E, K, S, "cpu")
+    se, so, sn, nact, pairs = mg.lists_from_ids(ids, E)
+    gb.slot_e[:nact], gb.slot_off[:nact], gb.slot_n[:nact] = se, so, sn
+    gb.nact[0] = nact
+    gb.pairs.copy_(pairs)
+    gb.pairs[: int(sn[0])] = gb.pairs[: int(sn[0])].flip(0)
+    gs.RESULTS.clear()
+    gs._grouped_route_check(Blk, gb, E, {"tokens": T})
+    gb.nact[0] = nact - 1
+    gs._grouped_route_check(Blk, gb, E, {"tokens": T})
+    assert [r["status"] for r in gs.RESULTS] == ["pass", "FAIL"]
