@@ -21,7 +21,8 @@ shape, kind, point), with fresh random inputs and outputs poisoned with NaN befo
 - timing: CUDA-graph replay medians per kernel and per attention half, weights and state rotated
   over ``--copies`` independent layers (0: enough to pass 3x the L2), for the new default
   kernels, for the old ones (``[old kernels]``: skinny GEMM everywhere, simt MLA), and for the
-  defaults with the split-K partial-sum reduction (``[partial kernels]``); below 8 tokens also
+  defaults with the split-K partial-sum reduction (``[partial kernels]``), every projection by
+  the tiled GEMM (``[tile kernels]``, :mod:`.tile_gemm`); below 8 tokens also
   ``[splitk-all kernels]``, the standard path's attention half beside it, the bytes
   floor at the copy bandwidth measured in this process; at 1x1 and 64x1 also with programmatic
   dependent launch off;
@@ -32,7 +33,7 @@ shape, kind, point), with fresh random inputs and outputs poisoned with NaN befo
 Kernel choice is by environment, read at each launch: ``DECODESCOPE_SPLITK_GEMM`` (0 never, 1
 wherever K allows, unset from 8 tokens on at K >= 4096), ``DECODESCOPE_SPLITK_REDUCE``
 (atomic / partial), ``DECODESCOPE_MLA_KERNEL`` (tc / simt), ``DECODESCOPE_MLA_HEADS_PER_CTA``,
-``DECODESCOPE_NO_PDL``.
+``DECODESCOPE_NO_PDL``, ``DECODESCOPE_ATTN_GEMM`` (default / tile / auto).
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 point (a run cut short keeps what it measured). Writes ``results.json`` and ``table.md`` under
@@ -64,6 +65,7 @@ from decodescope.kernels.specialized import oproj_residual_norm as op
 from decodescope.kernels.specialized import rmsnorm as rms
 from decodescope.kernels.specialized import skinny_gemm as sg
 from decodescope.kernels.specialized import splitk_gemm as sk
+from decodescope.kernels.specialized import tile_gemm as tg
 from decodescope.kernels.specialized.attention_layers import SpecializedAttention, attention_ref
 from decodescope.kernels.weights import make_layer_weights, make_state
 
@@ -84,11 +86,14 @@ PDL_AB_POINTS = ("1x1", "64x1")
 # the variant that was set while it was captured): the new defaults, and the kernels as of
 # commit 8394aa2 (small-M skinny GEMM everywhere, the SIMT MLA decode)
 VARIANTS = {  # old first (see check_kernels)
-    "old": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_MLA_KERNEL": "simt"},
+    "old": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_MLA_KERNEL": "simt",
+            "DECODESCOPE_ATTN_GEMM": "default"},
     "new": {},
     # the defaults with the split-K partial-sum reduction instead of FP32 atomics
-    "partial": {"DECODESCOPE_SPLITK_REDUCE": "partial"},
-}
+    "partial": {"DECODESCOPE_SPLITK_REDUCE": "partial", "DECODESCOPE_ATTN_GEMM": "default"},
+    # every projection by the tiled cp.async GEMM (tile_gemm.py, issue #5)
+    "tile": {"DECODESCOPE_ATTN_GEMM": "tile"},
+}  # fmt: skip
 MLA_SWEEP = {  # (heads per CTA, splits; 0 = the plan's) of the tc kernel, timed alone
     "8x1": [(2, 0), (1, 4)],
     "64x1": [(3, 0), (12, 0), (6, 2)],
@@ -96,10 +101,12 @@ MLA_SWEEP = {  # (heads per CTA, splits; 0 = the plan's) of the tc kernel, timed
     "8x8": [(2, 0), (1, 4)],
 }
 GEMM_KINDS = {
-    "skinny": {"DECODESCOPE_SPLITK_GEMM": "0"},
-    "splitk": {"DECODESCOPE_SPLITK_GEMM": "1"},
-    "splitk-partial": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_SPLITK_REDUCE": "partial"},
-}
+    "skinny": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default"},
+    "splitk": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_ATTN_GEMM": "default"},
+    "splitk-partial": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_SPLITK_REDUCE": "partial",
+                       "DECODESCOPE_ATTN_GEMM": "default"},
+    "tile": {"DECODESCOPE_ATTN_GEMM": "tile"},  # norm launch + tiled cp.async GEMM
+}  # fmt: skip
 TIMING = {"on": False, "replays": 30}
 
 
@@ -150,7 +157,8 @@ class env:
 
 def gemm_kinds(m: int, k: int) -> list[str]:
     """The GEMM kernels that can serve an m x k projection (split-K needs K % 256 == 0)."""
-    return ["skinny"] + (["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else [])
+    kinds = ["skinny"] + (["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else [])
+    return kinds + (["tile"] if k % tg.BK == 0 else [])
 
 
 def poison(*ts: torch.Tensor) -> None:
