@@ -2,7 +2,12 @@
 its all-reduces, against o_proj + NCCL all_reduce + residual; then CUDA-graph timing.
 
     torchrun --nproc-per-node 2 scripts/gpu_tp2_fused.py --out $OUT/tp2
-        [--tps 8 2] [--batches 1 8 32 64] [--replays 40] [--burst 32] [--no-moe] [--no-timing]
+        [--tps 8 2] [--batches 1 8 32 64] [--protos flag ll] [--replays 40] [--burst 32]
+        [--no-moe] [--no-timing]
+
+``--protos``: the peer-memory protocols of :mod:`decodescope.kernels.specialized.comm` to check
+and time, each with every piece below (``flag``: data, system fence, flag; ``ll``: 8-byte
+words of payload + flag). Both share one workspace and run interleaved, as a mixed step would.
 
 Launch with torchrun (one process per GPU; NCCL; ``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` set here before torch loads).
@@ -201,7 +206,7 @@ def oproj_exact(o, w, r) -> torch.Tensor:
     return (p.to(BF16).float() + r.float()).to(BF16)
 
 
-def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
+def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a, proto: str) -> None:
     seed = 1000 * M + K + 17 * RANK
     g = seeded(seed)
     gs = seeded(4242 + M)  # shared across ranks: the residual stream is replicated
@@ -210,14 +215,14 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
     r = randn((M, N), gs)
     pre = randn((1 << 20,), g)  # an 2 MB stand-in for the next op's weights
     out = torch.full((M, N), float("nan"), dtype=BF16, device=DEV)
-    oa.oproj_allreduce(ws, o, w, r, out, prefetch=pre)
+    oa.oproj_allreduce(ws, o, w, r, out, prefetch=pre, proto=proto)
     sync()
     check("oproj_vs_exact", ctx, rel(out, oproj_exact(o, w, r)), 2e-3)
     check("oproj_vs_standard", ctx, rel(out, oproj_standard(o, w, r)), 1e-2)
     same_on_ranks("oproj_ranks_equal", ctx, out)
     # in place (r_out aliases r)
     r2 = r.clone()
-    oa.oproj_allreduce(ws, o, w, r2, r2)
+    oa.oproj_allreduce(ws, o, w, r2, r2, proto=proto)
     sync()
     check("oproj_in_place", ctx, rel(r2, out), 0.0)
 
@@ -231,8 +236,8 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
     xb = torch.full((M, N), float("nan"), dtype=BF16, device=DEV)
 
     def step():
-        oa.oproj_allreduce(ws, oa_in, w, ra_in, xa, prefetch=wb)
-        oa.oproj_allreduce(ws, ob_in, wb, xa, xb)
+        oa.oproj_allreduce(ws, oa_in, w, ra_in, xa, prefetch=wb, proto=proto)
+        oa.oproj_allreduce(ws, ob_in, wb, xa, xb, proto=proto)
 
     graph = Graph(step)
     hist_a = torch.empty(n, M, N, dtype=BF16, device=DEV)
@@ -265,7 +270,7 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a) -> None:
 # -- MoE back end ------------------------------------------------------------------------------
 
 
-def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
+def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
     L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
     g = seeded(77 + T + 31 * RANK)
     gs = seeded(99 + T)
@@ -284,7 +289,7 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
         up.up_proj_shared_add(ar, gam, wu, sr, y, eps)
         return y
 
-    ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre)
+    ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre, proto=proto)
     sync()
     check("moe_vs_single_gpu_kernel", ctx, rel(out, want(acc, sh)), 2e-3)
     same_on_ranks("moe_ranks_equal", ctx, out)
@@ -293,7 +298,7 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     pa = [randn((T, L), g, 1.0, F32) for _ in range(n)]
     ps = [randn((T, H), g, 1.0, F32) for _ in range(n)]
     ain, sin = acc.clone(), sh.clone()
-    graph = Graph(lambda: ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps))
+    graph = Graph(lambda: ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps, proto=proto))
     hist = torch.empty(n, T, H, dtype=BF16, device=DEV)
     rng = random.Random(T)
     dist.barrier()
@@ -355,9 +360,13 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
     y = torch.empty(M, N, dtype=BF16, device=DEV)
     wdict = [{"o_proj": w} for w in ws_]
     res = {}
-    res["fused_us"] = graph_us(
-        [lambda w=w: oa.oproj_allreduce(ws, o, w, r, out) for w in ws_], a.replays
-    )
+    fused = {
+        p: graph_us(
+            [lambda w=w, p=p: oa.oproj_allreduce(ws, o, w, r, out, proto=p) for w in ws_],
+            a.replays,
+        )
+        for p in a.protos
+    }
     from decodescope.kernels.specialized import skinny_gemm as sg
 
     rt = oa.OProjARPlan(m=M, k=K, n=N).gemm.rt
@@ -378,11 +387,13 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
     res["cublas_oproj_us"] = graph_us(
         [lambda w=w: torch.matmul(o, w.T, out=y) for w in ws_], a.replays
     )
-    res["comm_us"] = res["fused_us"] - res["same_gemm_us"]  # the fused kernel's GEMM, no comm
-    res["vs_single_gpu_path_us"] = res["fused_us"] - res["single_gpu_us"]
     res["standard_comm_us"] = res["standard_us"] - res["cublas_oproj_us"]
-    record(timing="oproj", **ctx, **{k: round(v, 2) for k, v in res.items()},
-           status=_target(M, res["comm_us"]))  # fmt: skip
+    for p, f in fused.items():
+        row = {"fused_us": f, **res}
+        row["comm_us"] = f - res["same_gemm_us"]  # the fused kernel's GEMM, no comm
+        row["vs_single_gpu_path_us"] = f - res["single_gpu_us"]
+        record(timing="oproj", **ctx, proto=p, **{k: round(v, 2) for k, v in row.items()},
+               status=_target(M, row["comm_us"]))  # fmt: skip
 
 
 def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
@@ -394,8 +405,16 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     sh = randn((T, H), g, 1.0, F32)
     out = torch.empty(T, H, dtype=BF16, device=DEV)
     res = {}
-    res["fused_us"] = graph_us([lambda w=w: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps) for w in wus],
-                               a.replays)  # fmt: skip
+    fused = {
+        p: graph_us(
+            [
+                lambda w=w, p=p: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps, proto=p)
+                for w in wus
+            ],
+            a.replays,
+        )  # fmt: skip
+        for p in a.protos
+    }
     res["single_gpu_us"] = graph_us([lambda w=w: up.up_proj_shared_add(acc, gam, w, sh, out, eps) for w in wus],
                                     a.replays)  # fmt: skip
 
@@ -407,9 +426,10 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
         up.up_proj_shared_add(acc2, gam, w, sh2, out, eps)
 
     res["standard_us"] = graph_us([lambda w=w: std(w) for w in wus], a.replays)
-    res["comm_us"] = res["fused_us"] - res["single_gpu_us"]
-    record(timing="moe_back", **ctx, **{k: round(v, 2) for k, v in res.items()},
-           status=_target(T, res["comm_us"]))  # fmt: skip
+    for p, f in fused.items():
+        row = {"fused_us": f, **res, "comm_us": f - res["single_gpu_us"]}
+        record(timing="moe_back", **ctx, proto=p, **{k: round(v, 2) for k, v in row.items()},
+               status=_target(T, row["comm_us"]))  # fmt: skip
 
 
 def _target(batch: int, comm_us: float) -> str:
@@ -420,7 +440,7 @@ def _target(batch: int, comm_us: float) -> str:
 
 
 def table() -> str:
-    lines = ["| piece | tp | batch | result | status |", "|---|---|---|---|---|"]
+    lines = ["| piece | proto | tp | batch | result | status |", "|---|---|---|---|---|---|"]
     for r in RESULTS:
         what = r.get("check") or r.get("timing") or r.get("piece")
         if "timing" in r:
@@ -429,7 +449,8 @@ def table() -> str:
         else:
             val = f"err={r.get('err', r.get('error', ''))}"
         lines.append(
-            f"| {what} | {r.get('tp', '')} | {r.get('batch', '')} | {val} | {r.get('status', '')} |"
+            f"| {what} | {r.get('proto', '')} | {r.get('tp', '')} | {r.get('batch', '')} | {val} "
+            f"| {r.get('status', '')} |"
         )
     return "\n".join(lines)
 
@@ -445,12 +466,12 @@ class _DryWorkspace:
 def _dry_patch(oa, ma, opr, up) -> None:
     """Dry run: the kernels replaced by torch + dist emulations of what they compute."""
 
-    def oproj_allreduce(ws, o, w, r, out, prefetch=None):
+    def oproj_allreduce(ws, o, w, r, out, prefetch=None, proto=None):
         p = o.float() @ w.float().T
         dist.all_reduce(p)
         out.copy_((p.to(BF16).float() + r.float()).to(BF16))
 
-    def moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=None):
+    def moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=None, proto=None):
         a, s = acc.clone(), sh.clone()
         dist.all_reduce(a)
         dist.all_reduce(s)
@@ -480,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=270.0)
+    ap.add_argument("--protos", nargs="+", default=["flag", "ll"], choices=["flag", "ll"])
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="CPU + gloo, kernels emulated (CI)")
@@ -536,10 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         for M in a.batches:
             if over():
                 break
-            ctx = {"tp": tp, "batch": M}
-            piece("oproj_checks", ctx, ws, oproj_checks, oa, ws, K, N, M, ctx, a)
-            if not a.no_moe:
-                piece("moe_checks", ctx, ws, moe_checks, ma, up, ws, cfg, M, ctx, a)
+            for proto in a.protos:
+                ctx = {"tp": tp, "batch": M, "proto": proto}
+                piece("oproj_checks", ctx, ws, oproj_checks, oa, ws, K, N, M, ctx, a, proto)
+                if not a.no_moe:
+                    piece("moe_checks", ctx, ws, moe_checks, ma, up, ws, cfg, M, ctx, a, proto)
     if not a.no_timing:
         for tp in a.tps:
             cfg = get_config("kimi-k3", tp)

@@ -55,16 +55,44 @@ Why it is safe (A and B the two ranks; the same argument holds with the names sw
 
 The kernels must run on both ranks in the same order, each launch exactly once per rank
 (a kernel run on one rank alone hangs its CTAs until the timeout).
+
+The LL protocol (``DECODESCOPE_TP2_PROTO=ll``; the flag protocol above stays the default until
+the H200 run shows LL correct and faster). Every 8-byte store to the peer carries 4 bytes of
+payload (an FP32 partial) and 4 bytes of flag (``e + 1``) in one ``st.relaxed.sys.global.b64``
+(single-copy atomic: an aligned 64-bit scalar access); the receiver polls the word itself with
+``ld.relaxed.sys.global.b64`` until its high half equals ``e + 1`` and takes the low half. No
+separate flag store, no ``fence.acq_rel.sys`` between data and flag: one NVLink crossing. The
+words live in their own symmetric area ``ll[2][RECV_FLOATS]`` (int64), never written by
+flag-protocol kernels (a raw FP32 there could read as a flag). Safety:
+
+1. A word whose flag is ``e + 1`` was written in launch ``e`` (launch ``e'`` writes ``e' + 1``;
+   ``e + 1`` is unique), and its payload came in the same single-copy-atomic store.
+2. The parity argument of the flag protocol holds unchanged: the peer writes ``ll[e % 2]`` again
+   only in launch ``e + 2``, which needs this rank's words of launch ``e + 1``, written after
+   this rank's launch ``e`` (reads included) completed. So a word this launch waits for is never
+   overwritten before it is read, and no word of ``ll[e % 2]`` can show ``e + 3`` yet: the
+   receiver waits for ``== e + 1`` exactly.
+3. The epoch is the flag protocol's (``ctl[0]``, counter ``ctl[1]``), taken without blocking
+   (:func:`epoch_arrive` / :func:`epoch_finish`): thread 0 adds ``1 << 32`` to ``ctl[0:2]``
+   read as one 64-bit word; the old word holds the epoch (low) and the CTA's arrival order
+   (high), read in one atomic step. The result is consumed only after the main loop (the
+   epoch) and at the end of the CTA, where the last arriver (order ``grid - 1``) resets the
+   counter and writes ``e + 1``: every CTA's arrival, which read ``e``, precedes it in the
+   location's read-modify-write order. The next launch (stream order, ``griddepcontrol.wait``)
+   sees ``e + 1``. Flag- and LL-protocol kernels share the epoch (each launch advances it once).
+4. Zeroing and timeouts as above (the LL area is zeroed with the rest; ``e + 1 >= 1`` never
+   matches a zeroed word).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
-from cutlass import Int32, Int64  # noqa: E402
+from cutlass import Float32, Int32, Int64  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
@@ -205,12 +233,186 @@ def prefetch_range(mP: cute.Tensor, n, part, nparts: cutlass.Constexpr[int],
             cute.arch.prefetch((mP.iterator + li * per_line).llvm_ptr, cache_level="L2")
 
 
+# -- device side: the LL protocol ----------------------------------------------------------------
+
+
+@dsl_user_op
+def st_ll(ptr, val, flag, *, loc=None, ip=None) -> None:
+    """``st.relaxed.sys.global.b64`` of ``{val (FP32, low half), flag (high half)}`` at ``ptr``
+    (an int64 element of a peer's LL area): payload and flag in one single-copy-atomic store."""
+    llvm.inline_asm(
+        None,
+        [
+            _ptr(ptr, loc, ip),
+            Float32(val).ir_value(loc=loc, ip=ip),
+            Int32(flag).ir_value(loc=loc, ip=ip),
+        ],
+        "{ .reg .b64 w; mov.b64 w, {$1, $2}; st.relaxed.sys.global.b64 [$0], w; }",
+        "l,f,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_ll(ptr, *, loc=None, ip=None) -> Int64:
+    """``ld.relaxed.sys.global.b64``: one LL word (payload low, flag high) the peer stores."""
+    v = llvm.inline_asm(
+        Int64.mlir_type,
+        [_ptr(ptr, loc, ip)],
+        "ld.relaxed.sys.global.b64 $0, [$1];",
+        "=l,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int64(v)
+
+
+@dsl_user_op
+def hi32(w, *, loc=None, ip=None) -> Int32:
+    """High half of a 64-bit word (an LL word's flag, the epoch word's arrival count). An
+    opaque instruction: the compiler neither hoists it nor the uses behind it, so a register
+    still in flight (an atomic's result) is waited for only here."""
+    v = llvm.inline_asm(
+        Int32.mlir_type,
+        [Int64(w).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 lo; mov.b64 {lo, $0}, $1; }",
+        "=r,l",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
+def lo32(w, *, loc=None, ip=None) -> Int32:
+    """Low half of a 64-bit word (the epoch word's epoch); opaque like :func:`hi32`."""
+    v = llvm.inline_asm(
+        Int32.mlir_type,
+        [Int64(w).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }",
+        "=r,l",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
+def ll_value(w, *, loc=None, ip=None) -> Float32:
+    """Low half of an LL word, as FP32."""
+    v = llvm.inline_asm(
+        Float32.mlir_type,
+        [Int64(w).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }",
+        "=f,l",
+        has_side_effects=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(v)
+
+
+@dsl_user_op
+def atom_add_u64(ptr, val, *, loc=None, ip=None) -> Int64:
+    """``atom.relaxed.gpu.global.add.u64``: the old 64-bit value."""
+    v = llvm.inline_asm(
+        Int64.mlir_type,
+        [_ptr(ptr, loc, ip), Int64(val).ir_value(loc=loc, ip=ip)],
+        "atom.relaxed.gpu.global.add.u64 $0, [$1], $2;",
+        "=l,l,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int64(v)
+
+
+@cute.jit
+def wait_ll(ptr, flag: Int32, err_ptr) -> Float32:
+    """Poll the LL word at ``ptr`` (this thread alone) until its flag is ``flag``; return its
+    payload. After ``SPIN_TIMEOUT_NS`` record ``flag`` in ``*err_ptr`` and return the payload
+    as it is (wrong, never a hang); once ``*err_ptr`` is set later waits return at once."""
+    w = ld_ll(ptr)
+    if hi32(w) != flag and cute.arch.load(err_ptr, Int32, sem="relaxed", scope="gpu") == 0:
+        t0 = global_timer_ns()
+        going = True
+        while going:
+            w = ld_ll(ptr)
+            if hi32(w) == flag:
+                going = False
+            elif global_timer_ns() - t0 > Int64(SPIN_TIMEOUT_NS):
+                cute.arch.store(err_ptr, flag)
+                going = False
+    return ll_value(w)
+
+
+@cute.jit
+def wait_local(flag_ptr, target: Int32, err_ptr) -> None:
+    """Spin (this thread) with ``ld.acquire.gpu`` until ``*flag_ptr == target`` (a flag another
+    CTA of this GPU raises with ``st.release.gpu``); timeout as :func:`wait_flag`."""
+    v = cute.arch.load(flag_ptr, Int32, sem="acquire", scope="gpu")
+    if v != target and cute.arch.load(err_ptr, Int32, sem="relaxed", scope="gpu") == 0:
+        t0 = global_timer_ns()
+        going = True
+        while going:
+            v = cute.arch.load(flag_ptr, Int32, sem="acquire", scope="gpu")
+            if v == target:
+                going = False
+            elif global_timer_ns() - t0 > Int64(SPIN_TIMEOUT_NS):
+                cute.arch.store(err_ptr, target)
+                going = False
+
+
+@cute.jit
+def epoch_arrive(mCtl: cute.Tensor) -> Int64:
+    """Thread 0 only: arrive on the launch's epoch word, ``ctl[0:2]`` read as one 64-bit word
+    (low half ``ctl[0]``, the epoch; high half ``ctl[1]``, the arrival counter), by one relaxed
+    64-bit atomic add of ``1 << 32``. The old word gives the epoch (:func:`lo32`) and this CTA's
+    arrival order (:func:`hi32`) consistently: no separate load, no fence. Nothing waits for
+    the atomic until those are used; pass the word to :func:`epoch_finish` at the end."""
+    return atom_add_u64(mCtl.iterator, Int64(1 << 32))
+
+
+@cute.jit
+def epoch_finish(mCtl: cute.Tensor, word, nctas: cutlass.Constexpr[int]) -> None:
+    """Thread 0, last thing of the CTA: the last arriver resets the counter and advances the
+    epoch (every CTA of the launch has arrived, hence read the epoch, before: one location's
+    read-modify-writes are totally ordered)."""
+    if hi32(word) == nctas - 1:
+        cute.arch.store(mCtl.iterator + 1, Int32(0), sem="relaxed", scope="gpu")
+        cute.arch.store(mCtl.iterator, lo32(word) + 1, sem="relaxed", scope="gpu")
+
+
 # -- host side ----------------------------------------------------------------------------------
 
 FLAG_SLOTS = 1024  # CTAs per launch at most
 PREFETCH_HEAD = 16  # bf16 elements of the prefetch address argument
 _PH: dict[str, torch.Tensor] = {}
 RECV_FLOATS = 64 * 16384  # FP32 per parity: 64 tokens x (7168 + 3584 + spare)
+DONE_OFF = 8  # ctl[8 + j]: the LL MoE back end's local "slice j reduced" flags
+CTL_WORDS = DONE_OFF + FLAG_SLOTS  # epoch, arrival counter, error word, spare x5, done flags
+PROTOS = ("flag", "ll")
+PROTO_ENV = "DECODESCOPE_TP2_PROTO"
+
+
+def proto_default() -> str:
+    """The fused reductions' protocol: ``$DECODESCOPE_TP2_PROTO`` (``flag``, the default, or
+    ``ll``)."""
+    v = os.environ.get(PROTO_ENV, "flag").strip().lower() or "flag"
+    if v not in PROTOS:
+        raise ValueError(f"comm: {PROTO_ENV}={v!r}: expected one of {', '.join(PROTOS)}")
+    return v
 
 
 @dataclass
@@ -218,8 +420,10 @@ class PeerWorkspace:
     """One rank's half of a fused reduction's buffers (see the module docstring).
 
     ``flags`` / ``recv``: this rank's symmetric allocation (the peer writes them);
-    ``peer_flags`` / ``peer_recv``: the peer's (this rank writes them); ``ctl`` int32 [4]:
-    epoch, arrival counter, error word, spare (local). ``recv`` is [2, RECV_FLOATS] FP32.
+    ``peer_flags`` / ``peer_recv``: the peer's (this rank writes them); ``ctl`` int32
+    [CTL_WORDS]: epoch, arrival counter, error word, spares, the LL MoE kernel's done flags.
+    ``recv`` is [2, RECV_FLOATS] FP32; ``ll`` / ``peer_ll`` the LL protocol's [2, RECV_FLOATS]
+    int64 words (payload + flag); ``red`` a local [RECV_FLOATS] FP32 area for reduced values.
     One workspace serves every fused kernel of the process (they run in one stream order)."""
 
     rank: int
@@ -230,6 +434,9 @@ class PeerWorkspace:
     peer_recv: torch.Tensor
     ctl: torch.Tensor
     handle: object = None
+    ll: torch.Tensor | None = None
+    peer_ll: torch.Tensor | None = None
+    red: torch.Tensor | None = None
 
     @classmethod
     def create(
@@ -251,7 +458,8 @@ class PeerWorkspace:
         dev = device or torch.device("cuda", torch.cuda.current_device())
         n_flag = -(-slots // 32) * 32  # int32 words, keeps recv 128-byte aligned
         n_recv = 2 * recv_floats
-        buf = symm.empty(n_flag + n_recv, dtype=torch.int32, device=dev)
+        n_ll = 2 * 2 * recv_floats  # int32 words of the [2, recv_floats] int64 LL area
+        buf = symm.empty(n_flag + n_recv + n_ll, dtype=torch.int32, device=dev)
         handle = symm.rendezvous(buf, group)
         buf.zero_()
         peer = 1 - rank
@@ -259,14 +467,16 @@ class PeerWorkspace:
         def views(r: int):
             f = handle.get_buffer(r, (slots,), torch.int32, 0)
             v = handle.get_buffer(r, (2, recv_floats), torch.float32, n_flag)
-            return f, v
+            ll = handle.get_buffer(r, (n_ll,), torch.int32, n_flag + n_recv)
+            return f, v, ll.view(torch.int64).view(2, recv_floats)
 
-        flags, recv = views(rank)
-        peer_flags, peer_recv = views(peer)
-        ctl = torch.zeros(4, dtype=torch.int32, device=dev)
+        flags, recv, ll = views(rank)
+        peer_flags, peer_recv, peer_ll = views(peer)
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=dev)
+        red = torch.zeros(recv_floats, dtype=torch.float32, device=dev)
         torch.cuda.synchronize(dev)
         dist.barrier(group=group)
-        return cls(rank, world, flags, recv, peer_flags, peer_recv, ctl, handle)
+        return cls(rank, world, flags, recv, peer_flags, peer_recv, ctl, handle, ll, peer_ll, red)
 
     def check(self) -> None:
         """Raise if a spin timed out (host sync)."""
@@ -286,6 +496,8 @@ class PeerWorkspace:
         dist.barrier(group=group)
         self.flags.zero_()
         self.recv.zero_()
+        if self.ll is not None:
+            self.ll.zero_()
         self.ctl.zero_()
         torch.cuda.synchronize()
         dist.barrier(group=group)
@@ -310,8 +522,12 @@ class PeerWorkspace:
         return flat[:PREFETCH_HEAD], nbytes // 2
 
     def args(self) -> tuple[torch.Tensor, ...]:
-        """The kernels' workspace arguments, in their order."""
+        """The flag-protocol kernels' workspace arguments, in their order."""
         return (self.flags, self.recv, self.peer_flags, self.peer_recv, self.ctl)
+
+    def args_ll(self) -> tuple[torch.Tensor, ...]:
+        """The LL-protocol kernels' workspace arguments, in their order."""
+        return (self.ll, self.peer_ll, self.red, self.ctl)
 
 
 def fake_workspace_args(slots: int = FLAG_SLOTS, recv_floats: int = RECV_FLOATS) -> tuple:
@@ -323,5 +539,15 @@ def fake_workspace_args(slots: int = FLAG_SLOTS, recv_floats: int = RECV_FLOATS)
         recv,
         itf.fake(torch.int32, (slots,)),
         itf.fake(torch.float32, (2, recv_floats)),
-        itf.fake(torch.int32, (4,)),
+        itf.fake(torch.int32, (CTL_WORDS,)),
+    )
+
+
+def fake_workspace_args_ll(recv_floats: int = RECV_FLOATS) -> tuple:
+    """Fake tensors of a workspace's LL arguments (ll, peer_ll, red, ctl) for compiling."""
+    return (
+        itf.fake(torch.int64, (2, recv_floats)),
+        itf.fake(torch.int64, (2, recv_floats)),
+        itf.fake(torch.float32, (recv_floats,)),
+        itf.fake(torch.int32, (CTL_WORDS,)),
     )

@@ -28,12 +28,12 @@ weights are loaded before the PDL wait and stay in registers through the exchang
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from decodescope.kernels.specialized import comm
 from decodescope.kernels.specialized import interface as itf
@@ -56,8 +56,11 @@ class MoeARPlan:
     prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = True
+    proto: str = field(default_factory=comm.proto_default)
 
     def __post_init__(self) -> None:
+        if self.proto not in comm.PROTOS:
+            raise ValueError(f"moe_allreduce: protocol {self.proto!r}, expected {comm.PROTOS}")
         if self.T * (self.L + self.H) > comm.RECV_FLOATS:
             raise ValueError(f"moe_allreduce: {self.T} tokens exceed the receive area")
 
@@ -212,17 +215,138 @@ class MoeAllReduce(UpProjSharedAdd):
         cute.arch.barrier()
 
 
+class MoeAllReduceLL(UpProjSharedAdd):
+    """The MoE back end over the LL protocol (:mod:`.comm`), in two phases, on the single-GPU
+    kernel's full grid (no persistent loop, no wait for every peer CTA):
+
+    1. Thread 0 arrives on the epoch word: epoch ``e`` and this CTA's arrival order ``k``.
+       The first ``P = min(grid, SMs)`` CTAs to arrive (``k < P``: they are running, so they
+       cannot be starved by CTAs waiting in phase 2) each own slice ``k`` of the flat exchange
+       vector ``[A (T x L); S (T x H)]``: they store it into the peer's ``ll[e % 2]`` as words
+       ``{value, e + 1}``, poll their own ``ll[e % 2]`` for the peer's same slice, write
+       ``own + peer`` (FP32) into the local ``red`` area, ``bar.sync`` and raise the local flag
+       ``ctl[DONE_OFF + k] = e + 1`` (``st.release.gpu``).
+    2. Every CTA waits (``ld.acquire.gpu``, one thread per flag) for the ``P`` local flags, then
+       runs :class:`.up_proj_shared_add.UpProjSharedAdd`'s token tiles on ``red`` (the reduced
+       ``A`` and ``S``): the single-GPU kernel's body, bit for bit the same math.
+
+    Deadlock-free at any residency: phase 1 waits only on the peer's phase-1 CTAs (running,
+    they store before they wait); phase 2 waits only on phase-1 CTAs of this rank (running).
+    ``red`` needs no parity: the next launch writes it only after this one completed."""
+
+    def __init__(self, plan: MoeARPlan):
+        super().__init__(plan.T, plan.L, plan.H, plan.eps, pdl=plan.pdl)
+        self.q = plan
+        self.P = min(self.grid, plan.sms, comm.FLAG_SLOTS)
+        self.total = plan.T * (plan.L + plan.H)
+        self.share = -(-self.total // self.P)
+
+    @cute.jit
+    def __call__(self, mAcc, mGamma, mW, mShared, mOut, mPre, nPre: Int32, mLL, mPeerLL, mRed,
+                 mCtl, stream):  # fmt: skip
+        self.kernel_ll(mAcc, mGamma, mW, mShared, mOut, mPre, nPre, mLL, mPeerLL, mRed,
+                       mCtl).launch(grid=[self.grid, 1, 1], block=[self.NW * 32, 1, 1],
+                                    stream=stream, use_pdl=self.pdl)  # fmt: skip
+
+    @cute.kernel
+    def kernel_ll(self, mAcc, mGamma, mW, mShared, mOut, mPre, nPre, mLL, mPeerLL, mRed, mCtl):
+        T, L, H, TT = self.T, self.L, self.H, self.TT
+        NT = self.NW * 32
+        TL = T * L
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        half = mLL.shape[1]
+
+        smem = cutlass.memory.SmemAllocator()
+        sX = smem.allocate_tensor(
+            BFloat16, cute.make_ordered_layout((TT, L), order=(1, 0)), byte_alignment=16
+        )
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout(8), byte_alignment=16)
+        sEp = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+
+        gWv = cute.zipped_divide(mW, (1, VEC))
+        grp = lane // self.LPR
+        li = lane % self.LPR
+        row0 = bid * self.rows_per_cta + (warp * self.G + grp) * self.R
+        # this CTA's weight chunks first (registers): they stream in during the exchange
+        ws = load_rows(gWv, cutlass.min(row0, H - self.R), 1, li, self.R, self.LPR, self.NCH)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        word = Int64(0)
+        if tid == 0:
+            word = comm.epoch_arrive(mCtl)
+            sEp[0] = comm.lo32(word)
+            sEp[1] = comm.hi32(word)
+        cute.arch.barrier()
+        e = sEp[0]
+        k = sEp[1]
+        base = (e % 2) * half
+        flatA = cute.make_tensor(mAcc.iterator, cute.make_layout(TL))
+        flatS = cute.make_tensor(mShared.iterator, cute.make_layout(T * H))
+        # 1: slice k of [A; S]: to the peer, then own + peer into red
+        if k < self.P:
+            i0 = k * self.share
+            for i in cutlass.range(tid, self.share, NT, unroll=1):
+                idx = i0 + i
+                if idx < self.total:
+                    v = Float32(0.0)
+                    if idx < TL:  # noqa: SIM108 (a dynamic branch: no Python ternary)
+                        v = flatA[idx]
+                    else:
+                        v = flatS[idx - TL]
+                    comm.st_ll(mPeerLL.iterator + base + idx, v, e + 1)
+            if const_expr(self.q.prefetch):
+                comm.prefetch_range(mPre, nPre, k, self.P, NT)
+            for i in cutlass.range(tid, self.share, NT, unroll=1):
+                idx = i0 + i
+                if idx < self.total:
+                    v = Float32(0.0)
+                    if idx < TL:  # noqa: SIM108 (a dynamic branch: no Python ternary)
+                        v = flatA[idx]
+                    else:
+                        v = flatS[idx - TL]
+                    peer = comm.wait_ll(mLL.iterator + base + idx, e + 1, mCtl.iterator + 2)
+                    mRed[idx] = v + peer
+            cute.arch.barrier()
+            if tid == 0:
+                cute.arch.store(mCtl.iterator + comm.DONE_OFF + k, e + 1, sem="release",
+                                scope="gpu")  # fmt: skip
+        # 2: every slice reduced on this rank, then the single-GPU kernel's body on red
+        for j in cutlass.range(tid, self.P, NT, unroll=1):
+            comm.wait_local(mCtl.iterator + comm.DONE_OFF + j, e + 1, mCtl.iterator + 2)
+        cute.arch.barrier()
+        redA = cute.make_tensor(mRed.iterator, cute.make_ordered_layout((T, L), order=(1, 0)))
+        redS = cute.make_tensor(mRed.iterator + TL, cute.make_ordered_layout((T, H), order=(1, 0)))
+        gAv = cute.zipped_divide(redA, (1, VEC))
+        gGv = cute.zipped_divide(
+            cute.make_tensor(mGamma.iterator, cute.make_layout((1, L))), (1, VEC)
+        )
+        sXv = cute.zipped_divide(sX, (1, VEC))
+        acc = cute.make_rmem_tensor((self.R, TT), Float32)
+        for t0 in cutlass.range(0, (T // TT) * TT, TT, unroll=1):
+            self._token_tile(ws, gAv, gGv, sXv, sRstd, redS, mOut, acc, t0, row0, li, TT)
+        if const_expr(T % TT):
+            self._token_tile(ws, gAv, gGv, sXv, sRstd, redS, mOut, acc, T - T % TT, row0, li,
+                             T % TT)  # fmt: skip
+        if tid == 0:
+            comm.epoch_finish(mCtl, word, self.grid)
+
+
 # -- torch-facing --------------------------------------------------------------------------
 
 
 def _build(plan: MoeARPlan):
-    op = MoeAllReduce(plan)
+    ll = plan.proto == "ll"
+    op = MoeAllReduceLL(plan) if ll else MoeAllReduce(plan)
     T, L, H = plan.T, plan.L, plan.H
     args = (
         *fake_back_args(T, L, H),
         itf.fake(torch.bfloat16, (comm.PREFETCH_HEAD,)),
         Int32(0),
-        *comm.fake_workspace_args(),
+        *(comm.fake_workspace_args_ll() if ll else comm.fake_workspace_args()),
         itf.env_stream(),
     )
     return op, args
@@ -241,12 +365,16 @@ def moe_allreduce(
     out: torch.Tensor,
     eps: float,
     prefetch: torch.Tensor | None = None,
+    proto: str | None = None,
 ) -> None:
-    """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``)."""
+    """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``).
+    ``proto``: ``flag`` or ``ll`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``, else flag."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, acc.device)
-    plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled())
-    compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, head, npre, *ws.args())
+    proto = proto or comm.proto_default()
+    plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled(), proto)
+    wsa = ws.args_ll() if proto == "ll" else ws.args()
+    compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, head, npre, *wsa)
 
 
 def moe_allreduce_ref(accs, latent_norm, latent_up, shareds, eps: float) -> torch.Tensor:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, Int64  # noqa: E402
 
 from decodescope.kernels.specialized import comm
 from decodescope.kernels.specialized import interface as itf
@@ -58,8 +58,11 @@ class OProjARPlan:
     prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = field(default_factory=pdl_enabled)
+    proto: str = field(default_factory=comm.proto_default)
 
     def __post_init__(self) -> None:
+        if self.proto not in comm.PROTOS:
+            raise ValueError(f"oproj_allreduce: protocol {self.proto!r}, expected {comm.PROTOS}")
         if self.m * self.n > comm.RECV_FLOATS:
             raise ValueError(f"oproj_allreduce: {self.m} x {self.n} FP32 exceeds the receive area")
 
@@ -190,9 +193,9 @@ class OProjAllReduce(SkinnyGemm):
                                 mOut[m, n] = val.to(BFloat16)
 
     @cute.jit
-    def partial_tile(self, mX, mW, sRed, sOwn, mPeerP, u, i, ntiles, warp, lane):
-        """Row tiles ``u * rt ..`` of the GEMM (skinny_gemm's main loop); the FP32 sums go to
-        ``sOwn[i]`` (index ``rq * 16 * mp + m * 16 + r``) and to the peer's [M, N] area."""
+    def _mainloop(self, mX, mW, u, ntiles, lane, warp):
+        """skinny_gemm's main loop over row tiles ``u * rt ..``: this warp's K-slice
+        accumulators."""
         p = self.p
         rt = p.rt
         g = lane // 4
@@ -213,7 +216,17 @@ class OProjAllReduce(SkinnyGemm):
                 lambda v, it=it: (chunk0 + it * uu + v) * KCHUNK + c * 8,
                 lambda k0: self.b_tiles(mX, mX, None, None, g, k0, False),
             )  # fmt: skip
+        return accs
 
+    @cute.jit
+    def partial_tile(self, mX, mW, sRed, sOwn, mPeerP, u, i, ntiles, warp, lane):
+        """Row tiles ``u * rt ..`` of the GEMM (skinny_gemm's main loop); the FP32 sums go to
+        ``sOwn[i]`` (index ``rq * 16 * mp + m * 16 + r``) and to the peer's [M, N] area."""
+        p = self.p
+        rt = p.rt
+        g = lane // 4
+        c = lane % 4
+        accs = self._mainloop(mX, mW, u, ntiles, lane, warp)
         tidx, _, _ = cute.arch.thread_idx()
         mp = p.ntiles * 8
         total = ROWS * p.m
@@ -236,12 +249,153 @@ class OProjAllReduce(SkinnyGemm):
             cute.arch.sync_threads()
 
 
+class OProjAllReduceLL(OProjAllReduce):
+    """The same kernel over the LL protocol (:mod:`.comm`): each CTA stores its FP32 partial
+    into the peer's ``ll[e % 2]`` as [M, N] words of ``{partial, e + 1}`` right after its own
+    row tiles are done (no flag, no system fence, no grid-wide step), and every thread polls
+    the words of the values it sums. The epoch is taken without blocking the main loop
+    (thread 0's load and arrival are consumed after it)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mR: cute.Tensor,
+        mOut: cute.Tensor,
+        mPre: cute.Tensor,
+        nPre: Int32,
+        mLL: cute.Tensor,  # [2, RECV_FLOATS] int64: this rank's LL words (the peer writes)
+        mPeerLL: cute.Tensor,  # the peer's (this rank writes)
+        mRed: cute.Tensor,  # unused here (the MoE back end's reduced area)
+        mCtl: cute.Tensor,
+        stream,
+    ):
+        p, q = self.p, self.q
+        mp = p.ntiles * 8
+
+        @cute.struct
+        class Smem:
+            ep: cute.struct.MemRange[Int32, 4]
+            own: cute.struct.Align[cute.struct.MemRange[Float32, q.upc * p.rt * ROWS * mp], 16]
+            red: cute.struct.Align[cute.struct.MemRange[Float32, p.ks * ROWS * mp], 16]
+
+        self.smem_cls = Smem
+        self.kernel_ll(mX, mW, mR, mOut, mPre, nPre, mLL, mPeerLL, mCtl).launch(
+            grid=[q.grid, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel_ll(self, mX, mW, mR, mOut, mPre, nPre, mLL, mPeerLL, mCtl):
+        p, q = self.p, self.q
+        mp = p.ntiles * 8
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        ntiles = q.n // ROWS
+        tile_floats = p.rt * ROWS * mp
+        half = mLL.shape[1]
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sEp = st.ep.get_tensor(cute.make_layout(4))
+        sOwn = st.own.get_tensor(cute.make_layout((q.upc, tile_floats), stride=(tile_floats, 1)))
+        sRed = st.red.get_tensor(cute.make_layout((p.ks, ROWS, mp), stride=(ROWS * mp, mp, 1)))
+
+        if cutlass.const_expr(p.pdl):
+            self.prefetch_weights(mW, bidx, ntiles, warp, lane)
+            pdl_begin()
+        word = Int64(0)  # thread 0: the epoch word before its arrival (comm.epoch_arrive)
+        if tidx == 0:
+            word = comm.epoch_arrive(mCtl)
+
+        # each unit: partial -> sOwn and the peer's LL words, as soon as it is done
+        for i in cutlass.range_constexpr(q.upc):
+            u = bidx + i * q.grid
+            if u < q.units:
+                self.partial_tile_ll(mX, mW, sRed, sOwn, sEp, word, mPeerLL, half, u, i, ntiles,
+                                     warp, lane)  # fmt: skip
+        if tidx == 0:
+            sEp[0] = comm.lo32(word)  # (also written inside; a CTA without units needs it)
+        cute.arch.sync_threads()
+        e = sEp[0]
+        base = (e % 2) * half
+        if cutlass.const_expr(q.prefetch):
+            comm.prefetch_range(mPre, nPre, bidx, q.grid, self.threads)
+        total = ROWS * p.m
+        for i in cutlass.range_constexpr(q.upc):
+            u = bidx + i * q.grid
+            if u < q.units:
+                for rq in cutlass.range_constexpr(p.rt):
+                    t = u * p.rt + rq
+                    if t < ntiles:
+                        for j in cutlass.range_constexpr(
+                            (total + self.threads - 1) // self.threads
+                        ):
+                            idx = tidx + j * self.threads
+                            if idx < total:
+                                r = idx % ROWS
+                                m = idx // ROWS
+                                n = t * ROWS + r
+                                peer = comm.wait_ll(mLL.iterator + base + m * q.n + n, e + 1,
+                                                    mCtl.iterator + 2)  # fmt: skip
+                                val = sOwn[i, rq * ROWS * mp + idx] + peer
+                                val = val.to(BFloat16).to(Float32) + mR[m, n].to(Float32)
+                                mOut[m, n] = val.to(BFloat16)
+        if tidx == 0:
+            comm.epoch_finish(mCtl, word, q.grid)
+
+    @cute.jit
+    def partial_tile_ll(self, mX, mW, sRed, sOwn, sEp, word, mPeerLL, half, u, i, ntiles, warp,
+                        lane):  # fmt: skip
+        """:meth:`partial_tile` with the peer copy as LL words ``{value, e + 1}``; thread 0
+        publishes the epoch (low half of ``word``) in ``sEp[0]`` at the first barrier, after the
+        main loop: the arrival atomic is waited for there, not before."""
+        p = self.p
+        rt = p.rt
+        g = lane // 4
+        c = lane % 4
+        accs = self._mainloop(mX, mW, u, ntiles, lane, warp)
+        tidx, _, _ = cute.arch.thread_idx()
+        mp = p.ntiles * 8
+        total = ROWS * p.m
+        for rq in cutlass.range_constexpr(rt):
+            for j in cutlass.range_constexpr(p.ntiles):
+                mc.stash_acc(sRed, warp, g, c, j, accs[rq * p.ntiles + j])
+            if tidx == 0:
+                sEp[0] = comm.lo32(word)
+            cute.arch.sync_threads()
+            e = sEp[0]
+            base = (e % 2) * half
+            t = u * rt + rq
+            if t < ntiles:
+                for jj in cutlass.range_constexpr((total + self.threads - 1) // self.threads):
+                    idx = tidx + jj * self.threads
+                    if idx < total:
+                        r = idx % ROWS
+                        m = idx // ROWS
+                        val = Float32(0.0)
+                        for w in cutlass.range_constexpr(p.ks):
+                            val = val + sRed[w, r, m]
+                        sOwn[i, rq * ROWS * mp + idx] = val
+                        comm.st_ll(mPeerLL.iterator + base + m * self.q.n + t * ROWS + r, val,
+                                   e + 1)  # fmt: skip
+            cute.arch.sync_threads()
+
+
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def plan_for(cfg, kind: str, m: int, prefetch: bool = True, sms: int = H200_SMS) -> OProjARPlan:
+def plan_for(cfg, kind: str, m: int, prefetch: bool = True, sms: int = H200_SMS,
+             proto: str | None = None) -> OProjARPlan:  # fmt: skip
     k = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
-    return OProjARPlan(m=m, k=k, n=cfg.hidden, prefetch=prefetch, sms=sms)
+    return OProjARPlan(m=m, k=k, n=cfg.hidden, prefetch=prefetch, sms=sms,
+                       proto=proto or comm.proto_default())  # fmt: skip
 
 
 def _fake_args(plan: OProjARPlan):
@@ -254,14 +408,18 @@ def _fake_args(plan: OProjARPlan):
         itf.fake(bf, (M, N)),
         itf.fake(bf, (comm.PREFETCH_HEAD,)),
         Int32(0),
-        *comm.fake_workspace_args(),
+        *(comm.fake_workspace_args_ll() if plan.proto == "ll" else comm.fake_workspace_args()),
         itf.env_stream(),
     )
 
 
+def _op(plan: OProjARPlan) -> OProjAllReduce:
+    return OProjAllReduceLL(plan) if plan.proto == "ll" else OProjAllReduce(plan)
+
+
 def compile_plan(plan: OProjARPlan):
     """Compile (cached) the kernel of ``plan``; works without a GPU."""
-    return itf.compiled(("oproj_allreduce", plan), lambda: (OProjAllReduce(plan), _fake_args(plan)))
+    return itf.compiled(("oproj_allreduce", plan), lambda: (_op(plan), _fake_args(plan)))
 
 
 def device_sms(device) -> int:
@@ -279,8 +437,10 @@ def oproj_allreduce(
     r: torch.Tensor,
     r_out: torch.Tensor,
     prefetch: torch.Tensor | None = None,
+    proto: str | None = None,
 ) -> None:
     """``r_out = bf16(allreduce(o @ w_o^T)) + r`` over the two ranks of ``ws`` (one launch).
+    ``proto``: ``flag`` or ``ll`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``, else flag.
     ``r_out`` may alias ``r``. ``prefetch``: the next op's weights (any contiguous bf16 tensor;
     its first bytes, up to its size, are pulled into L2 while the peer's tile travels).
     Call it on both ranks, in the same order as every other kernel of ``ws``."""
@@ -291,8 +451,9 @@ def oproj_allreduce(
     itf.check(r, "r", (M, N), torch.bfloat16)
     itf.check(r_out, "r_out", (M, N), torch.bfloat16)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, o.device)
-    fn = compile_plan(OProjARPlan(m=M, k=K, n=N, sms=device_sms(o.device)))
-    fn(o, w_o, r, r_out, head, npre, *ws.args())
+    plan = OProjARPlan(m=M, k=K, n=N, sms=device_sms(o.device), proto=proto or comm.proto_default())
+    fn = compile_plan(plan)
+    fn(o, w_o, r, r_out, head, npre, *(ws.args_ll() if plan.proto == "ll" else ws.args()))
 
 
 def oproj_allreduce_ref(os_: list[torch.Tensor], ws_: list[torch.Tensor], r: torch.Tensor):
