@@ -1,7 +1,7 @@
 """The tiled cp.async GEMM (:mod:`.tile_gemm`, issue #5) on the H200: checks, then timings.
 
-    python scripts/gpu_tile_gemm.py --out $OUT/tile [--tp 8] [--ms 8 32 64]
-        [--gemms in_proj qkv_a_g q_b o_proj] [--replays 30] [--no-timing] [--budget 170]
+    python scripts/gpu_tile_gemm.py --out $OUT/tile [--tp 8] [--ms 1 8 32 64]
+        [--gemms in_proj qkv_a_g q_b o_proj] [--replays 30] [--no-timing] [--budget 200]
 
 One child process per GEMM (a hang or CUDA error loses that GEMM only; children compile and
 check at the same time, then take turns on a lock for their timings). Per GEMM:
@@ -254,11 +254,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/tile_gemm")
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--ms", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--gemms", nargs="+", default=list(GEMMS), choices=GEMMS)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-timing", action="store_true")
-    ap.add_argument("--budget", type=float, default=170, help="seconds for all children")
+    ap.add_argument("--budget", type=float, default=200, help="seconds for all children")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
