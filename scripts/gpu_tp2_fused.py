@@ -32,7 +32,10 @@ epilogue, no communication); single-GPU ``oproj_residual`` (the single-GPU path'
 below 8 tokens, split-K from 8); cuBLAS o_proj + NCCL all_reduce + residual add; NCCL
 all_reduce alone; ``comm`` = fused - same_gemm (the target: <= 6 us at batch 1);
 ``vs_single_gpu_path`` = fused - single-GPU. MoE: fused vs ``up_proj_shared_add`` and vs 2 NCCL all_reduces +
-``up_proj_shared_add``.
+``up_proj_shared_add``. One timing row per ``--protos`` entry (the baselines shared).
+``comm_aligned`` (unless ``--no-align``): the same difference between two graphs that both
+start with a one-float NCCL all_reduce, which lines the GPUs up, so the hosts' launch skew
+(which the barrier leaves and which ``comm`` contains, divided by ``--copies``) drops out.
 
 One failing piece is recorded and the run goes on (a spin timeout resets the workspace on both
 ranks). ``results.json`` is rewritten after every piece; the table is printed last (rank 0).
@@ -319,11 +322,22 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
 # -- timing ------------------------------------------------------------------------------------
 
 
-def graph_us(fns: list, replays: int) -> float:
+_TINY: list = []
+
+
+def graph_us(fns: list, replays: int, align: bool = False) -> float:
     """Median us per element of ``fns`` (one graph of all, replayed); ranks aligned by a barrier
-    before each replay; the larger of the two ranks' medians."""
+    before each replay; the larger of the two ranks' medians. ``align``: the graph starts with
+    an NCCL all_reduce of one float, which lines the two GPUs up (the hosts' launch skew, which
+    the barrier leaves, is absorbed there); its time is in the figure (divided like the rest),
+    so only differences of two aligned figures mean anything (``comm_aligned``)."""
+
+    if align and not _TINY:
+        _TINY.append(torch.zeros(1, device=DEV))
 
     def all_fns():
+        if align:
+            dist.all_reduce(_TINY[0])
         for f in fns:
             f()
 
@@ -370,10 +384,17 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
     from decodescope.kernels.specialized import skinny_gemm as sg
 
     rt = oa.OProjARPlan(m=M, k=K, n=N).gemm.rt
-    res["same_gemm_us"] = graph_us(
-        [lambda w=w: sg.skinny_gemm(o, [w], [out], epilogue_residual=r, rt=rt) for w in ws_],
-        a.replays,
-    )
+    same = [lambda w=w: sg.skinny_gemm(o, [w], [out], epilogue_residual=r, rt=rt) for w in ws_]
+    res["same_gemm_us"] = graph_us(same, a.replays)
+    aligned = {}
+    if a.align:
+        aligned["same"] = graph_us(same, a.replays, align=True)
+        for p in a.protos:
+            aligned[p] = graph_us(
+                [lambda w=w, p=p: oa.oproj_allreduce(ws, o, w, r, out, proto=p) for w in ws_],
+                a.replays,
+                align=True,
+            )
     res["single_gpu_us"] = graph_us([lambda d=d: opr.oproj_residual(cfg, d, o, r, out) for d in wdict],
                                     a.replays)  # fmt: skip
 
@@ -392,6 +413,8 @@ def oproj_timing(oa, opr, cfg, ws, K: int, N: int, M: int, ctx: dict, a) -> None
         row = {"fused_us": f, **res}
         row["comm_us"] = f - res["same_gemm_us"]  # the fused kernel's GEMM, no comm
         row["vs_single_gpu_path_us"] = f - res["single_gpu_us"]
+        if aligned:  # both graphs start with the aligning all_reduce: its cost cancels
+            row["comm_aligned_us"] = aligned[p] - aligned["same"]
         record(timing="oproj", **ctx, proto=p, **{k: round(v, 2) for k, v in row.items()},
                status=_target(M, row["comm_us"]))  # fmt: skip
 
@@ -415,8 +438,15 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
         )  # fmt: skip
         for p in a.protos
     }
-    res["single_gpu_us"] = graph_us([lambda w=w: up.up_proj_shared_add(acc, gam, w, sh, out, eps) for w in wus],
-                                    a.replays)  # fmt: skip
+    single = [lambda w=w: up.up_proj_shared_add(acc, gam, w, sh, out, eps) for w in wus]
+    res["single_gpu_us"] = graph_us(single, a.replays)
+    aligned = {}
+    if a.align:
+        aligned["single"] = graph_us(single, a.replays, align=True)
+        for p in a.protos:
+            aligned[p] = graph_us(
+                [lambda w=w, p=p: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps, proto=p)
+                 for w in wus], a.replays, align=True)  # fmt: skip
 
     acc2, sh2 = acc.clone(), sh.clone()  # the standard path reduces in place: its own buffers
 
@@ -428,6 +458,8 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a) -> None:
     res["standard_us"] = graph_us([lambda w=w: std(w) for w in wus], a.replays)
     for p, f in fused.items():
         row = {"fused_us": f, **res, "comm_us": f - res["single_gpu_us"]}
+        if aligned:
+            row["comm_aligned_us"] = aligned[p] - aligned["single"]
         record(timing="moe_back", **ctx, proto=p, **{k: round(v, 2) for k, v in row.items()},
                status=_target(T, row["comm_us"]))  # fmt: skip
 
@@ -502,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=270.0)
     ap.add_argument("--protos", nargs="+", default=["flag", "ll"], choices=["flag", "ll"])
+    ap.add_argument(
+        "--no-align",
+        dest="align",
+        action="store_false",
+        help="skip the comm_aligned rows (graphs started by a one-float all_reduce)",
+    )
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="CPU + gloo, kernels emulated (CI)")
