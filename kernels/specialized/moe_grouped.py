@@ -43,6 +43,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.moe_common import situ
+from decodescope.kernels.specialized.moe_experts import num_sms
 from decodescope.kernels.specialized.router_topk import pdl_enabled, select_topk
 
 ROWS = 16  # MMA M
@@ -50,6 +51,7 @@ KCH = 32  # k per chunk: two m16n8k16 steps
 W2_WARPS = 4  # warps per w2 CTA, each on its own row tiles
 W2_RT = 2  # row tiles per w2 warp
 W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
+CTAS_PER_SM = 16  # cap of the w13 / w2 grids: past it, CTAs loop over the (slot, tile) items
 W13_MODES = ("w8", "w4")  # GroupedW13 tilings (see its __init__)
 
 
@@ -186,7 +188,7 @@ class GroupedRoute:
 class GroupedW13:
     """Kernel 2: gate/up of each selected expert for its tokens, SiTU, ``h`` by pair."""
 
-    def __init__(self, T, E, K, L, Ie, beta, lbeta, pdl=True, mode: str = "w4"):
+    def __init__(self, T, E, K, L, Ie, beta, lbeta, pdl=True, mode: str = "w4", nsm: int = 132):
         if L % KCH or E % 8:
             raise ValueError(f"moe_grouped: latent {L} must be a multiple of {KCH}")
         if Ie % ROWS:
@@ -214,7 +216,7 @@ class GroupedW13:
             self.min_blocks = 0
         self.NRT = Ie // ROWS
         self.slots = n_slots(T, E, K)
-        self.grid = self.slots * self.NRT
+        self.grid = min(self.slots * self.NRT, CTAS_PER_SM * nsm)
 
     @cute.jit
     def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, stream):
@@ -246,18 +248,18 @@ class GroupedW13:
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        a = bid // self.NRT
-        rt = bid % self.NRT
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        chunk0 = warp * self.CPW
         nact = mNact[0]
-        if a < nact:
+        for item in cutlass.range(bid, nact * self.NRT, self.grid):  # (slot, row tile) items
+            a = item // self.NRT
+            rt = item % self.NRT
             e = mSlotE[a]
             off = mSlotOff[a]
             n = mSlotN[a]
             mW = _expert_mat(mW13, e, 2 * Ie, L)
             rows = [rt * ROWS + g, Ie + rt * ROWS + g]
-            atom = mc.mma_atom()
-            fa, fb = mc.fragments()
-            chunk0 = warp * self.CPW
             for ps in cutlass.range((n + 7) // 8):
                 tok = mPairs[off + cutlass.min(ps * 8 + g, n - 1)] // K
                 accs = mc.zero_accs(2)
@@ -290,7 +292,7 @@ class GroupedW13:
 class GroupedW2:
     """Kernel 3: w2 of each selected expert, weighted FP32 atomics into ``acc``; shared down."""
 
-    def __init__(self, T, E, K, L, Ie, H, S, pdl=True):
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132):
         for name, v in (("latent", L), ("hidden", H)):
             if v % ROWS:
                 raise ValueError(f"moe_grouped: {name} {v} must be a multiple of {ROWS}")
@@ -306,7 +308,8 @@ class GroupedW2:
         self.CE = -(-L // W2_ROWS)  # CTAs per expert
         self.CS = -(-H // W2_ROWS)  # shared-expert CTAs
         self.slots = n_slots(T, E, K)
-        self.grid = self.slots * self.CE + self.CS
+        self.nr = min(self.slots * self.CE, CTAS_PER_SM * nsm)  # routed CTAs
+        self.grid = self.nr + self.CS
 
     @cute.jit
     def __call__(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff,
@@ -332,19 +335,19 @@ class GroupedW2:
             cute.arch.griddepcontrol_launch_dependents()
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
-        nr = self.slots * self.CE
+        nr = self.nr
         if bid < nr:
-            a = bid // self.CE
-            cb = bid % self.CE
+            U = self.U2
             nact = mNact[0]
-            if a < nact:
+            for item in cutlass.range(bid, nact * self.CE, nr):  # (slot, 128-row block) items
+                a = item // self.CE
+                cb = item % self.CE
                 e = mSlotE[a]
                 off = mSlotOff[a]
                 n = mSlotN[a]
                 mW = _expert_mat(mW2, e, L, Ie)
                 tiles = [(cb * W2_WARPS + warp) * W2_RT + q for q in range(W2_RT)]
                 rows = [cutlass.min(t, self.ntL - 1) * ROWS + g for t in tiles]
-                U = self.U2
                 for ps in cutlass.range((n + 7) // 8):
                     prow = mPairs[off + cutlass.min(ps * 8 + g, n - 1)]
                     accs = mc.zero_accs(W2_RT)
@@ -428,8 +431,8 @@ def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl):
     return op, args
 
 
-def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4"):
-    op = GroupedW13(T, E, K, L, Ie, beta, lbeta, pdl, mode)
+def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
+    op = GroupedW13(T, E, K, L, Ie, beta, lbeta, pdl, mode, nsm)
     i32 = torch.int32
     sl = op.slots
     args = (
@@ -446,8 +449,8 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4"):
     return op, args
 
 
-def _build_w2(T, E, K, L, Ie, H, S, pdl):
-    op = GroupedW2(T, E, K, L, Ie, H, S, pdl)
+def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132):
+    op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm)
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
     sl = op.slots
     args = (
@@ -534,16 +537,19 @@ def moe_grouped(
     itf.check(bufs.hs, "grouped hs", (T, S), torch.bfloat16)
     pdl = pdl_enabled()
     mode = w13_mode()
+    nsm = num_sms(y_front.device)
     dims = (T, E, K, L, Ie, H, S)
     r = itf.compiled(
         ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl),
         lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl),
     )
     w13k = itf.compiled(
-        ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode),
-        lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode),
+        ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm),
+        lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm),
     )
-    w2k = itf.compiled(("moe_grouped_w2", *dims, pdl), lambda: _build_w2(T, E, K, L, Ie, H, S, pdl))
+    w2k = itf.compiled(
+        ("moe_grouped_w2", *dims, pdl, nsm), lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm)
+    )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
     r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs)
