@@ -8,7 +8,8 @@
    ahead, launches of different grids and address mappings sharing the LL area and the epoch,
    the MoE back end's two phases with fewer CTAs resident than its grid: every polled word is
    the peer's of the same launch, no word is overwritten before it is read, no deadlock.
-3. The protocol switch: ``DECODESCOPE_TP2_PROTO`` (default ``flag``), one-line error otherwise.
+3. The protocol switch: ``DECODESCOPE_TP2_PROTO`` (``flag``, the default, ``ll``, ``auto``),
+   one-line error otherwise.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ def test_proto_switch(monkeypatch):
         comm.proto_default()
     with pytest.raises(ValueError, match="protocol"):
         oa.OProjARPlan(m=1, k=1536, n=7168, proto="x")
+    # auto: LL for the MoE back end and for o_proj up to AUTO_LL_MAX_M tokens
+    monkeypatch.setenv(comm.PROTO_ENV, "auto")
+    cfg = get_config("kimi-k3", 8)
+    assert oa.plan_for(cfg, "kda", comm.AUTO_LL_MAX_M).proto == "ll"
+    assert oa.plan_for(cfg, "kda", comm.AUTO_LL_MAX_M + 1).proto == "flag"
+    assert ma.MoeARPlan(64, cfg.expert_dim, cfg.hidden, cfg.eps).proto == "ll"
+    assert ma.MoeARPlan(64, cfg.expert_dim, cfg.hidden, cfg.eps, proto="flag").proto == "flag"
 
 
 # -- the LL protocol, simulated -------------------------------------------------------------

@@ -56,8 +56,9 @@ Why it is safe (A and B the two ranks; the same argument holds with the names sw
 The kernels must run on both ranks in the same order, each launch exactly once per rank
 (a kernel run on one rank alone hangs its CTAs until the timeout).
 
-The LL protocol (``DECODESCOPE_TP2_PROTO=ll``; the flag protocol above stays the default until
-the H200 run shows LL correct and faster). Every 8-byte store to the peer carries 4 bytes of
+The LL protocol (``DECODESCOPE_TP2_PROTO=ll``, or ``auto``: LL for the MoE back end and for
+o_proj up to ``AUTO_LL_MAX_M`` tokens; the flag protocol above stays the default until the H200
+run shows LL correct and faster). Every 8-byte store to the peer carries 4 bytes of
 payload (an FP32 partial) and 4 bytes of flag (``e + 1``) in one ``st.relaxed.sys.global.b64``
 (single-copy atomic: an aligned 64-bit scalar access); the receiver polls the word itself with
 ``ld.relaxed.sys.global.b64`` until its high half equals ``e + 1`` and takes the low half. No
@@ -402,17 +403,30 @@ _PH: dict[str, torch.Tensor] = {}
 RECV_FLOATS = 64 * 16384  # FP32 per parity: 64 tokens x (7168 + 3584 + spare)
 DONE_OFF = 8  # ctl[8 + j]: the LL MoE back end's local "slice j reduced" flags
 CTL_WORDS = DONE_OFF + FLAG_SLOTS  # epoch, arrival counter, error word, spare x5, done flags
-PROTOS = ("flag", "ll")
+PROTOS = ("flag", "ll")  # the kernels' protocols
+PROTO_CHOICES = (*PROTOS, "auto")  # auto: ll for the MoE back end and o_proj up to AUTO_LL_MAX_M
+AUTO_LL_MAX_M = 16  # tokens; above, LL's 8-byte words (half payload) double o_proj's NVLink bytes
 PROTO_ENV = "DECODESCOPE_TP2_PROTO"
 
 
 def proto_default() -> str:
-    """The fused reductions' protocol: ``$DECODESCOPE_TP2_PROTO`` (``flag``, the default, or
-    ``ll``)."""
+    """The fused reductions' protocol: ``$DECODESCOPE_TP2_PROTO`` (``flag``, the default,
+    ``ll`` or ``auto``)."""
     v = os.environ.get(PROTO_ENV, "flag").strip().lower() or "flag"
-    if v not in PROTOS:
-        raise ValueError(f"comm: {PROTO_ENV}={v!r}: expected one of {', '.join(PROTOS)}")
+    if v not in PROTO_CHOICES:
+        raise ValueError(f"comm: {PROTO_ENV}={v!r}: expected one of {', '.join(PROTO_CHOICES)}")
     return v
+
+
+def resolve_proto(proto: str | None, kind: str, m: int) -> str:
+    """The kernel protocol (``flag`` / ``ll``) of a launch of ``kind`` (``oproj`` / ``moe``) at
+    ``m`` tokens: ``proto`` (None: :func:`proto_default`), ``auto`` resolved."""
+    p = proto_default() if proto is None else proto
+    if p not in PROTO_CHOICES:
+        raise ValueError(f"comm: protocol {p!r}: expected one of {', '.join(PROTO_CHOICES)}")
+    if p == "auto":
+        return "ll" if kind == "moe" or m <= AUTO_LL_MAX_M else "flag"
+    return p
 
 
 @dataclass

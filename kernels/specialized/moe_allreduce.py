@@ -28,7 +28,7 @@ weights are loaded before the PDL wait and stay in registers through the exchang
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -56,11 +56,10 @@ class MoeARPlan:
     prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = True
-    proto: str = field(default_factory=comm.proto_default)
+    proto: str | None = None  # flag / ll / auto; None: $DECODESCOPE_TP2_PROTO (resolved here)
 
     def __post_init__(self) -> None:
-        if self.proto not in comm.PROTOS:
-            raise ValueError(f"moe_allreduce: protocol {self.proto!r}, expected {comm.PROTOS}")
+        object.__setattr__(self, "proto", comm.resolve_proto(self.proto, "moe", self.T))
         if self.T * (self.L + self.H) > comm.RECV_FLOATS:
             raise ValueError(f"moe_allreduce: {self.T} tokens exceed the receive area")
 
@@ -368,12 +367,12 @@ def moe_allreduce(
     proto: str | None = None,
 ) -> None:
     """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``).
-    ``proto``: ``flag`` or ``ll`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``, else flag."""
+    ``proto``: ``flag``, ``ll`` or ``auto`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``,
+    else flag."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, acc.device)
-    proto = proto or comm.proto_default()
     plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled(), proto)
-    wsa = ws.args_ll() if proto == "ll" else ws.args()
+    wsa = ws.args_ll() if plan.proto == "ll" else ws.args()
     compile_plan(plan)(acc, latent_norm, latent_up, shared_out, out, head, npre, *wsa)
 
 

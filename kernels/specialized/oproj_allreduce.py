@@ -58,11 +58,10 @@ class OProjARPlan:
     prefetch: bool = True
     sms: int = H200_SMS
     pdl: bool = field(default_factory=pdl_enabled)
-    proto: str = field(default_factory=comm.proto_default)
+    proto: str | None = None  # flag / ll / auto; None: $DECODESCOPE_TP2_PROTO (resolved here)
 
     def __post_init__(self) -> None:
-        if self.proto not in comm.PROTOS:
-            raise ValueError(f"oproj_allreduce: protocol {self.proto!r}, expected {comm.PROTOS}")
+        object.__setattr__(self, "proto", comm.resolve_proto(self.proto, "oproj", self.m))
         if self.m * self.n > comm.RECV_FLOATS:
             raise ValueError(f"oproj_allreduce: {self.m} x {self.n} FP32 exceeds the receive area")
 
@@ -394,8 +393,7 @@ class OProjAllReduceLL(OProjAllReduce):
 def plan_for(cfg, kind: str, m: int, prefetch: bool = True, sms: int = H200_SMS,
              proto: str | None = None) -> OProjARPlan:  # fmt: skip
     k = cfg.kda_dim if kind == "kda" else cfg.mla_v_dim
-    return OProjARPlan(m=m, k=k, n=cfg.hidden, prefetch=prefetch, sms=sms,
-                       proto=proto or comm.proto_default())  # fmt: skip
+    return OProjARPlan(m=m, k=k, n=cfg.hidden, prefetch=prefetch, sms=sms, proto=proto)
 
 
 def _fake_args(plan: OProjARPlan):
@@ -440,7 +438,8 @@ def oproj_allreduce(
     proto: str | None = None,
 ) -> None:
     """``r_out = bf16(allreduce(o @ w_o^T)) + r`` over the two ranks of ``ws`` (one launch).
-    ``proto``: ``flag`` or ``ll`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``, else flag.
+    ``proto``: ``flag``, ``ll`` or ``auto`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``,
+    else flag.
     ``r_out`` may alias ``r``. ``prefetch``: the next op's weights (any contiguous bf16 tensor;
     its first bytes, up to its size, are pulled into L2 while the peer's tile travels).
     Call it on both ranks, in the same order as every other kernel of ``ws``."""
@@ -451,7 +450,7 @@ def oproj_allreduce(
     itf.check(r, "r", (M, N), torch.bfloat16)
     itf.check(r_out, "r_out", (M, N), torch.bfloat16)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, o.device)
-    plan = OProjARPlan(m=M, k=K, n=N, sms=device_sms(o.device), proto=proto or comm.proto_default())
+    plan = OProjARPlan(m=M, k=K, n=N, sms=device_sms(o.device), proto=proto)
     fn = compile_plan(plan)
     fn(o, w_o, r, r_out, head, npre, *(ws.args_ll() if plan.proto == "ll" else ws.args()))
 
