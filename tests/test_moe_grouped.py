@@ -184,3 +184,70 @@ def test_script_route_list_check_on_cpu():
     gb.nact[0] = nact - 1
     gs._grouped_route_check(Blk, gb, E, {"tokens": T})
     assert [r["status"] for r in gs.RESULTS] == ["pass", "FAIL"]
+
+
+def _coverage(op13, op2, T, K, nact, slot_n):
+    """The w13 and w2 kernels' item loops and tile index math replayed in Python: how often each
+    (pair slot, h row), (pair slot, latent row) and (token, hidden row) output is produced."""
+    from collections import Counter
+
+    h_out, acc_out, sh_out = Counter(), Counter(), Counter()
+    for bid in range(op13.grid):
+        for item in range(bid, nact * op13.NRT, op13.grid):
+            a, rt = item // op13.NRT, item % op13.NRT
+            n = slot_n[a]
+            for ps in range(-(-n // 8)):
+                for idx in range(mg.ROWS * 8):
+                    r, m = idx % mg.ROWS, idx // mg.ROWS
+                    if ps * 8 + m < n:
+                        h_out[(a, ps * 8 + m, rt * mg.ROWS + r)] += 1
+    for bid in range(op2.grid):
+        for warp in range(mg.W2_WARPS):
+            if bid < op2.nr:
+                for item in range(bid, nact * op2.CE, op2.nr):
+                    a, cb = item // op2.CE, item % op2.CE
+                    tiles = [(cb * mg.W2_WARPS + warp) * mg.W2_RT + q for q in range(mg.W2_RT)]
+                    n = slot_n[a]
+                    for ps in range(-(-n // 8)):
+                        for lane in range(32):
+                            g, c = lane // 4, lane % 4
+                            for s in range(2):
+                                slot = ps * 8 + 2 * c + s
+                                for t in tiles:
+                                    if slot < n and t < op2.ntL:
+                                        for rr in (g, g + 8):
+                                            acc_out[(a, slot, t * mg.ROWS + rr)] += 1
+            else:
+                sb = bid - op2.nr
+                tiles = [(sb * mg.W2_WARPS + warp) * mg.W2_RT + q for q in range(mg.W2_RT)]
+                for ps in range(-(-T // 8)):
+                    for lane in range(32):
+                        g, c = lane // 4, lane % 4
+                        for s in range(2):
+                            tok = ps * 8 + 2 * c + s
+                            for t in tiles:
+                                if tok < T and t < op2.ntH:
+                                    for rr in (g, g + 8):
+                                        sh_out[(tok, t * mg.ROWS + rr)] += 1
+    return h_out, acc_out, sh_out
+
+
+@pytest.mark.parametrize("preset,tp,T,nsm", [("tiny", 1, 8, 2), ("tiny", 2, 3, 1),
+                                             ("kimi-k3", 8, 8, 4)])  # fmt: skip
+def test_every_output_written_once(preset, tp, T, nsm):
+    """With grids capped (few SMs, so CTAs loop over several items): every h element, every
+    routed (pair, latent row) product and every shared output element is produced once."""
+    _, (E, K, L, Ie, H, S) = _dims(preset, tp)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[0] = ids[-1]  # an expert with at least two tokens
+    se, so, sn, nact, pairs = mg.lists_from_ids(ids, E)
+    op13 = mg.GroupedW13(T, E, K, L, Ie, 4.0, 25.0, nsm=nsm)
+    op2 = mg.GroupedW2(T, E, K, L, Ie, H, S, nsm=nsm)
+    if preset == "kimi-k3":  # the item loops are exercised (tiny: one item per CTA or fewer)
+        assert op13.grid < nact * op13.NRT and op2.nr < nact * op2.CE
+    h_out, acc_out, sh_out = _coverage(op13, op2, T, K, nact, sn.tolist())
+    n_pairs = int(sn.sum())
+    assert len(h_out) == n_pairs * Ie and set(h_out.values()) == {1}
+    assert len(acc_out) == n_pairs * L and set(acc_out.values()) == {1}
+    assert len(sh_out) == T * H and set(sh_out.values()) == {1}
