@@ -228,6 +228,7 @@ def test_enable_tp2_routes_the_reductions(monkeypatch):
         return lambda *a, **k: calls.append((key[0], a))
 
     monkeypatch.setattr(itf, "compiled", record)
+    monkeypatch.setenv(comm.PROTO_ENV, "flag")  # the flag protocol's arguments are checked
     p = S.plan(preset="tiny", tp_shape=1, batch=1, tokens_per_seq=1, layers="kda,mla")
     m = S.SpecializedModel(p.cfg, p.specs, 1, 1, device="cpu")
     dev = torch.device("cpu")

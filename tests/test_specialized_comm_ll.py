@@ -210,3 +210,34 @@ def test_ll_protocol_simulated(seed):
             launches.append(("moe", grid, rng.choice([p for p in (1, 2, 4) if p <= grid])))
     cap = max(p for _, _, p in launches)  # as few resident CTAs as the protocol allows
     _simulate(seed, launches, cap)
+
+
+def test_enable_tp2_ll_arguments(monkeypatch):
+    """With ``DECODESCOPE_TP2_PROTO=ll`` the step's fused launches get the LL workspace
+    arguments (tiny preset on the CPU; kernels recorded, not compiled or run)."""
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import step as S
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(
+        itf, "compiled", lambda key, build: lambda *a, **k: calls.append((key[0], key[1], a))
+    )
+    monkeypatch.setenv(comm.PROTO_ENV, "ll")
+    p = S.plan(preset="tiny", tp_shape=1, batch=1, tokens_per_seq=1, layers="kda,mla")
+    m = S.SpecializedModel(p.cfg, p.specs, 1, 1, device="cpu")
+    i32, dev = torch.int32, torch.device("cpu")
+    ws = comm.PeerWorkspace(
+        0, 2,
+        torch.empty(comm.FLAG_SLOTS, dtype=i32), torch.empty(2, 16),
+        torch.empty(comm.FLAG_SLOTS, dtype=i32), torch.empty(2, 16),
+        torch.zeros(comm.CTL_WORDS, dtype=i32), None,
+        torch.zeros(2, 16, dtype=torch.int64), torch.zeros(2, 16, dtype=torch.int64),
+        torch.zeros(16, device=dev),
+    )  # fmt: skip
+    S.enable_tp2(m, ws)
+    m.step()
+    fused = [(k, plan, a) for k, plan, a in calls if k in ("oproj_allreduce", "moe_allreduce")]
+    assert len(fused) == 4
+    for _, plan, a in fused:
+        assert plan.proto == "ll"
+        assert all(x is y for x, y in zip(a[-4:], ws.args_ll(), strict=True))
