@@ -50,16 +50,16 @@ def test_grouped_kernels_compile(preset, tp, T, mode):
 
 def test_grouped_geometry_kimi_tp8():
     """TP8, 64 tokens: up to min(E, T*k) = 896 slots; 24 w13 items (16 gate + 16 up rows) and
-    28 w2 items (128 rows) per expert, grids capped at 16 CTAs per SM (the CTAs loop over the
-    items), 56 shared-down CTAs; at 1 token the grids are the worst case itself."""
+    28 w2 items (128 rows) per expert, grids capped at 64 CTAs per SM (the CTAs loop over the
+    items), 56 shared-down CTAs; at 8 tokens the grids are the worst case itself."""
     _, (E, K, L, Ie, H, S) = _dims("kimi-k3", 8)
     w13 = mg.GroupedW13(64, E, K, L, Ie, 4.0, 25.0, nsm=132)
     w2 = mg.GroupedW2(64, E, K, L, Ie, H, S, nsm=132)
-    assert (w13.slots, w13.NRT, w13.grid) == (896, 24, 16 * 132)
+    assert (w13.slots, w13.NRT, w13.grid) == (896, 24, 64 * 132)
     assert (w13.NW, w13.CPW, w13.U) == (4, 28, 4)
-    assert (w2.CE, w2.CS, w2.nr, w2.grid) == (28, 56, 16 * 132, 16 * 132 + 56)
-    assert mg.GroupedW13(1, E, K, L, Ie, 4.0, 25.0).grid == 16 * 24
-    assert mg.GroupedW2(1, E, K, L, Ie, H, S).nr == 16 * 28
+    assert (w2.CE, w2.CS, w2.nr, w2.grid) == (28, 56, 64 * 132, 64 * 132 + 56)
+    assert mg.GroupedW13(8, E, K, L, Ie, 4.0, 25.0).grid == 128 * 24
+    assert mg.GroupedW2(8, E, K, L, Ie, H, S).nr == 128 * 28
     assert mg.n_slots(8, E, K) == 128
     assert mg.supported(8, E, K, L, Ie, H, S)
     assert not mg.supported(8, E, K, L, 40, H, S)  # expert_inter not a multiple of 16

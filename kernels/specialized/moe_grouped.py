@@ -51,7 +51,12 @@ KCH = 32  # k per chunk: two m16n8k16 steps
 W2_WARPS = 4  # warps per w2 CTA, each on its own row tiles
 W2_RT = 2  # row tiles per w2 warp
 W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
-CTAS_PER_SM = 16  # cap of the w13 / w2 grids: past it, CTAs loop over the (slot, tile) items
+# cap of the w13 / w2 grids (x SMs): past it, CTAs loop over the (slot, tile) items. Large on
+# purpose: ~7 CTAs are resident per SM, and a cap near that would leave a last partial wave of
+# CTAs that each walk several items with the SM mostly idle; at 64 the CTAs walk 1-2 items
+# (T = 64, TP8: ~10.5 k items) and the block scheduler fills the SMs as CTAs finish, while the
+# worst-case grid (21.5 k CTAs at T = 64) is not launched in full
+CTAS_PER_SM = 64
 W13_MODES = ("w8", "w4")  # GroupedW13 tilings (see its __init__)
 
 
