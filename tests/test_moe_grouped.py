@@ -79,6 +79,12 @@ def test_bad_shapes_and_env(monkeypatch):
     assert mg.selected()
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "old")
     assert not mg.selected()
+    monkeypatch.delenv("DECODESCOPE_MOE_EXPERTS")
+    assert not mg.selected(64)  # auto: not the default until measured (AUTO_FROM None)
+    _, dims = _dims("kimi-k3", 8)
+    monkeypatch.setattr(mg, "AUTO_FROM", 8)
+    assert mg.selected(8, dims) and not mg.selected(4, dims)
+    assert not mg.selected(8, (*dims[:3], 40, *dims[4:]))  # unsupported shapes
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])

@@ -132,8 +132,8 @@ class SpecializedMoE:
         launches of :mod:`moe_grouped` (route, w13 + SiTU, w2 + weighted sum), same outputs,
         same range."""
         with self._r(OPS[1]):
-            if _mg.selected():
-                E, S = self.cfg.moe.num_experts, self.cfg.shared_inter
+            E, S, c = self.cfg.moe.num_experts, self.cfg.shared_inter, self.cfg
+            if _mg.selected(self.N, (E, self.top_k, c.expert_dim, c.expert_inter, c.hidden, S)):
                 bufs = _mg.buffers_for(self, self.N, E, self.top_k, S, self.acc.device)
                 _mg.moe_grouped(
                     self.y_front, self.bias, self.w13, self.w2, self.shared_w2, self.h, self.acc,

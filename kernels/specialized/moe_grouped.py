@@ -620,10 +620,22 @@ def canonical_pairs(pairs: torch.Tensor, slot_off: torch.Tensor, slot_n: torch.T
     return out
 
 
-def selected() -> bool:
-    """``DECODESCOPE_MOE_EXPERTS=grouped`` picks these kernels in :mod:`moe_block` (the other
-    values are :func:`moe_experts.kernel_variant`'s). Read at each call."""
-    return os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto") == "grouped"
+# ``auto`` picks the grouped kernels from this many tokens on (None: never; the persistent
+# kernels stay the default until the H200 has measured these: the lead flips it)
+AUTO_FROM: int | None = None
+
+
+def selected(T: int = 0, dims: tuple | None = None) -> bool:
+    """Whether :mod:`moe_block` runs these kernels: ``DECODESCOPE_MOE_EXPERTS=grouped``, or
+    ``auto`` (the default) with ``AUTO_FROM`` set, ``T >= AUTO_FROM`` and the shapes ``dims =
+    (E, K, L, Ie, H, S)`` supported. The other values are :func:`moe_experts.kernel_variant`'s.
+    Read at each call."""
+    v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto")
+    if v == "grouped":
+        return True
+    if v != "auto" or AUTO_FROM is None or T < AUTO_FROM:
+        return False
+    return dims is None or supported(T, *dims)
 
 
 def buffers_for(owner, T, E, K, S, device) -> GroupedBuffers:
