@@ -6,7 +6,8 @@
 ``--variants``: the expert kernels to check and time side by side (``DECODESCOPE_MOE_EXPERTS``:
 ``pipe``, the bulk-copy pipeline, ``old``, weights into registers per tile, and ``grouped``,
 the three non-persistent tensor-core launches of ``moe_grouped``, which get their own probe
-child and a ``grouped_route_lists`` check); the front and
+child and a ``grouped_route_lists`` check; ``grouped_split``: the same with the route
+kernel's top-k split over CTAs, ``DECODESCOPE_MOE_GROUPED_ROUTE=split``); the front and
 back kernels and the standard block are timed once. Each variant first runs once under a hang
 watchdog (a hung kernel cannot be recovered in-process: the run writes what it has and exits 3).
 ``--quick``: one draw, no front-norm checks or timings.
@@ -437,11 +438,11 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
         if var == "pipe" and (preset, tp, N) not in a.pipe_ok:
             record(check="pipe_skipped", **ctx, status="FAIL", error="the probe did not finish")
             continue
-        if var == "grouped" and (preset, tp, N) not in a.grouped_ok:
+        if var.startswith("grouped") and (var, preset, tp, N) not in a.grouped_ok:
             record(check="grouped_skipped", **ctx, status="FAIL",
                    error="the grouped probe did not finish")  # fmt: skip
             continue
-        with env(DECODESCOPE_MOE_EXPERTS=var):
+        with env(**variant_env(var)):
             if guarded("smoke", ctx, lambda ctx=ctx: smoke(blks[0], N, ctx, a)) is None:
                 continue
             n0 = len(RESULTS)
@@ -550,10 +551,11 @@ def probe_grouped(a) -> set:
     """The grouped expert kernels once per (TP, tokens) in a child process with a deadline
     (``grouped_probe.log``), as :func:`probe_pipe` does for the pipe: a hang or a sticky CUDA
     error fails the grouped points alone."""
-    if "grouped" not in a.variants:
+    gv = [v for v in a.variants if v.startswith("grouped")]
+    if not gv:
         return set()
     cmd = [sys.executable, __file__, "--probe-grouped-child", "--out", a.out, "--tp",
-           *map(str, a.tp), "--tokens", *map(str, a.tokens)] + (
+           *map(str, a.tp), "--tokens", *map(str, a.tokens), "--variants", *gv] + (
            ["--tiny"] if a.tiny else [])  # fmt: skip
     limit = 120
     log = Path(a.out) / "grouped_probe.log"
@@ -573,9 +575,9 @@ def probe_grouped(a) -> set:
     ok = set()
     for line in text.splitlines():
         if line.startswith("GROUPED_OK "):
-            _, preset, tp, n = line.split()
-            ok.add((preset, int(tp), int(n)))
-    want = {(p, tp, n) for p, tp in shapes_of(a) for n in a.tokens}
+            _, var, preset, tp, n = line.split()
+            ok.add((var, preset, int(tp), int(n)))
+    want = {(v, p, tp, n) for v in gv for p, tp in shapes_of(a) for n in a.tokens}
     why = (f"exit {child.returncode}; see grouped_probe.log: {text.strip()[-300:]}"
            if child.returncode is not None and child.returncode >= 0
            else f"no progress within {limit} s (kernel hang: the child was killed)")  # fmt: skip
@@ -584,18 +586,28 @@ def probe_grouped(a) -> set:
     return ok
 
 
+def variant_env(var: str) -> dict:
+    """The environment of an expert-kernel variant of ``--variants``."""
+    if var == "grouped_split":  # the route kernel's top-k over ceil(T/8) CTAs
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split"}
+    if var == "grouped":
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "one"}
+    return {"DECODESCOPE_MOE_EXPERTS": var}
+
+
 def probe_grouped_child(a) -> int:
-    os.environ["DECODESCOPE_MOE_EXPERTS"] = "grouped"
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
         w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device=DEV)
-        for n in a.tokens:
-            blk = mb.SpecializedMoE(cfg, w, n)
-            h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
-            for _ in range(3):
-                blk.forward(h, torch.empty_like(h))
-            torch.cuda.synchronize()
-            print(f"GROUPED_OK {preset} {tp} {n}", flush=True)
+        for var in a.variants:
+            os.environ.update(variant_env(var))
+            for n in a.tokens:
+                blk = mb.SpecializedMoE(cfg, w, n)
+                h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+                for _ in range(3):
+                    blk.forward(h, torch.empty_like(h))
+                torch.cuda.synchronize()
+                print(f"GROUPED_OK {var} {preset} {tp} {n}", flush=True)
         del w
         torch.cuda.empty_cache()
     return 0
@@ -628,7 +640,7 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=["pipe", "old", "grouped"],
+        choices=["pipe", "old", "grouped", "grouped_split"],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )
     ap.add_argument(

@@ -48,6 +48,15 @@ def test_grouped_kernels_compile(preset, tp, T, mode):
         assert itf.compile_only(op, *args) is not None
 
 
+@pytest.mark.parametrize("preset,tp,T", [("kimi-k3", 8, 64), ("kimi-k3", 8, 32), ("tiny", 1, 13)])
+def test_split_route_compiles(preset, tp, T):
+    """The route kernel with its top-k over ceil(T/8) CTAs and the last-CTA lists."""
+    cfg, (E, K, L, Ie, H, S) = _dims(preset, tp)
+    op, args = mg._build_route(T, E, K, L, S, 1.0, 4.0, 25.0, True, True)
+    assert op.split and op.NTK == -(-T // 8) and op.grid == op.NTK + op.nsh
+    assert itf.compile_only(op, *args) is not None
+
+
 def test_grouped_geometry_kimi_tp8():
     """TP8, 64 tokens: up to min(E, T*k) = 896 slots; 24 w13 items (16 gate + 16 up rows) and
     28 w2 items (128 rows) per expert, grids capped at 64 CTAs per SM (the CTAs loop over the
@@ -75,12 +84,18 @@ def test_bad_shapes_and_env(monkeypatch):
         mg.w13_mode()
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "w8")
     assert mg.w13_mode() == "w8"
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "both")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_GROUPED_ROUTE"):
+        mg.route_split()
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "split")
+    assert mg.route_split()
+    assert not mg.GroupedRoute(8, 32, 4, 128, 64, 1.0, 4.0, 25.0, split=True).split  # 1 CTA
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
     assert mg.selected()
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "old")
     assert not mg.selected()
     monkeypatch.delenv("DECODESCOPE_MOE_EXPERTS")
-    assert not mg.selected(64)  # auto: not the default until measured (AUTO_FROM None)
+    assert mg.AUTO_FROM == 8 and mg.selected(64) and not mg.selected(4)  # auto since the H200
     _, dims = _dims("kimi-k3", 8)
     monkeypatch.setattr(mg, "AUTO_FROM", 8)
     assert mg.selected(8, dims) and not mg.selected(4, dims)
@@ -147,14 +162,16 @@ def gsm():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("route", ["one", "split"])
 @pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("tiny", 1)])
 @pytest.mark.parametrize("n_tokens", [8, 32, 64])
-def test_grouped_block_gpu(gsm, preset, tp, n_tokens, monkeypatch):
+def test_grouped_block_gpu(gsm, preset, tp, n_tokens, route, monkeypatch):
     """Routing, lists, routed sum, shared output and the block (vs ``moe_experts_ref`` and the
     references of the math), outputs poisoned first, two fresh draws."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", route)
     cfg = get_config(preset, tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
     blk = SpecializedMoE(cfg, w, n_tokens)

@@ -90,9 +90,18 @@ def _load_z(mY, tok, cv):
 
 
 class GroupedRoute:
-    """Kernel 1: top-k routing and the per-expert pair lists (CTA 0), shared SiTU (the rest)."""
+    """Kernel 1: top-k routing and the per-expert pair lists, shared SiTU in the other CTAs.
 
-    def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True):
+    ``split=False`` (``DECODESCOPE_MOE_GROUPED_ROUTE=one``, default): CTA 0 ranks all tokens
+    (8 or 16 warps, a warp per token at a time) and builds the lists. ``split=True``
+    (``split``): ``ceil(T/8)`` CTAs of 8 warps rank one token per warp; the last of them to
+    finish (a self-resetting counter ``mCtr[0]``, GPU-scope release/acquire as in the
+    persistent kernel's ``done`` protocol) reads every CTA's ids back and builds the lists. One
+    warp ranks a token in ~4200 instructions (16 rounds of a 28-candidate select tree and a
+    5-level shuffle argmax at E = 896): one SM needs ~9 us per 16 tokens, ~36 us at 64 (an
+    estimate from the instruction count, not measured), which the split spreads over 8 SMs."""
+
+    def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True, split: bool = False):
         if E % 32:
             raise ValueError(f"moe_grouped: num_experts={E} must be a multiple of 32")
         if K > 32:
@@ -101,22 +110,31 @@ class GroupedRoute:
             raise ValueError(f"moe_grouped: shared_inter={S} must be a multiple of 8")
         self.T, self.E, self.K, self.L, self.S = T, E, K, L, S
         self.scaling, self.beta, self.lbeta, self.pdl = scaling, beta, lbeta, pdl
-        self.NW = 16 if T > 8 else 8  # one token per warp up to 8 (16) tokens
+        if split:
+            self.NW = 8
+            self.NTK = -(-T // 8)  # top-k CTAs
+        else:
+            self.NW = 16 if T > 8 else 8  # one token per warp up to 8 (16) tokens
+            self.NTK = 1
+        self.split = split and self.NTK > 1
         self.NT = self.NW * 32
         self.slots = n_slots(T, E, K)
         self.nsh = max(1, -(-(T * S // 8) // self.NT))  # shared SiTU CTAs, 8 elements a thread
-        self.grid = 1 + self.nsh
+        self.grid = self.NTK + self.nsh
 
     @cute.jit
     def __call__(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs,
-                 stream):  # fmt: skip
-        self.kernel(mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs).launch(
+                 mCtr, stream):  # fmt: skip
+        self.kernel(
+            mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr
+        ).launch(  # fmt: skip
             grid=[self.grid, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs):
+    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr):
         T, E, K, L, S, NT, NW = self.T, self.E, self.K, self.L, self.S, self.NT, self.NW
+        NTK = self.NTK
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -125,57 +143,45 @@ class GroupedRoute:
         sIds = smem.allocate_tensor(Int32, cute.make_layout(T * K), byte_alignment=16)
         sTw = smem.allocate_tensor(Float32, cute.make_layout(T * K), byte_alignment=16)
         sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        if bid == 0:
+        if bid < NTK:
             for e in cutlass.range(tid, E, NT):
                 sCnt[e] = Int32(0)
             cute.arch.barrier()
-            for t in cutlass.range(warp, T, NW):
+            for t in cutlass.range(bid * NW + warp, T, NTK * NW):
                 select_topk(mY, mBias, t, lane, sIds, sTw, sCnt, E, K, self.scaling)
+                if lane < K:  # select_topk ends with a warp sync: the token's picks are final
+                    mIds[t * K + lane] = sIds[t * K + lane]
+                    mTw[t * K + lane] = sTw[t * K + lane]
             cute.arch.barrier()
-            for p in cutlass.range(tid, T * K, NT):
-                mIds[p] = sIds[p]
-                mTw[p] = sTw[p]
-            if warp == 0:
-                # prefix sums over the experts (lane l holds experts l*EPL .. l*EPL+EPL-1):
-                # offsets of each expert's pairs, and the compact list of selected experts
-                EPL = E // 32
-                csum = Int32(0)
-                asum = Int32(0)
-                for i in cutlass.range_constexpr(EPL):
-                    cn = sCnt[lane * EPL + i]
-                    csum = csum + cn
-                    asum = asum + cutlass.select_(cn > 0, Int32(1), Int32(0))
-                cs = csum
-                cas = asum
-                for o in cutlass.range_constexpr(5):
-                    oc = cute.arch.shuffle_sync_up(cs, offset=1 << o)
-                    oa = cute.arch.shuffle_sync_up(cas, offset=1 << o)
-                    cs = cutlass.select_(lane >= (1 << o), cs + oc, cs)
-                    cas = cutlass.select_(lane >= (1 << o), cas + oa, cas)
-                off = cs - csum
-                a = cas - asum
-                for i in cutlass.range_constexpr(EPL):
-                    e = lane * EPL + i
-                    cn = sCnt[e]
-                    if cn > 0:
-                        mSlotE[a] = e
-                        mSlotOff[a] = off
-                        mSlotN[a] = cn
-                        a = a + 1
-                    sCnt[e] = off
-                    off = off + cn
-                if lane == 31:
-                    mNact[0] = cas
-            cute.arch.barrier()
-            for p in cutlass.range(tid, T * K, NT):
-                pos = cute.arch.atomic_add(sCnt.iterator + sIds[p], Int32(1))
-                mPairs[pos] = p
+            if const_expr(self.split):
+                # the barrier ordered every warp's id stores before thread 0's release
+                if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                    sFlag[0] = old
+                cute.arch.barrier()
+                if sFlag[0] == NTK - 1:  # the last top-k CTA: all ids are in global memory
+                    cute.arch.fence_acq_rel_gpu()
+                    for e in cutlass.range(tid, E, NT):
+                        sCnt[e] = Int32(0)
+                    cute.arch.barrier()
+                    for p in cutlass.range(tid, T * K, NT):
+                        v = cute.arch.load(mIds.iterator + p, Int32, sem="acquire", scope="gpu")
+                        sIds[p] = v
+                        cute.arch.atomic_add(sCnt.iterator + v, Int32(1))
+                    cute.arch.barrier()
+                    self._lists(mPairs, mSlotE, mSlotOff, mSlotN, mNact, sIds, sCnt)
+                    if tid == 0:
+                        mCtr[0] = Int32(0)  # ready for the next step
+            else:
+                self._lists(mPairs, mSlotE, mSlotOff, mSlotN, mNact, sIds, sCnt)
         else:
             SV = S // 8
-            for i in cutlass.range((bid - 1) * NT + tid, T * SV, self.nsh * NT):
+            for i in cutlass.range((bid - NTK) * NT + tid, T * SV, self.nsh * NT):
                 t = i // SV
                 cv = i % SV
                 gf = cute.make_rmem_tensor((8,), Float32)
@@ -188,6 +194,50 @@ class GroupedRoute:
                 hb = cute.make_rmem_tensor((8,), BFloat16)
                 hb.store(hv.load().to(BFloat16))
                 cute.autovec_copy(hb, cute.local_tile(mHs[t, None], (8,), (cv,)))
+
+    @cute.jit
+    def _lists(self, mPairs, mSlotE, mSlotOff, mSlotN, mNact, sIds, sCnt):
+        """From the counts ``sCnt`` and ids ``sIds`` (all tokens) in shared memory: the compact
+        list of selected experts in expert order and their pairs, contiguous per expert."""
+        T, E, K, NT = self.T, self.E, self.K, self.NT
+        tid, _, _ = cute.arch.thread_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        if warp == 0:
+            # prefix sums over the experts (lane l holds experts l*EPL .. l*EPL+EPL-1):
+            # offsets of each expert's pairs, and the compact list of selected experts
+            EPL = E // 32
+            csum = Int32(0)
+            asum = Int32(0)
+            for i in cutlass.range_constexpr(EPL):
+                cn = sCnt[lane * EPL + i]
+                csum = csum + cn
+                asum = asum + cutlass.select_(cn > 0, Int32(1), Int32(0))
+            cs = csum
+            cas = asum
+            for o in cutlass.range_constexpr(5):
+                oc = cute.arch.shuffle_sync_up(cs, offset=1 << o)
+                oa = cute.arch.shuffle_sync_up(cas, offset=1 << o)
+                cs = cutlass.select_(lane >= (1 << o), cs + oc, cs)
+                cas = cutlass.select_(lane >= (1 << o), cas + oa, cas)
+            off = cs - csum
+            a = cas - asum
+            for i in cutlass.range_constexpr(EPL):
+                e = lane * EPL + i
+                cn = sCnt[e]
+                if cn > 0:
+                    mSlotE[a] = e
+                    mSlotOff[a] = off
+                    mSlotN[a] = cn
+                    a = a + 1
+                sCnt[e] = off
+                off = off + cn
+            if lane == 31:
+                mNact[0] = cas
+        cute.arch.barrier()
+        for p in cutlass.range(tid, T * K, NT):
+            pos = cute.arch.atomic_add(sCnt.iterator + sIds[p], Int32(1))
+            mPairs[pos] = p
 
 
 class GroupedW13:
@@ -414,10 +464,12 @@ class GroupedBuffers:
         self.slot_n = torch.empty(sl, dtype=i32, device=device)
         self.nact = torch.empty(4, dtype=i32, device=device)
         self.hs = torch.empty(T, S, dtype=torch.bfloat16, device=device)
+        # the split route kernel's arrival counter: zero here, reset by its last CTA each step
+        self.ctr = torch.zeros(4, dtype=i32, device=device)
 
 
-def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl):
-    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl)
+def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False):
+    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl, split)
     i32, f32 = torch.int32, torch.float32
     sl = op.slots
     args = (
@@ -431,6 +483,7 @@ def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl):
         itf.fake(i32, (sl,)),
         itf.fake(i32, (4,)),
         itf.fake(torch.bfloat16, (T, S)),
+        itf.fake(i32, (4,)),
         itf.env_stream(),
     )
     return op, args
@@ -485,10 +538,19 @@ def w13_mode() -> str:
     return v
 
 
-def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4"):
+def route_split() -> bool:
+    """``DECODESCOPE_MOE_GROUPED_ROUTE``: ``one`` (default: one CTA ranks all tokens) or
+    ``split`` (:class:`GroupedRoute`). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_ROUTE", "one")
+    if v not in ("one", "split"):
+        raise ValueError(f"DECODESCOPE_MOE_GROUPED_ROUTE={v!r}: expected 'one' or 'split'")
+    return v == "split"
+
+
+def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4", split=False):
     """The three (op, fake args) pairs, for compile tests."""
     return (
-        _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl),
+        _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split),
         _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode),
         _build_w2(T, E, K, L, Ie, H, S, pdl),
     )
@@ -543,10 +605,11 @@ def moe_grouped(
     pdl = pdl_enabled()
     mode = w13_mode()
     nsm = num_sms(y_front.device)
+    split = route_split()
     dims = (T, E, K, L, Ie, H, S)
     r = itf.compiled(
-        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl),
-        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl),
+        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split),
+        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split),
     )
     w13k = itf.compiled(
         ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm),
@@ -557,7 +620,7 @@ def moe_grouped(
     )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
-    r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs)
+    r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs, b.ctr)
     w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact)
     w2k(h, b.hs, w2, shared_w2, acc.view(-1), shared_out, b.pairs, tw, b.slot_e, b.slot_off,
         b.slot_n, b.nact)  # fmt: skip
@@ -620,9 +683,10 @@ def canonical_pairs(pairs: torch.Tensor, slot_off: torch.Tensor, slot_n: torch.T
     return out
 
 
-# ``auto`` picks the grouped kernels from this many tokens on (None: never; the persistent
-# kernels stay the default until the H200 has measured these: the lead flips it)
-AUTO_FROM: int | None = None
+# ``auto`` picks the grouped kernels from this many tokens on (None: never). H200, TP8, 84
+# checks pass; expert part 393.9 -> 364.7 / 1165.0 -> 966.1 / 1897.7 -> 1470.4 us at 8 / 32 /
+# 64 tokens against the persistent kernel (notes/gpu-logs/s6r2/h0)
+AUTO_FROM: int | None = 8
 
 
 def selected(T: int = 0, dims: tuple | None = None) -> bool:
