@@ -368,6 +368,32 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
                speedup_specialized=f"{sp:.2f}", status="time")  # fmt: skip
 
 
+def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
+    """Each grouped kernel alone (CUDA-graph medians over the weight copies, after one full
+    forward so that the routing lists are in place): route, w13 + SiTU, w2 + weighted sum.
+    Floors: w13 = selected experts' gate/up rows, w2 = their down rows + the shared down."""
+    e = cfg.moe
+    L, Ie, S, H = cfg.expert_dim, cfg.expert_inter, cfg.shared_inter, cfg.hidden
+    for b in blks:
+        b.forward(torch.randn(N, cfg.hidden, device=DEV).to(BF16),
+                  torch.empty(N, cfg.hidden, dtype=BF16, device=DEV))  # fmt: skip
+    torch.cuda.synchronize()
+    n_exp = int(torch.unique(blks[0].topk_ids).numel())
+    floors = {"grouped_route": N * (e.num_experts + 2 * S) * 4,
+              "grouped_w13": n_exp * 2 * Ie * L * 2,
+              "grouped_w2": n_exp * Ie * L * 2 + S * H * 2}  # fmt: skip
+    for i, name in enumerate(floors):
+        fns = [(lambda b=b, i=i: mg.run_block_parts(b, (i,))) for b in blks]
+        r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
+        if r is None:
+            continue
+        med, lo, hi = r
+        floor = floors[name] / (bw_tbs * 1e6)
+        record(time=name, **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+               us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+               n_experts=n_exp, status="time")  # fmt: skip
+
+
 def table_md() -> str:
     lines = ["| tp | tokens | pdl | expert kernel | what | kernels | us (median) | min | max "
              "| floor us | span/floor | experts sel. | speedup |", "|" + "---|" * 13]  # fmt: skip
@@ -462,6 +488,8 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
             if not a.no_timing and preset != "tiny":
                 run_timing(cfg, ws, blks, N, ctx, bw, a.replays, experts_only=iv > 0,
                            front_norm=not a.quick)  # fmt: skip
+                if var.startswith("grouped"):
+                    time_grouped_parts(cfg, blks, N, ctx, bw, a.replays)
                 if a.compare_pdl and pdl and iv == 0:
                     with env(DECODESCOPE_MOE_PDL=0):
                         run_timing(cfg, ws, blks, N, {**ctx, "pdl": 0}, bw, a.replays,
@@ -564,7 +592,7 @@ def probe_grouped(a) -> set:
         last, seen = time.time(), 0
         while child.poll() is None:
             time.sleep(0.5)
-            n = log.read_text().count("_OK ")
+            n = log.read_text().count("GROUPED_")  # OK and FAIL lines: progress
             if n > seen:
                 last, seen = time.time(), n
             elif time.time() - last > limit:
@@ -590,6 +618,9 @@ def variant_env(var: str) -> dict:
     """The environment of an expert-kernel variant of ``--variants``."""
     if var == "grouped_split":  # the route kernel's top-k over ceil(T/8) CTAs
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split"}
+    if var == "grouped_w8":  # the route split, w13 on 8 warps with its K loop unrolled
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
+                "DECODESCOPE_MOE_GROUPED_W13": "w8"}  # fmt: skip
     if var == "grouped":
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "one"}
     return {"DECODESCOPE_MOE_EXPERTS": var}
@@ -602,11 +633,16 @@ def probe_grouped_child(a) -> int:
         for var in a.variants:
             os.environ.update(variant_env(var))
             for n in a.tokens:
-                blk = mb.SpecializedMoE(cfg, w, n)
-                h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
-                for _ in range(3):
-                    blk.forward(h, torch.empty_like(h))
-                torch.cuda.synchronize()
+                try:  # a Python-level failure (compile, launch config) fails this point alone
+                    blk = mb.SpecializedMoE(cfg, w, n)
+                    h = torch.randn(n, cfg.hidden, device=DEV).to(BF16)
+                    for _ in range(3):
+                        blk.forward(h, torch.empty_like(h))
+                    torch.cuda.synchronize()
+                except Exception as ex:  # noqa: BLE001 (reported, the child goes on)
+                    print(f"GROUPED_FAIL {var} {preset} {tp} {n}: {type(ex).__name__}: {ex}"[:400],
+                          flush=True)  # fmt: skip
+                    continue
                 print(f"GROUPED_OK {var} {preset} {tp} {n}", flush=True)
         del w
         torch.cuda.empty_cache()
@@ -640,7 +676,7 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=["pipe", "old", "grouped", "grouped_split"],
+        choices=["pipe", "old", "grouped", "grouped_split", "grouped_w8"],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )
     ap.add_argument(

@@ -274,3 +274,31 @@ def test_every_output_written_once(preset, tp, T, nsm):
     assert len(h_out) == n_pairs * Ie and set(h_out.values()) == {1}
     assert len(acc_out) == n_pairs * L and set(acc_out.values()) == {1}
     assert len(sh_out) == T * H and set(sh_out.values()) == {1}
+
+
+def test_block_wiring_and_parts(monkeypatch):
+    """``SpecializedMoE.experts`` launches route, w13, w2 (in that order, keys with the env
+    choices) under ``DECODESCOPE_MOE_EXPERTS=grouped``, nothing of ``moe_experts``; and
+    ``run_block_parts`` launches only the parts asked for (CPU: launches recorded, not run)."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    calls = []
+
+    def fake_compiled(key, build):
+        return lambda *a: calls.append(key[0])
+
+    monkeypatch.setattr(itf, "compiled", fake_compiled)
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    blk = SpecializedMoE(cfg, w, 5)
+    blk.experts()
+    assert calls == ["moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
+    assert blk._grouped_bufs.hs.shape == (5, cfg.shared_inter)
+    for parts, want in (
+        ((1,), ["moe_grouped_w13"]),
+        ((0, 2), ["moe_grouped_route", "moe_grouped_w2"]),
+    ):
+        calls.clear()
+        mg.run_block_parts(blk, parts)
+        assert calls == want

@@ -262,8 +262,8 @@ class GroupedW13:
             self.full_unroll = True
             self.min_blocks = 2
         else:
-            # "w4": 4 warps, 4 chunks (16 x 16 B per lane) per runtime loop step, ~100
-            # registers: about 5 CTAs (20 warps) per SM
+            # "w4": 4 warps, 4 chunks (16 x 16 B of weights per lane) per runtime loop step,
+            # 70 registers (ptxas, TP8): about 7 CTAs (28 warps) per SM
             self.NW = _div_pick(chunks, (4, 2, 1))
             self.CPW = chunks // self.NW
             self.U = _div_pick(self.CPW, (4, 3, 2, 1))
@@ -584,9 +584,12 @@ def moe_grouped(
     scaling: float,
     beta: float,
     lbeta: float,
+    parts: tuple[int, ...] = (0, 1, 2),
 ) -> None:
     """The three launches (same contract as :func:`moe_experts.moe_experts`, plus ``bufs``):
-    ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it); ``done`` is not used."""
+    ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it); ``done`` is not used.
+    ``parts``: which of route (0), w13 (1), w2 (2) to launch (timing each kernel alone: 1 and
+    2 read the lists of an earlier full call; 2 adds into ``acc`` again)."""
     E, twoI, L = w13.shape
     Ie = twoI // 2
     H, S = shared_w2.shape
@@ -620,10 +623,14 @@ def moe_grouped(
     )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
-    r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs, b.ctr)
-    w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact)
-    w2k(h, b.hs, w2, shared_w2, acc.view(-1), shared_out, b.pairs, tw, b.slot_e, b.slot_off,
-        b.slot_n, b.nact)  # fmt: skip
+    if 0 in parts:
+        r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs,
+          b.ctr)  # fmt: skip
+    if 1 in parts:
+        w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact)
+    if 2 in parts:
+        w2k(h, b.hs, w2, shared_w2, acc.view(-1), shared_out, b.pairs, tw, b.slot_e,
+            b.slot_off, b.slot_n, b.nact)  # fmt: skip
 
 
 def lists_from_ids(ids: torch.Tensor, E: int):
@@ -710,3 +717,15 @@ def buffers_for(owner, T, E, K, S, device) -> GroupedBuffers:
         b = GroupedBuffers(T, E, K, S, device)
         owner._grouped_bufs = b
     return b
+
+
+def run_block_parts(blk, parts: tuple[int, ...]) -> None:
+    """The grouped kernels ``parts`` of a :class:`moe_block.SpecializedMoE`'s expert step, on its
+    buffers (for timing one kernel alone; its ``experts()`` must have run once)."""
+    c = blk.cfg
+    E, S = c.moe.num_experts, c.shared_inter
+    moe_grouped(
+        blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc, blk.shared_out,
+        blk.topk_ids, blk.topk_weights, buffers_for(blk, blk.N, E, blk.top_k, S, blk.acc.device),
+        top_k=blk.top_k, scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta, parts=parts,
+    )  # fmt: skip
