@@ -209,7 +209,20 @@ def oproj_exact(o, w, r) -> torch.Tensor:
     return (p.to(BF16).float() + r.float()).to(BF16)
 
 
+def compiled_on_both(compile_fn) -> None:
+    """Compile a fused kernel on both ranks before either launches it: a rank still compiling
+    (seconds, more on one rank than the other) leaves the other's first launch spinning on the
+    peer's flags, past the spin timeout (what failed the flag MoE at TP8 b64 in run s6r2)."""
+    if DRY:
+        return
+    compile_fn()
+    sync()
+    dist.barrier()
+
+
 def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a, proto: str) -> None:
+    compiled_on_both(lambda: oa.compile_plan(oa.OProjARPlan(m=M, k=K, n=N, sms=oa.device_sms(DEV),
+                                                            proto=proto)))  # fmt: skip
     seed = 1000 * M + K + 17 * RANK
     g = seeded(seed)
     gs = seeded(4242 + M)  # shared across ranks: the residual stream is replicated
@@ -275,6 +288,9 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a, proto: str) -> No
 
 def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
     L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
+    compiled_on_both(lambda: ma.compile_plan(ma.MoeARPlan(T, L, H, float(eps), True,
+                                                          ma.device_sms(DEV), ma.pdl_enabled(),
+                                                          proto)))  # fmt: skip
     g = seeded(77 + T + 31 * RANK)
     gs = seeded(99 + T)
     gam = (torch.rand(L, generator=gs, device=DEV) + 0.5).to(BF16)

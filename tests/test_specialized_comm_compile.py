@@ -27,6 +27,14 @@ from decodescope.kernels.specialized.oproj_residual_norm import oproj_residual_r
 from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_add_ref  # noqa: E402
 
 TPS = [2, 8, 16]
+
+
+@pytest.fixture(autouse=True)
+def _flag_protocol(monkeypatch):
+    """These tests are the flag protocol's (LL: test_specialized_comm_ll.py)."""
+    monkeypatch.setenv("DECODESCOPE_TP2_PROTO", "flag")
+
+
 PROTOCOL_PTX = ("ld.acquire.sys.global.b32", "st.release.sys.global.b32", "fence.acq_rel.sys",
                 "griddepcontrol.wait", "%globaltimer")  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""CPU checks of the LL protocol of the two-GPU fused reductions (``DECODESCOPE_TP2_PROTO=ll``).
+"""CPU checks of the LL protocol of the two-GPU fused reductions (the default protocol).
 
 1. The LL variants of ``oproj_allreduce`` and ``moe_allreduce`` compile for sm_90a at the
    kimi-k3 per-rank shapes; their PTX carries the LL instructions (64-bit relaxed system-scope
@@ -8,7 +8,7 @@
    ahead, launches of different grids and address mappings sharing the LL area and the epoch,
    the MoE back end's two phases with fewer CTAs resident than its grid: every polled word is
    the peer's of the same launch, no word is overwritten before it is read, no deadlock.
-3. The protocol switch: ``DECODESCOPE_TP2_PROTO`` (``flag``, the default, ``ll``, ``auto``),
+3. The protocol switch: ``DECODESCOPE_TP2_PROTO`` (``ll``, the default, ``flag``, ``auto``),
    one-line error otherwise.
 """
 
@@ -81,11 +81,11 @@ def test_moe_ll_compiles(t, tmp_path):
 
 def test_proto_switch(monkeypatch):
     monkeypatch.delenv(comm.PROTO_ENV, raising=False)
+    assert comm.proto_default() == comm.PROTO_DEFAULT == "ll"
+    assert oa.plan_for(get_config("kimi-k3", 8), "kda", 1).proto == "ll"
+    monkeypatch.setenv(comm.PROTO_ENV, "FLAG")
     assert comm.proto_default() == "flag"
     assert oa.plan_for(get_config("kimi-k3", 8), "kda", 1).proto == "flag"
-    monkeypatch.setenv(comm.PROTO_ENV, "LL")
-    assert comm.proto_default() == "ll"
-    assert oa.plan_for(get_config("kimi-k3", 8), "kda", 1).proto == "ll"
     monkeypatch.setenv(comm.PROTO_ENV, "simple")
     with pytest.raises(ValueError, match="DECODESCOPE_TP2_PROTO"):
         comm.proto_default()

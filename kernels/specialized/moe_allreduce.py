@@ -368,7 +368,7 @@ def moe_allreduce(
 ) -> None:
     """One launch of :class:`MoeAllReduce` (both ranks, same order as every kernel of ``ws``).
     ``proto``: ``flag``, ``ll`` or ``auto`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``,
-    else flag."""
+    else ``comm.PROTO_DEFAULT`` (ll)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     head, npre = comm.PeerWorkspace.prefetch_args(prefetch, acc.device)
     plan = MoeARPlan(T, L, H, float(eps), True, device_sms(acc.device), pdl_enabled(), proto)

@@ -439,7 +439,7 @@ def oproj_allreduce(
 ) -> None:
     """``r_out = bf16(allreduce(o @ w_o^T)) + r`` over the two ranks of ``ws`` (one launch).
     ``proto``: ``flag``, ``ll`` or ``auto`` (:mod:`.comm`); None: ``$DECODESCOPE_TP2_PROTO``,
-    else flag.
+    else ``comm.PROTO_DEFAULT`` (ll).
     ``r_out`` may alias ``r``. ``prefetch``: the next op's weights (any contiguous bf16 tensor;
     its first bytes, up to its size, are pulled into L2 while the peer's tile travels).
     Call it on both ranks, in the same order as every other kernel of ``ws``."""
