@@ -489,7 +489,8 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
                 run_timing(cfg, ws, blks, N, ctx, bw, a.replays, experts_only=iv > 0,
                            front_norm=not a.quick)  # fmt: skip
                 if var.startswith("grouped"):
-                    time_grouped_parts(cfg, blks, N, ctx, bw, a.replays)
+                    guarded("time_grouped_parts", ctx,
+                            lambda c=ctx: time_grouped_parts(cfg, blks, N, c, bw, a.replays))  # fmt: skip
                 if a.compare_pdl and pdl and iv == 0:
                     with env(DECODESCOPE_MOE_PDL=0):
                         run_timing(cfg, ws, blks, N, {**ctx, "pdl": 0}, bw, a.replays,
