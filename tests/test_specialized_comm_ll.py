@@ -241,3 +241,25 @@ def test_enable_tp2_ll_arguments(monkeypatch):
     for _, plan, a in fused:
         assert plan.proto == "ll"
         assert all(x is y for x, y in zip(a[-4:], ws.args_ll(), strict=True))
+
+
+def test_moe_back_unfused_from_8_tokens(monkeypatch):
+    """tp_world 2: where the single-GPU MoE back end is BackMma (8..64 tokens) it stays unfused
+    (two NCCL all-reduces + BackMma); below, the fused kernel. The plan's launch names agree."""
+    from decodescope.kernels.specialized import step as S
+    from decodescope.kernels.specialized import tp2
+
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
+    cfg = get_config("kimi-k3", 8)
+    assert not tp2.moe_back_unfused(1, cfg.expert_dim, cfg.hidden)
+    assert tp2.moe_back_unfused(8, cfg.expert_dim, cfg.hidden)
+    assert tp2.moe_back_unfused(64, cfg.expert_dim, cfg.hidden)
+
+    def moe_ops(batch):
+        p = S.plan(preset="kimi-k3", tp_shape=8, batch=batch, layers="kda", tp_world=2)
+        return [n for n in p.op_names(p.specs[0]) if n.startswith("moe.")][2:]
+
+    assert moe_ops(1) == ["moe.latent_allreduce+latent_norm+latent_up+shared_allreduce+add"]
+    assert moe_ops(8) == list(tp2.NCCL_OPS[tp2.MOE_BACK_OP])
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")  # no BackMma: the fused kernel again
+    assert moe_ops(8) == ["moe.latent_allreduce+latent_norm+latent_up+shared_allreduce+add"]

@@ -271,7 +271,13 @@ class Plan:
 
             names = [x for n in names for x in NCCL_OPS.get(n, (n,))]
         elif self.tp_world == 2:  # the reductions ride in these launches (tp2.py)
-            names = [TP2_RENAME.get(n, n) for n in names]
+            from decodescope.kernels.specialized import tp2 as _tp2
+
+            n_tok = self.batch * self.tokens
+            unfused = _tp2.moe_back_unfused(n_tok, self.cfg.expert_dim, self.cfg.hidden)
+            names = [x for n in names
+                     for x in (_tp2.NCCL_OPS[n] if unfused and n == _tp2.MOE_BACK_OP
+                               else (TP2_RENAME.get(n, n),))]  # fmt: skip
         return names
 
     def range_names(self) -> dict[str, list[str]]:

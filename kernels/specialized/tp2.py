@@ -10,6 +10,8 @@ Per layer, on both ranks:
 - MoE: the back end ``latent_norm+latent_up+add`` becomes
   ``latent_allreduce+latent_norm+latent_up+shared_allreduce+add``
   (:func:`.moe_allreduce.moe_allreduce`), prefetching the next layer's first GEMM weights;
+  from 8 tokens (where the single-GPU back end is ``BackMma``, :func:`moe_back_unfused`) two
+  NCCL all-reduces + the single-GPU back end instead (``install_nccl``'s launches);
 - dense MLP (K3's layer 0): the ``down`` launch becomes ``down+allreduce``: the o_proj fused
   kernel on the dense down projection (``act @ dense_w2^T``, row-parallel like o_proj) with a
   zero residual, so it writes ``bf16(P_0 + P_1)``, the all-reduced MLP output (the next layer's
@@ -195,7 +197,7 @@ def fused_plans(model, sms: int | None = None) -> list:
         if mlp is not None:
             n, k = mlp.w["dense_w2"].shape
             plans.append(_oa.OProjARPlan(m=model.N, k=k, n=n, sms=sms))
-        if moe is not None:
+        if moe is not None and not moe_back_unfused(*moe.acc.shape, moe.latent_up.shape[0]):
             T, L = moe.acc.shape
             H = moe.latent_up.shape[0]
             plans.append(_ma.MoeARPlan(T, L, H, float(moe.cfg.eps), True, sms, pdl_enabled()))
@@ -227,7 +229,27 @@ def _patch_attn(attn, ws, prefetch) -> None:
     attn.stages = stages
 
 
+MOE_BACK_OP = "moe.latent_norm+latent_up+add"
+
+
+def moe_back_unfused(T: int, L: int, H: int) -> bool:
+    """At tp_world 2 the MoE back end stays unfused (two NCCL all-reduces + the single-GPU back
+    end, as ``install_nccl`` does) where the single-GPU back end is ``BackMma`` (tensor cores,
+    from 8 tokens): on two H200 (run s6r2, notes/tp2_fused.md) the fused kernel, built on the
+    SIMT ``up_proj_shared_add``, took 376 us (LL) at 64 tokens against BackMma's 61.7 us on one
+    GPU plus two all-reduces."""
+    from decodescope.kernels.specialized import back_mma as _bm
+
+    return _bm.back_variant(T, L, H) == "mma"
+
+
 def _patch_moe(moe, ws, prefetch) -> None:
+    if moe_back_unfused(moe.N, moe.cfg.expert_dim, moe.cfg.hidden):
+        import torch.distributed as dist
+
+        _nccl_moe(moe, dist)
+        return
+
     def back(out: torch.Tensor) -> None:
         with moe._r(OP_BACK):
             _ma.moe_allreduce(ws, moe.acc, moe.latent_norm, moe.latent_up, moe.shared_out, out,
