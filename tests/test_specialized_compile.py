@@ -32,9 +32,11 @@ SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
 
 @pytest.mark.parametrize("preset,tp", SHAPES)
 @pytest.mark.parametrize("m", [1, 8, 64])
-def test_gemms_compile(preset, tp, m):
-    """The plans the layers use (small-M skinny GEMM below 8 tokens, split-K from 8 where K
-    allows), compiled for sm_90a."""
+def test_gemms_compile(preset, tp, m, monkeypatch):
+    """The skinny / split-K plans (small-M skinny GEMM below 8 tokens, split-K from 8 where K
+    allows; ``DECODESCOPE_ATTN_GEMM=default``: the tile GEMM's own tests are
+    tests/test_tile_gemm.py), compiled for sm_90a."""
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
     cfg = get_config(preset, tp)
     plans = [
         nqp.plan_for(cfg, "kda", m),

@@ -58,9 +58,15 @@ def test_plan_choice_and_errors():
 
 
 def test_selection(monkeypatch):
-    monkeypatch.delenv("DECODESCOPE_ATTN_GEMM", raising=False)
-    assert isinstance(nqp.plan_for(CFG, "kda", 64), sk.SplitKPlan)  # default unchanged
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
+    assert isinstance(nqp.plan_for(CFG, "kda", 64), sk.SplitKPlan)  # the old choice
     assert not isinstance(op.plan_for(CFG, "kda", 64), tg.TilePlan)
+    monkeypatch.delenv("DECODESCOPE_ATTN_GEMM", raising=False)  # auto since the H200 A/B
+    assert not isinstance(nqp.plan_for(CFG, "kda", 1), tg.TilePlan)
+    assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
+    assert isinstance(op.plan_for(CFG, "mla", 8), tg.TilePlan)
+    assert not isinstance(op.q_b_plan(CFG, 8), tg.TilePlan)  # q_b: its own norm launch
+    assert not isinstance(op.q_b_plan(CFG, 64), tg.TilePlan)  # would cost a 12th MLA launch
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "tile")
     for m in (1, 8, 64):
         assert isinstance(nqp.plan_for(CFG, "kda", m), tg.TilePlan)

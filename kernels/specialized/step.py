@@ -288,7 +288,13 @@ class Plan:
         }
 
     def launches(self) -> dict[str, int]:
-        return {lay: len(ops) for lay, ops in self.range_names().items()}
+        """Kernel launches per layer: one per range, plus the ranges that hold several kernels
+        (:func:`extra_launches`)."""
+        n = self.batch * self.tokens
+        return {
+            lay: len(ops) + extra_launches(self.cfg, s, n)
+            for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True)
+        }
 
     def op_impl(self) -> dict[str, str]:
         from decodescope.kernels.specialized.tp2 import NCCL_IMPL
@@ -301,6 +307,29 @@ class Plan:
                 key = "allreduce" if last.endswith("allreduce") else last
                 out[o] = NCCL_IMPL.get(key, CUTE) if nccl else CUTE
         return out
+
+
+def extra_launches(cfg, spec, n_tokens: int) -> int:
+    """Kernels beyond one per range in a layer, as the kernel selection of this process picks
+    them: the tile GEMM's separate RMSNorm launch (``tile_gemm``, the input projection and
+    MLA's q_b) and the grouped experts' three launches in the experts range (``moe_grouped``)."""
+    from decodescope.kernels.specialized import moe_grouped as mg
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+    from decodescope.kernels.specialized import oproj_residual_norm as op
+    from decodescope.kernels.specialized import tile_gemm as tg
+
+    def norm_launch(plan) -> int:
+        return 1 if isinstance(plan, tg.TilePlan) and plan.norm else 0
+
+    extra = norm_launch(nqp.plan_for(cfg, spec.attn, n_tokens))
+    if spec.attn == "mla":
+        extra += norm_launch(op.q_b_plan(cfg, n_tokens))
+    if spec.mlp != "dense":
+        e = cfg.moe
+        dims = (e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden,
+                cfg.shared_inter)  # fmt: skip
+        extra += 2 if mg.selected(n_tokens, dims) else 0
+    return extra
 
 
 def kernel_env() -> dict[str, str]:
@@ -580,6 +609,7 @@ class SpecializedModel:
             lay = f"layer.{s.index}:{s.kind}"
             out[lay] = a.launches - 1 + d.launches if d is not None else (
                 a.launches - drop + len(mb.OPS))  # fmt: skip
+            out[lay] += extra_launches(self.cfg, s, self.N)
         return out
 
 

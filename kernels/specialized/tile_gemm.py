@@ -43,8 +43,8 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   of vLLM's ``fused_add_rms_norm``: ``bf16(bf16(h * rstd) * w)``.
 
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
-attention projection at 1..64 tokens), ``auto`` (from 8 tokens on), unset/``default`` (the
-existing skinny / split-K choice). Compile key: the plan (every shape static).
+attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
+tokens on, not q_b), ``default`` (the skinny / split-K choice). Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -73,18 +73,26 @@ EPI_BATCH = 4  # epilogue steps whose partial loads are issued together
 
 
 def mode() -> str:
-    m = os.environ.get("DECODESCOPE_ATTN_GEMM", "") or "default"
+    m = os.environ.get("DECODESCOPE_ATTN_GEMM", "") or "auto"
     if m not in MODES:
         raise ValueError(f"DECODESCOPE_ATTN_GEMM: one of {MODES}, got {m!r}")
     return m
 
 
-def selected(m: int, k: int) -> bool:
-    """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``)."""
+def selected(m: int, k: int, norm: bool = False) -> bool:
+    """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``).
+
+    ``auto`` (the default) follows the H200 A/B (TP8, notes/specialized.md, round 4 outcome):
+    the tile kernel from 8 tokens on, except a short-K projection with the norm prologue
+    (MLA's q_b, K 1536): its separate norm launch costs more than the GEMM saves below 32
+    tokens (7.0 vs 5.6 us at 8), and from 32 on (9.4 vs 17.7 us) it would take the MLA layer
+    with the grouped experts to 12 launches, over issue 5's 11."""
     md = mode()
     if md == "default" or k % BK or not 1 <= m <= 64:
         return False
-    return md == "tile" or m >= AUTO_MIN_M
+    if md == "tile":
+        return True
+    return m >= AUTO_MIN_M and (k >= 4096 or not norm)
 
 
 @dataclass(frozen=True)
@@ -624,7 +632,7 @@ def tile_gemm(
 def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
     """The plan that serves an ``m x k`` projection: :class:`TilePlan` where :func:`selected`
     says so, else :func:`.splitk_gemm.gemm_plan`'s choice (same keyword flags)."""
-    if selected(m, k):
+    if selected(m, k, flags.get("norm", False)):
         return TilePlan(
             m=m,
             k=k,
@@ -640,7 +648,7 @@ def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
 
 def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], **kw) -> None:
     """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords)."""
-    if selected(x.shape[0], x.shape[1]):
+    if selected(x.shape[0], x.shape[1], kw.get("norm_weight") is not None):
         tile_gemm(x, weights, outs, **kw)
     else:
         sk.project(x, weights, outs, **kw)
