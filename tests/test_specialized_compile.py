@@ -83,7 +83,8 @@ def test_splitk_partial_reduce_compiles(preset, tp, m):
         sk.SplitKPlan(m=m, k=cfg.hidden, segments=(16,), reduce="tree")
 
 
-def test_splitk_plan_choice():
+def test_splitk_plan_choice(monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")  # the skinny / split-K choice
     cfg = get_config("kimi-k3", 8)
     p64 = nqp.plan_for(cfg, "kda", 64)
     assert (p64.splits, p64.kl, p64.row_ctas) == (14, 512, 50)

@@ -25,6 +25,7 @@ from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
 from decodescope.kernels.specialized import dense_mlp as dm  # noqa: E402
 from decodescope.kernels.specialized import skinny_gemm as sg  # noqa: E402
 from decodescope.kernels.specialized import step as S  # noqa: E402
+from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
 
 SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
 TINY = {"preset": "tiny", "tp_shape": 1}
@@ -159,6 +160,8 @@ def test_plan_accepts_dense_first():
             p = S.plan(preset=preset, tp_shape=tp, batch=b, tokens_per_seq=t,
                        layers="dense,kda,mla")  # fmt: skip
             want = 6 if b * t >= dm.SPLIT_NORM_FROM else 5  # the norm launch of its own
+            # the attention's input projection on the tile GEMM: its RMSNorm is a launch too
+            want += 1 if tg.selected(b * t, p.cfg.hidden, norm=True) else 0
             assert p.launches()["layer.0:dense"] == want
     p = S.plan(**TINY, batch=2, layers="dense,kda,mla")
     cfg = json.loads(p.meta["config_json"])
