@@ -84,6 +84,10 @@ def test_bad_shapes_and_env(monkeypatch):
         mg.w13_mode()
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "w8")
     assert mg.w13_mode() == "w8"
+    monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_ROUTE", raising=False)
+    assert mg.route_split()  # the default since the H200 run of 2e2fdce
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "one")
+    assert not mg.route_split()
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "both")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_GROUPED_ROUTE"):
         mg.route_split()
