@@ -115,6 +115,12 @@ def _cases() -> dict:
             ma.compile_plan,
             ma.MoeARPlan(T, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True),
         )
+    # the flag protocol (the cases above take the default, LL)
+    cases["tp8_oproj_ar_flag_m8"] = (oa.compile_plan, oa.plan_for(cfg, "kda", 8, proto="flag"))
+    cases["moe_ar_flag_t1"] = (
+        ma.compile_plan,
+        ma.MoeARPlan(1, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True, proto="flag"),
+    )
     cases["tp16_front_mma_t64"] = (
         "build",
         lambda c=get_config("kimi-k3", 16): fm._build(
