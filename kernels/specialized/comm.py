@@ -111,66 +111,51 @@ def _ptr(p, loc, ip):
     return p.to_llvm_ptr(loc=loc, ip=ip) if hasattr(p, "to_llvm_ptr") else p
 
 
-@dsl_user_op
-def ld_acquire_sys(ptr, *, loc=None, ip=None) -> Int32:
-    """``ld.acquire.sys.global.b32``: a flag another GPU releases."""
+def _ir(ty, x, loc, ip):
+    """``x`` converted to the DSL type ``ty``, as an IR value."""
+    return ty(x).ir_value(loc=loc, ip=ip)
+
+
+def _asm(ty, args, asm, constraints, loc, ip, side_effects=True):
+    """One AT&T-dialect inline PTX statement over the IR values ``args``; its result wrapped in
+    ``ty`` (a DSL numeric type; None: no result)."""
     v = llvm.inline_asm(
-        Int32.mlir_type,
-        [_ptr(ptr, loc, ip)],
-        "ld.acquire.sys.global.b32 $0, [$1];",
-        "=r,l,~{memory}",
-        has_side_effects=True,
+        None if ty is None else ty.mlir_type,
+        args,
+        asm,
+        constraints,
+        has_side_effects=side_effects,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )
-    return Int32(v)
+    return None if ty is None else ty(v)
+
+
+@dsl_user_op
+def ld_acquire_sys(ptr, *, loc=None, ip=None) -> Int32:
+    """``ld.acquire.sys.global.b32``: a flag another GPU releases."""
+    asm = "ld.acquire.sys.global.b32 $0, [$1];"
+    return _asm(Int32, [_ptr(ptr, loc, ip)], asm, "=r,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def st_release_sys(ptr, val, *, loc=None, ip=None) -> None:
     """``st.release.sys.global.b32``: raise a flag another GPU acquires."""
-    llvm.inline_asm(
-        None,
-        [_ptr(ptr, loc, ip), Int32(val).ir_value(loc=loc, ip=ip)],
-        "st.release.sys.global.b32 [$0], $1;",
-        "l,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    args = [_ptr(ptr, loc, ip), _ir(Int32, val, loc, ip)]
+    _asm(None, args, "st.release.sys.global.b32 [$0], $1;", "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def fence_acq_rel_sys(*, loc=None, ip=None) -> None:
     """``fence.acq_rel.sys``."""
-    llvm.inline_asm(
-        None,
-        [],
-        "fence.acq_rel.sys;",
-        "~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
 def global_timer_ns(*, loc=None, ip=None) -> Int64:
     """``mov.u64 %globaltimer``."""
-    v = llvm.inline_asm(
-        Int64.mlir_type,
-        [],
-        "mov.u64 $0, %globaltimer;",
-        "=l",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int64(v)
+    return _asm(Int64, [], "mov.u64 $0, %globaltimer;", "=l", loc, ip)
 
 
 @cute.jit
@@ -242,36 +227,16 @@ def prefetch_range(mP: cute.Tensor, n, part, nparts: cutlass.Constexpr[int],
 def st_ll(ptr, val, flag, *, loc=None, ip=None) -> None:
     """``st.relaxed.sys.global.b64`` of ``{val (FP32, low half), flag (high half)}`` at ``ptr``
     (an int64 element of a peer's LL area): payload and flag in one single-copy-atomic store."""
-    llvm.inline_asm(
-        None,
-        [
-            _ptr(ptr, loc, ip),
-            Float32(val).ir_value(loc=loc, ip=ip),
-            Int32(flag).ir_value(loc=loc, ip=ip),
-        ],
-        "{ .reg .b64 w; mov.b64 w, {$1, $2}; st.relaxed.sys.global.b64 [$0], w; }",
-        "l,f,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    args = [_ptr(ptr, loc, ip), _ir(Float32, val, loc, ip), _ir(Int32, flag, loc, ip)]
+    asm = "{ .reg .b64 w; mov.b64 w, {$1, $2}; st.relaxed.sys.global.b64 [$0], w; }"
+    _asm(None, args, asm, "l,f,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def ld_ll(ptr, *, loc=None, ip=None) -> Int64:
     """``ld.relaxed.sys.global.b64``: one LL word (payload low, flag high) the peer stores."""
-    v = llvm.inline_asm(
-        Int64.mlir_type,
-        [_ptr(ptr, loc, ip)],
-        "ld.relaxed.sys.global.b64 $0, [$1];",
-        "=l,l,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int64(v)
+    asm = "ld.relaxed.sys.global.b64 $0, [$1];"
+    return _asm(Int64, [_ptr(ptr, loc, ip)], asm, "=l,l,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -279,65 +244,30 @@ def hi32(w, *, loc=None, ip=None) -> Int32:
     """High half of a 64-bit word (an LL word's flag, the epoch word's arrival count). An
     opaque instruction: the compiler neither hoists it nor the uses behind it, so a register
     still in flight (an atomic's result) is waited for only here."""
-    v = llvm.inline_asm(
-        Int32.mlir_type,
-        [Int64(w).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 lo; mov.b64 {lo, $0}, $1; }",
-        "=r,l",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(v)
+    asm = "{ .reg .b32 lo; mov.b64 {lo, $0}, $1; }"
+    return _asm(Int32, [_ir(Int64, w, loc, ip)], asm, "=r,l", loc, ip)
 
 
 @dsl_user_op
 def lo32(w, *, loc=None, ip=None) -> Int32:
     """Low half of a 64-bit word (the epoch word's epoch); opaque like :func:`hi32`."""
-    v = llvm.inline_asm(
-        Int32.mlir_type,
-        [Int64(w).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }",
-        "=r,l",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(v)
+    asm = "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }"
+    return _asm(Int32, [_ir(Int64, w, loc, ip)], asm, "=r,l", loc, ip)
 
 
 @dsl_user_op
 def ll_value(w, *, loc=None, ip=None) -> Float32:
     """Low half of an LL word, as FP32."""
-    v = llvm.inline_asm(
-        Float32.mlir_type,
-        [Int64(w).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }",
-        "=f,l",
-        has_side_effects=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Float32(v)
+    asm = "{ .reg .b32 hi; mov.b64 {$0, hi}, $1; }"
+    return _asm(Float32, [_ir(Int64, w, loc, ip)], asm, "=f,l", loc, ip, side_effects=False)
 
 
 @dsl_user_op
 def atom_add_u64(ptr, val, *, loc=None, ip=None) -> Int64:
     """``atom.relaxed.gpu.global.add.u64``: the old 64-bit value."""
-    v = llvm.inline_asm(
-        Int64.mlir_type,
-        [_ptr(ptr, loc, ip), Int64(val).ir_value(loc=loc, ip=ip)],
-        "atom.relaxed.gpu.global.add.u64 $0, [$1], $2;",
-        "=l,l,l,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int64(v)
+    args = [_ptr(ptr, loc, ip), _ir(Int64, val, loc, ip)]
+    asm = "atom.relaxed.gpu.global.add.u64 $0, [$1], $2;"
+    return _asm(Int64, args, asm, "=l,l,l,~{memory}", loc, ip)
 
 
 @cute.jit
