@@ -39,6 +39,7 @@ def _cases() -> dict:
     from decodescope.kernels.specialized import mla_decode_tc as mtc
     from decodescope.kernels.specialized import moe_allreduce as ma
     from decodescope.kernels.specialized import moe_experts as me
+    from decodescope.kernels.specialized import moe_grouped as mg
     from decodescope.kernels.specialized import norm_qkv_proj as nqp
     from decodescope.kernels.specialized import oproj_allreduce as oa
     from decodescope.kernels.specialized import oproj_residual_norm as orn
@@ -98,6 +99,14 @@ def _cases() -> dict:
         )
         cases[f"{p}_back_mma_t8"] = ("build", lambda d=d: bm._build(8, d[3], d[2], d[7].eps))
         cases[f"{p}_up_proj_t1"] = ("build", lambda d=d: up._build(1, d[3], d[2], d[7].eps))
+        for T, split in ((8, False), (64, True)):  # the grouped MoE's route kernel
+            cases[f"{p}_route_{'split' if split else 'one'}_t{T}"] = (
+                "build",
+                lambda T=T, split=split, d=d: mg._build_route(
+                    T, d[0], d[1], d[3], d[5], 1.0, d[7].model.situ_beta,
+                    d[7].model.situ_linear_beta, True, split,
+                ),
+            )  # fmt: skip
         for T, var in ((1, "pipe"), (64, "pipe"), (1, "old")):
             cases[f"{p}_experts_{var}_t{T}"] = (
                 "build",
