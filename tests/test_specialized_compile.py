@@ -17,6 +17,7 @@ pytest.importorskip("cutlass")
 from decodescope.kernels import reference as R  # noqa: E402
 from decodescope.kernels import weights as W  # noqa: E402
 from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
+from decodescope.kernels.specialized import interface as itf  # noqa: E402
 from decodescope.kernels.specialized import kda_decode as kda  # noqa: E402
 from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
 from decodescope.kernels.specialized import mla_decode_tc as mtc  # noqa: E402
@@ -252,3 +253,12 @@ def test_mla_heads_per_cta_compiles(preset, tp, hpc):
     p = dataclasses.replace(mla.plan_for(cfg, 8, 1), heads_per_cta=hpc)
     assert p.keys_per_split * p.splits >= cfg.context_len
     assert mla.compile_plan(p) is not None
+
+
+def test_placeholder_is_shared_and_cached():
+    """The GEMM launchers pass one cached zero tensor per (device, shape, dtype) for the kernel
+    arguments a plan does not read."""
+    a = itf.placeholder("cpu", (16, 16))
+    assert a is itf.placeholder("cpu", (16, 16)) and a.dtype == torch.bfloat16
+    assert not a.any() and tuple(a.shape) == (16, 16)
+    assert itf.placeholder("cpu", (4,), torch.float32) is not a

@@ -79,6 +79,19 @@ def cute_dtype(dtype: torch.dtype) -> type:
         raise TypeError(f"no CuTe DSL type for torch dtype {dtype}") from None
 
 
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def placeholder(device, shape: Sequence[int] = (16, 16), dtype: torch.dtype = torch.bfloat16):
+    """A small zero tensor (cached per device, shape and dtype) passed for a kernel argument the
+    compiled plan does not read (an absent segment, residual or norm weight)."""
+    key = (str(device), tuple(shape), dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return t
+
+
 def fake(dtype: torch.dtype | type, shape: Sequence[int], align: int = 16) -> Any:
     """A fake row-major (last mode contiguous) global tensor with a static shape, for compiling.
 

@@ -463,16 +463,8 @@ def compile_plan(plan: GemmPlan):
     return itf.compiled(("skinny_gemm", plan), lambda: (SkinnyGemm(plan), _fake_args(plan)))
 
 
-_PH_CACHE: dict[tuple, torch.Tensor] = {}
-
-
 def _placeholder(device) -> torch.Tensor:
-    key = (str(device),)
-    t = _PH_CACHE.get(key)
-    if t is None:
-        t = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=device)
-        _PH_CACHE[key] = t
-    return t
+    return itf.placeholder(device, _PLACEHOLDER)
 
 
 def skinny_gemm(

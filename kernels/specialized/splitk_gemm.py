@@ -457,7 +457,6 @@ def compile_plan(p: SplitKPlan):
 
 
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_PH: dict[str, torch.Tensor] = {}
 
 
 def _workspace(p: SplitKPlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -501,10 +500,7 @@ def splitk_gemm(
         splits_force=splits,
     )
     fn = compile_plan(plan)
-    key = str(x.device)
-    ph = _PH.get(key)
-    if ph is None:
-        ph = _PH[key] = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=x.device)
+    ph = itf.placeholder(x.device, _PLACEHOLDER)
     segs: list[torch.Tensor] = []
     for s in range(3):
         segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]

@@ -497,7 +497,6 @@ def compile_any(plan) -> object:
 
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _BUF: dict[tuple, torch.Tensor] = {}
-_PH: dict[str, torch.Tensor] = {}
 
 
 def _workspace(p: TilePlan, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,10 +531,7 @@ def prepare(p: TilePlan, device) -> None:
 
 
 def _placeholder(dev) -> torch.Tensor:
-    ph = _PH.get(str(dev))
-    if ph is None:
-        ph = _PH[str(dev)] = torch.zeros(_PLACEHOLDER, dtype=torch.bfloat16, device=dev)
-    return ph
+    return itf.placeholder(dev, _PLACEHOLDER)
 
 
 def norm_launch(p: TilePlan, x, norm_weight, residual=None, residual_out=None) -> torch.Tensor:
