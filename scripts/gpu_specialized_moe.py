@@ -7,7 +7,8 @@
 ``pipe``, the bulk-copy pipeline, ``old``, weights into registers per tile, and ``grouped``,
 the three non-persistent tensor-core launches of ``moe_grouped``, which get their own probe
 child and a ``grouped_route_lists`` check; ``grouped_split``: the same with the route
-kernel's top-k split over CTAs, ``DECODESCOPE_MOE_GROUPED_ROUTE=split``); the front and
+kernel's top-k split over CTAs, ``DECODESCOPE_MOE_GROUPED_ROUTE=split``; ``grouped_ring``:
+split, w13 and w2 weights streamed through per-lane cp.async rings); the front and
 back kernels and the standard block are timed once. Each variant first runs once under a hang
 watchdog (a hung kernel cannot be recovered in-process: the run writes what it has and exits 3).
 ``--quick``: one draw, no front-norm checks or timings.
@@ -622,6 +623,9 @@ def variant_env(var: str) -> dict:
     if var == "grouped_w8":  # the route split, w13 on 8 warps with its K loop unrolled
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
                 "DECODESCOPE_MOE_GROUPED_W13": "w8"}  # fmt: skip
+    if var == "grouped_ring":  # the route split, w13 and w2 streamed through cp.async rings
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
+                "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
     if var == "grouped":
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "one"}
     return {"DECODESCOPE_MOE_EXPERTS": var}
@@ -677,7 +681,7 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=["pipe", "old", "grouped", "grouped_split", "grouped_w8"],
+        choices=["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring"],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )
     ap.add_argument(

@@ -48,6 +48,19 @@ def test_grouped_kernels_compile(preset, tp, T, mode):
         assert itf.compile_only(op, *args) is not None
 
 
+@pytest.mark.parametrize(
+    "preset,tp,T", [("kimi-k3", 8, 1), ("kimi-k3", 8, 64), ("kimi-k3", 16, 8), ("tiny", 1, 3)]
+)
+def test_ring_kernels_compile(preset, tp, T):
+    """w13 and w2 with their weights streamed through the per-lane cp.async rings."""
+    cfg, (E, K, L, Ie, H, S) = _dims(preset, tp)
+    builds = mg.build_all(T, E, K, L, Ie, H, S, 1.0, cfg.model.situ_beta,
+                          cfg.model.situ_linear_beta, True, "ring", True, "ring")  # fmt: skip
+    for op, args in builds[1:]:
+        assert op.mode == "ring" and op.stages == mg.RING_STAGES
+        assert itf.compile_only(op, *args) is not None
+
+
 @pytest.mark.parametrize("preset,tp,T", [("kimi-k3", 8, 64), ("kimi-k3", 8, 32), ("tiny", 1, 13)])
 def test_split_route_compiles(preset, tp, T):
     """The route kernel with its top-k over ceil(T/8) CTAs and the last-CTA lists."""
@@ -84,6 +97,15 @@ def test_bad_shapes_and_env(monkeypatch):
         mg.w13_mode()
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "w8")
     assert mg.w13_mode() == "w8"
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "ring")
+    assert mg.w13_mode() == "ring"
+    with pytest.raises(ValueError, match="w2 mode"):
+        mg.GroupedW2(8, 32, 4, 128, 64, 128, 64, mode="ringo")
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W2", "rings")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_GROUPED_W2"):
+        mg.w2_mode()
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W2", "ring")
+    assert mg.w2_mode() == "ring"
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_ROUTE", raising=False)
     assert mg.route_split()  # the default since the H200 run of 2e2fdce
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "one")

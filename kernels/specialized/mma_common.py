@@ -110,3 +110,57 @@ def mma_chunks(atom, accs, fa, fb, mW, rows, nj: int, u: int, k0_of, b_tiles) ->
             xb = b_of(j)
             tiles = [(wlo[v * rt + q], whi[v * rt + q], q * nj + j) for q in range(rt)]
             mma_k16(atom, accs, fa, fb, xb, tiles)
+
+
+# -- a private per-lane shared-memory ring (cp.async), for weight streams ----------------------
+#
+# Register loads keep a warp's bytes in flight only between its load and its MMA: each K step
+# ends in a round trip (H200, ncu: the grouped expert kernels spend ~92% of their stall cycles
+# on that scoreboard and stream at 2.4-3.0 TB/s where vLLM's pipelined fused_moe reaches 4.3-4.5).
+# Here every lane copies the very 16-byte pieces it will read back (cp.async.cg, L2 only), into
+# its own slots of a ring ``[warps, stages, pieces, 32 lanes, 16 B]``: no barrier, no cross-lane
+# exchange (cp.async.wait_group makes a thread's own copies visible to it), ``stages`` chunks in
+# flight per warp at all times, and no registers held by data in flight.
+
+
+def cp_async16(dst, src) -> None:
+    """One 16-byte ``cp.async.cg`` (global -> shared, cached in L2 only) of tile ``src`` into
+    tile ``dst`` (both 16 bytes, 16-byte aligned)."""
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+        read_only_args=[dst.iterator, src.iterator],
+    )
+
+
+def ring_layout(warps: int, stages: int, pieces: int, elems: int):
+    """Layout ``(warp, stage, piece, lane, element)`` of a ring of 16-byte pieces (``elems``
+    elements each, lane-major inside a piece: a warp's 16-byte reads of one piece are one
+    contiguous 512-byte run, free of bank conflicts)."""
+    p = 32 * elems
+    return cute.make_layout(
+        (warps, stages, pieces, 32, elems),
+        stride=(stages * pieces * p, pieces * p, p, elems, 1),
+    )
+
+
+def ring_piece(sRing, warp, stage, piece, lane, elems: int):
+    """The 16-byte slot ``(warp, stage, piece, lane)`` of a ring as a 1-D tile."""
+    return cute.local_tile(sRing[warp, stage, piece, lane, None], (elems,), (0,))
+
+
+def ring_pipeline(nchunks: int, stages: int, issue, consume) -> None:
+    """Software pipeline over ``nchunks`` chunks through a ``stages``-slot ring, unrolled at
+    trace time: ``issue(v, slot)`` starts chunk v's copies, ``consume(v, slot)`` reads them back
+    and computes (the slot is refilled after ``consume``, whose MMAs used every value read). One
+    cp.async group per chunk (empty ones keep the count uniform): before chunk v, all but the
+    newest ``stages - 1`` groups have landed, so chunk v has."""
+    for v in range(stages):
+        if v < nchunks:
+            issue(v, v)
+        cute.arch.cp_async_commit_group()
+    for v in range(nchunks):
+        cute.arch.cp_async_wait_group(stages - 1)
+        consume(v, v % stages)
+        if v + stages < nchunks:
+            issue(v + stages, v % stages)
+        cute.arch.cp_async_commit_group()

@@ -57,7 +57,9 @@ W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
 # (T = 64, TP8: ~10.5 k items) and the block scheduler fills the SMs as CTAs finish, while the
 # worst-case grid (21.5 k CTAs at T = 64) is not launched in full
 CTAS_PER_SM = 64
-W13_MODES = ("w8", "w4")  # GroupedW13 tilings (see its __init__)
+W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
+W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
+RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
 
 
 def _div_pick(n: int, options) -> int:
@@ -263,12 +265,15 @@ class GroupedW13:
             self.min_blocks = 2
         else:
             # "w4": 4 warps, 4 chunks (16 x 16 B of weights per lane) per runtime loop step,
-            # 70 registers (ptxas, TP8): about 7 CTAs (28 warps) per SM
+            # 70 registers (ptxas, TP8): about 7 CTAs (28 warps) per SM. "ring": the same
+            # tiling, each warp's K slice streamed through its lanes' cp.async ring
+            # (RING_STAGES chunks of 4 weight + 2 z pieces in flight, 12 KB a warp at 4 stages)
             self.NW = _div_pick(chunks, (4, 2, 1))
             self.CPW = chunks // self.NW
             self.U = _div_pick(self.CPW, (4, 3, 2, 1))
             self.full_unroll = False
             self.min_blocks = 0
+        self.stages = RING_STAGES
         self.NRT = Ie // ROWS
         self.slots = n_slots(T, E, K)
         self.grid = min(self.slots * self.NRT, CTAS_PER_SM * nsm)
@@ -300,6 +305,10 @@ class GroupedW13:
         red = cute.make_layout((NW, ROWS, 8), stride=(ROWS * 8, 8, 1))
         sG = smem.allocate_tensor(Float32, red, byte_alignment=16)
         sU = smem.allocate_tensor(Float32, red, byte_alignment=16)
+        sRW = sRZ = None
+        if const_expr(self.mode == "ring"):
+            sRW = smem.allocate_tensor(BFloat16, mc.ring_layout(NW, self.stages, 4, 8), 16)
+            sRZ = smem.allocate_tensor(Float32, mc.ring_layout(NW, self.stages, 2, 4), 16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -317,15 +326,19 @@ class GroupedW13:
             rows = [rt * ROWS + g, Ie + rt * ROWS + g]
             for ps in cutlass.range((n + 7) // 8):
                 tok = mPairs[off + cutlass.min(ps * 8 + g, n - 1)] // K
-                accs = mc.zero_accs(2)
-                for it in cutlass.range(self.CPW // U, unroll_full=self.full_unroll):
-                    mc.mma_chunks(
-                        atom, accs, fa, fb, mW, rows, 1, U,
-                        lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
-                        lambda k0, tok=tok: lambda j: _load_z(mY, tok, E // 8 + k0 // 8),
-                    )  # fmt: skip
-                mc.stash_acc(sG, warp, g, c, 0, accs[0])
-                mc.stash_acc(sU, warp, g, c, 0, accs[1])
+                if const_expr(self.mode == "ring"):
+                    self._ring_pass(mW, mY, tok, rows[0], rows[1], chunk0, warp, lane, sRW,
+                                    sRZ, sG, sU)  # fmt: skip
+                else:
+                    accs = mc.zero_accs(2)
+                    for it in cutlass.range(self.CPW // U, unroll_full=self.full_unroll):
+                        mc.mma_chunks(
+                            atom, accs, fa, fb, mW, rows, 1, U,
+                            lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                            lambda k0, tok=tok: lambda j: _load_z(mY, tok, E // 8 + k0 // 8),
+                        )  # fmt: skip
+                    mc.stash_acc(sG, warp, g, c, 0, accs[0])
+                    mc.stash_acc(sU, warp, g, c, 0, accs[1])
                 cute.arch.barrier()
                 for i in cutlass.range_constexpr(-(-(ROWS * 8) // NT)):
                     idx = tid + i * NT
@@ -343,11 +356,69 @@ class GroupedW13:
                             mH[p, rt * ROWS + r] = hv.to(BFloat16)
                 cute.arch.barrier()
 
+    @cute.jit
+    def _ring_pass(self, mW, mY, tok, rg, ru, chunk0, warp, lane, sRW, sRZ, sG, sU):
+        """One token pass of the warp's K slice through the ring, a runtime loop (unrolled at
+        trace time the 28 chunks took 214 registers, ptxas): per chunk, the lane's gate and up
+        weight runs (rows rg, rg + 8, ru, ru + 8) and token ``tok``'s 8 FP32 z values. The
+        accumulators end in ``sG`` / ``sU``."""
+        NS = self.stages
+        g = lane // 4
+        c = lane % 4
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        accs = mc.zero_accs(2)
+        for v in cutlass.range_constexpr(NS):
+            self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + v) * KCH + c * 8, v, warp, lane,
+                             sRW, sRZ)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        for v in cutlass.range(self.CPW, unroll=1):
+            cute.arch.cp_async_wait_group(NS - 1)
+            slot = v % NS
+            self._ring_consume(slot, warp, lane, sRW, sRZ, accs, atom, fa, fb)
+            if v + NS < self.CPW:
+                self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + v + NS) * KCH + c * 8, slot,
+                                 warp, lane, sRW, sRZ)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+        mc.stash_acc(sG, warp, g, c, 0, accs[0])
+        mc.stash_acc(sU, warp, g, c, 0, accs[1])
+
+    def _ring_issue(self, mW, mY, tok, rg, ru, k0, slot, warp, lane, sRW, sRZ):
+        """cp.async of one chunk's pieces into ring slot ``slot`` (trace time)."""
+        for q, r in enumerate((rg, ru)):
+            for hh in range(2):
+                src = cute.local_tile(mW[r + 8 * hh, None], (8,), (k0 // 8,))
+                mc.cp_async16(mc.ring_piece(sRW, warp, slot, 2 * q + hh, lane, 8), src)
+        for hz in range(2):
+            src = cute.local_tile(mY[tok, None], (4,), ((self.E + k0) // 4 + hz,))
+            mc.cp_async16(mc.ring_piece(sRZ, warp, slot, hz, lane, 4), src)
+
+    def _ring_consume(self, slot, warp, lane, sRW, sRZ, accs, atom, fa, fb):
+        """The chunk in ring slot ``slot``: z rounded to BF16, gate and up MMAs (trace time)."""
+        w = []
+        for p in range(4):
+            t = cute.make_rmem_tensor((8,), BFloat16)
+            cute.autovec_copy(mc.ring_piece(sRW, warp, slot, p, lane, 8), t)
+            w.append(t)
+        xf = cute.make_rmem_tensor((8,), Float32)
+        for hz in range(2):
+            zq = cute.make_rmem_tensor((4,), Float32)
+            cute.autovec_copy(mc.ring_piece(sRZ, warp, slot, hz, lane, 4), zq)
+            for i in range(4):
+                xf[4 * hz + i] = zq[i]
+        xb = cute.make_rmem_tensor((8,), BFloat16)
+        xb.store(xf.load().to(BFloat16))
+        mc.mma_k16(atom, accs, fa, fb, xb, [(w[0], w[1], 0), (w[2], w[3], 1)])
+
 
 class GroupedW2:
     """Kernel 3: w2 of each selected expert, weighted FP32 atomics into ``acc``; shared down."""
 
-    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132):
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, mode: str = "regs"):
+        if mode not in W2_MODES:
+            raise ValueError(f"moe_grouped: w2 mode {mode!r}, expected one of {W2_MODES}")
+        self.mode = mode
+        self.stages = RING_STAGES
         for name, v in (("latent", L), ("hidden", H)):
             if v % ROWS:
                 raise ValueError(f"moe_grouped: {name} {v} must be a multiple of {ROWS}")
@@ -391,6 +462,12 @@ class GroupedW2:
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
         nr = self.nr
+        sR = None
+        if const_expr(self.mode == "ring"):  # per lane and chunk: W2_RT x (lo, hi) runs + h
+            smem = cutlass.memory.SmemAllocator()
+            sR = smem.allocate_tensor(
+                BFloat16, mc.ring_layout(W2_WARPS, self.stages, 2 * W2_RT + 1, 8), 16
+            )
         if bid < nr:
             U = self.U2
             nact = mNact[0]
@@ -406,12 +483,16 @@ class GroupedW2:
                 for ps in cutlass.range((n + 7) // 8):
                     prow = mPairs[off + cutlass.min(ps * 8 + g, n - 1)]
                     accs = mc.zero_accs(W2_RT)
-                    for it in cutlass.range(Ie // KCH // U, unroll_full=True):
-                        mc.mma_chunks(
-                            atom, accs, fa, fb, mW, rows, 1, U,
-                            lambda v, it=it: (it * U + v) * KCH + c * 8,
-                            lambda k0, prow=prow: lambda j: mc.load_row8(mH, prow, k0),
-                        )  # fmt: skip
+                    if const_expr(self.mode == "ring"):
+                        self._ring_chunks(mW, mH, prow, rows, warp, lane, c, sR, accs, atom,
+                                          fa, fb)  # fmt: skip
+                    else:
+                        for it in cutlass.range(Ie // KCH // U, unroll_full=True):
+                            mc.mma_chunks(
+                                atom, accs, fa, fb, mW, rows, 1, U,
+                                lambda v, it=it: (it * U + v) * KCH + c * 8,
+                                lambda k0, prow=prow: lambda j: mc.load_row8(mH, prow, k0),
+                            )  # fmt: skip
                     for s in cutlass.range_constexpr(2):
                         slot = ps * 8 + 2 * c + s
                         if slot < n:
@@ -447,6 +528,31 @@ class GroupedW2:
                                 acc = accs[q]
                                 mShared[t, r0] = acc[s]
                                 mShared[t, r0 + 8] = acc[2 + s]
+
+    def _ring_chunks(self, mW, mH, prow, rows, warp, lane, c, sR, accs, atom, fa, fb):
+        """All of K (``Ie``) through the ring (trace time): per chunk, the lane's weight runs of
+        its ``W2_RT`` row tiles and the 8 h values of pair row ``prow``."""
+        nq = len(rows)
+
+        def issue(v, slot):
+            k0 = v * KCH + c * 8
+            for q in range(nq):
+                for hh in range(2):
+                    src = cute.local_tile(mW[rows[q] + 8 * hh, None], (8,), (k0 // 8,))
+                    mc.cp_async16(mc.ring_piece(sR, warp, slot, 2 * q + hh, lane, 8), src)
+            src = cute.local_tile(mH[prow, None], (8,), (k0 // 8,))
+            mc.cp_async16(mc.ring_piece(sR, warp, slot, 2 * nq, lane, 8), src)
+
+        def consume(v, slot):
+            t = []
+            for p in range(2 * nq + 1):
+                r = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(mc.ring_piece(sR, warp, slot, p, lane, 8), r)
+                t.append(r)
+            tiles = [(t[2 * q], t[2 * q + 1], q) for q in range(nq)]
+            mc.mma_k16(atom, accs, fa, fb, t[2 * nq], tiles)
+
+        mc.ring_pipeline(self.Ie // KCH, self.stages, issue, consume)
 
 
 # -- torch-facing --------------------------------------------------------------------------
@@ -507,8 +613,8 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
     return op, args
 
 
-def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132):
-    op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm)
+def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs"):
+    op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode)
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
     sl = op.slots
     args = (
@@ -538,6 +644,15 @@ def w13_mode() -> str:
     return v
 
 
+def w2_mode() -> str:
+    """``DECODESCOPE_MOE_GROUPED_W2``: ``regs`` (default) or ``ring`` (:class:`GroupedW2`'s
+    weight loads). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "regs")
+    if v not in W2_MODES:
+        raise ValueError(f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {W2_MODES}")
+    return v
+
+
 def route_split() -> bool:
     """``DECODESCOPE_MOE_GROUPED_ROUTE``: ``split`` (default: the top-k over ``ceil(T/8)`` CTAs,
     :class:`GroupedRoute`; H200 TP8: route 74.0 -> 19.1 us at 64 tokens, the same 16.4 us at 8,
@@ -549,12 +664,13 @@ def route_split() -> bool:
     return v == "split"
 
 
-def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4", split=False):
+def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4", split=False,
+              w2="regs"):  # fmt: skip
     """The three (op, fake args) pairs, for compile tests."""
     return (
         _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split),
         _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode),
-        _build_w2(T, E, K, L, Ie, H, S, pdl),
+        _build_w2(T, E, K, L, Ie, H, S, pdl, mode=w2),
     )
 
 
@@ -609,6 +725,7 @@ def moe_grouped(
     itf.check(bufs.hs, "grouped hs", (T, S), torch.bfloat16)
     pdl = pdl_enabled()
     mode = w13_mode()
+    m2 = w2_mode()
     nsm = num_sms(y_front.device)
     split = route_split()
     dims = (T, E, K, L, Ie, H, S)
@@ -621,7 +738,8 @@ def moe_grouped(
         lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm),
     )
     w2k = itf.compiled(
-        ("moe_grouped_w2", *dims, pdl, nsm), lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm)
+        ("moe_grouped_w2", *dims, pdl, nsm, m2),
+        lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2),
     )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
