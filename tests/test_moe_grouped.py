@@ -57,7 +57,7 @@ def test_ring_kernels_compile(preset, tp, T):
     builds = mg.build_all(T, E, K, L, Ie, H, S, 1.0, cfg.model.situ_beta,
                           cfg.model.situ_linear_beta, True, "ring", True, "ring")  # fmt: skip
     for op, args in builds[1:]:
-        assert op.mode == "ring" and op.stages == mg.RING_STAGES
+        assert op.mode == "ring" and 1 <= op.stages <= mg.RING_STAGES
         assert itf.compile_only(op, *args) is not None
 
 

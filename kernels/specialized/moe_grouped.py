@@ -273,7 +273,7 @@ class GroupedW13:
             self.U = _div_pick(self.CPW, (4, 3, 2, 1))
             self.full_unroll = False
             self.min_blocks = 0
-        self.stages = RING_STAGES
+        self.stages = _div_pick(self.CPW, (RING_STAGES, 2, 1))  # "ring": divides CPW
         self.NRT = Ie // ROWS
         self.slots = n_slots(T, E, K)
         self.grid = min(self.slots * self.NRT, CTAS_PER_SM * nsm)
@@ -358,8 +358,9 @@ class GroupedW13:
 
     @cute.jit
     def _ring_pass(self, mW, mY, tok, rg, ru, chunk0, warp, lane, sRW, sRZ, sG, sU):
-        """One token pass of the warp's K slice through the ring, a runtime loop (unrolled at
-        trace time the 28 chunks took 214 registers, ptxas): per chunk, the lane's gate and up
+        """One token pass of the warp's K slice through the ring, a runtime loop of unrolled
+        rounds (all 28 chunks unrolled took 214 registers, ptxas; a plain runtime loop ran at
+        0.56-2.3 TB/s on the H200, MIO-bound): per chunk, the lane's gate and up
         weight runs (rows rg, rg + 8, ru, ru + 8) and token ``tok``'s 8 FP32 z values. The
         accumulators end in ``sG`` / ``sU``."""
         NS = self.stages
@@ -372,14 +373,16 @@ class GroupedW13:
             self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + v) * KCH + c * 8, v, warp, lane,
                              sRW, sRZ)  # fmt: skip
             cute.arch.cp_async_commit_group()
-        for v in cutlass.range(self.CPW, unroll=1):
-            cute.arch.cp_async_wait_group(NS - 1)
-            slot = v % NS
-            self._ring_consume(slot, warp, lane, sRW, sRZ, accs, atom, fa, fb)
-            if v + NS < self.CPW:
-                self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + v + NS) * KCH + c * 8, slot,
-                                 warp, lane, sRW, sRZ)  # fmt: skip
-            cute.arch.cp_async_commit_group()
+        # a runtime loop over rounds of NS chunks, each round unrolled: the slots are constants
+        for it in cutlass.range(self.CPW // NS, unroll=1):
+            for s in cutlass.range_constexpr(NS):
+                cute.arch.cp_async_wait_group(NS - 1)
+                self._ring_consume(s, warp, lane, sRW, sRZ, accs, atom, fa, fb)
+                nxt = it * NS + s + NS
+                if nxt < self.CPW:
+                    self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + nxt) * KCH + c * 8, s,
+                                     warp, lane, sRW, sRZ)  # fmt: skip
+                cute.arch.cp_async_commit_group()
         mc.stash_acc(sG, warp, g, c, 0, accs[0])
         mc.stash_acc(sU, warp, g, c, 0, accs[1])
 
@@ -645,9 +648,11 @@ def w13_mode() -> str:
 
 
 def w2_mode() -> str:
-    """``DECODESCOPE_MOE_GROUPED_W2``: ``regs`` (default) or ``ring`` (:class:`GroupedW2`'s
-    weight loads). Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "regs")
+    """``DECODESCOPE_MOE_GROUPED_W2``: ``ring`` (default) or ``regs`` (:class:`GroupedW2`'s
+    weight loads). H200 TP8, w2 alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 -> 102.1 us at
+    8 tokens, 491.8 -> 365.8 at 64 (floor ~301); 25.3 -> 28.8 at 1 token, where the grouped
+    kernels are not the default. Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "ring")
     if v not in W2_MODES:
         raise ValueError(f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {W2_MODES}")
     return v
