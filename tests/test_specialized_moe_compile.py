@@ -262,3 +262,28 @@ def test_pipe_schedule_publishes_every_tile_and_never_deadlocks(nact):
                 moved = True
         assert moved, "deadlock"
     assert done == [nrb13] * nact
+
+
+@pytest.mark.parametrize("preset,tp,T", [("kimi-k3", 8, 8), ("kimi-k3", 8, 64), ("tiny", 1, 13)])
+def test_front_back_mma_ring_compile(preset, tp, T):
+    """The weight runs of FrontMma / BackMma through the per-lane cp.async ring."""
+    cfg, d = _dims(preset, tp)
+    NF = d["E"] + d["L"] + 2 * d["S"]
+    for op, args in (
+        fm._build(T, d["H"], NF, T * d["L"], d["E"], True, "ring"),
+        bm._build(T, d["L"], d["H"], cfg.eps, True, "ring"),
+    ):
+        assert op.load == "ring"
+        assert itf.compile_only(op, *args) is not None
+
+
+def test_mma_load_knob(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_MOE_MMA_LOAD", raising=False)
+    assert fm.mma_load() == "regs"
+    monkeypatch.setenv("DECODESCOPE_MOE_MMA_LOAD", "ring")
+    assert fm.mma_load() == "ring"
+    monkeypatch.setenv("DECODESCOPE_MOE_MMA_LOAD", "tma")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_MMA_LOAD"):
+        fm.mma_load()
+    with pytest.raises(ValueError, match="load"):
+        fm.FrontMma(8, 7168, 6016, 8, 8, load="x")

@@ -26,6 +26,7 @@ from cutlass import BFloat16, Float32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized.front_mma import mma_load
 from decodescope.kernels.specialized.router_topk import pdl_enabled
 from decodescope.kernels.specialized.up_proj_shared_add import check_back_args, fake_back_args
 
@@ -44,7 +45,11 @@ def _warps(L: int) -> int:
 class BackMma:
     """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
 
-    def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True):
+    def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs"):
+        if load not in mc.LOADS:
+            raise ValueError(f"back_mma: load {load!r}, expected one of {mc.LOADS}")
+        self.load = load
+        self.NS = 4  # "ring": chunks in flight per warp
         if not 1 <= T <= 64:
             raise ValueError(f"back_mma: 1..64 tokens, got {T}")
         if L % KCH:
@@ -104,6 +109,20 @@ class BackMma:
             byte_alignment=16,
         )
         sRstd = smem.allocate_tensor(Float32, cute.make_layout(MP), byte_alignment=16)
+        NS = self.NS
+        rows = []
+        for q in cutlass.range_constexpr(RT):
+            rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
+        chunk0 = warp * self.CPW
+        sR = None
+        if const_expr(self.load == "ring"):
+            sR = smem.allocate_tensor(BFloat16, mc.ring_layout(NW, NS, 2 * RT, 8), 16)
+
+        def issue(v, slot):
+            mc.ring_issue_rows(sR, warp, lane, slot, mW, rows, (chunk0 + v) * KCH + c * 8)
+
+        if const_expr(self.load == "ring"):
+            mc.ring_fill(self.CPW, NS, issue)  # weights: before the wait (never written upstream)
         if const_expr(self.pdl):
             # acc is complete only when the expert kernel has finished
             cute.arch.griddepcontrol_wait()
@@ -122,9 +141,6 @@ class BackMma:
         cute.arch.barrier()
 
         atom = mc.mma_atom()
-        rows = []
-        for q in cutlass.range_constexpr(RT):
-            rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
         toks = []
         rstd = []
         for j in cutlass.range_constexpr(NJ):
@@ -133,13 +149,25 @@ class BackMma:
             rstd.append(sRstd[tk])
         accs = mc.zero_accs(RT * NJ)
         fa, fb = mc.fragments()
-        chunk0 = warp * self.CPW
-        for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
-            mc.mma_chunks(
-                atom, accs, fa, fb, mW, rows, NJ, U,
-                lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
-                lambda k0: _normed_b(mAcc, mNW, toks, rstd, k0),
-            )  # fmt: skip
+
+        def consume(v, slot):
+            k0 = (chunk0 + v) * KCH + c * 8
+            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ,
+                        _normed_b(mAcc, mNW, toks, rstd, k0))  # fmt: skip
+
+        if const_expr(self.load == "ring"):
+            rounds, tail = mc.ring_rounds(self.CPW, NS)
+            for it in cutlass.range(rounds, unroll=1):
+                for s in cutlass.range_constexpr(NS):
+                    mc.ring_step(it * NS + s, s, NS, issue, consume)
+            mc.ring_tail(tail, self.CPW, NS, issue, consume)
+        else:
+            for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
+                mc.mma_chunks(
+                    atom, accs, fa, fb, mW, rows, NJ, U,
+                    lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                    lambda k0: _normed_b(mAcc, mNW, toks, rstd, k0),
+                )  # fmt: skip
 
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(NJ):
@@ -177,8 +205,8 @@ def _normed_b(mAcc, mNW, toks, rstd, k0):
     return b_of
 
 
-def _build(T, L, H, eps, pdl=True):
-    op = BackMma(T, L, H, eps, pdl)
+def _build(T, L, H, eps, pdl=True, load="regs"):
+    op = BackMma(T, L, H, eps, pdl, load)
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
@@ -199,6 +227,7 @@ def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
-    key = ("moe_back_mma", T, L, H, float(eps), pdl)
-    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl))
+    load = mma_load()
+    key = ("moe_back_mma", T, L, H, float(eps), pdl, load)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load))
     fn(acc, latent_norm, latent_up, shared_out, out)

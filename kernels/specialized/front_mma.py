@@ -25,7 +25,7 @@ import os
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
@@ -34,12 +34,17 @@ from decodescope.kernels.specialized.router_topk import pdl_enabled
 ROWS = 16  # MMA M
 KCH = 32  # k per chunk: two m16n8k16 steps
 NW = 8  # warps per CTA (K slices)
+RING_STAGES = 4
 
 
 class FrontMma:
     """Compile-time facts: T tokens, K, NF packed rows, sizes of ``acc`` / ``done``."""
 
-    def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True):
+    def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
+                 load: str = "regs"):  # fmt: skip
+        if load not in mc.LOADS:
+            raise ValueError(f"front_mma: load {load!r}, expected one of {mc.LOADS}")
+        self.load = load
         if not 1 <= T <= 64:
             raise ValueError(f"front_mma: 1..64 tokens, got {T}")
         if K % (KCH * NW):
@@ -60,6 +65,7 @@ class FrontMma:
                 u = c
                 break
         self.U = u
+        self.NS = RING_STAGES  # "ring": chunks in flight per warp
 
     @cute.jit
     def __call__(
@@ -98,15 +104,6 @@ class FrontMma:
             cute.make_layout((NW, ROWS, MP), stride=(ROWS * MP, MP, 1)),
             byte_alignment=16,
         )
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-        for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
-            mAcc[i] = Float32(0.0)
-        for i in cutlass.range(bid * NT + tid, self.n_done, self.grid * NT):
-            mDone[i] = Int32(0)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-
         atom = mc.mma_atom()
         rows = []
         for q in cutlass.range_constexpr(RT):
@@ -117,12 +114,43 @@ class FrontMma:
         accs = mc.zero_accs(RT * NJ)
         fa, fb = mc.fragments()
         chunk0 = warp * self.CPW
-        for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
-            mc.mma_chunks(
-                atom, accs, fa, fb, mW, rows, NJ, U,
-                lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
-                lambda k0: lambda j: mc.load_row8(mX, toks[j], k0),
-            )  # fmt: skip
+        NS = self.NS
+        sR = None
+        if const_expr(self.load == "ring"):
+            sR = smem.allocate_tensor(BFloat16, mc.ring_layout(NW, NS, 2 * RT, 8), 16)
+
+        def issue(v, slot):
+            mc.ring_issue_rows(sR, warp, lane, slot, mW, rows, (chunk0 + v) * KCH + c * 8)
+
+        def consume(v, slot):
+            k0 = (chunk0 + v) * KCH + c * 8
+            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ,
+                        lambda j: mc.load_row8(mX, toks[j], k0))  # fmt: skip
+
+        if const_expr(self.load == "ring"):
+            mc.ring_fill(self.CPW, NS, issue)  # weights: before the wait (never written upstream)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+        for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
+            mAcc[i] = Float32(0.0)
+        for i in cutlass.range(bid * NT + tid, self.n_done, self.grid * NT):
+            mDone[i] = Int32(0)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        if const_expr(self.load == "ring"):
+            rounds, tail = mc.ring_rounds(self.CPW, NS)
+            for it in cutlass.range(rounds, unroll=1):
+                for s in cutlass.range_constexpr(NS):
+                    mc.ring_step(it * NS + s, s, NS, issue, consume)
+            mc.ring_tail(tail, self.CPW, NS, issue, consume)
+        else:
+            for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
+                mc.mma_chunks(
+                    atom, accs, fa, fb, mW, rows, NJ, U,
+                    lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
+                    lambda k0: lambda j: mc.load_row8(mX, toks[j], k0),
+                )  # fmt: skip
 
         # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
         # the warps' K slices are summed through shared memory, one row tile at a time
@@ -144,8 +172,8 @@ class FrontMma:
             cute.arch.barrier()
 
 
-def _build(T, K, NF, n_acc, n_done, pdl=True):
-    op = FrontMma(T, K, NF, n_acc, n_done, pdl)
+def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs"):
+    op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
@@ -155,6 +183,13 @@ def _build(T, K, NF, n_acc, n_done, pdl=True):
         itf.env_stream(),
     )
     return op, args
+
+
+def mma_load() -> str:
+    """``DECODESCOPE_MOE_MMA_LOAD``: ``regs`` (default) or ``ring``: the weight loads of
+    :class:`FrontMma` and :class:`.back_mma.BackMma` (the cp.async ring of
+    :mod:`.mma_common`). Read at each call, part of the compile keys."""
+    return mc.load_mode("DECODESCOPE_MOE_MMA_LOAD")
 
 
 def front_variant(T: int, K: int) -> str:
@@ -176,6 +211,7 @@ def front_mma(x, w_front, y, acc, done) -> None:
     itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
     itf.check(y, "y_front", (T, NF), torch.float32)
     pdl = pdl_enabled()
-    key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl)
-    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl))
+    load = mma_load()
+    key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl, load)
+    fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load))
     fn(x, w_front, y, acc.view(-1), done.view(-1))

@@ -164,3 +164,86 @@ def ring_pipeline(nchunks: int, stages: int, issue, consume) -> None:
         if v + stages < nchunks:
             issue(v + stages, v % stages)
         cute.arch.cp_async_commit_group()
+
+
+# Driving a ring from a kernel (the runtime loop must sit in the kernel's own, preprocessed code):
+#
+#     rounds, tail = mc.ring_rounds(C, NS)
+#     mc.ring_fill(C, NS, issue)                 # may precede griddepcontrol.wait (weights)
+#     for it in cutlass.range(rounds, unroll=1):
+#         for s in cutlass.range_constexpr(NS):
+#             mc.ring_step(it * NS + s, s, NS, issue, consume)
+#     for v in cutlass.range_constexpr(tail, C):
+#         mc.ring_step(v, v % NS, NS, issue if v + NS < C else None, consume)
+#
+# Slots are trace-time constants throughout (a dynamic slot index made the w13 ring MIO-bound
+# on the H200); the runtime loop keeps the code (and the registers holding addresses) small.
+
+
+def ring_rounds(nchunks: int, stages: int) -> tuple[int, int]:
+    """``(rounds, tail)``: ``rounds`` runtime rounds of ``stages`` steps that each refill their
+    slot, then the trace-time steps ``tail .. nchunks - 1`` (the last ``stages`` of them issue
+    nothing)."""
+    steady = max(nchunks - stages, 0)
+    rounds = steady // stages
+    return rounds, rounds * stages
+
+
+def ring_fill(nchunks: int, stages: int, issue) -> None:
+    """Issue chunks ``0 .. stages - 1`` into slots ``0 .. stages - 1``, one group each."""
+    for v in range(stages):
+        if v < nchunks:
+            issue(v, v)
+        cute.arch.cp_async_commit_group()
+
+
+def ring_step(v, slot: int, stages: int, issue, consume) -> None:
+    """Chunk ``v`` (its copies landed after the wait) through ``consume(v, slot)``, then
+    ``issue(v + stages, slot)`` unless ``issue`` is None; one group committed either way."""
+    cute.arch.cp_async_wait_group(stages - 1)
+    consume(v, slot)
+    if issue is not None:
+        issue(v + stages, slot)
+    cute.arch.cp_async_commit_group()
+
+
+def ring_issue_rows(sRing, warp, lane, slot: int, mW, rows, k0, piece0: int = 0) -> None:
+    """cp.async of the lane's A-fragment runs ``mW[r, k0:k0+8]`` and ``mW[r+8, k0:k0+8]`` of
+    every row-tile base ``r`` in ``rows`` into pieces ``piece0 + 2q`` / ``piece0 + 2q + 1``."""
+    for q, r in enumerate(rows):
+        for hh in range(2):
+            src = cute.local_tile(mW[r + 8 * hh, None], (8,), (k0 // 8,))
+            cp_async16(ring_piece(sRing, warp, slot, piece0 + 2 * q + hh, lane, 8), src)
+
+
+def ring_mma(atom, accs, fa, fb, sRing, warp, lane, slot: int, nrows: int, nj: int, b_of):
+    """MMAs of one chunk from the ring: weight runs of ``nrows`` row tiles (pieces 0..2*nrows-1)
+    against ``b_of(j)``, the 8 activations of token tile ``j``; ``accs[q * nj + j]``."""
+    w = []
+    for p in range(2 * nrows):
+        t = cute.make_rmem_tensor((8,), BFloat16)
+        cute.autovec_copy(ring_piece(sRing, warp, slot, p, lane, 8), t)
+        w.append(t)
+    for j in range(nj):
+        xb = b_of(j)
+        tiles = [(w[2 * q], w[2 * q + 1], q * nj + j) for q in range(nrows)]
+        mma_k16(atom, accs, fa, fb, xb, tiles)
+
+
+def ring_tail(tail: int, nchunks: int, stages: int, issue, consume) -> None:
+    """The trace-time steps ``tail .. nchunks - 1`` after the runtime rounds (see above)."""
+    for v in range(tail, nchunks):
+        ring_step(v, v % stages, stages, issue if v + stages < nchunks else None, consume)
+
+
+LOADS = ("regs", "ring")
+
+
+def load_mode(var: str, default: str = "regs") -> str:
+    """An env knob choosing register loads or the cp.async ring (part of compile keys)."""
+    import os
+
+    v = os.environ.get(var, default)
+    if v not in LOADS:
+        raise ValueError(f"{var}={v!r}: expected one of {LOADS}")
+    return v
