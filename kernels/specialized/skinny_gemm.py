@@ -31,12 +31,26 @@ One kernel family serves every dense projection of the specialized layers (``nor
   tiles and the matching ``rt / 2`` up tiles, and writes ``out[m, d] = bf16(situ(bf16(g),
   bf16(u)))`` into an ``[M, D]`` output (the dense MLP's w13 + act in one launch). The next RMSNorm needs the whole row (all CTAs' outputs): it is not
   fused here; the next kernel recomputes ``rstd`` in its prologue, as this one does.
+- **Weight loads** (``GemmPlan.load``): ``regs`` (the default) loads each group of ``unroll``
+  chunks into registers right before its MMAs, so a warp's bytes are in flight only between
+  load and MMA. ``ring`` streams every lane's own A-fragment runs (lo / hi per row tile per
+  chunk, 2 x ``rt`` 16-byte pieces) through its private slots of a shared-memory ring
+  (``cp.async.cg``, :func:`.mma_common.ring_layout` ``[warps, stages, 2 rt, 32 lanes, 8]``
+  BF16): ``stages`` chunks in flight per warp at all times, no barriers (a thread's own
+  copies are visible to it after ``cp.async.wait_group``). The first ``stages`` chunks are
+  issued before the PDL wait (the weights never come from the previous kernel), so they
+  stream during the norm prologue. The activations keep the register path, loaded a round
+  (``stages`` chunks) ahead of that round's MMAs. A warp's chunks run as a runtime loop over
+  rounds of ``stages`` chunks, each round unrolled (constant ring slots), or all unrolled when
+  a warp has at most ``RING_UNROLL_MAX`` chunks. ``DECODESCOPE_SKINNY_LOAD=regs|ring`` picks
+  the mode of plans with M <= 16 that do not set it.
 
-Compile key: (m, k, segment widths, flags, x row stride). Shapes are static.
+Compile key: (m, k, segment widths, flags, x row stride, load mode, stages). Shapes are static.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -52,6 +66,19 @@ from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enab
 
 ROWS = 16  # weight rows per CTA (the MMA's M)
 KCHUNK = 32  # k per chunk: two m16n8k16 steps
+LOAD_ENV = "DECODESCOPE_SKINNY_LOAD"
+LOADS = ("regs", "ring")  # weight loads: registers, or the per-lane cp.async ring
+RING_STAGES = 4  # chunks in flight per warp in "ring" mode
+RING_UNROLL_MAX = 16  # "ring": a warp's chunks all unrolled up to this many, else rounds
+
+
+def load_mode() -> str:
+    """``DECODESCOPE_SKINNY_LOAD``: ``regs`` (default) or ``ring``, the weight loads of the
+    plans with M <= 16 that do not choose (read where a plan is made: part of its key)."""
+    v = os.environ.get(LOAD_ENV, "") or "regs"
+    if v not in LOADS:
+        raise ValueError(f"{LOAD_ENV}={v!r}: expected one of {LOADS}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -72,8 +99,16 @@ class GemmPlan:
     situ: bool = False  # SiTU-and-mul epilogue over gate/up halves of one segment
     situ_beta: float = 4.0
     situ_lbeta: float = 25.0
+    load: str = ""  # "regs" / "ring" ("": $DECODESCOPE_SKINNY_LOAD at M <= 16, else "regs")
+    stages: int = RING_STAGES  # "ring": chunks in flight per warp
 
     def __post_init__(self) -> None:
+        if not self.load:
+            object.__setattr__(self, "load", load_mode() if self.m <= 16 else "regs")
+        if self.load not in LOADS:
+            raise ValueError(f"GemmPlan.load={self.load!r}: expected one of {LOADS}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"GemmPlan.stages={self.stages}: expected 1..8")
         if not 1 <= self.m <= 64:
             raise ValueError(f"skinny GEMM supports 1..64 tokens, got {self.m}")
         if self.k % KCHUNK:
@@ -147,6 +182,43 @@ class GemmPlan:
         return cutlass.min(cta * self.rt + q, ntiles - 1)
 
     @property
+    def chunks_per_warp(self) -> int:
+        return self.k // KCHUNK // self.ks
+
+    @property
+    def ring_stages(self) -> int:
+        """Ring slots per warp ("ring"): ``stages``, at most the warp's chunk count."""
+        return min(self.stages, self.chunks_per_warp)
+
+    @property
+    def ring_rounds(self) -> int:
+        """Runtime rounds of ``ring_stages`` chunks that each refill their slots; the chunks
+        after them (at most ``2 * ring_stages - 1``) are unrolled at trace time. 0 (all
+        unrolled) for up to ``RING_UNROLL_MAX`` chunks per warp."""
+        c, ns = self.chunks_per_warp, self.ring_stages
+        if c <= RING_UNROLL_MAX:
+            return 0
+        return max(c - ns, 0) // ns
+
+    @property
+    def ring_tail(self) -> list[tuple[int, int, list[bool]]]:
+        """The trace-time rounds after the runtime ones: ``(first chunk, chunks, refill per
+        chunk)``; a refill issues chunk ``+ ring_stages`` into the slot just read."""
+        c, ns = self.chunks_per_warp, self.ring_stages
+        out = []
+        for v0 in range(self.ring_rounds * ns, c, ns):
+            n = min(ns, c - v0)
+            out.append((v0, n, [v0 + s + ns < c for s in range(n)]))
+        return out
+
+    @property
+    def ring_bytes(self) -> int:
+        """Shared memory of the ring ("ring"; 0 otherwise): 16 B per lane, piece, slot, warp."""
+        if self.load != "ring":
+            return 0
+        return self.ks * self.ring_stages * 2 * self.rt * 32 * 16
+
+    @property
     def ntiles(self) -> int:
         """8-token MMA tiles."""
         return (self.m + 7) // 8
@@ -196,7 +268,7 @@ class SkinnyGemm:
         self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
             grid=[p.grid, 1, 1],
             block=[self.threads, 1, 1],
-            smem=Smem.size_in_bytes(),
+            smem=Smem.size_in_bytes() + (p.ring_bytes + 16 if p.load == "ring" else 0),
             stream=stream,
             use_pdl=p.pdl,
         )
@@ -231,8 +303,22 @@ class SkinnyGemm:
         if cutlass.const_expr(p.situ):
             h = p.rt // 2
             sGate = st.gate.get_tensor(cute.make_layout((h, ROWS, mp), stride=(ROWS * mp, mp, 1)))
+        sRing = None
+        if cutlass.const_expr(p.load == "ring"):
+            sRing = smem.allocate_tensor(
+                BFloat16, mc.ring_layout(p.ks, p.ring_stages, 2 * p.rt, 8), 16
+            )
+            # the weights never come from the previous kernel: the first chunks' copies go
+            # out before the PDL wait (and stream during the norm prologue)
+            t0 = 0
+            for s in cutlass.range_constexpr(len(p.segments)):
+                nc = p.ctas(p.segments[s])
+                if bidx >= t0 and bidx < t0 + nc:
+                    self.ring_fill(sRing, (mW0, mW1, mW2)[s], bidx - t0, p.segments[s] // ROWS,
+                                   warp, lane)  # fmt: skip
+                t0 += nc
 
-        if cutlass.const_expr(p.pdl):
+        if cutlass.const_expr(p.pdl and p.load == "regs"):
             # the weights never come from the previous kernel: start pulling this CTA's first
             # chunks into L2 while that kernel finishes, then wait for it
             t0 = 0
@@ -242,6 +328,7 @@ class SkinnyGemm:
                     self.prefetch_weights((mW0, mW1, mW2)[s], bidx - t0, p.segments[s] // ROWS,
                                           warp, lane)  # fmt: skip
                 t0 += nc
+        if cutlass.const_expr(p.pdl):
             pdl_begin()
 
         if cutlass.const_expr(p.norm):
@@ -256,7 +343,7 @@ class SkinnyGemm:
             if bidx >= t0 and bidx < t0 + nc:
                 self.tile(
                     mX, mR, mNW, sRstd, sRed, sGate, weights[s], outs[s], mE, bidx - t0,
-                    p.segments[s] // ROWS, warp, lane,
+                    p.segments[s] // ROWS, warp, lane, sRing,
                 )  # fmt: skip
             t0 += nc
 
@@ -316,8 +403,72 @@ class SkinnyGemm:
                     tot = tot + sRed[w, 0, m]
                 sRstd[m] = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
 
+    def _rows(self, cta, ntiles, g):
+        """Base rows (``g`` of each) of the CTA's ``rt`` weight row tiles (trace time)."""
+        return [self.p.weight_tile(cta, q, ntiles) * ROWS + g for q in range(self.p.rt)]
+
+    def ring_issue(self, sRing, mW, rows, v, slot: int, warp, lane):
+        """cp.async of chunk ``v`` of this warp's K slice (the lane's lo / hi runs of every row
+        tile) into ring slot ``slot``; the caller commits the group (trace time)."""
+        k0 = (warp * self.p.chunks_per_warp + v) * KCHUNK + (lane % 4) * 8
+        for q, r in enumerate(rows):
+            for hh in range(2):
+                src = cute.local_tile(mW[r + 8 * hh, None], (8,), (k0 // 8,))
+                mc.cp_async16(mc.ring_piece(sRing, warp, slot, 2 * q + hh, lane, 8), src)
+
     @cute.jit
-    def tile(self, mX, mR, mNW, sRstd, sRed, sGate, mW, mO, mE, cta, ntiles, warp, lane):
+    def ring_fill(self, sRing, mW, cta, ntiles, warp, lane):
+        """Chunks ``0 .. ring_stages - 1`` into slots ``0 ..``, one cp.async group each."""
+        rows = self._rows(cta, ntiles, lane // 4)
+        for v in cutlass.range_constexpr(self.p.ring_stages):
+            self.ring_issue(sRing, mW, rows, v, v, warp, lane)
+            cute.arch.cp_async_commit_group()
+
+    def ring_round(self, mX, mR, mNW, sRstd, sRing, mW, rows, accs, atom, fa, fb, v0, n: int,
+                   refill: list, warp, lane):  # fmt: skip
+        """Chunks ``v0 + s``, ``s < n``, in slots ``s`` (``v0`` is a multiple of the stages):
+        the activations of all ``n`` chunks are loaded first (one L2 round trip per round),
+        then per chunk: wait for its copies, read the weight runs back, MMAs, refill the slot
+        with chunk ``v0 + s + stages`` where ``refill[s]`` (trace time)."""
+        p = self.p
+        ns = p.ring_stages
+        g = lane // 4
+        c = lane % 4
+        chunk0 = warp * p.chunks_per_warp
+        bs = []
+        for s in range(n):
+            b_of = self.b_tiles(mX, mR, sRstd, mNW, g, (chunk0 + v0 + s) * KCHUNK + c * 8, p.norm)
+            bs.append([b_of(j) for j in range(p.ntiles)])
+        for s in range(n):
+            cute.arch.cp_async_wait_group(ns - 1)
+            w = []
+            for pc in range(2 * p.rt):
+                t = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(mc.ring_piece(sRing, warp, s, pc, lane, 8), t)
+                w.append(t)
+            for j in range(p.ntiles):
+                tiles = [(w[2 * q], w[2 * q + 1], q * p.ntiles + j) for q in range(p.rt)]
+                mc.mma_k16(atom, accs, fa, fb, bs[s][j], tiles)
+            if refill[s]:
+                self.ring_issue(sRing, mW, rows, v0 + s + ns, s, warp, lane)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def ring_mainloop(self, mX, mR, mNW, sRstd, sRing, mW, rows, accs, atom, fa, fb, warp,
+                      lane):  # fmt: skip
+        """This warp's K slice through the ring (filled by :meth:`ring_fill`): a runtime loop
+        of ``ring_rounds`` unrolled rounds, then the remaining chunks unrolled."""
+        p = self.p
+        ns = p.ring_stages
+        for it in cutlass.range(p.ring_rounds, unroll=1):
+            self.ring_round(mX, mR, mNW, sRstd, sRing, mW, rows, accs, atom, fa, fb, it * ns,
+                            ns, [True] * ns, warp, lane)  # fmt: skip
+        for v0, n, refill in p.ring_tail:
+            self.ring_round(mX, mR, mNW, sRstd, sRing, mW, rows, accs, atom, fa, fb, v0, n,
+                            refill, warp, lane)  # fmt: skip
+
+    @cute.jit
+    def tile(self, mX, mR, mNW, sRstd, sRed, sGate, mW, mO, mE, cta, ntiles, warp, lane, sRing):
         """Row tiles ``cta * rt .. cta * rt + rt - 1`` of one weight (clamped to the last tile
         for loads; only valid tiles are stored)."""
         p = self.p
@@ -335,14 +486,19 @@ class SkinnyGemm:
         chunks_per_warp = p.k // KCHUNK // p.ks
         u = p.unroll
         chunk0 = warp * chunks_per_warp
-        # small M: the whole K loop unrolled, so the compiler can issue the next chunks' weight
-        # loads ahead of the current MMAs (a runtime loop ends each iteration in a round trip)
-        for it in cutlass.range(chunks_per_warp // u, unroll_full=p.m <= 16):
-            mc.mma_chunks(
-                atom, accs, fa, fb, mW, rows, p.ntiles, u,
-                lambda v, it=it: (chunk0 + it * u + v) * KCHUNK + c * 8,
-                lambda k0: self.b_tiles(mX, mR, sRstd, mNW, g, k0, p.norm),
-            )  # fmt: skip
+        if cutlass.const_expr(p.load == "ring"):
+            self.ring_mainloop(mX, mR, mNW, sRstd, sRing, mW, rows, accs, atom, fa, fb, warp,
+                               lane)  # fmt: skip
+        else:
+            # small M: the whole K loop unrolled, so the compiler can issue the next chunks'
+            # weight loads ahead of the current MMAs (a runtime loop ends each iteration in a
+            # round trip)
+            for it in cutlass.range(chunks_per_warp // u, unroll_full=p.m <= 16):
+                mc.mma_chunks(
+                    atom, accs, fa, fb, mW, rows, p.ntiles, u,
+                    lambda v, it=it: (chunk0 + it * u + v) * KCHUNK + c * 8,
+                    lambda k0: self.b_tiles(mX, mR, sRstd, mNW, g, k0, p.norm),
+                )  # fmt: skip
 
         # accumulator of lane (g, c), tile j: (row g, tok 8j + 2c + {0,1}), (row g + 8, same).
         # The K-slices of the warps are summed through shared memory, one row tile at a time.
