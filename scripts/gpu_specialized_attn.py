@@ -33,7 +33,11 @@ shape, kind, point), with fresh random inputs and outputs poisoned with NaN befo
 Kernel choice is by environment, read at each launch: ``DECODESCOPE_SPLITK_GEMM`` (0 never, 1
 wherever K allows, unset from 8 tokens on at K >= 4096), ``DECODESCOPE_SPLITK_REDUCE``
 (atomic / partial), ``DECODESCOPE_MLA_KERNEL`` (tc / simt), ``DECODESCOPE_MLA_HEADS_PER_CTA``,
-``DECODESCOPE_NO_PDL``, ``DECODESCOPE_ATTN_GEMM`` (default / tile / auto).
+``DECODESCOPE_NO_PDL``, ``DECODESCOPE_ATTN_GEMM`` (default / tile / auto),
+``DECODESCOPE_SKINNY_LOAD`` (regs / ring: the skinny GEMM's weight loads at M <= 16). Up to 16
+tokens the skinny GEMMs are also checked as ``[skinny-ring]``, timed as the ``[ring kernels]``
+(the defaults, ring) and ``[skinny-ring kernels]`` (skinny everywhere, ring; its regs twin is
+``[old kernels]``) variants, and swept as ``rt1/ks8 ring`` / ``rt2/ks8 ring``.
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 point (a run cut short keeps what it measured). Writes ``results.json`` and ``table.md`` under
@@ -100,8 +104,11 @@ MLA_SWEEP = {  # (heads per CTA, splits; 0 = the plan's) of the tc kernel, timed
     "1x8": [(1, 4), (1, 16)],
     "8x8": [(2, 0), (1, 4)],
 }
+RING = {"DECODESCOPE_SKINNY_LOAD": "ring"}  # the skinny GEMM's cp.async-ring weight stream
 GEMM_KINDS = {
-    "skinny": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default"},
+    "skinny": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default",
+               "DECODESCOPE_SKINNY_LOAD": "regs"},
+    "skinny-ring": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default", **RING},
     "splitk": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_ATTN_GEMM": "default"},
     "splitk-partial": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_SPLITK_REDUCE": "partial",
                        "DECODESCOPE_ATTN_GEMM": "default"},
@@ -157,7 +164,8 @@ class env:
 
 def gemm_kinds(m: int, k: int) -> list[str]:
     """The GEMM kernels that can serve an m x k projection (split-K needs K % 256 == 0)."""
-    kinds = ["skinny"] + (["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else [])
+    kinds = ["skinny"] + (["skinny-ring"] if m <= 16 else [])
+    kinds += ["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else []
     return kinds + (["tile"] if k % tg.BK == 0 else [])
 
 
@@ -421,6 +429,9 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
     variants = dict(VARIANTS)
     if N < sk.MIN_M:  # is the split-K GEMM worth it below its default threshold too?
         variants["splitk-all"] = {"DECODESCOPE_SPLITK_GEMM": "1"}
+    if N <= 16:  # the skinny GEMMs with the cp.async ring: the defaults, and skinny everywhere
+        variants["ring"] = dict(RING)  # (their regs twins: "new" and "old" kernels)
+        variants["skinny-ring"] = dict(GEMM_KINDS["skinny-ring"])
     spec_us = None
     for vname, venv in variants.items():
         sfx = "" if vname == "new" else f" [{vname} kernels]"
@@ -516,15 +527,17 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                status="time")  # fmt: skip
 
-    def variant(rt: int, ks: int) -> None:
+    def variant(rt: int, ks: int, load: str = "regs") -> None:
         def one(i: int) -> None:
-            sg.skinny_gemm(x, [ws[i]], [outs[i]], rt=rt, ks=ks, **kw)
+            with env({"DECODESCOPE_SKINNY_LOAD": load}):
+                sg.skinny_gemm(x, [ws[i]], [outs[i]], rt=rt, ks=ks, **kw)
 
+        tag = f"rt{rt}/ks{ks}" + (" ring" if load == "ring" else "")
         poison(outs[0])
         one(0)
         torch.cuda.synchronize()
-        check(f"gemm rt{rt}/ks{ks}", ctx, outs[0], ref[0], TOL["out"])
-        timed(f"rt{rt}/ks{ks}", [(lambda i=i: one(i)) for i in range(n)])
+        check(f"gemm {tag}", ctx, outs[0], ref[0], TOL["out"])
+        timed(tag, [(lambda i=i: one(i)) for i in range(n)])
 
     def split(rt: int) -> None:  # residual+norm in its own launch, then the plain GEMM on h
         hb = torch.empty(M, K, dtype=BF16, device=DEV)
@@ -556,6 +569,9 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
     for rt, ks in SWEEP_VARIANTS:
         if (K // sg.KCHUNK) % ks == 0:
             guarded(f"gemm {name} rt{rt}/ks{ks}", ctx, lambda rt=rt, ks=ks: variant(rt, ks))
+            if M <= 16 and rt <= 2:  # the cp.async ring (skinny_gemm's load="ring")
+                guarded(f"gemm {name} rt{rt}/ks{ks} ring", ctx,
+                        lambda rt=rt, ks=ks: variant(rt, ks, "ring"))  # fmt: skip
     if K % sk.KGRAIN == 0:
         g = K // sk.KGRAIN
         p0 = sk.SplitKPlan(m=M, k=K, segments=(N,))
