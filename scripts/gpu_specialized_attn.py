@@ -3,6 +3,7 @@
     python scripts/gpu_specialized_attn.py --out $OUT/attn [--tp 8 16]
         [--kinds kda mla mla-fp8] [--points 1x1 8x1 32x1 64x1 1x8 8x8] [--copies 0]
         [--replays 30] [--no-timing] [--no-standard] [--tiny] [--no-sweep | --sweep-only]
+        [--sweep-ms 1 8 32 64]
 
 A point ``BxT`` is B sequences of T tokens (1x8: one sequence verifying 7 drafts). Per (TP
 shape, kind, point), with fresh random inputs and outputs poisoned with NaN before each launch:
@@ -651,6 +652,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tiling sweep")
+    ap.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 8, 32, 64],
+                    help="token counts of the GEMM sweep")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540,
                     help="seconds: later points / the sweep are skipped (and listed) past it")  # fmt: skip
     a = ap.parse_args()
@@ -687,7 +690,8 @@ def main() -> int:
         record(what="skipped (budget)", tp=a.tp[0], kind="gemm sweep", status="skipped")
     elif not a.no_sweep and not a.no_timing:
         cfg = get_config("kimi-k3", a.tp[0])
-        guarded("gemm_sweep", {"tp": a.tp[0]}, lambda: gemm_sweep(cfg, a.tp[0], bw, a.replays))
+        guarded("gemm_sweep", {"tp": a.tp[0]},
+                lambda: gemm_sweep(cfg, a.tp[0], bw, a.replays, tuple(a.sweep_ms)))  # fmt: skip
     table = table_md()
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
     (out / "table.md").write_text(table + "\n")
