@@ -279,9 +279,12 @@ def test_front_back_mma_ring_compile(preset, tp, T):
 
 def test_mma_load_knob(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_MMA_LOAD", raising=False)
-    assert fm.mma_load() == "regs"
+    assert [fm.mma_load("front", T) for T in (8, 64)] == ["ring", "ring"]
+    assert [fm.mma_load("back", T) for T in (8, 16, 32, 64)] == ["ring", "ring", "regs", "regs"]
+    monkeypatch.setenv("DECODESCOPE_MOE_MMA_LOAD", "regs")
+    assert fm.mma_load("front", 8) == "regs"
     monkeypatch.setenv("DECODESCOPE_MOE_MMA_LOAD", "ring")
-    assert fm.mma_load() == "ring"
+    assert fm.mma_load("back", 64) == "ring"
     monkeypatch.setenv("DECODESCOPE_MOE_MMA_LOAD", "tma")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_MMA_LOAD"):
         fm.mma_load()

@@ -227,7 +227,7 @@ def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
-    load = mma_load()
+    load = mma_load("back", T)
     key = ("moe_back_mma", T, L, H, float(eps), pdl, load)
     fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load))
     fn(acc, latent_norm, latent_up, shared_out, out)

@@ -185,11 +185,18 @@ def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs"):
     return op, args
 
 
-def mma_load() -> str:
-    """``DECODESCOPE_MOE_MMA_LOAD``: ``regs`` (default) or ``ring``: the weight loads of
-    :class:`FrontMma` and :class:`.back_mma.BackMma` (the cp.async ring of
-    :mod:`.mma_common`). Read at each call, part of the compile keys."""
-    return mc.load_mode("DECODESCOPE_MOE_MMA_LOAD")
+def mma_load(kernel: str = "front", T: int = 8) -> str:
+    """``DECODESCOPE_MOE_MMA_LOAD``: ``auto`` (default), ``regs`` or ``ring``: the weight loads
+    of :class:`FrontMma` (``kernel="front"``) and :class:`.back_mma.BackMma` (``"back"``), the
+    cp.async ring of :mod:`.mma_common` or registers. ``auto``: the ring for the front, and for
+    the back up to 16 tokens (one row tile per CTA). H200 TP8, graph medians
+    (notes/gpu-logs/s7/r3): front 37.0 -> 26.2 us at 8 tokens, 63.5 -> 57.2 at 64; back 27.4 ->
+    22.0 at 8, 62.4 -> 64.6 at 64 (255 registers and spills with four row tiles). Read at each
+    call, part of the compile keys."""
+    v = mc.load_mode("DECODESCOPE_MOE_MMA_LOAD", "auto", ("auto", *mc.LOADS))
+    if v != "auto":
+        return v
+    return "ring" if kernel == "front" or T <= 16 else "regs"
 
 
 def front_variant(T: int, K: int) -> str:
@@ -211,7 +218,7 @@ def front_mma(x, w_front, y, acc, done) -> None:
     itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
     itf.check(y, "y_front", (T, NF), torch.float32)
     pdl = pdl_enabled()
-    load = mma_load()
+    load = mma_load("front", T)
     key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl, load)
     fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load))
     fn(x, w_front, y, acc.view(-1), done.view(-1))

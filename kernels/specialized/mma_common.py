@@ -239,11 +239,11 @@ def ring_tail(tail: int, nchunks: int, stages: int, issue, consume) -> None:
 LOADS = ("regs", "ring")
 
 
-def load_mode(var: str, default: str = "regs") -> str:
+def load_mode(var: str, default: str = "regs", choices=LOADS) -> str:
     """An env knob choosing register loads or the cp.async ring (part of compile keys)."""
     import os
 
     v = os.environ.get(var, default)
-    if v not in LOADS:
-        raise ValueError(f"{var}={v!r}: expected one of {LOADS}")
+    if v not in choices:
+        raise ValueError(f"{var}={v!r}: expected one of {choices}")
     return v
