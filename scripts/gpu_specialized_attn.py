@@ -38,7 +38,8 @@ wherever K allows, unset from 8 tokens on at K >= 4096), ``DECODESCOPE_SPLITK_RE
 ``DECODESCOPE_SKINNY_LOAD`` (regs / ring: the skinny GEMM's weight loads at M <= 16). Up to 16
 tokens the skinny GEMMs are also checked as ``[skinny-ring]``, timed as the ``[ring kernels]``
 (the defaults, ring) and ``[skinny-ring kernels]`` (skinny everywhere, ring; its regs twin is
-``[old kernels]``) variants, and swept as ``rt1/ks8 ring`` / ``rt2/ks8 ring``.
+``[old kernels]``) variants, and swept as ``rt1/ks8 ring s4`` (stages 2, 4, 8; ``rounds``:
+the runtime-round form) and ``rt2/ks8 ring s4``.
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 point (a run cut short keeps what it measured). Writes ``results.json`` and ``table.md`` under
@@ -489,6 +490,7 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
 # -- GEMM tiling sweep ---------------------------------------------------------------------------
 
 SWEEP_VARIANTS = [(1, 8), (2, 8), (4, 8)]  # (rt, ks) of the small-M skinny GEMM
+RING_SWEEP = [(1, 4, 32), (1, 8, 32), (1, 2, 32), (1, 4, 0), (2, 4, 32)]  # (rt, stages, unroll)
 
 
 def gemm_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 8, 32, 64)) -> None:
@@ -528,12 +530,14 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                status="time")  # fmt: skip
 
-    def variant(rt: int, ks: int, load: str = "regs") -> None:
+    def variant(rt: int, ks: int, load: str = "regs", stages: int = 4, unroll: int = 32) -> None:
         def one(i: int) -> None:
-            with env({"DECODESCOPE_SKINNY_LOAD": load}):
-                sg.skinny_gemm(x, [ws[i]], [outs[i]], rt=rt, ks=ks, **kw)
+            sg.skinny_gemm(x, [ws[i]], [outs[i]], rt=rt, ks=ks, load=load, stages=stages,
+                           ring_unroll=unroll, **kw)  # fmt: skip
 
-        tag = f"rt{rt}/ks{ks}" + (" ring" if load == "ring" else "")
+        tag = f"rt{rt}/ks{ks}"
+        if load == "ring":
+            tag += f" ring s{stages}" + (" rounds" if unroll == 0 else "")
         poison(outs[0])
         one(0)
         torch.cuda.synchronize()
@@ -570,9 +574,10 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
     for rt, ks in SWEEP_VARIANTS:
         if (K // sg.KCHUNK) % ks == 0:
             guarded(f"gemm {name} rt{rt}/ks{ks}", ctx, lambda rt=rt, ks=ks: variant(rt, ks))
-            if M <= 16 and rt <= 2:  # the cp.async ring (skinny_gemm's load="ring")
-                guarded(f"gemm {name} rt{rt}/ks{ks} ring", ctx,
-                        lambda rt=rt, ks=ks: variant(rt, ks, "ring"))  # fmt: skip
+    if M <= 16:  # the cp.async ring (skinny_gemm's load="ring"): stages, runtime rounds, rt 2
+        for rt, stages, unroll in RING_SWEEP:
+            guarded(f"gemm {name} rt{rt} ring s{stages} u{unroll}", ctx,
+                    lambda rt=rt, s=stages, u=unroll: variant(rt, 8, "ring", s, u))  # fmt: skip
     if K % sk.KGRAIN == 0:
         g = K // sk.KGRAIN
         p0 = sk.SplitKPlan(m=M, k=K, segments=(N,))

@@ -11,6 +11,7 @@ NaN-poisoned outputs, M = 1 and 8.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import tempfile
 
@@ -58,12 +59,15 @@ def _ptx(plan: sg.GemmPlan) -> str:
         return f.read()
 
 
-@pytest.mark.parametrize("shape", ["kda_o_proj", "kda_in_proj"])
-def test_ring_ptx_counts(shape):
+@pytest.mark.parametrize("shape,unroll", [("kda_o_proj", 32), ("kda_in_proj", 32),
+                                          ("kda_in_proj", 0)])  # fmt: skip
+def test_ring_ptx_counts(shape, unroll):
     """o_proj TP8 (6 chunks per warp, all unrolled): 4 chunks filled + 2 refills, 2 pieces
-    each; in_proj (28 chunks: 6 runtime rounds of 4, then one unrolled round): the fill and the
-    round's refills. The fill precedes griddepcontrol.wait; regs mode has no cp.async."""
-    plan = _plans(8, 1, "ring")[shape]
+    each; in_proj (28 chunks) all unrolled, or (``ring_unroll=0``) 6 runtime rounds of 4 and
+    one unrolled round: the fill, the traced round's refills and the tail's. The fill precedes
+    griddepcontrol.wait; regs mode has no cp.async."""
+    plan = dataclasses.replace(_plans(8, 1, "ring")[shape], ring_unroll=unroll)
+    assert plan.ring_rounds == (6 if unroll == 0 else 0)
     ptx = _ptx(plan)
     fills = 2 * plan.ring_stages
     ns = plan.ring_stages
@@ -94,10 +98,12 @@ def _schedule(plan: sg.GemmPlan) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("k", [32 * 8 * c for c in (1, 2, 3, 4, 5, 6, 7, 16, 17, 20, 28, 29, 64)])
 @pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
-def test_ring_schedule(k, stages):
+@pytest.mark.parametrize("unroll", [0, 32])
+def test_ring_schedule(k, stages, unroll):
     """Every chunk issued once and read once, in order; a read's group has landed under
-    ``wait_group(stages - 1)``; a slot is refilled only after its chunk was read."""
-    plan = sg.GemmPlan(m=1, k=k, segments=(16,), load="ring", stages=stages)
+    ``wait_group(stages - 1)``; a slot is refilled only after its chunk was read (runtime
+    rounds + unrolled tail, or all unrolled)."""
+    plan = sg.GemmPlan(m=1, k=k, segments=(16,), load="ring", stages=stages, ring_unroll=unroll)
     groups: list[list[int]] = [[]]  # chunks per committed group
     slot_of: dict[int, int] = {}  # slot -> chunk in it (unread)
     landed: set[int] = set()
@@ -151,6 +157,16 @@ def test_plan_validation():
     p = sg.GemmPlan(m=1, k=256, segments=(16,), load="ring", stages=8)  # 1 chunk per warp
     assert (p.ks, p.chunks_per_warp, p.ring_stages, p.ring_rounds) == (8, 1, 1, 0)
     assert sg.GemmPlan(m=1, k=256, segments=(16,), load="regs").ring_bytes == 0
+
+
+def test_ring_rounds_compile():
+    """The runtime-round form (``ring_unroll=0``) of the long-K shapes, and 8 stages."""
+    for m in (1, 8):
+        for name in ("kda_in_proj", "mla_qkv_a_g"):
+            p = _plans(8, m, "ring")[name]
+            assert sg.compile_plan(dataclasses.replace(p, ring_unroll=0)) is not None
+        p = dataclasses.replace(_plans(8, m, "ring")["kda_in_proj"], stages=8)
+        assert p.ring_bytes == 8 * 8 * 2 * 512 and sg.compile_plan(p) is not None
 
 
 def test_ring_dense_situ_compiles():

@@ -42,7 +42,7 @@ One kernel family serves every dense projection of the specialized layers (``nor
   stream during the norm prologue. The activations keep the register path, loaded a round
   (``stages`` chunks) ahead of that round's MMAs. A warp's chunks run as a runtime loop over
   rounds of ``stages`` chunks, each round unrolled (constant ring slots), or all unrolled when
-  a warp has at most ``RING_UNROLL_MAX`` chunks. ``DECODESCOPE_SKINNY_LOAD=regs|ring`` picks
+  a warp has at most ``ring_unroll`` chunks (``RING_UNROLL_MAX``: every attention shape). ``DECODESCOPE_SKINNY_LOAD=regs|ring`` picks
   the mode of plans with M <= 16 that do not set it.
 
 Compile key: (m, k, segment widths, flags, x row stride, load mode, stages). Shapes are static.
@@ -69,7 +69,10 @@ KCHUNK = 32  # k per chunk: two m16n8k16 steps
 LOAD_ENV = "DECODESCOPE_SKINNY_LOAD"
 LOADS = ("regs", "ring")  # weight loads: registers, or the per-lane cp.async ring
 RING_STAGES = 4  # chunks in flight per warp in "ring" mode
-RING_UNROLL_MAX = 16  # "ring": a warp's chunks all unrolled up to this many, else rounds
+# "ring": a warp's chunks all unrolled up to this many, else runtime rounds. ptxas sm_90a, KDA
+# in_proj TP8 (28 chunks per warp, 4 stages): all unrolled 48 / 60 registers at M = 1 / 8,
+# rounds 57 / 68 (notes/specialized.md, "cp.async ring")
+RING_UNROLL_MAX = 32
 
 
 def load_mode() -> str:
@@ -101,6 +104,7 @@ class GemmPlan:
     situ_lbeta: float = 25.0
     load: str = ""  # "regs" / "ring" ("": $DECODESCOPE_SKINNY_LOAD at M <= 16, else "regs")
     stages: int = RING_STAGES  # "ring": chunks in flight per warp
+    ring_unroll: int = RING_UNROLL_MAX  # "ring": all chunks unrolled up to this many per warp
 
     def __post_init__(self) -> None:
         if not self.load:
@@ -194,9 +198,9 @@ class GemmPlan:
     def ring_rounds(self) -> int:
         """Runtime rounds of ``ring_stages`` chunks that each refill their slots; the chunks
         after them (at most ``2 * ring_stages - 1``) are unrolled at trace time. 0 (all
-        unrolled) for up to ``RING_UNROLL_MAX`` chunks per warp."""
+        unrolled) for up to ``ring_unroll`` chunks per warp."""
         c, ns = self.chunks_per_warp, self.ring_stages
-        if c <= RING_UNROLL_MAX:
+        if c <= self.ring_unroll:
             return 0
         return max(c - ns, 0) // ns
 
@@ -636,6 +640,9 @@ def skinny_gemm(
     rt: int = 0,
     ks: int = 0,
     situ: tuple[float, float] | None = None,
+    load: str = "",
+    stages: int = RING_STAGES,
+    ring_unroll: int = RING_UNROLL_MAX,
 ) -> None:
     """Run one launch: ``outs[s] = norm(x (+ residual)) @ weights[s]^T (+ epilogue_residual)``.
 
@@ -644,7 +651,8 @@ def skinny_gemm(
     stream); it must not alias ``x`` or ``residual`` (CTA 0 writes it while the others still
     read them). ``rt`` / ``ks`` force the tiling (tuning sweeps; 0 = the plan's choice).
     ``situ=(beta, linear_beta)``: one gate/up weight ``[2D, K]``, ``outs[0]`` is ``[M, D]``
-    and receives SiTU-and-mul of the two halves.
+    and receives SiTU-and-mul of the two halves. ``load`` / ``stages`` / ``ring_unroll``: the
+    weight loads (:class:`GemmPlan`; ``""``: ``DECODESCOPE_SKINNY_LOAD`` at M <= 16).
     """
     M, K = x.shape
     plan = GemmPlan(
@@ -661,6 +669,9 @@ def skinny_gemm(
         situ=situ is not None,
         situ_beta=float(situ[0]) if situ is not None else 4.0,
         situ_lbeta=float(situ[1]) if situ is not None else 25.0,
+        load=load,
+        stages=stages,
+        ring_unroll=ring_unroll,
     )
     fn = compile_plan(plan)
     ph = _placeholder(x.device)
