@@ -274,6 +274,8 @@ class GroupedW13:
             self.full_unroll = False
             self.min_blocks = 0
         self.stages = _div_pick(self.CPW, (RING_STAGES, 2, 1))  # "ring": divides CPW
+        if mode == "ring":  # ptxas capped at 128 registers: 4 CTAs (16 warps) per SM (168 free)
+            self.min_blocks = 4
         self.NRT = Ie // ROWS
         self.slots = n_slots(T, E, K)
         self.grid = min(self.slots * self.NRT, CTAS_PER_SM * nsm)
@@ -305,10 +307,9 @@ class GroupedW13:
         red = cute.make_layout((NW, ROWS, 8), stride=(ROWS * 8, 8, 1))
         sG = smem.allocate_tensor(Float32, red, byte_alignment=16)
         sU = smem.allocate_tensor(Float32, red, byte_alignment=16)
-        sRW = sRZ = None
+        sRW = None
         if const_expr(self.mode == "ring"):
             sRW = smem.allocate_tensor(BFloat16, mc.ring_layout(NW, self.stages, 4, 8), 16)
-            sRZ = smem.allocate_tensor(Float32, mc.ring_layout(NW, self.stages, 2, 4), 16)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -328,7 +329,7 @@ class GroupedW13:
                 tok = mPairs[off + cutlass.min(ps * 8 + g, n - 1)] // K
                 if const_expr(self.mode == "ring"):
                     self._ring_pass(mW, mY, tok, rows[0], rows[1], chunk0, warp, lane, sRW,
-                                    sRZ, sG, sU)  # fmt: skip
+                                    sG, sU)  # fmt: skip
                 else:
                     accs = mc.zero_accs(2)
                     for it in cutlass.range(self.CPW // U, unroll_full=self.full_unroll):
@@ -357,61 +358,47 @@ class GroupedW13:
                 cute.arch.barrier()
 
     @cute.jit
-    def _ring_pass(self, mW, mY, tok, rg, ru, chunk0, warp, lane, sRW, sRZ, sG, sU):
-        """One token pass of the warp's K slice through the ring, a runtime loop of unrolled
-        rounds (all 28 chunks unrolled took 214 registers, ptxas; a plain runtime loop ran at
-        0.56-2.3 TB/s on the H200, MIO-bound): per chunk, the lane's gate and up
-        weight runs (rows rg, rg + 8, ru, ru + 8) and token ``tok``'s 8 FP32 z values. The
-        accumulators end in ``sG`` / ``sU``."""
+    def _ring_pass(self, mW, mY, tok, rg, ru, chunk0, warp, lane, sRW, sG, sU):
+        """One token pass of the warp's K slice: the lane's gate and up weight runs (rows rg,
+        rg + 8, ru, ru + 8) through the ring, token ``tok``'s 8 FP32 z values per chunk into
+        registers ``NS`` chunks ahead (z through the ring as well lost on the H200: its pieces
+        are mostly duplicates across lanes, notes/specialized_moe.md, session 7). A runtime loop
+        of unrolled rounds: constant slots (a dynamic slot index was MIO-bound), 118 registers
+        where all 28 chunks unrolled took 214. The accumulators end in ``sG`` / ``sU``."""
         NS = self.stages
         g = lane // 4
         c = lane % 4
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
         accs = mc.zero_accs(2)
+        zr = [cute.make_rmem_tensor((8,), Float32) for _ in range(NS)]
         for v in cutlass.range_constexpr(NS):
             self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + v) * KCH + c * 8, v, warp, lane,
-                             sRW, sRZ)  # fmt: skip
+                             sRW, zr)  # fmt: skip
             cute.arch.cp_async_commit_group()
-        # a runtime loop over rounds of NS chunks, each round unrolled: the slots are constants
         for it in cutlass.range(self.CPW // NS, unroll=1):
             for s in cutlass.range_constexpr(NS):
                 cute.arch.cp_async_wait_group(NS - 1)
-                self._ring_consume(s, warp, lane, sRW, sRZ, accs, atom, fa, fb)
+                self._ring_consume(s, warp, lane, sRW, zr, accs, atom, fa, fb)
                 nxt = it * NS + s + NS
                 if nxt < self.CPW:
                     self._ring_issue(mW, mY, tok, rg, ru, (chunk0 + nxt) * KCH + c * 8, s,
-                                     warp, lane, sRW, sRZ)  # fmt: skip
+                                     warp, lane, sRW, zr)  # fmt: skip
                 cute.arch.cp_async_commit_group()
         mc.stash_acc(sG, warp, g, c, 0, accs[0])
         mc.stash_acc(sU, warp, g, c, 0, accs[1])
 
-    def _ring_issue(self, mW, mY, tok, rg, ru, k0, slot, warp, lane, sRW, sRZ):
-        """cp.async of one chunk's pieces into ring slot ``slot`` (trace time)."""
-        for q, r in enumerate((rg, ru)):
-            for hh in range(2):
-                src = cute.local_tile(mW[r + 8 * hh, None], (8,), (k0 // 8,))
-                mc.cp_async16(mc.ring_piece(sRW, warp, slot, 2 * q + hh, lane, 8), src)
-        for hz in range(2):
-            src = cute.local_tile(mY[tok, None], (4,), ((self.E + k0) // 4 + hz,))
-            mc.cp_async16(mc.ring_piece(sRZ, warp, slot, hz, lane, 4), src)
+    def _ring_issue(self, mW, mY, tok, rg, ru, k0, slot, warp, lane, sRW, zr):
+        """cp.async of one chunk's weight runs into ring slot ``slot``, its z into ``zr[slot]``
+        (trace time)."""
+        mc.ring_issue_rows(sRW, warp, lane, slot, mW, (rg, ru), k0)
+        cute.autovec_copy(cute.local_tile(mY[tok, None], (8,), ((self.E + k0) // 8,)), zr[slot])
 
-    def _ring_consume(self, slot, warp, lane, sRW, sRZ, accs, atom, fa, fb):
+    def _ring_consume(self, slot, warp, lane, sRW, zr, accs, atom, fa, fb):
         """The chunk in ring slot ``slot``: z rounded to BF16, gate and up MMAs (trace time)."""
-        w = []
-        for p in range(4):
-            t = cute.make_rmem_tensor((8,), BFloat16)
-            cute.autovec_copy(mc.ring_piece(sRW, warp, slot, p, lane, 8), t)
-            w.append(t)
-        xf = cute.make_rmem_tensor((8,), Float32)
-        for hz in range(2):
-            zq = cute.make_rmem_tensor((4,), Float32)
-            cute.autovec_copy(mc.ring_piece(sRZ, warp, slot, hz, lane, 4), zq)
-            for i in range(4):
-                xf[4 * hz + i] = zq[i]
         xb = cute.make_rmem_tensor((8,), BFloat16)
-        xb.store(xf.load().to(BFloat16))
-        mc.mma_k16(atom, accs, fa, fb, xb, [(w[0], w[1], 0), (w[2], w[3], 1)])
+        xb.store(zr[slot].load().to(BFloat16))
+        mc.ring_mma(atom, accs, fa, fb, sRW, warp, lane, slot, 2, 1, lambda j: xb)
 
 
 class GroupedW2:
