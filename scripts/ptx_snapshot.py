@@ -81,7 +81,7 @@ def _cases() -> dict:
                           add_residual=True, reduce="partial"),
         )  # fmt: skip
         cases[f"{p}_dense_up_m1"] = (sg.compile_plan, dm.gate_up_plan(cfg, 1))
-        cases[f"{p}_dense_down_m8"] = (sg.compile_plan, dm.down_plan(cfg, 8))
+        cases[f"{p}_dense_down_m4"] = (sg.compile_plan, dm.down_plan(cfg, 4))  # skinny below 8
         cases[f"{p}_rmsnorm_m1"] = (rms.compile_plan, rms.NormPlan(1, H, cfg.eps))
         cases[f"{p}_kda_b1"] = (kda.compile_plan, kda.plan_for(cfg, 1, 1))
         cases[f"{p}_mla_b1"] = (mla.compile_plan, mla.plan_for(cfg, 1, 1))

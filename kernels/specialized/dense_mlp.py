@@ -10,7 +10,7 @@ w2^T``, with ``w13 = dense_w13 [2*Dn, H]`` (gate rows first, then up rows, vLLM'
    attention half's own ``residual_norm`` launch is dropped, as ``front_norm`` does for the MoE
    block) and the SiTU epilogue: each CTA holds a gate tile and the matching up tile, so the
    ``[N, 2*Dn]`` gate/up product never reaches memory; writes ``act [N, Dn]``.
-2. ``down``: the same kernel, ``x_out = act @ w2^T``. ``x_out`` is the layer's MLP output, as
+2. ``down``: ``x_out = act @ w2^T``, the same kernel below 8 tokens, :mod:`.tile_gemm` from 8 on. ``x_out`` is the layer's MLP output, as
    the MoE block's is: the next layer's fused ``input_residual_norm`` prologue adds it to ``r``
    (``bf16(x_out + r)``, the rounding an o_proj-style residual epilogue would apply) and
    normalizes; a residual epilogue here would add ``r`` twice.
@@ -33,6 +33,7 @@ import torch
 
 from decodescope.kernels.specialized import rmsnorm as _rms
 from decodescope.kernels.specialized import skinny_gemm as _sg
+from decodescope.kernels.specialized import tile_gemm as _tg
 from decodescope.kernels.specialized.skinny_gemm import GemmPlan, skinny_gemm, skinny_gemm_ref
 from decodescope.tracer import range as _range
 
@@ -93,7 +94,12 @@ def gate_up_plan(cfg, m: int, norm: bool = True) -> GemmPlan:
     )
 
 
-def down_plan(cfg, m: int) -> GemmPlan:
+def down_plan(cfg, m: int):
+    """The down projection's plan: :mod:`.tile_gemm` where it serves ``m x dense_inter``
+    (``tile_gemm.selected``: from 8 tokens), else the skinny GEMM. H200 TP8 (bench, a2176a3):
+    the skinny kernel took 126.7 us in the layer at 8 tokens for 60 MB of weights."""
+    if _tg.selected(m, cfg.dense_inter):
+        return _tg.gemm_plan(m, cfg.dense_inter, (cfg.hidden,), eps=cfg.eps)
     return GemmPlan(
         m=m,
         k=cfg.dense_inter,
@@ -111,8 +117,11 @@ def gate_up_act(cfg, w: dict, r: torch.Tensor, act: torch.Tensor, norm: bool = T
 
 
 def down_proj(cfg, w: dict, act: torch.Tensor, x_out: torch.Tensor) -> None:
-    """``x_out = act @ dense_w2^T``. One launch."""
-    skinny_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps, ks=_warps(cfg.dense_inter))
+    """``x_out = act @ dense_w2^T``. One launch (:func:`down_plan`'s kernel)."""
+    if _tg.selected(act.shape[0], act.shape[1]):
+        _tg.tile_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps)
+    else:
+        skinny_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps, ks=_warps(cfg.dense_inter))
 
 
 def gate_up_act_ref(cfg, w: dict, r: torch.Tensor, norm: bool = True) -> torch.Tensor:
@@ -160,7 +169,7 @@ class SpecializedDenseMLP:
         if self.split:
             _rms.compile_plan(_rms.NormPlan(self.N, self.cfg.hidden, self.cfg.eps))
         _sg.compile_plan(gate_up_plan(self.cfg, self.N, norm=not self.split))
-        _sg.compile_plan(down_plan(self.cfg, self.N))
+        _tg.compile_any(down_plan(self.cfg, self.N))
 
     def stages(self, r: torch.Tensor, x_out: torch.Tensor):
         """``(op name, thunk)`` per launch, in order."""
