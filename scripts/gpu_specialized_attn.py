@@ -37,8 +37,9 @@ wherever K allows, unset from 8 tokens on at K >= 4096), ``DECODESCOPE_SPLITK_RE
 ``DECODESCOPE_NO_PDL``, ``DECODESCOPE_ATTN_GEMM`` (default / tile / auto),
 ``DECODESCOPE_SKINNY_LOAD`` (regs / ring: the skinny GEMM's weight loads at M <= 16). Up to 16
 tokens the skinny GEMMs are also checked as ``[skinny-ring]``, timed as the ``[ring kernels]``
-(the defaults, ring) and ``[skinny-ring kernels]`` (skinny everywhere, ring; its regs twin is
-``[old kernels]``) variants, and swept as ``rt1/ks8 ring s4`` (stages 2, 4, 8; ``rounds``:
+(the defaults, ring: reaches the skinny GEMMs the defaults still use), ``[skinny kernels]``
+(the skinny GEMM for every projection, registers), ``[skinny-ring kernels]`` (the same, ring)
+and ``[skinny-auto kernels]`` (the same, the ring for K 7168 only) variants, and swept as ``rt1/ks8 ring s4`` (stages 2, 4, 8; ``rounds``:
 the runtime-round form) and ``rt2/ks8 ring s4``.
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
@@ -431,9 +432,12 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
     variants = dict(VARIANTS)
     if N < sk.MIN_M:  # is the split-K GEMM worth it below its default threshold too?
         variants["splitk-all"] = {"DECODESCOPE_SPLITK_GEMM": "1"}
-    if N <= 16:  # the skinny GEMMs with the cp.async ring: the defaults, and skinny everywhere
-        variants["ring"] = dict(RING)  # (their regs twins: "new" and "old" kernels)
+    if N <= 16:  # the skinny GEMM's cp.async ring: the defaults with it (reaches q_b), and
+        # the skinny kernel for every projection with registers / the ring / the ring for K 7168
+        variants["ring"] = dict(RING)
+        variants["skinny"] = dict(GEMM_KINDS["skinny"])
         variants["skinny-ring"] = dict(GEMM_KINDS["skinny-ring"])
+        variants["skinny-auto"] = {**GEMM_KINDS["skinny"], "DECODESCOPE_SKINNY_LOAD": "auto"}
     spec_us = None
     for vname, venv in variants.items():
         sfx = "" if vname == "new" else f" [{vname} kernels]"

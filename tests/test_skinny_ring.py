@@ -128,6 +128,8 @@ def test_ring_schedule(k, stages, unroll):
 
 def test_load_knob(monkeypatch):
     cfg = get_config("kimi-k3", 8)
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")  # the skinny / split-K choice
+    monkeypatch.setenv("DECODESCOPE_SPLITK_GEMM", "0")
     monkeypatch.delenv(sg.LOAD_ENV, raising=False)
     assert sg.GemmPlan(m=1, k=256, segments=(16,)).load == "regs"  # the default (GPU decides)
     assert nqp.plan_for(cfg, "kda", 1).load == "regs"
@@ -142,6 +144,11 @@ def test_load_knob(monkeypatch):
     assert ring != sg.GemmPlan(m=1, k=256, segments=(16,))  # the mode is in the compile key
     monkeypatch.setenv(sg.LOAD_ENV, "")
     assert sg.GemmPlan(m=1, k=256, segments=(16,)).load == "regs"
+    monkeypatch.setenv(sg.LOAD_ENV, "auto")  # the ring for >= 16 chunks per warp only
+    assert nqp.plan_for(cfg, "kda", 1).load == "ring"  # 28 chunks per warp
+    assert nqp.plan_for(cfg, "mla", 2).load == "ring"
+    assert orn.q_b_plan(cfg, 1).load == "regs"  # 6
+    assert sg.GemmPlan(m=1, k=cfg.kda_dim, segments=(cfg.hidden,)).load == "regs"  # o_proj: 6
     monkeypatch.setenv(sg.LOAD_ENV, "smem")
     with pytest.raises(ValueError, match="DECODESCOPE_SKINNY_LOAD='smem'"):
         sg.GemmPlan(m=1, k=256, segments=(16,))

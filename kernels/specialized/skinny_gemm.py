@@ -42,8 +42,9 @@ One kernel family serves every dense projection of the specialized layers (``nor
   stream during the norm prologue. The activations keep the register path, loaded a round
   (``stages`` chunks) ahead of that round's MMAs. A warp's chunks run as a runtime loop over
   rounds of ``stages`` chunks, each round unrolled (constant ring slots), or all unrolled when
-  a warp has at most ``ring_unroll`` chunks (``RING_UNROLL_MAX``: every attention shape). ``DECODESCOPE_SKINNY_LOAD=regs|ring`` picks
-  the mode of plans with M <= 16 that do not set it.
+  a warp has at most ``ring_unroll`` chunks (``RING_UNROLL_MAX``: every attention shape).
+  ``DECODESCOPE_SKINNY_LOAD=regs|ring|auto`` picks the mode of plans with M <= 16 that do not
+  set it (``auto``: the ring for long K slices only).
 
 Compile key: (m, k, segment widths, flags, x row stride, load mode, stages). Shapes are static.
 """
@@ -75,12 +76,17 @@ RING_STAGES = 4  # chunks in flight per warp in "ring" mode
 RING_UNROLL_MAX = 32
 
 
+RING_AUTO_MIN_CHUNKS = 16  # "auto": the ring where a warp streams at least this many chunks
+
+
 def load_mode() -> str:
-    """``DECODESCOPE_SKINNY_LOAD``: ``regs`` (default) or ``ring``, the weight loads of the
-    plans with M <= 16 that do not choose (read where a plan is made: part of its key)."""
+    """``DECODESCOPE_SKINNY_LOAD``: ``regs`` (default), ``ring``, or ``auto`` (the ring for
+    long K slices only: at least ``RING_AUTO_MIN_CHUNKS`` chunks per warp, the K 7168 input
+    projections; short streams lost with the ring in GroupedW2 at 1 token), the weight loads of
+    the plans with M <= 16 that do not choose (read where a plan is made: part of its key)."""
     v = os.environ.get(LOAD_ENV, "") or "regs"
-    if v not in LOADS:
-        raise ValueError(f"{LOAD_ENV}={v!r}: expected one of {LOADS}")
+    if v not in (*LOADS, "auto"):
+        raise ValueError(f"{LOAD_ENV}={v!r}: expected one of {(*LOADS, 'auto')}")
     return v
 
 
@@ -107,12 +113,6 @@ class GemmPlan:
     ring_unroll: int = RING_UNROLL_MAX  # "ring": all chunks unrolled up to this many per warp
 
     def __post_init__(self) -> None:
-        if not self.load:
-            object.__setattr__(self, "load", load_mode() if self.m <= 16 else "regs")
-        if self.load not in LOADS:
-            raise ValueError(f"GemmPlan.load={self.load!r}: expected one of {LOADS}")
-        if not 1 <= self.stages <= 8:
-            raise ValueError(f"GemmPlan.stages={self.stages}: expected 1..8")
         if not 1 <= self.m <= 64:
             raise ValueError(f"skinny GEMM supports 1..64 tokens, got {self.m}")
         if self.k % KCHUNK:
@@ -134,6 +134,15 @@ class GemmPlan:
                 raise ValueError("situ and residual_epilogue do not combine")
             if self.rt % 2:
                 raise ValueError(f"situ needs an even number of row tiles per CTA, got {self.rt}")
+        if not self.load:
+            v = load_mode() if self.m <= 16 else "regs"
+            if v == "auto":
+                v = "ring" if self.chunks_per_warp >= RING_AUTO_MIN_CHUNKS else "regs"
+            object.__setattr__(self, "load", v)
+        if self.load not in LOADS:
+            raise ValueError(f"GemmPlan.load={self.load!r}: expected one of {LOADS}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"GemmPlan.stages={self.stages}: expected 1..8")
 
     @property
     def ks(self) -> int:
