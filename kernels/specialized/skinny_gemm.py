@@ -581,6 +581,15 @@ class SkinnyGemm:
         xv = cute.make_rmem_tensor((8,), BFloat16)
         if cutlass.const_expr(j * 8 + 8 <= p.m):
             self.load_b_row(mX, mR, sRstd, nw, m, k0, xv)
+        elif cutlass.const_expr(p.load == "ring"):
+            # branch-free (a clamped row, zeroed after): ptxas may then issue these loads early;
+            # behind a branch per chunk they were not (H200 sweep: ring in_proj slower at M 1)
+            self.load_b_row(mX, mR, sRstd, nw, cutlass.min(m, p.m - 1), k0, xv)
+            keep = Float32(1.0)
+            if m >= p.m:
+                keep = Float32(0.0)
+            for e in cutlass.range_constexpr(8):
+                xv[e] = (xv[e].to(Float32) * keep).to(BFloat16)
         else:
             xv.fill(0.0)
             if m < p.m:
