@@ -135,10 +135,10 @@ def test_back_mma_compiles(preset, tp):
 def test_back_variant(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
     assert bm.back_variant(64, 3584, 7168) == "mma"  # default auto since the H200 run
-    assert bm.back_variant(1, 3584, 7168) == "simt"
+    assert bm.back_variant(1, 3584, 7168) == "mma"  # from 1 token since the ring (session 7)
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "auto")
     assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 64, 65)] == [
-        "simt", "mma", "mma", "simt",
+        "mma", "mma", "mma", "simt",
     ]  # fmt: skip
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")
     assert bm.back_variant(64, 3584, 7168) == "simt"
@@ -150,7 +150,7 @@ def test_back_variant(monkeypatch):
 def test_front_variant(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_FRONT", raising=False)
     assert [fm.front_variant(T, 7168) for T in (1, 7, 8, 64, 65)] == [
-        "simt", "simt", "mma", "mma", "simt",
+        "mma", "mma", "mma", "mma", "simt",
     ]  # fmt: skip
     assert fm.front_variant(8, 7000) == "simt"  # K not a multiple of 256
     monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "mma")

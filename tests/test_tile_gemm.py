@@ -62,7 +62,9 @@ def test_selection(monkeypatch):
     assert isinstance(nqp.plan_for(CFG, "kda", 64), sk.SplitKPlan)  # the old choice
     assert not isinstance(op.plan_for(CFG, "kda", 64), tg.TilePlan)
     monkeypatch.delenv("DECODESCOPE_ATTN_GEMM", raising=False)  # auto since the H200 A/B
-    assert not isinstance(nqp.plan_for(CFG, "kda", 1), tg.TilePlan)
+    assert isinstance(nqp.plan_for(CFG, "kda", 1), tg.TilePlan)  # from 1 token (session 7)
+    assert isinstance(op.plan_for(CFG, "kda", 1), tg.TilePlan)
+    assert not isinstance(op.q_b_plan(CFG, 1), tg.TilePlan)
     assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
     assert isinstance(op.plan_for(CFG, "mla", 8), tg.TilePlan)
     assert not isinstance(op.q_b_plan(CFG, 8), tg.TilePlan)  # q_b: its own norm launch
@@ -74,6 +76,7 @@ def test_selection(monkeypatch):
         qb = op.q_b_plan(CFG, m)
         assert isinstance(qb, tg.TilePlan) and qb.norm and qb.ldx == CFG.mla_qkv_a_out
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "auto")
+    monkeypatch.setattr(tg, "AUTO_MIN_M", 8)
     assert not isinstance(nqp.plan_for(CFG, "kda", 4), tg.TilePlan)
     assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "bogus")

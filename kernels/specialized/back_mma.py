@@ -211,15 +211,15 @@ def _build(T, L, H, eps, pdl=True, load="regs"):
 
 
 def back_variant(T: int, L: int, H: int) -> str:
-    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: this kernel for 8..64 tokens where the shapes
-    allow, ``up_proj_shared_add`` below), ``mma`` (this kernel) or ``simt``
+    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: this kernel for 1..64 tokens where the shapes
+    allow, ``up_proj_shared_add`` otherwise), ``mma`` (this kernel) or ``simt``
     (``up_proj_shared_add``). Read at each call. H200, TP8 (notes/specialized_moe.md): 25.4 /
     61.7 us at 8 / 64 tokens against 61.0 / 383.6 for ``up_proj_shared_add``."""
     v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
     if v not in ("auto", "mma", "simt"):
         raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected 'auto', 'mma' or 'simt'")
-    if v == "auto":
-        return "mma" if 8 <= T <= 64 and L % KCH == 0 and H % ROWS == 0 else "simt"
+    if v == "auto":  # from 1 token since the ring (H200 TP8, 1 token: 22.6 us SIMT, 18.8 ring)
+        return "mma" if 1 <= T <= 64 and L % KCH == 0 and H % ROWS == 0 else "simt"
     return v
 
 

@@ -94,11 +94,18 @@ def gate_up_plan(cfg, m: int, norm: bool = True) -> GemmPlan:
     )
 
 
+DOWN_TILE_FROM = 8  # the tile GEMM for the down projection from this many tokens
+
+
+def _down_tile(m: int, k: int) -> bool:
+    return m >= DOWN_TILE_FROM and _tg.selected(m, k)
+
+
 def down_plan(cfg, m: int):
     """The down projection's plan: :mod:`.tile_gemm` where it serves ``m x dense_inter``
     (``tile_gemm.selected``: from 8 tokens), else the skinny GEMM. H200 TP8 (bench, a2176a3):
     the skinny kernel took 126.7 us in the layer at 8 tokens for 60 MB of weights."""
-    if _tg.selected(m, cfg.dense_inter):
+    if _down_tile(m, cfg.dense_inter):
         return _tg.gemm_plan(m, cfg.dense_inter, (cfg.hidden,), eps=cfg.eps)
     return GemmPlan(
         m=m,
@@ -118,7 +125,7 @@ def gate_up_act(cfg, w: dict, r: torch.Tensor, act: torch.Tensor, norm: bool = T
 
 def down_proj(cfg, w: dict, act: torch.Tensor, x_out: torch.Tensor) -> None:
     """``x_out = act @ dense_w2^T``. One launch (:func:`down_plan`'s kernel)."""
-    if _tg.selected(act.shape[0], act.shape[1]):
+    if _down_tile(act.shape[0], act.shape[1]):
         _tg.tile_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps)
     else:
         skinny_gemm(act, [w["dense_w2"]], [x_out], eps=cfg.eps, ks=_warps(cfg.dense_inter))

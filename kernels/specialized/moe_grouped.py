@@ -626,9 +626,11 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs"):
 
 
 def w13_mode() -> str:
-    """``DECODESCOPE_MOE_GROUPED_W13``: ``w4`` (default) or ``w8`` (:class:`GroupedW13`'s
-    tilings, for A/B runs on the GPU). Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "w4")
+    """``DECODESCOPE_MOE_GROUPED_W13``: ``ring`` (default), ``w4`` or ``w8`` (:class:`GroupedW13`'s
+    tilings). H200 TP8, w13 alone (notes/gpu-logs/s7/r5): w4 -> ring (weights through the
+    cp.async ring, z in registers) 844.6 -> 639.8 us at 64 tokens (floor 604), ~212 -> 165.9 at
+    8 (floor 148). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "ring")
     if v not in W13_MODES:
         raise ValueError(f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {W13_MODES}")
     return v

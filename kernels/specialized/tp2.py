@@ -240,7 +240,9 @@ def moe_back_unfused(T: int, L: int, H: int) -> bool:
     GPU plus two all-reduces."""
     from decodescope.kernels.specialized import back_mma as _bm
 
-    return _bm.back_variant(T, L, H) == "mma"
+    # below 8 tokens the fused kernel stays (BackMma serves 1..7 tokens on one GPU only since
+    # session 7; the unfused path there is unmeasured at tp_world 2)
+    return T >= 8 and _bm.back_variant(T, L, H) == "mma"
 
 
 def _patch_moe(moe, ws, prefetch) -> None:
