@@ -62,8 +62,8 @@ def test_selection(monkeypatch):
     assert isinstance(nqp.plan_for(CFG, "kda", 64), sk.SplitKPlan)  # the old choice
     assert not isinstance(op.plan_for(CFG, "kda", 64), tg.TilePlan)
     monkeypatch.delenv("DECODESCOPE_ATTN_GEMM", raising=False)  # auto since the H200 A/B
-    assert isinstance(nqp.plan_for(CFG, "kda", 1), tg.TilePlan)  # from 1 token (session 7)
-    assert isinstance(op.plan_for(CFG, "kda", 1), tg.TilePlan)
+    assert not isinstance(nqp.plan_for(CFG, "kda", 1), tg.TilePlan)  # AUTO_MIN_M = 8
+    assert not isinstance(op.plan_for(CFG, "kda", 1), tg.TilePlan)
     assert not isinstance(op.q_b_plan(CFG, 1), tg.TilePlan)
     assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
     assert isinstance(op.plan_for(CFG, "mla", 8), tg.TilePlan)

@@ -6,9 +6,9 @@ part: from ``(x_in, r_in)`` compute ``r_out`` (the residual stream after attenti
 launches go into the same buffers every call, on torch's current stream: capturable.
 
 Launches and their ranges (``layer.{i}.attn.<ops>``, names the standard path's ops they cover),
-with the skinny GEMM (``DECODESCOPE_ATTN_GEMM=default``). By default (``auto``) the input
-projection and o_proj run on :mod:`.tile_gemm` at every token count (``tile_gemm.AUTO_MIN_M``),
-whose RMSNorm is a launch of its own inside range 1 (KDA 5 launches, MLA 6):
+below 8 tokens (``tile_gemm.AUTO_MIN_M``). From 8 tokens on the input projection (and o_proj)
+run on :mod:`.tile_gemm`, whose RMSNorm is a launch of its own inside range 1 (KDA 5 launches,
+MLA 6):
 
 KDA (4 launches; standard: 6 at TP8, 9 at TP16)
   1. ``input_residual_norm+qkv_proj+f_b_proj`` skinny GEMM, residual add + RMSNorm prologue

@@ -68,7 +68,12 @@ RT = 2  # 16-row MMA tiles per warp
 WARP_ROWS = 16 * RT
 NUM_SMS = 132
 MODES = ("default", "tile", "auto")
-AUTO_MIN_M = 1  # H200 TP8 1x1 (notes/gpu-logs/s7/r5): KDA half 53.0 -> 51.0 us, MLA 64.0 -> 61.5
+# The tile kernel from this many tokens. 1 was tried (7b67293): the attention halves alone were
+# faster at TP8 1x1 (KDA 53.0 -> 51.0 us, MLA 64.0 -> 61.5; notes/gpu-logs/s7/r5), but in the
+# bench at TP8 batch 1 the dense layer went 113.0 -> 152.0 us and the KDA layer 186.8 -> 202.0
+# (with the MoE front/back change of the same commit; s7/r6), so 8 stays until an A/B of
+# whole layers separates the two.
+AUTO_MIN_M = 8
 EPI_BATCH = 4  # epilogue steps whose partial loads are issued together
 
 
@@ -83,9 +88,8 @@ def selected(m: int, k: int, norm: bool = False) -> bool:
     """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``).
 
     ``auto`` (the default) follows the H200 A/B (TP8, notes/specialized.md, round 4 outcome):
-    the tile kernel from ``AUTO_MIN_M`` tokens on (1 since session 7: at 1 token the tile GEMM
-    plus its norm launch beat the skinny kernel's fused prologue, notes/gpu-logs/s7/r5; 8
-    before), except a short-K projection with the norm prologue (MLA's q_b, K 1536): its separate norm launch costs more than the GEMM saves below 32
+    the tile kernel from ``AUTO_MIN_M`` (8) tokens on, except a short-K projection with the
+    norm prologue (MLA's q_b, K 1536): its separate norm launch costs more than the GEMM saves below 32
     tokens (7.0 vs 5.6 us at 8), and from 32 on (9.4 vs 17.7 us) it would take the MLA layer
     with the grouped experts to 12 launches, over issue 5's 11."""
     md = mode()
