@@ -15,6 +15,9 @@ and their latencies overlap, as in vLLM's launches, which run at the bytes floor
    ``slot_n``, ``nact``) and writes each expert's pairs ``p = t * k + j`` contiguously
    (``pairs``; order inside an expert: shared-memory atomics, not deterministic). CTAs 1..NSH
    write ``hs = bf16(SiTU(shared gate, shared up))`` [T, S] from the front kernel's output.
+Weights of 2. and 3. reach the MMAs through per-lane ``cp.async`` rings in shared memory by
+default (:mod:`mma_common`; ``DECODESCOPE_MOE_GROUPED_W13`` / ``_W2`` pick the register loads).
+
 2. :class:`GroupedW13` (grid ``slots x Ie/16``): CTA (slot a, row tile r) computes gate rows
    ``16r..16r+15`` and the matching up rows of expert ``slot_e[a]`` against that expert's
    tokens (8 per pass) with ``mma.sync.m16n8k16`` in the swapped-operand scheme of
@@ -265,9 +268,10 @@ class GroupedW13:
             self.min_blocks = 2
         else:
             # "w4": 4 warps, 4 chunks (16 x 16 B of weights per lane) per runtime loop step,
-            # 70 registers (ptxas, TP8): about 7 CTAs (28 warps) per SM. "ring": the same
-            # tiling, each warp's K slice streamed through its lanes' cp.async ring
-            # (RING_STAGES chunks of 4 weight + 2 z pieces in flight, 12 KB a warp at 4 stages)
+            # 70 registers (ptxas, TP8): about 7 CTAs (28 warps) per SM. "ring" (the default):
+            # the same tiling, each warp's weights streamed through its lanes' cp.async ring
+            # (RING_STAGES chunks of 4 weight pieces in flight, 8 KB a warp at 4 stages), z in
+            # registers as many chunks ahead
             self.NW = _div_pick(chunks, (4, 2, 1))
             self.CPW = chunks // self.NW
             self.U = _div_pick(self.CPW, (4, 3, 2, 1))
@@ -363,8 +367,9 @@ class GroupedW13:
         rg + 8, ru, ru + 8) through the ring, token ``tok``'s 8 FP32 z values per chunk into
         registers ``NS`` chunks ahead (z through the ring as well lost on the H200: its pieces
         are mostly duplicates across lanes, notes/specialized_moe.md, session 7). A runtime loop
-        of unrolled rounds: constant slots (a dynamic slot index was MIO-bound), 118 registers
-        where all 28 chunks unrolled took 214. The accumulators end in ``sG`` / ``sU``."""
+        of unrolled rounds: constant slots (a dynamic slot index was MIO-bound); all 28 chunks
+        unrolled took 214 registers, this form 168, capped at 128 (``min_blocks``) with a
+        32-byte spill (ptxas 13.0, TP8). The accumulators end in ``sG`` / ``sU``."""
         NS = self.stages
         g = lane // 4
         c = lane % 4
