@@ -139,11 +139,7 @@ class FrontMma:
             cute.arch.griddepcontrol_launch_dependents()
 
         if const_expr(self.load == "ring"):
-            rounds, tail = mc.ring_rounds(self.CPW, NS)
-            for it in cutlass.range(rounds, unroll=1):
-                for s in cutlass.range_constexpr(NS):
-                    mc.ring_step(it * NS + s, s, NS, issue, consume)
-            mc.ring_tail(tail, self.CPW, NS, issue, consume)
+            mc.ring_main(self.CPW, NS, issue, consume)
         else:
             for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
                 mc.mma_chunks(

@@ -15,6 +15,7 @@ the accumulator holds (row g, tokens 2c + {0, 1}) and (row g + 8, the same token
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
@@ -166,16 +167,14 @@ def ring_pipeline(nchunks: int, stages: int, issue, consume) -> None:
         cute.arch.cp_async_commit_group()
 
 
-# Driving a ring from a kernel (the runtime loop must sit in the kernel's own, preprocessed code):
+# Driving a ring from a kernel:
 #
-#     rounds, tail = mc.ring_rounds(C, NS)
-#     mc.ring_fill(C, NS, issue)                 # may precede griddepcontrol.wait (weights)
-#     for it in cutlass.range(rounds, unroll=1):
-#         for s in cutlass.range_constexpr(NS):
-#             mc.ring_step(it * NS + s, s, NS, issue, consume)
-#     for v in cutlass.range_constexpr(tail, C):
-#         mc.ring_step(v, v % NS, NS, issue if v + NS < C else None, consume)
+#     mc.ring_fill(C, NS, issue)        # may precede griddepcontrol.wait (weights)
+#     mc.ring_main(C, NS, issue, consume)
 #
+# ``ring_main`` (a ``@cute.jit`` function, so that its runtime loop is staged) runs
+# ``ring_rounds(C, NS)[0]`` runtime rounds of NS ``ring_step``s, then the trace-time
+# ``ring_tail``.
 # Slots are trace-time constants throughout (a dynamic slot index made the w13 ring MIO-bound
 # on the H200); the runtime loop keeps the code (and the registers holding addresses) small.
 
@@ -234,6 +233,16 @@ def ring_tail(tail: int, nchunks: int, stages: int, issue, consume) -> None:
     """The trace-time steps ``tail .. nchunks - 1`` after the runtime rounds (see above)."""
     for v in range(tail, nchunks):
         ring_step(v, v % stages, stages, issue if v + stages < nchunks else None, consume)
+
+
+@cute.jit
+def ring_main(nchunks: cutlass.Constexpr, stages: cutlass.Constexpr, issue, consume):
+    """Every chunk after :func:`ring_fill`: the runtime rounds, then :func:`ring_tail`."""
+    rounds, tail = ring_rounds(nchunks, stages)
+    for it in cutlass.range(rounds, unroll=1):
+        for s in cutlass.range_constexpr(stages):
+            ring_step(it * stages + s, s, stages, issue, consume)
+    ring_tail(tail, nchunks, stages, issue, consume)
 
 
 LOADS = ("regs", "ring")
