@@ -218,3 +218,14 @@ def test_scheme_option(work, tmp_path):
     assert "not valid TOML" in one_line_error(
         cli("report", work / "hf", "--scheme", f.parent / "bad.toml")
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("report", "results", "--run", "x"), ("nosuch",), ("report",), ("compare", "a")],
+    ids=["unknown-option", "unknown-command", "missing-argument", "missing-second-argument"],
+)
+def test_usage_errors_are_one_line(args):
+    """click's usage errors (raised from typer's vendored copy of click) get one line and exit 2."""
+    line = one_line_error(cli(*args))
+    assert line.startswith("error: ") and "--help" in line

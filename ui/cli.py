@@ -66,15 +66,41 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click's own usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:  # click's own usage errors (typer >= 0.2x vendors click as typer._click)
+        usage, abort = _click_exception_types()
+        if isinstance(e, usage):
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            err_console.print(
+                f"[bold red]error:[/] {e.format_message()}{hint}", highlight=False, soft_wrap=True
+            )
+            sys.exit(2)
+        if isinstance(e, abort):
             sys.exit(1)
         raise
+
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """click's ClickException and Abort classes: the vendored copy in newer typer, click's own."""
+    usage: list[type] = []
+    abort: list[type] = [typer.Abort]
+    try:
+        from typer import _click as vendored
+
+        usage.append(vendored.exceptions.ClickException)
+        abort.append(
+            vendored.exceptions.Abort if hasattr(vendored.exceptions, "Abort") else typer.Abort
+        )
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import click
+
+        usage.append(click.exceptions.ClickException)
+        abort.append(click.exceptions.Abort)
+    except ImportError:
+        pass
+    return tuple(usage), tuple(abort)
 
 
 if __name__ == "__main__":
