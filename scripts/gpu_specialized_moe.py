@@ -55,6 +55,26 @@ START = time.time()
 USER_FRONT = os.environ.get("DECODESCOPE_MOE_FRONT")  # the caller's choice, kept per point
 FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed)
 BACKS = ["simt", "mma"]  # the same for the back kernels
+# BackMma A/B variants beside the plain back kernels: (name, environment), checked and timed
+BACK_AB = [
+    ("mma_post", {"DECODESCOPE_MOE_BACK": "mma", "DECODESCOPE_MOE_BACK_NORM": "post"}),
+    (
+        "mma_post_rt2",
+        {
+            "DECODESCOPE_MOE_BACK": "mma",
+            "DECODESCOPE_MOE_BACK_NORM": "post",
+            "DECODESCOPE_MOE_BACK_RT": "2",
+        },
+    ),
+    (
+        "mma_pre_rt2",
+        {
+            "DECODESCOPE_MOE_BACK": "mma",
+            "DECODESCOPE_MOE_BACK_NORM": "pre",
+            "DECODESCOPE_MOE_BACK_RT": "2",
+        },
+    ),
+]
 USER_BACK = os.environ.get("DECODESCOPE_MOE_BACK")
 
 
@@ -210,6 +230,12 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
             blk.back(out)
         torch.cuda.synchronize()
         check(f"up_proj_shared_add_{bv}", ctx, rel_l2(out, ref3), 1e-2)
+    for name, kv in BACK_AB if "mma" in BACKS and fronts else []:
+        out.fill_(float("nan"))
+        with env(**kv):
+            guarded(f"back_{name}", ctx, lambda: blk.back(out))
+        torch.cuda.synchronize()
+        check(f"up_proj_shared_add_{name}", ctx, rel_l2(out, ref3), 1e-2)
 
     # 4. whole block vs the float32 reference of the math, and vs the standard path
     out.fill_(float("nan"))
@@ -329,6 +355,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
         pieces[f"front_{fv}"] = [under(f, DECODESCOPE_MOE_FRONT=fv) for f in pieces["front"]]
     for bv in BACKS:  # both back kernels
         pieces[f"back_{bv}"] = [under(f, DECODESCOPE_MOE_BACK=bv) for f in pieces["back"]]
+    for name, kv in BACK_AB if "mma" in BACKS else []:
+        pieces[f"back_{name}"] = [under(f, **kv) for f in pieces["back"]]
     if not front_norm:
         del pieces["block_norm"], pieces["block_residual_norm"]
     if block_only:

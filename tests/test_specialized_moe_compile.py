@@ -16,6 +16,7 @@ from decodescope.kernels.specialized import moe_block as mb
 from decodescope.kernels.specialized import moe_experts as me
 from decodescope.kernels.specialized import router_topk as rt
 from decodescope.kernels.specialized import up_proj_shared_add as up
+from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_add_ref
 from decodescope.kernels.weights import make_layer_weights
 
 SHAPES = [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1), ("tiny", 2)]
@@ -290,3 +291,42 @@ def test_mma_load_knob(monkeypatch):
         fm.mma_load()
     with pytest.raises(ValueError, match="load"):
         fm.FrontMma(8, 7168, 6016, 8, 8, load="x")
+
+
+@pytest.mark.parametrize("T,load", [(1, "ring"), (8, "ring"), (64, "regs"), (64, "ring")])
+def test_back_mma_post_norm_compiles(T, load):
+    """BackMma with the rstd applied in the epilogue (no per-CTA rstd pass before the MMAs)."""
+    cfg, d = _dims("kimi-k3", 8)
+    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, "post")
+    assert (op.norm, op.load) == ("post", load)
+    assert itf.compile_only(op, *args) is not None
+
+
+def test_back_norm_knob(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK_NORM", raising=False)
+    assert bm.back_norm() == "pre"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_NORM", "post")
+    assert bm.back_norm() == "post"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_NORM", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_NORM"):
+        bm.back_norm()
+    with pytest.raises(ValueError, match="norm"):
+        bm.BackMma(8, 3584, 7168, 1e-6, norm="x")
+
+
+def test_back_post_norm_rounding_matches_reference():
+    """``norm="post"`` rounds ``bf16(acc * w)`` and scales the FP32 sum by rstd, where the
+    reference rounds ``bf16(acc * rstd * w)``: the same function within BF16 rounding (torch
+    emulation of the kernel's arithmetic on CPU, random data of the TP8 shapes' sizes)."""
+    g = torch.Generator().manual_seed(0)
+    T, L, H, eps = 16, 3584, 512, 1e-6
+    acc = torch.randn(T, L, generator=g) * 3
+    w = (1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16)
+    up = (torch.randn(H, L, generator=g) / L**0.5).to(torch.bfloat16)
+    sh = torch.randn(T, H, generator=g)
+    ref = up_proj_shared_add_ref(acc, w, up, sh, eps).float()
+    rstd = torch.rsqrt(acc.pow(2).mean(-1, keepdim=True) + eps)
+    xb = (acc * w.float()).to(torch.bfloat16).float()
+    post = ((xb @ up.float().T) * rstd + sh).to(torch.bfloat16).float()
+    rel = ((post - ref).norm() / ref.norm()).item()
+    assert rel < 4e-3, rel

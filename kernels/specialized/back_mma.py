@@ -32,6 +32,7 @@ from decodescope.kernels.specialized.up_proj_shared_add import check_back_args, 
 
 ROWS = 16  # MMA M
 KCH = 32  # k per chunk: two m16n8k16 steps
+NORMS = ("pre", "post")  # where the per-token rstd enters (see the module docstring)
 
 
 def _warps(L: int) -> int:
@@ -45,10 +46,13 @@ def _warps(L: int) -> int:
 class BackMma:
     """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
 
-    def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs"):
+    def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs",
+                 norm: str = "pre", rt: int = 0):  # fmt: skip
         if load not in mc.LOADS:
             raise ValueError(f"back_mma: load {load!r}, expected one of {mc.LOADS}")
-        self.load = load
+        if norm not in NORMS:
+            raise ValueError(f"back_mma: norm {norm!r}, expected one of {NORMS}")
+        self.load, self.norm = load, norm
         self.NS = 4  # "ring": chunks in flight per warp
         if not 1 <= T <= 64:
             raise ValueError(f"back_mma: 1..64 tokens, got {T}")
@@ -60,7 +64,10 @@ class BackMma:
         self.NW = _warps(L)
         self.NJ = -(-T // 8)
         self.MP = self.NJ * 8
-        self.RT = 1 if T <= 16 else (2 if T <= 32 else 4)
+        # row tiles per CTA (0: by token count; an explicit value is for A/Bs)
+        self.RT = rt or (1 if T <= 16 else (2 if T <= 32 else 4))
+        if self.RT not in (1, 2, 4):
+            raise ValueError(f"back_mma: row tiles per CTA must be 1, 2 or 4, got {self.RT}")
         self.ntiles = H // ROWS
         self.grid = -(-self.ntiles // self.RT)
         self.CPW = L // KCH // self.NW
@@ -109,6 +116,12 @@ class BackMma:
             byte_alignment=16,
         )
         sRstd = smem.allocate_tensor(Float32, cute.make_layout(MP), byte_alignment=16)
+        post = self.norm == "post"
+        sSsq = None
+        if const_expr(post):  # per-warp partial sums of squares of each token's K slice
+            sSsq = smem.allocate_tensor(
+                Float32, cute.make_layout((NW, MP), stride=(MP, 1)), byte_alignment=16
+            )
         NS = self.NS
         rows = []
         for q in cutlass.range_constexpr(RT):
@@ -127,18 +140,19 @@ class BackMma:
             # acc is complete only when the expert kernel has finished
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        # per-token rstd of the FP32 routed sum (every CTA for all tokens: an L2 read)
-        for t in cutlass.range(warp, T, NW, unroll=1):
-            ss = Float32(0.0)
-            for k8 in cutlass.range(lane, L // 8, 32, unroll=4):
-                v = cute.make_rmem_tensor((8,), Float32)
-                cute.autovec_copy(cute.local_tile(mAcc[t, None], (8,), (k8,)), v)
-                for e in cutlass.range_constexpr(8):
-                    ss = ss + v[e] * v[e]
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-            if lane == 0:
-                sRstd[t] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
-        cute.arch.barrier()
+        if const_expr(not post):
+            # per-token rstd of the FP32 routed sum (every CTA for all tokens: an L2 read)
+            for t in cutlass.range(warp, T, NW, unroll=1):
+                ss = Float32(0.0)
+                for k8 in cutlass.range(lane, L // 8, 32, unroll=4):
+                    v = cute.make_rmem_tensor((8,), Float32)
+                    cute.autovec_copy(cute.local_tile(mAcc[t, None], (8,), (k8,)), v)
+                    for e in cutlass.range_constexpr(8):
+                        ss = ss + v[e] * v[e]
+                ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+                if lane == 0:
+                    sRstd[t] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+            cute.arch.barrier()
 
         atom = mc.mma_atom()
         toks = []
@@ -146,14 +160,23 @@ class BackMma:
         for j in cutlass.range_constexpr(NJ):
             tk = cutlass.min(j * 8 + g, T - 1)  # rows past T: computed, never stored
             toks.append(tk)
-            rstd.append(sRstd[tk])
+            if const_expr(not post):
+                rstd.append(sRstd[tk])
+        ssq = None
+        if const_expr(post):
+            ssq = cute.make_rmem_tensor((NJ,), Float32)
+            ssq.fill(0.0)
         accs = mc.zero_accs(RT * NJ)
         fa, fb = mc.fragments()
 
+        def b_tiles(k0):
+            if const_expr(post):
+                return _scaled_b(mAcc, mNW, toks, ssq, k0)
+            return _normed_b(mAcc, mNW, toks, rstd, k0)
+
         def consume(v, slot):
             k0 = (chunk0 + v) * KCH + c * 8
-            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ,
-                        _normed_b(mAcc, mNW, toks, rstd, k0))  # fmt: skip
+            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ, b_tiles(k0))
 
         if const_expr(self.load == "ring"):
             mc.ring_main(self.CPW, NS, issue, consume)
@@ -162,8 +185,25 @@ class BackMma:
                 mc.mma_chunks(
                     atom, accs, fa, fb, mW, rows, NJ, U,
                     lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
-                    lambda k0: _normed_b(mAcc, mNW, toks, rstd, k0),
+                    b_tiles,
                 )  # fmt: skip
+
+        if const_expr(post):
+            # each token's sum of squares: this lane's columns, its quad (the 4 lanes of token
+            # g hold 8 columns each of every chunk), then the warps' K slices in the epilogue
+            for j in cutlass.range_constexpr(NJ):
+                s = ssq[j]
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+                if c == 0:
+                    sSsq[warp, j * 8 + g] = s
+            cute.arch.barrier()
+            for m in cutlass.range(tid, MP, NT, unroll=1):
+                ss = Float32(0.0)
+                for w in cutlass.range_constexpr(NW):
+                    ss = ss + sSsq[w, m]
+                sRstd[m] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
+            # the stash loop's first barrier orders these writes before the epilogue's reads
 
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(NJ):
@@ -180,6 +220,8 @@ class BackMma:
                         for w in cutlass.range_constexpr(NW):
                             val = val + sRed[w, r, m]
                         n = t * ROWS + r
+                        if const_expr(post):
+                            val = val * sRstd[m]
                         mOut[m, n] = (val + mSh[m, n]).to(BFloat16)
             cute.arch.barrier()
 
@@ -201,8 +243,28 @@ def _normed_b(mAcc, mNW, toks, rstd, k0):
     return b_of
 
 
-def _build(T, L, H, eps, pdl=True, load="regs"):
-    op = BackMma(T, L, H, eps, pdl, load)
+def _scaled_b(mAcc, mNW, toks, ssq, k0):
+    """``norm="post"``'s B loader: ``j -> bf16(acc[token j] * w_norm)`` (8 values), adding the
+    FP32 values' squares to ``ssq[j]`` (each (token, column) is loaded once per CTA)."""
+    nw = cute.make_rmem_tensor((8,), BFloat16)
+    cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
+
+    def b_of(j):
+        xf = cute.make_rmem_tensor((8,), Float32)
+        cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
+        xb = cute.make_rmem_tensor((8,), BFloat16)
+        s = ssq[j]
+        for e in range(8):
+            s = s + xf[e] * xf[e]
+            xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
+        ssq[j] = s
+        return xb
+
+    return b_of
+
+
+def _build(T, L, H, eps, pdl=True, load="regs", norm="pre", rt=0):
+    op = BackMma(T, L, H, eps, pdl, load, norm, rt)
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
@@ -219,11 +281,24 @@ def back_variant(T: int, L: int, H: int) -> str:
     return v
 
 
+def back_norm() -> str:
+    """``DECODESCOPE_MOE_BACK_NORM``: ``pre`` (default: every CTA first takes each token's rstd,
+    then feeds ``bf16(acc * rstd * w)`` to the MMAs) or ``post`` (the MMAs take
+    ``bf16(acc * w)`` and the sums of squares accumulate from the same loads; the epilogue
+    scales by rstd). Read at each call; part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_BACK_NORM", "pre")
+    if v not in NORMS:
+        raise ValueError(f"DECODESCOPE_MOE_BACK_NORM={v!r}: expected one of {NORMS}")
+    return v
+
+
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
     load = mma_load("back", T)
-    key = ("moe_back_mma", T, L, H, float(eps), pdl, load)
-    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load))
+    norm = back_norm()
+    rt = int(os.environ.get("DECODESCOPE_MOE_BACK_RT", "0") or 0)  # A/B knob; 0 = by tokens
+    key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt))
     fn(acc, latent_norm, latent_up, shared_out, out)
