@@ -45,6 +45,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import route_topk as rtk
 from decodescope.kernels.specialized.moe_common import situ
 from decodescope.kernels.specialized.moe_experts import num_sms
 from decodescope.kernels.specialized.router_topk import pdl_enabled, select_topk
@@ -63,6 +64,9 @@ CTAS_PER_SM = 64
 W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
 W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
 RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
+# GroupedRoute's top-k: K rounds of router_topk.select_topk, or route_topk.thresh_topk
+ROUTE_TOPK = ("rounds", "thresh")
+ROUTE_MODES = ("one", "split", "thresh")  # DECODESCOPE_MOE_GROUPED_ROUTE
 
 
 def _div_pick(n: int, options) -> int:
@@ -106,7 +110,10 @@ class GroupedRoute:
     5-level shuffle argmax at E = 896): one SM needs ~9 us per 16 tokens, ~36 us at 64 (an
     estimate from the instruction count, not measured), which the split spreads over 8 SMs."""
 
-    def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True, split: bool = False):
+    def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True, split: bool = False,
+                 topk: str = "rounds"):  # fmt: skip
+        if topk not in ROUTE_TOPK:
+            raise ValueError(f"moe_grouped: route top-k {topk!r}, expected one of {ROUTE_TOPK}")
         if E % 32:
             raise ValueError(f"moe_grouped: num_experts={E} must be a multiple of 32")
         if K > 32:
@@ -115,6 +122,9 @@ class GroupedRoute:
             raise ValueError(f"moe_grouped: shared_inter={S} must be a multiple of 8")
         self.T, self.E, self.K, self.L, self.S = T, E, K, L, S
         self.scaling, self.beta, self.lbeta, self.pdl = scaling, beta, lbeta, pdl
+        self.topk = topk
+        if topk == "thresh":  # route_topk.thresh_topk: one token per warp, always split
+            split = True
         if split:
             self.NW = 8
             self.NTK = -(-T // 8)  # top-k CTAs
@@ -149,6 +159,14 @@ class GroupedRoute:
         sTw = smem.allocate_tensor(Float32, cute.make_layout(T * K), byte_alignment=16)
         sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
         sFlag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        thresh = const_expr(self.topk == "thresh")
+        if const_expr(thresh):
+            CAP = rtk.CAP
+            sM = smem.allocate_tensor(Float32, cute.make_layout(NW * 32), byte_alignment=16)
+            sV = smem.allocate_tensor(Float32, cute.make_layout(NW * CAP), byte_alignment=16)
+            sI = smem.allocate_tensor(Int32, cute.make_layout(NW * CAP), byte_alignment=16)
+            sS = smem.allocate_tensor(Float32, cute.make_layout(NW * CAP), byte_alignment=16)
+            bias = rtk.load_bias(mBias, lane, E)  # a weight: before the PDL wait
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -157,7 +175,11 @@ class GroupedRoute:
                 sCnt[e] = Int32(0)
             cute.arch.barrier()
             for t in cutlass.range(bid * NW + warp, T, NTK * NW):
-                select_topk(mY, mBias, t, lane, sIds, sTw, sCnt, E, K, self.scaling)
+                if const_expr(thresh):
+                    rtk.thresh_topk(mY, mBias, bias, t, lane, warp, sIds, sTw, sCnt, sM, sV, sI,
+                                    sS, E, K, self.scaling, CAP)  # fmt: skip
+                else:
+                    select_topk(mY, mBias, t, lane, sIds, sTw, sCnt, E, K, self.scaling)
                 if lane < K:  # select_topk ends with a warp sync: the token's picks are final
                     mIds[t * K + lane] = sIds[t * K + lane]
                     mTw[t * K + lane] = sTw[t * K + lane]
@@ -174,10 +196,23 @@ class GroupedRoute:
                     for e in cutlass.range(tid, E, NT):
                         sCnt[e] = Int32(0)
                     cute.arch.barrier()
-                    for p in cutlass.range(tid, T * K, NT):
-                        v = cute.arch.load(mIds.iterator + p, Int32, sem="acquire", scope="gpu")
-                        sIds[p] = v
-                        cute.arch.atomic_add(sCnt.iterator + v, Int32(1))
+                    if const_expr(thresh):
+                        # after the fence: relaxed GPU-scope loads (coherent at L2), all of a
+                        # thread's in flight before the first use
+                        NPT = -(-(T * K) // NT)
+                        vs = [cute.arch.load(mIds.iterator + cutlass.min(tid + j * NT, T * K - 1),
+                                             Int32, sem="relaxed", scope="gpu")
+                              for j in range(NPT)]  # fmt: skip
+                        for j in cutlass.range_constexpr(NPT):
+                            if tid + j * NT < T * K:
+                                sIds[tid + j * NT] = vs[j]
+                                cute.arch.atomic_add(sCnt.iterator + vs[j], Int32(1))
+                    else:
+                        for p in cutlass.range(tid, T * K, NT):
+                            v = cute.arch.load(mIds.iterator + p, Int32, sem="acquire",
+                                               scope="gpu")  # fmt: skip
+                            sIds[p] = v
+                            cute.arch.atomic_add(sCnt.iterator + v, Int32(1))
                     cute.arch.barrier()
                     self._lists(mPairs, mSlotE, mSlotOff, mSlotN, mNact, sIds, sCnt)
                     if tid == 0:
@@ -569,8 +604,8 @@ class GroupedBuffers:
         self.ctr = torch.zeros(4, dtype=i32, device=device)
 
 
-def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False):
-    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl, split)
+def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False, topk="rounds"):
+    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk=topk)
     i32, f32 = torch.int32, torch.float32
     sl = op.slots
     args = (
@@ -652,15 +687,21 @@ def w2_mode() -> str:
     return v
 
 
-def route_split() -> bool:
+def route_mode() -> str:
     """``DECODESCOPE_MOE_GROUPED_ROUTE``: ``split`` (default: the top-k over ``ceil(T/8)`` CTAs,
     :class:`GroupedRoute`; H200 TP8: route 74.0 -> 19.1 us at 64 tokens, the same 16.4 us at 8,
-    notes/gpu-logs/s6r3) or ``one`` (one CTA ranks all tokens). Read at each call, part of the
-    compile key."""
+    notes/gpu-logs/s6r3), ``one`` (one CTA ranks all tokens) or ``thresh`` (the split geometry
+    with :func:`route_topk.thresh_topk`, opt-in until timed on the H200). Read at each call,
+    part of the compile key."""
     v = os.environ.get("DECODESCOPE_MOE_GROUPED_ROUTE", "split")
-    if v not in ("one", "split"):
-        raise ValueError(f"DECODESCOPE_MOE_GROUPED_ROUTE={v!r}: expected 'one' or 'split'")
-    return v == "split"
+    if v not in ROUTE_MODES:
+        raise ValueError(f"DECODESCOPE_MOE_GROUPED_ROUTE={v!r}: expected one of {ROUTE_MODES}")
+    return v
+
+
+def route_split() -> bool:
+    """Whether :func:`route_mode` spreads the top-k over CTAs (``split`` or ``thresh``)."""
+    return route_mode() != "one"
 
 
 def build_all(T, E, K, L, Ie, H, S, scaling, beta, lbeta, pdl=True, mode="w4", split=False,
@@ -726,11 +767,13 @@ def moe_grouped(
     mode = w13_mode()
     m2 = w2_mode()
     nsm = num_sms(y_front.device)
-    split = route_split()
+    rmode = route_mode()
+    split = rmode != "one"
+    topk = "thresh" if rmode == "thresh" else "rounds"
     dims = (T, E, K, L, Ie, H, S)
     r = itf.compiled(
-        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split),
-        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split),
+        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk),
+        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk),
     )
     w13k = itf.compiled(
         ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm),
