@@ -304,9 +304,9 @@ def test_back_mma_post_norm_compiles(T, load):
 
 def test_back_norm_knob(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK_NORM", raising=False)
+    assert bm.back_norm() == "post"  # default since the H200 A/B (notes/gpu-logs/s8/r1)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_NORM", "pre")
     assert bm.back_norm() == "pre"
-    monkeypatch.setenv("DECODESCOPE_MOE_BACK_NORM", "post")
-    assert bm.back_norm() == "post"
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_NORM", "x")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_NORM"):
         bm.back_norm()

@@ -6,14 +6,24 @@ at 64, against a ~13 us floor).
 
 Same MMA scheme as :mod:`front_mma` (weight rows as M, tokens as N, K permuted inside each
 32-wide chunk so that A and B fragments are 16-byte loads; warps split K; partial sums through
-shared memory). The B operand is built on the fly from the FP32 routed sum: every CTA first
-takes the per-token ``rstd`` of ``acc`` (each warp a share of the tokens, all of L), then each
-lane turns its 8 FP32 values of token g into ``bf16(acc * rstd * latent_norm)``, the rounding
-the SIMT kernel and the reference apply. The epilogue adds the shared experts' FP32 output and
-rounds once to BF16.
+shared memory). The B operand is built on the fly from the FP32 routed sum. Where the per-token
+``rstd`` enters (``DECODESCOPE_MOE_BACK_NORM``, :func:`back_norm`):
 
-Launch count: 1 (replaces ``UpProjSharedAdd`` with ``DECODESCOPE_MOE_BACK=auto`` from 8 tokens
-on, or ``mma``; the default stays ``simt`` until this kernel has passed its H200 checks).
+- ``post`` (the default): each lane turns its 8 FP32 values of token g into
+  ``bf16(acc * latent_norm)`` and adds their squares to the token's sum, from the same loads; the
+  sums meet across the quad (shuffles) and the warps' K slices (shared memory) after the main
+  loop, and the epilogue scales each token's FP32 dot products by its rstd. The per-element
+  rounding differs from the reference's ``bf16(acc * rstd * latent_norm)`` by one BF16 rounding
+  of a different product: the same function within BF16 tolerances (CPU emulation in the tests,
+  H200 checks in notes/specialized_moe.md).
+- ``pre``: every CTA first takes the per-token ``rstd`` of ``acc`` (each warp a share of the
+  tokens, all of L: a chain of L2 round trips before the first MMA, ~14 us at 64 tokens), then
+  feeds ``bf16(acc * rstd * latent_norm)``, the reference's rounding.
+
+The epilogue adds the shared experts' FP32 output and rounds once to BF16.
+
+Launch count: 1 (``DECODESCOPE_MOE_BACK=auto``, the default, from 1 token on; ``simt`` picks
+``up_proj_shared_add``).
 """
 
 from __future__ import annotations
@@ -282,11 +292,14 @@ def back_variant(T: int, L: int, H: int) -> str:
 
 
 def back_norm() -> str:
-    """``DECODESCOPE_MOE_BACK_NORM``: ``pre`` (default: every CTA first takes each token's rstd,
-    then feeds ``bf16(acc * rstd * w)`` to the MMAs) or ``post`` (the MMAs take
-    ``bf16(acc * w)`` and the sums of squares accumulate from the same loads; the epilogue
-    scales by rstd). Read at each call; part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_BACK_NORM", "pre")
+    """``DECODESCOPE_MOE_BACK_NORM``: ``post`` (default: the MMAs take ``bf16(acc * w)``, the
+    sums of squares accumulate from the same loads and the epilogue scales by rstd) or ``pre``
+    (every CTA first takes each token's rstd in a pass over ``acc``, then feeds
+    ``bf16(acc * rstd * w)`` to the MMAs). H200 TP8, kernel alone, graph medians
+    (notes/gpu-logs/s8/r1): 62.6 -> 48.6 us at 64 tokens, 21.2 -> 19.0 at 8; whole steps TP8
+    1x1/8x1/64x1/8x8 and tp_world 2 at 1/8/64 PASS. Read at each call; part of the compile
+    key."""
+    v = os.environ.get("DECODESCOPE_MOE_BACK_NORM", "post")
     if v not in NORMS:
         raise ValueError(f"DECODESCOPE_MOE_BACK_NORM={v!r}: expected one of {NORMS}")
     return v
