@@ -8,9 +8,12 @@
 the three non-persistent tensor-core launches of ``moe_grouped``, which get their own probe
 child and a ``grouped_route_lists`` check; ``grouped_split``: the same with the route
 kernel's top-k split over CTAs, ``DECODESCOPE_MOE_GROUPED_ROUTE=split``; ``grouped_ring``:
-split, w13 and w2 weights streamed through per-lane cp.async rings); the front and
-back kernels and the standard block are timed once. Each variant first runs once under a hang
-watchdog (a hung kernel cannot be recovered in-process: the run writes what it has and exits 3).
+split, w13 and w2 weights streamed through per-lane cp.async rings; ``grouped_thresh``:
+``grouped_ring`` with the route's threshold top-k, ``DECODESCOPE_MOE_GROUPED_ROUTE=thresh``,
+plus ``route_thresh_identical_*`` checks: ids and weights bit for bit against ``split``); the
+front and back kernels and the standard block are timed once. Each variant first runs once
+under a hang watchdog (a hung kernel cannot be recovered in-process: the run writes what it has
+and exits 3).
 ``--quick``: one draw, no front-norm checks or timings.
 
 Checks (fresh random inputs, outputs poisoned with NaN first), per (TP shape, tokens):
@@ -186,6 +189,9 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     torch.cuda.synchronize()
     if gb is not None:
         _grouped_route_check(blk, gb, E, ctx)
+        if mg.route_mode() == "thresh":
+            guarded("route_thresh_identical", ctx,
+                    lambda: _route_thresh_identical(blk, y, E, ctx))  # fmt: skip
     ids_r, tw_r = rt.router_topk_ref(y[:, :E], w["router_bias"], k, e.routed_scaling)
     ids = blk.topk_ids.long()
     same = (ids.sort(1).values == ids_r.long().sort(1).values).all(1)
@@ -242,6 +248,54 @@ def _grouped_route_check(blk, gb, E: int, ctx: dict) -> None:
         ok = all(torch.equal(a, b) for a, b in ((gse, se), (gso, so), (gsn, sn), (gp, pairs)))
     record(check="grouped_route_lists", **ctx, nact=f"{got_n}/{nact}",
            status="pass" if ok else "FAIL")  # fmt: skip
+
+
+def _route_thresh_identical(blk, y: torch.Tensor, E: int, ctx: dict) -> None:
+    """The threshold top-k (``DECODESCOPE_MOE_GROUPED_ROUTE=thresh``) against the rounds of the
+    ``split`` route kernel on the same logits: ids and weights bit for bit, lists equal to
+    those of the ids. Inputs: the block's own logits and bias; the logits quantized to quarters
+    with a zero bias (many exact ties across the threshold); and with row 0 all zero as well
+    (every expert tied: more than ``route_topk.CAP`` candidates, the fallback to the rounds)."""
+    k = blk.top_k
+    yq = y.clone()
+    yq[:, :E] = torch.round(yq[:, :E] * 4) / 4
+    yz = yq.clone()
+    yz[0, :E] = 0.0
+    b0 = torch.zeros_like(blk.bias)
+    for name, yin, bias in (("logits", y, blk.bias), ("quantized", yq, b0), ("row0_tied", yz, b0)):
+        got = {}
+        for mode in ("split", "thresh"):
+            with env(DECODESCOPE_MOE_GROUPED_ROUTE=mode):
+                gb = mg.GroupedBuffers(blk.N, E, k, blk.cfg.shared_inter, DEV)
+                ids = torch.full((blk.N, k), -1, dtype=torch.int32, device=DEV)
+                tw = torch.full((blk.N, k), float("nan"), dtype=torch.float32, device=DEV)
+                mg.moe_grouped(
+                    yin, bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
+                    blk.shared_out, ids, tw, gb, top_k=k, scaling=blk.scaling, beta=blk.beta,
+                    lbeta=blk.lbeta, parts=(0,),
+                )  # fmt: skip
+                for _ in range(2):  # again: the arrival counter must have reset itself
+                    mg.moe_grouped(
+                        yin, bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
+                        blk.shared_out, ids, tw, gb, top_k=k, scaling=blk.scaling,
+                        beta=blk.beta, lbeta=blk.lbeta, parts=(0,),
+                    )  # fmt: skip
+                torch.cuda.synchronize()
+                got[mode] = (ids.cpu(), tw.cpu(), gb)
+        (ia, wa, _), (ib, wb, gbt) = got["split"], got["thresh"]
+        se, so, sn, nact, pairs = mg.lists_from_ids(ib, E)
+        lists_ok = int(gbt.nact[0]) == nact
+        if lists_ok:
+            gse, gso, gsn = (t[:nact].cpu() for t in (gbt.slot_e, gbt.slot_off, gbt.slot_n))
+            gp = mg.canonical_pairs(gbt.pairs.cpu(), gso, gsn)
+            lists_ok = all(torch.equal(a, b) for a, b in
+                           ((gse, se), (gso, so), (gsn, sn), (gp, pairs)))  # fmt: skip
+        same_ids = torch.equal(ia, ib)
+        same_w = torch.equal(wa.view(torch.int32), wb.view(torch.int32))
+        rows = int((ia == ib).all(1).sum())
+        record(check=f"route_thresh_identical_{name}", **ctx, rows_same_ids=f"{rows}/{blk.N}",
+               same_weights_bits=same_w, lists=lists_ok,
+               status="pass" if (same_ids and same_w and lists_ok) else "FAIL")  # fmt: skip
 
 
 def _standard_layer(cfg, w, N: int):
@@ -635,6 +689,9 @@ def variant_env(var: str) -> dict:
     if var == "grouped_w8":  # the route split, w13 on 8 warps with its K loop unrolled
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
                 "DECODESCOPE_MOE_GROUPED_W13": "w8"}  # fmt: skip
+    if var == "grouped_thresh":  # grouped_ring with the threshold top-k in the route kernel
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
+                "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
     if var == "grouped_ring":  # the route split, w13 and w2 streamed through cp.async rings
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
                 "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
@@ -693,7 +750,15 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring"],
+        choices=[
+            "pipe",
+            "old",
+            "grouped",
+            "grouped_split",
+            "grouped_w8",
+            "grouped_ring",
+            "grouped_thresh",
+        ],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )
     ap.add_argument(

@@ -99,3 +99,55 @@ def test_route_mode_env(monkeypatch):
         mg.route_mode()
     with pytest.raises(ValueError, match="route top-k"):
         mg.GroupedRoute(8, 32, 4, 128, 64, 1.0, 4.0, 25.0, topk="radix")
+
+
+def _run_route(y, bias, T, E, K, L, S, split, topk, bufs):
+    """The route kernel alone on ``y [T, E + L + 2S]``: ``(ids, tw)`` (lists in ``bufs``)."""
+    dev = y.device
+    key = ("test_route_topk", T, E, K, L, S, split, topk)
+    fn = itf.compiled(key, lambda: mg._build_route(T, E, K, L, S, 1.0, 4.0, 25.0, True, split,
+                                                   topk))  # fmt: skip
+    ids = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
+    tw = torch.full((T * K,), float("nan"), dtype=torch.float32, device=dev)
+    b = bufs
+    for _ in range(3):  # the split's arrival counter resets itself
+        fn(y, bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs, b.ctr)
+    torch.cuda.synchronize()
+    return ids.view(T, K).cpu(), tw.view(T, K).cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,T", [(8, 8), (8, 64), (16, 32), (8, 13)])
+@pytest.mark.parametrize("inputs", ["random", "ties"])
+def test_thresh_route_identical_on_gpu(tp, T, inputs):
+    """``thresh`` against the rounds of ``split``: ids and weights bit for bit, lists equal to
+    ``lists_from_ids``; ``ties``: logits in quarters, zero bias, token 0 all tied (fallback)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    cfg, (E, K, L, S) = _dims(tp)
+    g = torch.Generator().manual_seed(T + tp)
+    y = torch.randn(T, E + L + 2 * S, generator=g)
+    bias = 0.1 * torch.randn(E, generator=g)
+    if inputs == "ties":
+        y[:, :E] = torch.round(y[:, :E] * 4) / 4
+        y[0, :E] = 0.0
+        bias.zero_()
+    y, bias = y.to(dev), bias.to(dev)
+    out = {}
+    for topk in ("rounds", "thresh"):
+        bufs = mg.GroupedBuffers(T, E, K, S, dev)
+        out[topk] = (*_run_route(y, bias, T, E, K, L, S, True, topk, bufs), bufs)
+    (ia, wa, _), (ib, wb, b) = out["rounds"], out["thresh"]
+    assert torch.equal(ia, ib)
+    assert torch.equal(wa.view(torch.int32), wb.view(torch.int32))
+    se, so, sn, nact, pairs = mg.lists_from_ids(ib, E)
+    assert int(b.nact[0]) == nact
+    gso, gsn = b.slot_off[:nact].cpu(), b.slot_n[:nact].cpu()
+    assert torch.equal(b.slot_e[:nact].cpu(), se)
+    assert torch.equal(gso, so) and torch.equal(gsn, sn)
+    assert torch.equal(mg.canonical_pairs(b.pairs.cpu(), gso, gsn), pairs)
+    ids_r, tw_r = rt.router_topk_ref(y[:, :E].cpu(), bias.cpu(), K)
+    if inputs == "random":
+        assert torch.equal(ib.sort(1).values, ids_r.sort(1).values)
+        assert float((wb - tw_r).abs().max()) < 1e-5
