@@ -57,9 +57,11 @@ def test_plan_records_kernel_env(monkeypatch):
     """Kernel choices forced through DECODESCOPE_* variables are named in the run's config."""
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")
     monkeypatch.setenv("DECODESCOPE_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv("DECODESCOPE_CAPTURE_OWNER", "1")  # the capture's handshake: not a choice
     cfg = json.loads(S.plan(**TINY).meta["config_json"])
     assert cfg["kernel_env"]["DECODESCOPE_MOE_BACK"] == "simt"
     assert "DECODESCOPE_GIT_COMMIT" not in cfg["kernel_env"]
+    assert not [k for k in cfg["kernel_env"] if k.startswith("DECODESCOPE_CAPTURE_")]
 
 
 def test_range_names_follow_the_scheme():

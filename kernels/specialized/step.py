@@ -335,11 +335,13 @@ def extra_launches(cfg, spec, n_tokens: int) -> int:
 def kernel_env() -> dict[str, str]:
     """The ``DECODESCOPE_*`` variables that pick kernels or their options in this process (not
     the bookkeeping ones): recorded in each run so that a figure names what produced it."""
-    skip = {"DECODESCOPE_GIT_COMMIT", "DECODESCOPE_RESULTS"}
+    skip = {"DECODESCOPE_GIT_COMMIT", "DECODESCOPE_RESULTS"}  # and the capture's own handshake
     return {
         k: v
         for k, v in sorted(os.environ.items())
-        if k.startswith("DECODESCOPE_") and k not in skip
+        if k.startswith("DECODESCOPE_")
+        and k not in skip
+        and not k.startswith("DECODESCOPE_CAPTURE_")
     }
 
 
