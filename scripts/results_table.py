@@ -9,6 +9,7 @@ GPU and the copy-bandwidth range they measured.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,6 +27,22 @@ DESCRIBE = {
 
 def _batch(batch: int, tps: int) -> str:
     return f"{batch}" if tps == 1 else f"{batch}x{tps}"
+
+
+def _forced_env(shown) -> list[tuple[str, str]]:
+    """``(commit, "K=V, ...")`` for each commit whose shown runs set ``DECODESCOPE_*`` kernel
+    knobs (``kernel_env`` in the run's config)."""
+    by: dict[str, set[str]] = {}
+    for r in shown:
+        try:
+            cj = json.loads(r.meta.config_json or "{}")
+        except ValueError:
+            continue
+        env = (cj.get("workload") or cj).get("kernel_env") or {}
+        for k, v in env.items():
+            if not k.startswith("DECODESCOPE_CAPTURE_"):
+                by.setdefault((r.meta.git_commit or "?")[:7], set()).add(f"`{k}={v}`")
+    return [(c, ", ".join(sorted(v))) for c, v in sorted(by.items())]
 
 
 def main(path: str = "results") -> None:
@@ -87,6 +104,14 @@ def main(path: str = "results") -> None:
                 f"| {cell(p, 'span_us', '{:,.1f}')} | {ratio} | {f'{fl:,.1f}' if fl else '-'} "
                 f"| {s_eff} | {p_eff} | {commit} |"
             )
+    forced = _forced_env(shown)
+    if forced:
+        print(
+            "\nKernel choices set through the environment in the runs shown (each run's "
+            "`kernel_env`; the other runs used their commit's defaults): "
+            + "; ".join(f"{c}: {e}" for c, e in forced)
+            + "."
+        )
     dense = {p["dense_layer"] for _, _, p in proj}
     print(
         "\nPROJECTION (not a served-request measurement): the full model's decode step as the "
