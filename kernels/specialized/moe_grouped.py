@@ -163,9 +163,9 @@ class GroupedRoute:
         if const_expr(thresh):
             CAP = rtk.CAP
             sM = smem.allocate_tensor(Float32, cute.make_layout(NW * 32), byte_alignment=16)
-            sV = smem.allocate_tensor(Float32, cute.make_layout(NW * CAP), byte_alignment=16)
-            sI = smem.allocate_tensor(Int32, cute.make_layout(NW * CAP), byte_alignment=16)
-            sS = smem.allocate_tensor(Float32, cute.make_layout(NW * CAP), byte_alignment=16)
+            sV = smem.allocate_tensor(Float32, cute.make_layout(NW * (CAP + 4)), byte_alignment=16)
+            sI = smem.allocate_tensor(Int32, cute.make_layout(NW * (CAP + 4)), byte_alignment=16)
+            sS = smem.allocate_tensor(Float32, cute.make_layout(NW * (CAP + 4)), byte_alignment=16)
             bias = rtk.load_bias(mBias, lane, E)  # a weight: before the PDL wait
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
@@ -188,7 +188,14 @@ class GroupedRoute:
                 # the barrier ordered every warp's id stores before thread 0's release
                 if tid == 0:
                     cute.arch.fence_acq_rel_gpu()
-                    old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                    if const_expr(thresh):
+                        # fence + relaxed atomic (release pattern), fence after (acquire
+                        # pattern, below): one GPU-scope membar less on the critical path
+                        old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="relaxed",
+                                                   scope="gpu")  # fmt: skip
+                    else:
+                        old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="acq_rel",
+                                                   scope="gpu")  # fmt: skip
                     sFlag[0] = old
                 cute.arch.barrier()
                 if sFlag[0] == NTK - 1:  # the last top-k CTA: all ids are in global memory

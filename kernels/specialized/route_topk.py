@@ -18,8 +18,9 @@ E = 896). One warp per token, lane ``l`` holding experts ``l + 32 i``:
    rank; ranks below K are the picks, written at their rank; the weights' sum is taken in rank
    order (the rounds' order), then ``w * (scaling / sum)``.
 
-More than ``cap`` candidates (ties or adversarial logits): the warp runs
-:func:`router_topk.select_topk` instead (same result, the old speed). :func:`thresh_topk_emulate`
+More than ``cap`` candidates (ties or adversarial logits; or fewer than K, possible only with
+NaN scores): the warp runs :func:`router_topk.select_topk` instead (same result, the old
+speed). :func:`thresh_topk_emulate`
 is this algorithm in torch for CPU tests.
 """
 
@@ -64,7 +65,8 @@ def thresh_topk(
     cap: cutlass.Constexpr[int],
 ):
     """One warp ranks token ``t`` (module docstring). ``bias``: :func:`load_bias`'s registers.
-    Scratch: ``sM`` (32 per warp), ``sV`` / ``sI`` / ``sS`` (``cap`` per warp). Writes
+    Scratch: ``sM`` (32 per warp), ``sV`` / ``sI`` / ``sS`` (``cap + 4`` per warp: slot ``cap``
+    takes the stores of non-candidates). Writes
     ``sIds[t*K + k]``, ``sW[t*K + k]`` (k in selection order), counts each pick in
     ``sCnt[e]``; ends with a warp sync."""
     EPL = E // 32
@@ -99,14 +101,15 @@ def thresh_topk(
     for i in cutlass.range_constexpr(EPL):
         base.append(base[i] + cute.arch.popc(bal[i]))
     n = base[EPL]
-    if n <= cap:
-        cb = warp * cap
+    if (n <= cap) & (n >= K):  # n < K only with NaN scores: the rounds write valid ids anyway
+        cb = warp * (cap + 4)  # 16-byte aligned slices: vector loads in the rank loop
         for i in cutlass.range_constexpr(EPL):
-            if sel[i] >= tau:
-                pos = cb + base[i] + cute.arch.popc(bal[i] & lt)
-                sV[pos] = sel[i]
-                sI[pos] = lane + 32 * i
-                sS[pos] = score[i]
+            # unconditional stores (no branch per slot): a non-candidate writes the warp's
+            # spare slot cap
+            pos = cutlass.select_(sel[i] >= tau, base[i] + cute.arch.popc(bal[i] & lt), cap)
+            sV[cb + pos] = sel[i]
+            sI[cb + pos] = lane + 32 * i
+            sS[cb + pos] = score[i]
         cute.arch.sync_warp()
         for jc in cutlass.range(0, n, 32, unroll=1):
             c = jc + lane
