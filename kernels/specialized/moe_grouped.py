@@ -189,22 +189,27 @@ class GroupedRoute:
                 if tid == 0:
                     cute.arch.fence_acq_rel_gpu()
                     if const_expr(thresh):
-                        # fence + relaxed atomic (release pattern), fence after (acquire
-                        # pattern, below): one GPU-scope membar less on the critical path
+                        # release pattern (fence, relaxed atomic); the last CTA's thread 0
+                        # then completes the acquire pattern (fence) before the barrier, which
+                        # orders every thread's loads below after it: two GPU-scope membars on
+                        # the critical path instead of three
                         old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="relaxed",
                                                    scope="gpu")  # fmt: skip
+                        if old == NTK - 1:
+                            cute.arch.fence_acq_rel_gpu()
                     else:
                         old = cute.arch.atomic_add(mCtr.iterator, Int32(1), sem="acq_rel",
                                                    scope="gpu")  # fmt: skip
                     sFlag[0] = old
                 cute.arch.barrier()
                 if sFlag[0] == NTK - 1:  # the last top-k CTA: all ids are in global memory
-                    cute.arch.fence_acq_rel_gpu()
+                    if const_expr(not thresh):
+                        cute.arch.fence_acq_rel_gpu()
                     for e in cutlass.range(tid, E, NT):
                         sCnt[e] = Int32(0)
                     cute.arch.barrier()
                     if const_expr(thresh):
-                        # after the fence: relaxed GPU-scope loads (coherent at L2), all of a
+                        # relaxed GPU-scope loads (coherent at L2: no stale L1 line), all of a
                         # thread's in flight before the first use
                         NPT = -(-(T * K) // NT)
                         vs = [cute.arch.load(mIds.iterator + cutlass.min(tid + j * NT, T * K - 1),
