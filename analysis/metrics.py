@@ -3,7 +3,14 @@
 - kernels: kernel executions attributed to the layer in one step;
 - span_us: last kernel end - first kernel start of the layer in one step (GPU timeline);
 - busy_us: length of the union of the layer's kernel intervals; gaps_us = span_us - busy_us;
-- kernel_sum_us: sum of kernel durations (exceeds span when streams overlap).
+- kernel_sum_us: sum of kernel durations (exceeds span when streams overlap);
+- share_us: the layer's share of the step: last kernel end minus the later of its first kernel
+  start and the previous layer's last kernel end (same rank and step; the previous layer is the
+  one of the next lower index that ran in the step). Equal to span_us when layers do not
+  overlap; smaller when the layer's first kernel starts before the previous layer has ended
+  (programmatic dependent launch: it is resident and waits at ``griddepcontrol.wait``, or
+  streams overlap across the boundary). The shares of consecutive layers add up to the step's
+  time, where the spans would count each overlap twice: projections sum shares.
 
 Per-step figures are summarised over steps as the median with min and max. Pure pyarrow + numpy.
 """
@@ -14,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us")
+METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us", "share_us")
 
 __all__ = [
     "METRICS",
@@ -142,7 +149,8 @@ def _steps_of(kernels: pa.Table, keys: list[str]) -> pa.Table:
 
 def layer_steps(kernels: pa.Table) -> pa.Table:
     """One row per (rank, step, layer): layer_kind, kernels, span_us, busy_us, gaps_us,
-    kernel_sum_us. Kernels without a layer are left out (they have no layer to count in)."""
+    kernel_sum_us, share_us. Kernels without a layer are left out (they have no layer to count
+    in)."""
     k = _attributed(kernels)
     k = k.append_column("__kind", pc.fill_null(_plain(k.select(["layer_kind"]))["layer_kind"], ""))
     k = k.set_column(k.schema.get_field_index("step"), "step", pc.fill_null(k["step"], 0))
@@ -159,10 +167,11 @@ def layer_steps(kernels: pa.Table) -> pa.Table:
                 },
             }
         )
-    groups, _, st = _steps_of(k, keys)
+    groups, gid, st = _steps_of(k, keys)
     kind = pc.if_else(
         pc.equal(groups["__kind"], ""), pa.scalar(None, pa.string()), groups["__kind"]
     )
+    share = _shares(groups, gid, _num(k["start_ns"]), _num(k["end_ns"]), st["span"])
     return pa.table(
         {
             "rank": groups["rank"],
@@ -174,8 +183,30 @@ def layer_steps(kernels: pa.Table) -> pa.Table:
             "busy_us": pa.array(st["busy"] / 1e3),
             "gaps_us": pa.array((st["span"] - st["busy"]) / 1e3),
             "kernel_sum_us": pa.array(st["kernel_sum"] / 1e3),
+            "share_us": pa.array(share / 1e3),
         }
     )
+
+
+def _shares(
+    groups: pa.Table, gid: np.ndarray, start: np.ndarray, end: np.ndarray, span: np.ndarray
+) -> np.ndarray:
+    """share (ns) per (rank, step, layer) group: see the module docstring. ``groups`` is sorted
+    by rank, step, layer (so a group's predecessor in the step is the row before it)."""
+    n = groups.num_rows
+    end = np.maximum(end, start)
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, gid, start)
+    np.maximum.at(last, gid, end)
+    share = span.astype(np.float64).copy()
+    if n > 1:
+        rank = _num(pc.fill_null(groups["rank"], -1))
+        step = _num(groups["step"])
+        same = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])
+        begin = np.maximum(first[1:], last[:-1])
+        share[1:] = np.where(same, np.maximum(last[1:] - begin, 0), share[1:])
+    return share
 
 
 def layer_table(kernels: pa.Table) -> pa.Table:

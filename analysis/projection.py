@@ -1,7 +1,8 @@
 """Model-level projections from per-layer traces, and the published reference figures.
 
-Everything here is a *projection*: per-layer spans measured on one GPU, summed over the model's
-layer mix. It is never a served-request measurement, and every output says so.
+Everything here is a *projection*: per-layer times measured on one GPU (each layer's share of
+the step, ``share_us`` in :mod:`.metrics`: its span less any overlap with the previous layer),
+summed over the model's layer mix. It is never a served-request measurement, and every output says so.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class StepProjection:
             notes.append(" + ".join(f"{n} {k}" for k, n in self.counts.items()) + " layers")
         if self.missing:
             notes.append(f"excludes {', '.join(self.missing)}: not measured")
-        s = "projection from per-layer spans"
+        s = "projection from per-layer shares of the step"
         return s + (f" ({'; '.join(notes)})" if notes else "")
 
 
@@ -69,7 +70,8 @@ def project_step(
     outside_us: float = 0.0,
     tokens_per_seq: float = 1.0,
 ) -> StepProjection:
-    """Sum per-kind layer spans over ``layer_mix``; tok/s = batch * tokens_per_seq / step.
+    """Sum per-kind layer times (``share_us``, or spans) over ``layer_mix``; tok/s = batch *
+    tokens_per_seq / step.
 
     A kind of the mix with no span (the dense layer 0 in a run of ``layers="kda,mla"``, as the
     first committed results/ runs are) is left out and named in ``missing`` and the label; with

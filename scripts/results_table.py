@@ -72,9 +72,10 @@ def main(path: str = "results") -> None:
     )
     print(
         "| tp_shape | tp_world | batch | kind | std kernels | spec kernels | std us | spec us "
-        "| speedup | floor us | std / floor | spec / floor | commit |"
+        "| speedup | floor us | std / floor | spec / floor | std share | spec share "
+        "| share speedup | commit |"
     )
-    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     proj = []
     for (_preset, tp, tpw, batch, tps), by in sorted(
         pairs.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][4], kv[0][3])
@@ -98,11 +99,17 @@ def main(path: str = "results") -> None:
             ratio = f"{s['span_us'] / p['span_us']:.2f}x" if s and p else "-"
             s_eff = f"{s['span_us'] / fl:.2f}" if s and fl else "-"
             p_eff = f"{p['span_us'] / fl:.2f}" if p and fl else "-"
+            sh = (
+                f"{s['share_us'] / p['share_us']:.2f}x"
+                if s and p and s.get("share_us") and p.get("share_us")
+                else "-"
+            )
             print(
                 f"| {tp} | {tpw} | {_batch(batch, tps)} | {kind} | {cell(s, 'kernels', '{:.0f}')} "
                 f"| {cell(p, 'kernels', '{:.0f}')} | {cell(s, 'span_us', '{:,.1f}')} "
                 f"| {cell(p, 'span_us', '{:,.1f}')} | {ratio} | {f'{fl:,.1f}' if fl else '-'} "
-                f"| {s_eff} | {p_eff} | {commit} |"
+                f"| {s_eff} | {p_eff} | {cell(s, 'share_us', '{:,.1f}')} "
+                f"| {cell(p, 'share_us', '{:,.1f}')} | {sh} | {commit} |"
             )
     forced = _forced_env(shown)
     if forced:
@@ -115,7 +122,8 @@ def main(path: str = "results") -> None:
     dense = {p["dense_layer"] for _, _, p in proj}
     print(
         "\nPROJECTION (not a served-request measurement): the full model's decode step as the "
-        "sum of 69 KDA + 24 MLA layer spans"
+        "sum of 69 KDA + 24 MLA layers' shares of the step (span less the overlap with the "
+        "previous layer)"
         + (
             " + the measured dense layer 0"
             if dense == {"measured"}

@@ -228,3 +228,67 @@ def test_bytes_floor():
     assert r["efficiency"] == pytest.approx(130 / 92.42, rel=1e-3)
     (none,) = metrics.with_floor(metrics.kind_table(k), None, None).to_pylist()
     assert none["floor_us"] is None and none["efficiency"] is None
+
+
+def test_share_with_early_start_synthetic():
+    # SYNTHETIC: layer 1's first kernel is resident before layer 0 ends (programmatic dependent
+    # launch: it starts at 50 and waits), layer 2 starts after layer 1 ends; two steps
+    rows = []
+    for step in (0, 1):
+        b = step * 10_000
+        rows += [
+            (step, 0, "dense", "attn", "a", 1, b + 0, b + 100, "k0"),
+            (step, 1, "kda", "attn", "a", 1, b + 50, b + 150, "k1"),  # waits 50 ns
+            (step, 1, "kda", "moe", "b", 1, b + 150, b + 200, "k2"),
+            (step, 2, "mla", "attn", "a", 1, b + 210, b + 260, "k3"),
+        ]
+    ls = {
+        (r["step"], r["layer"]): r
+        for r in metrics.layer_steps(_synthetic_kernels(rows)).to_pylist()
+    }
+    for step in (0, 1):
+        assert ls[(step, 0)]["share_us"] == pytest.approx(0.100)  # the first layer: its span
+        assert ls[(step, 1)]["span_us"] == pytest.approx(0.150)
+        assert ls[(step, 1)]["share_us"] == pytest.approx(0.100)  # from layer 0's end at 100
+        assert ls[(step, 2)]["share_us"] == pytest.approx(0.050)  # no overlap: the span
+    kt = {r["layer_kind"]: r for r in metrics.kind_table(_synthetic_kernels(rows)).to_pylist()}
+    assert kt["kda"]["share_us"] == pytest.approx(0.100) and kt["kda"]["span_us"] == pytest.approx(
+        0.150
+    )
+
+
+def test_share_on_h200_bench_runs():
+    """Real H200 bench runs (results/, commit 38188ca, TP8 batch 1, dense + KDA + MLA layers):
+    the specialized layers' first kernels start under PDL before the previous layer ends, so
+    their share of the step is below their span; the standard path's layers do not overlap.
+    Within a step the shares add up to the step's first-start-to-last-end time less the idle
+    gaps between layers (counted in no layer), while the spans count each overlap twice."""
+    from decodescope.tracer.dataset import read_runs
+
+    results = Path(__file__).parent.parent / "results"
+    spec, std = read_runs(
+        results, ["specialized-20261130T223524-dc2419", "standard-20261130T223518-fb6748"]
+    )
+    if spec.meta.backend != "specialized":
+        spec, std = std, spec
+    for run, overlaps in ((spec, True), (std, False)):
+        ls = metrics.layer_steps(run.kernels).to_pylist()
+        by_step = collections.defaultdict(list)
+        for r in ls:
+            by_step[r["step"]].append(r)
+        assert len(by_step) >= 20
+        k = run.kernels
+        for step, rs in by_step.items():
+            sel = k.filter(pc.and_(pc.equal(k["step"], step), pc.is_valid(k["layer"])))
+            total = (pc.max(sel["end_ns"]).as_py() - pc.min(sel["start_ns"]).as_py()) / 1e3
+            idle = total - sum(r["share_us"] for r in rs)
+            assert -1e-6 < idle < 3.0, (step, idle)
+            if overlaps:
+                assert sum(r["span_us"] for r in rs) > total + 10
+        kda = next(
+            r for r in metrics.kind_table(run.kernels).to_pylist() if r["layer_kind"] == "kda"
+        )
+        if overlaps:
+            assert kda["share_us"] < kda["span_us"] - 10  # H200: 151.5 vs 176.3 us
+        else:
+            assert kda["share_us"] == pytest.approx(kda["span_us"], abs=1.0)

@@ -71,6 +71,7 @@ def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
                 "span_us_max": r["span_us_max"],
                 "busy_us": r["busy_us"],
                 "gaps_us": r["gaps_us"],
+                "share_us": r.get("share_us"),
                 "layer_bytes": lb.get(kind),
                 "copy_bw_tbs": bw,
                 "floor_us": floor,
@@ -114,8 +115,16 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
         "floor us",
         "std x floor",
         "spec x floor",
+        "std share",
+        "spec share",
+        "share speedup",
     ):
         t.add_column(c, justify="left" if c == "kind" else "right")
+    t.caption = (
+        "us: layer span (first kernel start to last kernel end); share: the layer's share of the "
+        "step (from the later of its first start and the previous layer's end), smaller where "
+        "its first kernel waits early under programmatic dependent launch; projections sum shares"
+    )
     keyed = {(r["backend"], r["layer_kind"], r["batch"], r["tokens_per_seq"]): r for r in rows}
     keys = sorted({(r["layer_kind"], r["batch"], r["tokens_per_seq"]) for r in rows})
     for kind, batch, tps in keys:
@@ -134,6 +143,11 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
             _fmt(floor),
             f"{s['efficiency']:.2f}" if (s and s.get("efficiency")) else "-",
             f"{p['efficiency']:.2f}" if (p and p.get("efficiency")) else "-",
+            _fmt(s and s.get("share_us")),
+            _fmt(p and p.get("share_us")),
+            f"{s['share_us'] / p['share_us']:.2f}x"
+            if (s and p and s.get("share_us") and p.get("share_us"))
+            else "-",
         )
     return t
 
@@ -159,13 +173,16 @@ def _rank_table(rows: list[dict]) -> Table:
 
 
 def projections(rows: list[dict], acceptance: float) -> list[dict]:
-    """Projected full-model decode steps per (backend, batch, tokens_per_seq)."""
+    """Projected full-model decode steps per (backend, batch, tokens_per_seq): the sum of the
+    layers' shares of the step (``share_us``, analysis.metrics), or of their spans for rows
+    without a share."""
     out = []
     groups: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        groups.setdefault((r["backend"], r["batch"], r["tokens_per_seq"]), {})[r["layer_kind"]] = r[
-            "span_us"
-        ]
+        v = r.get("share_us")
+        groups.setdefault((r["backend"], r["batch"], r["tokens_per_seq"]), {})[r["layer_kind"]] = (
+            r["span_us"] if v is None else v
+        )
     for (backend, batch, tps), spans in sorted(groups.items()):
         accepted = acceptance if tps > 1 else 1.0
         try:
@@ -202,7 +219,7 @@ def dense_line(prows: list[dict], layers: str) -> str:
 
 def _projection_table(prows: list[dict], meta_line: str) -> Table:
     t = Table(
-        title=f"PROJECTION: full model (69 KDA + 24 MLA + 1 dense) from per-layer spans; {meta_line}",
+        title=f"PROJECTION: full model (69 KDA + 24 MLA + 1 dense) from per-layer shares of the step; {meta_line}",
         title_justify="left",
     )
     for c in (
