@@ -109,9 +109,11 @@ def _run_route(y, bias, T, E, K, L, S, split, topk, bufs):
                                                    topk))  # fmt: skip
     ids = torch.full((T * K,), -1, dtype=torch.int32, device=dev)
     tw = torch.full((T * K,), float("nan"), dtype=torch.float32, device=dev)
+    acc = torch.empty(T * L, dtype=torch.float32, device=dev)  # the route's acc (not zeroed)
     b = bufs
     for _ in range(3):  # the split's arrival counter resets itself
-        fn(y, bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs, b.ctr)
+        fn(y, bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs, b.ctr,
+           acc)  # fmt: skip
     torch.cuda.synchronize()
     return ids.view(T, K).cpu(), tw.view(T, K).cpu()
 

@@ -101,11 +101,33 @@ class SpecializedMoE:
     def _r(self, op: str):
         return _range(f"layer.{self.layer}.moe.{op}")
 
+    def _grouped(self) -> bool:
+        """Whether :meth:`experts` runs the grouped kernels (environment read now)."""
+        c = self.cfg
+        dims = (c.moe.num_experts, self.top_k, c.expert_dim, c.expert_inter, c.hidden,
+                c.shared_inter)  # fmt: skip
+        return _mg.selected(self.N, dims)
+
+    def route_zeroes_acc(self) -> bool:
+        """Whether the front leaves ``acc`` to the grouped route kernel (the ``tile`` front,
+        which zeroes nothing); read from the environment at each call, like the front's choice."""
+        return _fm.front_variant(self.N, self.cfg.hidden) == "tile"
+
     def front(self, h: torch.Tensor) -> None:
-        """Kernel 1: ``front_mma.FrontMma`` (tensor cores) from 8 tokens on, else
-        ``router_topk.FrontGemv`` (``DECODESCOPE_MOE_FRONT`` overrides: ``mma`` / ``simt``)."""
+        """Kernel 1: ``front_mma.FrontMma`` (tensor cores) where the shapes allow, else
+        ``router_topk.FrontGemv`` (``DECODESCOPE_MOE_FRONT`` overrides: ``mma`` / ``simt`` /
+        ``tile``: the tile GEMM with FP32 output, no zeroing; only with the grouped experts,
+        whose route kernel then zeroes ``acc``; ``done`` is theirs to ignore)."""
+        v = _fm.front_variant(self.N, self.cfg.hidden)
+        if v == "tile" and not self._grouped():
+            raise ValueError(
+                f"DECODESCOPE_MOE_FRONT=tile needs the grouped expert kernels (at {self.N} "
+                "tokens the persistent ones run, and they need acc/done zeroed by the front)"
+            )
         with self._r(OPS[0]):
-            if _fm.front_variant(self.N, self.cfg.hidden) == "mma":
+            if v == "tile":
+                _fm.front_tile(h, self.w_front, self.y_front)
+            elif v == "mma":
                 _fm.front_mma(h, self.w_front, self.y_front, self.acc, self.done)
             else:
                 _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
@@ -132,15 +154,21 @@ class SpecializedMoE:
         launches of :mod:`moe_grouped` (route, w13 + SiTU, w2 + weighted sum), same outputs,
         same range."""
         with self._r(OPS[1]):
-            E, S, c = self.cfg.moe.num_experts, self.cfg.shared_inter, self.cfg
-            if _mg.selected(self.N, (E, self.top_k, c.expert_dim, c.expert_inter, c.hidden, S)):
+            E, S = self.cfg.moe.num_experts, self.cfg.shared_inter
+            zero_acc = self.route_zeroes_acc()
+            if self._grouped():
                 bufs = _mg.buffers_for(self, self.N, E, self.top_k, S, self.acc.device)
                 _mg.moe_grouped(
                     self.y_front, self.bias, self.w13, self.w2, self.shared_w2, self.h, self.acc,
                     self.shared_out, self.topk_ids, self.topk_weights, bufs, top_k=self.top_k,
-                    scaling=self.scaling, beta=self.beta, lbeta=self.lbeta,
+                    scaling=self.scaling, beta=self.beta, lbeta=self.lbeta, zero_acc=zero_acc,
                 )  # fmt: skip
                 return
+            if zero_acc:
+                raise ValueError(
+                    "DECODESCOPE_MOE_FRONT=tile needs the grouped expert kernels: the "
+                    "persistent ones need acc/done zeroed by the front"
+                )
             _me.moe_experts(
                 self.y_front,
                 self.bias,

@@ -111,7 +111,7 @@ class GroupedRoute:
     estimate from the instruction count, not measured), which the split spreads over 8 SMs."""
 
     def __init__(self, T, E, K, L, S, scaling, beta, lbeta, pdl=True, split: bool = False,
-                 topk: str = "rounds"):  # fmt: skip
+                 topk: str = "rounds", zero_acc: bool = False):  # fmt: skip
         if topk not in ROUTE_TOPK:
             raise ValueError(f"moe_grouped: route top-k {topk!r}, expected one of {ROUTE_TOPK}")
         if E % 32:
@@ -136,18 +136,27 @@ class GroupedRoute:
         self.slots = n_slots(T, E, K)
         self.nsh = max(1, -(-(T * S // 8) // self.NT))  # shared SiTU CTAs, 8 elements a thread
         self.grid = self.NTK + self.nsh
+        # zero_acc: the front kernel did not zero ``acc`` (``DECODESCOPE_MOE_FRONT=tile``): the
+        # shared-SiTU CTAs zero it after their SiTU (16-byte stores). Safe under PDL: every CTA
+        # is past its wait (the previous step's back kernel, which reads acc, has completed),
+        # and GroupedW2, the first to touch acc again, waits for GroupedW13, whose CTAs each
+        # waited for this kernel to complete.
+        if zero_acc and L % 4:
+            raise ValueError(f"moe_grouped: zero_acc needs latent {L} a multiple of 4")
+        self.zero_acc = zero_acc
 
     @cute.jit
     def __call__(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs,
-                 mCtr, stream):  # fmt: skip
+                 mCtr, mAcc, stream):  # fmt: skip
         self.kernel(
-            mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr
+            mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr, mAcc
         ).launch(  # fmt: skip
             grid=[self.grid, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl
         )
 
     @cute.kernel
-    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr):
+    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mHs, mCtr,
+               mAcc):  # fmt: skip
         T, E, K, L, S, NT, NW = self.T, self.E, self.K, self.L, self.S, self.NT, self.NW
         NTK = self.NTK
         tid, _, _ = cute.arch.thread_idx()
@@ -246,6 +255,12 @@ class GroupedRoute:
                 hb = cute.make_rmem_tensor((8,), BFloat16)
                 hb.store(hv.load().to(BFloat16))
                 cute.autovec_copy(hb, cute.local_tile(mHs[t, None], (8,), (cv,)))
+            if const_expr(self.zero_acc):  # acc [T * L] FP32, 4 floats per store
+                zv = cute.make_rmem_tensor((4,), Float32)
+                for q in cutlass.range_constexpr(4):
+                    zv[q] = Float32(0.0)
+                for i in cutlass.range((bid - NTK) * NT + tid, T * L // 4, self.nsh * NT):
+                    cute.autovec_copy(zv, cute.local_tile(mAcc, (4,), (i,)))
 
     @cute.jit
     def _lists(self, mPairs, mSlotE, mSlotOff, mSlotN, mNact, sIds, sCnt):
@@ -616,8 +631,10 @@ class GroupedBuffers:
         self.ctr = torch.zeros(4, dtype=i32, device=device)
 
 
-def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False, topk="rounds"):
-    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk=topk)
+def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False, topk="rounds",
+                 zero_acc=False):  # fmt: skip
+    op = GroupedRoute(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk=topk,
+                      zero_acc=zero_acc)  # fmt: skip
     i32, f32 = torch.int32, torch.float32
     sl = op.slots
     args = (
@@ -632,6 +649,7 @@ def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False, topk="ro
         itf.fake(i32, (4,)),
         itf.fake(torch.bfloat16, (T, S)),
         itf.fake(i32, (4,)),
+        itf.fake(f32, (T * L,)),  # acc (zeroed only with zero_acc)
         itf.env_stream(),
     )
     return op, args
@@ -755,9 +773,12 @@ def moe_grouped(
     beta: float,
     lbeta: float,
     parts: tuple[int, ...] = (0, 1, 2),
+    zero_acc: bool = False,
 ) -> None:
     """The three launches (same contract as :func:`moe_experts.moe_experts`, plus ``bufs``):
-    ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it); ``done`` is not used.
+    ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it), or with ``zero_acc`` the
+    route kernel zeroes it (a front that does not: ``front_mma.front_variant`` ``tile``);
+    ``done`` is not used.
     ``parts``: which of route (0), w13 (1), w2 (2) to launch (timing each kernel alone: 1 and
     2 read the lists of an earlier full call; 2 adds into ``acc`` again)."""
     E, twoI, L = w13.shape
@@ -784,8 +805,8 @@ def moe_grouped(
     topk = "thresh" if rmode == "thresh" else "rounds"
     dims = (T, E, K, L, Ie, H, S)
     r = itf.compiled(
-        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk),
-        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk),
+        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk, zero_acc),
+        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk, zero_acc),
     )
     w13k = itf.compiled(
         ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm),
@@ -799,7 +820,7 @@ def moe_grouped(
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
     if 0 in parts:
         r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, b.hs,
-          b.ctr)  # fmt: skip
+          b.ctr, acc.view(-1))  # fmt: skip
     if 1 in parts:
         w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact)
     if 2 in parts:
@@ -902,4 +923,5 @@ def run_block_parts(blk, parts: tuple[int, ...]) -> None:
         blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc, blk.shared_out,
         blk.topk_ids, blk.topk_weights, buffers_for(blk, blk.N, E, blk.top_k, S, blk.acc.device),
         top_k=blk.top_k, scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta, parts=parts,
+        zero_acc=blk.route_zeroes_acc(),
     )  # fmt: skip
