@@ -25,6 +25,7 @@ METRICS: dict[str, str] = {
     "busy_us": "busy (us)",
     "gaps_us": "gaps (us)",
     "kernel_sum_us": "kernel-sum (us)",
+    "share_us": "share of the step (us)",
 }
 SIDE_COLORS = ("#1f77b4", "#ff7f0e")  # A, B
 REGRESSION_COLOR = "#d62728"
