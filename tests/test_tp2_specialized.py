@@ -145,16 +145,18 @@ def test_plan_tp_world_2_nccl_fallback():
     kda = cfg["ranges"]["layer.1:kda"]
     i = kda.index("layer.1.attn.o_proj")
     assert kda[i + 1 : i + 3] == ["layer.1.attn.allreduce", "layer.1.attn.residual_add"]
-    assert kda[-3:-1] == ["layer.1.moe.latent_allreduce", "layer.1.moe.shared_allreduce"]
+    # one NCCL all-reduce of the block's adjacent latent sum and shared output (acc_shared)
+    assert kda[-2] == "layer.1.moe.latent_allreduce+shared_allreduce"
     assert cfg["ranges"]["layer.0:dense"][-1] == "layer.0.mlp.allreduce"
     one = json.loads(S.plan(**TINY).meta["config_json"])["launches"]
     assert cfg["launches"] == {
         "layer.0:dense": one["layer.0:dense"] + 3,
-        "layer.1:kda": one["layer.1:kda"] + 4,
-        "layer.2:mla": one["layer.2:mla"] + 4,
+        "layer.1:kda": one["layer.1:kda"] + 3,
+        "layer.2:mla": one["layer.2:mla"] + 3,
     }
     impl = cfg["op_impl"]
-    assert impl["attn.allreduce"] == impl["moe.latent_allreduce"] == "torch.distributed:nccl"
+    assert impl["attn.allreduce"] == impl["moe.latent_allreduce+shared_allreduce"]
+    assert impl["attn.allreduce"] == "torch.distributed:nccl"
     assert impl["attn.residual_add"] == "torch:add" and impl["attn.o_proj"] == S.CUTE
 
 
@@ -197,3 +199,52 @@ def test_step_ranges_match_the_plan(monkeypatch, allreduce):
     for lay, ops in p.range_names().items():
         want += [lay, *ops]
     assert opened == want
+
+
+def test_nccl_moe_one_allreduce_over_adjacent_buffers():
+    """The MoE block keeps its routed latent sum and shared output adjacent (``acc_shared``), so
+    the NCCL fallback (and the unfused back end from 8 tokens) sums both in one all-reduce; with
+    separate buffers it falls back to two."""
+    import contextlib
+
+    import torch
+
+    from decodescope.kernels.specialized import tp2
+
+    class FakeDist:
+        def __init__(self):
+            self.calls = []
+
+        def all_reduce(self, t):
+            self.calls.append(t)
+            t.mul_(2)  # what a two-rank sum of equal inputs gives
+
+    class FakeMoe:
+        def __init__(self, adjacent: bool):
+            N, L, H = 3, 8, 16
+            if adjacent:
+                self.acc_shared = torch.arange(N * (L + H), dtype=torch.float32)
+                self.acc = self.acc_shared[: N * L].view(N, L)
+                self.shared_out = self.acc_shared[N * L :].view(N, H)
+            else:
+                self.acc = torch.ones(N, L)
+                self.shared_out = torch.ones(N, H)
+            self.ranges = []
+            self.back = lambda out: out.copy_(self.shared_out)
+
+        def _r(self, op):
+            self.ranges.append(op)
+            return contextlib.nullcontext()
+
+    for adjacent, n in ((True, 1), (False, 2)):
+        moe, dist = FakeMoe(adjacent), FakeDist()
+        before = (moe.acc.clone(), moe.shared_out.clone())
+        tp2._nccl_moe(moe, dist)
+        out = torch.empty_like(moe.shared_out)
+        moe.back(out)
+        assert len(dist.calls) == n
+        assert torch.equal(moe.acc, 2 * before[0]) and torch.equal(out, 2 * before[1])
+        if adjacent:
+            assert moe.ranges == [tp2.OP_LATENT_SHARED_AR]
+        else:
+            assert moe.ranges == ["latent_allreduce", "shared_allreduce"]

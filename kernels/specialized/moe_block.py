@@ -88,10 +88,13 @@ class SpecializedMoE:
         self.latent_up = w["latent_up"].to(dev, BF16).contiguous()
         self.mlp_norm = w["mlp_norm"].to(dev, BF16).contiguous() if "mlp_norm" in w else None
         self.y_front = torch.empty(N, E + L + 2 * S, dtype=F32, device=dev)
-        self.acc = torch.empty(N, L, dtype=F32, device=dev)
+        # the routed latent sum and the shared experts' output, adjacent in one FP32 buffer: at
+        # tp_world 2 one all-reduce of ``acc_shared`` sums both (tp2._nccl_moe)
+        self.acc_shared = torch.empty(N * (L + H), dtype=F32, device=dev)
+        self.acc = self.acc_shared[: N * L].view(N, L)
         self.done = torch.empty(E, dtype=torch.int32, device=dev)
         self.h = torch.empty(N * k, Ie, dtype=BF16, device=dev)
-        self.shared_out = torch.empty(N, H, dtype=F32, device=dev)
+        self.shared_out = self.acc_shared[N * L :].view(N, H)
         self.topk_ids = torch.empty(N, k, dtype=torch.int32, device=dev)
         self.topk_weights = torch.empty(N, k, dtype=F32, device=dev)
         self.top_k = k

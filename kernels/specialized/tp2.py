@@ -102,14 +102,14 @@ def _patch_dense(mlp, ws, prefetch) -> None:
 
 NCCL_OPS = {  # launch -> the launches that replace it (step.Plan.op_names uses the same)
     "attn.o_proj": ("attn.o_proj", "attn.allreduce", "attn.residual_add"),
-    "moe.latent_norm+latent_up+add": (
-        "moe.latent_allreduce",
-        "moe.shared_allreduce",
+    "moe.latent_norm+latent_up+add": (  # one all-reduce of MoeBlock.acc_shared
+        "moe.latent_allreduce+shared_allreduce",
         "moe.latent_norm+latent_up+add",
     ),
     "mlp.down": ("mlp.down", "mlp.allreduce"),
 }
 NCCL_IMPL = {"allreduce": "torch.distributed:nccl", "residual_add": "torch:add"}
+OP_LATENT_SHARED_AR = "latent_allreduce+shared_allreduce"  # the MoE block's one NCCL launch
 
 
 def install_nccl(model) -> None:
@@ -157,16 +157,36 @@ def _nccl_attn(attn, _op, dist) -> None:
 
 
 def _nccl_moe(moe, dist) -> None:
+    """The MoE back end after NCCL all-reduces of the routed latent sum and the shared output:
+    one all-reduce where the block holds both in one buffer (``MoeBlock.acc_shared``), else
+    two."""
     orig = moe.back
+    both = getattr(moe, "acc_shared", None)
+    one = both is not None and _views_of(both, moe.acc, moe.shared_out)
 
     def back(out: torch.Tensor) -> None:
-        with moe._r("latent_allreduce"):
-            dist.all_reduce(moe.acc)
-        with moe._r("shared_allreduce"):
-            dist.all_reduce(moe.shared_out)
+        if one:
+            with moe._r(OP_LATENT_SHARED_AR):
+                dist.all_reduce(both)
+        else:
+            with moe._r("latent_allreduce"):
+                dist.all_reduce(moe.acc)
+            with moe._r("shared_allreduce"):
+                dist.all_reduce(moe.shared_out)
         orig(out)
 
     moe.back = back
+
+
+
+def _views_of(buf: torch.Tensor, *parts: torch.Tensor) -> bool:
+    """Whether ``parts`` are contiguous and tile ``buf`` exactly, in order."""
+    ptr, size = buf.data_ptr(), buf.element_size()
+    for p in parts:
+        if not p.is_contiguous() or p.data_ptr() != ptr or p.dtype != buf.dtype:
+            return False
+        ptr += p.numel() * size
+    return ptr == buf.data_ptr() + buf.numel() * size
 
 
 def _nccl_dense(mlp, dist) -> None:
