@@ -16,6 +16,14 @@ B use the same one. FP32 output: the router's logits stay FP32 for the top-k.
 
 Launch count: 1 (replaces ``FrontGemv``; no norm prologue: ``forward_norm`` /
 ``forward_residual`` keep the SIMT kernel).
+
+``front_tile`` (``DECODESCOPE_MOE_FRONT=tile``, opt-in, issue #5): the same ``y`` through
+:mod:`.tile_gemm` with FP32 outputs (its cp.async pipeline stages weights and activations in
+shared memory, split-K with a last-CTA reduction: at 32..64 tokens the design above is
+latency-bound, each warp re-reading the activations from L2 per chunk, ~93 CTAs at 64). It
+zeroes neither ``acc`` nor ``done``: only the grouped expert kernels may follow it (their route
+kernel zeroes ``acc`` with ``zero_acc``; they do not use ``done``), which
+:meth:`.moe_block.SpecializedMoE.front` enforces.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import tile_gemm as tg
 from decodescope.kernels.specialized.router_topk import pdl_enabled
 
 ROWS = 16  # MMA M
@@ -195,12 +204,17 @@ def mma_load(kernel: str = "front", T: int = 8) -> str:
     return "ring" if kernel == "front" or T <= 16 else "regs"
 
 
+FRONT_VARIANTS = ("auto", "mma", "simt", "tile")
+
+
 def front_variant(T: int, K: int) -> str:
     """``DECODESCOPE_MOE_FRONT``: ``auto`` (default: tensor cores for 1..64 tokens, where the
-    shapes allow), ``mma`` or ``simt`` (:class:`router_topk.FrontGemv`). Read at each call."""
+    shapes allow), ``mma``, ``simt`` (:class:`router_topk.FrontGemv`) or ``tile``
+    (:func:`front_tile`: no zeroing, grouped experts only; opt-in until an H200 A/B). Read at
+    each call."""
     v = os.environ.get("DECODESCOPE_MOE_FRONT", "auto")
-    if v not in ("auto", "mma", "simt"):
-        raise ValueError(f"DECODESCOPE_MOE_FRONT={v!r}: expected 'auto', 'mma' or 'simt'")
+    if v not in FRONT_VARIANTS:
+        raise ValueError(f"DECODESCOPE_MOE_FRONT={v!r}: expected one of {FRONT_VARIANTS}")
     if v == "auto":  # from 1 token since the ring (H200 TP8, 1 token: 28.7 us SIMT, 25.2 ring)
         return "mma" if 1 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
     return v
@@ -218,3 +232,34 @@ def front_mma(x, w_front, y, acc, done) -> None:
     key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl, load)
     fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load))
     fn(x, w_front, y, acc.view(-1), done.view(-1))
+
+
+def tile_plan(T: int, K: int, NF: int) -> tg.TilePlan:
+    """The :class:`.tile_gemm.TilePlan` of :func:`front_tile` (FP32 out, the MoE kernels' PDL
+    switch ``DECODESCOPE_MOE_PDL``); ValueError where the tile GEMM does not fit the shapes."""
+    return tg.TilePlan(m=T, k=K, segments=(NF,), out_f32=True, pdl=pdl_enabled())
+
+
+def front_tile(x, w_front, y) -> None:
+    """``y = x @ w_front^T`` (FP32) through :mod:`.tile_gemm` (one launch; split-K partials in
+    its cached workspace). Zeroes nothing: see the module docstring."""
+    T, K = x.shape
+    NF = w_front.shape[0]
+    itf.check(x, "x", (T, K), torch.bfloat16)
+    itf.check(w_front, "w_front", (NF, K), torch.bfloat16)
+    itf.check(y, "y_front", (T, NF), torch.float32)
+    p = tile_plan(T, K, NF)
+    tg.tile_gemm(x, [w_front], [y], pdl=p.pdl)
+
+
+def front_tile_ref(x, w_front) -> torch.Tensor:
+    """Torch reference of :func:`front_tile` in its summation order: per split of ``K`` (the
+    plan's), the FP32 sum of BF16 products; the splits' partials summed in split order."""
+    T, K = x.shape
+    p = tile_plan(T, K, w_front.shape[0])
+    xs = x.float().split(K // p.splits, dim=1)
+    ws = w_front.float().split(K // p.splits, dim=1)
+    out = xs[0] @ ws[0].T
+    for a, b in zip(xs[1:], ws[1:], strict=True):
+        out = out + a @ b.T
+    return out

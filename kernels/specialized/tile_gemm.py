@@ -33,7 +33,9 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   one sums the partials and runs the epilogue (and zeroes the counter: graph replay safe).
   With ``splits == 1`` the accumulators are stored directly.
 - **Epilogue**: ``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + res)``
-  (o_proj writing the new residual stream; ``res`` may alias the output).
+  (o_proj writing the new residual stream; ``res`` may alias the output), or with ``out_f32``
+  the FP32 sum itself (FP32 outputs; the LatentMoE front, ``front_mma.front_tile``: router
+  logits stay FP32 for the top-k).
 - **Norm prologue as its own launch**: the RMSNorm of the input (optional residual add first)
   runs as :class:`.rmsnorm.RMSNorm` (one CTA per token, compiled here with a strided input so
   that MLA's ``q_a`` slice works) into a cached ``[M, K]`` buffer, which this GEMM then reads
@@ -106,6 +108,7 @@ class TilePlan:
     k: int
     segments: tuple[int, ...]  # output widths, each a multiple of 16
     residual_epilogue: bool = False
+    out_f32: bool = False  # FP32 outputs, the sum unrounded (no residual epilogue)
     x_stride: int = 0  # row stride of the GEMM's input (0: compact)
     pdl: bool = field(default_factory=pdl_enabled)
     splits_force: int = 0
@@ -125,6 +128,8 @@ class TilePlan:
             raise ValueError(f"tile GEMM: 1..3 segments, each a multiple of 16: {self.segments}")
         if self.add_residual and not self.norm:
             raise ValueError("tile GEMM: add_residual needs norm")
+        if self.out_f32 and self.residual_epilogue:
+            raise ValueError("tile GEMM: out_f32 has no residual epilogue")
         if self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
             raise ValueError(f"tile GEMM: warps in 1/2/4/8, stages in 2..8: {self}")
         if self.splits_force and self.nch % self.splits_force:
@@ -374,9 +379,13 @@ class TileGemm:
                             m = j * 8 + 2 * c + e
                             if m < p.m:
                                 val = accs[q * p.ntiles + j][2 * hh + e]
-                                if cutlass.const_expr(p.residual_epilogue):
-                                    val = val.to(BFloat16).to(Float32) + mE[m, nn].to(Float32)
-                                mO[m, nn] = val.to(BFloat16)
+                                if cutlass.const_expr(p.out_f32):
+                                    mO[m, nn] = val
+                                else:
+                                    if cutlass.const_expr(p.residual_epilogue):
+                                        val = (val.to(BFloat16).to(Float32)
+                                               + mE[m, nn].to(Float32))  # fmt: skip
+                                    mO[m, nn] = val.to(BFloat16)
 
     @cute.jit
     def store_partial(self, mWs, accs, bx, sp, warp, g, c):
@@ -429,7 +438,7 @@ class TileGemm:
             for ok, m, r4, vals in parts:
                 nn = cta * p.cta_rows + r4
                 if ok and nn < n:
-                    ov = cute.make_rmem_tensor((4,), BFloat16)
+                    ov = cute.make_rmem_tensor((4,), Float32 if p.out_f32 else BFloat16)
                     ev = cute.make_rmem_tensor((4,), BFloat16)
                     if cutlass.const_expr(p.residual_epilogue):
                         cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), ev)
@@ -439,7 +448,10 @@ class TileGemm:
                             val = val + vals[s][e]
                         if cutlass.const_expr(p.residual_epilogue):
                             val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
-                        ov[e] = val.to(BFloat16)
+                        if cutlass.const_expr(p.out_f32):
+                            ov[e] = val
+                        else:
+                            ov[e] = val.to(BFloat16)
                     cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
         if tidx == 0:
             mCnt[bx] = Int32(0)
@@ -456,9 +468,10 @@ def _fake_args(p: TilePlan):
     ph = itf.fake(bf, _PLACEHOLDER)
     x = itf.fake_strided(bf, (M, K), (p.gemm_ldx(), 1))
     segs = []
+    ot = torch.float32 if p.out_f32 else bf
     for s in range(3):
         if s < len(p.segments):
-            segs += [itf.fake(bf, (p.segments[s], K)), itf.fake(bf, (M, p.segments[s]))]
+            segs += [itf.fake(bf, (p.segments[s], K)), itf.fake(ot, (M, p.segments[s]))]
         else:
             segs += [ph, ph]
     e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
@@ -575,15 +588,19 @@ def plan_of(
     splits: int = 0,
     warps: int = 4,
     stages: int = 4,
+    out_f32: bool = False,
+    pdl: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
+    extra = {} if pdl is None else {"pdl": pdl}
     return TilePlan(
         m=int(M),
         k=int(K),
         segments=tuple(int(w.shape[0]) for w in weights),
         residual_epilogue=epilogue_residual is not None,
+        out_f32=out_f32,
         x_stride=0 if x.stride(0) == K else int(x.stride(0)),
         splits_force=splits,
         warps=warps,
@@ -591,6 +608,7 @@ def plan_of(
         norm=norm_weight is not None,
         add_residual=residual is not None,
         eps=float(eps),
+        **extra,
     )
 
 
@@ -607,13 +625,20 @@ def tile_gemm(
     splits: int = 0,
     warps: int = 4,
     stages: int = 4,
+    pdl: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
-    precedes the GEMM. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps)."""
+    precedes the GEMM. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps). FP32
+    ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
+    ``pdl``: the plan's PDL flag (default :func:`.utils.pdl_enabled`)."""
+    out_f32 = outs[0].dtype == torch.float32
+    if out_f32:
+        for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
+            itf.check(o, f"tile_gemm out {i}", (x.shape[0], w.shape[0]), torch.float32)
     p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
-                stages=stages)  # fmt: skip
+                stages=stages, out_f32=out_f32, pdl=pdl)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
