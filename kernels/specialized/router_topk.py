@@ -236,12 +236,17 @@ def select_topk(
     """
     EPL = E // 32
     LEVELS = (EPL - 1).bit_length()
+    # every load issued before any use: computed as each load arrives, the sigmoid's IEEE
+    # division (a slow-path branch) made ptxas issue the loads one after another, a full memory
+    # latency each (the finding of route_topk.py; notes/specialized_moe.md)
+    ys = [mY[t, lane + 32 * i] for i in range(EPL)]
+    bs = [mBias[lane + 32 * i] for i in range(EPL)]
     score = []
     sel = []
     for i in cutlass.range_constexpr(EPL):
-        s = sigmoid(mY[t, lane + 32 * i])
+        s = sigmoid(ys[i])
         score.append(s)
-        sel.append(s + mBias[lane + 32 * i])
+        sel.append(s + bs[i])
     total = Float32(0.0)
     for k in cutlass.range_constexpr(K):
         # this lane's best as a tree of selects (depth log2(EPL), not a chain of EPL); on a
