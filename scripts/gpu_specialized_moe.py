@@ -14,7 +14,11 @@ plus ``route_thresh_identical_*`` checks: ids and weights bit for bit against ``
 front and back kernels and the standard block are timed once. Each variant first runs once
 under a hang watchdog (a hung kernel cannot be recovered in-process: the run writes what it has
 and exits 3).
-``--quick``: one draw, no front-norm checks or timings.
+``--quick``: one draw, no front-norm checks or timings. On the grouped variants the ``tile``
+front (``DECODESCOPE_MOE_FRONT=tile``: the tile GEMM with FP32 out, ``acc`` zeroed by the route
+kernel) is probed, checked (``front_gemv_tile``, ``*_front_tile`` chain checks with ``acc``
+poisoned, a graph replay) and timed (``front_tile``, ``block_front_tile``,
+``grouped_route_zero_acc``) beside the others.
 
 Checks (fresh random inputs, outputs poisoned with NaN first), per (TP shape, tokens):
 front GEMV vs its ref; zeroing of acc/done; top-k ids/weights vs ``router_topk_ref`` on the
@@ -56,7 +60,8 @@ BF16 = torch.bfloat16
 RESULTS: list[dict] = []
 START = time.time()
 USER_FRONT = os.environ.get("DECODESCOPE_MOE_FRONT")  # the caller's choice, kept per point
-FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed)
+FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed;
+# "tile" added on the grouped variants where its probe passed)
 BACKS = ["simt", "mma"]  # the same for the back kernels
 # BackMma A/B variants beside the plain back kernels: (name, environment), checked and timed.
 # s8/r1 (H200 TP8, 64 tokens): post 48.6 us (now the default), pre 62.6, post with 2 row tiles
@@ -131,8 +136,11 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
     check("front_gemv", ctx, rel_l2(blk.y_front, yref), 1e-4)
     zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
     record(check="front_zeroes_acc_done", **ctx, status="pass" if zero_ok else "FAIL")
-    if fronts:  # both front kernels explicitly (the default picks one by token count)
-        for fv in FRONTS:
+    # every front kernel explicitly (the default picks one by token count); the tile front on
+    # every grouped variant (its chain differs: the route kernel zeroes acc)
+    fvs = FRONTS if fronts else [f for f in FRONTS if f == "tile"]
+    if fvs:
+        for fv in fvs:
             blk.y_front.fill_(float("nan"))
             blk.acc.fill_(float("nan"))
             blk.done.fill_(12345)
@@ -140,6 +148,9 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
                 blk.front(h)
             torch.cuda.synchronize()
             check(f"front_gemv_{fv}", ctx, rel_l2(blk.y_front, yref), 1e-4)
+            if fv == "tile":  # zeroes nothing by design: check the chain it runs in instead
+                guarded("front_tile_chain", ctx, lambda: _tile_chain_checks(cfg, w, blk, h, ctx))
+                continue
             zero_ok = bool((blk.acc == 0).all()) and bool((blk.done == 0).all())
             record(check=f"front_zeroes_{fv}", **ctx, status="pass" if zero_ok else "FAIL")
         blk.front(h)
@@ -151,6 +162,43 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
         blk.front(h)  # back to the plain path for the checks below
         torch.cuda.synchronize()
     _expert_checks(cfg, w, blk, h, N, ctx, fronts)
+
+
+def _tile_chain_checks(cfg, w, blk, h, ctx) -> None:
+    """The tile front (``DECODESCOPE_MOE_FRONT=tile``) in its chain: with ``acc`` poisoned (NaN)
+    before the front, the grouped route kernel must zero it (``zero_acc``) before GroupedW2
+    adds into it: routed sum and shared output vs ``moe_experts_ref`` on the tile front's own
+    ``y`` and the kernel's ids; then the whole block (``acc`` now holding the last sum: zeroed
+    again?) vs the float32 reference, eager and as a CUDA graph replayed twice."""
+    e = cfg.moe
+    E, L = e.num_experts, cfg.expert_dim
+    with env(DECODESCOPE_MOE_FRONT="tile"):
+        blk.y_front.fill_(float("nan"))
+        blk.acc.fill_(float("nan"))
+        blk.shared_out.fill_(float("nan"))
+        blk.front(h)
+        blk.experts()
+        torch.cuda.synchronize()
+        y = blk.y_front.clone()
+        acc_r, sh_r = me.moe_experts_ref(
+            y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
+            w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
+        )  # fmt: skip
+        check("routed_latent_sum_front_tile", ctx, rel_l2(blk.acc, acc_r), 5e-3)
+        check("shared_out_front_tile", ctx, rel_l2(blk.shared_out, sh_r), 5e-3)
+        out = torch.full((h.shape[0], cfg.hidden), float("nan"), dtype=BF16, device=DEV)
+        blk.forward(h, out)
+        torch.cuda.synchronize()
+        ref, _ = moe_ref(cfg, w, h, topk_ids=blk.topk_ids, dtype=torch.float32)
+        check("block_vs_reference_front_tile", ctx, rel_l2(out, ref), 2e-2)
+        out_g = torch.full_like(out, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            blk.forward(h, out_g)
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        check("block_graph_front_tile", ctx, rel_l2(out_g, out), 1e-3)
 
 
 def _front_norm_checks(cfg, w, blk, N, ctx, g) -> None:
@@ -391,6 +439,9 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
     }
     for fv in FRONTS:  # both front kernels (the default picks one by token count)
         pieces[f"front_{fv}"] = [under(f, DECODESCOPE_MOE_FRONT=fv) for f in pieces["front"]]
+    if "tile" in FRONTS:  # its route kernel zeroes acc: the block is the fair comparison
+        pieces["block_front_tile"] = [under(f, DECODESCOPE_MOE_FRONT="tile")
+                                      for f in pieces["block"]]  # fmt: skip
     for bv in BACKS:  # both back kernels
         pieces[f"back_{bv}"] = [under(f, DECODESCOPE_MOE_BACK=bv) for f in pieces["back"]]
     for name, kv in BACK_AB if "mma" in BACKS else []:
@@ -400,7 +451,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
     if block_only:
         pieces = {"block": pieces["block"]}
     elif experts_only:  # another expert kernel beside the full set: front (to subtract) too
-        pieces = {k: pieces[k] for k in ("front", "experts", "block")}
+        keep = ("front", "experts", "block", "front_tile", "block_front_tile")
+        pieces = {k: pieces[k] for k in keep if k in pieces}
     times = {}
     for name, fns in pieces.items():
         r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
@@ -410,7 +462,8 @@ def run_timing(cfg, ws, blks, N, ctx, bw_tbs, replays, block_only: bool = False,
         if name == "experts":  # measured with the front kernel before it: subtract its median
             med, lo, hi = (x - times.get("front", 0.0) for x in (med, lo, hi))
         times[name] = med
-        floor = fb[name.split("_")[0] if name.startswith(("front", "back")) else name]
+        fkey = name.split("_")[0] if name.startswith(("front", "back")) else name
+        floor = fb["block" if name == "block_front_tile" else fkey]
         floor = floor / (bw_tbs * 1e6)
         record(time=name, **ctx, kernels=3 if name.startswith("block") else 1, us=f"{med:.1f}",
                us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
@@ -459,6 +512,16 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
         record(time=name, **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                n_experts=n_exp, status="time")  # fmt: skip
+    if "tile" in FRONTS:  # the route kernel as the tile front has it: zeroing acc too
+        fns = [under(lambda b=b: mg.run_block_parts(b, (0,)), DECODESCOPE_MOE_FRONT="tile")
+               for b in blks]  # fmt: skip
+        r = guarded("time_grouped_route_zero_acc", ctx, lambda: graph_time_us(fns, replays))
+        if r is not None:
+            med, lo, hi = r
+            floor = (floors["grouped_route"] + N * L * 4) / (bw_tbs * 1e6)
+            record(time="grouped_route_zero_acc", **ctx, kernels=1, us=f"{med:.1f}",
+                   us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
+                   eff=f"{med / floor:.2f}", n_experts=n_exp, status="time")  # fmt: skip
 
 
 def table_md() -> str:
@@ -535,6 +598,12 @@ def run_point(a, cfg, preset: str, tp: int, ws: list, N: int, bw: float) -> None
             record(check="grouped_skipped", **ctx, status="FAIL",
                    error="the grouped probe did not finish")  # fmt: skip
             continue
+        FRONTS[:] = [f for f in FRONTS if f != "tile"]
+        if var.startswith("grouped") and (var, preset, tp, N) in a.tile_ok:
+            FRONTS.append("tile")
+        elif var.startswith("grouped"):
+            record(check="front_tile_skipped", **ctx, status="FAIL",
+                   error="the tile front's probe did not finish")  # fmt: skip
         with env(**variant_env(var)):
             if guarded("smoke", ctx, lambda ctx=ctx: smoke(blks[0], N, ctx, a)) is None:
                 continue
@@ -679,6 +748,14 @@ def probe_grouped(a) -> set:
            else f"no progress within {limit} s (kernel hang: the child was killed)")  # fmt: skip
     record(check="grouped_probe", ok=sorted(ok), status="pass" if ok == want else "FAIL",
            **({} if ok == want else {"error": why}))  # fmt: skip
+    a.tile_ok = set()  # the tile front (DECODESCOPE_MOE_FRONT=tile) on each grouped point
+    for line in text.splitlines():
+        if line.startswith("GROUPED_TILE_OK "):
+            _, var, preset, tp, n = line.split()
+            a.tile_ok.add((var, preset, int(tp), int(n)))
+    record(check="front_tile_probe", ok=sorted(a.tile_ok),
+           status="pass" if a.tile_ok == want else "FAIL",
+           **({} if a.tile_ok == want else {"error": why}))  # fmt: skip
     return ok
 
 
@@ -718,6 +795,16 @@ def probe_grouped_child(a) -> int:
                           flush=True)  # fmt: skip
                     continue
                 print(f"GROUPED_OK {var} {preset} {tp} {n}", flush=True)
+                try:  # then with the tile front (its route kernel zeroes acc)
+                    with env(DECODESCOPE_MOE_FRONT="tile"):
+                        for _ in range(3):
+                            blk.forward(h, torch.empty_like(h))
+                    torch.cuda.synchronize()
+                except Exception as ex:  # noqa: BLE001 (reported, the child goes on)
+                    print(f"GROUPED_TILE_FAIL {var} {preset} {tp} {n}: {type(ex).__name__}: "
+                          f"{ex}"[:400], flush=True)  # fmt: skip
+                    continue
+                print(f"GROUPED_TILE_OK {var} {preset} {tp} {n}", flush=True)
         del w
         torch.cuda.empty_cache()
     return 0
@@ -777,6 +864,7 @@ def main() -> int:
     bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
     record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")
     a.pipe_ok, a.front_ok = probe_pipe(a)
+    a.tile_ok = set()
     a.grouped_ok = probe_grouped(a)
     for preset, tp in shapes_of(a):
         cfg = get_config(preset, tp)
