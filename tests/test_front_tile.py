@@ -180,3 +180,35 @@ def test_chain_with_tile_front_matches_reference():
     acc_g, sh_g = me.moe_experts_ref(y_g[:, E : E + L], y_g[:, E + L :], ids, tw, w["w13"],
                                      w["w2"], w["shared_w2"], b, lb)  # fmt: skip
     assert rel_l2(acc_t, acc_g) < 1e-3 and rel_l2(sh_t, sh_g) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,T", [(8, 32), (8, 64), (16, 32), (16, 64)])
+def test_front_tile_and_route_zeroing_gpu(tp, T, monkeypatch):
+    """H200 (``pytest -m gpu``): the tile front vs its reference with ``y`` poisoned; the
+    grouped experts after it, ``acc`` poisoned with NaN before the front: the route kernel
+    zeroes it (routed sum vs the reference on the kernel's ids), twice in a row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "tile")
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    cfg, _ = _dims(tp)
+    e = cfg.moe
+    E, L = e.num_experts, cfg.expert_dim
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=0, device="cuda")
+    blk = mb.SpecializedMoE(cfg, w, T)
+    h = torch.randn(T, cfg.hidden, device="cuda").to(torch.bfloat16)
+    blk.y_front.fill_(float("nan"))
+    blk.acc.fill_(float("nan"))
+    for _ in range(2):  # the second time acc holds the first sum: zeroed again
+        blk.front(h)
+        blk.experts()
+        torch.cuda.synchronize()
+        assert rel_l2(blk.y_front, fm.front_tile_ref(h, blk.w_front)) < 1e-5
+        y = blk.y_front
+        acc_r, sh_r = me.moe_experts_ref(
+            y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
+            w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
+        )  # fmt: skip
+        assert rel_l2(blk.acc, acc_r) < 5e-3
+        assert rel_l2(blk.shared_out, sh_r) < 5e-3
