@@ -289,6 +289,7 @@ def run_case(preset: str, tp: int, B: int, T: int, layers: str, seed: int, draws
         sm, pm = std.model, spec.model
         cfgj = json.loads(spec.meta["config_json"])
         rec["launches"] = cfgj.get("launches")
+        rec["kernel_env"] = cfgj.get("kernel_env")  # DECODESCOPE_* kernel choices of this run
         rec["layer_bytes"] = spec.meta.get("layer_bytes")
         rec["std_layer_bytes"] = std.meta.get("layer_bytes")
         rec["std_op_impl"] = json.loads(std.meta["config_json"]).get("op_impl")
