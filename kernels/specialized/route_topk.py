@@ -95,7 +95,7 @@ def thresh_topk(
     src = Int32(31) - cute.arch.clz(b)
     tau = cute.arch.shuffle_sync(m, src)
     # candidates: ballots per register slot; n (warp-uniform) of them
-    lt = (Int32(1) << lane) - Int32(1)
+    lt = Int32(cute.arch.lanemask_lt())  # %lanemask_lt: the lanes below this one
     bal = [cute.arch.vote_ballot_sync(sel[i] >= tau) for i in range(EPL)]
     base = [Int32(0)]
     for i in cutlass.range_constexpr(EPL):
