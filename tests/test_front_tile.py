@@ -10,10 +10,11 @@ references chained. The GPU checks are in ``scripts/gpu_specialized_moe.py`` (``
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("cutlass")
-
+# the package first: it sets CUTE_DSL_ARCH=sm_90a before anything imports cutlass (a test module
+# collected early that imports cutlass first leaves later ones compiling for cutlass's default)
+from decodescope.kernels import specialized  # noqa: F401
 from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
 from decodescope.kernels.reference import rel_l2  # noqa: E402
 from decodescope.kernels.specialized import front_mma as fm  # noqa: E402
@@ -212,3 +213,17 @@ def test_front_tile_and_route_zeroing_gpu(tp, T, monkeypatch):
         )  # fmt: skip
         assert rel_l2(blk.acc, acc_r) < 5e-3
         assert rel_l2(blk.shared_out, sh_r) < 5e-3
+
+
+def test_front_auto_takes_tile_from_32_tokens_with_grouped_experts(monkeypatch):
+    """The auto front: the tile GEMM from 32 tokens where the grouped experts run (H200 TP8 at 64
+    tokens: 37.6 us against FrontMma's 57.0, notes/gpu-logs/s8/r4), FrontMma otherwise."""
+    monkeypatch.delenv("DECODESCOPE_MOE_FRONT", raising=False)
+    nf = 896 + 3584 + 2 * 768
+    assert fm.front_variant(64, 7168, grouped=True, nf=nf) == "tile"
+    assert fm.front_variant(32, 7168, grouped=True, nf=nf) == "tile"
+    assert fm.front_variant(16, 7168, grouped=True, nf=nf) == "mma"
+    assert fm.front_variant(64, 7168, grouped=False, nf=nf) == "mma"  # the pipe experts
+    assert fm.front_variant(64, 7168, grouped=True, nf=nf + 8) == "mma"  # rows not 16-aligned
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "mma")
+    assert fm.front_variant(64, 7168, grouped=True, nf=nf) == "mma"

@@ -107,7 +107,8 @@ def test_bad_shapes_and_env(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W2", "ring")
     assert mg.w2_mode() == "ring"
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_ROUTE", raising=False)
-    assert mg.route_split()  # the default since the H200 run of 2e2fdce
+    assert mg.route_split()  # split CTAs since the H200 run of 2e2fdce
+    assert mg.route_mode() == "thresh"  # their threshold top-k since s8/r4
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "one")
     assert not mg.route_split()
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "both")

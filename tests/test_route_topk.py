@@ -93,7 +93,7 @@ def test_route_mode_env(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "one")
     assert mg.route_mode() == "one" and not mg.route_split()
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_ROUTE")
-    assert mg.route_mode() == "split"
+    assert mg.route_mode() == "thresh"  # the default since the H200 A/B of s8/r4
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_ROUTE", "radix")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_GROUPED_ROUTE"):
         mg.route_mode()

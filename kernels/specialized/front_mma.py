@@ -207,17 +207,26 @@ def mma_load(kernel: str = "front", T: int = 8) -> str:
 FRONT_VARIANTS = ("auto", "mma", "simt", "tile")
 
 
-def front_variant(T: int, K: int) -> str:
-    """``DECODESCOPE_MOE_FRONT``: ``auto`` (default: tensor cores for 1..64 tokens, where the
-    shapes allow), ``mma``, ``simt`` (:class:`router_topk.FrontGemv`) or ``tile``
-    (:func:`front_tile`: no zeroing, grouped experts only; opt-in until an H200 A/B). Read at
-    each call."""
+TILE_FROM = 32  # the auto front takes the tile GEMM from this many tokens (with grouped experts)
+
+
+def front_variant(T: int, K: int, grouped: bool = False, nf: int = 0) -> str:
+    """``DECODESCOPE_MOE_FRONT``: ``auto`` (default), ``mma``, ``simt``
+    (:class:`router_topk.FrontGemv`) or ``tile`` (:func:`front_tile`: no zeroing, so only with
+    the grouped experts, whose route kernel zeroes ``acc``). ``auto``: ``tile`` from
+    ``TILE_FROM`` tokens where the grouped experts run (``grouped``) and the tile GEMM fits the
+    shapes (``K`` a multiple of its 64-wide chunk, ``nf`` packed rows a multiple of 16), else tensor cores (:class:`FrontMma`) for 1..64 tokens where the shapes allow, else
+    ``simt``. H200 TP8, kernel alone (notes/gpu-logs/s8/r4): tile 37.6 us against FrontMma's
+    57.0 at 64 tokens, 26.2 against 25.6 at 8. Read at each call."""
     v = os.environ.get("DECODESCOPE_MOE_FRONT", "auto")
     if v not in FRONT_VARIANTS:
         raise ValueError(f"DECODESCOPE_MOE_FRONT={v!r}: expected one of {FRONT_VARIANTS}")
-    if v == "auto":  # from 1 token since the ring (H200 TP8, 1 token: 28.7 us SIMT, 25.2 ring)
-        return "mma" if 1 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
-    return v
+    if v != "auto":
+        return v
+    if grouped and TILE_FROM <= T <= 64 and K % tg.BK == 0 and nf > 0 and nf % 16 == 0:
+        return "tile"
+    # from 1 token since the ring (H200 TP8, 1 token: 28.7 us SIMT, 25.2 ring)
+    return "mma" if 1 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
 
 
 def front_mma(x, w_front, y, acc, done) -> None:

@@ -116,14 +116,18 @@ class SpecializedMoE:
     def route_zeroes_acc(self) -> bool:
         """Whether the front leaves ``acc`` to the grouped route kernel (the ``tile`` front,
         which zeroes nothing); read from the environment at each call, like the front's choice."""
-        return _fm.front_variant(self.N, self.cfg.hidden) == "tile"
+        return self._front() == "tile"
+
+    def _front(self) -> str:
+        """The front kernel of this call (:func:`front_mma.front_variant`)."""
+        return _fm.front_variant(self.N, self.cfg.hidden, self._grouped(), self.w_front.shape[0])
 
     def front(self, h: torch.Tensor) -> None:
         """Kernel 1: ``front_mma.FrontMma`` (tensor cores) where the shapes allow, else
         ``router_topk.FrontGemv`` (``DECODESCOPE_MOE_FRONT`` overrides: ``mma`` / ``simt`` /
         ``tile``: the tile GEMM with FP32 output, no zeroing; only with the grouped experts,
         whose route kernel then zeroes ``acc``; ``done`` is theirs to ignore)."""
-        v = _fm.front_variant(self.N, self.cfg.hidden)
+        v = self._front()
         if v == "tile" and not self._grouped():
             raise ValueError(
                 f"DECODESCOPE_MOE_FRONT=tile needs the grouped expert kernels (at {self.N} "

@@ -103,7 +103,8 @@ class GroupedRoute:
 
     ``split=False`` (``DECODESCOPE_MOE_GROUPED_ROUTE=one``; also ``split`` up to 8 tokens): CTA 0 ranks all tokens
     (8 or 16 warps, a warp per token at a time) and builds the lists. ``split=True``
-    (``split``, the default): ``ceil(T/8)`` CTAs of 8 warps rank one token per warp; the last of them to
+    (``split`` and ``thresh``, the default): ``ceil(T/8)`` CTAs of 8 warps rank one token per
+    warp (``thresh``: :func:`route_topk.thresh_topk`; ``split``: the rounds below); the last of them to
     finish (a self-resetting counter ``mCtr[0]``, GPU-scope release/acquire as in the
     persistent kernel's ``done`` protocol) reads every CTA's ids back and builds the lists. One
     warp ranks a token in ~4200 instructions (16 rounds of a 28-candidate select tree and a
@@ -718,12 +719,14 @@ def w2_mode() -> str:
 
 
 def route_mode() -> str:
-    """``DECODESCOPE_MOE_GROUPED_ROUTE``: ``split`` (default: the top-k over ``ceil(T/8)`` CTAs,
-    :class:`GroupedRoute`; H200 TP8: route 74.0 -> 19.1 us at 64 tokens, the same 16.4 us at 8,
-    notes/gpu-logs/s6r3), ``one`` (one CTA ranks all tokens) or ``thresh`` (the split geometry
-    with :func:`route_topk.thresh_topk`, opt-in until timed on the H200). Read at each call,
-    part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_ROUTE", "split")
+    """``DECODESCOPE_MOE_GROUPED_ROUTE``: ``thresh`` (default: the top-k over ``ceil(T/8)``
+    CTAs, :class:`GroupedRoute`, each warp ranking a token by :func:`route_topk.thresh_topk`),
+    ``split`` (the same CTAs with :func:`router_topk.select_topk`'s K rounds) or ``one`` (one
+    CTA ranks all tokens). H200 TP8, route alone (notes/gpu-logs/s8/r4): thresh 6.3 / 7.3 / 9.7
+    us at 1 / 8 / 64 tokens, split 9.7 / 12.8 / 15.1 (16.6 / 19.0 at 8 / 64 before
+    select_topk's loads were hoisted); ids and weights bit for bit equal (checks
+    ``route_thresh_identical_*``). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_ROUTE", "thresh")
     if v not in ROUTE_MODES:
         raise ValueError(f"DECODESCOPE_MOE_GROUPED_ROUTE={v!r}: expected one of {ROUTE_MODES}")
     return v
