@@ -293,12 +293,16 @@ def test_mma_load_knob(monkeypatch):
         fm.FrontMma(8, 7168, 6016, 8, 8, load="x")
 
 
-@pytest.mark.parametrize("T,load", [(1, "ring"), (8, "ring"), (64, "regs"), (64, "ring")])
-def test_back_mma_post_norm_compiles(T, load):
-    """BackMma with the rstd applied in the epilogue (no per-CTA rstd pass before the MMAs)."""
+@pytest.mark.parametrize(
+    "T,load,norm",
+    [(1, "ring", "post"), (8, "ring", "post"), (64, "regs", "pre"), (64, "ring", "post")],
+)
+def test_back_mma_norm_variants_compile(T, load, norm):
+    """BackMma with the rstd applied in the epilogue (``post``, the default: no per-CTA rstd
+    pass before the MMAs) and before them (``pre``)."""
     cfg, d = _dims("kimi-k3", 8)
-    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, "post")
-    assert (op.norm, op.load) == ("post", load)
+    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, norm)
+    assert (op.norm, op.load) == (norm, load)
     assert itf.compile_only(op, *args) is not None
 
 
@@ -312,6 +316,14 @@ def test_back_norm_knob(monkeypatch):
         bm.back_norm()
     with pytest.raises(ValueError, match="norm"):
         bm.BackMma(8, 3584, 7168, 1e-6, norm="x")
+    assert bm.BackMma(8, 3584, 7168, 1e-6).norm == "post"
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK_RT", raising=False)
+    assert bm.back_rt() == 0 and bm.BackMma(64, 3584, 7168, 1e-6).RT == 4
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_RT", "2")
+    assert bm.back_rt() == 2 and bm.BackMma(64, 3584, 7168, 1e-6, rt=2).RT == 2
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_RT", "three")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_RT"):
+        bm.back_rt()
 
 
 def test_back_post_norm_rounding_matches_reference():

@@ -1,7 +1,7 @@
 """LatentMoE back on tensor cores: ``out[T, H] = bf16(bf16(rmsnorm(acc) * latent_norm) @
 latent_up^T + shared_out)``, the function of ``up_proj_shared_add.UpProjSharedAdd`` (its
-reference ``up_proj_shared_add_ref``), with ``mma.sync.m16n8k16`` for 8 and more tokens, where
-the SIMT kernel is bound by FMAs and converts (H200, 14:25 run: 61.4 us at 8 tokens, 381.8 us
+reference ``up_proj_shared_add_ref``), with ``mma.sync.m16n8k16`` (from 1 token on since session
+7), where the SIMT kernel is bound by FMAs and converts (H200, 14:25 run: 61.4 us at 8 tokens, 381.8 us
 at 64, against a ~13 us floor).
 
 Same MMA scheme as :mod:`front_mma` (weight rows as M, tokens as N, K permuted inside each
@@ -57,7 +57,7 @@ class BackMma:
     """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
 
     def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs",
-                 norm: str = "pre", rt: int = 0):  # fmt: skip
+                 norm: str = "post", rt: int = 0):  # fmt: skip
         if load not in mc.LOADS:
             raise ValueError(f"back_mma: load {load!r}, expected one of {mc.LOADS}")
         if norm not in NORMS:
@@ -273,7 +273,7 @@ def _scaled_b(mAcc, mNW, toks, ssq, k0):
     return b_of
 
 
-def _build(T, L, H, eps, pdl=True, load="regs", norm="pre", rt=0):
+def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0):
     op = BackMma(T, L, H, eps, pdl, load, norm, rt)
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
@@ -305,13 +305,23 @@ def back_norm() -> str:
     return v
 
 
+def back_rt() -> int:
+    """``DECODESCOPE_MOE_BACK_RT``: row tiles per CTA, ``0`` (default: 1 up to 16 tokens, 2 up to
+    32, 4 above) or 1, 2, 4 (an A/B knob: 2 at 64 tokens lost on the H200, 70.8 against 48.6 us,
+    notes/gpu-logs/s8/r1). Read at each call; part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_BACK_RT", "0") or "0"
+    if v not in ("0", "1", "2", "4"):
+        raise ValueError(f"DECODESCOPE_MOE_BACK_RT={v!r}: expected 0 (by tokens), 1, 2 or 4")
+    return int(v)
+
+
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
     pdl = pdl_enabled()
     load = mma_load("back", T)
     norm = back_norm()
-    rt = int(os.environ.get("DECODESCOPE_MOE_BACK_RT", "0") or 0)  # A/B knob; 0 = by tokens
+    rt = back_rt()
     key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt)
     fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt))
     fn(acc, latent_norm, latent_up, shared_out, out)
