@@ -17,7 +17,8 @@ B use the same one. FP32 output: the router's logits stay FP32 for the top-k.
 Launch count: 1 (replaces ``FrontGemv``; no norm prologue: ``forward_norm`` /
 ``forward_residual`` keep the SIMT kernel).
 
-``front_tile`` (``DECODESCOPE_MOE_FRONT=tile``, opt-in, issue #5): the same ``y`` through
+``front_tile`` (the default from ``TILE_FROM`` = 32 tokens with the grouped experts, or
+``DECODESCOPE_MOE_FRONT=tile``; issue #5): the same ``y`` through
 :mod:`.tile_gemm` with FP32 outputs (its cp.async pipeline stages weights and activations in
 shared memory, split-K with a last-CTA reduction: at 32..64 tokens the design above is
 latency-bound, each warp re-reading the activations from L2 per chunk, ~93 CTAs at 64). It
@@ -215,8 +216,8 @@ def front_variant(T: int, K: int, grouped: bool = False, nf: int = 0) -> str:
     (:class:`router_topk.FrontGemv`) or ``tile`` (:func:`front_tile`: no zeroing, so only with
     the grouped experts, whose route kernel zeroes ``acc``). ``auto``: ``tile`` from
     ``TILE_FROM`` tokens where the grouped experts run (``grouped``) and the tile GEMM fits the
-    shapes (``K`` a multiple of its 64-wide chunk, ``nf`` packed rows a multiple of 16), else tensor cores (:class:`FrontMma`) for 1..64 tokens where the shapes allow, else
-    ``simt``. H200 TP8, kernel alone (notes/gpu-logs/s8/r4): tile 37.6 us against FrontMma's
+    shapes (``K`` a multiple of its 64-wide chunk, ``nf`` packed rows a multiple of 16), else
+    tensor cores (:class:`FrontMma`) for 1..64 tokens where the shapes allow, else ``simt``. H200 TP8, kernel alone (notes/gpu-logs/s8/r4): tile 37.6 us against FrontMma's
     57.0 at 64 tokens, 26.2 against 25.6 at 8. Read at each call."""
     v = os.environ.get("DECODESCOPE_MOE_FRONT", "auto")
     if v not in FRONT_VARIANTS:
