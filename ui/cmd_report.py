@@ -15,13 +15,14 @@ from decodescope.ui.cli import app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, attributed_counts, load_with_progress
 from decodescope.ui.render import arrow_table, dumps
 
-LAYER_COLS = ["kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us"]
+LAYER_COLS = ["kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us", "share_us"]
 HEADERS = {
     "layer_kind": "kind",
     "span_us": "span us",
     "busy_us": "busy us",
     "gaps_us": "gaps us",
     "kernel_sum_us": "kernel-sum us",
+    "share_us": "share us",
     "span_us_min": "span min",
     "span_us_max": "span max",
     "total_us": "total us",
