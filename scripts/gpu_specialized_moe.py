@@ -66,7 +66,12 @@ BACKS = ["simt", "mma"]  # the same for the back kernels
 # BackMma A/B variants beside the plain back kernels: (name, environment), checked and timed.
 # s8/r1 (H200 TP8, 64 tokens): post 48.6 us (now the default), pre 62.6, post with 2 row tiles
 # per CTA 70.8, pre with 2: 91.0
-BACK_AB = [("mma_pre", {"DECODESCOPE_MOE_BACK": "mma", "DECODESCOPE_MOE_BACK_NORM": "pre"})]
+BACK_AB = [
+    ("mma_pre", {"DECODESCOPE_MOE_BACK": "mma", "DECODESCOPE_MOE_BACK_NORM": "pre"}),
+    # the cp.async ring from 17 tokens too (ptxas: 112 registers at 32 tokens against 138; 255
+    # with spills at 64)
+    ("mma_ring", {"DECODESCOPE_MOE_BACK": "mma", "DECODESCOPE_MOE_MMA_LOAD": "ring"}),
+]
 USER_BACK = os.environ.get("DECODESCOPE_MOE_BACK")
 
 
@@ -776,6 +781,10 @@ def variant_env(var: str) -> dict:
     if var == "grouped_ring":  # the route split, w13 and w2 streamed through cp.async rings
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split",
                 "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
+    if var.startswith("grouped_w2s"):  # the defaults (thresh route, rings), w2 ring stages set
+        return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
+                "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "ring",
+                "DECODESCOPE_MOE_W2_STAGES": var.removeprefix("grouped_w2s")}  # fmt: skip
     if var == "grouped":
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "one"}
     return {"DECODESCOPE_MOE_EXPERTS": var}
@@ -849,6 +858,10 @@ def main() -> int:
             "grouped_w8",
             "grouped_ring",
             "grouped_thresh",
+            "grouped_w2s2",
+            "grouped_w2s4",
+            "grouped_w2s3",
+            "grouped_w2s6",
         ],
         help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
     )

@@ -329,3 +329,25 @@ def test_block_wiring_and_parts(monkeypatch):
         calls.clear()
         mg.run_block_parts(blk, parts)
         assert calls == want
+
+
+@pytest.mark.parametrize("stages", [2, 3, 6])
+def test_w2_ring_stages_compile(stages):
+    """GroupedW2's ring at other depths (``DECODESCOPE_MOE_W2_STAGES``, an A/B knob)."""
+    cfg, (E, K, L, Ie, H, S) = _dims("kimi-k3", 8)
+    op, args = mg._build_w2(64, E, K, L, Ie, H, S, True, 132, "ring", stages)
+    assert op.stages == stages
+    assert itf.compile_only(op, *args) is not None
+
+
+def test_w2_stages_knob(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_MOE_W2_STAGES", raising=False)
+    assert mg.w2_stages() == mg.RING_STAGES
+    monkeypatch.setenv("DECODESCOPE_MOE_W2_STAGES", "3")
+    assert mg.w2_stages() == 3
+    for bad in ("0", "9", "x"):
+        monkeypatch.setenv("DECODESCOPE_MOE_W2_STAGES", bad)
+        with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2_STAGES"):
+            mg.w2_stages()
+    with pytest.raises(ValueError, match="stages"):
+        mg.GroupedW2(8, 32, 4, 128, 64, 128, 64, stages=0)

@@ -472,11 +472,14 @@ class GroupedW13:
 class GroupedW2:
     """Kernel 3: w2 of each selected expert, weighted FP32 atomics into ``acc``; shared down."""
 
-    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, mode: str = "regs"):
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, mode: str = "regs",
+                 stages: int = RING_STAGES):  # fmt: skip
         if mode not in W2_MODES:
             raise ValueError(f"moe_grouped: w2 mode {mode!r}, expected one of {W2_MODES}")
+        if not 1 <= stages <= 8:
+            raise ValueError(f"moe_grouped: w2 ring stages {stages}, expected 1..8")
         self.mode = mode
-        self.stages = RING_STAGES
+        self.stages = stages  # "ring": chunks in flight per warp (shared memory per CTA grows)
         for name, v in (("latent", L), ("hidden", H)):
             if v % ROWS:
                 raise ValueError(f"moe_grouped: {name} {v} must be a multiple of {ROWS}")
@@ -674,8 +677,8 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
     return op, args
 
 
-def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs"):
-    op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode)
+def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=RING_STAGES):
+    op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode, stages)
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
     sl = op.slots
     args = (
@@ -716,6 +719,16 @@ def w2_mode() -> str:
     if v not in W2_MODES:
         raise ValueError(f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {W2_MODES}")
     return v
+
+
+def w2_stages() -> int:
+    """``DECODESCOPE_MOE_W2_STAGES``: chunks in flight per warp in :class:`GroupedW2`'s ring
+    (default ``RING_STAGES`` = 4; an A/B knob: fewer stages take less shared memory per CTA, so
+    more CTAs fit an SM). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_W2_STAGES", "") or str(RING_STAGES)
+    if not v.isdigit() or not 1 <= int(v) <= 8:
+        raise ValueError(f"DECODESCOPE_MOE_W2_STAGES={v!r}: expected 1..8")
+    return int(v)
 
 
 def route_mode() -> str:
@@ -802,6 +815,7 @@ def moe_grouped(
     pdl = pdl_enabled()
     mode = w13_mode()
     m2 = w2_mode()
+    s2 = w2_stages()
     nsm = num_sms(y_front.device)
     rmode = route_mode()
     split = rmode != "one"
@@ -816,8 +830,8 @@ def moe_grouped(
         lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm),
     )
     w2k = itf.compiled(
-        ("moe_grouped_w2", *dims, pdl, nsm, m2),
-        lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2),
+        ("moe_grouped_w2", *dims, pdl, nsm, m2, s2),
+        lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2, s2),
     )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
