@@ -342,7 +342,7 @@ def test_w2_ring_stages_compile(stages):
 
 def test_w2_stages_knob(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_W2_STAGES", raising=False)
-    assert mg.w2_stages() == mg.RING_STAGES
+    assert mg.w2_stages() == mg.W2_RING_STAGES == 3
     monkeypatch.setenv("DECODESCOPE_MOE_W2_STAGES", "3")
     assert mg.w2_stages() == 3
     for bad in ("0", "9", "x"):

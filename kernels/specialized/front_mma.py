@@ -195,14 +195,15 @@ def mma_load(kernel: str = "front", T: int = 8) -> str:
     """``DECODESCOPE_MOE_MMA_LOAD``: ``auto`` (default), ``regs`` or ``ring``: the weight loads
     of :class:`FrontMma` (``kernel="front"``) and :class:`.back_mma.BackMma` (``"back"``), the
     cp.async ring of :mod:`.mma_common` or registers. ``auto``: the ring for the front, and for
-    the back up to 16 tokens (one row tile per CTA). H200 TP8, graph medians
+    the back up to 32 tokens (one or two row tiles per CTA). H200 TP8, graph medians
     (notes/gpu-logs/s7/r3): front 37.0 -> 26.2 us at 8 tokens, 63.5 -> 57.2 at 64; back 27.4 ->
-    22.0 at 8, 62.4 -> 64.6 at 64 (255 registers and spills with four row tiles). Read at each
-    call, part of the compile keys."""
+    22.0 at 8, 62.4 -> 64.6 at 64 (255 registers and spills with four row tiles); with the
+    back's post-norm (s8/r7): 38.7 -> 34.6 at 32 tokens, 48.3 -> 76.3 at 64. Read at each call,
+    part of the compile keys."""
     v = mc.load_mode("DECODESCOPE_MOE_MMA_LOAD", "auto", ("auto", *mc.LOADS))
     if v != "auto":
         return v
-    return "ring" if kernel == "front" or T <= 16 else "regs"
+    return "ring" if kernel == "front" or T <= 32 else "regs"
 
 
 FRONT_VARIANTS = ("auto", "mma", "simt", "tile")

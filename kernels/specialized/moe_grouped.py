@@ -64,6 +64,10 @@ CTAS_PER_SM = 64
 W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
 W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
 RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
+# w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
+# 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
+# for more CTAs per SM)
+W2_RING_STAGES = 3
 # GroupedRoute's top-k: K rounds of router_topk.select_topk, or route_topk.thresh_topk
 ROUTE_TOPK = ("rounds", "thresh")
 ROUTE_MODES = ("one", "split", "thresh")  # DECODESCOPE_MOE_GROUPED_ROUTE
@@ -473,7 +477,7 @@ class GroupedW2:
     """Kernel 3: w2 of each selected expert, weighted FP32 atomics into ``acc``; shared down."""
 
     def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, mode: str = "regs",
-                 stages: int = RING_STAGES):  # fmt: skip
+                 stages: int = W2_RING_STAGES):  # fmt: skip
         if mode not in W2_MODES:
             raise ValueError(f"moe_grouped: w2 mode {mode!r}, expected one of {W2_MODES}")
         if not 1 <= stages <= 8:
@@ -677,7 +681,7 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
     return op, args
 
 
-def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=RING_STAGES):
+def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_STAGES):
     op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode, stages)
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
     sl = op.slots
@@ -723,9 +727,9 @@ def w2_mode() -> str:
 
 def w2_stages() -> int:
     """``DECODESCOPE_MOE_W2_STAGES``: chunks in flight per warp in :class:`GroupedW2`'s ring
-    (default ``RING_STAGES`` = 4; an A/B knob: fewer stages take less shared memory per CTA, so
-    more CTAs fit an SM). Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_W2_STAGES", "") or str(RING_STAGES)
+    (default ``W2_RING_STAGES`` = 3 since the H200 A/B of s8/r7; fewer stages take less shared
+    memory per CTA, so more CTAs fit an SM). Read at each call, part of the compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_W2_STAGES", "") or str(W2_RING_STAGES)
     if not v.isdigit() or not 1 <= int(v) <= 8:
         raise ValueError(f"DECODESCOPE_MOE_W2_STAGES={v!r}: expected 1..8")
     return int(v)
