@@ -181,8 +181,8 @@ class BackMma:
 
         def b_tiles(k0):
             if const_expr(post):
-                return _scaled_b(mAcc, mNW, toks, ssq, k0)
-            return _normed_b(mAcc, mNW, toks, rstd, k0)
+                return _b_loader(mAcc, mNW, toks, k0, ssq=ssq)
+            return _b_loader(mAcc, mNW, toks, k0, rstd=rstd)
 
         def consume(v, slot):
             k0 = (chunk0 + v) * KCH + c * 8
@@ -236,9 +236,11 @@ class BackMma:
             cute.arch.barrier()
 
 
-def _normed_b(mAcc, mNW, toks, rstd, k0):
+def _b_loader(mAcc, mNW, toks, k0, rstd=None, ssq=None):
     """Trace-time B loader of one K chunk (:func:`mma_common.mma_chunks`): loads the norm
-    weights at ``k0``, returns ``j -> bf16(acc[token j] * rstd * w_norm)`` (8 values)."""
+    weights at ``k0``, returns ``j -> bf16(acc[token j] * rstd * w_norm)`` (8 values) with
+    ``rstd`` (``norm="pre"``), or ``j -> bf16(acc[token j] * w_norm)`` adding the FP32 values'
+    squares to ``ssq[j]`` (``norm="post"``: each (token, column) is loaded once per CTA)."""
     nw = cute.make_rmem_tensor((8,), BFloat16)
     cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
 
@@ -246,28 +248,14 @@ def _normed_b(mAcc, mNW, toks, rstd, k0):
         xf = cute.make_rmem_tensor((8,), Float32)
         cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
         xb = cute.make_rmem_tensor((8,), BFloat16)
+        s = ssq[j] if ssq is not None else None
         for e in range(8):
-            xb[e] = (xf[e] * rstd[j] * nw[e].to(Float32)).to(BFloat16)
-        return xb
-
-    return b_of
-
-
-def _scaled_b(mAcc, mNW, toks, ssq, k0):
-    """``norm="post"``'s B loader: ``j -> bf16(acc[token j] * w_norm)`` (8 values), adding the
-    FP32 values' squares to ``ssq[j]`` (each (token, column) is loaded once per CTA)."""
-    nw = cute.make_rmem_tensor((8,), BFloat16)
-    cute.autovec_copy(cute.local_tile(mNW, (8,), (k0 // 8,)), nw)
-
-    def b_of(j):
-        xf = cute.make_rmem_tensor((8,), Float32)
-        cute.autovec_copy(cute.local_tile(mAcc[toks[j], None], (8,), (k0 // 8,)), xf)
-        xb = cute.make_rmem_tensor((8,), BFloat16)
-        s = ssq[j]
-        for e in range(8):
-            s = s + xf[e] * xf[e]
-            xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
-        ssq[j] = s
+            if ssq is not None:
+                s = s + xf[e] * xf[e]
+            v = xf[e] * rstd[j] if rstd is not None else xf[e]
+            xb[e] = (v * nw[e].to(Float32)).to(BFloat16)
+        if ssq is not None:
+            ssq[j] = s
         return xb
 
     return b_of
