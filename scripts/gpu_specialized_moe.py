@@ -179,8 +179,6 @@ def _tile_chain_checks(cfg, w, blk, h, ctx) -> None:
     adds into it: routed sum and shared output vs ``moe_experts_ref`` on the tile front's own
     ``y`` and the kernel's ids; then the whole block (``acc`` now holding the last sum: zeroed
     again?) vs the float32 reference, eager and as a CUDA graph replayed twice."""
-    e = cfg.moe
-    E, L = e.num_experts, cfg.expert_dim
     with env(DECODESCOPE_MOE_FRONT="tile"):
         blk.y_front.fill_(float("nan"))
         blk.acc.fill_(float("nan"))
@@ -189,10 +187,7 @@ def _tile_chain_checks(cfg, w, blk, h, ctx) -> None:
         blk.experts()
         torch.cuda.synchronize()
         y = blk.y_front.clone()
-        acc_r, sh_r = me.moe_experts_ref(
-            y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
-            w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
-        )  # fmt: skip
+        acc_r, sh_r = _experts_ref(cfg, w, blk, y)
         check("routed_latent_sum_front_tile", ctx, rel_l2(blk.acc, acc_r), 5e-3)
         check("shared_out_front_tile", ctx, rel_l2(blk.shared_out, sh_r), 5e-3)
         out = torch.full((h.shape[0], cfg.hidden), float("nan"), dtype=BF16, device=DEV)
@@ -230,7 +225,7 @@ def _front_norm_checks(cfg, w, blk, N, ctx, g) -> None:
 
 def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     e = cfg.moe
-    E, L, k = e.num_experts, cfg.expert_dim, e.top_k
+    E, k = e.num_experts, e.top_k
     # 2. experts (routing in its prologue)
     y = blk.y_front.clone()
     blk.h.fill_(float("nan"))
@@ -257,10 +252,7 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     tw_k = torch.sigmoid(y[:, :E].double()).gather(1, ids)
     tw_k = (tw_k / tw_k.sum(-1, keepdim=True) * e.routed_scaling).float()
     check("topk_weights", ctx, rel_l2(blk.topk_weights, tw_k), 1e-5)
-    acc_r, sh_r = me.moe_experts_ref(
-        y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
-        w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
-    )  # fmt: skip
+    acc_r, sh_r = _experts_ref(cfg, w, blk, y)
     check("routed_latent_sum", ctx, rel_l2(blk.acc, acc_r), 5e-3)
     check("shared_out", ctx, rel_l2(blk.shared_out, sh_r), 5e-3)
 
@@ -291,6 +283,16 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     ref, _ = moe_ref(cfg, w, h, topk_ids=blk.topk_ids, dtype=torch.float32)
     check("block_vs_reference", ctx, rel_l2(out, ref), 2e-2)
     guarded("block_vs_standard", ctx, lambda: _vs_standard(cfg, w, h, blk, out, N, ctx))
+
+
+def _experts_ref(cfg, w, blk, y):
+    """``moe_experts_ref`` of the block's own routing and front output ``y``: (routed latent
+    sum, shared output)."""
+    E, L = cfg.moe.num_experts, cfg.expert_dim
+    return me.moe_experts_ref(
+        y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
+        w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
+    )  # fmt: skip
 
 
 def _grouped_route_check(blk, gb, E: int, ctx: dict) -> None:
