@@ -178,7 +178,6 @@ def _nccl_moe(moe, dist) -> None:
     moe.back = back
 
 
-
 def _views_of(buf: torch.Tensor, *parts: torch.Tensor) -> bool:
     """Whether ``parts`` are contiguous and tile ``buf`` exactly, in order."""
     ptr, size = buf.data_ptr(), buf.element_size()
