@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import io
 import json
@@ -154,6 +155,11 @@ def test_export_and_query(work, tmp_path):
     ]
     for view in ("ranges", "memops", "overheads"):
         assert cli("query", ds, f"SELECT count(*) FROM {view}").returncode == 0
+    c = cli("query", ds, "SELECT run_id, count(*) AS n FROM kernels GROUP BY 1 ORDER BY n", "--csv")
+    assert c.returncode == 0, c.stderr
+    rows = list(csv.DictReader(io.StringIO(c.stdout)))
+    assert [int(r["n"]) for r in rows] == [768, 1465]
+    assert "pick one" in one_line_error(cli("query", ds, "SELECT 1", "--csv", "--json"))
     table = cli(
         "query", ds, "SELECT layer, count(*) AS n FROM kernels WHERE layer = 3 GROUP BY layer"
     )

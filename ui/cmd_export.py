@@ -59,10 +59,14 @@ def query(
         ..., help="SQL over the views runs, kernels, ranges, memops, overheads"
     ),
     json_out: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+    csv_out: bool = typer.Option(False, "--csv", help="print CSV (header + all rows) instead"),
     limit: int = typer.Option(200, "--limit", min=1, help="rows to print in the table"),
 ) -> None:
     """Run DuckDB SQL over a results dataset (views: runs, kernels, ranges, memops, overheads)."""
     import duckdb
+
+    if json_out and csv_out:
+        raise UsageError("--json and --csv: pick one")
 
     con = _connect(dataset)
     try:
@@ -77,5 +81,14 @@ def query(
         result = result.read_all()
     if json_out:
         typer.echo(dumps(result))
+        return
+    if csv_out:
+        import io
+
+        import pyarrow.csv as pacsv
+
+        buf = io.BytesIO()
+        pacsv.write_csv(result, buf)
+        typer.echo(buf.getvalue().decode(), nl=False)
         return
     console.print(arrow_table(result, limit=limit))
