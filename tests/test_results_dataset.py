@@ -184,3 +184,24 @@ def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_p
     assert {r["layer_kind"] for r in payload["layers"]} == {"kda", "mla"}
     assert {p["dense_layer"] for p in payload["projections"]} == {"excluded (not measured)"}
     assert "dense layer 0: excluded (not measured)" in buf.getvalue()
+
+
+def test_bench_names_where_the_standard_ops_came_from(runs):
+    # every committed standard run used vLLM's compiled ops, and bench says so per source
+    for r in runs:
+        if r.meta.backend != "standard":
+            continue
+        line = cmd_bench.impl_line(r)
+        assert line is not None and "vllm" in line and "WITHOUT" not in line, r.run_id
+    # a real H200 run of s9/r1 whose machine had no vLLM staged: the bench line says so
+    # (kept in the GPU logs, not in results/)
+    logs = RESULTS.parent / "notes" / "gpu-logs" / "s9" / "r1" / "x1" / "results"
+    (std,) = [r for r in read_runs(logs) if r.meta.backend == "standard" and r.meta.batch == 64]
+    line = cmd_bench.impl_line(std)
+    assert "WITHOUT vLLM's compiled ops" in line and "No module named 'vllm'" in line
+    (spec,) = [r for r in read_runs(logs) if r.meta.backend == "specialized" and r.meta.batch == 64]
+    assert cmd_bench.impl_line(spec) == f"specialized ops of {spec.run_id}: 13 cute"
+    from decodescope.ui.cmd_report import run_summary
+
+    assert run_summary(spec)["ops"] == "13 cute"
+    assert "WITHOUT vLLM" in run_summary(std)["ops"]

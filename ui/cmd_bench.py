@@ -250,6 +250,28 @@ def _projection_table(prows: list[dict], meta_line: str) -> Table:
     return t
 
 
+def impl_line(run) -> str | None:
+    """Where a run's ops came from (``op_impl`` of its workload config): counts per source
+    (vLLM's compiled ops, decodescope's Triton stand-ins, torch/cuBLAS, CuTe DSL), and for the
+    standard path why vLLM's were not used when none were. None for runs that do not record it
+    (imports of other tools' traces)."""
+    wl = (run.meta.config or {}).get("workload") or {}
+    impl = wl.get("op_impl")
+    if not impl:
+        return None
+    counts: dict[str, int] = {}
+    for v in impl.values():
+        src = str(v).split(":", 1)[0]
+        counts[src] = counts.get(src, 0) + 1
+    parts = ", ".join(f"{n} {src}" for src, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    backend = run.meta.backend or "?"
+    line = f"{backend} ops of {run.run_id}: {parts}"
+    if backend == "standard" and not wl.get("vllm_ops"):
+        why = "; ".join(wl.get("vllm_ops_errors") or []) or "not found"
+        line += f" -- WITHOUT vLLM's compiled ops ({why}): not the vLLM baseline"
+    return line
+
+
 def _reference_table() -> Table:
     ref = proj.REFERENCE
     t = Table(title=f"Reference (published): {proj.REFERENCE_HARDWARE}", title_justify="left")
@@ -397,6 +419,13 @@ def bench_cmd(
     else:
         prows = []
     console.print(_reference_table())
+    seen: set[str] = set()
+    for run in runs:  # which ops ran: vLLM's or the stand-ins (never silent), once per mix
+        line = impl_line(run)
+        key = line and f"{run.meta.backend}: {line.split(': ', 1)[1]}"
+        if line is not None and key not in seen:
+            seen.add(key)
+            console.print(line, highlight=False, soft_wrap=True)
     if json_out is not None:
         payload = {"layers": rows, "projections": prows, "failures": failures, "meta": meta_line}
         json_out.write_text(json.dumps(payload, indent=1, default=str))
@@ -409,4 +438,4 @@ def bench_cmd(
         raise typer.Exit(1)
 
 
-__all__ = ["bench_cmd", "kind_rows", "projections"]
+__all__ = ["bench_cmd", "impl_line", "kind_rows", "projections"]

@@ -65,6 +65,13 @@ def overhead_summary(run: Run) -> list[dict[str, Any]]:
     ]
 
 
+def _ops_of(run: Run) -> str | None:
+    from decodescope.ui.cmd_bench import impl_line
+
+    line = impl_line(run)
+    return line.split(": ", 1)[1] if line else None
+
+
 def run_summary(run: Run) -> dict[str, Any]:
     m = run.meta
     n, in_range, in_layer = attributed_counts(run)
@@ -89,6 +96,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "ranges": run.ranges.num_rows,
         "memops": run.memops.num_rows,
         "dropped_records": dropped_records(run),
+        "ops": _ops_of(run),
         "partial": m.partial,
         "overheads": overhead_summary(run),
     }
