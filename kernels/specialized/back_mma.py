@@ -34,6 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, const_expr
 
+from decodescope.kernels.specialized import back_tile as bt
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.front_mma import mma_load
@@ -266,15 +267,22 @@ def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0):
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
+BACK_VARIANTS = ("auto", "mma", "simt", "tile")
+
+
 def back_variant(T: int, L: int, H: int) -> str:
-    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: this kernel for 1..64 tokens where the shapes
-    allow, ``up_proj_shared_add`` otherwise), ``mma`` (this kernel) or ``simt``
-    (``up_proj_shared_add``). Read at each call. H200, TP8 (notes/specialized_moe.md): 25.4 /
-    61.7 us at 8 / 64 tokens against 61.0 / 383.6 for ``up_proj_shared_add``."""
+    """``DECODESCOPE_MOE_BACK``: ``auto`` (default: :mod:`.back_tile` from its ``TILE_FROM``
+    tokens where set and the shapes fit, else this kernel for 1..64 tokens where the shapes
+    allow, ``up_proj_shared_add`` otherwise), ``mma`` (this kernel), ``simt``
+    (``up_proj_shared_add``) or ``tile`` (:func:`.back_tile.back_tile`, the tile GEMM). Read at
+    each call. H200, TP8 (notes/specialized_moe.md): 25.4 / 61.7 us at 8 / 64 tokens against
+    61.0 / 383.6 for ``up_proj_shared_add``."""
     v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
-    if v not in ("auto", "mma", "simt"):
-        raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected 'auto', 'mma' or 'simt'")
+    if v not in BACK_VARIANTS:
+        raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected one of {BACK_VARIANTS}")
     if v == "auto":  # from 1 token since the ring (H200 TP8, 1 token: 22.6 us SIMT, 18.8 ring)
+        if bt.TILE_FROM is not None and T >= bt.TILE_FROM and bt.fits(T, L, H):
+            return "tile"
         return "mma" if 1 <= T <= 64 and L % KCH == 0 and H % ROWS == 0 else "simt"
     return v
 

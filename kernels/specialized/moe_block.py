@@ -37,6 +37,7 @@ import torch
 
 from decodescope.kernels.config import Config
 from decodescope.kernels.specialized import back_mma as _bm
+from decodescope.kernels.specialized import back_tile as _bt
 from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
 from decodescope.kernels.specialized import moe_grouped as _mg
@@ -197,12 +198,17 @@ class SpecializedMoE:
             )
 
     def back(self, out: torch.Tensor) -> None:
-        """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 8 tokens on, ``up_proj_shared_add``
-        below (``DECODESCOPE_MOE_BACK=auto|mma|simt``)."""
+        """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 1 token on, ``up_proj_shared_add``
+        where its shapes do not fit; ``back_tile.back_tile`` (the tile GEMM, one launch) with
+        ``tile`` or from ``back_tile.TILE_FROM`` tokens
+        (``DECODESCOPE_MOE_BACK=auto|mma|simt|tile``)."""
         args = (self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps)
         with self._r(OPS[2]):
-            if _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden) == "mma":
+            v = _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden)
+            if v == "mma":
                 _bm.back_mma(*args)
+            elif v == "tile":
+                _bt.back_tile(*args)
             else:
                 _up.up_proj_shared_add(*args)
 

@@ -1,0 +1,517 @@
+"""LatentMoE back on the tile GEMM, one launch: ``out[T, H] = bf16(rstd[t] * (bf16(acc * w_norm)
+@ latent_up^T) + shared_out)``, the function of :class:`.back_mma.BackMma` with ``norm="post"``
+(compare ``up_proj_shared_add_ref``: the same within BF16 rounding), for 1..64 tokens (issue #5).
+
+Why: ``BackMma`` at 32..64 tokens is latency-bound (H200 TP8: 48.6 us at 64 tokens against a
+~13 us bytes floor; 255 registers, 112 CTAs, every CTA re-reading all of ``acc`` from L2 per
+warp and chunk). The front had the same problem and moved to :mod:`.tile_gemm` (57.0 -> 37.6 us
+at 64 tokens). This kernel is :class:`.tile_gemm.TileGemm` (same CTA tile: ``warps`` x 32
+weight rows by all tokens, split-K over CTAs, 64-wide chunks through a multi-stage
+``cp.async`` pipeline, ``mma.sync.m16n8k16`` from shared memory, the last CTA of a row tile
+sums the splits' partials) with an FP32 activation stage and the RMSNorm folded in:
+
+- **Activations**: each chunk's FP32 ``acc`` tile ``[MP, 64]`` (256-byte rows, sixteen 16-byte
+  units) is streamed by ``cp.async`` beside the weights. FP32 unit ``u`` of token row ``r`` is
+  stored at unit ``u ^ (r % 2)``. Each thread copies the same units of every chunk (unit
+  ``tid % 16`` of rows ``tid // 16 + k * threads / 16``).
+- **Conversion in place, by the thread that copied**: after ``cp.async.wait_group`` a thread's
+  own copies are visible to it without a barrier, so it reads its 4 FP32 values, adds their
+  squares to its token's sum of squares, and writes ``bf16(acc * w_norm)`` (4 x BF16, 8 bytes)
+  into the first or second half of the same 16-byte unit (half ``(r // 2) % 2``). One barrier
+  per chunk, as in the BF16 tile GEMM; no second buffer (2 CTAs per SM at 64 tokens with 3
+  stages: 2 x ~98 KB). The norm weights of the CTA's K slice are loaded into shared memory once,
+  before the PDL wait (a weight: never written upstream).
+- **B fragments**: lane (g, c) needs columns ``8c .. 8c + 7`` of each 32-wide half chunk
+  (the K permutation of :mod:`.tile_gemm`): two 8-byte loads (FP32 units ``2U``, ``2U + 1`` of
+  ``U = 4h + c``). With the XOR and the half above, the 16 lanes of a half warp (rows ``g`` =
+  0..3 of a token tile, ``c`` = 0..3) hit 16 distinct 8-byte bank slots: no conflicts.
+- **RMSNorm (post)**: the per-token sums of squares of a split's K slice meet across the 16
+  threads of a row (shuffles), go to a small FP32 workspace ``[row tile, split, token]`` beside
+  the dot-product partials (same release/acquire counter protocol), and the last CTA of each row
+  tile turns their sum (split order) into ``rstd = rsqrt(ss / L + eps)``. Every CTA of a split
+  computes the same sums (same values, same order); each writes its own slot, so no CTA waits
+  for another beyond the last-CTA reduction.
+- **Epilogue** (last CTA of a row tile): ``bf16(rstd[t] * sum_splits(partial) + shared_out)``,
+  rounded once, as ``BackMma``'s ``post``. Always through the workspace, also at one split.
+
+Selection: ``DECODESCOPE_MOE_BACK=tile`` forces it (1..64 tokens, ``L`` a multiple of 64, ``H``
+of 16); ``auto`` picks it from ``TILE_FROM`` tokens (``None``: never, the default until the H200
+A/B). Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
+an SM, else 3), ``DECODESCOPE_MOE_BACK_TILE_SPLITS`` (0: the tile GEMM's rule, 4 at H 7168),
+``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4).
+"""
+
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+import os
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import tile_gemm as tg
+from decodescope.kernels.specialized.router_topk import pdl_enabled
+from decodescope.kernels.specialized.up_proj_shared_add import check_back_args
+from decodescope.kernels.specialized.utils import pdl_begin
+
+BK = tg.BK  # K columns per chunk
+UNITS = BK // 4  # 16-byte FP32 units per token row of a chunk
+SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved per CTA
+TILE_FROM: int | None = None  # auto picks this kernel from this many tokens (None: never)
+
+
+def _two_per_sm(nbytes: int) -> bool:
+    return 2 * (nbytes + 1024) <= SM_SMEM
+
+
+@dataclass(frozen=True)
+class BackPlan:
+    """Compile-time facts of one back launch: ``m`` tokens, ``k`` = L, ``n`` = H, eps, and the
+    tiling (``stages`` / ``splits`` 0: automatic)."""
+
+    m: int
+    k: int
+    n: int
+    eps: float
+    pdl: bool = field(default_factory=pdl_enabled)
+    warps: int = 4
+    stages: int = 0
+    splits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.warps not in (2, 4, 8):
+            raise ValueError(f"back_tile: warps must be 2, 4 or 8, got {self.warps}")
+        if self.stages and not 2 <= self.stages <= 8:
+            raise ValueError(f"back_tile: stages must be 0 (auto) or 2..8, got {self.stages}")
+        # self.tile runs the tile GEMM's own checks (tokens, K multiple of 64, N of 16, splits)
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"back_tile: {self.smem_bytes} bytes of shared memory > 227 KB")
+
+    def _stage_bytes(self) -> int:
+        mp = (self.m + 7) // 8 * 8
+        return self.warps * tg.WARP_ROWS * BK * 2 + mp * BK * 4
+
+    @property
+    def nstages(self) -> int:
+        if self.stages:
+            return self.stages
+        fixed = self._fixed_bytes(tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=False,
+                                              splits_force=self.splits, warps=self.warps))  # fmt: skip
+        for s in (4, 3):
+            if _two_per_sm(s * self._stage_bytes() + fixed):
+                return s
+        return 2
+
+    @property
+    def tile(self) -> tg.TilePlan:
+        """The :class:`.tile_gemm.TilePlan` whose tiling this kernel shares (BF16 sizes: its
+        ``smem_bytes`` is not this kernel's)."""
+        return tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=self.pdl,
+                           splits_force=self.splits, warps=self.warps, stages=self.nstages)  # fmt: skip
+
+    def _fixed_bytes(self, t: tg.TilePlan) -> int:
+        return t.chunks * BK * 2 + t.mp * 4 + 16  # norm weights, rstd, last flag (+ alignment)
+
+    @property
+    def smem_bytes(self) -> int:
+        t = self.tile
+        return self.nstages * self._stage_bytes() + self._fixed_bytes(t) + 128
+
+    @property
+    def ws_shape(self) -> tuple[int, int]:
+        t = self.tile
+        return (t.splits * t.mp, t.acc_rows)
+
+    @property
+    def ssq_size(self) -> int:
+        t = self.tile
+        return t.row_ctas * t.splits * t.mp
+
+
+class BackTile(tg.TileGemm):
+    """:class:`.tile_gemm.TileGemm`'s weight loads and split-K partial stores, with the FP32
+    activation stage, the in-place conversion and the RMSNorm epilogue of this module."""
+
+    def __init__(self, bp: BackPlan):
+        super().__init__(bp.tile)
+        self.bp = bp
+
+    @cute.jit
+    def __call__(
+        self,
+        mAcc: cute.Tensor,  # [M, L] f32
+        mNW: cute.Tensor,  # [L] bf16
+        mW: cute.Tensor,  # [H, L] bf16
+        mSh: cute.Tensor,  # [M, H] f32
+        mOut: cute.Tensor,  # [M, H] bf16
+        mWs: cute.Tensor,  # [splits * mp, acc_rows] f32 partials
+        mSsq: cute.Tensor,  # [row_ctas * splits * mp] f32 sums of squares
+        mCnt: cute.Tensor,  # [row_ctas] i32, zero between launches
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+
+        @cute.struct
+        class Smem:
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
+            x: cute.struct.Align[cute.struct.MemRange[Float32, p.stages * p.mp * BK], 128]
+            nw: cute.struct.Align[cute.struct.MemRange[BFloat16, p.chunks * BK], 16]
+            rstd: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
+            last: cute.struct.MemRange[Int32, 1]
+
+        self.smem_cls = Smem
+        self.kernel(mAcc, mNW, mW, mSh, mOut, mWs, mSsq, mCnt).launch(
+            grid=[p.row_ctas, p.splits, 1],
+            block=[p.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mAcc, mNW, mW, mSh, mOut, mWs, mSsq, mCnt):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, sp, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sW = st.w.get_tensor(
+            cute.make_layout((p.stages, p.cta_rows, BK), stride=(p.cta_rows * BK, BK, 1))
+        )
+        sX = st.x.get_tensor(cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1)))
+        # the same bytes as BF16: 128 per token row (the converted values, in place)
+        sXb = cute.make_tensor(
+            cute.recast_ptr(sX.iterator, dtype=BFloat16),
+            cute.make_layout((p.stages, p.mp, 2 * BK), stride=(p.mp * 2 * BK, 2 * BK, 1)),
+        )
+        sNW = st.nw.get_tensor(cute.make_layout(p.chunks * BK))
+        sRstd = st.rstd.get_tensor(cute.make_layout(p.mp))
+        sLast = st.last.get_tensor(cute.make_layout(1))
+
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        n = self.bp.n
+        row0 = bx * p.cta_rows
+        kc0 = sp * p.chunks
+        pre = min(p.stages - 1, p.chunks)
+
+        # weights of the first chunks and the norm weights before the PDL wait (never written
+        # by the predecessor); the norm weights are read by other threads: barrier
+        for s in cutlass.range_constexpr(pre):
+            self.load_w(mW, sW, n, row0, kc0 + s, s, tidx)
+        self.load_nw(mNW, sNW, kc0, tidx)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+        for s in cutlass.range_constexpr(p.stages - 1):
+            if cutlass.const_expr(s < pre):
+                self.load_acc(mAcc, sX, kc0 + s, s, tidx)
+            cute.arch.cp_async_commit_group()
+
+        atom = mc.mma_atom()
+        accs = mc.zero_accs(tg.RT * p.ntiles)
+        fa, fb = mc.fragments()
+        ssq = cute.make_rmem_tensor((self.slots,), Float32)
+        ssq.fill(0.0)
+        for i in cutlass.range(p.chunks, unroll=1):
+            cute.arch.cp_async_wait_group(p.stages - 2)
+            stg = i % p.stages
+            self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
+            # the converted chunk is visible to all; every thread is past chunk i - 1's MMAs,
+            # so its stage may be refilled
+            cute.arch.sync_threads()
+            nxt = i + (p.stages - 1)
+            if nxt < p.chunks:
+                sn = nxt % p.stages
+                self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
+                self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
+            cute.arch.cp_async_commit_group()
+            self.compute_b(sW, sXb, stg, warp, g, c, accs, fa, fb, atom)
+        cute.arch.cp_async_wait_group(0)
+
+        self.store_partial(mWs, accs, bx, sp, warp, g, c)
+        self.store_ssq(mSsq, ssq, bx, sp, tidx)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + bx, Int32(1), sem="acq_rel", scope="gpu")
+            sLast[0] = old
+        cute.arch.sync_threads()
+        if sLast[0] == p.splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            self.epilogue_norm(mOut, mSh, mWs, mSsq, mCnt, sRstd, bx, tidx)
+
+    @property
+    def slots(self) -> int:
+        """FP32 units of a chunk per thread (each a different token row, same column unit)."""
+        p = self.p
+        return -(-(p.mp * UNITS) // p.threads)
+
+    @cute.jit
+    def load_nw(self, mNW, sNW, kc0, tidx):
+        """The norm weights of this CTA's K slice (``chunks * 64`` BF16) into shared memory."""
+        p = self.p
+        units = p.chunks * BK // 8
+        for q in cutlass.range_constexpr(-(-units // p.threads)):
+            idx = tidx + q * p.threads
+            if idx < units:
+                v = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(mNW, (8,), (kc0 * (BK // 8) + idx,)), v)
+                cute.autovec_copy(v, cute.local_tile(sNW, (8,), (idx,)))
+
+    @cute.jit
+    def load_acc(self, mAcc, sX, kc, stg, tidx):
+        """cp.async of the FP32 activations (tokens < m), chunk ``kc``, into stage ``stg``:
+        unit ``u`` of row ``r`` at unit ``u ^ (r % 2)``."""
+        p = self.p
+        units = p.mp * UNITS
+        u = tidx % UNITS
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            if idx < units and r < p.m:
+                src = cute.local_tile(mAcc[r, None], (4,), (kc * UNITS + u,))
+                dst = cute.local_tile(sX[stg, r, None], (4,), (u ^ (r % 2),))
+                mc.cp_async16(dst, src)
+
+    @cute.jit
+    def convert(self, sX, sXb, sNW, stg, i, ssq, tidx):
+        """This thread's own units of chunk ``i`` (stage ``stg``): squares into ``ssq``, then
+        ``bf16(acc * w_norm)`` into half ``(r // 2) % 2`` of the same unit."""
+        p = self.p
+        units = p.mp * UNITS
+        u = tidx % UNITS
+        nw = cute.make_rmem_tensor((4,), BFloat16)
+        cute.autovec_copy(cute.local_tile(sNW, (4,), (i * UNITS + u,)), nw)
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            if idx < units:
+                pu = u ^ (r % 2)
+                xf = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(cute.local_tile(sX[stg, r, None], (4,), (pu,)), xf)
+                xb = cute.make_rmem_tensor((4,), BFloat16)
+                s = ssq[q]
+                for e in cutlass.range_constexpr(4):
+                    s = s + xf[e] * xf[e]
+                    xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
+                ssq[q] = s
+                cute.autovec_copy(
+                    xb, cute.local_tile(sXb[stg, r, None], (4,), (2 * pu + (r // 2) % 2,))
+                )
+
+    @cute.jit
+    def compute_b(self, sW, sXb, stg, warp, g, c, accs, fa, fb, atom):
+        """The MMAs of one chunk (as :meth:`.tile_gemm.TileGemm.compute`), B from the converted
+        FP32 stage: columns ``8c .. 8c + 7`` of half ``h`` are FP32 units ``2U``, ``2U + 1``
+        (``U = 4h + c``) of token row ``8j + g``, 4 BF16 each."""
+        p = self.p
+        par = 4 * (g % 2)  # weight rows g, g + 8 share g's parity (tile_gemm's swizzle)
+        xo = g % 2  # token rows 8j + g: the FP32 unit XOR
+        hf = (g // 2) % 2  # and the half holding the BF16 values
+        for h in cutlass.range_constexpr(2):
+            pu = (4 * h + c + par) % 8
+            tiles = []
+            for q in cutlass.range_constexpr(tg.RT):
+                r = warp * tg.WARP_ROWS + q * 16 + g
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                tiles.append((lo, hi, q))
+            U = 4 * h + c
+            for j in cutlass.range_constexpr(p.ntiles):
+                b0 = cute.make_rmem_tensor((4,), BFloat16)
+                b1 = cute.make_rmem_tensor((4,), BFloat16)
+                row = sXb[stg, j * 8 + g, None]
+                cute.autovec_copy(cute.local_tile(row, (4,), (2 * ((2 * U) ^ xo) + hf,)), b0)
+                cute.autovec_copy(cute.local_tile(row, (4,), (2 * ((2 * U + 1) ^ xo) + hf,)), b1)
+                mc.mma_k16(atom, accs, fa, fb, _Pair(b0, b1),
+                           [(lo, hi, q * p.ntiles + j) for lo, hi, q in tiles])  # fmt: skip
+
+    @cute.jit
+    def store_ssq(self, mSsq, ssq, bx, sp, tidx):
+        """Each token row's sum of squares over this split's K slice (the 16 threads of a row are
+        16 consecutive lanes: butterfly over them) to ``ssq[bx, sp, row]``."""
+        p = self.p
+        for q in cutlass.range_constexpr(self.slots):
+            s = ssq[q]
+            for o in cutlass.range_constexpr(4):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            idx = tidx + q * p.threads
+            if tidx % UNITS == 0 and idx < p.mp * UNITS:
+                r = idx // UNITS
+                ptr = mSsq.iterator + ((bx * p.splits + sp) * p.mp + r)
+                cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, s])
+
+    @cute.jit
+    def epilogue_norm(self, mOut, mSh, mWs, mSsq, mCnt, sRstd, bx, tidx):
+        """The last CTA of row tile ``bx``: each token's rstd from the splits' sums of squares
+        (split order), then :meth:`.tile_gemm.TileGemm.epilogue_partial`'s walk (4 rows of one
+        token per thread and step, ``EPI_BATCH`` steps' loads together) with
+        ``bf16(rstd * sum + shared_out)``; zero the counter."""
+        p = self.p
+        nt = p.threads
+        n = self.bp.n
+        for m in cutlass.range(tidx, p.m, nt, unroll=1):
+            ss = Float32(0.0)
+            for s in cutlass.range_constexpr(p.splits):
+                ptr = mSsq.iterator + ((bx * p.splits + s) * p.mp + m)
+                ss = ss + cute.arch.inline_ptx(
+                    "ld.global.cg.f32 {$w0}, [{$r0}];",
+                    write_only_types=[Float32],
+                    read_only_args=[ptr],
+                )
+            sRstd[m] = cute.math.rsqrt(ss / Float32(self.bp.k) + Float32(self.bp.eps))
+        cute.arch.sync_threads()
+        quads = p.cta_rows // 4
+        total = p.m * quads
+        steps = (total + nt - 1) // nt
+        bsz = min(tg.EPI_BATCH, steps)
+        for b in cutlass.range((steps + bsz - 1) // bsz, unroll=1):
+            parts = []
+            for t in cutlass.range_constexpr(bsz):
+                f = tidx + (b * bsz + t) * nt
+                ok = f < total
+                fc = cutlass.min(f, total - 1)  # clamped: every load stays in bounds
+                m = fc // quads
+                r4 = (fc % quads) * 4
+                vals = []
+                for s in cutlass.range_constexpr(p.splits):
+                    ptr = mWs.iterator + ((s * p.mp + m) * p.acc_rows + bx * p.cta_rows + r4)
+                    vals.append(
+                        cute.arch.inline_ptx(
+                            "ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                            write_only_types=[Float32, Float32, Float32, Float32],
+                            read_only_args=[ptr],
+                        )
+                    )
+                parts.append((ok, m, r4, vals))
+            for ok, m, r4, vals in parts:
+                nn = bx * p.cta_rows + r4
+                if ok and nn < n:
+                    sh = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(cute.local_tile(mSh[m, None], (4,), (nn // 4,)), sh)
+                    ov = cute.make_rmem_tensor((4,), BFloat16)
+                    rs = sRstd[m]
+                    for e in cutlass.range_constexpr(4):
+                        val = vals[0][e]
+                        for s in cutlass.range_constexpr(1, p.splits):
+                            val = val + vals[s][e]
+                        ov[e] = (val * rs + sh[e]).to(BFloat16)
+                    cute.autovec_copy(ov, cute.local_tile(mOut[m, None], (4,), (nn // 4,)))
+        if tidx == 0:
+            mCnt[bx] = Int32(0)
+
+
+class _Pair:
+    """``xb[0..7]`` for :func:`.mma_common.mma_k16` from two 4-element BF16 fragments."""
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi = lo, hi
+
+    def __getitem__(self, i: int):
+        return self.lo[i] if i < 4 else self.hi[i - 4]
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def _fake_args(bp: BackPlan):
+    T, L, H = bp.m, bp.k, bp.n
+    return (
+        itf.fake(torch.float32, (T, L)),
+        itf.fake(torch.bfloat16, (L,)),
+        itf.fake(torch.bfloat16, (H, L)),
+        itf.fake(torch.float32, (T, H)),
+        itf.fake(torch.bfloat16, (T, H)),
+        itf.fake(torch.float32, bp.ws_shape),
+        itf.fake(torch.float32, (bp.ssq_size,)),
+        itf.fake(torch.int32, (bp.tile.row_ctas,), align=4),
+        itf.env_stream(),
+    )
+
+
+def compile_plan(bp: BackPlan):
+    """Compile (cached) the kernel of ``bp``."""
+    return itf.compiled(("moe_back_tile", bp), lambda: (BackTile(bp), _fake_args(bp)))
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(bp: BackPlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partials, sums of squares and counters of a plan (zeroed once; the last CTA of a row tile
+    re-zeroes its counter: launches of one plan on one stream reuse them)."""
+    key = (bp, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        ws = _WS[key] = (
+            torch.zeros(bp.ws_shape, dtype=torch.float32, device=device),
+            torch.zeros(bp.ssq_size, dtype=torch.float32, device=device),
+            torch.zeros(bp.tile.row_ctas, dtype=torch.int32, device=device),
+        )
+    return ws
+
+
+def _knob(var: str, choices: tuple[int, ...]) -> int:
+    v = os.environ.get(var, "") or "0"
+    if not v.isdigit() or int(v) not in choices:
+        raise ValueError(f"{var}={v!r}: expected one of {choices}")
+    return int(v)
+
+
+def knobs() -> dict[str, int]:
+    """The A/B knobs (environment, read at each call): ``DECODESCOPE_MOE_BACK_TILE_STAGES``
+    (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8)."""
+    stages = _knob("DECODESCOPE_MOE_BACK_TILE_STAGES", (0, 2, 3, 4, 5, 6))
+    splits = _knob("DECODESCOPE_MOE_BACK_TILE_SPLITS", (0, 1, 2, 4, 7, 8, 14))
+    warps = _knob("DECODESCOPE_MOE_BACK_TILE_WARPS", (0, 2, 4, 8)) or 4
+    return {"stages": stages, "splits": splits, "warps": warps}
+
+
+def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
+    """The plan of a launch: :func:`knobs` unless given, the MoE kernels' PDL switch."""
+    k = knobs()
+    k.update(kw)
+    return BackPlan(m=T, k=L, n=H, eps=float(eps), pdl=k.pop("pdl", pdl_enabled()), **k)
+
+
+def fits(T: int, L: int, H: int) -> bool:
+    """Whether the shapes suit this kernel (1..64 tokens, L a multiple of 64, H of 16)."""
+    return 1 <= T <= 64 and L % BK == 0 and H % 16 == 0
+
+
+def back_tile(acc, latent_norm, latent_up, shared_out, out, eps: float, **kw) -> None:
+    """Launch :class:`BackTile` (same arguments as ``up_proj_shared_add``; ``kw``: plan fields
+    for sweeps)."""
+    T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
+    if not fits(T, L, H):
+        raise ValueError(f"back_tile: needs 1..64 tokens, L % 64 == 0, H % 16 == 0; got T={T} "
+                         f"L={L} H={H}")  # fmt: skip
+    bp = plan_for(T, L, H, eps, **kw)
+    fn = compile_plan(bp)
+    ws, ssq, cnt = workspace(bp, acc.device)
+    fn(acc, latent_norm, latent_up, shared_out, out, ws, ssq, cnt)
+
+
+def back_tile_ref(acc, latent_norm, latent_up, shared_out, eps: float, splits: int = 1):
+    """Torch reference in the kernel's arithmetic: ``bf16(acc * w)`` (FP32 product rounded
+    once), FP32 dot products per K split summed in split order, ``rstd`` from the FP32 sum of
+    squares, ``bf16(dot * rstd + shared_out)``."""
+    a = acc.float()
+    L = a.shape[1]
+    xb = (a * latent_norm.float()).to(torch.bfloat16).float()
+    w = latent_up.float()
+    ks = L // splits
+    dot = xb[:, :ks] @ w[:, :ks].T
+    for s in range(1, splits):
+        dot = dot + xb[:, s * ks : (s + 1) * ks] @ w[:, s * ks : (s + 1) * ks].T
+    rstd = torch.rsqrt(a.pow(2).sum(-1, keepdim=True) / L + eps)
+    return (dot * rstd + shared_out.float()).to(torch.bfloat16)

@@ -1,0 +1,275 @@
+"""The LatentMoE back on the tile GEMM (``back_tile``, ``DECODESCOPE_MOE_BACK=tile``, issue #5).
+
+On the CPU: sm_90a compiles (``CUTE_DSL_ARCH`` set by the package, no GPU) at the kimi-k3 TP8 /
+TP16 shapes (the back's L and H are replicated: the same at both) at 32 and 64 tokens, plus 8,
+13 tokens and the tiny preset; the plan's geometry and knobs; the selection; the block's wiring
+with fake launches; the function in torch (the kernel's arithmetic against
+``up_proj_shared_add_ref``); and an emulation of the kernel's shared-memory index math (copy,
+in-place conversion, B-fragment reads). The GPU checks: the ``gpu`` test below and
+``scripts/gpu_back_tile.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# the package first: it sets CUTE_DSL_ARCH=sm_90a before anything imports cutlass
+from decodescope.kernels import specialized  # noqa: F401
+from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
+from decodescope.kernels.reference import rel_l2  # noqa: E402
+from decodescope.kernels.specialized import back_mma as bm  # noqa: E402
+from decodescope.kernels.specialized import back_tile as bt  # noqa: E402
+from decodescope.kernels.specialized import interface as itf  # noqa: E402
+from decodescope.kernels.specialized import moe_block as mb  # noqa: E402
+from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_add_ref  # noqa: E402
+from decodescope.kernels.weights import make_layer_weights  # noqa: E402
+
+KNOB_VARS = ("DECODESCOPE_MOE_BACK_TILE_STAGES", "DECODESCOPE_MOE_BACK_TILE_SPLITS",
+             "DECODESCOPE_MOE_BACK_TILE_WARPS")  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for v in (*KNOB_VARS, "DECODESCOPE_MOE_BACK"):
+        monkeypatch.delenv(v, raising=False)
+
+
+def _dims(preset: str, tp: int):
+    cfg = get_config(preset, tp)
+    return cfg, cfg.expert_dim, cfg.hidden
+
+
+@pytest.mark.parametrize("preset,tp,T", [("kimi-k3", 8, 32), ("kimi-k3", 8, 64),
+                                         ("kimi-k3", 16, 32), ("kimi-k3", 16, 64),
+                                         ("kimi-k3", 8, 8), ("kimi-k3", 8, 13),
+                                         ("tiny", 1, 5)])  # fmt: skip
+def test_back_tile_compiles(preset, tp, T):
+    cfg, L, H = _dims(preset, tp)
+    bp = bt.plan_for(T, L, H, cfg.eps)
+    assert bp.smem_bytes <= 227 * 1024
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+@pytest.mark.parametrize("knobs", [dict(stages=4, splits=7), dict(stages=2, warps=8),
+                                   dict(warps=2, splits=2)])  # fmt: skip
+def test_back_tile_knobs_compile(knobs):
+    bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+def test_back_plan_geometry():
+    """TP8 at 64 tokens: 56 row tiles x 4 splits (224 CTAs, 14 chunks each) with 3 stages (two
+    CTAs per SM); at 32 tokens 4 stages fit two per SM."""
+    p64 = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5)
+    t = p64.tile
+    assert (t.row_ctas, t.splits, t.chunks, p64.nstages) == (56, 4, 14, 3)
+    assert 2 * (p64.smem_bytes + 1024) <= bt.SM_SMEM
+    assert p64.ws_shape == (4 * 64, 56 * 128) and p64.ssq_size == 56 * 4 * 64
+    p32 = bt.BackPlan(m=32, k=3584, n=7168, eps=1e-5)
+    assert p32.nstages == 4 and 2 * (p32.smem_bytes + 1024) <= bt.SM_SMEM
+    assert bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, stages=4).smem_bytes > 128 * 1024
+    with pytest.raises(ValueError, match="warps"):
+        bt.BackPlan(m=8, k=3584, n=7168, eps=1e-5, warps=3)
+    with pytest.raises(ValueError, match="1..64 tokens"):
+        bt.BackPlan(m=65, k=3584, n=7168, eps=1e-5)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        bt.BackPlan(m=8, k=3584 + 32, n=7168, eps=1e-5)
+
+
+def test_back_tile_knobs_env(monkeypatch):
+    assert bt.knobs() == {"stages": 0, "splits": 0, "warps": 4}
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_STAGES", "4")
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_SPLITS", "7")
+    bp = bt.plan_for(64, 3584, 7168, 1e-5)
+    assert (bp.nstages, bp.tile.splits) == (4, 7)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_WARPS", "five")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_WARPS"):
+        bt.knobs()
+
+
+def test_back_variant_tile(monkeypatch):
+    assert bt.TILE_FROM is None  # the default is unchanged until the H200 A/B
+    assert [bm.back_variant(T, 3584, 7168) for T in (1, 32, 64)] == ["mma"] * 3
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tile")
+    assert bm.back_variant(32, 3584, 7168) == "tile"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "auto")
+    monkeypatch.setattr(bt, "TILE_FROM", 32)
+    assert [bm.back_variant(T, 3584, 7168) for T in (8, 31, 32, 64, 65)] == [
+        "mma", "mma", "tile", "tile", "simt",
+    ]  # fmt: skip
+    assert bm.back_variant(64, 3584 + 32, 7168) == "mma"  # L not a multiple of 64
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tiles")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK"):
+        bm.back_variant(8, 3584, 7168)
+
+
+def test_back_tile_rejects_bad_shapes():
+    acc = torch.zeros(8, 96)
+    nw = torch.zeros(96, dtype=torch.bfloat16)
+    up = torch.zeros(64, 96, dtype=torch.bfloat16)
+    sh = torch.zeros(8, 64)
+    out = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="back_tile: needs"):
+        bt.back_tile(acc, nw, up, sh, out, 1e-5)
+    with pytest.raises(ValueError, match="shared_out"):
+        bt.back_tile(torch.zeros(8, 128), torch.zeros(128, dtype=torch.bfloat16),
+                     torch.zeros(64, 128, dtype=torch.bfloat16), sh.T, out, 1e-5)  # fmt: skip
+
+
+class _Launches:
+    """``itf.compiled`` stand-in: records (key, args) of every launch, runs nothing."""
+
+    def __init__(self):
+        self.calls: list[tuple[tuple, tuple]] = []
+
+    def compiled(self, key, build):
+        return lambda *a: self.calls.append((key, a))
+
+
+def test_block_wiring_tile(monkeypatch):
+    """``DECODESCOPE_MOE_BACK=tile``: the block's back is one ``moe_back_tile`` launch on its own
+    ``acc`` / ``shared_out`` with the plan's workspace; the default stays BackMma."""
+    rec = _Launches()
+    monkeypatch.setattr(itf, "compiled", rec.compiled)
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    blk = mb.SpecializedMoE(cfg, w, 8)
+    out = torch.empty(8, cfg.hidden, dtype=torch.bfloat16)
+    blk.back(out)
+    assert rec.calls[-1][0][0] == "moe_back_mma"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tile")
+    blk.back(out)
+    key, args = rec.calls[-1]
+    assert key[0] == "moe_back_tile" and key[1] == bt.plan_for(8, cfg.expert_dim, cfg.hidden,
+                                                               cfg.eps)  # fmt: skip
+    assert args[0] is blk.acc and args[1] is blk.latent_norm and args[2] is blk.latent_up
+    assert args[3] is blk.shared_out and args[4] is out
+    ws, ssq, cnt = bt.workspace(key[1], out.device)
+    assert args[5] is ws and args[6] is ssq and args[7] is cnt
+
+
+def test_back_tile_ref_matches_reference():
+    """The kernel's arithmetic (``bf16(acc * w)`` into the MMAs, rstd in the epilogue, K split
+    in 4) against ``up_proj_shared_add_ref`` (``bf16(acc * rstd * w)``): the same function within
+    BF16 rounding (BackMma's post-norm bound), tokens of very different scales."""
+    g = torch.Generator().manual_seed(0)
+    T, L, H, eps = 16, 3584, 512, 1e-5
+    acc = torch.randn(T, L, generator=g) * torch.logspace(-2, 2, T).unsqueeze(1)
+    w = (1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16)
+    up = (torch.randn(H, L, generator=g) / L**0.5).to(torch.bfloat16)
+    sh = torch.randn(T, H, generator=g)
+    ref = up_proj_shared_add_ref(acc, w, up, sh, eps)
+    for splits in (1, 4):
+        out = bt.back_tile_ref(acc, w, up, sh, eps, splits=splits)
+        assert rel_l2(out, ref) < 4e-3
+        for t in range(T):  # every token alone (its own rstd)
+            assert rel_l2(out[t], ref[t]) < 6e-3, t
+
+
+def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).view(torch.uint8)
+
+
+@pytest.mark.parametrize("T,threads", [(64, 128), (32, 128), (13, 128), (8, 256), (64, 64)])
+def test_shared_memory_index_math(T, threads):
+    """Emulates one chunk of one CTA byte by byte with the kernel's formulas: the ``cp.async``
+    placement (``load_acc``), each thread converting its own units in place (``convert``, in
+    thread order: a write into a unit another thread still has to read would show), then every
+    lane's B fragment (``compute_b``) equals columns ``32h + 8c .. + 7`` of ``bf16(acc * w)``,
+    the columns its A fragment (the weights, ``tile_gemm``'s permutation) multiplies."""
+    g = torch.Generator().manual_seed(T)
+    MP = (T + 7) // 8 * 8
+    U16 = bt.UNITS
+    acc = torch.randn(MP, 64, generator=g)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    want = (acc * w.float()).to(torch.bfloat16)
+    sm = torch.full((MP, 256), 0xFF, dtype=torch.uint8)  # one stage, 256 bytes per token row
+    units = MP * U16
+    slots = -(-units // threads)
+    for tid in range(threads):  # load_acc
+        for q in range(slots):
+            idx = tid + q * threads
+            r, u = idx // U16, tid % U16
+            assert u == idx % U16
+            if idx < units and r < T:
+                pu = u ^ (r % 2)
+                sm[r, 16 * pu : 16 * pu + 16] = acc[r, 4 * u : 4 * u + 4].view(torch.uint8)
+    for tid in range(threads):  # convert
+        u = tid % U16
+        for q in range(slots):
+            idx = tid + q * threads
+            r = idx // U16
+            if idx < units and r < T:
+                pu = u ^ (r % 2)
+                xf = sm[r, 16 * pu : 16 * pu + 16].view(torch.float32)
+                assert torch.equal(xf, acc[r, 4 * u : 4 * u + 4]), (tid, q)
+                xb = _bf16_bytes(xf * w[4 * u : 4 * u + 4].float())
+                o = 8 * (2 * pu + (r // 2) % 2)
+                sm[r, o : o + 8] = xb
+    for lane in range(32):  # compute_b
+        g_, c = lane // 4, lane % 4
+        for h in range(2):
+            U = 4 * h + c
+            for j in range(MP // 8):
+                r = 8 * j + g_
+                if r >= T:
+                    continue
+                parts = []
+                for uu in (2 * U, 2 * U + 1):
+                    o = 8 * (2 * (uu ^ (g_ % 2)) + (g_ // 2) % 2)
+                    parts.append(sm[r, o : o + 8].view(torch.bfloat16))
+                got = torch.cat(parts)
+                assert torch.equal(got, want[r, 32 * h + 8 * c : 32 * h + 8 * c + 8]), (lane, h, j)
+
+
+def test_b_reads_are_bank_conflict_free():
+    """The 16 lanes of a half warp read 8 bytes each from 16 distinct 8-byte bank slots (row
+    stride 256 bytes: the slot is the byte offset within the row, mod 128, / 8)."""
+    for h in range(2):
+        for k in range(2):  # the two loads (FP32 units 2U and 2U + 1)
+            for half in range(2):
+                slots = set()
+                for lane in range(16 * half, 16 * half + 16):
+                    g_, c = lane // 4, lane % 4
+                    uu = 2 * (4 * h + c) + k
+                    o = 8 * (2 * (uu ^ (g_ % 2)) + (g_ // 2) % 2)
+                    slots.add((o % 128) // 8)
+                assert len(slots) == 16, (h, k, half)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8, 13, 32, 64])
+def test_back_tile_gpu(T):
+    """H200 (``pytest -m gpu``): the kernel vs ``up_proj_shared_add_ref`` and vs its own
+    arithmetic (``back_tile_ref``), output poisoned with NaN, three launches in a row (the
+    counters reset themselves), then a CUDA graph replayed twice; tokens of different scales."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = "cuda"
+    cfg, L, H = _dims("kimi-k3", 8)
+    g = torch.Generator(device=dev).manual_seed(T)
+    scale = torch.logspace(-1, 1, T, device=dev).unsqueeze(1)
+    acc = torch.randn(T, L, device=dev, generator=g) * scale
+    nw = (1 + 0.1 * torch.randn(L, device=dev, generator=g)).to(torch.bfloat16)
+    up = (torch.randn(H, L, device=dev, generator=g) / L**0.5).to(torch.bfloat16)
+    sh = torch.randn(T, H, device=dev, generator=g)
+    ref = up_proj_shared_add_ref(acc, nw, up, sh, cfg.eps)
+    own = bt.back_tile_ref(
+        acc, nw, up, sh, cfg.eps, splits=bt.plan_for(T, L, H, cfg.eps).tile.splits
+    )
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        bt.back_tile(acc, nw, up, sh, out, cfg.eps)
+        torch.cuda.synchronize()
+        assert rel_l2(out, ref) < 1e-2
+        assert rel_l2(out, own) < 2e-3
+    out_g = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bt.back_tile(acc, nw, up, sh, out_g, cfg.eps)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert rel_l2(out_g, out) < 1e-6
