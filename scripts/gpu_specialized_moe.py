@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,6 +59,7 @@ from decodescope.kernels.weights import make_layer_weights, make_state
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 RESULTS: list[dict] = []
+JSONL: list[Path] = []  # results.jsonl under --out: every record appended as it is made
 START = time.time()
 USER_FRONT = os.environ.get("DECODESCOPE_MOE_FRONT")  # the caller's choice, kept per point
 FRONTS = ["simt", "mma"]  # front kernels checked and timed (mma dropped where its probe failed;
@@ -77,6 +79,9 @@ USER_BACK = os.environ.get("DECODESCOPE_MOE_BACK")
 
 def record(**kw) -> dict:
     RESULTS.append(kw)
+    for path in JSONL:
+        with open(path, "a") as f:
+            f.write(json.dumps(kw, default=str) + "\n")
     status = kw.get("status", "")
     print(" ".join(f"{k}={v}" for k, v in kw.items() if k != "trace"), flush=True)
     if status == "error" and "trace" in kw:
@@ -241,6 +246,7 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     torch.cuda.synchronize()
     if gb is not None:
         _grouped_route_check(blk, gb, E, ctx)
+        guarded("grouped_h", ctx, lambda: _grouped_h_check(cfg, w, blk, y, ctx))
         if mg.route_mode() == "thresh":
             guarded("route_thresh_identical", ctx,
                     lambda: _route_thresh_identical(blk, y, E, ctx))  # fmt: skip
@@ -293,6 +299,26 @@ def _experts_ref(cfg, w, blk, y):
         y[:, E : E + L], y[:, E + L :], blk.topk_ids, blk.topk_weights, w["w13"], w["w2"],
         w["shared_w2"], cfg.model.situ_beta, cfg.model.situ_linear_beta,
     )  # fmt: skip
+
+
+def _grouped_h_check(cfg, w, blk, y, ctx: dict) -> None:
+    """The w13 kernel's output alone: ``h [T*k, Ie]`` (poisoned with NaN before the experts ran)
+    against ``bf16(SiTU(w13[e] @ bf16(z_t)))`` per pair, on the kernel's own ids; with
+    ``DECODESCOPE_MOE_GROUPED_W13=tile`` also named ``grouped_h_w13tile``."""
+    E, L, Ie = cfg.moe.num_experts, cfg.expert_dim, cfg.expert_inter
+    from decodescope.kernels.reference import situ_ref
+
+    k = blk.top_k
+    zb = y[:, E : E + L].to(BF16).float()
+    ids = blk.topk_ids.long().reshape(-1)
+    ref = torch.empty(ids.numel(), Ie, dtype=torch.float32, device=DEV)
+    for e in torch.unique(ids).tolist():
+        p = torch.nonzero(ids == e).flatten()
+        gu = zb[p // k] @ w["w13"][e].float().T
+        ref[p] = situ_ref(gu[:, :Ie], gu[:, Ie:], cfg.model.situ_beta,
+                          cfg.model.situ_linear_beta).to(BF16).float()  # fmt: skip
+    name = "grouped_h_w13tile" if mg.w13_mode() == "tile" else "grouped_h"
+    check(name, ctx, rel_l2(blk.h.float(), ref), 5e-3)
 
 
 def _grouped_route_check(blk, gb, E: int, ctx: dict) -> None:
@@ -523,6 +549,10 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
         record(time=name, **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                n_experts=n_exp, status="time")  # fmt: skip
+    guarded("time_triton_w13", ctx,
+            lambda: _time_triton_w13(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp))  # fmt: skip
+    guarded("time_triton_w2", ctx,
+            lambda: _time_triton_w2(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp))  # fmt: skip
     if "tile" in FRONTS:  # the route kernel as the tile front has it: zeroing acc too
         fns = [under(lambda b=b: mg.run_block_parts(b, (0,)), DECODESCOPE_MOE_FRONT="tile")
                for b in blks]  # fmt: skip
@@ -533,6 +563,70 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
             record(time="grouped_route_zero_acc", **ctx, kernels=1, us=f"{med:.1f}",
                    us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
                    eff=f"{med / floor:.2f}", n_experts=n_exp, status="time")  # fmt: skip
+
+
+def _time_triton_w13(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp) -> None:
+    """The standard path's Triton fused-MoE w13 (``triton_kernels.fused_moe``, vLLM's block
+    sizes) alone on the same routing and weights as ``grouped_w13`` (each block's ``topk_ids``
+    after the forwards above; z = bf16 of the same front output), CUDA-graph median: the rate
+    to match. Its inputs (align lists, BF16 z) are prepared outside the timed graph."""
+    from decodescope.kernels.standard import ops as sops
+    from decodescope.kernels.standard import triton_kernels as tk
+    from decodescope.kernels.standard.layers import BLOCK_M
+
+    e = cfg.moe
+    E, k, L, Ie = e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter
+    numel = N * k
+    max_padded = -(-(numel + E * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    m_blocks = min(max_padded // BLOCK_M, numel)
+    fns = []
+    for b in blks:
+        sid = torch.empty(max_padded, dtype=torch.int32, device=DEV)
+        eid = torch.empty(max_padded // BLOCK_M, dtype=torch.int32, device=DEV)
+        ntp = torch.empty(1, dtype=torch.int32, device=DEV)
+        sops.moe_align_torch(b.topk_ids, E, BLOCK_M, sid, eid, ntp)
+        z = b.y_front[:, E : E + L].to(BF16).contiguous()
+        c = torch.empty(numel, 2 * Ie, dtype=BF16, device=DEV)
+        tw = b.topk_weights
+        fns.append(lambda b=b, z=z, c=c, sid=sid, eid=eid, ntp=ntp, tw=tw: tk.fused_moe(
+            z, b.w13, c, tw, sid, eid, ntp, numel, k, False, m_blocks))  # fmt: skip
+    med, lo, hi = graph_time_us(fns, replays)
+    floor = floors["grouped_w13"] / (bw_tbs * 1e6)
+    record(time="triton_w13", **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+           us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+           n_experts=n_exp, status="time")  # fmt: skip
+
+
+def _time_triton_w2(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp) -> None:
+    """The standard path's Triton fused-MoE w2 (``triton_kernels.fused_moe``, vLLM's block
+    sizes, routing weights multiplied in, BF16 ``[T*k, L]`` out; the top-k sum is a separate
+    launch not timed here) alone on the same routing, weights and ``h`` (by pair, as the
+    standard path's activations) as ``grouped_w2``, CUDA-graph median. Its floor is
+    ``grouped_w2``'s less the shared expert's weights (it does not run the shared down)."""
+    from decodescope.kernels.standard import ops as sops
+    from decodescope.kernels.standard import triton_kernels as tk
+    from decodescope.kernels.standard.layers import BLOCK_M
+
+    e = cfg.moe
+    E, k, L = e.num_experts, e.top_k, cfg.expert_dim
+    numel = N * k
+    max_padded = -(-(numel + E * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    m_blocks = min(max_padded // BLOCK_M, numel)
+    fns = []
+    for b in blks:
+        sid = torch.empty(max_padded, dtype=torch.int32, device=DEV)
+        eid = torch.empty(max_padded // BLOCK_M, dtype=torch.int32, device=DEV)
+        ntp = torch.empty(1, dtype=torch.int32, device=DEV)
+        sops.moe_align_torch(b.topk_ids, E, BLOCK_M, sid, eid, ntp)
+        c = torch.empty(numel, L, dtype=BF16, device=DEV)
+        tw = b.topk_weights.reshape(-1)
+        fns.append(lambda b=b, c=c, sid=sid, eid=eid, ntp=ntp, tw=tw: tk.fused_moe(
+            b.h, b.w2, c, tw, sid, eid, ntp, numel, 1, True, m_blocks))  # fmt: skip
+    med, lo, hi = graph_time_us(fns, replays)
+    floor = (floors["grouped_w2"] - cfg.shared_inter * cfg.hidden * 2) / (bw_tbs * 1e6)
+    record(time="triton_w2", **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+           us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+           n_experts=n_exp, status="time")  # fmt: skip
 
 
 def table_md() -> str:
@@ -789,7 +883,43 @@ def variant_env(var: str) -> dict:
                 "DECODESCOPE_MOE_W2_STAGES": var.removeprefix("grouped_w2s")}  # fmt: skip
     if var == "grouped":
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "one"}
+    m = W2TILE_RE.fullmatch(var)
+    if m:  # the defaults (thresh route, w13 ring), w2 on grouped_w2_tile with its knobs
+        env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
+               "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "tile"}  # fmt: skip
+        for knob, v in zip(("WARPS", "RT", "BK", "STAGES", "MT"), m.groups(), strict=True):
+            env[f"DECODESCOPE_MOE_W2T_{knob}"] = v or ""  # "": the module default
+        return env
+    m = W13TILE_RE.fullmatch(var)
+    if m:  # the defaults (thresh route, w2 ring), w13 on grouped_w13_tile with its knobs
+        env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
+               "DECODESCOPE_MOE_GROUPED_W13": "tile", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
+        for knob, v in zip(("ROWS", "BK", "STAGES", "RT"), m.groups(), strict=True):
+            env[f"DECODESCOPE_MOE_W13T_{knob}"] = v or ""  # "": the module default
+        return env
     return {"DECODESCOPE_MOE_EXPERTS": var}
+
+
+# grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>]: GroupedW13Tile and its tiling knobs
+# (kernels/specialized/grouped_w13_tile.py), e.g. grouped_w13tile_k128_s3
+W13TILE_RE = re.compile(r"grouped_w13tile(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_t(\d+))?")
+# grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>]: GroupedW2Tile and its knobs
+# (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2 (128 rows per item)
+W2TILE_RE = re.compile(
+    r"grouped_w2tile(?:_w(\d+))?(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_m(\d+))?"
+)
+VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring",
+            "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
+
+
+def variant_name(v: str) -> str:
+    """argparse type of ``--variants``: a fixed name or a ``grouped_w13tile...`` pattern."""
+    if v in VARIANTS or W13TILE_RE.fullmatch(v) or W2TILE_RE.fullmatch(v):
+        return v
+    raise argparse.ArgumentTypeError(
+        f"unknown variant {v!r}: one of {VARIANTS} or grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>]"
+        " or grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>]"
+    )
 
 
 def probe_grouped_child(a) -> int:
@@ -852,20 +982,10 @@ def main() -> int:
         "--variants",
         nargs="+",
         default=["old", "pipe"],
-        choices=[
-            "pipe",
-            "old",
-            "grouped",
-            "grouped_split",
-            "grouped_w8",
-            "grouped_ring",
-            "grouped_thresh",
-            "grouped_w2s2",
-            "grouped_w2s4",
-            "grouped_w2s3",
-            "grouped_w2s6",
-        ],
-        help="expert kernels to check and time (DECODESCOPE_MOE_EXPERTS)",
+        type=variant_name,
+        help=f"expert kernels to check and time (DECODESCOPE_MOE_EXPERTS): {VARIANTS} or "
+        "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>] or "
+        "grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>]",
     )
     ap.add_argument(
         "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"
@@ -879,6 +999,8 @@ def main() -> int:
         return probe_grouped_child(a)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    JSONL[:] = [out / "results.jsonl"]
+    JSONL[0].write_text("")
     t0 = time.time()
     bw = guarded("copy_bandwidth", {}, lambda: copy_bandwidth_tbs()) or 4.22
     record(check="copy_bandwidth", tbs=f"{bw:.2f}", status="info")

@@ -62,7 +62,13 @@ W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
 # worst-case grid (21.5 k CTAs at T = 64) is not launched in full
 CTAS_PER_SM = 64
 W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
+# DECODESCOPE_MOE_GROUPED_W13=tile: grouped_w13_tile.GroupedW13Tile instead (CTA-shared cp.async
+# pipeline, warps splitting rows; opt-in until the H200 A/B, notes/specialized_moe.md session 9)
+W13_TILE = "tile"
 W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
+# DECODESCOPE_MOE_GROUPED_W2=tile: grouped_w2_tile.GroupedW2Tile instead (CTA-shared cp.async
+# tile pipeline, warps splitting rows; opt-in until the H200 A/B, notes/specialized_moe.md s9)
+W2_TILE = "tile"
 RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
 # w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
 # 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
@@ -663,7 +669,11 @@ def _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split=False, topk="ro
     return op, args
 
 
-def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
+def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132, tile=None):
+    if mode == W13_TILE:  # same arguments; ``tile``: its TileConfig (None: the env's)
+        from decodescope.kernels.specialized import grouped_w13_tile as gwt
+
+        return gwt.build(T, E, K, L, Ie, S, beta, lbeta, pdl, nsm, tile or gwt.tile_config())
     op = GroupedW13(T, E, K, L, Ie, beta, lbeta, pdl, mode, nsm)
     i32 = torch.int32
     sl = op.slots
@@ -681,7 +691,12 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132):
     return op, args
 
 
-def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_STAGES):
+def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_STAGES,
+              tile=None):  # fmt: skip
+    if mode == W2_TILE:  # same arguments; ``tile``: its TileKnobs (None: the env's)
+        from decodescope.kernels.specialized import grouped_w2_tile as gw2
+
+        return gw2.build(T, E, K, L, Ie, H, S, pdl, nsm, tile or gw2.knobs())
     op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode, stages)
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
     sl = op.slots
@@ -705,23 +720,29 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_ST
 
 def w13_mode() -> str:
     """``DECODESCOPE_MOE_GROUPED_W13``: ``ring`` (default), ``w4`` or ``w8`` (:class:`GroupedW13`'s
-    tilings). H200 TP8, w13 alone (notes/gpu-logs/s7/r5): w4 -> ring (weights through the
-    cp.async ring, z in registers) 844.6 -> 639.8 us at 64 tokens (floor 604), ~212 -> 165.9 at
-    8 (floor 148). Read at each call, part of the compile key."""
+    tilings), or ``tile`` (:class:`grouped_w13_tile.GroupedW13Tile`, opt-in). H200 TP8, w13
+    alone (notes/gpu-logs/s7/r5): w4 -> ring (weights through the cp.async ring, z in
+    registers) 844.6 -> 639.8 us at 64 tokens (floor 604), ~212 -> 165.9 at 8 (floor 148). Read
+    at each call, part of the compile key."""
     v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "ring")
-    if v not in W13_MODES:
-        raise ValueError(f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {W13_MODES}")
+    if v not in (*W13_MODES, W13_TILE):
+        raise ValueError(
+            f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {(*W13_MODES, W13_TILE)}"
+        )
     return v
 
 
 def w2_mode() -> str:
     """``DECODESCOPE_MOE_GROUPED_W2``: ``ring`` (default) or ``regs`` (:class:`GroupedW2`'s
-    weight loads). H200 TP8, w2 alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 -> 102.1 us at
-    8 tokens, 491.8 -> 365.8 at 64 (floor ~301); 25.3 -> 28.8 at 1 token, where the grouped
-    kernels are not the default. Read at each call, part of the compile key."""
+    weight loads), or ``tile`` (:class:`grouped_w2_tile.GroupedW2Tile`, opt-in). H200 TP8, w2
+    alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 -> 102.1 us at 8 tokens, 491.8 -> 365.8 at
+    64 (floor ~301); 25.3 -> 28.8 at 1 token, where the grouped kernels are not the default.
+    Read at each call, part of the compile key."""
     v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "ring")
-    if v not in W2_MODES:
-        raise ValueError(f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {W2_MODES}")
+    if v not in (*W2_MODES, W2_TILE):
+        raise ValueError(
+            f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {(*W2_MODES, W2_TILE)}"
+        )
     return v
 
 
@@ -829,13 +850,23 @@ def moe_grouped(
         ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk, zero_acc),
         lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk, zero_acc),
     )
+    tile = None
+    if mode == W13_TILE:  # its tiling knobs (DECODESCOPE_MOE_W13T_*) are part of the key
+        from decodescope.kernels.specialized import grouped_w13_tile as gwt
+
+        tile = gwt.tile_config()
     w13k = itf.compiled(
-        ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm),
-        lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm),
+        ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm, tile),
+        lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm, tile),
     )
+    tile2 = None
+    if m2 == W2_TILE:  # its knobs (DECODESCOPE_MOE_W2T_*) are part of the key
+        from decodescope.kernels.specialized import grouped_w2_tile as gw2
+
+        tile2 = gw2.knobs()
     w2k = itf.compiled(
-        ("moe_grouped_w2", *dims, pdl, nsm, m2, s2),
-        lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2, s2),
+        ("moe_grouped_w2", *dims, pdl, nsm, m2, s2, tile2),
+        lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2, s2, tile2),
     )
     b = bufs
     ids, tw = topk_ids.view(-1), topk_w.view(-1)
