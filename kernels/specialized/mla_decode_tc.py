@@ -34,13 +34,30 @@ query rows (row ``r`` = head ``r // T``, token ``r % T``) and one range of key p
 Head groups and splits are chosen per (batch, tokens) so that the grid covers the SMs while
 the per-CTA ``w_uk`` / ``w_uv`` reads (``hg`` x 128 KB each from L2) stay spread: one head per
 CTA at batch 1 (as the old kernel), all heads of a sequence from 48 (sequence, group) pairs on.
-``heads_per_cta`` overrides (``DECODESCOPE_MLA_HEADS_PER_CTA``).
+``heads_per_cta`` overrides (``DECODESCOPE_MLA_HEADS_PER_CTA``), ``splits`` too
+(``DECODESCOPE_MLA_TC_SPLITS``).
+
+ldmatrix variant (``DECODESCOPE_MLA_TC_LDSM=1``; off by default until the H200 has timed it):
+step 3's fragments come from ``ldmatrix`` instead of 8- and 2-byte shared loads, in the natural
+K order (the permutation above is not needed: A and B agree either way). Per 64-key block and
+warp: Q K^T takes the keys by ``x4`` (two k-steps each) and Q by ``x4``, or by ``x2`` when the
+CTA has at most 8 rows (rows 8-15 are the zero padding and stay out of the loads), with even and
+odd k-steps in two accumulators (two MMA chains of 18 instead of one of 36); P V takes P by
+``x4`` / ``x2`` and V by ``x4.trans`` (two n-tiles each); P is stored 4 bytes at a time. ptxas
+(sm_90a, TP8 64x1): 74 ``LDSM`` where the default has 108 ``LDS.64`` + 128 ``LDS.U16`` + 32
+more; 186 registers (184). Same MMAs, same rounding points (P and q_lat in BF16, FP32
+accumulation; only the order of the FP32 sums inside an MMA chain differs).
+
+``DECODESCOPE_MLA_TC_DIAG=1`` is a timing diagnostic with wrong results: no ``w_uk`` / ``w_uv``
+reads (q_lat and the output are zeros), to split the kernel's time between the per-CTA
+absorption / W_UV (L2 bytes) and the key loop.
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
 # (the DSL re-reads the source to preprocess a kernel: never edit a kernel file while a
 # process that imported it still compiles, its line numbers no longer match)
 import math
+import os
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
@@ -75,6 +92,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def env_int(name: str, default: int = 0) -> int:
+    """An integer knob from the environment (unset or empty: ``default``); one-line error."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}: an integer, got {v!r}") from None
+
+
+def ldsm_enabled() -> bool:
+    """``DECODESCOPE_MLA_TC_LDSM`` = 1: the MMA fragments from ``ldmatrix`` (``.trans`` for V)
+    instead of 2- and 8-byte shared loads (module docstring, "ldmatrix variant"); 0 or unset:
+    the loads as before. Part of the plan (compile key), read when a plan is made."""
+    v = env_int("DECODESCOPE_MLA_TC_LDSM", 0)
+    if v not in (0, 1):
+        raise ValueError(f"DECODESCOPE_MLA_TC_LDSM: 0 or 1, got {v}")
+    return bool(v)
+
+
 @dataclass(frozen=True)
 class MLATCPlan:
     batch: int
@@ -90,6 +128,9 @@ class MLATCPlan:
     pdl: bool = field(default_factory=pdl_enabled)
     heads_per_cta: int = 0  # 0: by batch (see the module docstring)
     splits_force: int = 0
+    ldsm: bool = field(default_factory=ldsm_enabled)
+    # timing diagnostic, wrong results: 1 = no w_uk / w_uv reads (``DECODESCOPE_MLA_TC_DIAG``)
+    diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_DIAG", 0))
 
     def __post_init__(self) -> None:
         if self.tokens > ROWS:
@@ -365,7 +406,9 @@ class MLADecodeTC:
             # scores of keys 8w .. 8w + 7
             sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
             sacc.fill(0.0)
-            for kc in cutlass.range_constexpr(L // 16):
+            if cutlass.const_expr(p.ldsm):
+                self.scores_ldsm(atom, sacc, fa, fb, sQ, sK, buf, warp, lane)
+            for kc in cutlass.range_constexpr(0 if p.ldsm else L // 16):
                 alo = cute.make_rmem_tensor((4,), BFloat16)
                 ahi = cute.make_rmem_tensor((4,), BFloat16)
                 bk = cute.make_rmem_tensor((4,), BFloat16)
@@ -429,13 +472,25 @@ class MLADecodeTC:
                 oacc[nt][2] = oacc[nt][2] * corr1
                 oacc[nt][3] = oacc[nt][3] * corr1
             kl = warp * 8 + 2 * c
-            sP[r0, kl] = pv[0].to(BFloat16)
-            sP[r0, kl + 1] = pv[1].to(BFloat16)
-            sP[r1, kl] = pv[2].to(BFloat16)
-            sP[r1, kl + 1] = pv[3].to(BFloat16)
+            if cutlass.const_expr(p.ldsm):  # one 4-byte store per row
+                pp = cute.make_rmem_tensor((2,), BFloat16)
+                pp[0] = pv[0].to(BFloat16)
+                pp[1] = pv[1].to(BFloat16)
+                cute.autovec_copy(pp, cute.local_tile(sP[r0, None], (2,), (kl // 2,)))
+                if cutlass.const_expr(R > 8):
+                    pp[0] = pv[2].to(BFloat16)
+                    pp[1] = pv[3].to(BFloat16)
+                    cute.autovec_copy(pp, cute.local_tile(sP[r1, None], (2,), (kl // 2,)))
+            else:
+                sP[r0, kl] = pv[0].to(BFloat16)
+                sP[r0, kl + 1] = pv[1].to(BFloat16)
+                sP[r1, kl] = pv[2].to(BFloat16)
+                sP[r1, kl + 1] = pv[3].to(BFloat16)
             cute.arch.sync_threads()
             # O += P V, output columns 64w .. 64w + 63
-            for kk in cutlass.range_constexpr(KBLK // 16):
+            if cutlass.const_expr(p.ldsm):
+                self.pv_ldsm(atom, oacc, fa, fb, sP, sK, buf, warp, lane)
+            for kk in cutlass.range_constexpr(0 if p.ldsm else KBLK // 16):
                 k0 = kk * 16 + 2 * c
                 fa[0] = sP[r0, k0]
                 fa[1] = sP[r0, k0 + 1]
@@ -512,6 +567,101 @@ class MLADecodeTC:
                     mCnt[b, gi] = Int32(0)
 
     @cute.jit
+    def scores_ldsm(self, atom, sacc, fa, fb, sQ, sK, buf, warp, lane):
+        """``sacc += Q K^T`` for keys ``8w .. 8w + 7`` of buffer ``buf``, fragments by
+        ``ldmatrix``: K (B operand) two k-steps per ``x4`` (stored [key][latent] = the B
+        operand's column-major form), Q (A operand) one ``x4`` per k-step, or an ``x2`` of rows
+        0-7 when the CTA has at most 8 rows (rows 8-15 are the zero padding). Even and odd
+        k-steps accumulate apart (two MMA chains of 18 instead of one of 36), summed at the end."""
+        p = self.p
+        LP, R = p.lp, p.rows
+        mi = lane // 8
+        ri = lane % 8
+        ks = p.lat // 16
+        sacc2 = cute.make_rmem_tensor((4, 1, 1), Float32)
+        sacc2.fill(0.0)
+        fa32 = cute.recast_tensor(fa, Int32)
+        fb32 = cute.recast_tensor(fb, Int32)
+        # lane addresses: K rows 8w + ri, latent column (k-step of the pair mi // 2) + (mi % 2) * 8
+        k_base = sK.iterator + (buf * KBLK + warp * 8 + ri) * LP + (mi // 2) * 16 + (mi % 2) * 8
+        if cutlass.const_expr(R <= 8):  # x2: lanes 0-15, matrices (rows 0-7, k +0 / +8)
+            q_base = sQ.iterator + ri * LP + (mi % 2) * 8
+        else:  # x4: matrices (rows 0-7 | 8-15) x (k +0 | +8)
+            q_base = sQ.iterator + ((mi % 2) * 8 + ri) * LP + (mi // 2) * 8
+        for kc2 in cutlass.range_constexpr((ks + 1) // 2):
+            if cutlass.const_expr(2 * kc2 + 1 < ks):
+                kb = ldsm_x4(k_base + kc2 * 32, False)
+            else:  # an odd last k-step: matrices 0 and 1 only (lanes 0-15's addresses)
+                b0, b1 = ldsm_x2(k_base + kc2 * 32, False)
+                kb = (b0, b1, b0, b1)
+            for h in cutlass.range_constexpr(2):
+                kc = 2 * kc2 + h
+                if cutlass.const_expr(kc < ks):
+                    if cutlass.const_expr(R <= 8):
+                        a0, a2 = ldsm_x2(q_base + kc * 16, False)
+                        fa32[0] = a0
+                        fa32[1] = Int32(0)
+                        fa32[2] = a2
+                        fa32[3] = Int32(0)
+                    else:
+                        aa = ldsm_x4(q_base + kc * 16, False)
+                        for e in cutlass.range_constexpr(4):
+                            fa32[e] = aa[e]
+                    fb32[0] = kb[2 * h]
+                    fb32[1] = kb[2 * h + 1]
+                    acc = sacc if h == 0 else sacc2
+                    cute.gemm(atom, acc, fa, fb, acc)
+        for e in cutlass.range_constexpr(4):
+            sacc[e] = sacc[e] + sacc2[e]
+
+    @cute.jit
+    def pv_ldsm(self, atom, oacc, fa, fb, sP, sK, buf, warp, lane):
+        """``O += P V`` for output columns ``64w .. 64w + 63`` (n-tiles of 8), fragments by
+        ``ldmatrix``: P (A operand) one ``x4`` (``x2`` at most 8 rows) per 16 keys, V (B
+        operand, stored [key][latent]: the transpose of the column-major B) by ``x4.trans``,
+        two n-tiles per instruction."""
+        p = self.p
+        LP, R = p.lp, p.rows
+        NTL = p.kv_lora // 8 // WARPS
+        PW = KBLK + PPAD
+        mi = lane // 8
+        ri = lane % 8
+        fa32 = cute.recast_tensor(fa, Int32)
+        fb32 = cute.recast_tensor(fb, Int32)
+        if cutlass.const_expr(R <= 8):
+            p_base = sP.iterator + ri * PW + (mi % 2) * 8
+        else:
+            p_base = sP.iterator + ((mi % 2) * 8 + ri) * PW + (mi // 2) * 8
+        # V: matrices (keys +0 | +8) x (n-tile j | j + 1)
+        v_base = (
+            sK.iterator + (buf * KBLK + (mi % 2) * 8 + ri) * LP + warp * NTL * 8 + (mi // 2) * 8
+        )
+        for kk in cutlass.range_constexpr(KBLK // 16):
+            if cutlass.const_expr(R <= 8):
+                a0, a2 = ldsm_x2(p_base + kk * 16, False)
+                fa32[0] = a0
+                fa32[1] = Int32(0)
+                fa32[2] = a2
+                fa32[3] = Int32(0)
+            else:
+                aa = ldsm_x4(p_base + kk * 16, False)
+                for e in cutlass.range_constexpr(4):
+                    fa32[e] = aa[e]
+            for j2 in cutlass.range_constexpr((NTL + 1) // 2):
+                vptr = v_base + kk * 16 * LP + j2 * 16
+                if cutlass.const_expr(2 * j2 + 1 < NTL):
+                    vb = ldsm_x4(vptr, True)
+                else:
+                    b0, b1 = ldsm_x2(vptr, True)
+                    vb = (b0, b1, b0, b1)
+                for h in cutlass.range_constexpr(2):
+                    nt = 2 * j2 + h
+                    if cutlass.const_expr(nt < NTL):
+                        fb32[0] = vb[2 * h]
+                        fb32[1] = vb[2 * h + 1]
+                        cute.gemm(atom, oacc[nt], fa, fb, oacc[nt])
+
+    @cute.jit
     def issue_block(self, mCache, sK, b, kb, buf, tidx):
         """cp.async of the cached positions (< ctx) of block ``kb .. kb + 63`` into ``buf``."""
         p = self.p
@@ -556,7 +706,7 @@ class MLADecodeTC:
         T, KVL = p.tokens, p.kv_lora
         ncg = KVL // 8
         DS = p.ds
-        per = p.nope // DS
+        per = 0 if p.diag else p.nope // DS  # diag: no w_uk reads (q_lat = 0)
         units = p.hg * DS * ncg
         for i in cutlass.range_constexpr((units + NT - 1) // NT):
             u = tidx + i * NT
@@ -626,7 +776,7 @@ class MLADecodeTC:
         T, KVL, V, R = p.tokens, p.kv_lora, p.v_dim, p.rows
         nvg = V // 8
         CS = p.cs
-        per = KVL // CS
+        per = 0 if p.diag else KVL // CS  # diag: no w_uv reads (out = 0)
         units = p.hg * CS * nvg
         sScr = cute.make_tensor(
             cute.recast_ptr(sK.iterator, dtype=Float32) + ROWS * KVL,
@@ -665,6 +815,29 @@ class MLADecodeTC:
                 mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
 
 
+def ldsm_x4(ptr, trans: bool):
+    """``ldmatrix .x4`` (``.trans``): four 8x8 BF16 matrices, row addresses from lanes 0-7,
+    8-15, 16-23, 24-31; lane (g, c) gets elements (g, 2c..2c+1) of each (transposed: (2c..2c+1,
+    g)) as one 32-bit register per matrix."""
+    t = ".trans" if trans else ""
+    return cute.arch.inline_ptx(
+        f"ldmatrix.sync.aligned.m8n8.x4{t}.shared.b16 {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, "
+        "[{$r0}];",
+        write_only_types=[Int32, Int32, Int32, Int32],
+        read_only_args=[ptr],
+    )
+
+
+def ldsm_x2(ptr, trans: bool):
+    """``ldmatrix .x2``: two matrices, row addresses from lanes 0-15."""
+    t = ".trans" if trans else ""
+    return cute.arch.inline_ptx(
+        f"ldmatrix.sync.aligned.m8n8.x2{t}.shared.b16 {{{{$w0}}, {{$w1}}}}, [{{$r0}}];",
+        write_only_types=[Int32, Int32],
+        read_only_args=[ptr],
+    )
+
+
 # -- torch-facing --------------------------------------------------------------------------
 
 
@@ -682,7 +855,7 @@ def plan_for(cfg, batch: int, tokens: int, heads_per_cta: int = 0, splits: int =
         ctx=cfg.context_len,
         eps=cfg.eps,
         heads_per_cta=heads_per_cta,
-        splits_force=splits,
+        splits_force=splits or env_int("DECODESCOPE_MLA_TC_SPLITS", 0),
     )
 
 

@@ -1,0 +1,126 @@
+"""The tensor-core MLA decode (:mod:`decodescope.kernels.specialized.mla_decode_tc`): its
+``ldmatrix`` variant and knobs.
+
+CPU: both fragment-load variants compile for sm_90a (no GPU) at the kimi-k3 TP8 / TP16 shapes
+at 8, 32 and 64 sequences (and draft tokens), and at the tiny preset (an odd number of k-steps
+and of n-tiles per warp: the ``x2`` tails); the environment knobs parse with one-line errors.
+GPU (``pytest -m gpu``, H200): each variant vs ``mla_decode_ref`` with the output and the new
+cache rows poisoned with NaN, then a CUDA graph replayed twice (the split counters reset).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+# the package's interface module first: it sets CUTE_DSL_ARCH (sm_90a) before cutlass loads
+pytest.importorskip("decodescope.kernels.specialized.interface")
+
+import dataclasses  # noqa: E402
+
+from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
+from decodescope.kernels.reference import rel_l2  # noqa: E402
+from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
+from decodescope.kernels.specialized import mla_decode_tc as mtc  # noqa: E402
+
+KNOBS = ("DECODESCOPE_MLA_TC_LDSM", "DECODESCOPE_MLA_TC_SPLITS", "DECODESCOPE_MLA_TC_DIAG")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for k in (*KNOBS, "DECODESCOPE_MLA_HEADS_PER_CTA"):
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("ldsm", [False, True])
+@pytest.mark.parametrize(
+    "tp,batch,tokens", [(8, 8, 1), (8, 32, 1), (8, 64, 1), (16, 8, 1), (16, 32, 1), (16, 64, 1)]
+)
+def test_compiles_k3(tp, batch, tokens, ldsm, monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "1" if ldsm else "0")
+    p = mtc.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    assert p.ldsm is ldsm
+    assert p.smem_bytes <= mtc.SMEM_MAX
+    assert mtc.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize(
+    "preset,tp,batch,tokens,hg",
+    [("kimi-k3", 8, 8, 8, 0), ("kimi-k3", 8, 1, 8, 0), ("kimi-k3", 8, 64, 1, 12),
+     ("tiny", 1, 2, 3, 0), ("tiny", 1, 8, 1, 4), ("tiny", 2, 8, 8, 0)],
+)  # fmt: skip
+def test_ldsm_compiles_rows_and_tails(preset, tp, batch, tokens, hg):
+    """Rows > 8 (``x4`` A loads: 8x8 at 2 heads, 64x1 at 12 heads), rows <= 8 (``x2``), and the
+    tiny preset's 5 k-steps (576 -> 80 latent) and 1 n-tile per warp (odd: ``x2`` tails)."""
+    p = mtc.plan_for(get_config(preset, tp), batch, tokens, heads_per_cta=hg)
+    p = dataclasses.replace(p, ldsm=True)
+    assert mtc.compile_plan(p) is not None
+
+
+def test_knobs(monkeypatch):
+    cfg = get_config("kimi-k3", 8)
+    assert not mtc.plan_for(cfg, 64, 1).ldsm  # default unchanged
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_SPLITS", "2")
+    p = mtc.plan_for(cfg, 64, 1)
+    assert p.ldsm and p.splits == 2
+    assert mtc.plan_for(cfg, 64, 1, splits=3).splits == 3  # an explicit argument wins
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_LDSM: an integer"):
+        mtc.plan_for(cfg, 64, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_LDSM: 0 or 1"):
+        mtc.plan_for(cfg, 64, 1)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+def _inputs(cfg, batch: int, tokens: int, seed: int):
+    from decodescope.kernels.weights import make_layer_weights, make_state
+
+    spec = LayerSpec(7, "mla", "moe")
+    w = make_layer_weights(cfg, spec, seed, "cuda")
+    st = make_state(cfg, spec, batch, tokens, seed=seed, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N = batch * tokens
+
+    def rnd(n):
+        return torch.randn(N, n, device="cuda", generator=g).to(torch.bfloat16)
+
+    return w, st["kv_cache"], rnd(cfg.mla_qkv_a_out), rnd(cfg.mla_q_b_out), rnd(cfg.mla_v_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ldsm", ["0", "1"])
+@pytest.mark.parametrize(
+    "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0), (8, 64, 1, 2),
+                               (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
+)  # fmt: skip
+def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", ldsm)
+    cfg = get_config("kimi-k3", tp)
+    w, cache0, a, q, g = _inputs(cfg, batch, tokens, 100 + batch + tokens)
+    ctx = cfg.context_len
+    ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, tokens)
+    out = torch.empty_like(ref)
+    cache = cache0.clone()
+    for _ in range(3):  # the split counters reset themselves between launches
+        out.fill_(float("nan"))
+        cache[:, ctx:].fill_(float("nan"))
+        mtc.mla_decode_tc(cfg, w, a, q, g, cache, out, tokens, splits=splits)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(out).all())
+        assert rel_l2(out, ref) < 2e-2
+        assert rel_l2(cache[:, ctx:], rcache[:, ctx:]) < 1e-2
+        assert torch.equal(cache[:, :ctx], cache0[:, :ctx])
+    out_g = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mtc.mla_decode_tc(cfg, w, a, q, g, cache, out_g, tokens, splits=splits)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert rel_l2(out_g, out) < 1e-6
