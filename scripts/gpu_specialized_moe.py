@@ -73,6 +73,8 @@ BACK_AB = [
     # the cp.async ring from 17 tokens too (ptxas: 112 registers at 32 tokens against 138; 255
     # with spills at 64)
     ("mma_ring", {"DECODESCOPE_MOE_BACK": "mma", "DECODESCOPE_MOE_MMA_LOAD": "ring"}),
+    # the back on the tile GEMM (back_tile; its own A/B script: scripts/gpu_back_tile.py)
+    ("tile", {"DECODESCOPE_MOE_BACK": "tile"}),
 ]
 USER_BACK = os.environ.get("DECODESCOPE_MOE_BACK")
 
