@@ -1,0 +1,395 @@
+"""GroupedW2 on a CTA-shared ``cp.async`` tile pipeline: ``DECODESCOPE_MOE_GROUPED_W2=tile``.
+
+Same contract as :class:`moe_grouped.GroupedW2` (inputs ``h`` by pair, ``hs``, ``w2``,
+``shared_w2``, the route lists; output ``acc[t, row] += weight(p) * (w2[e] @ h[p])`` by FP32
+atomics, the shared expert's down projection stored into ``shared_out``; PDL wait first), so the
+two are interchangeable in :func:`moe_grouped.moe_grouped` (issue #5).
+
+Why: at 32-64 tokens the register/ring GroupedW2 streams its weights at ~3.5 TB/s where vLLM's
+Triton ``fused_moe`` w2 reaches 4.27 TB/s (ncu, notes/specialized_moe.md, session 7). Ours
+streams through a private per-lane ring: per K chunk a row contributes 64 contiguous bytes (4
+lanes x 16 B) and every warp keeps its own 32 row streams going. Triton's tile shares each
+stage across the CTA: 64 weight rows x 128 K (256 contiguous bytes per row per stage), all
+threads issuing 16-byte ``cp.async``. This kernel takes that shape:
+
+- **Item** = (selected expert slot ``a``, block ``cb`` of ``R = warps x RT x 16`` rows of its
+  ``w2[e]`` [L, Ie]); a CTA walks items ``bid, bid + grid, ...`` (grid capped at
+  ``cap`` CTAs per SM, as the other grouped kernels). The item's rows ``cb*R .. cb*R + R - 1``
+  are one contiguous run of ``R x Ie x 2`` bytes (48 KB at TP8, R = 64).
+- **Pipeline** over the item's K = Ie in ``BK``-wide chunks through ``stages`` shared-memory
+  buffers of ``(R + MP) x BK`` BF16 (``MP = 8 x MT`` token rows of ``h``): every thread issues
+  16-byte ``cp.async.cg`` copies, consecutive threads on consecutive 16-byte units of one row
+  (``BK x 2`` contiguous bytes per row and chunk, all chunks of an item issued back to back
+  when ``stages > Ie / BK``, so HBM sees the whole contiguous block requested at once). The
+  ``h`` rows of the item's tokens (``MP`` per pass, gathered by pair) ride in the same stages.
+- **Warps split rows** (each warp ``RT`` 16-row MMA tiles over all of K; no cross-warp
+  reduction), ``mma.sync.m16n8k16`` from shared memory with :mod:`tile_gemm`'s K permutation
+  (one 16-byte ``ld.shared`` per weight row and per token row and 32 K columns) and swizzle
+  (16-byte unit ``u`` of an odd row stored at ``u ^ 4``: the two rows a quarter warp reads land
+  in opposite bank halves).
+- **Epilogue**: each lane's token slots' pairs and routing weights are loaded before the K
+  loop; ``red.global.add.f32`` per (row, pair) as in GroupedW2. Experts with more than ``MP``
+  tokens take several passes (the weights again, from L2).
+- **Shared expert**: the first ``CS`` CTAs (scheduled first, so that they overlap the routed
+  stream instead of trailing it) run GroupedW2's register-load shared-down code unchanged in
+  substance: 2 row tiles per warp, all tokens 8 per pass, plain FP32 stores.
+
+Knobs (module constants, env overrides read at each call and part of the compile key, so that
+one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT`` (row tiles per warp,
+1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
+chunks of an item in flight, at most 4), ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per
+SM of the routed grid, 64).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, const_expr
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import moe_grouped as mg
+
+WARPS = 4  # warps per CTA, each on its own rows
+RT = 1  # 16-row MMA tiles per warp: R = WARPS x RT x 16 = 64 rows per item (Triton's BLOCK_N)
+BK = 0  # K chunk (0: the largest of BK_CHOICES dividing Ie: 128 at TP8, 64 at TP16)
+BK_CHOICES = (128, 64, 32)
+STAGES = 0  # shared-memory stages (0: every chunk of an item in flight, capped at MAX_STAGES)
+MAX_STAGES = 4
+MT = 1  # 8-token MMA tiles per pass (tokens per expert at 64 tokens: mostly 1-3)
+CAP = mg.CTAS_PER_SM  # routed CTAs per SM in the grid (past it, CTAs loop over items)
+SHARED_RT = 2  # row tiles per warp of the shared-expert CTAs (GroupedW2's tiling)
+SMEM_MAX = 227 * 1024
+
+
+@dataclass(frozen=True)
+class TileKnobs:
+    """The compile-time choices of :class:`GroupedW2Tile` (0 = derived from the shapes)."""
+
+    warps: int = WARPS
+    rt: int = RT
+    bk: int = BK
+    stages: int = STAGES
+    mt: int = MT
+    cap: int = CAP
+
+
+_ENV = {  # knob -> (environment variable, allowed values)
+    "warps": ("DECODESCOPE_MOE_W2T_WARPS", (1, 2, 4, 8)),
+    "rt": ("DECODESCOPE_MOE_W2T_RT", (1, 2, 4)),
+    "bk": ("DECODESCOPE_MOE_W2T_BK", (0, 32, 64, 128, 192, 256, 384)),
+    "stages": ("DECODESCOPE_MOE_W2T_STAGES", tuple(range(0, 9))),
+    "mt": ("DECODESCOPE_MOE_W2T_MT", (1, 2, 4)),
+    "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 129))),
+}
+
+
+def knobs() -> TileKnobs:
+    """:class:`TileKnobs` from the environment (``DECODESCOPE_MOE_W2T_*``), read at each call;
+    a bad value raises a one-line ``ValueError`` naming the variable."""
+    vals = {}
+    for name, (var, allowed) in _ENV.items():
+        v = os.environ.get(var, "")
+        if v == "":
+            continue
+        if not v.isdigit() or int(v) not in allowed:
+            lo, hi = min(allowed), max(allowed)
+            want = f"{lo}..{hi}" if len(allowed) == hi - lo + 1 else f"one of {allowed}"
+            raise ValueError(f"{var}={v!r}: expected {want}")
+        vals[name] = int(v)
+    return TileKnobs(**vals)
+
+
+def piece(idx, U: int):
+    """``(row, unit)`` of the 16-byte copy ``idx`` of a chunk (``U`` units per row):
+    consecutive threads on consecutive units of one row. Works on ints and DSL integers."""
+    return idx // U, idx % U
+
+
+def swizzle(u, r, swz: int):
+    """Shared-memory unit of logical 16-byte unit ``u`` of row ``r``: odd rows ``u ^ swz``."""
+    return u ^ ((r % 2) * swz)
+
+
+def read_unit(j: int, c, g, swz: int):
+    """Shared-memory unit lane ``(g, c)`` reads for the 32-wide K slice ``j`` of a chunk (its
+    8 columns ``32 j + 8 c ..``; every row it reads has ``g``'s parity)."""
+    return swizzle(4 * j + c, g, swz)
+
+
+class GroupedW2Tile:
+    """Kernel 3 of the grouped path on a CTA-shared tile pipeline (module docstring)."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132,
+                 kn: TileKnobs | None = None):  # fmt: skip
+        kn = kn or TileKnobs()
+        for name, v in (("latent", L), ("hidden", H)):
+            if v % mg.ROWS:
+                raise ValueError(f"grouped_w2_tile: {name} {v} must be a multiple of {mg.ROWS}")
+        for name, v in (("expert_inter", Ie), ("shared_inter", S)):
+            if v % mg.KCH:
+                raise ValueError(f"grouped_w2_tile: {name} {v} must be a multiple of {mg.KCH}")
+        bk = kn.bk or next((b for b in BK_CHOICES if Ie % b == 0), 0)
+        if not bk or Ie % bk or bk % 32 or (bk != 32 and bk % 64):
+            raise ValueError(f"grouped_w2_tile: K chunk {kn.bk or bk} must divide expert_inter "
+                             f"{Ie} and be 32 or a multiple of 64 (the swizzle)")  # fmt: skip
+        self.T, self.E, self.K, self.L, self.Ie, self.H, self.S = T, E, K, L, Ie, H, S
+        self.pdl = pdl
+        self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
+        self.NT = self.NW * 32
+        self.R = self.NW * self.RT * mg.ROWS  # weight rows per item
+        self.MP = 8 * self.MT  # token rows of h per pass
+        self.U = bk // 8  # 16-byte units per row and chunk
+        self.NCH = Ie // bk
+        self.stages = kn.stages or min(self.NCH + 1, MAX_STAGES)
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"grouped_w2_tile: stages {self.stages}, expected 2..8")
+        if (self.R * self.U) % self.NT:
+            raise ValueError(f"grouped_w2_tile: {self.R} rows x {self.U} units do not split over "
+                             f"{self.NT} threads")  # fmt: skip
+        self.swz = 4 if self.U >= 8 else 0  # odd rows: unit ^ 4 (U = 4: rows alternate halves)
+        # buffers: NS - 1 chunks in flight plus the one being read; with every chunk of an item
+        # in flight (NS > NCH) only NCH of them are ever used
+        self.nbuf = min(self.stages, self.NCH)
+        self.smem = self.nbuf * (self.R + self.MP) * bk * 2
+        if self.smem > SMEM_MAX:
+            raise ValueError(f"grouped_w2_tile: {self.smem} bytes of shared memory > {SMEM_MAX}")
+        self.CE = -(-L // self.R)  # items per expert
+        self.full_rows = L % self.R == 0
+        self.ntH = H // mg.ROWS
+        self.CS = -(-H // (self.NW * SHARED_RT * mg.ROWS))  # shared-expert CTAs (first)
+        self.Us = mg._div_pick(S // mg.KCH, (4, 3, 2, 1))
+        self.slots = mg.n_slots(T, E, K)
+        self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
+        self.grid = self.CS + self.nr
+        self.kn = kn
+
+    @cute.jit
+    def __call__(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff,
+                 mSlotN, mNact, stream):  # fmt: skip
+        self.kernel(
+            mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact
+        ).launch(  # fmt: skip
+            grid=[self.grid, 1, 1], block=[self.NT, 1, 1], smem=self.smem + 256, stream=stream,
+            use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN,
+               mNact):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout((self.nbuf, self.R, self.BK),
+                             stride=(self.R * self.BK, self.BK, 1)),
+            byte_alignment=128,
+        )  # fmt: skip
+        sX = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout((self.nbuf, self.MP, self.BK),
+                             stride=(self.MP * self.BK, self.BK, 1)),
+            byte_alignment=128,
+        )  # fmt: skip
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        if bid < self.CS:
+            self._shared(mHs, mWs2, mShared, bid, tid)
+        else:
+            nact = mNact[0]
+            for item in cutlass.range(bid - self.CS, nact * self.CE, self.nr):
+                self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, item,
+                           tid)  # fmt: skip
+
+    # -- routed items ----------------------------------------------------------------------
+
+    @cute.jit
+    def _item(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, item, tid):
+        """One (expert slot, row block) item: every pass of ``MP`` tokens through the pipeline."""
+        K, L, Ie, MP, MT, RT = self.K, self.L, self.Ie, self.MP, self.MT, self.RT
+        NCH, NS = self.NCH, self.stages
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        a = item // self.CE
+        cb = item % self.CE
+        e = mSlotE[a]
+        off = mSlotOff[a]
+        n = mSlotN[a]
+        row0 = cb * self.R
+        mW = mg._expert_mat(mW2, e, L, Ie)
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        for ps in cutlass.range((n + MP - 1) // MP, unroll=1):
+            t0 = ps * MP
+            np_ = cutlass.min(n - t0, MP)
+            # every thread is past the previous pass's (or item's) reads of every stage
+            cute.arch.barrier()
+            for s in cutlass.range_constexpr(NS - 1):
+                if const_expr(s < NCH):
+                    self._load_w(mW, sW, row0, s, s, tid)
+            # the h rows this thread copies (pairs of tokens t0 .. t0 + np_ - 1; clamped)
+            hrows = self._h_rows(mPairs, off, t0, np_, tid)
+            for s in cutlass.range_constexpr(NS - 1):
+                if const_expr(s < NCH):
+                    self._load_h(mH, sX, hrows, np_, s, s, tid)
+                cute.arch.cp_async_commit_group()
+            # this lane's token slots: pairs and routing weights, in flight during the K loop
+            slots = []
+            for jt in cutlass.range_constexpr(MT):
+                for s2 in cutlass.range_constexpr(2):
+                    j = jt * 8 + 2 * c + s2
+                    p = mPairs[off + t0 + cutlass.min(j, np_ - 1)]
+                    slots.append((j, p, mTw[p]))
+            accs = mc.zero_accs(RT * MT)
+            for i in cutlass.range_constexpr(NCH):
+                cute.arch.cp_async_wait_group(NS - 2)
+                cute.arch.barrier()
+                nxt = i + NS - 1
+                if const_expr(nxt < NCH):
+                    self._load_w(mW, sW, row0, nxt, nxt % NS, tid)
+                    self._load_h(mH, sX, hrows, np_, nxt, nxt % NS, tid)
+                cute.arch.cp_async_commit_group()
+                self._compute(sW, sX, i % NS, warp, g, c, accs, fa, fb, atom)
+            cute.arch.cp_async_wait_group(0)
+            for jt in cutlass.range_constexpr(MT):
+                for s2 in cutlass.range_constexpr(2):
+                    j, p, wt = slots[jt * 2 + s2]
+                    if j < np_:
+                        base = (p // K) * L
+                        for q in cutlass.range_constexpr(RT):
+                            r = row0 + (warp * RT + q) * mg.ROWS + g
+                            acc = accs[q * MT + jt]
+                            if const_expr(self.full_rows):
+                                cute.arch.atomic_add(mAcc.iterator + (base + r), wt * acc[s2])
+                                cute.arch.atomic_add(mAcc.iterator + (base + r + 8),
+                                                     wt * acc[2 + s2])  # fmt: skip
+                            else:
+                                if r < L:
+                                    cute.arch.atomic_add(mAcc.iterator + (base + r), wt * acc[s2])
+                                    cute.arch.atomic_add(mAcc.iterator + (base + r + 8),
+                                                         wt * acc[2 + s2])  # fmt: skip
+
+    def _h_rows(self, mPairs, off, t0, np_, tid):
+        """Pair rows of the ``h`` units this thread copies per chunk (trace time; clamped to the
+        pass's last token, so every load stays in bounds)."""
+        rows = []
+        for i in range(-(-(self.MP * self.U) // self.NT)):
+            t, _ = piece(tid + i * self.NT, self.U)
+            rows.append(mPairs[off + t0 + cutlass.min(t, np_ - 1)])
+        return rows
+
+    @cute.jit
+    def _load_w(self, mW, sW, row0, kc, stg, tid):
+        """cp.async of the item's ``R`` weight rows, chunk ``kc``, into stage ``stg``."""
+        U, NT = self.U, self.NT
+        for i in cutlass.range_constexpr(self.R * U // NT):
+            idx = tid + i * NT
+            r, u = piece(idx, U)
+            dst = cute.local_tile(sW[stg, r, None], (8,), (swizzle(u, r, self.swz),))
+            if const_expr(self.full_rows):
+                mc.cp_async16(dst, cute.local_tile(mW[row0 + r, None], (8,), (kc * U + u,)))
+            else:
+                if row0 + r < self.L:
+                    mc.cp_async16(dst, cute.local_tile(mW[row0 + r, None], (8,), (kc * U + u,)))
+
+    @cute.jit
+    def _load_h(self, mH, sX, hrows, np_, kc, stg, tid):
+        """cp.async of the pass's ``h`` rows (tokens < ``np_``), chunk ``kc``, into ``stg``.
+        Rows past ``np_`` are left as they are: an MMA column only feeds its own token."""
+        U, NT = self.U, self.NT
+        for i in cutlass.range_constexpr(len(hrows)):
+            idx = tid + i * NT
+            t, u = piece(idx, U)
+            if idx < self.MP * U and t < np_:
+                dst = cute.local_tile(sX[stg, t, None], (8,), (swizzle(u, t, self.swz),))
+                mc.cp_async16(dst, cute.local_tile(mH[hrows[i], None], (8,), (kc * U + u,)))
+
+    @cute.jit
+    def _compute(self, sW, sX, stg, warp, g, c, accs, fa, fb, atom):
+        """The MMAs of one chunk: per 32-wide K slice, one 16-byte read per weight row (rows g,
+        g + 8 of each of the warp's tiles) and per token row (g of each token tile)."""
+        RT, MT = self.RT, self.MT
+        for j in cutlass.range_constexpr(self.BK // 32):
+            pu = read_unit(j, c, g, self.swz)
+            tiles = []
+            for q in cutlass.range_constexpr(RT):
+                r = (warp * RT + q) * mg.ROWS + g
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                tiles.append((lo, hi, q))
+            for jt in cutlass.range_constexpr(MT):
+                xb = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sX[stg, jt * 8 + g, None], (8,), (pu,)), xb)
+                mc.mma_k16(atom, accs, fa, fb, xb, [(lo, hi, q * MT + jt) for lo, hi, q in tiles])
+
+    # -- shared expert (GroupedW2's register-load tiling) ---------------------------------
+
+    @cute.jit
+    def _shared(self, mHs, mWs2, mShared, sb, tid):
+        """Rows ``[sb * NW * 32, +NW * 32)`` of ``shared_out = hs @ shared_w2^T``: each warp two
+        16-row tiles over all of K (``S``), all tokens 8 per pass, plain FP32 stores."""
+        T, S = self.T, self.S
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        tiles = [(sb * self.NW + warp) * SHARED_RT + q for q in range(SHARED_RT)]
+        rows = [cutlass.min(t, self.ntH - 1) * mg.ROWS + g for t in tiles]
+        U = self.Us
+        for ps in cutlass.range(-(-T // 8)):
+            tok = cutlass.min(ps * 8 + g, T - 1)
+            accs = mc.zero_accs(SHARED_RT)
+            for it in cutlass.range(S // mg.KCH // U, unroll_full=True):
+                mc.mma_chunks(
+                    atom, accs, fa, fb, mWs2, rows, 1, U,
+                    lambda v, it=it: (it * U + v) * mg.KCH + c * 8,
+                    lambda k0, tok=tok: lambda j: mc.load_row8(mHs, tok, k0),
+                )  # fmt: skip
+            for s in cutlass.range_constexpr(2):
+                t = ps * 8 + 2 * c + s
+                if t < T:
+                    for q in cutlass.range_constexpr(SHARED_RT):
+                        if tiles[q] < self.ntH:
+                            r0 = tiles[q] * mg.ROWS + g
+                            acc = accs[q]
+                            mShared[t, r0] = acc[s]
+                            mShared[t, r0 + 8] = acc[2 + s]
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def build(T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, kn: TileKnobs | None = None):
+    """``(op, fake args)`` in :func:`moe_grouped._build_w2`'s argument order."""
+    op = GroupedW2Tile(T, E, K, L, Ie, H, S, pdl, nsm, kn)
+    i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
+    sl = op.slots
+    args = (
+        itf.fake(bf, (T * K, Ie)),
+        itf.fake(bf, (T, S)),
+        itf.fake(bf, (E, L, Ie)),
+        itf.fake(bf, (H, S)),
+        itf.fake(f32, (T * L,)),
+        itf.fake(f32, (T, H)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(f32, (T * K,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (4,)),
+        itf.env_stream(),
+    )
+    return op, args
