@@ -93,9 +93,10 @@ def test_range_names_follow_the_scheme():
         ({"tp_world": 3}, ["tp_world=3", "two-rank"]),
         ({"tp_world": 2, "allreduce": "oneshot"}, ["allreduce", "fused"]),
         ({"tp_world": 2, "weights": "half"}, ["weights"]),
-        ({"layers": "dense,kda", "batch": 65}, ["specialized dense MLP", "64 tokens"]),
+        # more than 64 tokens run in sequence chunks, at tp_world 1 only
+        ({"layers": "dense,kda", "batch": 65, "tp_world": 2}, ["65 tokens", "tp_world 1 only"]),
         ({"expert_dtype": "mxfp4"}, ["MoE", "mxfp4"]),
-        ({"batch": 65}, ["skinny GEMM", "64 tokens"]),
+        ({"batch": 65, "tokens_per_seq": 2, "tp_world": 2}, ["130 tokens", "tp_world 1"]),
     ],
 )
 def test_option_validation(opts, words):
@@ -111,10 +112,31 @@ def test_option_validation(opts, words):
 
 def test_unusable_message_names_preset_and_shape():
     with pytest.raises(ValueError) as ei:
-        S.plan(preset="kimi-k3", tp_shape=8, batch=64, tokens_per_seq=8)
+        S.plan(preset="kimi-k3", tp_shape=8, batch=64, tokens_per_seq=8, tp_world=2)
     msg = str(ei.value)
     assert "kimi-k3" in msg and "batch 64" in msg and "tokens_per_seq 8" in msg
-    assert "attention (kda)" in msg and "attention (mla)" in msg
+    assert "512 tokens per step" in msg and "tp_world 1 only" in msg
+    with pytest.raises(ValueError) as ei:
+        S.plan(preset="kimi-k3", tp_shape=8, kv_cache_dtype="fp8_e4m3", layers="mla",
+               expert_dtype="mxfp4")  # fmt: skip
+    assert "expert" in str(ei.value)
+
+
+def test_chunking():
+    assert S.chunking(64, 1) == (64, 1) and S.chunking(8, 8) == (8, 1)
+    assert S.chunking(32, 8) == (8, 4) and S.chunking(64, 8) == (8, 8)
+    assert S.chunking(9, 8) == (3, 3) and S.chunking(13, 8) == (1, 13)  # equal chunks
+    p = S.plan(preset="kimi-k3", tp_shape=8, batch=32, tokens_per_seq=8)
+    one = S.plan(preset="kimi-k3", tp_shape=8, batch=8, tokens_per_seq=8)
+    assert p.chunk == (8, 4) and p.chunk_tokens == 64
+    # each chunk is the 8x8 step's launches; the ranges repeat per chunk, in order
+    assert p.launches() == {k: 4 * v for k, v in one.launches().items()}
+    assert p.range_names() == {k: v * 4 for k, v in one.range_names().items()}
+    cfg = json.loads(p.meta["config_json"])
+    assert cfg["chunks"] == {"sequences": 8, "chunks": 4}
+    assert "4 chunks of 8 sequences" in p.meta["notes"] and "x4" in p.meta["notes"]
+    assert json.loads(one.meta["config_json"])["chunks"] == {"sequences": 8, "chunks": 1}
+    assert "chunks" not in one.meta["notes"]
 
 
 def test_kimi_k2_moe_is_not_latent():
@@ -124,7 +146,7 @@ def test_kimi_k2_moe_is_not_latent():
 
 def test_kimi_k3_points_are_usable():
     for tp in (8, 16):
-        for b, t in ((1, 1), (8, 1), (32, 1), (64, 1), (8, 8), (1, 8)):
+        for b, t in ((1, 1), (8, 1), (32, 1), (64, 1), (8, 8), (1, 8), (32, 8), (64, 8)):
             S.plan(preset="kimi-k3", tp_shape=tp, batch=b, tokens_per_seq=t)
 
 
@@ -243,19 +265,29 @@ def _rel(a, b, rows=None):
 
 
 @pytest.mark.parametrize("front_norm", [0, 1])
-@pytest.mark.parametrize("batch, tokens", [(3, 1), (2, 3)])
-def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, tokens, front_norm):
+@pytest.mark.parametrize(
+    "batch, tokens, max_tokens", [(3, 1, 64), (2, 3, 64), (4, 1, 2), (3, 2, 2), (2, 3, 3)]
+)
+def test_wiring_with_reference_halves_matches_standard(
+    monkeypatch, batch, tokens, max_tokens, front_norm
+):
     """Each half replaced by its chained torch reference (attention_ref, moe_block_ref): the
     step's wiring (buffers, residual stream, state in place, layer order; with front_norm, the
-    attention half without its RMSNorm launch and the MoE half normalizing r_out) must give
+    attention half without its RMSNorm launch and the MoE half normalizing r_out; with a token
+    limit below the step's tokens, the sequence chunks: rows, state and cache views) must give
     the standard model's step on the CPU."""
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import rmsnorm as rms
     from decodescope.kernels.standard.model import StandardModel
 
+    monkeypatch.setattr(S, "MAX_STEP_TOKENS", max_tokens)  # chunks on the tiny shapes
     p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3, front_norm=front_norm)
-    w_of = {id(moe): w for moe, w in zip(m.moe, m.weights, strict=True)}
+    assert (m.per, m.chunks) == S.chunking(batch, tokens) == p.chunk
+    assert (m.chunks > 1) == (batch * tokens > max_tokens)
+    w_of = {
+        id(b): w for blocks, w in zip(m.moe_c, m.weights, strict=True) for b in blocks
+    }  # every chunk's block
 
     def attn_forward(self, x_in, r_in, r_out, h_out):
         r, h, ns = al.attention_ref(self.cfg, self.spec, self.w, self.state, x_in, r_in, self.T)
@@ -295,8 +327,9 @@ def test_wiring_with_reference_halves_matches_standard(monkeypatch, batch, token
     std.step()
     # rows whose routing agrees in every layer (a near-tie may flip one; tiny rarely does)
     ok = torch.ones(batch * tokens, dtype=torch.bool)
+    sel = m.selected_experts()
     for i, lay in enumerate(std.layers):
-        a = torch.sort(m.moe[i].topk_ids.long(), 1).values
+        a = torch.sort(sel[m.specs[i].index].long(), 1).values
         b = torch.sort(lay.topk_ids.long(), 1).values
         ok &= (a == b).all(1)
     ok = ok.view(batch, tokens).all(1)

@@ -24,8 +24,16 @@ Option ``front_norm`` (0 | 1 | auto; default 0) drops the attention half's last 
 post-attention RMSNorm) and lets the MoE front kernel normalize the residual stream in its
 prologue (``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer.
 
+More than 64 tokens per step (the kernels take at most ``MAX_STEP_TOKENS`` = 64 tokens per
+launch: the verify step of 32 or 64 sequences of 1+7 tokens): at tp_world 1 every layer runs
+in sequence chunks (:func:`chunking`: the largest divisor of the batch whose tokens fit), each
+chunk the same kernels on its sequences' rows, state and cache (views, no copies). The function
+is the same (tokens of different sequences never meet in attention; the MoE is per token);
+the launches and the weight reads are multiplied by the number of chunks, which the launch
+counts, the ranges (repeated per chunk) and the run's notes say.
+
 Where a half cannot run a preset or shape (no all-reduce, an FP8 latent cache, MXFP4 experts,
-more than 64 tokens per step, ...), :func:`check_usable` raises a
+more than 64 tokens per step at tp_world 2, ...), :func:`check_usable` raises a
 ValueError naming each missing piece. Without a CUDA GPU the factory validates the options, then
 raises a ValueError saying so; :func:`plan` gives the meta and range names without a GPU.
 """
@@ -206,11 +214,32 @@ def _tp2_problems(cfg, specs, n_tokens: int) -> list[str]:
     return out
 
 
+MAX_STEP_TOKENS = 64  # tokens one launch of the specialized kernels takes
+
+
+def chunking(batch: int, tokens: int) -> tuple[int, int]:
+    """``(sequences per chunk, chunks)``: the whole batch in one chunk up to
+    ``MAX_STEP_TOKENS`` tokens, else the largest divisor of ``batch`` whose tokens fit (equal
+    chunks: one compiled shape, the same launches in each)."""
+    if batch * tokens <= MAX_STEP_TOKENS:
+        return batch, 1
+    per = max(d for d in range(1, batch + 1) if batch % d == 0 and d * tokens <= MAX_STEP_TOKENS)
+    return per, batch // per
+
+
 def check_usable(
     cfg, specs, batch: int, tokens: int, tp_world: int = 1, front_norm: bool = False
 ) -> None:
     """Raise ValueError naming every piece the specialized path lacks for this step."""
     problems: list[str] = []
+    per, n_chunks = chunking(batch, tokens)
+    if n_chunks > 1 and tp_world != 1:
+        problems.append(
+            f"{batch * tokens} tokens per step: more than {MAX_STEP_TOKENS} run in sequence "
+            f"chunks at tp_world 1 only (the fused reductions take one chunk); run tp_world 1 "
+            f"or at most {MAX_STEP_TOKENS} tokens"
+        )
+    nb = per  # sequences per chunk: each chunk's shape is what the kernels see
     if front_norm:
         problems += _front_norm_problems()
     if tp_world not in (1, 2):
@@ -219,16 +248,16 @@ def check_usable(
             "(kernels/specialized/comm.py); run tp_world 1 or 2"
         )
     if tp_world == 2:
-        problems += _tp2_problems(cfg, specs, batch * tokens)
+        problems += _tp2_problems(cfg, specs, nb * tokens)
     if any(s.mlp == "dense" for s in specs):
-        problems += _dense_problems(cfg, batch * tokens, tp_world)
+        problems += _dense_problems(cfg, nb * tokens, tp_world)
     seen: set[str] = set()
     for s in specs:
         if s.attn not in seen:
             seen.add(s.attn)
-            problems += _attn_problems(cfg, s.attn, batch, tokens)
+            problems += _attn_problems(cfg, s.attn, nb, tokens)
     if any(s.mlp == "moe" for s in specs):
-        problems += _moe_problems(cfg, batch * tokens)
+        problems += _moe_problems(cfg, nb * tokens)
     if problems:
         head = (
             f"workload 'specialized' cannot run preset {cfg.preset or cfg.model.name!r} "
@@ -254,12 +283,21 @@ class Plan:
     weights: str = "rank"  # tp_world 2: kernels/sharding.build_rank_weights mode
     allreduce: str = ALLREDUCE  # tp_world 2: fused | nccl
 
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """``(sequences per chunk, chunks)`` (:func:`chunking`)."""
+        return chunking(self.batch, self.tokens)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk[0] * self.tokens
+
     def op_names(self, spec) -> list[str]:
-        """``block.op`` names of one layer's launches, in launch order."""
+        """``block.op`` names of one chunk's launches of one layer, in launch order."""
         attn = _attn_ops(spec.attn)
         if spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
-            dense = _dense_ops(self.batch * self.tokens)
+            dense = _dense_ops(self.chunk_tokens)
             names = [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in dense]
         else:
             if self.front_norm:
@@ -273,7 +311,7 @@ class Plan:
         elif self.tp_world == 2:  # the reductions ride in these launches (tp2.py)
             from decodescope.kernels.specialized import tp2 as _tp2
 
-            n_tok = self.batch * self.tokens
+            n_tok = self.chunk_tokens
             unfused = _tp2.moe_back_unfused(n_tok, self.cfg.expert_dim, self.cfg.hidden)
             names = [x for n in names
                      for x in (_tp2.NCCL_OPS[n] if unfused and n == _tp2.MOE_BACK_OP
@@ -281,18 +319,21 @@ class Plan:
         return names
 
     def range_names(self) -> dict[str, list[str]]:
-        """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``."""
+        """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``, in
+        the order the step opens them (repeated per sequence chunk)."""
+        n_chunks = self.chunk[1]
         return {
             f"layer.{s.index}:{s.kind}": [f"layer.{s.index}.{o}" for o in self.op_names(s)]
+            * n_chunks
             for s in self.specs
         }
 
     def launches(self) -> dict[str, int]:
         """Kernel launches per layer: one per range, plus the ranges that hold several kernels
         (:func:`extra_launches`)."""
-        n = self.batch * self.tokens
+        n, n_chunks = self.chunk_tokens, self.chunk[1]
         return {
-            lay: len(ops) + extra_launches(self.cfg, s, n)
+            lay: len(ops) + n_chunks * extra_launches(self.cfg, s, n)
             for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True)
         }
 
@@ -434,6 +475,8 @@ def plan(
             "layer_bytes_from": "expected (uniform routing): no step has run",
             # kernel choices forced through the environment (DECODESCOPE_MOE_EXPERTS=... etc.)
             "kernel_env": kernel_env(),
+            # sequences per chunk and chunks (more than MAX_STEP_TOKENS tokens: chunked)
+            "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]},
         },
         default=str,
     )
@@ -444,6 +487,13 @@ def plan(
     p.meta["notes"] = "; ".join(cfg.notes) + (
         "; tp_world 1: no all-reduce runs" if world == 1 else ""
     )
+    per, n_chunks = p.chunk
+    if n_chunks > 1:
+        p.meta["notes"] += (
+            f"; {b * t} tokens per step: the specialized kernels take at most {MAX_STEP_TOKENS} "
+            f"per launch, so each layer runs in {n_chunks} chunks of {per} sequences (launches "
+            f"and weight reads x{n_chunks})"
+        )
     return p
 
 
@@ -479,29 +529,43 @@ class SpecializedModel:
         self.cfg, self.specs = cfg, specs
         self.batch, self.T, self.seed = batch, tokens_per_seq, seed
         self.N = batch * tokens_per_seq
+        # more than MAX_STEP_TOKENS tokens: the layers run in equal sequence chunks
+        self.per, self.chunks = chunking(batch, tokens_per_seq)
+        self.Nc = self.per * tokens_per_seq  # tokens per chunk (the kernels' shape)
         self.device = torch.device(device)
         if weights is None:
             weights = [make_layer_weights(cfg, s, seed, self.device) for s in specs]
         self.weights = weights
         self.states = [make_state(cfg, s, batch, tokens_per_seq, seed, self.device) for s in specs]
         self.x_in, self.r_in = make_inputs(cfg, self.N, seed, self.device)
-        self.attn = [
-            SpecializedAttention(cfg, s, w, st, batch, tokens_per_seq)
+
+        def seqs(st: dict, c: int) -> dict:  # chunk c's sequences of a layer's state (views)
+            if self.chunks == 1:
+                return st
+            return {k: v[c * self.per : (c + 1) * self.per] for k, v in st.items()}
+
+        C = range(self.chunks)
+        # per layer and chunk: [layer][chunk]; self.attn / self.moe / self.dense: chunk 0's
+        self.attn_c = [
+            [SpecializedAttention(cfg, s, w, seqs(st, c), self.per, tokens_per_seq) for c in C]
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]
-        # per layer: the MoE block, or None for a dense layer (its MLP is in self.dense)
-        self.moe = [
-            SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device)
+        # per layer: the MoE blocks, or None for a dense layer (its MLP is in self.dense_c)
+        self.moe_c = [
+            [SpecializedMoE(cfg, w, self.Nc, layer=s.index, device=self.device) for c in C]
             if s.mlp == "moe"
             else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
-        self.dense = [
-            SpecializedDenseMLP(cfg, w, self.N, layer=s.index, device=self.device)
+        self.dense_c = [
+            [SpecializedDenseMLP(cfg, w, self.Nc, layer=s.index, device=self.device) for c in C]
             if s.mlp == "dense"
             else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
+        self.attn = [a[0] for a in self.attn_c]
+        self.moe = [m[0] if m is not None else None for m in self.moe_c]
+        self.dense = [d[0] if d is not None else None for d in self.dense_c]
         self.hs = [torch.empty_like(self.x_in) for _ in specs]  # the MoE input of each layer
         self.xs = [torch.empty_like(self.x_in) for _ in range(2)]
         self.rs = [torch.empty_like(self.r_in) for _ in range(2)]
@@ -509,41 +573,53 @@ class SpecializedModel:
         self.x_out, self.r_out = self.xs[last], self.rs[last]
 
     def _layer(self, i: int, x, r, guarded: bool) -> None:
-        spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
+        spec = self.specs[i]
         h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
         with _range(f"layer.{spec.index}:{spec.kind}"):
-            if guarded:
-                self._guarded(i, x, r, r_out, h, x_out)
-            elif spec.mlp == "dense":
-                self._attn_no_norm(i, x, r, r_out, h)
-                self.dense[i].forward_norm(r_out, x_out)
-            elif self.front_norm:
-                self._attn_no_norm(i, x, r, r_out, h)
-                self._moe_front_norm(i, r_out, x_out)
-            else:
-                attn.forward(x, r, r_out, h)
-                moe.forward(h, x_out)
+            for c in range(self.chunks):  # one chunk unless more than MAX_STEP_TOKENS tokens
+                xc, rc, ro, hc, xo = x, r, r_out, h, x_out  # one chunk: the buffers themselves
+                if self.chunks > 1:
+                    rows = slice(c * self.Nc, (c + 1) * self.Nc)
+                    xc, rc, ro, hc, xo = x[rows], r[rows], r_out[rows], h[rows], x_out[rows]
+                if guarded:
+                    self._guarded(i, c, xc, rc, ro, hc, xo)
+                else:
+                    self._chunk(i, c, xc, rc, ro, hc, xo)
 
-    def _guarded(self, i: int, x, r, r_out, h, x_out) -> None:
-        """One layer, each half checked (compiled, launched, synchronized): a failure says
-        which half of which layer, for which shape."""
+    def _chunk(self, i: int, c: int, x, r, r_out, h, x_out) -> None:
+        """Layer ``i`` on chunk ``c``'s rows (all of them with one chunk)."""
+        spec = self.specs[i]
+        if spec.mlp == "dense":
+            self._attn_no_norm(i, x, r, r_out, h, c)
+            self.dense_c[i][c].forward_norm(r_out, x_out)
+        elif self.front_norm:
+            self._attn_no_norm(i, x, r, r_out, h, c)
+            self._moe_front_norm(i, r_out, x_out, c)
+        else:
+            self.attn_c[i][c].forward(x, r, r_out, h)
+            self.moe_c[i][c].forward(h, x_out)
+
+    def _guarded(self, i: int, c: int, x, r, r_out, h, x_out) -> None:
+        """One layer (one chunk), each half checked (compiled, launched, synchronized): a
+        failure says which half of which layer, for which shape."""
         import torch
 
-        spec, attn, moe = self.specs[i], self.attn[i], self.moe[i]
+        spec = self.specs[i]
+        attn = self.attn_c[i][c]
         if spec.mlp == "dense":
             halves = (
-                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
-                ("dense MLP", lambda: self.dense[i].forward_norm(r_out, x_out)),
+                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
+                ("dense MLP", lambda: self.dense_c[i][c].forward_norm(r_out, x_out)),
             )
         elif self.front_norm:
             halves = (
-                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h)),
-                ("MoE", lambda: self._moe_front_norm(i, r_out, x_out)),
+                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
+                ("MoE", lambda: self._moe_front_norm(i, r_out, x_out, c)),
             )
         else:
             halves = (
                 (f"attention ({spec.attn})", lambda: attn.forward(x, r, r_out, h)),
-                ("MoE", lambda: moe.forward(h, x_out)),
+                ("MoE", lambda: self.moe_c[i][c].forward(h, x_out)),
             )
         for what, fn in halves:
             try:
@@ -551,25 +627,26 @@ class SpecializedModel:
                 if self.device.type == "cuda":  # a fault in this half surfaces here
                     torch.cuda.synchronize(self.device)
             except Exception as e:
+                part = f" (sequence chunk {c + 1}/{self.chunks})" if self.chunks > 1 else ""
                 raise ValueError(
-                    f"specialized {what} of layer.{spec.index}:{spec.kind} failed to compile "
-                    f"or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
+                    f"specialized {what} of layer.{spec.index}:{spec.kind}{part} failed to "
+                    f"compile or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
                     f"{self.cfg.tp} batch {self.batch} tokens_per_seq {self.T}): "
                     f"{type(e).__name__}: {e}"
                 ) from e
 
-    def _attn_no_norm(self, i: int, x, r, r_out, h) -> None:
+    def _attn_no_norm(self, i: int, x, r, r_out, h, c: int = 0) -> None:
         """The attention half without its last launch (the post-attention RMSNorm): ``r_out``
         is the residual stream after attention (o_proj's residual epilogue wrote it)."""
-        attn = self.attn[i]
+        attn = self.attn_c[i][c]
         for op, fn in attn.stages(x, r, r_out, h):
             if op != FRONT_NORM_DROPS:
                 with attn._r(op):
                     fn()
 
-    def _moe_front_norm(self, i: int, r_out, x_out) -> None:
+    def _moe_front_norm(self, i: int, r_out, x_out, c: int = 0) -> None:
         """The MoE block with ``h = rmsnorm(r_out) * mlp_norm`` in its front kernel's prologue."""
-        self.moe[i].forward_norm(r_out, x_out)
+        self.moe_c[i][c].forward_norm(r_out, x_out)
 
     def _run(self, guarded: bool) -> None:
         x, r = self.x_in, self.r_in
@@ -597,12 +674,16 @@ class SpecializedModel:
 
     def selected_experts(self) -> dict[int, Any]:
         """The routing of the last step: ``{layer index: topk_ids [N, k]}`` (MoE layers)."""
+        import torch
+
         return {
-            s.index: m.topk_ids for s, m in zip(self.specs, self.moe, strict=True) if m is not None
+            s.index: torch.cat([b.topk_ids for b in m]) if len(m) > 1 else m[0].topk_ids
+            for s, m in zip(self.specs, self.moe_c, strict=True)
+            if m is not None
         }
 
     def launches(self) -> dict[str, int]:
-        """Launches per layer (attention half + MoE block or dense MLP)."""
+        """Launches per layer (attention half + MoE block or dense MLP), all chunks."""
         from decodescope.kernels.specialized import moe_block as mb
 
         drop = 1 if self.front_norm else 0
@@ -611,7 +692,8 @@ class SpecializedModel:
             lay = f"layer.{s.index}:{s.kind}"
             out[lay] = a.launches - 1 + d.launches if d is not None else (
                 a.launches - drop + len(mb.OPS))  # fmt: skip
-            out[lay] += extra_launches(self.cfg, s, self.N)
+            out[lay] += extra_launches(self.cfg, s, self.Nc)
+            out[lay] *= self.chunks
         return out
 
 
