@@ -896,15 +896,17 @@ def variant_env(var: str) -> dict:
     if m:  # the defaults (thresh route, w2 ring), w13 on grouped_w13_tile with its knobs
         env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
                "DECODESCOPE_MOE_GROUPED_W13": "tile", "DECODESCOPE_MOE_GROUPED_W2": "ring"}  # fmt: skip
-        for knob, v in zip(("ROWS", "BK", "STAGES", "RT"), m.groups(), strict=True):
+        for knob, v in zip(("ROWS", "BK", "STAGES", "RT", "PERSIST"), m.groups(), strict=True):
             env[f"DECODESCOPE_MOE_W13T_{knob}"] = v or ""  # "": the module default
         return env
     return {"DECODESCOPE_MOE_EXPERTS": var}
 
 
-# grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>]: GroupedW13Tile and its tiling knobs
-# (kernels/specialized/grouped_w13_tile.py), e.g. grouped_w13tile_k128_s3
-W13TILE_RE = re.compile(r"grouped_w13tile(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_t(\d+))?")
+# grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>][_p<persist>]: GroupedW13Tile and its
+# tiling knobs (kernels/specialized/grouped_w13_tile.py), e.g. grouped_w13tile_k64_s4_p3
+W13TILE_RE = re.compile(
+    r"grouped_w13tile(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_t(\d+))?(?:_p(\d+))?"
+)
 # grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>]: GroupedW2Tile and its knobs
 # (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2 (128 rows per item)
 W2TILE_RE = re.compile(
@@ -919,7 +921,8 @@ def variant_name(v: str) -> str:
     if v in VARIANTS or W13TILE_RE.fullmatch(v) or W2TILE_RE.fullmatch(v):
         return v
     raise argparse.ArgumentTypeError(
-        f"unknown variant {v!r}: one of {VARIANTS} or grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>]"
+        f"unknown variant {v!r}: one of {VARIANTS} or "
+        "grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>][_p<persist>]"
         " or grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>]"
     )
 
@@ -986,7 +989,7 @@ def main() -> int:
         default=["old", "pipe"],
         type=variant_name,
         help=f"expert kernels to check and time (DECODESCOPE_MOE_EXPERTS): {VARIANTS} or "
-        "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>] or "
+        "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>][_p<persist>] or "
         "grouped_w2tile[_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>]",
     )
     ap.add_argument(

@@ -21,9 +21,11 @@ import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-# (rows, bk, stages, rt): the GPU script's grouped_w13tile variants
-POINTS = [(64, 128, 3, 1), (64, 64, 4, 1), (32, 128, 3, 1), (32, 128, 4, 1), (128, 64, 3, 2),
-          (128, 64, 3, 1), (64, 64, 2, 1), (32, 256, 3, 1)]  # fmt: skip
+# the GPU script's grouped_w13tile variants
+# (rows, bk, stages, rt, persist CTAs per SM or 0)
+POINTS = [(64, 128, 3, 1, 0), (64, 64, 4, 1, 0), (32, 128, 3, 1, 0), (32, 128, 4, 1, 0),
+          (128, 64, 3, 2, 0), (128, 64, 3, 1, 0), (64, 64, 2, 1, 0), (32, 256, 3, 1, 0),
+          (64, 128, 3, 1, 2), (64, 64, 4, 1, 3), (32, 128, 3, 1, 3)]  # fmt: skip
 
 
 def report(tp: int, T: int, point) -> str:
@@ -72,7 +74,7 @@ def main() -> int:
     for tp in a.tp:
         for T in a.tokens:
             for p in POINTS:
-                name = "r{}_k{}_s{}_t{}".format(*p)
+                name = "r{}_k{}_s{}_t{}_p{}".format(*p)
                 print(f"TP{tp} T={T} {name}: {report(tp, T, p)}", flush=True)
     return 0
 

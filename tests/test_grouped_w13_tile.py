@@ -51,9 +51,10 @@ def test_compiles_default(tp, T):
         (16, 32, 256, 3, 1),
     ],
 )
-def test_compiles_sweep(tp, rows, bk, stages, rt):
+@pytest.mark.parametrize("persist", [0, 2])
+def test_compiles_sweep(tp, rows, bk, stages, rt, persist):
     cfg, (E, K, L, Ie, S) = _dims(tp)
-    c = gt.TileConfig(rows, bk, stages, rt)
+    c = gt.TileConfig(rows, bk, stages, rt, persist)
     op, args = gt.build(64, E, K, L, Ie, S, 4.0, 25.0, True, 132, c)
     assert op.partial == (Ie % rows != 0)
     assert itf.compile_only(op, *args) is not None
@@ -115,6 +116,75 @@ def test_every_h_written_once(tp, T, nsm, cfg):
     assert len(out) == int(sn.sum()) * Ie and set(out.values()) == {1}
 
 
+def _persist_trace(op: gt.GroupedW13Tile, bid: int, total: int, slot_n: list[int]):
+    """``GroupedW13Tile._persist``'s loader / consumer state machine transcribed: the chunks the
+    loader issues (``(item, pass, chunk)`` in order), the chunks the consumer multiplies, the
+    passes it stores, and for each consumer step how many chunks had been issued."""
+    S, NCH, NRT = op.S, op.NCH, op.NRT
+
+    def n_of(item):
+        return slot_n[min(item, total - 1) // NRT]
+
+    loads, cons, epis, issued_at = [], [], [], []
+    l_item, l_ps, l_kc = bid, 0, 0
+
+    def load_step():
+        nonlocal l_item, l_ps, l_kc
+        loads.append((l_item, l_ps, l_kc))
+        l_kc += 1
+        if l_kc == NCH:
+            l_kc, l_ps = 0, l_ps + 1
+            if l_ps * gt.TOK >= n_of(l_item):
+                l_ps, l_item = 0, l_item + op.grid
+
+    for _ in range(S - 1):
+        if l_item < total:
+            load_step()
+    c_item, c_ps, c_kc = bid, 0, 0
+    while c_item < total:
+        if l_item < total:
+            load_step()
+        issued_at.append(len(loads))
+        cons.append((c_item, c_ps, c_kc))
+        c_kc += 1
+        if c_kc == NCH:
+            epis.append((c_item, c_ps))
+            c_kc, c_ps = 0, c_ps + 1
+            if c_ps * gt.TOK >= n_of(c_item):
+                c_ps, c_item = 0, c_item + op.grid
+    return loads, cons, epis, issued_at
+
+
+@pytest.mark.parametrize("cfg", [gt.TileConfig(persist=2), gt.TileConfig(64, 64, 4, 1, 3),
+                                 gt.TileConfig(32, 128, 2, 1, 1)])  # fmt: skip
+def test_persist_pipeline_order(cfg):
+    """Persistent CTAs (few SMs: several items each, one expert with 2 passes): the consumer
+    multiplies exactly the chunks the loader issued, in the same order (so chunk g is in stage
+    g % S and commit group g), the loader stays S - 1 chunks ahead until it runs out, and every
+    (item, pass) of the CTA is stored once."""
+    _, (E, K, L, Ie, S) = _dims(8)
+    T = 12
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[:, 0] = 7  # 12 tokens on expert 7: two passes
+    se, so, sn, nact, pairs = mg.lists_from_ids(ids, E)
+    op = gt.GroupedW13Tile(T, E, K, L, Ie, 4.0, 25.0, nsm=3, cfg=cfg)
+    total = nact * op.NRT
+    assert op.grid == min(mg.n_slots(T, E, K) * op.NRT, cfg.persist * 3) < total
+    seen = Counter()
+    for bid in range(op.grid):
+        loads, cons, epis, issued_at = _persist_trace(op, bid, total, sn.tolist())
+        assert loads == cons
+        for gidx, n_issued in enumerate(issued_at):
+            assert n_issued == min(gidx + op.S, len(loads))  # chunk gidx + S - 1 issued
+        want = [(it, ps) for it in range(bid, total, op.grid)
+                for ps in range(-(-int(sn[it // op.NRT]) // gt.TOK))]  # fmt: skip
+        assert epis == want
+        seen.update(epis)
+    assert sum(seen.values()) == sum(-(-int(sn[it // op.NRT]) // gt.TOK) for it in range(total))
+    assert set(seen.values()) == {1}
+
+
 @pytest.mark.parametrize("cfg", [gt.TileConfig(), gt.TileConfig(64, 64, 4, 1),
                                  gt.TileConfig(128, 64, 3, 2), gt.TileConfig(32, 256, 3, 1)])  # fmt: skip
 def test_stage_layout_matches_fragments(cfg):
@@ -171,7 +241,7 @@ def test_stage_layout_matches_fragments(cfg):
 def test_knobs(monkeypatch):
     for var in gt.ENV.values():
         monkeypatch.delenv(var, raising=False)
-    assert gt.tile_config() == gt.TileConfig() == gt.TileConfig(64, 128, 3, 1)
+    assert gt.tile_config() == gt.TileConfig() == gt.TileConfig(64, 128, 3, 1, 0)
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_BK", "64")
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "4")
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_ROWS", "")  # empty: the default
@@ -182,6 +252,7 @@ def test_knobs(monkeypatch):
         ("DECODESCOPE_MOE_W13T_ROWS", "48", "rows=48"),
         ("DECODESCOPE_MOE_W13T_RT", "3", "rt=3"),
         ("DECODESCOPE_MOE_W13T_STAGES", "9", "stages=9"),
+        ("DECODESCOPE_MOE_W13T_PERSIST", "9", "persist=9"),
     ):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
@@ -238,6 +309,8 @@ def test_script_variants():
     assert env["DECODESCOPE_MOE_W13T_BK"] == "128" and env["DECODESCOPE_MOE_W13T_STAGES"] == "3"
     assert env["DECODESCOPE_MOE_W13T_ROWS"] == "" and env["DECODESCOPE_MOE_W13T_RT"] == ""
     assert gs.variant_env("grouped_w13tile_r128_t2")["DECODESCOPE_MOE_W13T_RT"] == "2"
+    assert gs.variant_env("grouped_w13tile_k64_s4_p3")["DECODESCOPE_MOE_W13T_PERSIST"] == "3"
+    assert env["DECODESCOPE_MOE_W13T_PERSIST"] == ""
     assert gs.variant_name("grouped_w13tile") == "grouped_w13tile"
     import argparse
 

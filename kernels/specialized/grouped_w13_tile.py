@@ -46,7 +46,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
@@ -62,24 +62,30 @@ R_DEFAULT = 64  # gate rows per CTA (and as many up rows)
 BK_DEFAULT = 128  # K columns per stage: 256-byte row runs, as Triton's BLOCK_K 128
 STAGES_DEFAULT = 3  # as Triton's num_stages: 2 chunks (64 KB of weights) in flight per CTA
 RT_DEFAULT = 1  # gate/up tile pairs per warp (warps = R / (16 * RT))
+PERSIST_DEFAULT = 0  # 0: a CTA per item (grid cap CTAS_PER_SM); p > 0: p persistent CTAs per SM
 
 ENV = {
     "rows": "DECODESCOPE_MOE_W13T_ROWS",
     "bk": "DECODESCOPE_MOE_W13T_BK",
     "stages": "DECODESCOPE_MOE_W13T_STAGES",
     "rt": "DECODESCOPE_MOE_W13T_RT",
+    "persist": "DECODESCOPE_MOE_W13T_PERSIST",
 }
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """The compile-time tiling: ``rows`` gate rows per CTA (R), ``bk`` K columns per stage,
-    ``stages`` pipeline buffers, ``rt`` gate/up tile pairs per warp."""
+    ``stages`` pipeline buffers, ``rt`` gate/up tile pairs per warp; ``persist`` > 0: a grid
+    of ``persist`` CTAs per SM whose pipeline runs on across items and passes (the loader
+    fetches the next item's first chunks while the current item's last ones are multiplied:
+    no per-item ramp); 0: the loop restarts its pipeline per item and pass."""
 
     rows: int = R_DEFAULT
     bk: int = BK_DEFAULT
     stages: int = STAGES_DEFAULT
     rt: int = RT_DEFAULT
+    persist: int = PERSIST_DEFAULT
 
     def __post_init__(self) -> None:
         if self.rt not in (1, 2):
@@ -92,6 +98,8 @@ class TileConfig:
             raise ValueError(f"grouped_w13_tile: bk={self.bk}, expected 64, 128 or 256")
         if not 2 <= self.stages <= 8:
             raise ValueError(f"grouped_w13_tile: stages={self.stages}, expected 2..8")
+        if not 0 <= self.persist <= 8:
+            raise ValueError(f"grouped_w13_tile: persist={self.persist}, expected 0..8")
         if self.smem_bytes > SMEM_MAX:
             raise ValueError(
                 f"grouped_w13_tile: {self} needs {self.smem_bytes} bytes of shared memory "
@@ -117,9 +125,6 @@ class TileConfig:
     @property
     def smem_bytes(self) -> int:
         return self.stages * (self.stage_w_bytes + self.stage_z_bytes)
-
-    def key(self) -> tuple:
-        return (self.rows, self.bk, self.stages, self.rt)
 
 
 def tile_config() -> TileConfig:
@@ -175,7 +180,7 @@ class GroupedW13Tile:
         self.UZ = self.BK // 4  # 16-byte units (4 FP32) per token and chunk
         self.ZP = -(-TOK * self.UZ // self.NT)  # z pieces per thread and chunk
         self.slots = n_slots(T, E, K)
-        self.grid = min(self.slots * self.NRT, CTAS_PER_SM * nsm)
+        self.grid = min(self.slots * self.NRT, (cfg.persist or CTAS_PER_SM) * nsm)
 
     @cute.jit
     def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact,
@@ -215,6 +220,10 @@ class GroupedW13Tile:
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
         nact = mNact[0]
+        if const_expr(self.cfg.persist > 0):
+            self._persist(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, nact * NRT, sW, sZ,
+                          tid, bid, warp, g, c, atom, fa, fb)  # fmt: skip
+            return
         for item in cutlass.range(bid, nact * NRT, self.grid):  # (slot, row block) items
             a = item // NRT
             rt = item % NRT
@@ -249,6 +258,104 @@ class GroupedW13Tile:
                     self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom)
                 cute.arch.cp_async_wait_group(0)
                 self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
+
+    @cute.jit
+    def _item(self, mSlotE, mSlotOff, mSlotN, item, total):
+        """``(e, off, n, row0)`` of work item ``item`` (clamped to the last one: loads stay in
+        bounds; the callers test ``item < total``)."""
+        it = cutlass.min(item, total - 1)
+        a = it // self.NRT
+        return mSlotE[a], mSlotOff[a], mSlotN[a], (it % self.NRT) * self.R
+
+    @cute.jit
+    def _pass(self, mPairs, off, n, ps, tid, c):
+        """``(nn, ztok, pp)`` of pass ``ps`` of an expert's ``n`` pairs at ``off``: its real
+        tokens, the tokens of the thread's z pieces, the pairs of the lane's output columns."""
+        nn = cutlass.min(n - ps * TOK, TOK)
+        base = off + ps * TOK
+        ztok = []
+        for i in cutlass.range_constexpr(self.ZP):
+            m = tid // self.UZ + i * (self.NT // self.UZ)
+            ztok.append(mPairs[base + cutlass.min(m, nn - 1)] // self.K)
+        pp = [mPairs[base + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
+        return nn, ztok, pp
+
+    @cute.jit
+    def _persist(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, total, sW, sZ, tid, bid,
+                 warp, g, c, atom, fa, fb):  # fmt: skip
+        """``persist`` mode: one pipeline over the CTA's whole chunk sequence (items ``bid,
+        bid + grid, ..``, each item's passes, each pass's ``NCH`` chunks). A loader state (the
+        chunk ``stages - 1`` ahead) and a consumer state advance separately; chunk ``g`` of the
+        sequence sits in stage ``g % stages`` and in commit group ``g`` (one group per step,
+        empty once the loader ran out), so the wait / barrier / refill discipline is the same
+        as within one item, across item and pass boundaries too. Item and pass lookups (L2
+        round trips) happen as the loader or consumer crosses a boundary; the loader's are
+        consumed one step later, after that step's MMAs."""
+        S, NCH, grid, Ie, L = self.S, self.NCH, self.grid, self.Ie, self.L
+        # loader state: item, pass, chunk, and what they imply
+        l_item = bid
+        l_ps = Int32(0)
+        l_kc = Int32(0)
+        l_e, l_off, l_n, l_row0 = self._item(mSlotE, mSlotOff, mSlotN, l_item, total)
+        l_nn, l_ztok, _ = self._pass(mPairs, l_off, l_n, l_ps, tid, c)
+        l_g = Int32(0)  # chunks issued
+        for s in cutlass.range_constexpr(S - 1):
+            if l_item < total:
+                mW = _expert_mat(mW13, l_e, 2 * Ie, L)
+                self._load(mW, mY, sW, sZ, l_row0, l_ztok, l_nn, l_kc, s, tid)
+                l_g = l_g + 1
+                l_kc = l_kc + 1
+                if l_kc == NCH:
+                    l_kc = Int32(0)
+                    l_ps = l_ps + 1
+                    if l_ps * TOK >= l_n:
+                        l_ps = Int32(0)
+                        l_item = l_item + grid
+                        l_e, l_off, l_n, l_row0 = self._item(mSlotE, mSlotOff, mSlotN, l_item,
+                                                             total)  # fmt: skip
+                    l_nn, l_ztok, _ = self._pass(mPairs, l_off, l_n, l_ps, tid, c)
+            cute.arch.cp_async_commit_group()
+        # consumer state
+        c_item = bid
+        c_ps = Int32(0)
+        c_kc = Int32(0)
+        c_g = Int32(0)  # chunks consumed
+        _, c_off, c_n, c_row0 = self._item(mSlotE, mSlotOff, mSlotN, c_item, total)
+        c_nn, _, c_pp = self._pass(mPairs, c_off, c_n, c_ps, tid, c)
+        accs = mc.zero_accs(2 * self.RT)
+        while c_item < total:
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.barrier()  # chunk c_g landed for all; all past chunk c_g - 1
+            if l_item < total:  # refill the stage of chunk c_g - 1 with chunk l_g
+                mW = _expert_mat(mW13, l_e, 2 * Ie, L)
+                self._load(mW, mY, sW, sZ, l_row0, l_ztok, l_nn, l_kc, l_g % S, tid)
+                l_g = l_g + 1
+                l_kc = l_kc + 1
+                if l_kc == NCH:
+                    l_kc = Int32(0)
+                    l_ps = l_ps + 1
+                    if l_ps * TOK >= l_n:
+                        l_ps = Int32(0)
+                        l_item = l_item + grid
+                        l_e, l_off, l_n, l_row0 = self._item(mSlotE, mSlotOff, mSlotN, l_item,
+                                                             total)  # fmt: skip
+                    l_nn, l_ztok, _ = self._pass(mPairs, l_off, l_n, l_ps, tid, c)
+            cute.arch.cp_async_commit_group()
+            self._compute(sW, sZ, c_g % S, warp, g, c, accs, fa, fb, atom)
+            c_g = c_g + 1
+            c_kc = c_kc + 1
+            if c_kc == NCH:  # the pass is complete: SiTU, store, next pass or item
+                self._epilogue(mH, accs, c_pp, c_nn, c_row0, warp, g, c)
+                for q in cutlass.range_constexpr(2 * self.RT):
+                    accs[q].fill(0.0)
+                c_kc = Int32(0)
+                c_ps = c_ps + 1
+                if c_ps * TOK >= c_n:
+                    c_ps = Int32(0)
+                    c_item = c_item + grid
+                    _, c_off, c_n, c_row0 = self._item(mSlotE, mSlotOff, mSlotN, c_item, total)
+                c_nn, _, c_pp = self._pass(mPairs, c_off, c_n, c_ps, tid, c)
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _load(self, mW, mY, sW, sZ, row0, ztok, nn, kc, stg, tid):
