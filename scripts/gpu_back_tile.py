@@ -1,8 +1,8 @@
 """The LatentMoE back end on the tile GEMM (``back_tile``) against ``BackMma`` on the H200.
 
     python scripts/gpu_back_tile.py --out $OUT/back_tile [--tp 8 16] [--tokens 8 32 64]
-        [--variants tile tile_s4 tile_s2 tile_k7 tile_w8] [--copies 4] [--replays 50]
-        [--no-block] [--budget-s 420]
+        [--variants tile tile_regs tile_regs_s5 tile_s4 tile_k7 tile_w8] [--copies 4]
+        [--replays 50] [--no-block] [--budget-s 420]
 
 Order: (1) a probe child runs every tile variant once per token count (a device fault kills
 only the child: the variants it could not run are marked FAIL and skipped, the rest goes on);
@@ -51,8 +51,11 @@ VARIANTS = {
     "tile_k2": {"splits": 2},  # 112 CTAs, 28 chunks each
     "tile_w8": {"warps": 8},  # 256-row tiles: half the acc re-reads; 28 x 7 CTAs
     "tile_w2": {"warps": 2},
+    # FP32 activations through registers, BF16 double buffer: 4 weight stages at 64 tokens
+    "tile_regs": {"act": "regs"},
+    "tile_regs_s5": {"act": "regs", "stages": 5},
 }
-DEFAULT_VARIANTS = ["tile", "tile_s4", "tile_s2", "tile_k7", "tile_w8"]
+DEFAULT_VARIANTS = ["tile", "tile_regs", "tile_regs_s5", "tile_s4", "tile_k7", "tile_w8"]
 
 
 def record(**kw) -> dict:

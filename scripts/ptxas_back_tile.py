@@ -54,7 +54,8 @@ def main() -> int:
     a = ap.parse_args()
     for T in a.tokens:
         for ks in a.knobs:
-            kv = {k: int(v) for k, v in (x.split("=") for x in ks.split(",") if x)}
+            pairs = (x.split("=") for x in ks.split(",") if x)
+            kv = {k: int(v) if v.isdigit() else v for k, v in pairs}
             print(f"T={T:<3} {ks or 'defaults':<20} {report(T, kv)}", flush=True)
     return 0
 

@@ -26,7 +26,7 @@ from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_ad
 from decodescope.kernels.weights import make_layer_weights  # noqa: E402
 
 KNOB_VARS = ("DECODESCOPE_MOE_BACK_TILE_STAGES", "DECODESCOPE_MOE_BACK_TILE_SPLITS",
-             "DECODESCOPE_MOE_BACK_TILE_WARPS")  # fmt: skip
+             "DECODESCOPE_MOE_BACK_TILE_WARPS", "DECODESCOPE_MOE_BACK_TILE_ACT")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,8 @@ def test_back_tile_compiles(preset, tp, T):
 
 
 @pytest.mark.parametrize("knobs", [dict(stages=4, splits=7), dict(stages=2, warps=8),
-                                   dict(warps=2, splits=2)])  # fmt: skip
+                                   dict(warps=2, splits=2), dict(act="regs"),
+                                   dict(act="regs", stages=5)])  # fmt: skip
 def test_back_tile_knobs_compile(knobs):
     bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
@@ -69,6 +70,11 @@ def test_back_plan_geometry():
     p32 = bt.BackPlan(m=32, k=3584, n=7168, eps=1e-5)
     assert p32.nstages == 4 and 2 * (p32.smem_bytes + 1024) <= bt.SM_SMEM
     assert bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, stages=4).smem_bytes > 128 * 1024
+    r64 = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, act="regs")  # FP32 in registers
+    assert r64.nstages == 4 and 2 * (r64.smem_bytes + 1024) <= bt.SM_SMEM
+    assert r64.x_floats == 64 * 64  # the BF16 double buffer
+    with pytest.raises(ValueError, match="act"):
+        bt.BackPlan(m=8, k=3584, n=7168, eps=1e-5, act="tma")
     with pytest.raises(ValueError, match="warps"):
         bt.BackPlan(m=8, k=3584, n=7168, eps=1e-5, warps=3)
     with pytest.raises(ValueError, match="1..64 tokens"):
@@ -77,12 +83,24 @@ def test_back_plan_geometry():
         bt.BackPlan(m=8, k=3584 + 32, n=7168, eps=1e-5)
 
 
+@pytest.mark.parametrize("T", [8, 13, 32])
+def test_back_tile_regs_compiles(T):
+    bp = bt.BackPlan(m=T, k=3584, n=7168, eps=1e-5, act="regs")
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
 def test_back_tile_knobs_env(monkeypatch):
-    assert bt.knobs() == {"stages": 0, "splits": 0, "warps": 4}
+    assert bt.knobs() == {"stages": 0, "splits": 0, "warps": 4, "act": "smem"}
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_STAGES", "4")
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_SPLITS", "7")
     bp = bt.plan_for(64, 3584, 7168, 1e-5)
     assert (bp.nstages, bp.tile.splits) == (4, 7)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_ACT", "regs")
+    assert bt.plan_for(64, 3584, 7168, 1e-5).act == "regs"
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_ACT", "tma")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_ACT"):
+        bt.knobs()
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK_TILE_ACT")
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_WARPS", "five")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_WARPS"):
         bt.knobs()
@@ -221,6 +239,44 @@ def test_shared_memory_index_math(T, threads):
                     parts.append(sm[r, o : o + 8].view(torch.bfloat16))
                 got = torch.cat(parts)
                 assert torch.equal(got, want[r, 32 * h + 8 * c : 32 * h + 8 * c + 8]), (lane, h, j)
+
+
+@pytest.mark.parametrize("T,threads", [(64, 128), (13, 128), (8, 256)])
+def test_shared_memory_index_math_regs(T, threads):
+    """``act="regs"``: each thread's registers hold the units ``load_acc_regs`` loads;
+    ``convert_regs`` writes their BF16 into tile_gemm's activation layout, where every lane's
+    16-byte B read (``compute_b``, ``tile_gemm.TileGemm.compute``'s unit) finds columns
+    ``32h + 8c .. + 7``; no byte written twice."""
+    g = torch.Generator().manual_seed(T)
+    MP = (T + 7) // 8 * 8
+    U16 = bt.UNITS
+    acc = torch.randn(MP, 64, generator=g)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    want = (acc * w.float()).to(torch.bfloat16)
+    sm = torch.full((MP, 128), 0xFF, dtype=torch.uint8)  # one BF16 slot, 128 bytes per row
+    written = torch.zeros(MP, 128, dtype=torch.int32)
+    units = MP * U16
+    for tid in range(threads):
+        u = tid % U16
+        for q in range(-(-units // threads)):
+            idx = tid + q * threads
+            r = idx // U16
+            if idx < units and r < T:
+                xf = acc[r, 4 * u : 4 * u + 4]  # load_acc_regs: columns kc * 64 + 4u ..
+                pu = (u // 2 + 4 * (r % 2)) % 8
+                o = 8 * (2 * pu + u % 2)
+                sm[r, o : o + 8] = _bf16_bytes(xf * w[4 * u : 4 * u + 4].float())
+                written[r, o : o + 8] += 1
+    assert int(written.max()) == 1
+    for lane in range(32):
+        g_, c = lane // 4, lane % 4
+        for h in range(2):
+            pu = (4 * h + c + 4 * (g_ % 2)) % 8
+            for j in range(MP // 8):
+                r = 8 * j + g_
+                if r < T:
+                    got = sm[r, 16 * pu : 16 * pu + 16].view(torch.bfloat16)
+                    assert torch.equal(got, want[r, 32 * h + 8 * c : 32 * h + 8 * c + 8])
 
 
 def test_b_reads_are_bank_conflict_free():

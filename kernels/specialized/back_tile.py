@@ -34,11 +34,18 @@ sums the splits' partials) with an FP32 activation stage and the RMSNorm folded 
 - **Epilogue** (last CTA of a row tile): ``bf16(rstd[t] * sum_splits(partial) + shared_out)``,
   rounded once, as ``BackMma``'s ``post``. Always through the workspace, also at one split.
 
+``act="regs"`` (``DECODESCOPE_MOE_BACK_TILE_ACT=regs``, an A/B variant): the FP32 units are
+loaded into registers one chunk ahead (the same units per thread, 16-byte loads) instead of
+through shared memory, converted into a BF16 double buffer in tile_gemm's activation layout
+(``(U + 4 (r % 2)) % 8``) and read as there (one 16-byte load per B fragment). Shared memory
+then holds only the weight stages (4 at 64 tokens with two CTAs per SM, against 3), at the cost
+of one chunk of activation latency per iteration covered by a chunk's MMAs only.
+
 Selection: ``DECODESCOPE_MOE_BACK=tile`` forces it (1..64 tokens, ``L`` a multiple of 64, ``H``
 of 16); ``auto`` picks it from ``TILE_FROM`` tokens (``None``: never, the default until the H200
 A/B). Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
 an SM, else 3), ``DECODESCOPE_MOE_BACK_TILE_SPLITS`` (0: the tile GEMM's rule, 4 at H 7168),
-``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4).
+``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4), ``DECODESCOPE_MOE_BACK_TILE_ACT`` (``smem``).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -62,6 +69,7 @@ BK = tg.BK  # K columns per chunk
 UNITS = BK // 4  # 16-byte FP32 units per token row of a chunk
 SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved per CTA
 TILE_FROM: int | None = None  # auto picks this kernel from this many tokens (None: never)
+ACTS = ("smem", "regs")  # how the FP32 activations travel (see the module docstring)
 
 
 def _two_per_sm(nbytes: int) -> bool:
@@ -81,8 +89,11 @@ class BackPlan:
     warps: int = 4
     stages: int = 0
     splits: int = 0
+    act: str = "smem"
 
     def __post_init__(self) -> None:
+        if self.act not in ACTS:
+            raise ValueError(f"back_tile: act must be one of {ACTS}, got {self.act!r}")
         if self.warps not in (2, 4, 8):
             raise ValueError(f"back_tile: warps must be 2, 4 or 8, got {self.warps}")
         if self.stages and not 2 <= self.stages <= 8:
@@ -91,9 +102,13 @@ class BackPlan:
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"back_tile: {self.smem_bytes} bytes of shared memory > 227 KB")
 
+    @property
+    def mp(self) -> int:
+        return (self.m + 7) // 8 * 8
+
     def _stage_bytes(self) -> int:
-        mp = (self.m + 7) // 8 * 8
-        return self.warps * tg.WARP_ROWS * BK * 2 + mp * BK * 4
+        w = self.warps * tg.WARP_ROWS * BK * 2
+        return w + self.mp * BK * 4 if self.act == "smem" else w
 
     @property
     def nstages(self) -> int:
@@ -114,7 +129,14 @@ class BackPlan:
                            splits_force=self.splits, warps=self.warps, stages=self.nstages)  # fmt: skip
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
-        return t.chunks * BK * 2 + t.mp * 4 + 16  # norm weights, rstd, last flag (+ alignment)
+        # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer
+        xb = 2 * self.mp * BK * 2 if self.act == "regs" else 0
+        return t.chunks * BK * 2 + t.mp * 4 + 16 + xb
+
+    @property
+    def x_floats(self) -> int:
+        """FP32 words of the activation region (FP32 stages, or the BF16 double buffer)."""
+        return self.nstages * self.mp * BK if self.act == "smem" else self.mp * BK
 
     @property
     def smem_bytes(self) -> int:
@@ -158,7 +180,7 @@ class BackTile(tg.TileGemm):
         @cute.struct
         class Smem:
             w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
-            x: cute.struct.Align[cute.struct.MemRange[Float32, p.stages * p.mp * BK], 128]
+            x: cute.struct.Align[cute.struct.MemRange[Float32, self.bp.x_floats], 128]
             nw: cute.struct.Align[cute.struct.MemRange[BFloat16, p.chunks * BK], 16]
             rstd: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
             last: cute.struct.MemRange[Int32, 1]
@@ -182,12 +204,23 @@ class BackTile(tg.TileGemm):
         sW = st.w.get_tensor(
             cute.make_layout((p.stages, p.cta_rows, BK), stride=(p.cta_rows * BK, BK, 1))
         )
-        sX = st.x.get_tensor(cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1)))
-        # the same bytes as BF16: 128 per token row (the converted values, in place)
-        sXb = cute.make_tensor(
-            cute.recast_ptr(sX.iterator, dtype=BFloat16),
-            cute.make_layout((p.stages, p.mp, 2 * BK), stride=(p.mp * 2 * BK, 2 * BK, 1)),
-        )
+        regs = self.bp.act == "regs"
+        sX = None
+        if cutlass.const_expr(regs):
+            # the BF16 double buffer, tile_gemm's activation layout
+            sXb = cute.make_tensor(
+                cute.recast_ptr(
+                    st.x.get_tensor(cute.make_layout(self.bp.x_floats)).iterator, dtype=BFloat16
+                ),  # fmt: skip
+                cute.make_layout((2, p.mp, BK), stride=(p.mp * BK, BK, 1)),
+            )
+        else:
+            sX = st.x.get_tensor(cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1)))
+            # the same bytes as BF16: 128 per token row (the converted values, in place)
+            sXb = cute.make_tensor(
+                cute.recast_ptr(sX.iterator, dtype=BFloat16),
+                cute.make_layout((p.stages, p.mp, 2 * BK), stride=(p.mp * 2 * BK, 2 * BK, 1)),
+            )
         sNW = st.nw.get_tensor(cute.make_layout(p.chunks * BK))
         sRstd = st.rstd.get_tensor(cute.make_layout(p.mp))
         sLast = st.last.get_tensor(cute.make_layout(1))
@@ -210,9 +243,14 @@ class BackTile(tg.TileGemm):
         if cutlass.const_expr(p.pdl):
             pdl_begin()
         for s in cutlass.range_constexpr(p.stages - 1):
-            if cutlass.const_expr(s < pre):
+            if cutlass.const_expr(s < pre and not regs):
                 self.load_acc(mAcc, sX, kc0 + s, s, tidx)
             cute.arch.cp_async_commit_group()
+        rX = []
+        if cutlass.const_expr(regs):  # chunk 0's activations into registers
+            for _ in cutlass.range_constexpr(self.slots):
+                rX.append(cute.make_rmem_tensor((4,), Float32))
+            self.load_acc_regs(mAcc, rX, kc0, tidx)
 
         atom = mc.mma_atom()
         accs = mc.zero_accs(tg.RT * p.ntiles)
@@ -220,9 +258,20 @@ class BackTile(tg.TileGemm):
         ssq = cute.make_rmem_tensor((self.slots,), Float32)
         ssq.fill(0.0)
         for i in cutlass.range(p.chunks, unroll=1):
-            cute.arch.cp_async_wait_group(p.stages - 2)
             stg = i % p.stages
-            self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
+            xs = stg
+            if cutlass.const_expr(regs):
+                # chunk i from registers into BF16 slot i % 2 (read by chunk i - 2's MMAs, which
+                # every thread finished before the last barrier); then chunk i + 1's loads, in
+                # flight during this chunk's MMAs
+                xs = i % 2
+                self.convert_regs(rX, sXb, sNW, xs, i, ssq, tidx)
+                if i + 1 < p.chunks:
+                    self.load_acc_regs(mAcc, rX, kc0 + i + 1, tidx)
+                cute.arch.cp_async_wait_group(p.stages - 2)
+            else:
+                cute.arch.cp_async_wait_group(p.stages - 2)
+                self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
             # the converted chunk is visible to all; every thread is past chunk i - 1's MMAs,
             # so its stage may be refilled
             cute.arch.sync_threads()
@@ -230,9 +279,10 @@ class BackTile(tg.TileGemm):
             if nxt < p.chunks:
                 sn = nxt % p.stages
                 self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
-                self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
+                if cutlass.const_expr(not regs):
+                    self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            self.compute_b(sW, sXb, stg, warp, g, c, accs, fa, fb, atom)
+            self.compute_b(sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
 
         self.store_partial(mWs, accs, bx, sp, warp, g, c)
@@ -281,6 +331,44 @@ class BackTile(tg.TileGemm):
                 mc.cp_async16(dst, src)
 
     @cute.jit
+    def load_acc_regs(self, mAcc, rX, kc, tidx):
+        """``act="regs"``: this thread's units of chunk ``kc`` (the units ``load_acc`` would
+        copy) into registers (16-byte loads; a warp reads two rows' 256 contiguous bytes)."""
+        p = self.p
+        units = p.mp * UNITS
+        u = tidx % UNITS
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            if idx < units and r < p.m:
+                cute.autovec_copy(cute.local_tile(mAcc[r, None], (4,), (kc * UNITS + u,)), rX[q])
+
+    @cute.jit
+    def convert_regs(self, rX, sXb, sNW, xs, i, ssq, tidx):
+        """``act="regs"``: squares into ``ssq``, ``bf16(acc * w_norm)`` into BF16 slot ``xs`` in
+        tile_gemm's layout (logical 16-byte unit ``U`` of row ``r`` at ``(U + 4 (r % 2)) % 8``;
+        FP32 unit ``u`` is half ``u % 2`` of ``U = u // 2``)."""
+        p = self.p
+        units = p.mp * UNITS
+        u = tidx % UNITS
+        nw = cute.make_rmem_tensor((4,), BFloat16)
+        cute.autovec_copy(cute.local_tile(sNW, (4,), (i * UNITS + u,)), nw)
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            if idx < units:
+                xf = rX[q]
+                xb = cute.make_rmem_tensor((4,), BFloat16)
+                s = ssq[q]
+                for e in cutlass.range_constexpr(4):
+                    s = s + xf[e] * xf[e]
+                    xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
+                ssq[q] = s
+                pu = (u // 2 + 4 * (r % 2)) % 8
+                dst = cute.local_tile(sXb[xs, r, None], (4,), (2 * pu + u % 2,))
+                cute.autovec_copy(xb, dst)
+
+    @cute.jit
     def convert(self, sX, sXb, sNW, stg, i, ssq, tidx):
         """This thread's own units of chunk ``i`` (stage ``stg``): squares into ``ssq``, then
         ``bf16(acc * w_norm)`` into half ``(r // 2) % 2`` of the same unit."""
@@ -307,10 +395,11 @@ class BackTile(tg.TileGemm):
                 )
 
     @cute.jit
-    def compute_b(self, sW, sXb, stg, warp, g, c, accs, fa, fb, atom):
-        """The MMAs of one chunk (as :meth:`.tile_gemm.TileGemm.compute`), B from the converted
-        FP32 stage: columns ``8c .. 8c + 7`` of half ``h`` are FP32 units ``2U``, ``2U + 1``
-        (``U = 4h + c``) of token row ``8j + g``, 4 BF16 each."""
+    def compute_b(self, sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom):
+        """The MMAs of one chunk (as :meth:`.tile_gemm.TileGemm.compute`, weights from stage
+        ``stg``), B from the converted activations ``xs``: with ``act="smem"`` columns
+        ``8c .. 8c + 7`` of half ``h`` are FP32 units ``2U``, ``2U + 1`` (``U = 4h + c``) of token
+        row ``8j + g``, 4 BF16 each; with ``"regs"`` one 16-byte load as in tile_gemm."""
         p = self.p
         par = 4 * (g % 2)  # weight rows g, g + 8 share g's parity (tile_gemm's swizzle)
         xo = g % 2  # token rows 8j + g: the FP32 unit XOR
@@ -327,12 +416,20 @@ class BackTile(tg.TileGemm):
                 tiles.append((lo, hi, q))
             U = 4 * h + c
             for j in cutlass.range_constexpr(p.ntiles):
-                b0 = cute.make_rmem_tensor((4,), BFloat16)
-                b1 = cute.make_rmem_tensor((4,), BFloat16)
-                row = sXb[stg, j * 8 + g, None]
-                cute.autovec_copy(cute.local_tile(row, (4,), (2 * ((2 * U) ^ xo) + hf,)), b0)
-                cute.autovec_copy(cute.local_tile(row, (4,), (2 * ((2 * U + 1) ^ xo) + hf,)), b1)
-                mc.mma_k16(atom, accs, fa, fb, _Pair(b0, b1),
+                row = sXb[xs, j * 8 + g, None]
+                xb = None
+                if cutlass.const_expr(self.bp.act == "regs"):
+                    xb = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(row, (8,), (pu,)), xb)
+                else:
+                    b0 = cute.make_rmem_tensor((4,), BFloat16)
+                    b1 = cute.make_rmem_tensor((4,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(row, (4,), (2 * ((2 * U) ^ xo) + hf,)), b0)
+                    cute.autovec_copy(
+                        cute.local_tile(row, (4,), (2 * ((2 * U + 1) ^ xo) + hf,)), b1
+                    )
+                    xb = _Pair(b0, b1)
+                mc.mma_k16(atom, accs, fa, fb, xb,
                            [(lo, hi, q * p.ntiles + j) for lo, hi, q in tiles])  # fmt: skip
 
     @cute.jit
@@ -469,11 +566,15 @@ def _knob(var: str, choices: tuple[int, ...]) -> int:
 
 def knobs() -> dict[str, int]:
     """The A/B knobs (environment, read at each call): ``DECODESCOPE_MOE_BACK_TILE_STAGES``
-    (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8)."""
+    (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8),
+    ``_ACT`` (``smem`` or ``regs``)."""
     stages = _knob("DECODESCOPE_MOE_BACK_TILE_STAGES", (0, 2, 3, 4, 5, 6))
     splits = _knob("DECODESCOPE_MOE_BACK_TILE_SPLITS", (0, 1, 2, 4, 7, 8, 14))
     warps = _knob("DECODESCOPE_MOE_BACK_TILE_WARPS", (0, 2, 4, 8)) or 4
-    return {"stages": stages, "splits": splits, "warps": warps}
+    act = os.environ.get("DECODESCOPE_MOE_BACK_TILE_ACT", "") or "smem"
+    if act not in ACTS:
+        raise ValueError(f"DECODESCOPE_MOE_BACK_TILE_ACT={act!r}: expected one of {ACTS}")
+    return {"stages": stages, "splits": splits, "warps": warps, "act": act}
 
 
 def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
