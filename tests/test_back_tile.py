@@ -295,8 +295,9 @@ def test_b_reads_are_bank_conflict_free():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act", bt.ACTS)
 @pytest.mark.parametrize("T", [8, 13, 32, 64])
-def test_back_tile_gpu(T):
+def test_back_tile_gpu(T, act):
     """H200 (``pytest -m gpu``): the kernel vs ``up_proj_shared_add_ref`` and vs its own
     arithmetic (``back_tile_ref``), output poisoned with NaN, three launches in a row (the
     counters reset themselves), then a CUDA graph replayed twice; tokens of different scales."""
@@ -312,19 +313,19 @@ def test_back_tile_gpu(T):
     sh = torch.randn(T, H, device=dev, generator=g)
     ref = up_proj_shared_add_ref(acc, nw, up, sh, cfg.eps)
     own = bt.back_tile_ref(
-        acc, nw, up, sh, cfg.eps, splits=bt.plan_for(T, L, H, cfg.eps).tile.splits
+        acc, nw, up, sh, cfg.eps, splits=bt.plan_for(T, L, H, cfg.eps, act=act).tile.splits
     )
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     for _ in range(3):
         out.fill_(float("nan"))
-        bt.back_tile(acc, nw, up, sh, out, cfg.eps)
+        bt.back_tile(acc, nw, up, sh, out, cfg.eps, act=act)
         torch.cuda.synchronize()
         assert rel_l2(out, ref) < 1e-2
         assert rel_l2(out, own) < 2e-3
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        bt.back_tile(acc, nw, up, sh, out_g, cfg.eps)
+        bt.back_tile(acc, nw, up, sh, out_g, cfg.eps, act=act)
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()
