@@ -39,9 +39,9 @@ def report(tp: int, T: int, kv: dict) -> str:
     regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
     spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", r.stderr))
     smem = op.smem + 256 + 1024  # + alignment slack + the per-CTA reserve
-    per_sm = min(228 * 1024 // smem, 65536 // (regs * op.NT), 64 // op.NW, 32)
+    per_sm = min(228 * 1024 // smem, 65536 // (regs * op.NT), 64 * 32 // op.NT, 32)
     return (
-        f"R={op.R} BK={op.BK} stages={op.stages} bufs={op.nbuf} MT={op.MT} threads={op.NT} "
+        f"load={op.load} R={op.R} BK={op.BK} stages={op.stages} bufs={op.nbuf} MT={op.MT} threads={op.NT} "
         f"regs={regs} spill_stores={spills} smem={op.smem} ctas/SM~{per_sm} grid={op.grid}"
     )
 
@@ -55,7 +55,8 @@ def main() -> int:
     for tp in a.tp:
         for T in a.tokens:
             for ks in a.knobs:
-                kv = {k: int(v) for k, v in (x.split("=") for x in ks.split(",") if x)}
+                kv = {k: v if k == "load" else int(v)
+                      for k, v in (x.split("=") for x in ks.split(",") if x)}  # fmt: skip
                 print(f"TP{tp} T={T:<3} {ks or 'defaults':<20} {report(tp, T, kv)}", flush=True)
     return 0
 

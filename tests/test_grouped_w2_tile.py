@@ -52,6 +52,12 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"stages": 2}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
+        ("kimi-k3", 8, 8, {"load": "bulk"}),
+        ("kimi-k3", 8, 64, {"load": "bulk"}),
+        ("kimi-k3", 16, 64, {"load": "bulk"}),
+        ("kimi-k3", 8, 64, {"load": "bulk", "warps": 2, "stages": 4}),
+        ("kimi-k3", 8, 32, {"load": "bulk", "mt": 2, "rt": 2}),
+        ("tiny", 2, 3, {"load": "bulk"}),
     ],
 )
 def test_compiles(preset, tp, T, kv):
@@ -81,6 +87,12 @@ def test_knobs_env(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_RT", "2")
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_STAGES", "3")
     assert gt.knobs() == gt.TileKnobs(rt=2, stages=3)
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_LOAD", "bulk")
+    assert gt.knobs().load == "bulk"
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_LOAD", "tma")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2T_LOAD"):
+        gt.knobs()
+    monkeypatch.delenv("DECODESCOPE_MOE_W2T_LOAD")
     for var, bad in (("DECODESCOPE_MOE_W2T_RT", "3"), ("DECODESCOPE_MOE_W2T_BK", "x"),
                      ("DECODESCOPE_MOE_W2T_STAGES", "9"), ("DECODESCOPE_MOE_W2T_CAP", "0")):  # fmt: skip
         monkeypatch.setenv(var, bad)
@@ -126,7 +138,13 @@ def _replay_pass(op, W, Hr, row0, np_):
     for kc in range(op.NCH):
         sw = torch.full((R, U, 8), float("nan"), dtype=torch.float64)
         sx = torch.full((MP, U, 8), float("nan"), dtype=torch.float64)
-        for tid in range(NT):
+        if op.bulk:  # one copy per row: its units in order, the padding never read
+            for r in range(R):
+                if row0 + r < op.L:
+                    sw[r] = W[row0 + r, kc * op.BK : (kc + 1) * op.BK].reshape(U, 8)
+            for t in range(np_):
+                sx[t] = Hr[t, kc * op.BK : (kc + 1) * op.BK].reshape(U, 8)
+        for tid in range(0 if op.bulk else NT):
             for i in range(R * U // NT):
                 r, u = gt.piece(tid + i * NT, U)
                 if row0 + r < op.L:
@@ -181,6 +199,8 @@ def _replay_pass(op, W, Hr, row0, np_):
         ("tiny", 1, {"bk": 32, "stages": 2, "mt": 2}, 11),
         ("tiny", 1, {"warps": 2, "rt": 2}, 1),
         ("kimi-k3", 16, {}, 2),  # Ie 192: 3 chunks of 64
+        ("tiny", 1, {"load": "bulk"}, 9),  # padded rows, unswizzled reads, two passes
+        ("tiny", 2, {"load": "bulk", "mt": 2}, 5),
     ],
 )
 def test_replay_matches_matmul(preset, tp, kv, n):
@@ -242,6 +262,7 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 2, 3, 1, {"mt": 2}),
         ("kimi-k3", 8, 8, 2, {}),
         ("kimi-k3", 16, 16, 1, {"rt": 2, "cap": 4}),
+        ("tiny", 1, 8, 1, {"load": "bulk", "warps": 2}),
     ],
 )
 def test_every_output_written_once(preset, tp, T, nsm, kv):

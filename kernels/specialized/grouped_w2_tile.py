@@ -34,11 +34,21 @@ threads issuing 16-byte ``cp.async``. This kernel takes that shape:
   stream instead of trailing it) run GroupedW2's register-load shared-down code unchanged in
   substance: 2 row tiles per warp, all tokens 8 per pass, plain FP32 stores.
 
-Knobs (module constants, env overrides read at each call and part of the compile key, so that
-one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT`` (row tiles per warp,
-1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
-chunks of an item in flight, at most 4), ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per
-SM of the routed grid, 64).
+``DECODESCOPE_MOE_W2T_LOAD=bulk`` moves the same tiles differently: one more warp, the
+producer, walks the CTA's (item, pass, chunk) stream and fills each stage with one
+``cp.async.bulk`` per weight row and per token row (``BK x 2`` contiguous bytes each; rows padded
+by 64 bytes instead of swizzled), completing on the stage's ``full`` mbarrier; the consumer
+warps wait on it, multiply, and arrive on its ``empty`` mbarrier, which the producer waits on
+before refilling. One instruction per 256-byte row run instead of 16 per-thread copies, no CTA
+barrier, and the next item's chunks in flight while the current item's are multiplied (the
+cp.async path refills only within an item).
+
+Knobs (module constants ``DEF_*``, env overrides read at each call and part of the compile key,
+so that one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT`` (row tiles per
+warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
+chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
+``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 64), ``_LOAD``
+(``cp`` | ``bulk``).
 """
 
 from __future__ import annotations
@@ -49,34 +59,37 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, const_expr
+from cutlass import BFloat16, Int32, Int64, const_expr
+from cutlass.experimental import primitives as prims
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import moe_grouped as mg
 
-WARPS = 4  # warps per CTA, each on its own rows
-RT = 1  # 16-row MMA tiles per warp: R = WARPS x RT x 16 = 64 rows per item (Triton's BLOCK_N)
-BK = 0  # K chunk (0: the largest of BK_CHOICES dividing Ie: 128 at TP8, 64 at TP16)
+DEF_WARPS = 4  # warps per CTA, each on its own rows
+DEF_RT = 1  # 16-row MMA tiles per warp: R = warps x RT x 16 = 64 rows per item (Triton's BLOCK_N)
+DEF_BK = 0  # K chunk (0: the largest of BK_CHOICES dividing Ie: 128 at TP8, 64 at TP16)
 BK_CHOICES = (128, 64, 32)
-STAGES = 0  # shared-memory stages (0: every chunk of an item in flight, capped at MAX_STAGES)
+DEF_STAGES = 0  # shared-memory stages (0: every chunk of an item in flight, capped at MAX_STAGES)
 MAX_STAGES = 4
-MT = 1  # 8-token MMA tiles per pass (tokens per expert at 64 tokens: mostly 1-3)
-CAP = mg.CTAS_PER_SM  # routed CTAs per SM in the grid (past it, CTAs loop over items)
+DEF_MT = 1  # 8-token MMA tiles per pass (tokens per expert at 64 tokens: mostly 1-3)
+DEF_CAP = mg.CTAS_PER_SM  # routed CTAs per SM in the grid (past it, CTAs loop over items)
 SHARED_RT = 2  # row tiles per warp of the shared-expert CTAs (GroupedW2's tiling)
 SMEM_MAX = 227 * 1024
+LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
 
 
 @dataclass(frozen=True)
 class TileKnobs:
     """The compile-time choices of :class:`GroupedW2Tile` (0 = derived from the shapes)."""
 
-    warps: int = WARPS
-    rt: int = RT
-    bk: int = BK
-    stages: int = STAGES
-    mt: int = MT
-    cap: int = CAP
+    warps: int = DEF_WARPS
+    rt: int = DEF_RT
+    bk: int = DEF_BK
+    stages: int = DEF_STAGES
+    mt: int = DEF_MT
+    cap: int = DEF_CAP
+    load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -86,6 +99,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "stages": ("DECODESCOPE_MOE_W2T_STAGES", tuple(range(0, 9))),
     "mt": ("DECODESCOPE_MOE_W2T_MT", (1, 2, 4)),
     "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 129))),
+    "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
 }
 
 
@@ -96,6 +110,11 @@ def knobs() -> TileKnobs:
     for name, (var, allowed) in _ENV.items():
         v = os.environ.get(var, "")
         if v == "":
+            continue
+        if name == "load":
+            if v not in allowed:
+                raise ValueError(f"{var}={v!r}: expected one of {allowed}")
+            vals[name] = v
             continue
         if not v.isdigit() or int(v) not in allowed:
             lo, hi = min(allowed), max(allowed)
@@ -140,23 +159,39 @@ class GroupedW2Tile:
                              f"{Ie} and be 32 or a multiple of 64 (the swizzle)")  # fmt: skip
         self.T, self.E, self.K, self.L, self.Ie, self.H, self.S = T, E, K, L, Ie, H, S
         self.pdl = pdl
+        if kn.load not in LOADS:
+            raise ValueError(f"grouped_w2_tile: load {kn.load!r}, expected one of {LOADS}")
+        self.load = kn.load
+        self.bulk = kn.load == "bulk"
         self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
-        self.NT = self.NW * 32
+        self.NT = (self.NW + self.bulk) * 32  # bulk: one more warp, the producer
         self.R = self.NW * self.RT * mg.ROWS  # weight rows per item
         self.MP = 8 * self.MT  # token rows of h per pass
         self.U = bk // 8  # 16-byte units per row and chunk
         self.NCH = Ie // bk
-        self.stages = kn.stages or min(self.NCH + 1, MAX_STAGES)
-        if not 2 <= self.stages <= 8:
-            raise ValueError(f"grouped_w2_tile: stages {self.stages}, expected 2..8")
-        if (self.R * self.U) % self.NT:
-            raise ValueError(f"grouped_w2_tile: {self.R} rows x {self.U} units do not split over "
-                             f"{self.NT} threads")  # fmt: skip
-        self.swz = 4 if self.U >= 8 else 0  # odd rows: unit ^ 4 (U = 4: rows alternate halves)
-        # buffers: NS - 1 chunks in flight plus the one being read; with every chunk of an item
-        # in flight (NS > NCH) only NCH of them are ever used
-        self.nbuf = min(self.stages, self.NCH)
-        self.smem = self.nbuf * (self.R + self.MP) * bk * 2
+        if self.bulk:
+            # the producer fills every buffer ahead of the consumers (full / empty mbarriers)
+            self.stages = kn.stages or min(self.NCH, MAX_STAGES - 1) or 1
+            if not 1 <= self.stages <= 8 or self.MP > 32:
+                raise ValueError(f"grouped_w2_tile: bulk stages {self.stages} (1..8), tokens per "
+                                 f"pass {self.MP} (<= 32)")  # fmt: skip
+            self.swz = 0  # rows padded instead (a bulk copy cannot swizzle): stride = 64 mod 128
+            self.BKP = bk + 32 if (bk * 2) % 128 == 0 else bk
+            self.nbuf = self.stages
+            self.smem = self.nbuf * ((self.R + self.MP) * self.BKP * 2 + 16)
+        else:
+            self.stages = kn.stages or min(self.NCH + 1, MAX_STAGES)
+            if not 2 <= self.stages <= 8:
+                raise ValueError(f"grouped_w2_tile: stages {self.stages}, expected 2..8")
+            if (self.R * self.U) % self.NT:
+                raise ValueError(f"grouped_w2_tile: {self.R} rows x {self.U} units do not split "
+                                 f"over {self.NT} threads")  # fmt: skip
+            self.swz = 4 if self.U >= 8 else 0  # odd rows: unit ^ 4 (U = 4: halves alternate)
+            self.BKP = bk
+            # buffers: NS - 1 chunks in flight plus the one being read; with every chunk of an
+            # item in flight (NS > NCH) only NCH of them are ever used
+            self.nbuf = min(self.stages, self.NCH)
+            self.smem = self.nbuf * (self.R + self.MP) * bk * 2
         if self.smem > SMEM_MAX:
             raise ValueError(f"grouped_w2_tile: {self.smem} bytes of shared memory > {SMEM_MAX}")
         self.CE = -(-L // self.R)  # items per expert
@@ -175,7 +210,7 @@ class GroupedW2Tile:
         self.kernel(
             mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact
         ).launch(  # fmt: skip
-            grid=[self.grid, 1, 1], block=[self.NT, 1, 1], smem=self.smem + 256, stream=stream,
+            grid=[self.grid, 1, 1], block=[self.NT, 1, 1], smem=self.smem + 384, stream=stream,
             use_pdl=self.pdl,
         )  # fmt: skip
 
@@ -185,35 +220,49 @@ class GroupedW2Tile:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
+        BKP = self.BKP
         sW = smem.allocate_tensor(
             BFloat16,
-            cute.make_layout((self.nbuf, self.R, self.BK),
-                             stride=(self.R * self.BK, self.BK, 1)),
+            cute.make_layout((self.nbuf, self.R, BKP), stride=(self.R * BKP, BKP, 1)),
             byte_alignment=128,
         )  # fmt: skip
         sX = smem.allocate_tensor(
             BFloat16,
-            cute.make_layout((self.nbuf, self.MP, self.BK),
-                             stride=(self.MP * self.BK, self.BK, 1)),
+            cute.make_layout((self.nbuf, self.MP, BKP), stride=(self.MP * BKP, BKP, 1)),
             byte_alignment=128,
         )  # fmt: skip
+        sFull = sEmpty = None
+        if const_expr(self.bulk):
+            sFull = smem.allocate_tensor(Int64, cute.make_layout(self.nbuf), byte_alignment=8)
+            sEmpty = smem.allocate_tensor(Int64, cute.make_layout(self.nbuf), byte_alignment=8)
+            if tid == 0:
+                for b in cutlass.range_constexpr(self.nbuf):
+                    cute.arch.mbarrier_init(sFull.iterator + b, 1)
+                    cute.arch.mbarrier_init(sEmpty.iterator + b, self.NW)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if bid < self.CS:
-            self._shared(mHs, mWs2, mShared, bid, tid)
+            if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
+                self._shared(mHs, mWs2, mShared, bid, tid)
         else:
             nact = mNact[0]
-            for item in cutlass.range(bid - self.CS, nact * self.CE, self.nr):
-                self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, item,
-                           tid)  # fmt: skip
+            if const_expr(self.bulk):
+                self._bulk(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull,
+                           sEmpty, bid - self.CS, nact * self.CE, tid)  # fmt: skip
+            else:
+                for item in cutlass.range(bid - self.CS, nact * self.CE, self.nr):
+                    self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
+                               item, tid)  # fmt: skip
 
     # -- routed items ----------------------------------------------------------------------
 
     @cute.jit
     def _item(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, item, tid):
         """One (expert slot, row block) item: every pass of ``MP`` tokens through the pipeline."""
-        K, L, Ie, MP, MT, RT = self.K, self.L, self.Ie, self.MP, self.MT, self.RT
+        L, Ie, MP, RT = self.L, self.Ie, self.MP, self.RT
         NCH, NS = self.NCH, self.stages
         warp = tid // 32
         lane = tid % 32
@@ -242,14 +291,8 @@ class GroupedW2Tile:
                 if const_expr(s < NCH):
                     self._load_h(mH, sX, hrows, np_, s, s, tid)
                 cute.arch.cp_async_commit_group()
-            # this lane's token slots: pairs and routing weights, in flight during the K loop
-            slots = []
-            for jt in cutlass.range_constexpr(MT):
-                for s2 in cutlass.range_constexpr(2):
-                    j = jt * 8 + 2 * c + s2
-                    p = mPairs[off + t0 + cutlass.min(j, np_ - 1)]
-                    slots.append((j, p, mTw[p]))
-            accs = mc.zero_accs(RT * MT)
+            slots = self._slots(mPairs, mTw, off, t0, np_, c)
+            accs = mc.zero_accs(RT * self.MT)
             for i in cutlass.range_constexpr(NCH):
                 cute.arch.cp_async_wait_group(NS - 2)
                 cute.arch.barrier()
@@ -260,23 +303,120 @@ class GroupedW2Tile:
                 cute.arch.cp_async_commit_group()
                 self._compute(sW, sX, i % NS, warp, g, c, accs, fa, fb, atom)
             cute.arch.cp_async_wait_group(0)
-            for jt in cutlass.range_constexpr(MT):
-                for s2 in cutlass.range_constexpr(2):
-                    j, p, wt = slots[jt * 2 + s2]
-                    if j < np_:
-                        base = (p // K) * L
-                        for q in cutlass.range_constexpr(RT):
-                            r = row0 + (warp * RT + q) * mg.ROWS + g
-                            acc = accs[q * MT + jt]
-                            if const_expr(self.full_rows):
+            self._epilogue(mAcc, accs, slots, np_, row0, warp, g)
+
+    def _slots(self, mPairs, mTw, off, t0, np_, c):
+        """This lane's token slots of a pass, ``(j, pair, routing weight)`` (trace time; loaded
+        before the K loop so that they are in flight during it; clamped indices)."""
+        slots = []
+        for jt in range(self.MT):
+            for s2 in range(2):
+                j = jt * 8 + 2 * c + s2
+                p = mPairs[off + t0 + cutlass.min(j, np_ - 1)]
+                slots.append((j, p, mTw[p]))
+        return slots
+
+    @cute.jit
+    def _epilogue(self, mAcc, accs, slots, np_, row0, warp, g):
+        """``acc[token(p), row] += weight(p) * y`` for the lane's valid token slots (FP32
+        ``red.global.add``: rows g and g + 8 of each of the warp's tiles)."""
+        K, L, MT, RT = self.K, self.L, self.MT, self.RT
+        for jt in cutlass.range_constexpr(MT):
+            for s2 in cutlass.range_constexpr(2):
+                j, p, wt = slots[jt * 2 + s2]
+                if j < np_:
+                    base = (p // K) * L
+                    for q in cutlass.range_constexpr(RT):
+                        r = row0 + (warp * RT + q) * mg.ROWS + g
+                        acc = accs[q * MT + jt]
+                        if const_expr(self.full_rows):
+                            cute.arch.atomic_add(mAcc.iterator + (base + r), wt * acc[s2])
+                            cute.arch.atomic_add(mAcc.iterator + (base + r + 8), wt * acc[2 + s2])
+                        else:
+                            if r < L:
                                 cute.arch.atomic_add(mAcc.iterator + (base + r), wt * acc[s2])
                                 cute.arch.atomic_add(mAcc.iterator + (base + r + 8),
                                                      wt * acc[2 + s2])  # fmt: skip
-                            else:
-                                if r < L:
-                                    cute.arch.atomic_add(mAcc.iterator + (base + r), wt * acc[s2])
-                                    cute.arch.atomic_add(mAcc.iterator + (base + r + 8),
-                                                         wt * acc[2 + s2])  # fmt: skip
+
+    @cute.jit
+    def _bulk(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull, sEmpty,
+              start, total, tid):  # fmt: skip
+        """``load=bulk``: warp ``NW`` (the producer) walks the CTA's (item, pass, chunk) stream
+        and fills stage ``k % NS`` with one ``cp.async.bulk`` per weight row (``BK x 2``
+        contiguous bytes) and per token row of ``h``, completing on the stage's ``full``
+        mbarrier; it refills a stage after the ``NW`` consumer warps' arrivals on its
+        ``empty`` mbarrier. The consumers walk the same stream: wait ``full``, MMAs, arrive
+        ``empty``; epilogue per pass. So the next item's chunks are in flight while the
+        current item's last chunks are multiplied, and the producer's metadata round trips
+        (route lists, pairs) never stall the math."""
+        L, Ie, MP, NS, NCH, BK, BKP, R = (self.L, self.Ie, self.MP, self.stages, self.NCH,
+                                          self.BK, self.BKP, self.R)  # fmt: skip
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        k = Int32(0)
+        if warp == self.NW:
+            for item in cutlass.range(start, total, self.nr, unroll=1):
+                a = item // self.CE
+                row0 = (item % self.CE) * R
+                e = mSlotE[a]
+                off = mSlotOff[a]
+                n = mSlotN[a]
+                wbase = Int64(e) * (L * Ie) + Int64(row0) * Ie
+                nrows = R
+                if const_expr(not self.full_rows):
+                    nrows = cutlass.min(R, L - row0)
+                for ps in cutlass.range((n + MP - 1) // MP, unroll=1):
+                    t0 = ps * MP
+                    np_ = cutlass.min(n - t0, MP)
+                    hrow = mPairs[off + t0 + cutlass.min(lane, np_ - 1)]
+                    for kc in cutlass.range_constexpr(NCH):
+                        buf = k % NS
+                        if k >= NS:  # the consumers are done with this stage's last use
+                            cute.arch.mbarrier_wait(sEmpty.iterator + buf, (k // NS + 1) % 2)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive_and_expect_tx(
+                                sFull.iterator + buf, (nrows + np_) * (BK * 2)
+                            )
+                        cute.arch.sync_warp()
+                        for i in cutlass.range_constexpr(-(-R // 32)):
+                            r = lane + 32 * i
+                            if r < nrows:
+                                src = mW2.iterator + (wbase + Int64(r * Ie + kc * BK))
+                                prims.cp_async_bulk_shared_cluster_global(
+                                    sW.iterator + (buf * R + r) * BKP, src.align(16),
+                                    sFull.iterator + buf, BK * 2,
+                                )  # fmt: skip
+                        if lane < np_:
+                            src = mH.iterator + (Int64(hrow) * Ie + kc * BK)
+                            prims.cp_async_bulk_shared_cluster_global(
+                                sX.iterator + (buf * MP + lane) * BKP, src.align(16),
+                                sFull.iterator + buf, BK * 2,
+                            )  # fmt: skip
+                        k = k + 1
+        else:
+            atom = mc.mma_atom()
+            fa, fb = mc.fragments()
+            for item in cutlass.range(start, total, self.nr, unroll=1):
+                a = item // self.CE
+                row0 = (item % self.CE) * R
+                off = mSlotOff[a]
+                n = mSlotN[a]
+                for ps in cutlass.range((n + MP - 1) // MP, unroll=1):
+                    t0 = ps * MP
+                    np_ = cutlass.min(n - t0, MP)
+                    slots = self._slots(mPairs, mTw, off, t0, np_, c)
+                    accs = mc.zero_accs(self.RT * self.MT)
+                    for _ in cutlass.range_constexpr(NCH):
+                        buf = k % NS
+                        cute.arch.mbarrier_wait(sFull.iterator + buf, (k // NS) % 2)
+                        self._compute(sW, sX, buf, warp, g, c, accs, fa, fb, atom)
+                        cute.arch.sync_warp()  # every lane's reads of the stage are done
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(sEmpty.iterator + buf)
+                        k = k + 1
+                    self._epilogue(mAcc, accs, slots, np_, row0, warp, g)
 
     def _h_rows(self, mPairs, off, t0, np_, tid):
         """Pair rows of the ``h`` units this thread copies per chunk (trace time; clamped to the
