@@ -321,7 +321,14 @@ def gsm():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", [{}, {"DECODESCOPE_MOE_W2T_RT": "2", "DECODESCOPE_MOE_W2T_MT": "2"}])
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {},
+        {"DECODESCOPE_MOE_W2T_RT": "2", "DECODESCOPE_MOE_W2T_MT": "2"},
+        {"DECODESCOPE_MOE_W2T_LOAD": "bulk"},
+    ],
+)
 @pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1)])
 @pytest.mark.parametrize("n_tokens", [8, 64])
 def test_tile_w2_block_gpu(gsm, preset, tp, n_tokens, kv, monkeypatch):
