@@ -134,13 +134,14 @@ def _routing(std_m, spec_m):
 
     out = []
     k = std_m.cfg.moe.top_k
-    for lay, moe in zip(std_m.layers, spec_m.moe, strict=True):
-        if moe is None:  # a dense layer routes nothing: every row agrees
+    sel = spec_m.selected_experts()  # every sequence chunk's routing (more than 64 tokens)
+    for lay, spec in zip(std_m.layers, spec_m.specs, strict=True):
+        if spec.index not in sel:  # a dense layer routes nothing: every row agrees
             n = std_m.x_in.shape[0]
             out.append((torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.float64)))
             continue
         a = torch.sort(lay.topk_ids.long(), 1).values
-        b = torch.sort(moe.topk_ids.long(), 1).values
+        b = torch.sort(sel[spec.index].long(), 1).values
         same = (a == b).all(1)
         dist = torch.zeros(same.shape, dtype=torch.float64)
         bad = (~same).nonzero().flatten().tolist()

@@ -368,7 +368,7 @@ def _reference_halves(monkeypatch, m):
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
 
-    w_of = {id(moe): w for moe, w in zip(m.moe, m.weights, strict=True)}
+    w_of = {id(b): w for blocks, w in zip(m.moe_c, m.weights, strict=True) for b in blocks}
 
     def attn_forward(self, x_in, r_in, r_out, h_out):
         r, h, ns = al.attention_ref(self.cfg, self.spec, self.w, self.state, x_in, r_in, self.T)
@@ -386,12 +386,16 @@ def _reference_halves(monkeypatch, m):
     monkeypatch.setattr(mb.SpecializedMoE, "forward", moe_forward)
 
 
-@pytest.mark.parametrize("batch, tokens", [(4, 1), (2, 3)])
-def test_gpu_steps_compare_on_cpu(monkeypatch, batch, tokens):
+@pytest.mark.parametrize(
+    "batch, tokens, max_tokens", [(4, 1, 64), (2, 3, 64), (4, 2, 2), (2, 3, 3)]
+)
+def test_gpu_steps_compare_on_cpu(monkeypatch, batch, tokens, max_tokens):
     from decodescope.kernels.standard.model import StandardModel
 
+    monkeypatch.setattr(S, "MAX_STEP_TOKENS", max_tokens)  # < batch x tokens: sequence chunks
     g = _gpu_steps()
     p, m = _model(batch=batch, tokens=tokens, layers="kda,mla", seed=11)
+    assert m.chunks == S.chunking(batch, tokens)[1]
     _reference_halves(monkeypatch, m)
     std = StandardModel(p.cfg, p.specs, batch, tokens, seed=11, device="cpu")
     assert g.same_weights(std, m)
