@@ -17,13 +17,15 @@ A point ``BxT`` is B sequences of T tokens, ``context_len`` (1024) cached positi
    decode, w_uv bmm, gate multiply) timed the same way; the bytes floor (cache + w_uk + w_uv +
    inputs / outputs at the copy bandwidth measured in this process);
 3. diagnostics (timing only, wrong results by design): ``DECODESCOPE_MLA_TC_DIAG=1`` (no w_uk /
-   w_uv reads) for the default and the ldmatrix variant: the time the per-CTA absorption and
+   w_uv reads) for the default, ldmatrix and cluster variants: the time the absorption and
    W_UV cost.
 
 Variants (environment read at each launch, so each graph holds the variant set at capture):
-``default`` (``DECODESCOPE_MLA_TC_LDSM=0``: the kernel as before), ``ldsm`` (ldmatrix
-fragments), ``simt`` (the old CUDA-core kernel, at <= 16 sequences), and per point the sweep
-``ldsm hgH sS`` (heads per CTA, splits; 0 = the plan's).
+``default`` (``DECODESCOPE_MLA_TC_LDSM=0``, ``..._CLUSTER=0``: the kernel as before),
+``ldsm`` (ldmatrix fragments), ``cluster`` (ldmatrix + the splits of a pair in one cluster
+sharing the absorption, merge and W_UV), ``cluster-noldsm``, ``simt`` (the old CUDA-core
+kernel, at <= 16 sequences), and per point the sweep ``ldsm hgH sS`` (heads per CTA, splits;
+0 = the plan's).
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 record. Writes ``results.json`` and ``table.md`` under ``--out``; prints the table (timings, then
@@ -57,11 +59,16 @@ L2_BYTES = 50 * 2**20
 RESULTS: list[dict] = []
 OUT: dict = {"dir": None}
 BASE = {"DECODESCOPE_MLA_TC_LDSM": "0", "DECODESCOPE_MLA_TC_DIAG": "0",
-        "DECODESCOPE_MLA_TC_SPLITS": "", "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
+        "DECODESCOPE_MLA_TC_CLUSTER": "0", "DECODESCOPE_MLA_TC_SPLITS": "",
+        "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
+LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
+CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
 # name -> (kernel, env, heads per CTA, splits)
 VARIANTS = {
     "default": ("tc", {}, 0, 0),
-    "ldsm": ("tc", {"DECODESCOPE_MLA_TC_LDSM": "1"}, 0, 0),
+    "ldsm": ("tc", LDSM, 0, 0),
+    "cluster": ("tc", CLUSTER, 0, 0),  # with the ldmatrix loads
+    "cluster-noldsm": ("tc", {"DECODESCOPE_MLA_TC_CLUSTER": "1"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
@@ -72,8 +79,8 @@ SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x8": [(1, 4), (2, 2)],
 }
 DIAG = {"default diag": ("tc", {"DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
-        "ldsm diag": ("tc", {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_DIAG": "1"},
-                      0, 0)}  # fmt: skip
+        "ldsm diag": ("tc", {**LDSM, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
+        "cluster diag": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0)}  # fmt: skip
 
 
 def save() -> None:
@@ -233,7 +240,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
     if kernel == "tc":
         p = mtc.plan_for(pt.cfg, pt.B, pt.T, hg, splits)
         extra = {"hg": p.hg, "splits": p.splits, "ctas": p.groups * p.batch * p.splits,
-                 "ldsm": int(p.ldsm)}  # fmt: skip
+                 "ldsm": int(p.ldsm), "cluster": p.splits if p.clustered else 0}  # fmt: skip
     base_us[name] = med
     ref = base_us.get("default")
     record(time=f"mla {name}", **ctx, **extra, us=f"{med:.1f}", us_min=f"{lo:.1f}",
@@ -303,7 +310,7 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     if not a.no_sweep:
         for hg, sp in SWEEP.get(pt_name, ()):
             if cfg.mla_heads % hg == 0 and hg * T <= mtc.ROWS:
-                variants[f"ldsm hg{hg} s{sp}"] = ("tc", {"DECODESCOPE_MLA_TC_LDSM": "1"}, hg, sp)
+                variants[f"ldsm hg{hg} s{sp}"] = ("tc", LDSM, hg, sp)
     base_us: dict = {}
     for name, (kernel, venv, hg, sp) in variants.items():
         with env({**BASE, **venv}):

@@ -23,7 +23,12 @@ from decodescope.kernels.reference import rel_l2  # noqa: E402
 from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
 from decodescope.kernels.specialized import mla_decode_tc as mtc  # noqa: E402
 
-KNOBS = ("DECODESCOPE_MLA_TC_LDSM", "DECODESCOPE_MLA_TC_SPLITS", "DECODESCOPE_MLA_TC_DIAG")
+KNOBS = (
+    "DECODESCOPE_MLA_TC_LDSM",
+    "DECODESCOPE_MLA_TC_SPLITS",
+    "DECODESCOPE_MLA_TC_DIAG",
+    "DECODESCOPE_MLA_TC_CLUSTER",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +62,43 @@ def test_ldsm_compiles_rows_and_tails(preset, tp, batch, tokens, hg):
     assert mtc.compile_plan(p) is not None
 
 
+@pytest.mark.parametrize(
+    "tp,batch,tokens", [(8, 8, 1), (8, 16, 1), (8, 32, 1), (8, 64, 1), (16, 32, 1), (16, 64, 1),
+                        (8, 8, 8)],
+)  # fmt: skip
+def test_cluster_compiles_k3(tp, batch, tokens, monkeypatch):
+    """The cluster variant (with the ldmatrix loads): splits of a (sequence, group) in one
+    cluster of <= 8, about one CTA per SM, all heads per CTA where they fit 16 rows."""
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "1")
+    cfg = get_config("kimi-k3", tp)
+    p = mtc.plan_for(cfg, batch, tokens)
+    assert p.clustered and 1 < p.splits <= mtc.CLUSTER_MAX
+    assert p.hs * p.splits >= p.hg and p.rows <= mtc.ROWS
+    assert p.groups * p.batch * p.splits <= mtc.NUM_SMS
+    if tokens == 1 and cfg.mla_heads <= mtc.ROWS:
+        assert p.hg == cfg.mla_heads  # the cache read once per sequence
+    assert p.smem_bytes <= mtc.SMEM_MAX
+    assert mtc.compile_plan(p) is not None
+
+
+def test_cluster_plans_tp8(monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
+    cfg = get_config("kimi-k3", 8)
+    got = {b: (mtc.plan_for(cfg, b, 1).splits, mtc.plan_for(cfg, b, 1).nblk) for b in (16, 32, 64)}
+    assert got == {16: (6, 3), 32: (4, 5), 64: (2, 9)}
+    assert not mtc.plan_for(cfg, 128, 1).clustered  # one split: the plain path
+
+
+def test_cluster_tiny_compiles(monkeypatch):
+    """Uneven heads per split (tiny TP1: 4 heads over 3 splits) and the x2 tails."""
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "1")
+    p = mtc.plan_for(get_config("tiny", 1), 4, 1, splits=3)
+    assert p.clustered and p.splits == 3 and p.hs == 2
+    assert mtc.compile_plan(p) is not None
+
+
 def test_knobs(monkeypatch):
     cfg = get_config("kimi-k3", 8)
     assert not mtc.plan_for(cfg, 64, 1).ldsm  # default unchanged
@@ -71,36 +113,53 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "2")
     with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_LDSM: 0 or 1"):
         mtc.plan_for(cfg, 64, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "0")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_CLUSTER: an integer"):
+        mtc.plan_for(cfg, 64, 1)
 
 
 # -- GPU -------------------------------------------------------------------------------------
 
 
 def _inputs(cfg, batch: int, tokens: int, seed: int):
-    from decodescope.kernels.weights import make_layer_weights, make_state
+    """The kernel's weights (``make_layer_weights``' distributions, without the rest of the
+    layer), a cache from ``make_state`` and random a / q / g."""
+    from decodescope.kernels.weights import make_state
 
-    spec = LayerSpec(7, "mla", "moe")
-    w = make_layer_weights(cfg, spec, seed, "cuda")
-    st = make_state(cfg, spec, batch, tokens, seed=seed, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(seed)
+    m, nh = cfg.mla, cfg.mla_heads
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * std).to(torch.bfloat16)
+
+    s = m.kv_lora_rank**-0.5
+    w = {"kv_a_norm": (1 + 0.1 * torch.randn(m.kv_lora_rank, device="cuda", generator=g)).to(
+            torch.bfloat16),
+         "w_uk": rnd(nh, m.qk_nope_head_dim, m.kv_lora_rank, std=s),
+         "w_uv": rnd(nh, m.kv_lora_rank, m.v_head_dim, std=s)}  # fmt: skip
+    st = make_state(cfg, LayerSpec(7, "mla", "moe"), batch, tokens, seed=seed, device="cuda")
     N = batch * tokens
-
-    def rnd(n):
-        return torch.randn(N, n, device="cuda", generator=g).to(torch.bfloat16)
-
-    return w, st["kv_cache"], rnd(cfg.mla_qkv_a_out), rnd(cfg.mla_q_b_out), rnd(cfg.mla_v_dim)
+    return (
+        w,
+        st["kv_cache"],
+        rnd(N, cfg.mla_qkv_a_out),
+        rnd(N, cfg.mla_q_b_out),
+        rnd(N, cfg.mla_v_dim),
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ldsm", ["0", "1"])
+@pytest.mark.parametrize("ldsm,cluster", [("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")])
 @pytest.mark.parametrize(
-    "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0), (8, 64, 1, 2),
-                               (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
+    "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 16, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0),
+                               (8, 64, 1, 3), (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
 )  # fmt: skip
-def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, monkeypatch):
+def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", ldsm)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
     cfg = get_config("kimi-k3", tp)
     w, cache0, a, q, g = _inputs(cfg, batch, tokens, 100 + batch + tokens)
     ctx = cfg.context_len

@@ -48,6 +48,21 @@ odd k-steps in two accumulators (two MMA chains of 18 instead of one of 36); P V
 more; 186 registers (184). Same MMAs, same rounding points (P and q_lat in BF16, FP32
 accumulation; only the order of the FP32 sums inside an MMA chain differs).
 
+Cluster variant (``DECODESCOPE_MLA_TC_CLUSTER=1``; off by default until the H200 has timed
+it): the most heads per CTA that fit 16 rows (all 12 at TP8 with one token: the cache is read
+once per sequence, not once per head group) and the keys split so that the grid is about one
+CTA per SM, at most 8 splits; the splits of one (sequence, head group) form a thread-block
+cluster (1, 1, splits). CTA ``s`` of the cluster absorbs only the heads ``j`` with
+``j % splits == s`` and stores each 16-byte piece of their ``q_lat`` into the ``sQ`` of every
+CTA of the cluster (``st.shared::cluster``); after the key loop each CTA leaves its unnormalized
+``O``, ``m`` and ``l`` in its own shared memory, and CTA ``s`` merges the rows of its heads from
+all the splits (``ld.shared::cluster``), then applies ``w_uv`` and the gate for those heads only.
+So ``w_uk`` / ``w_uv`` are read once per (sequence, group) and the global partials, the counter
+and the last-CTA merge are not used. Four cluster barriers (all CTAs started; q_lat published;
+partials published; the merge's remote reads done, waited for before exit). TP8: 64x1 128 CTAs
+(2 splits of 9 blocks), 32x1 128 (4 of 5), 16x1 / 8x1 6 splits of 3 blocks. Same rounding
+points as the merge of the plain split path.
+
 ``DECODESCOPE_MLA_TC_DIAG=1`` is a timing diagnostic with wrong results: no ``w_uk`` / ``w_uv``
 reads (q_lat and the output are zeros), to split the kernel's time between the per-CTA
 absorption / W_UV (L2 bytes) and the key loop.
@@ -86,6 +101,7 @@ NEG = -1.0e30
 ABSORB_SCRATCH = 40 * 1024  # bytes of shared memory for the absorption's partial sums
 SMEM_MAX = 227 * 1024
 PAIRS_ONE_SPLIT = 128  # (sequence, head group) pairs from which each pair is one CTA
+CLUSTER_MAX = 8  # portable thread-block cluster size (the splits of one pair in a cluster)
 
 
 def _divisors(n: int) -> list[int]:
@@ -101,6 +117,16 @@ def env_int(name: str, default: int = 0) -> int:
         return int(v)
     except ValueError:
         raise ValueError(f"{name}: an integer, got {v!r}") from None
+
+
+def cluster_enabled() -> bool:
+    """``DECODESCOPE_MLA_TC_CLUSTER`` = 1: the splits of a (sequence, head group) form one
+    thread-block cluster that shares the absorption, the merge and the W_UV through distributed
+    shared memory (module docstring, "cluster variant"); 0 or unset: as before."""
+    v = env_int("DECODESCOPE_MLA_TC_CLUSTER", 0)
+    if v not in (0, 1):
+        raise ValueError(f"DECODESCOPE_MLA_TC_CLUSTER: 0 or 1, got {v}")
+    return bool(v)
 
 
 def ldsm_enabled() -> bool:
@@ -131,6 +157,7 @@ class MLATCPlan:
     ldsm: bool = field(default_factory=ldsm_enabled)
     # timing diagnostic, wrong results: 1 = no w_uk / w_uv reads (``DECODESCOPE_MLA_TC_DIAG``)
     diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_DIAG", 0))
+    cluster: bool = field(default_factory=cluster_enabled)
 
     def __post_init__(self) -> None:
         if self.tokens > ROWS:
@@ -159,9 +186,11 @@ class MLATCPlan:
     def hg(self) -> int:
         if self.heads_per_cta:
             return self.heads_per_cta
+        fit = [d for d in _divisors(self.heads) if d * self.tokens <= ROWS]
+        if self.cluster:  # the most heads per CTA: the cache read once per sequence if all fit
+            return fit[-1]
         if self.batch * self.tokens < 8:
             return 1
-        fit = [d for d in _divisors(self.heads) if d * self.tokens <= ROWS]
         # the fewest heads per CTA that keep (sequence, group) pairs <= 128 (one token) or
         # <= 64 (several: H200 at 8x8, hg 2 with 3 splits 102.0 us, hg 1 with 2 splits 111.2)
         most = PAIRS_ONE_SPLIT if self.tokens == 1 else PAIRS_ONE_SPLIT // 2
@@ -187,6 +216,9 @@ class MLATCPlan:
         pairs = self.groups * self.batch
         want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT else -(-NUM_SMS // pairs))
         most = -(-self.nkeys // KBLK)
+        if self.cluster:  # splits of a pair = one cluster: about one CTA per SM, <= 8 per pair
+            want = self.splits_force or max(1, NUM_SMS // pairs)
+            most = min(most, CLUSTER_MAX)
         s = max(1, min(want, most, 64))
         return -(-self.nkeys // (s * KBLK)) * KBLK
 
@@ -199,6 +231,17 @@ class MLATCPlan:
         return self.keys_per_split // KBLK
 
     @property
+    def clustered(self) -> bool:
+        """The cluster variant with more than one split (one split: the plain path)."""
+        return self.cluster and self.splits > 1
+
+    @property
+    def hs(self) -> int:
+        """Heads whose absorption / merge / W_UV one CTA does: all ``hg``, or in a cluster
+        ``ceil(hg / splits)`` (heads ``j`` with ``j % splits`` = the CTA's split)."""
+        return -(-self.hg // self.splits) if self.clustered else self.hg
+
+    @property
     def lp(self) -> int:
         return self.lat + KPAD
 
@@ -206,7 +249,7 @@ class MLATCPlan:
     def ds(self) -> int:
         """Slices of the nope rows in the absorption (a smem reduction when > 1)."""
         ncg = self.kv_lora // 8
-        d = 1 << (max(1, NT // (self.hg * ncg)).bit_length() - 1)
+        d = 1 << (max(1, NT // (self.hs * ncg)).bit_length() - 1)
         while d > 1 and (self.nope // 8) % d:
             d //= 2
         while d > 1 and d * self.rows * self.kv_lora * 4 > ABSORB_SCRATCH:
@@ -222,7 +265,7 @@ class MLATCPlan:
     @property
     def cs(self) -> int:
         """Slices of the latent rows in the W_UV product (reduced in the key buffers)."""
-        units = self.hg * (self.v_dim // 8)
+        units = self.hs * (self.v_dim // 8)
         c = 1 << (max(4, NT // units).bit_length() - 1)  # a power of two
         budget = 2 * KBLK * self.lp * 2 - ROWS * self.kv_lora * 4
         while c > 1 and (self.kv_lora % c or c * ROWS * self.v_dim * 4 > budget):
@@ -282,12 +325,14 @@ class MLADecodeTC:
             last: cute.struct.MemRange[Int32, 1]
 
         self.smem_cls = Smem
+        extra = {"cluster": [1, 1, p.splits]} if p.clustered else {}
         self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
             grid=[p.groups, p.batch, p.splits],
             block=[NT, 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
             use_pdl=p.pdl,
+            **extra,
         )
 
     @cute.kernel
@@ -321,6 +366,8 @@ class MLADecodeTC:
 
         if cutlass.const_expr(p.pdl):
             pdl_begin()
+        if cutlass.const_expr(p.clustered):  # phase 0: waited for before the first DSMEM store
+            cute.arch.cluster_arrive_relaxed()
 
         k_begin = sp * p.keys_per_split
         k_end = cutlass.min(k_begin + p.keys_per_split, p.nkeys)
@@ -376,7 +423,10 @@ class MLADecodeTC:
                 if idx < (ROWS - R) * KVL:
                     sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
         cute.arch.sync_threads()
-        self.absorb(mWuk, sQn, sQ, sAscr, h0, tidx, scale)
+        if cutlass.const_expr(p.clustered):
+            self.absorb_cluster(mWuk, sQn, sQ, sAscr, h0, sp, tidx, scale)
+        else:
+            self.absorb(mWuk, sQn, sQ, sAscr, h0, tidx, scale)
         cute.arch.sync_threads()
 
         # -- 3. the key blocks ----------------------------------------------------------------
@@ -535,6 +585,27 @@ class MLADecodeTC:
                 sOlat[r1, col + 1] = oacc[nt][3] / la1
             cute.arch.sync_threads()
             self.finish(mG, mWuv, mOut, sOlat, sK, b, h0, tidx)
+        elif cutlass.const_expr(p.clustered):
+            # this split's O (unnormalized), m and l into its own shared memory; the cluster's
+            # CTAs merge the rows of their heads from all of them (DSMEM loads), then W_UV
+            for nt in cutlass.range_constexpr(NTL):
+                col = (warp * NTL + nt) * 8 + 2 * c
+                sOlat[r0, col] = oacc[nt][0]
+                sOlat[r0, col + 1] = oacc[nt][1]
+                sOlat[r1, col] = oacc[nt][2]
+                sOlat[r1, col + 1] = oacc[nt][3]
+            if warp == 0 and c == 0:  # sRed[0] (the block maxima) is free after the loop
+                sRed[0, 0, r0] = m0
+                sRed[0, 1, r0] = la0
+                sRed[0, 0, r1] = m1
+                sRed[0, 1, r1] = la1
+            cute.arch.cluster_arrive()  # phase 2: every split's partial is in place
+            cute.arch.cluster_wait()
+            self.merge_cluster(sOlat, sRed, sWgt, sp, tidx)
+            cute.arch.cluster_arrive()  # phase 3: this CTA reads no other's memory after this
+            cute.arch.sync_threads()
+            self.finish_heads(mG, mWuv, mOut, sOlat, sK, b, h0, sp, tidx)
+            cute.arch.cluster_wait()  # nobody exits while another still reads its partial
         else:
             for nt in cutlass.range_constexpr(NTL):
                 col = (warp * NTL + nt) * 8 + 2 * c
@@ -742,6 +813,117 @@ class MLADecodeTC:
                     sQ[idx // KVL, idx % KVL] = (tot * scale).to(BFloat16)
 
     @cute.jit
+    def absorb_cluster(self, mWuk, sQn, sQ, sAscr, h0, sp, tidx, scale):
+        """:meth:`absorb` for the heads ``j = jl * splits + sp`` of this split's CTA only; each
+        16-byte piece of ``q_lat`` goes to the ``sQ`` of every CTA of the cluster (DSMEM
+        stores, this one included). Ends with the cluster barrier that publishes them."""
+        p = self.p
+        T, KVL, R, HG, S = p.tokens, p.kv_lora, p.rows, p.hg, p.splits
+        ncg = KVL // 8
+        DS = p.ds
+        per = 0 if p.diag else p.nope // DS
+        units = p.hs * DS * ncg
+        cute.arch.cluster_wait()  # phase 0: every CTA of the cluster runs (its smem exists)
+        for i in cutlass.range_constexpr((units + NT - 1) // NT):
+            u = tidx + i * NT
+            j = (u // (ncg * DS)) * S + sp
+            if u < units and j < HG:
+                cg = u % ncg
+                ds = (u // ncg) % DS
+                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc.fill(0.0)
+                for dd in cutlass.range(per, unroll=p.unroll):
+                    d = ds * per + dd
+                    wv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
+                    for t in cutlass.range_constexpr(T):
+                        qv = sQn[j * T + t, d]
+                        for e in cutlass.range_constexpr(8):
+                            acc[t, e] = acc[t, e] + qv * wv[e].to(Float32)
+                for t in cutlass.range_constexpr(T):
+                    r = j * T + t
+                    if cutlass.const_expr(DS == 1):
+                        v = cute.make_rmem_tensor((8,), BFloat16)
+                        for e in cutlass.range_constexpr(8):
+                            v[e] = (acc[t, e] * scale).to(BFloat16)
+                        self.put_q(sQ, r, cg, v)
+                    else:
+                        for e in cutlass.range_constexpr(8):
+                            sAscr[(ds * R + r) * KVL + cg * 8 + e] = acc[t, e]
+        if cutlass.const_expr(DS > 1):
+            cute.arch.sync_threads()
+            n8 = p.hs * T * ncg
+            for i in cutlass.range_constexpr((n8 + NT - 1) // NT):
+                idx = tidx + i * NT
+                cg = idx % ncg
+                rl = idx // ncg
+                j = (rl // T) * S + sp
+                if idx < n8 and j < HG:
+                    r = j * T + rl % T
+                    v = cute.make_rmem_tensor((8,), BFloat16)
+                    for e in cutlass.range_constexpr(8):
+                        tot = Float32(0.0)
+                        for s in cutlass.range_constexpr(DS):
+                            tot = tot + sAscr[(s * R + r) * KVL + cg * 8 + e]
+                        v[e] = (tot * scale).to(BFloat16)
+                    self.put_q(sQ, r, cg, v)
+        cute.arch.cluster_arrive()  # phase 1: q_lat complete in every CTA's sQ
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def put_q(self, sQ, r, cg, v):
+        """``sQ[r, 8 cg : 8 cg + 8] = v`` (8 BF16) in every CTA of the cluster."""
+        v32 = cute.recast_tensor(v, Int32)
+        ptr = cute.local_tile(sQ[r, None], (8,), (cg,)).iterator
+        for q in cutlass.range_constexpr(self.p.splits):
+            st_cluster_v4(mapa(ptr, q), v32[0], v32[1], v32[2], v32[3])
+
+    @cute.jit
+    def merge_cluster(self, sOlat, sRed, sWgt, sp, tidx):
+        """Rows of this CTA's heads: ``o_lat[r] = sum_q O_q[r] exp(m_q - m) / sum_q l_q
+        exp(m_q - m)`` over the cluster's splits ``q`` (their ``sOlat`` / ``sRed[0]`` by DSMEM),
+        into this CTA's ``sOlat`` (other CTAs read only the rows of their own heads)."""
+        p = self.p
+        S, T, KVL, HG = p.splits, p.tokens, p.kv_lora, p.hg
+        nr = p.hs * T
+        j = (tidx // T) * S + sp
+        if tidx < nr and j < HG:
+            r = j * T + tidx % T
+            mq = []
+            lq = []
+            for q in cutlass.range_constexpr(S):
+                mq.append(ld_cluster_f32(mapa(sRed.iterator + r, q)))
+                lq.append(ld_cluster_f32(mapa(sRed.iterator + ROWS + r, q)))
+            mall = mq[0]
+            for q in cutlass.range_constexpr(1, S):
+                mall = cute.arch.fmax(mall, mq[q])
+            lall = Float32(0.0)
+            for q in cutlass.range_constexpr(S):
+                w = cute.math.exp(mq[q] - mall, fastmath=True)
+                sWgt[r, q] = w
+                lall = lall + lq[q] * w
+            for q in cutlass.range_constexpr(S):
+                sWgt[r, q] = sWgt[r, q] / lall
+        cute.arch.sync_threads()
+        n4 = nr * (KVL // 4)
+        for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
+            idx = tidx + i * NT
+            c4 = idx % (KVL // 4)
+            rl = idx // (KVL // 4)
+            j = (rl // T) * S + sp
+            if idx < n4 and j < HG:
+                r = j * T + rl % T
+                tile = cute.local_tile(sOlat[r, None], (4,), (c4,))
+                acc = cute.make_rmem_tensor((4,), Float32)
+                acc.fill(0.0)
+                for q in cutlass.range_constexpr(S):
+                    v = ld_cluster_v4f32(mapa(tile.iterator, q))
+                    w = sWgt[r, q]
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] + v[e] * w
+                cute.autovec_copy(acc, tile)
+
+    @cute.jit
     def merge(self, mPart, sOlat, sWgt, b, gi, tidx):
         """The last split's CTA: ``o_lat[r] = sum_s O_s[r] exp(m_s - m) / sum_s l_s exp(m_s - m)``."""
         p = self.p
@@ -813,6 +995,89 @@ class MLADecodeTC:
                 row = b * T + r % T
                 col = (h0 + r // T) * V + v
                 mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
+
+    @cute.jit
+    def finish_heads(self, mG, mWuv, mOut, sOlat, sK, b, h0, sp, tidx):
+        """:meth:`finish` for the heads ``j = jl * splits + sp`` of this split's CTA (cluster
+        variant: the splits of a pair share the W_UV)."""
+        p = self.p
+        T, KVL, V, HG, S = p.tokens, p.kv_lora, p.v_dim, p.hg, p.splits
+        nvg = V // 8
+        CS = p.cs
+        per = 0 if p.diag else KVL // CS
+        units = p.hs * CS * nvg
+        sScr = cute.make_tensor(
+            cute.recast_ptr(sK.iterator, dtype=Float32) + ROWS * KVL,
+            cute.make_layout((CS, ROWS, V), stride=(ROWS * V, V, 1)),
+        )
+        for i in cutlass.range_constexpr((units + NT - 1) // NT):
+            u = tidx + i * NT
+            j = (u // (nvg * CS)) * S + sp
+            if u < units and j < HG:
+                vg = u % nvg
+                cs = (u // nvg) % CS
+                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc.fill(0.0)
+                for cc in cutlass.range(per, unroll=p.unroll):
+                    ci = cs * per + cc
+                    wv = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)
+                    for t in cutlass.range_constexpr(T):
+                        ov = sOlat[j * T + t, ci]
+                        for e in cutlass.range_constexpr(8):
+                            acc[t, e] = acc[t, e] + ov * wv[e].to(Float32)
+                for t in cutlass.range_constexpr(T):
+                    for e in cutlass.range_constexpr(8):
+                        sScr[cs, j * T + t, vg * 8 + e] = acc[t, e]
+        cute.arch.sync_threads()
+        n = p.hs * T * V
+        for i in cutlass.range_constexpr((n + NT - 1) // NT):
+            idx = tidx + i * NT
+            v = idx % V
+            rl = idx // V
+            j = (rl // T) * S + sp
+            if idx < n and j < HG:
+                r = j * T + rl % T
+                tot = Float32(0.0)
+                for s in cutlass.range_constexpr(CS):
+                    tot = tot + sScr[s, r, v]
+                row = b * T + r % T
+                col = (h0 + r // T) * V + v
+                mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
+
+
+def mapa(ptr, rank) -> Int32:
+    """The shared::cluster address of ``ptr`` (this CTA's shared memory) in CTA ``rank`` of the
+    cluster."""
+    return cute.arch.inline_ptx(
+        "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};",
+        write_only_types=[Int32],
+        read_only_args=[ptr, Int32(rank)],
+    )
+
+
+def st_cluster_v4(addr, v0, v1, v2, v3) -> None:
+    """16-byte store to a shared::cluster address (another CTA's shared memory)."""
+    cute.arch.inline_ptx(
+        "st.shared::cluster.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+        read_only_args=[addr, v0, v1, v2, v3],
+    )
+
+
+def ld_cluster_f32(addr) -> Float32:
+    return cute.arch.inline_ptx(
+        "ld.shared::cluster.f32 {$w0}, [{$r0}];",
+        write_only_types=[Float32],
+        read_only_args=[addr],
+    )
+
+
+def ld_cluster_v4f32(addr):
+    return cute.arch.inline_ptx(
+        "ld.shared::cluster.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[addr],
+    )
 
 
 def ldsm_x4(ptr, trans: bool):
