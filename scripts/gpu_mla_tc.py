@@ -2,7 +2,8 @@
 default and the standard path's kernels for the same ops (issue #5, 32-64 sequences).
 
     python scripts/gpu_mla_tc.py --out $OUT/mla_tc [--tp 8 16] [--points 8x1 16x1 32x1 64x1 8x8]
-        [--variants default ldsm ...] [--no-sweep] [--no-diag] [--replays 30] [--budget 480]
+        [--variants default ldsm ...] [--no-sweep] [--no-diag] [--diag-points 32x1 64x1]
+        [--replays 30] [--budget 480]
 
 A point ``BxT`` is B sequences of T tokens, ``context_len`` (1024) cached positions each. Per
 (TP shape, point), with fresh random inputs (a, q, g, the cache, the layer's weights):
@@ -17,15 +18,15 @@ A point ``BxT`` is B sequences of T tokens, ``context_len`` (1024) cached positi
    decode, w_uv bmm, gate multiply) timed the same way; the bytes floor (cache + w_uk + w_uv +
    inputs / outputs at the copy bandwidth measured in this process);
 3. diagnostics (timing only, wrong results by design): ``DECODESCOPE_MLA_TC_DIAG=1`` (no w_uk /
-   w_uv reads) for the default, ldmatrix and cluster variants: the time the absorption and
+   w_uv reads) for the default and cluster variants: the time the absorption and
    W_UV cost.
 
 Variants (environment read at each launch, so each graph holds the variant set at capture):
-``default`` (``DECODESCOPE_MLA_TC_LDSM=0``, ``..._CLUSTER=0``: the kernel as before),
-``ldsm`` (ldmatrix fragments), ``cluster`` (ldmatrix + the splits of a pair in one cluster
-sharing the absorption, merge and W_UV), ``cluster-noldsm``, ``simt`` (the old CUDA-core
+``default`` (every knob unset: the ldmatrix fragments since s9/r2), ``noldsm``
+(``DECODESCOPE_MLA_TC_LDSM=0``: the kernel before session 9), ``cluster`` (ldmatrix + the
+splits of a pair in one cluster sharing the absorption, merge and W_UV), ``cluster-noldsm``, ``simt`` (the old CUDA-core
 kernel, at <= 16 sequences), and per point the sweep ``ldsm hgH sS`` (heads per CTA, splits;
-0 = the plan's).
+0 = the plan's; at the first ``--tp`` only).
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
 record. Writes ``results.json`` and ``table.md`` under ``--out``; prints the table (timings, then
@@ -58,15 +59,16 @@ BF16 = torch.bfloat16
 L2_BYTES = 50 * 2**20
 RESULTS: list[dict] = []
 OUT: dict = {"dir": None}
-BASE = {"DECODESCOPE_MLA_TC_LDSM": "0", "DECODESCOPE_MLA_TC_DIAG": "0",
-        "DECODESCOPE_MLA_TC_CLUSTER": "0", "DECODESCOPE_MLA_TC_SPLITS": "",
+# every knob unset: the kernel's defaults
+BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
+        "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_SPLITS": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
 # name -> (kernel, env, heads per CTA, splits)
 VARIANTS = {
-    "default": ("tc", {}, 0, 0),
-    "ldsm": ("tc", LDSM, 0, 0),
+    "default": ("tc", {}, 0, 0),  # ldmatrix since s9/r2
+    "noldsm": ("tc", {"DECODESCOPE_MLA_TC_LDSM": "0"}, 0, 0),  # the kernel before session 9
     "cluster": ("tc", CLUSTER, 0, 0),  # with the ldmatrix loads
     "cluster-noldsm": ("tc", {"DECODESCOPE_MLA_TC_CLUSTER": "1"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
@@ -79,7 +81,6 @@ SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x8": [(1, 4), (2, 2)],
 }
 DIAG = {"default diag": ("tc", {"DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
-        "ldsm diag": ("tc", {**LDSM, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
         "cluster diag": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0)}  # fmt: skip
 
 
@@ -307,7 +308,7 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     variants = {k: v for k, v in VARIANTS.items() if k in a.variants}
     if B * T > 16:
         variants.pop("simt", None)
-    if not a.no_sweep:
+    if not a.no_sweep and tp == a.tp[0]:  # the sweep at the first TP only
         for hg, sp in SWEEP.get(pt_name, ()):
             if cfg.mla_heads % hg == 0 and hg * T <= mtc.ROWS:
                 variants[f"ldsm hg{hg} s{sp}"] = ("tc", LDSM, hg, sp)
@@ -320,7 +321,7 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
             if ok and not a.no_timing:
                 guarded(f"time {name}", ctx, partial(time_variant, pt, name, kernel, hg, sp, ctx,
                                                      a.replays, floor, base_us))  # fmt: skip
-    if not a.no_timing and not a.no_diag:
+    if not a.no_timing and not a.no_diag and pt_name in a.diag_points:
         for name, (kernel, venv, hg, sp) in DIAG.items():
             with env({**BASE, **venv}):
                 guarded(f"time {name}", ctx, partial(time_variant, pt, name, kernel, hg, sp, ctx,
@@ -370,6 +371,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-diag", action="store_true")
+    ap.add_argument("--diag-points", nargs="+", default=["32x1", "64x1"],
+                    help="points of the diag timings")  # fmt: skip
     ap.add_argument("--no-standard", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--budget", type=float, default=480,

@@ -101,7 +101,10 @@ def test_cluster_tiny_compiles(monkeypatch):
 
 def test_knobs(monkeypatch):
     cfg = get_config("kimi-k3", 8)
-    assert not mtc.plan_for(cfg, 64, 1).ldsm  # default unchanged
+    p = mtc.plan_for(cfg, 64, 1)
+    assert p.ldsm and not p.cluster  # the defaults (ldmatrix since the H200's s9/r2)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "0")
+    assert not mtc.plan_for(cfg, 64, 1).ldsm
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", "1")
     monkeypatch.setenv("DECODESCOPE_MLA_TC_SPLITS", "2")
     p = mtc.plan_for(cfg, 64, 1)
