@@ -13,8 +13,8 @@ launches in a row (self-resetting counters), a CUDA graph replayed twice; BackMm
 back) checked the same way; then CUDA-graph replay medians of ``--copies`` launches on
 independent weights (51 MB each: rotated past the 50 MB L2) with the bytes floor at the
 measured copy bandwidth; (3) per (TP, tokens), unless ``--no-block``, the block: a
-``SpecializedMoE`` forward (default kernels), then the tile back on the same ``acc`` vs the
-default back's output, the block with ``DECODESCOPE_MOE_BACK=tile`` vs the float32 reference
+``SpecializedMoE`` forward (default front and experts, BackMma), then the tile back on the same
+``acc`` vs BackMma's output, the block with ``DECODESCOPE_MOE_BACK=tile`` vs the float32 reference
 (``moe_ref`` on the kernel's ids) and vs the standard path's MoE block (rows whose routing
 agrees), and graph medians of the block with each back. TP8 and TP16 have the same back shapes
 (L 3584 and H 7168 are replicated): the back-alone rows repeat, the block rows differ.
@@ -263,16 +263,19 @@ def block_pieces(cfg, w, T: int, ctx: dict, a, seed: int) -> None:
     g = torch.Generator(device=DEV).manual_seed(seed + 7 + T)
     h = torch.randn(T, cfg.hidden, device=DEV, generator=g).to(BF16)
     out = torch.full((T, cfg.hidden), float("nan"), dtype=BF16, device=DEV)
-    blk.forward(h, out)  # the default kernels (BackMma)
+    os.environ["DECODESCOPE_MOE_BACK"] = "mma"
+    try:
+        blk.forward(h, out)  # the default front and experts, BackMma
+    finally:
+        os.environ.pop("DECODESCOPE_MOE_BACK", None)
     torch.cuda.synchronize()
-    default_back = bm.back_variant(T, cfg.expert_dim, cfg.hidden)
-    c = dict(ctx, default_back=default_back)
+    c = dict(ctx, default_back=bm.back_variant(T, cfg.expert_dim, cfg.hidden))
     out_t = torch.full_like(out, float("nan"))
     os.environ["DECODESCOPE_MOE_BACK"] = "tile"
     try:
         blk.back(out_t)  # the same acc / shared_out
         torch.cuda.synchronize()
-        check("block_back_tile_vs_default_back", c, rel_l2(out_t, out), 1e-2)
+        check("block_back_tile_vs_mma_back", c, rel_l2(out_t, out), 1e-2)
         out_t.fill_(float("nan"))
         blk.forward(h, out_t)
         torch.cuda.synchronize()
@@ -300,7 +303,7 @@ def block_pieces(cfg, w, T: int, ctx: dict, a, seed: int) -> None:
     if over_budget(a, "time_block", c):
         return
     fl = None
-    for back in (default_back, "tile"):
+    for back in ("mma", "tile"):
 
         def fwd(back=back):
             os.environ["DECODESCOPE_MOE_BACK"] = back

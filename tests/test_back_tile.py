@@ -107,7 +107,11 @@ def test_back_tile_knobs_env(monkeypatch):
 
 
 def test_back_variant_tile(monkeypatch):
-    assert bt.TILE_FROM is None  # the default is unchanged until the H200 A/B
+    assert bt.TILE_FROM == 32  # the default from the H200 A/B (s9/r2)
+    assert [bm.back_variant(T, 3584, 7168) for T in (1, 16, 31, 32, 64)] == [
+        "mma", "mma", "mma", "tile", "tile",
+    ]  # fmt: skip
+    monkeypatch.setattr(bt, "TILE_FROM", None)  # off: BackMma everywhere
     assert [bm.back_variant(T, 3584, 7168) for T in (1, 32, 64)] == ["mma"] * 3
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tile")
     assert bm.back_variant(32, 3584, 7168) == "tile"
@@ -120,6 +124,17 @@ def test_back_variant_tile(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tiles")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK"):
         bm.back_variant(8, 3584, 7168)
+
+
+def test_tp2_keeps_the_tile_back_unfused(monkeypatch):
+    """tp_world 2: the tile back, like BackMma, runs unfused (NCCL all-reduces + the single-GPU
+    kernel) from 8 tokens, not the fused SIMT kernel."""
+    from decodescope.kernels.specialized import tp2
+
+    assert tp2.moe_back_unfused(64, 3584, 7168) and tp2.moe_back_unfused(32, 3584, 7168)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tile")
+    assert tp2.moe_back_unfused(8, 3584, 7168)
+    assert not tp2.moe_back_unfused(4, 3584, 7168)  # below 8 the fused kernel stays
 
 
 def test_back_tile_rejects_bad_shapes():
@@ -147,7 +162,8 @@ class _Launches:
 
 def test_block_wiring_tile(monkeypatch):
     """``DECODESCOPE_MOE_BACK=tile``: the block's back is one ``moe_back_tile`` launch on its own
-    ``acc`` / ``shared_out`` with the plan's workspace; the default stays BackMma."""
+    ``acc`` / ``shared_out`` with the plan's workspace; the default: BackMma below 32 tokens, the
+    tile back from 32."""
     rec = _Launches()
     monkeypatch.setattr(itf, "compiled", rec.compiled)
     cfg = get_config("tiny", 1)
@@ -155,7 +171,10 @@ def test_block_wiring_tile(monkeypatch):
     blk = mb.SpecializedMoE(cfg, w, 8)
     out = torch.empty(8, cfg.hidden, dtype=torch.bfloat16)
     blk.back(out)
-    assert rec.calls[-1][0][0] == "moe_back_mma"
+    assert rec.calls[-1][0][0] == "moe_back_mma"  # 8 tokens: BackMma
+    blk32 = mb.SpecializedMoE(cfg, w, 32)
+    blk32.back(torch.empty(32, cfg.hidden, dtype=torch.bfloat16))
+    assert rec.calls[-1][0][0] == "moe_back_tile"  # auto from 32 tokens
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "tile")
     blk.back(out)
     key, args = rec.calls[-1]

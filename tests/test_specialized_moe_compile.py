@@ -135,11 +135,12 @@ def test_back_mma_compiles(preset, tp):
 
 def test_back_variant(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK", raising=False)
-    assert bm.back_variant(64, 3584, 7168) == "mma"  # default auto since the H200 run
+    assert bm.back_variant(16, 3584, 7168) == "mma"  # default auto since the H200 run
     assert bm.back_variant(1, 3584, 7168) == "mma"  # from 1 token since the ring (session 7)
+    assert bm.back_variant(64, 3584, 7168) == "tile"  # the tile GEMM from 32 (s9/r2)
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "auto")
-    assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 64, 65)] == [
-        "mma", "mma", "mma", "simt",
+    assert [bm.back_variant(T, 3584, 7168) for T in (1, 8, 31, 32, 64, 65)] == [
+        "mma", "mma", "mma", "tile", "tile", "simt",
     ]  # fmt: skip
     monkeypatch.setenv("DECODESCOPE_MOE_BACK", "simt")
     assert bm.back_variant(64, 3584, 7168) == "simt"

@@ -274,8 +274,9 @@ def back_variant(T: int, L: int, H: int) -> str:
     """``DECODESCOPE_MOE_BACK``: ``auto`` (default: :mod:`.back_tile` from its ``TILE_FROM``
     tokens where set and the shapes fit, else this kernel for 1..64 tokens where the shapes
     allow, ``up_proj_shared_add`` otherwise), ``mma`` (this kernel), ``simt``
-    (``up_proj_shared_add``) or ``tile`` (:func:`.back_tile.back_tile`, the tile GEMM). Read at
-    each call. H200, TP8 (notes/specialized_moe.md): 25.4 / 61.7 us at 8 / 64 tokens against
+    (``up_proj_shared_add``) or ``tile`` (:func:`.back_tile.back_tile`, the tile GEMM: ``auto``
+    from 32 tokens since s9/r2, 22.8 / 36.9 us against this kernel's 33.9 / 48.2 at 32 / 64
+    tokens, H200 TP8). Read at each call. H200, TP8 (notes/specialized_moe.md): 25.4 / 61.7 us at 8 / 64 tokens against
     61.0 / 383.6 for ``up_proj_shared_add``."""
     v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
     if v not in BACK_VARIANTS:

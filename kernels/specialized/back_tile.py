@@ -42,8 +42,8 @@ then holds only the weight stages (4 at 64 tokens with two CTAs per SM, against 
 of one chunk of activation latency per iteration covered by a chunk's MMAs only.
 
 Selection: ``DECODESCOPE_MOE_BACK=tile`` forces it (1..64 tokens, ``L`` a multiple of 64, ``H``
-of 16); ``auto`` picks it from ``TILE_FROM`` tokens (``None``: never, the default until the H200
-A/B). Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
+of 16); ``auto`` (the default) picks it from ``TILE_FROM`` = 32 tokens (H200 TP8, s9/r2: 22.8 us
+against BackMma's 33.9 at 32 tokens, 36.9 against 48.2 at 64), BackMma below. Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
 an SM, else 3), ``DECODESCOPE_MOE_BACK_TILE_SPLITS`` (0: the tile GEMM's rule, 4 at H 7168),
 ``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4), ``DECODESCOPE_MOE_BACK_TILE_ACT`` (``smem``).
 """
@@ -68,7 +68,10 @@ from decodescope.kernels.specialized.utils import pdl_begin
 BK = tg.BK  # K columns per chunk
 UNITS = BK // 4  # 16-byte FP32 units per token row of a chunk
 SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved per CTA
-TILE_FROM: int | None = None  # auto picks this kernel from this many tokens (None: never)
+# auto picks this kernel from this many tokens (None: never). H200 TP8, kernel alone, graph
+# medians (notes/gpu-logs/s9/r2/back_tile): 22.8 us against BackMma's 33.9 at 32 tokens, 36.9
+# against 48.2 at 64
+TILE_FROM: int | None = 32
 ACTS = ("smem", "regs")  # how the FP32 activations travel (see the module docstring)
 
 

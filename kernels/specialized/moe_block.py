@@ -16,8 +16,9 @@
 From 8 tokens on, kernel 1 is ``front_mma.FrontMma`` (the same outputs on tensor cores;
 ``DECODESCOPE_MOE_FRONT`` picks; from 32 tokens with the grouped experts
 ``front_mma.front_tile`` on the tile GEMM, which zeroes nothing, so only there: their route
-kernel then zeroes ``acc``); kernel 3 is ``back_mma.BackMma``
-(``DECODESCOPE_MOE_BACK=auto|mma|simt``, default auto); kernel 2 is
+kernel then zeroes ``acc``); kernel 3 is ``back_mma.BackMma`` below 32 tokens and
+``back_tile.back_tile`` (the tile GEMM) from 32 on (``DECODESCOPE_MOE_BACK=auto|mma|simt|tile``,
+default auto); kernel 2 is
 ``moe_experts.MoeExpertsPipe`` below 8 tokens and ``MoeExperts`` from 8 on
 (``DECODESCOPE_MOE_EXPERTS`` picks; ``grouped``: the three non-persistent tensor-core
 launches of ``moe_grouped`` instead, route / w13 + SiTU / w2 + weighted sum, in the same range).

@@ -253,15 +253,15 @@ MOE_BACK_OP = "moe.latent_norm+latent_up+add"
 
 def moe_back_unfused(T: int, L: int, H: int) -> bool:
     """At tp_world 2 the MoE back end stays unfused (two NCCL all-reduces + the single-GPU back
-    end, as ``install_nccl`` does) where the single-GPU back end is ``BackMma`` (tensor cores,
-    from 8 tokens): on two H200 (run s6r2, notes/tp2_fused.md) the fused kernel, built on the
+    end, as ``install_nccl`` does) where the single-GPU back end is ``BackMma`` or the tile back
+    (tensor cores, from 8 tokens): on two H200 (run s6r2, notes/tp2_fused.md) the fused kernel, built on the
     SIMT ``up_proj_shared_add``, took 376 us (LL) at 64 tokens against BackMma's 61.7 us on one
     GPU plus two all-reduces."""
     from decodescope.kernels.specialized import back_mma as _bm
 
     # below 8 tokens the fused kernel stays (BackMma serves 1..7 tokens on one GPU only since
     # session 7; the unfused path there is unmeasured at tp_world 2)
-    return T >= 8 and _bm.back_variant(T, L, H) == "mma"
+    return T >= 8 and _bm.back_variant(T, L, H) in ("mma", "tile")
 
 
 def _patch_moe(moe, ws, prefetch) -> None:
