@@ -1,7 +1,7 @@
 """The LatentMoE back end on the tile GEMM (``back_tile``) against ``BackMma`` on the H200.
 
     python scripts/gpu_back_tile.py --out $OUT/back_tile [--tp 8 16] [--tokens 8 32 64]
-        [--variants tile tile_regs tile_regs_s5 tile_s4 tile_k7 tile_w8] [--copies 4]
+        [--variants tile tile_regs tile_regs_s5 tile_w8k4s4 ...] [--copies 4]
         [--replays 50] [--no-block] [--budget-s 420]
 
 Order: (1) a probe child runs every tile variant once per token count (a device fault kills
@@ -54,8 +54,14 @@ VARIANTS = {
     # FP32 activations through registers, BF16 double buffer: 4 weight stages at 64 tokens
     "tile_regs": {"act": "regs"},
     "tile_regs_s5": {"act": "regs", "stages": 5},
+    # 256-row tiles, 4 splits: 112 CTAs, one per SM (20 SMs idle), half the acc re-reads and
+    # 1.5 instead of 2 L2->SM bytes per weight byte at 64 tokens (the front's ratio)
+    "tile_w8k4s4": {"warps": 8, "splits": 4, "stages": 4},
+    "tile_w8k4s3": {"warps": 8, "splits": 4, "stages": 3},
+    "tile_regs_w8k4s5": {"act": "regs", "warps": 8, "splits": 4, "stages": 5},
 }
-DEFAULT_VARIANTS = ["tile", "tile_regs", "tile_regs_s5", "tile_s4", "tile_k7", "tile_w8"]
+DEFAULT_VARIANTS = ["tile", "tile_regs", "tile_regs_s5", "tile_w8k4s4", "tile_w8k4s3",
+                    "tile_regs_w8k4s5"]  # fmt: skip
 
 
 def record(**kw) -> dict:

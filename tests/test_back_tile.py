@@ -53,7 +53,9 @@ def test_back_tile_compiles(preset, tp, T):
 
 @pytest.mark.parametrize("knobs", [dict(stages=4, splits=7), dict(stages=2, warps=8),
                                    dict(warps=2, splits=2), dict(act="regs"),
-                                   dict(act="regs", stages=5)])  # fmt: skip
+                                   dict(act="regs", stages=5),
+                                   dict(warps=8, splits=4, stages=4),
+                                   dict(act="regs", warps=8, splits=4, stages=5)])  # fmt: skip
 def test_back_tile_knobs_compile(knobs):
     bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
