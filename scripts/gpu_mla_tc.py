@@ -61,7 +61,8 @@ RESULTS: list[dict] = []
 OUT: dict = {"dir": None}
 # every knob unset: the kernel's defaults
 BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
-        "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_SPLITS": "",
+        "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "",
+        "DECODESCOPE_MLA_TC_SPLITS": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -71,6 +72,9 @@ VARIANTS = {
     "noldsm": ("tc", {"DECODESCOPE_MLA_TC_LDSM": "0"}, 0, 0),  # the kernel before session 9
     "cluster": ("tc", CLUSTER, 0, 0),  # with the ldmatrix loads
     "cluster-noldsm": ("tc", {"DECODESCOPE_MLA_TC_CLUSTER": "1"}, 0, 0),
+    # clusters over 2 / 4 sequences too: w_uk / w_uv read once per cluster
+    "cluster-seq2": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "2"}, 0, 0),
+    "cluster-seq4": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "4"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
@@ -81,7 +85,9 @@ SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x8": [(1, 4), (2, 2)],
 }
 DIAG = {"default diag": ("tc", {"DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
-        "cluster diag": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0)}  # fmt: skip
+        "cluster diag": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0),
+        "cluster-seq4 diag": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "4",
+                                     "DECODESCOPE_MLA_TC_DIAG": "1"}, 0, 0)}  # fmt: skip
 
 
 def save() -> None:
@@ -241,7 +247,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
     if kernel == "tc":
         p = mtc.plan_for(pt.cfg, pt.B, pt.T, hg, splits)
         extra = {"hg": p.hg, "splits": p.splits, "ctas": p.groups * p.batch * p.splits,
-                 "ldsm": int(p.ldsm), "cluster": p.splits if p.clustered else 0}  # fmt: skip
+                 "ldsm": int(p.ldsm), "cluster": p.csize if p.clustered else 0}  # fmt: skip
     base_us[name] = med
     ref = base_us.get("default")
     record(time=f"mla {name}", **ctx, **extra, us=f"{med:.1f}", us_min=f"{lo:.1f}",
@@ -308,6 +314,9 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     variants = {k: v for k, v in VARIANTS.items() if k in a.variants}
     if B * T > 16:
         variants.pop("simt", None)
+    for k in [k for k in variants if k.startswith("cluster-seq")]:
+        if T > 1 or B % int(k.removeprefix("cluster-seq")):  # one token, whole clusters only
+            variants.pop(k)
     if not a.no_sweep and tp == a.tp[0]:  # the sweep at the first TP only
         for hg, sp in SWEEP.get(pt_name, ()):
             if cfg.mla_heads % hg == 0 and hg * T <= mtc.ROWS:

@@ -28,6 +28,7 @@ KNOBS = (
     "DECODESCOPE_MLA_TC_SPLITS",
     "DECODESCOPE_MLA_TC_DIAG",
     "DECODESCOPE_MLA_TC_CLUSTER",
+    "DECODESCOPE_MLA_TC_CLUSTER_SEQS",
 )
 
 
@@ -74,10 +75,25 @@ def test_cluster_compiles_k3(tp, batch, tokens, monkeypatch):
     cfg = get_config("kimi-k3", tp)
     p = mtc.plan_for(cfg, batch, tokens)
     assert p.clustered and 1 < p.splits <= mtc.CLUSTER_MAX
-    assert p.hs * p.splits >= p.hg and p.rows <= mtc.ROWS
+    assert p.hs * p.csize >= p.hg and p.rows <= mtc.ROWS
     assert p.groups * p.batch * p.splits <= mtc.NUM_SMS
     if tokens == 1 and cfg.mla_heads <= mtc.ROWS:
         assert p.hg == cfg.mla_heads  # the cache read once per sequence
+    assert p.smem_bytes <= mtc.SMEM_MAX
+    assert mtc.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize(
+    "tp,batch,seqs", [(8, 64, 2), (8, 64, 4), (8, 32, 2), (8, 16, 2), (16, 64, 4), (16, 32, 2)]
+)
+def test_cluster_seqs_compiles_k3(tp, batch, seqs, monkeypatch):
+    """Clusters over several sequences too (``DECODESCOPE_MLA_TC_CLUSTER_SEQS``): a CTA absorbs
+    and applies W_UV for its share of the heads for all of them (cluster <= 8 CTAs)."""
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", str(seqs))
+    p = mtc.plan_for(get_config("kimi-k3", tp), batch, 1)
+    assert p.clustered and p.cs_seqs == seqs and p.csize <= mtc.CLUSTER_MAX
+    assert p.hs * p.csize >= p.hg and p.arows <= mtc.ROWS
     assert p.smem_bytes <= mtc.SMEM_MAX
     assert mtc.compile_plan(p) is not None
 
@@ -120,6 +136,10 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "x")
     with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_CLUSTER: an integer"):
         mtc.plan_for(cfg, 64, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", "3")
+    with pytest.raises(ValueError, match="CLUSTER_SEQS=3 must divide the batch"):
+        mtc.plan_for(cfg, 64, 1)
 
 
 # -- GPU -------------------------------------------------------------------------------------
@@ -153,16 +173,22 @@ def _inputs(cfg, batch: int, tokens: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ldsm,cluster", [("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")])
+@pytest.mark.parametrize(
+    "ldsm,cluster,seqs", [("0", "0", "1"), ("1", "0", "1"), ("1", "1", "1"), ("0", "1", "1"),
+                          ("1", "1", "2"), ("1", "1", "4")],
+)  # fmt: skip
 @pytest.mark.parametrize(
     "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 16, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0),
                                (8, 64, 1, 3), (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
 )  # fmt: skip
-def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, monkeypatch):
+def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, seqs, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if seqs != "1" and (tokens > 1 or batch % int(seqs) or splits):
+        pytest.skip("clusters over sequences: one token, batch divisible, the plan's splits")
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", ldsm)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", seqs)
     cfg = get_config("kimi-k3", tp)
     w, cache0, a, q, g = _inputs(cfg, batch, tokens, 100 + batch + tokens)
     ctx = cfg.context_len

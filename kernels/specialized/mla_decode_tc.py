@@ -160,6 +160,8 @@ class MLATCPlan:
     # timing diagnostic, wrong results: 1 = no w_uk / w_uv reads (``DECODESCOPE_MLA_TC_DIAG``)
     diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_DIAG", 0))
     cluster: bool = field(default_factory=cluster_enabled)
+    # sequences per cluster (cluster variant): the absorption / W_UV heads spread over them too
+    cluster_seqs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_CLUSTER_SEQS", 1))
 
     def __post_init__(self) -> None:
         if self.tokens > ROWS:
@@ -168,6 +170,16 @@ class MLATCPlan:
             )
         if self.lat % 16 or self.kv_lora % (8 * WARPS) or self.v_dim % 8 or self.nope % 8:
             raise ValueError("mla_decode_tc: latent % 16, kv_lora % 64, v_dim % 8, nope % 8")
+        if self.cluster_seqs < 1 or self.batch % self.cluster_seqs:
+            raise ValueError(
+                f"DECODESCOPE_MLA_TC_CLUSTER_SEQS={self.cluster_seqs} must divide the batch "
+                f"({self.batch})"
+            )
+        if self.cluster and self.cluster_seqs * self.tokens > 8:
+            raise ValueError(
+                f"DECODESCOPE_MLA_TC_CLUSTER_SEQS={self.cluster_seqs} x {self.tokens} tokens: "
+                "at most 8 (sequence, token) pairs per absorption unit"
+            )
         if self.heads_per_cta and (
             self.heads % self.heads_per_cta or self.heads_per_cta * self.tokens > ROWS
         ):
@@ -218,9 +230,9 @@ class MLATCPlan:
         pairs = self.groups * self.batch
         want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT else -(-NUM_SMS // pairs))
         most = -(-self.nkeys // KBLK)
-        if self.cluster:  # splits of a pair = one cluster: about one CTA per SM, <= 8 per pair
+        if self.cluster:  # splits of a pair (x cluster_seqs) = one cluster: ~one CTA per SM
             want = self.splits_force or max(1, NUM_SMS // pairs)
-            most = min(most, CLUSTER_MAX)
+            most = min(most, CLUSTER_MAX // self.cluster_seqs)
         s = max(1, min(want, most, 64))
         return -(-self.nkeys // (s * KBLK)) * KBLK
 
@@ -234,14 +246,31 @@ class MLATCPlan:
 
     @property
     def clustered(self) -> bool:
-        """The cluster variant with more than one split (one split: the plain path)."""
-        return self.cluster and self.splits > 1
+        """The cluster variant with more than one CTA per cluster (else the plain path)."""
+        return self.cluster and self.splits * self.cs_seqs > 1
+
+    @property
+    def cs_seqs(self) -> int:
+        """Sequences per cluster (1 unless the cluster variant)."""
+        return self.cluster_seqs if self.cluster else 1
+
+    @property
+    def csize(self) -> int:
+        """CTAs per cluster: (sequences, splits) = (cs_seqs, splits), rank = seq + split * cs_seqs."""
+        return self.cs_seqs * self.splits
 
     @property
     def hs(self) -> int:
         """Heads whose absorption / merge / W_UV one CTA does: all ``hg``, or in a cluster
-        ``ceil(hg / splits)`` (heads ``j`` with ``j % splits`` = the CTA's split)."""
-        return -(-self.hg // self.splits) if self.clustered else self.hg
+        ``ceil(hg / csize)`` (heads ``j`` with ``j % csize`` = the CTA's rank), for all the
+        cluster's sequences."""
+        return -(-self.hg // self.csize) if self.clustered else self.hg
+
+    @property
+    def arows(self) -> int:
+        """Rows of the absorption's partial sums: the CTA's rows, or in a cluster its (head,
+        sequence, token) rows."""
+        return self.hs * self.cs_seqs * self.tokens if self.clustered else self.rows
 
     @property
     def lp(self) -> int:
@@ -254,7 +283,7 @@ class MLATCPlan:
         d = 1 << (max(1, NT // (self.hs * ncg)).bit_length() - 1)
         while d > 1 and (self.nope // 8) % d:
             d //= 2
-        while d > 1 and d * self.rows * self.kv_lora * 4 > ABSORB_SCRATCH:
+        while d > 1 and d * self.arows * self.kv_lora * 4 > ABSORB_SCRATCH:
             d //= 2
         return d
 
@@ -279,7 +308,8 @@ class MLATCPlan:
         """Shared memory of one CTA (the ``Smem`` struct's fields, 16-byte alignment slack)."""
         bf = 2 * (2 * KBLK * self.lp + ROWS * self.lp + self.tokens * self.lp)
         bf += 2 * ROWS * (KBLK + PPAD)
-        f32 = self.rows * self.nope + (self.ds * self.rows * self.kv_lora if self.ds > 1 else 4)
+        f32 = self.arows * self.nope
+        f32 += self.ds * self.arows * self.kv_lora if self.ds > 1 else 4
         f32 += 2 * WARPS * ROWS + ROWS * max(self.splits, 2) + 8 + 1
         return bf + 4 * f32 + 8 * 16
 
@@ -291,6 +321,14 @@ class MLADecodeTC:
             raise ValueError(f"mla_decode_tc: {plan.smem_bytes} bytes of shared memory per CTA")
         if plan.cs * ROWS * plan.v_dim * 4 + ROWS * plan.kv_lora * 4 > 2 * KBLK * plan.lp * 2:
             raise ValueError("mla_decode_tc: the W_UV scratch does not fit the key buffers")
+        if plan.clustered:
+            ar = plan.arows
+            need = (ROWS * plan.kv_lora + ar * plan.kv_lora + plan.cs * ar * plan.v_dim) * 4
+            if ar > ROWS or need > 2 * KBLK * plan.lp * 2 or plan.csize > CLUSTER_MAX:
+                raise ValueError(
+                    f"mla_decode_tc: cluster of {plan.csize} CTAs, {ar} merged rows: does not "
+                    "fit (at most 8 CTAs, 16 rows, the key buffers)"
+                )
 
     @cute.jit
     def __call__(
@@ -316,9 +354,11 @@ class MLADecodeTC:
             q: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * LP], 16]
             new: cute.struct.Align[cute.struct.MemRange[BFloat16, p.tokens * LP], 16]
             pm: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * (KBLK + PPAD)], 16]
-            qn: cute.struct.MemRange[Float32, p.rows * p.nope]
+            qn: cute.struct.MemRange[Float32, p.arows * p.nope]
             ascr: cute.struct.Align[
-                cute.struct.MemRange[Float32, max(4, p.ds * p.rows * p.kv_lora if p.ds > 1 else 4)],
+                cute.struct.MemRange[
+                    Float32, max(4, p.ds * p.arows * p.kv_lora if p.ds > 1 else 4)
+                ],
                 16,
             ]
             red: cute.struct.MemRange[Float32, 2 * WARPS * ROWS]
@@ -327,7 +367,7 @@ class MLADecodeTC:
             last: cute.struct.MemRange[Int32, 1]
 
         self.smem_cls = Smem
-        extra = {"cluster": [1, 1, p.splits]} if p.clustered else {}
+        extra = {"cluster": [1, p.cs_seqs, p.splits]} if p.clustered else {}
         self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
             grid=[p.groups, p.batch, p.splits],
             block=[NT, 1, 1],
@@ -355,8 +395,10 @@ class MLADecodeTC:
         sQ = st.q.get_tensor(cute.make_layout((ROWS, LP), stride=(LP, 1)))
         sNew = st.new.get_tensor(cute.make_layout((T, LP), stride=(LP, 1)))
         sP = st.pm.get_tensor(cute.make_layout((ROWS, KBLK + PPAD), stride=(KBLK + PPAD, 1)))
-        sQn = st.qn.get_tensor(cute.make_layout((R, p.nope), stride=(p.nope, 1)))
-        sAscr = st.ascr.get_tensor(cute.make_layout(max(4, p.ds * R * KVL if p.ds > 1 else 4)))
+        sQn = st.qn.get_tensor(cute.make_layout((p.arows, p.nope), stride=(p.nope, 1)))
+        sAscr = st.ascr.get_tensor(
+            cute.make_layout(max(4, p.ds * p.arows * KVL if p.ds > 1 else 4))
+        )
         sRed = st.red.get_tensor(cute.make_layout((2, WARPS, ROWS), stride=(WARPS * ROWS, ROWS, 1)))
         sWgt = st.wgt.get_tensor(
             cute.make_layout((ROWS, max(p.splits, 2)), stride=(max(p.splits, 2), 1))
@@ -404,12 +446,25 @@ class MLADecodeTC:
         # -- 2. queries: q_nope (f32) for the absorption, q_pe scaled; padding rows zero ------
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
         qw = p.nope + p.rope
-        for i in cutlass.range_constexpr((R * p.nope + NT - 1) // NT):
-            idx = tidx + i * NT
-            if idx < R * p.nope:
-                r = idx // p.nope
-                d = idx % p.nope
-                sQn[r, d] = mQ[b * T + r % T, (h0 + r // T) * qw + d].to(Float32)
+        if cutlass.const_expr(p.clustered):  # this CTA's heads, every sequence of the cluster
+            C = p.cs_seqs
+            b0 = b - b % C
+            rank = b % C + sp * C
+            for i in cutlass.range_constexpr((p.arows * p.nope + NT - 1) // NT):
+                idx = tidx + i * NT
+                lr = idx // p.nope  # (jl, cq, t)
+                j = (lr // (C * T)) * p.csize + rank
+                if idx < p.arows * p.nope and j < HG:
+                    d = idx % p.nope
+                    tok = (b0 + (lr // T) % C) * T + lr % T
+                    sQn[lr, d] = mQ[tok, (h0 + j) * qw + d].to(Float32)
+        else:
+            for i in cutlass.range_constexpr((R * p.nope + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < R * p.nope:
+                    r = idx // p.nope
+                    d = idx % p.nope
+                    sQn[r, d] = mQ[b * T + r % T, (h0 + r // T) * qw + d].to(Float32)
         for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
             idx = tidx + i * NT
             if idx < ROWS * p.rope:
@@ -426,7 +481,7 @@ class MLADecodeTC:
                     sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
         cute.arch.sync_threads()
         if cutlass.const_expr(p.clustered):
-            self.absorb_cluster(mWuk, sQn, sQ, sAscr, h0, sp, tidx, scale)
+            self.absorb_cluster(mWuk, sQn, sQ, sAscr, h0, b, sp, tidx, scale)
         else:
             self.absorb(mWuk, sQn, sQ, sAscr, h0, tidx, scale)
         cute.arch.sync_threads()
@@ -603,10 +658,10 @@ class MLADecodeTC:
                 sRed[0, 1, r1] = la1
             cute.arch.cluster_arrive()  # phase 2: every split's partial is in place
             cute.arch.cluster_wait()
-            self.merge_cluster(sOlat, sRed, sWgt, sp, tidx)
+            self.merge_cluster(sOlat, sRed, sWgt, b, sp, tidx)
             cute.arch.cluster_arrive()  # phase 3: this CTA reads no other's memory after this
             cute.arch.sync_threads()
-            self.finish_heads(mG, mWuv, mOut, sOlat, sK, b, h0, sp, tidx)
+            self.finish_heads(mG, mWuv, mOut, sOlat, b, h0, sp, tidx)
             cute.arch.cluster_wait()  # nobody exits while another still reads its partial
         else:
             for nt in cutlass.range_constexpr(NTL):
@@ -815,115 +870,129 @@ class MLADecodeTC:
                     sQ[idx // KVL, idx % KVL] = (tot * scale).to(BFloat16)
 
     @cute.jit
-    def absorb_cluster(self, mWuk, sQn, sQ, sAscr, h0, sp, tidx, scale):
-        """:meth:`absorb` for the heads ``j = jl * splits + sp`` of this split's CTA only; each
-        16-byte piece of ``q_lat`` goes to the ``sQ`` of every CTA of the cluster (DSMEM
-        stores, this one included). Ends with the cluster barrier that publishes them."""
+    def absorb_cluster(self, mWuk, sQn, sQ, sAscr, h0, b, sp, tidx, scale):
+        """:meth:`absorb` for the heads ``j = jl * csize + rank`` of this CTA only, for every
+        sequence of the cluster (one ``w_uk`` load serves them all); each 16-byte piece of
+        ``q_lat`` goes to the ``sQ`` of the sequence's CTAs (all its splits; DSMEM stores, this
+        CTA's own included). Ends with the cluster barrier that publishes them."""
         p = self.p
-        T, KVL, R, HG, S = p.tokens, p.kv_lora, p.rows, p.hg, p.splits
+        T, KVL, HG, C = p.tokens, p.kv_lora, p.hg, p.cs_seqs
         ncg = KVL // 8
         DS = p.ds
+        AR = p.arows
         per = 0 if p.diag else p.nope // DS
         units = p.hs * DS * ncg
+        rank = b % C + sp * C
         cute.arch.cluster_wait()  # phase 0: every CTA of the cluster runs (its smem exists)
         for i in cutlass.range_constexpr((units + NT - 1) // NT):
             u = tidx + i * NT
-            j = (u // (ncg * DS)) * S + sp
+            jl = u // (ncg * DS)
+            j = jl * p.csize + rank
             if u < units and j < HG:
                 cg = u % ncg
                 ds = (u // ncg) % DS
-                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc = cute.make_rmem_tensor(cute.make_layout((C * T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
                 for dd in cutlass.range(per, unroll=p.unroll):
                     d = ds * per + dd
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
+                    for cq in cutlass.range_constexpr(C):
+                        for t in cutlass.range_constexpr(T):
+                            qv = sQn[(jl * C + cq) * T + t, d]
+                            for e in cutlass.range_constexpr(8):
+                                acc[cq * T + t, e] = acc[cq * T + t, e] + qv * wv[e].to(Float32)
+                for cq in cutlass.range_constexpr(C):
                     for t in cutlass.range_constexpr(T):
-                        qv = sQn[j * T + t, d]
-                        for e in cutlass.range_constexpr(8):
-                            acc[t, e] = acc[t, e] + qv * wv[e].to(Float32)
-                for t in cutlass.range_constexpr(T):
-                    r = j * T + t
-                    if cutlass.const_expr(DS == 1):
-                        v = cute.make_rmem_tensor((8,), BFloat16)
-                        for e in cutlass.range_constexpr(8):
-                            v[e] = (acc[t, e] * scale).to(BFloat16)
-                        self.put_q(sQ, r, cg, v)
-                    else:
-                        for e in cutlass.range_constexpr(8):
-                            sAscr[(ds * R + r) * KVL + cg * 8 + e] = acc[t, e]
+                        if cutlass.const_expr(DS == 1):
+                            v = cute.make_rmem_tensor((8,), BFloat16)
+                            for e in cutlass.range_constexpr(8):
+                                v[e] = (acc[cq * T + t, e] * scale).to(BFloat16)
+                            self.put_q(sQ, j * T + t, cg, v, cq)
+                        else:
+                            lr = (jl * C + cq) * T + t
+                            for e in cutlass.range_constexpr(8):
+                                sAscr[(ds * AR + lr) * KVL + cg * 8 + e] = acc[cq * T + t, e]
         if cutlass.const_expr(DS > 1):
             cute.arch.sync_threads()
-            n8 = p.hs * T * ncg
+            n8 = AR * ncg
             for i in cutlass.range_constexpr((n8 + NT - 1) // NT):
                 idx = tidx + i * NT
                 cg = idx % ncg
-                rl = idx // ncg
-                j = (rl // T) * S + sp
+                lr = idx // ncg  # (jl, cq, t)
+                j = (lr // (C * T)) * p.csize + rank
                 if idx < n8 and j < HG:
-                    r = j * T + rl % T
                     v = cute.make_rmem_tensor((8,), BFloat16)
                     for e in cutlass.range_constexpr(8):
                         tot = Float32(0.0)
                         for s in cutlass.range_constexpr(DS):
-                            tot = tot + sAscr[(s * R + r) * KVL + cg * 8 + e]
+                            tot = tot + sAscr[(s * AR + lr) * KVL + cg * 8 + e]
                         v[e] = (tot * scale).to(BFloat16)
-                    self.put_q(sQ, r, cg, v)
+                    self.put_q(sQ, j * T + lr % T, cg, v, (lr // T) % C)
         cute.arch.cluster_arrive()  # phase 1: q_lat complete in every CTA's sQ
         cute.arch.cluster_wait()
 
     @cute.jit
-    def put_q(self, sQ, r, cg, v):
-        """``sQ[r, 8 cg : 8 cg + 8] = v`` (8 BF16) in every CTA of the cluster."""
+    def put_q(self, sQ, r, cg, v, cq):
+        """``sQ[r, 8 cg : 8 cg + 8] = v`` (8 BF16) in every CTA of the cluster's sequence
+        ``cq`` (cluster ranks ``cq + split * cs_seqs``)."""
+        p = self.p
         v32 = cute.recast_tensor(v, Int32)
         ptr = cute.local_tile(sQ[r, None], (8,), (cg,)).iterator
-        for q in cutlass.range_constexpr(self.p.splits):
-            st_cluster_v4(mapa(ptr, q), v32[0], v32[1], v32[2], v32[3])
+        for q in cutlass.range_constexpr(p.splits):
+            st_cluster_v4(mapa(ptr, cq + q * p.cs_seqs), v32[0], v32[1], v32[2], v32[3])
 
     @cute.jit
-    def merge_cluster(self, sOlat, sRed, sWgt, sp, tidx):
-        """Rows of this CTA's heads: ``o_lat[r] = sum_q O_q[r] exp(m_q - m) / sum_q l_q
-        exp(m_q - m)`` over the cluster's splits ``q`` (their ``sOlat`` / ``sRed[0]`` by DSMEM),
-        into this CTA's ``sOlat`` (other CTAs read only the rows of their own heads)."""
+    def merge_cluster(self, sOlat, sRed, sWgt, b, sp, tidx):
+        """Rows of this CTA's heads, for every sequence ``cq`` of the cluster (local row
+        ``lr = (jl * cs_seqs + cq) * T + t``): ``o_lat = sum_q O_q exp(m_q - m) / sum_q l_q
+        exp(m_q - m)`` over the sequence's splits ``q`` (their ``sOlat`` / ``sRed[0]`` by DSMEM),
+        into ``sOm[lr]`` (the key buffers after this CTA's own partial, which others read)."""
         p = self.p
-        S, T, KVL, HG = p.splits, p.tokens, p.kv_lora, p.hg
-        nr = p.hs * T
-        j = (tidx // T) * S + sp
-        if tidx < nr and j < HG:
+        S, T, KVL, HG, C = p.splits, p.tokens, p.kv_lora, p.hg, p.cs_seqs
+        AR = p.arows
+        rank = b % C + sp * C
+        sOm = cute.make_tensor(
+            sOlat.iterator + ROWS * KVL, cute.make_layout((AR, KVL), stride=(KVL, 1))
+        )
+        j = (tidx // (C * T)) * p.csize + rank
+        if tidx < AR and j < HG:
+            cq = (tidx // T) % C
             r = j * T + tidx % T
             mq = []
             lq = []
             for q in cutlass.range_constexpr(S):
-                mq.append(ld_cluster_f32(mapa(sRed.iterator + r, q)))
-                lq.append(ld_cluster_f32(mapa(sRed.iterator + ROWS + r, q)))
+                mq.append(ld_cluster_f32(mapa(sRed.iterator + r, cq + q * C)))
+                lq.append(ld_cluster_f32(mapa(sRed.iterator + ROWS + r, cq + q * C)))
             mall = mq[0]
             for q in cutlass.range_constexpr(1, S):
                 mall = cute.arch.fmax(mall, mq[q])
             lall = Float32(0.0)
             for q in cutlass.range_constexpr(S):
                 w = cute.math.exp(mq[q] - mall, fastmath=True)
-                sWgt[r, q] = w
+                sWgt[tidx, q] = w
                 lall = lall + lq[q] * w
             for q in cutlass.range_constexpr(S):
-                sWgt[r, q] = sWgt[r, q] / lall
+                sWgt[tidx, q] = sWgt[tidx, q] / lall
         cute.arch.sync_threads()
-        n4 = nr * (KVL // 4)
+        n4 = AR * (KVL // 4)
         for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
             idx = tidx + i * NT
             c4 = idx % (KVL // 4)
-            rl = idx // (KVL // 4)
-            j = (rl // T) * S + sp
+            lr = idx // (KVL // 4)
+            j = (lr // (C * T)) * p.csize + rank
             if idx < n4 and j < HG:
-                r = j * T + rl % T
-                tile = cute.local_tile(sOlat[r, None], (4,), (c4,))
+                cq = (lr // T) % C
+                r = j * T + lr % T
+                src = cute.local_tile(sOlat[r, None], (4,), (c4,))
                 acc = cute.make_rmem_tensor((4,), Float32)
                 acc.fill(0.0)
                 for q in cutlass.range_constexpr(S):
-                    v = ld_cluster_v4f32(mapa(tile.iterator, q))
-                    w = sWgt[r, q]
+                    v = ld_cluster_v4f32(mapa(src.iterator, cq + q * C))
+                    w = sWgt[lr, q]
                     for e in cutlass.range_constexpr(4):
                         acc[e] = acc[e] + v[e] * w
-                cute.autovec_copy(acc, tile)
+                cute.autovec_copy(acc, cute.local_tile(sOm[lr, None], (4,), (c4,)))
 
     @cute.jit
     def merge(self, mPart, sOlat, sWgt, b, gi, tidx):
@@ -999,52 +1068,59 @@ class MLADecodeTC:
                 mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
 
     @cute.jit
-    def finish_heads(self, mG, mWuv, mOut, sOlat, sK, b, h0, sp, tidx):
-        """:meth:`finish` for the heads ``j = jl * splits + sp`` of this split's CTA (cluster
-        variant: the splits of a pair share the W_UV)."""
+    def finish_heads(self, mG, mWuv, mOut, sOlat, b, h0, sp, tidx):
+        """:meth:`finish` for this CTA's heads ``j = jl * csize + rank`` and every sequence of
+        the cluster, from the merged rows ``sOm`` (:meth:`merge_cluster`): one ``w_uv`` load
+        serves all of them; partial sums through the key buffers after ``sOm``."""
         p = self.p
-        T, KVL, V, HG, S = p.tokens, p.kv_lora, p.v_dim, p.hg, p.splits
+        T, KVL, V, HG, C = p.tokens, p.kv_lora, p.v_dim, p.hg, p.cs_seqs
+        AR = p.arows
         nvg = V // 8
         CS = p.cs
         per = 0 if p.diag else KVL // CS
         units = p.hs * CS * nvg
+        rank = b % C + sp * C
+        b0 = b - b % C
+        sOm = cute.make_tensor(
+            sOlat.iterator + ROWS * KVL, cute.make_layout((AR, KVL), stride=(KVL, 1))
+        )
         sScr = cute.make_tensor(
-            cute.recast_ptr(sK.iterator, dtype=Float32) + ROWS * KVL,
-            cute.make_layout((CS, ROWS, V), stride=(ROWS * V, V, 1)),
+            sOlat.iterator + ROWS * KVL + AR * KVL,
+            cute.make_layout((CS, AR, V), stride=(AR * V, V, 1)),
         )
         for i in cutlass.range_constexpr((units + NT - 1) // NT):
             u = tidx + i * NT
-            j = (u // (nvg * CS)) * S + sp
+            jl = u // (nvg * CS)
+            j = jl * p.csize + rank
             if u < units and j < HG:
                 vg = u % nvg
                 cs = (u // nvg) % CS
-                acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
+                acc = cute.make_rmem_tensor(cute.make_layout((C * T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
                 for cc in cutlass.range(per, unroll=p.unroll):
                     ci = cs * per + cc
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)
-                    for t in cutlass.range_constexpr(T):
-                        ov = sOlat[j * T + t, ci]
+                    for k in cutlass.range_constexpr(C * T):
+                        ov = sOm[jl * C * T + k, ci]
                         for e in cutlass.range_constexpr(8):
-                            acc[t, e] = acc[t, e] + ov * wv[e].to(Float32)
-                for t in cutlass.range_constexpr(T):
+                            acc[k, e] = acc[k, e] + ov * wv[e].to(Float32)
+                for k in cutlass.range_constexpr(C * T):
                     for e in cutlass.range_constexpr(8):
-                        sScr[cs, j * T + t, vg * 8 + e] = acc[t, e]
+                        sScr[cs, jl * C * T + k, vg * 8 + e] = acc[k, e]
         cute.arch.sync_threads()
-        n = p.hs * T * V
+        n = AR * V
         for i in cutlass.range_constexpr((n + NT - 1) // NT):
             idx = tidx + i * NT
             v = idx % V
-            rl = idx // V
-            j = (rl // T) * S + sp
+            lr = idx // V
+            j = (lr // (C * T)) * p.csize + rank
             if idx < n and j < HG:
-                r = j * T + rl % T
                 tot = Float32(0.0)
                 for s in cutlass.range_constexpr(CS):
-                    tot = tot + sScr[s, r, v]
-                row = b * T + r % T
-                col = (h0 + r // T) * V + v
+                    tot = tot + sScr[s, lr, v]
+                row = (b0 + (lr // T) % C) * T + lr % T
+                col = (h0 + j) * V + v
                 mOut[row, col] = (tot * sigmoid(mG[row, col].to(Float32))).to(BFloat16)
 
 
