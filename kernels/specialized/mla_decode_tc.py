@@ -65,6 +65,13 @@ partials published; the merge's remote reads done, waited for before exit). TP8:
 (2 splits of 9 blocks), 32x1 128 (4 of 5), 16x1 / 8x1 6 splits of 3 blocks. Same rounding
 points as the merge of the plain split path.
 
+``DECODESCOPE_MLA_TC_CLUSTER_SEQS=C`` (with the cluster variant; C dividing the batch, C x
+tokens <= 8): clusters of (C sequences) x (splits) CTAs, at most 8; the CTA of cluster rank
+``rank`` = sequence-in-cluster + split x C absorbs and applies W_UV for the heads
+``j % (C x splits) == rank`` for all C sequences (one ``w_uk`` / ``w_uv`` row piece load serves C sequences: their
+L2 -> SM bytes / C), merging those rows from the C sequences' splits into a buffer of their own
+in the key buffers. TP8 64x1 with C = 4: clusters of 8, two heads or one per CTA.
+
 ``DECODESCOPE_MLA_TC_DIAG=1`` is a timing diagnostic with wrong results: no ``w_uk`` / ``w_uv``
 reads (q_lat and the output are zeros), to split the kernel's time between the per-CTA
 absorption / W_UV (L2 bytes) and the key loop.
