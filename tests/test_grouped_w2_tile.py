@@ -279,7 +279,7 @@ def test_every_output_written_once(preset, tp, T, nsm, kv):
 
 def test_moe_grouped_routes_tile(monkeypatch):
     """``DECODESCOPE_MOE_GROUPED_W2=tile``: the w2 launch is this kernel, its knobs in the key
-    (CPU: launches recorded, not run); the default stays the ring."""
+    (CPU: launches recorded, not run); unset: the tile up to 16 tokens, the ring above."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
     from decodescope.kernels.weights import make_layer_weights
 
@@ -292,7 +292,12 @@ def test_moe_grouped_routes_tile(monkeypatch):
     monkeypatch.setattr(itf, "compiled", fake_compiled)
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W2", raising=False)
-    assert mg.w2_mode() == "ring"
+    # the default since the H200 A/B s9/r2: the tile up to 16 tokens, the ring from 32
+    assert mg.W2_TILE_UPTO == 16
+    assert mg.w2_mode(8) == mg.w2_mode(16) == "tile"
+    assert mg.w2_mode(17) == mg.w2_mode(64) == mg.w2_mode() == "ring"
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W2", "ring")
+    assert mg.w2_mode(8) == "ring"
     cfg = get_config("tiny", 1)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
     blk = SpecializedMoE(cfg, w, 5)
@@ -303,6 +308,12 @@ def test_moe_grouped_routes_tile(monkeypatch):
     assert "tile" in key and gt.TileKnobs(mt=2) in key
     op, args = build()
     assert isinstance(op, gt.GroupedW2Tile) and op.MT == 2 and len(args) == 13
+    monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W2")
+    for T, want in ((5, "tile"), (32, "ring")):  # the defaults, by token count
+        keys.clear()
+        SpecializedMoE(cfg, w, T).experts()
+        ((key, _),) = [(k, b) for k, b in keys if k[0] == "moe_grouped_w2"]
+        assert want in key and ("ring" if want == "tile" else "tile") not in key
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_grouped_w2_tile.py) ----------------

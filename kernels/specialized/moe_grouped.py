@@ -67,12 +67,16 @@ W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
 W13_TILE = "tile"
 W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
 # DECODESCOPE_MOE_GROUPED_W2=tile: grouped_w2_tile.GroupedW2Tile instead (CTA-shared cp.async
-# tile pipeline, warps splitting rows; opt-in until the H200 A/B, notes/specialized_moe.md s9)
+# tile pipeline, warps splitting rows; notes/specialized_moe.md s9)
 W2_TILE = "tile"
 RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
 # w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
 # 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
 # for more CTAs per SM)
+# the tile w2 is the default up to this many tokens (H200 TP8 s9/r2, w2 alone, us / floor: ring
+# 110.5 (1.35) -> tile 76.1 (0.98) at 8 tokens; at 64 the ring's 353.8 (1.13) beat the tile's
+# 375.6 (1.25), its best sweep point only tied: 323.6 (1.13); notes/gpu-logs/s9/r2/w2tile)
+W2_TILE_UPTO = 16
 W2_RING_STAGES = 3
 # GroupedRoute's top-k: K rounds of router_topk.select_topk, or route_topk.thresh_topk
 ROUTE_TOPK = ("rounds", "thresh")
@@ -732,13 +736,16 @@ def w13_mode() -> str:
     return v
 
 
-def w2_mode() -> str:
-    """``DECODESCOPE_MOE_GROUPED_W2``: ``ring`` (default) or ``regs`` (:class:`GroupedW2`'s
-    weight loads), or ``tile`` (:class:`grouped_w2_tile.GroupedW2Tile`, opt-in). H200 TP8, w2
-    alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 -> 102.1 us at 8 tokens, 491.8 -> 365.8 at
-    64 (floor ~301); 25.3 -> 28.8 at 1 token, where the grouped kernels are not the default.
-    Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "ring")
+def w2_mode(T: int | None = None) -> str:
+    """``DECODESCOPE_MOE_GROUPED_W2``: ``ring`` or ``regs`` (:class:`GroupedW2`'s weight loads),
+    or ``tile`` (:class:`grouped_w2_tile.GroupedW2Tile`). Unset: ``tile`` for ``T <=
+    W2_TILE_UPTO`` tokens (16; H200 s9/r2: 110.5 -> 76.1 us at 8), else ``ring`` (also when
+    ``T`` is not given). H200 TP8, w2 alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 ->
+    102.1 us at 8 tokens, 491.8 -> 365.8 at 64 (floor ~301). Read at each call, part of the
+    compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "")
+    if v == "":
+        return W2_TILE if T is not None and T <= W2_TILE_UPTO else "ring"
     if v not in (*W2_MODES, W2_TILE):
         raise ValueError(
             f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {(*W2_MODES, W2_TILE)}"
@@ -839,7 +846,7 @@ def moe_grouped(
     itf.check(bufs.hs, "grouped hs", (T, S), torch.bfloat16)
     pdl = pdl_enabled()
     mode = w13_mode()
-    m2 = w2_mode()
+    m2 = w2_mode(T)
     s2 = w2_stages()
     nsm = num_sms(y_front.device)
     rmode = route_mode()
