@@ -1,7 +1,7 @@
 """The LatentMoE back end on the tile GEMM (``back_tile``) against ``BackMma`` on the H200.
 
     python scripts/gpu_back_tile.py --out $OUT/back_tile [--tp 8 16] [--tokens 8 32 64]
-        [--variants tile tile_regs tile_regs_s5 tile_w8k4s4 ...] [--copies 4]
+        [--variants tile tile_ldsm tile_ldsm_s5 ...] [--copies 4]
         [--replays 50] [--no-block] [--budget-s 420]
 
 Order: (1) a probe child runs every tile variant once per token count (a device fault kills
@@ -59,9 +59,18 @@ VARIANTS = {
     "tile_w8k4s4": {"warps": 8, "splits": 4, "stages": 4},
     "tile_w8k4s3": {"warps": 8, "splits": 4, "stages": 3},
     "tile_regs_w8k4s5": {"act": "regs", "warps": 8, "splits": 4, "stages": 5},
+    # fewer instructions per chunk (s9/r2: the loop at 64 tokens is issue-bound): hoisted copy
+    # addresses + A fragments once per half; ldmatrix fragments (281 SASS per chunk and warp
+    # at 64 tokens against 670)
+    "tile_lean": {"lean": True},
+    "tile_regs_lean": {"act": "regs", "lean": True},
+    "tile_ldsm": {"act": "regs", "ldsm": True},
+    "tile_ldsm_s5": {"act": "regs", "ldsm": True, "stages": 5},
+    "tile_ldsm_s3": {"act": "regs", "ldsm": True, "stages": 3},
+    "tile_ldsm_w8k4s5": {"act": "regs", "ldsm": True, "warps": 8, "splits": 4, "stages": 5},
 }
-DEFAULT_VARIANTS = ["tile", "tile_regs", "tile_regs_s5", "tile_w8k4s4", "tile_w8k4s3",
-                    "tile_regs_w8k4s5"]  # fmt: skip
+DEFAULT_VARIANTS = ["tile", "tile_ldsm", "tile_ldsm_s5", "tile_ldsm_s3", "tile_lean",
+                    "tile_regs_lean", "tile_regs", "tile_w8k4s4", "tile_ldsm_w8k4s5"]  # fmt: skip
 
 
 def record(**kw) -> dict:

@@ -26,7 +26,8 @@ from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_ad
 from decodescope.kernels.weights import make_layer_weights  # noqa: E402
 
 KNOB_VARS = ("DECODESCOPE_MOE_BACK_TILE_STAGES", "DECODESCOPE_MOE_BACK_TILE_SPLITS",
-             "DECODESCOPE_MOE_BACK_TILE_WARPS", "DECODESCOPE_MOE_BACK_TILE_ACT")  # fmt: skip
+             "DECODESCOPE_MOE_BACK_TILE_WARPS", "DECODESCOPE_MOE_BACK_TILE_ACT",
+             "DECODESCOPE_MOE_BACK_TILE_FRAG")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,10 @@ def test_back_tile_compiles(preset, tp, T):
                                    dict(warps=2, splits=2), dict(act="regs"),
                                    dict(act="regs", stages=5),
                                    dict(warps=8, splits=4, stages=4),
-                                   dict(act="regs", warps=8, splits=4, stages=5)])  # fmt: skip
+                                   dict(act="regs", warps=8, splits=4, stages=5),
+                                   dict(lean=True), dict(act="regs", lean=True),
+                                   dict(act="regs", ldsm=True, stages=5),
+                                   dict(act="regs", ldsm=True, warps=8, splits=4)])  # fmt: skip
 def test_back_tile_knobs_compile(knobs):
     bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
@@ -86,13 +90,26 @@ def test_back_plan_geometry():
 
 
 @pytest.mark.parametrize("T", [8, 13, 32])
-def test_back_tile_regs_compiles(T):
-    bp = bt.BackPlan(m=T, k=3584, n=7168, eps=1e-5, act="regs")
+@pytest.mark.parametrize("frag", [{}, {"lean": True}, {"ldsm": True}])
+def test_back_tile_regs_compiles(T, frag):
+    bp = bt.BackPlan(m=T, k=3584, n=7168, eps=1e-5, act="regs", **frag)
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+def test_back_tile_ldsm_tiny_compiles():
+    bp = bt.BackPlan(m=5, k=128, n=256, eps=1e-5, act="regs", ldsm=True)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
 
 
 def test_back_tile_knobs_env(monkeypatch):
-    assert bt.knobs() == {"stages": 0, "splits": 0, "warps": 4, "act": "smem"}
+    assert bt.knobs() == {
+        "stages": 0,
+        "splits": 0,
+        "warps": 4,
+        "act": "smem",
+        "lean": False,
+        "ldsm": False,
+    }
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_STAGES", "4")
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_SPLITS", "7")
     bp = bt.plan_for(64, 3584, 7168, 1e-5)
@@ -103,6 +120,17 @@ def test_back_tile_knobs_env(monkeypatch):
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_ACT"):
         bt.knobs()
     monkeypatch.delenv("DECODESCOPE_MOE_BACK_TILE_ACT")
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_FRAG", "ldsm")
+    bp = bt.plan_for(64, 3584, 7168, 1e-5)
+    assert bp.ldsm and bp.act == "regs" and not bp.lean
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_FRAG", "lean")
+    assert bt.plan_for(64, 3584, 7168, 1e-5).lean
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_FRAG", "wgmma")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_FRAG"):
+        bt.knobs()
+    monkeypatch.delenv("DECODESCOPE_MOE_BACK_TILE_FRAG")
+    with pytest.raises(ValueError, match="ldsm needs act"):
+        bt.BackPlan(m=8, k=3584, n=7168, eps=1e-5, ldsm=True)
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_WARPS", "five")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_WARPS"):
         bt.knobs()
@@ -300,6 +328,96 @@ def test_shared_memory_index_math_regs(T, threads):
                     assert torch.equal(got, want[r, 32 * h + 8 * c : 32 * h + 8 * c + 8])
 
 
+def _ldsm(sm_rows: torch.Tensor, addrs: list[tuple[int, int]], nmat: int) -> list[list]:
+    """``ldmatrix`` on an emulated buffer (``sm_rows[row]`` = 128 bytes): matrix m's 8 rows
+    from the (row, byte offset) of lanes 8m .. 8m + 7; lane t gets row t // 4, BF16 elements
+    2 (t % 4) .. + 1 of each matrix (as a pair of BF16)."""
+    mats = []
+    for m in range(nmat):
+        rows = []
+        for i in range(8):
+            r, o = addrs[8 * m + i]
+            rows.append(sm_rows[r, o : o + 16].view(torch.bfloat16))
+        mats.append(rows)
+    return [[mats[m][t // 4][2 * (t % 4) : 2 * (t % 4) + 2] for m in range(nmat)]
+            for t in range(32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("T,warps", [(64, 4), (13, 4), (8, 8), (32, 2)])
+def test_ldsm_fragments(T, warps):
+    """``frag="ldsm"``: the weights as ``load_w_lean`` places them (unit ``u ^ (r % 8)``) and the
+    activations as ``convert_regs`` writes them (the same XOR), read with ``compute_ldsm``'s lane
+    addresses through an emulated ``ldmatrix``, give every lane the m16n8k16 fragments of the
+    natural K order: A (row g, k 2c..), (g + 8, 2c..), (g, 2c + 8..), (g + 8, 2c + 8..) and
+    B (token g, k 2c..), (g, 2c + 8..) of each 16-wide K step."""
+    g = torch.Generator().manual_seed(T + warps)
+    MP = (T + 7) // 8 * 8
+    rows = warps * 32
+    W = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    acc = torch.randn(MP, 64, generator=g)
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    X = (acc * nw.float()).to(torch.bfloat16)
+    sw = torch.zeros(rows, 128, dtype=torch.uint8)
+    nt = warps * 32
+    for tid in range(nt):  # load_w_lean, one chunk
+        wr, wu = tid // 8, tid % 8
+        for i in range(rows // (nt // 8)):
+            r = wr + i * (nt // 8)
+            assert r % 8 == wr % 8
+            o = 16 * (wu ^ (wr % 8))
+            sw[r, o : o + 16] = W[r, 8 * wu : 8 * wu + 8].view(torch.uint8)
+    sx = torch.zeros(MP, 128, dtype=torch.uint8)
+    for tid in range(nt):  # convert_regs
+        u = tid % bt.UNITS
+        for q in range(-(-(MP * bt.UNITS) // nt)):
+            idx = tid + q * nt
+            r = idx // bt.UNITS
+            if idx < MP * bt.UNITS and r < T:
+                pu = (u // 2) ^ (r % 8)
+                o = 8 * (2 * pu + u % 2)
+                sx[r, o : o + 8] = _bf16_bytes(
+                    acc[r, 4 * u : 4 * u + 4] * nw[4 * u : 4 * u + 4].float()
+                )
+    ntiles = MP // 8
+    for warp in range(warps):
+        for ks in range(4):
+            for q in range(2):  # A
+                addrs = []
+                for lane in range(32):
+                    ar = warp * 32 + lane % 16 + 16 * q
+                    ua = 2 * ks + lane // 16
+                    addrs.append((ar, 16 * (ua ^ (lane % 8))))
+                got = _ldsm(sw, addrs, 4)
+                for t in range(32):
+                    gg, c = t // 4, t % 4
+                    r0 = warp * 32 + 16 * q + gg
+                    k0 = 16 * ks + 2 * c
+                    want = [W[r0, k0 : k0 + 2], W[r0 + 8, k0 : k0 + 2], W[r0, k0 + 8 : k0 + 10],
+                            W[r0 + 8, k0 + 8 : k0 + 10]]  # fmt: skip
+                    for m in range(4):
+                        assert torch.equal(got[t][m], want[m]), (warp, ks, q, t, m)
+            pairs = []  # B: (tile, lane -> (row, offset)) as compute_ldsm forms them
+            for jj in range(ntiles // 2):
+                pairs.append((4, [(8 * (2 * jj + lane // 16) + lane % 8,
+                                   16 * ((2 * ks + (lane // 8) % 2) ^ (lane % 8)))
+                                  for lane in range(32)], [2 * jj, 2 * jj + 1]))  # fmt: skip
+            if ntiles % 2:
+                jl = ntiles - 1
+                pairs.append((2, [(8 * jl + lane % 8, 16 * ((2 * ks + (lane // 8) % 2) ^ (lane % 8)))
+                                  for lane in range(32)], [jl]))  # fmt: skip
+            for nmat, addrs, tiles in pairs:
+                got = _ldsm(sx, addrs, nmat)
+                for t in range(32):
+                    gg, c = t // 4, t % 4
+                    k0 = 16 * ks + 2 * c
+                    for n_, j in enumerate(tiles):
+                        tok = 8 * j + gg
+                        if tok >= T:
+                            continue
+                        assert torch.equal(got[t][2 * n_], X[tok, k0 : k0 + 2]), (ks, j, t)
+                        assert torch.equal(got[t][2 * n_ + 1], X[tok, k0 + 8 : k0 + 10]), (ks, j, t)
+
+
 def test_b_reads_are_bank_conflict_free():
     """The 16 lanes of a half warp read 8 bytes each from 16 distinct 8-byte bank slots (row
     stride 256 bytes: the slot is the byte offset within the row, mod 128, / 8)."""
@@ -315,16 +433,21 @@ def test_b_reads_are_bank_conflict_free():
                 assert len(slots) == 16, (h, k, half)
 
 
+GPU_CONFIGS = {"smem": {}, "regs": {"act": "regs"}, "lean": {"lean": True},
+               "ldsm": {"act": "regs", "ldsm": True}}  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("act", bt.ACTS)
+@pytest.mark.parametrize("cfg_name", sorted(GPU_CONFIGS))
 @pytest.mark.parametrize("T", [8, 13, 32, 64])
-def test_back_tile_gpu(T, act):
+def test_back_tile_gpu(T, cfg_name):
     """H200 (``pytest -m gpu``): the kernel vs ``up_proj_shared_add_ref`` and vs its own
     arithmetic (``back_tile_ref``), output poisoned with NaN, three launches in a row (the
     counters reset themselves), then a CUDA graph replayed twice; tokens of different scales."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dev = "cuda"
+    kw = GPU_CONFIGS[cfg_name]
     cfg, L, H = _dims("kimi-k3", 8)
     g = torch.Generator(device=dev).manual_seed(T)
     scale = torch.logspace(-1, 1, T, device=dev).unsqueeze(1)
@@ -334,19 +457,19 @@ def test_back_tile_gpu(T, act):
     sh = torch.randn(T, H, device=dev, generator=g)
     ref = up_proj_shared_add_ref(acc, nw, up, sh, cfg.eps)
     own = bt.back_tile_ref(
-        acc, nw, up, sh, cfg.eps, splits=bt.plan_for(T, L, H, cfg.eps, act=act).tile.splits
+        acc, nw, up, sh, cfg.eps, splits=bt.plan_for(T, L, H, cfg.eps, **kw).tile.splits
     )
     out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     for _ in range(3):
         out.fill_(float("nan"))
-        bt.back_tile(acc, nw, up, sh, out, cfg.eps, act=act)
+        bt.back_tile(acc, nw, up, sh, out, cfg.eps, **kw)
         torch.cuda.synchronize()
         assert rel_l2(out, ref) < 1e-2
         assert rel_l2(out, own) < 2e-3
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        bt.back_tile(acc, nw, up, sh, out_g, cfg.eps, act=act)
+        bt.back_tile(acc, nw, up, sh, out_g, cfg.eps, **kw)
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()

@@ -41,6 +41,14 @@ through shared memory, converted into a BF16 double buffer in tile_gemm's activa
 then holds only the weight stages (4 at 64 tokens with two CTAs per SM, against 3), at the cost
 of one chunk of activation latency per iteration covered by a chunk's MMAs only.
 
+Instruction count (s9/r2: at 64 tokens the loop is issue-bound, not waiting on loads: 2 and 3
+stages took the same time). SASS per chunk and warp at 64 tokens (ptxas 13.0 + cuobjdump):
+670 instructions with ``mma_k16`` (its A fragment re-assembled for every MMA: ~4 moves each,
+258 moves for 64 HMMA; ~126 integer ops for 16 copy addresses); ``frag="lean"`` (addresses
+hoisted, A fragments per half) 471; ``frag="ldsm"`` (``act="regs"``, ``ldmatrix.x4`` for A
+and for B two token tiles at a time, K in natural order, 16-byte unit ``U`` of row ``r`` at
+``U ^ (r % 8)`` in both buffers) 281, of them 64 HMMA, 24 LDSM, 2 MOV.
+
 Selection: ``DECODESCOPE_MOE_BACK=tile`` forces it (1..64 tokens, ``L`` a multiple of 64, ``H``
 of 16); ``auto`` (the default) picks it from ``TILE_FROM`` = 32 tokens (H200 TP8, s9/r2: 22.8 us
 against BackMma's 33.9 at 32 tokens, 36.9 against 48.2 at 64), BackMma below. Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
@@ -73,6 +81,7 @@ SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved pe
 # against 48.2 at 64
 TILE_FROM: int | None = 32
 ACTS = ("smem", "regs")  # how the FP32 activations travel (see the module docstring)
+FRAGS = ("k16", "lean", "ldsm")  # how the MMA operands are built (DECODESCOPE_MOE_BACK_TILE_FRAG)
 
 
 def _two_per_sm(nbytes: int) -> bool:
@@ -93,8 +102,14 @@ class BackPlan:
     stages: int = 0
     splits: int = 0
     act: str = "smem"
+    lean: bool = False  # hoisted copy addresses, compute_lean instead of compute_b (A/B knob)
+    ldsm: bool = False  # ldmatrix fragments, XOR-8 swizzles (needs act="regs"; implies lean)
 
     def __post_init__(self) -> None:
+        if self.ldsm and self.act != "regs":
+            raise ValueError("back_tile: ldsm needs act='regs' (the BF16 buffer it reads)")
+        if self.ldsm and self.n % (self.warps * tg.WARP_ROWS):
+            raise ValueError(f"back_tile: ldsm needs H={self.n} a multiple of the CTA's rows")
         if self.act not in ACTS:
             raise ValueError(f"back_tile: act must be one of {ACTS}, got {self.act!r}")
         if self.warps not in (2, 4, 8):
@@ -239,21 +254,46 @@ class BackTile(tg.TileGemm):
 
         # weights of the first chunks and the norm weights before the PDL wait (never written
         # by the predecessor); the norm weights are read by other threads: barrier
+        lean = (self.bp.lean or self.bp.ldsm) and n % p.cta_rows == 0  # every row exists
+        wsrc = wdst = asrc = adst = None
+        if cutlass.const_expr(lean):
+            # this thread's copy addresses, once: per chunk / stage / row step they move by
+            # compile-time strides (tile_gemm recomputes them per copy)
+            wr = tidx // 8
+            wu = tidx % 8
+            wsrc = mW.iterator + ((row0 + wr) * self.bp.k + wu * 8)
+            wdst = sW.iterator + (wr * BK + ((wu + 4 * (wr % 2)) % 8) * 8)
+            if cutlass.const_expr(self.bp.ldsm):  # ldmatrix's layout: unit u ^ (r % 8)
+                wdst = sW.iterator + (wr * BK + (wu ^ (wr % 8)) * 8)
+            ar = tidx // UNITS
+            au = tidx % UNITS
+            asrc = mAcc.iterator + (ar * self.bp.k + au * 4)
+            if cutlass.const_expr(not regs):
+                adst = sX.iterator + (ar * BK + (au ^ (ar % 2)) * 4)
         for s in cutlass.range_constexpr(pre):
-            self.load_w(mW, sW, n, row0, kc0 + s, s, tidx)
+            if cutlass.const_expr(lean):
+                self.load_w_lean(wsrc, wdst, kc0 + s, s)
+            else:
+                self.load_w(mW, sW, n, row0, kc0 + s, s, tidx)
         self.load_nw(mNW, sNW, kc0, tidx)
         cute.arch.sync_threads()
         if cutlass.const_expr(p.pdl):
             pdl_begin()
         for s in cutlass.range_constexpr(p.stages - 1):
             if cutlass.const_expr(s < pre and not regs):
-                self.load_acc(mAcc, sX, kc0 + s, s, tidx)
+                if cutlass.const_expr(lean):
+                    self.load_acc_lean(asrc, adst, kc0 + s, s, tidx)
+                else:
+                    self.load_acc(mAcc, sX, kc0 + s, s, tidx)
             cute.arch.cp_async_commit_group()
         rX = []
         if cutlass.const_expr(regs):  # chunk 0's activations into registers
             for _ in cutlass.range_constexpr(self.slots):
                 rX.append(cute.make_rmem_tensor((4,), Float32))
-            self.load_acc_regs(mAcc, rX, kc0, tidx)
+            if cutlass.const_expr(lean):
+                self.load_acc_regs_lean(asrc, rX, kc0, tidx)
+            else:
+                self.load_acc_regs(mAcc, rX, kc0, tidx)
 
         atom = mc.mma_atom()
         accs = mc.zero_accs(tg.RT * p.ntiles)
@@ -270,7 +310,10 @@ class BackTile(tg.TileGemm):
                 xs = i % 2
                 self.convert_regs(rX, sXb, sNW, xs, i, ssq, tidx)
                 if i + 1 < p.chunks:
-                    self.load_acc_regs(mAcc, rX, kc0 + i + 1, tidx)
+                    if cutlass.const_expr(lean):
+                        self.load_acc_regs_lean(asrc, rX, kc0 + i + 1, tidx)
+                    else:
+                        self.load_acc_regs(mAcc, rX, kc0 + i + 1, tidx)
                 cute.arch.cp_async_wait_group(p.stages - 2)
             else:
                 cute.arch.cp_async_wait_group(p.stages - 2)
@@ -281,11 +324,21 @@ class BackTile(tg.TileGemm):
             nxt = i + (p.stages - 1)
             if nxt < p.chunks:
                 sn = nxt % p.stages
-                self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
-                if cutlass.const_expr(not regs):
-                    self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
+                if cutlass.const_expr(lean):
+                    self.load_w_lean(wsrc, wdst, kc0 + nxt, sn)
+                    if cutlass.const_expr(not regs):
+                        self.load_acc_lean(asrc, adst, kc0 + nxt, sn, tidx)
+                else:
+                    self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
+                    if cutlass.const_expr(not regs):
+                        self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            self.compute_b(sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom)
+            if cutlass.const_expr(self.bp.ldsm):
+                self.compute_ldsm(sW, sXb, stg, xs, warp, lane, accs, fa, fb, atom)
+            elif cutlass.const_expr(self.bp.lean):
+                self.compute_lean(sW, sXb, stg, xs, warp, g, c, accs, atom)
+            else:
+                self.compute_b(sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
 
         self.store_partial(mWs, accs, bx, sp, warp, g, c)
@@ -334,6 +387,46 @@ class BackTile(tg.TileGemm):
                 mc.cp_async16(dst, src)
 
     @cute.jit
+    def load_w_lean(self, wsrc, wdst, kc, stg):
+        """``load_w`` from this thread's hoisted addresses (every row exists): row step
+        ``threads / 8`` rows, chunk ``kc``, stage ``stg``."""
+        p = self.p
+        rs = p.threads // 8
+        for i in cutlass.range_constexpr(p.cta_rows // rs):
+            src = wsrc + (kc * BK + i * rs * self.bp.k)
+            dst = wdst + (stg * (p.cta_rows * BK) + i * rs * BK)
+            cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                                 read_only_args=[dst, src])  # fmt: skip
+
+    @cute.jit
+    def load_acc_lean(self, asrc, adst, kc, stg, tidx):
+        """``load_acc`` from this thread's hoisted addresses (row step ``threads / 16``, whose
+        parity is even: the unit XOR is the thread's own)."""
+        p = self.p
+        rs = p.threads // UNITS
+        for q in cutlass.range_constexpr(self.slots):
+            if tidx // UNITS + q * rs < p.m:
+                src = asrc + (kc * BK + q * rs * self.bp.k)
+                dst = adst + (stg * (p.mp * BK) + q * rs * BK)
+                cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
+                                     read_only_args=[dst, src])  # fmt: skip
+
+    @cute.jit
+    def load_acc_regs_lean(self, asrc, rX, kc, tidx):
+        """``load_acc_regs`` from this thread's hoisted address (16-byte ``ld.global``)."""
+        p = self.p
+        rs = p.threads // UNITS
+        for q in cutlass.range_constexpr(self.slots):
+            if tidx // UNITS + q * rs < p.m:
+                v = cute.arch.inline_ptx(
+                    "ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                    write_only_types=[Float32, Float32, Float32, Float32],
+                    read_only_args=[asrc + (kc * BK + q * rs * self.bp.k)],
+                )
+                for e in cutlass.range_constexpr(4):
+                    rX[q][e] = v[e]
+
+    @cute.jit
     def load_acc_regs(self, mAcc, rX, kc, tidx):
         """``act="regs"``: this thread's units of chunk ``kc`` (the units ``load_acc`` would
         copy) into registers (16-byte loads; a warp reads two rows' 256 contiguous bytes)."""
@@ -368,6 +461,8 @@ class BackTile(tg.TileGemm):
                     xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
                 ssq[q] = s
                 pu = (u // 2 + 4 * (r % 2)) % 8
+                if cutlass.const_expr(self.bp.ldsm):  # ldmatrix's layout: unit U ^ (r % 8)
+                    pu = (u // 2) ^ (r % 8)
                 dst = cute.local_tile(sXb[xs, r, None], (4,), (2 * pu + u % 2,))
                 cute.autovec_copy(xb, dst)
 
@@ -434,6 +529,96 @@ class BackTile(tg.TileGemm):
                     xb = _Pair(b0, b1)
                 mc.mma_k16(atom, accs, fa, fb, xb,
                            [(lo, hi, q * p.ntiles + j) for lo, hi, q in tiles])  # fmt: skip
+
+    @cute.jit
+    def compute_ldsm(self, sW, sXb, stg, xs, warp, lane, accs, fa, fb, atom):
+        """The MMAs of one chunk with ``ldmatrix`` fragments (``ldsm``), K in natural order:
+        per 16-wide K step, A of each row tile by one ``x4`` (matrices rows 0-7 | 8-15 x k
+        +0 | +8: lanes 0-15 rows, lanes 16-31 the k + 8 half), B of two token tiles by one
+        ``x4`` (matrices (tile, k +0), (tile, k +8), (tile + 1, ..): lanes 0-7 / 8-15 / 16-23 /
+        24-31), an ``x2`` for an odd last tile. Both buffers keep 16-byte unit ``U`` of row ``r``
+        at ``U ^ (r % 8)``: the 8 rows of a matrix hit 8 different bank groups."""
+        p = self.p
+        fa32 = cute.recast_tensor(fa, Int32)
+        fb32 = cute.recast_tensor(fb, Int32)
+        li = lane % 8
+        ar = warp * tg.WARP_ROWS + lane % 16  # + 16 q: this lane's A row (row % 8 == li)
+        a_base = sW.iterator + (stg * (p.cta_rows * BK) + ar * BK)
+        bt = lane // 16  # token tile of the pair
+        bh = (lane // 8) % 2  # k + 8 half
+        b_base = sXb.iterator + (xs * (p.mp * BK) + (bt * 8 + li) * BK)
+        for ks in cutlass.range_constexpr(BK // 16):
+            ua = 2 * ks + lane // 16
+            aregs = []
+            for q in cutlass.range_constexpr(tg.RT):
+                aregs.append(_ldsm_x4(a_base + (q * 16 * BK + (ua ^ li) * 8)))
+            ub = 2 * ks + bh
+            bregs = []
+            for jj in cutlass.range_constexpr(p.ntiles // 2):
+                bb = _ldsm_x4(b_base + (jj * 16 * BK + (ub ^ li) * 8))
+                bregs.append((bb[0], bb[1]))
+                bregs.append((bb[2], bb[3]))
+            if cutlass.const_expr(p.ntiles % 2):  # lanes 0-15: (last tile, k +0 | +8)
+                jl = p.ntiles - 1
+                b0, b1 = _ldsm_x2(sXb.iterator + (xs * (p.mp * BK) + (jl * 8 + li) * BK
+                                                  + ((2 * ks + bh) ^ li) * 8))  # fmt: skip
+                bregs.append((b0, b1))
+            for j in cutlass.range_constexpr(p.ntiles):
+                fb32[0] = bregs[j][0]
+                fb32[1] = bregs[j][1]
+                for q in cutlass.range_constexpr(tg.RT):
+                    for e in cutlass.range_constexpr(4):
+                        fa32[e] = aregs[q][e]
+                    acc = accs[q * p.ntiles + j]
+                    cute.gemm(atom, acc, fa, fb, acc)
+
+    @cute.jit
+    def compute_lean(self, sW, sXb, stg, xs, warp, g, c, accs, atom):
+        """:meth:`compute_b`'s MMAs with fewer register moves (``lean``): the A fragments of
+        the half (``RT`` tiles x 2 K steps) are assembled once and reused by every token tile
+        (``mma_k16`` re-assembles them per token tile: 4 moves per MMA); the B fragments are
+        loaded straight into the MMA's operand registers (no moves), all token tiles of the half
+        first, then the MMAs ordered K step, token tile, row tile (dependent MMAs 2 x ntiles
+        apart)."""
+        p = self.p
+        par = 4 * (g % 2)
+        xo = g % 2
+        hf = (g // 2) % 2
+        for h in cutlass.range_constexpr(2):
+            pu = (4 * h + c + par) % 8
+            fas = []  # fas[q][s]
+            for q in cutlass.range_constexpr(tg.RT):
+                r = warp * tg.WARP_ROWS + q * 16 + g
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                two = []
+                for k in cutlass.range_constexpr(2):
+                    fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+                    mc.set_a(fa, lo, hi, k)
+                    two.append(fa)
+                fas.append(two)
+            U = 4 * h + c
+            fbs = []  # fbs[j][s]: the 4 BF16 of K step s, token tile j
+            for j in cutlass.range_constexpr(p.ntiles):
+                row = sXb[xs, j * 8 + g, None]
+                two = []
+                for k in cutlass.range_constexpr(2):
+                    fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+                    flat = cute.make_tensor(fb.iterator, cute.make_layout(4))
+                    if cutlass.const_expr(self.bp.act == "regs"):  # 8 bytes of the 16-byte unit
+                        src = cute.local_tile(row, (4,), (2 * pu + k,))
+                    else:
+                        src = cute.local_tile(row, (4,), (2 * ((2 * U + k) ^ xo) + hf,))
+                    cute.autovec_copy(src, flat)
+                    two.append(fb)
+                fbs.append(two)
+            for k in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(p.ntiles):
+                    for q in cutlass.range_constexpr(tg.RT):
+                        acc = accs[q * p.ntiles + j]
+                        cute.gemm(atom, acc, fas[q][k], fbs[j][k], acc)
 
     @cute.jit
     def store_ssq(self, mSsq, ssq, bx, sp, tidx):
@@ -510,6 +695,25 @@ class BackTile(tg.TileGemm):
             mCnt[bx] = Int32(0)
 
 
+def _ldsm_x4(ptr):
+    """``ldmatrix .x4``: four 8x8 BF16 matrices, row addresses from lanes 0-7, 8-15, 16-23,
+    24-31; lane (g, c) gets elements (g, 2c .. 2c + 1) of each, one 32-bit register each."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32, Int32, Int32, Int32],
+        read_only_args=[ptr],
+    )
+
+
+def _ldsm_x2(ptr):
+    """``ldmatrix .x2``: two matrices, row addresses from lanes 0-15 (the others ignored)."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Int32, Int32],
+        read_only_args=[ptr],
+    )
+
+
 class _Pair:
     """``xb[0..7]`` for :func:`.mma_common.mma_k16` from two 4-element BF16 fragments."""
 
@@ -570,14 +774,22 @@ def _knob(var: str, choices: tuple[int, ...]) -> int:
 def knobs() -> dict[str, int]:
     """The A/B knobs (environment, read at each call): ``DECODESCOPE_MOE_BACK_TILE_STAGES``
     (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8),
-    ``_ACT`` (``smem`` or ``regs``)."""
+    ``_ACT`` (``smem`` or ``regs``), ``_FRAG`` (``k16``: ``mma_common.mma_k16``; ``lean``: hoisted
+    copy addresses and A fragments built once per half; ``ldsm``: ``ldmatrix`` fragments, with
+    ``act="regs"``)."""
     stages = _knob("DECODESCOPE_MOE_BACK_TILE_STAGES", (0, 2, 3, 4, 5, 6))
     splits = _knob("DECODESCOPE_MOE_BACK_TILE_SPLITS", (0, 1, 2, 4, 7, 8, 14))
     warps = _knob("DECODESCOPE_MOE_BACK_TILE_WARPS", (0, 2, 4, 8)) or 4
     act = os.environ.get("DECODESCOPE_MOE_BACK_TILE_ACT", "") or "smem"
     if act not in ACTS:
         raise ValueError(f"DECODESCOPE_MOE_BACK_TILE_ACT={act!r}: expected one of {ACTS}")
-    return {"stages": stages, "splits": splits, "warps": warps, "act": act}
+    frag = os.environ.get("DECODESCOPE_MOE_BACK_TILE_FRAG", "") or "k16"
+    if frag not in FRAGS:
+        raise ValueError(f"DECODESCOPE_MOE_BACK_TILE_FRAG={frag!r}: expected one of {FRAGS}")
+    if frag == "ldsm":
+        act = "regs"  # the BF16 buffer ldmatrix reads
+    return {"stages": stages, "splits": splits, "warps": warps, "act": act,
+            "lean": frag == "lean", "ldsm": frag == "ldsm"}  # fmt: skip
 
 
 def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
