@@ -50,6 +50,7 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"mt": 2}),
         ("kimi-k3", 8, 64, {"bk": 64, "stages": 3}),
         ("kimi-k3", 8, 64, {"stages": 2}),
+        ("kimi-k3", 8, 64, {"warps": 8, "cap": 512}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -76,6 +77,8 @@ def test_geometry_tp8():
     assert op.smem == 3 * 72 * 128 * 2 and 4 * (op.smem + 256 + 1024) <= 228 * 1024
     assert (op.CE, op.CS, op.nr) == (56, 56, 64 * 132)
     assert gt.GroupedW2Tile(8, E, K, L, Ie, H, S).nr == 128 * 56
+    one = gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(cap=512))
+    assert one.nr == 896 * 56  # the worst case itself: one item per CTA
     t16 = gt.GroupedW2Tile(64, *_dims("kimi-k3", 16))
     assert (t16.BK, t16.NCH, t16.nbuf) == (64, 3, 3)
 

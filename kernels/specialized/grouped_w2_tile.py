@@ -98,7 +98,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "bk": ("DECODESCOPE_MOE_W2T_BK", (0, 32, 64, 128, 192, 256, 384)),
     "stages": ("DECODESCOPE_MOE_W2T_STAGES", tuple(range(0, 9))),
     "mt": ("DECODESCOPE_MOE_W2T_MT", (1, 2, 4)),
-    "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 129))),
+    "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 513))),
     "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
 }
 
