@@ -68,9 +68,13 @@ VARIANTS = {
     "tile_ldsm_s5": {"act": "regs", "ldsm": True, "stages": 5},
     "tile_ldsm_s3": {"act": "regs", "ldsm": True, "stages": 3},
     "tile_ldsm_w8k4s5": {"act": "regs", "ldsm": True, "warps": 8, "splits": 4, "stages": 5},
+    # more warps per SM: 392 CTAs at three per SM (168 registers, 67 KB at 64 tokens); 196 CTAs
+    # of 8 warps at two per SM (126 registers, 2 stages)
+    "tile_ldsm_k7s3": {"act": "regs", "ldsm": True, "splits": 7, "stages": 3},
+    "tile_ldsm_w8k7s2": {"act": "regs", "ldsm": True, "warps": 8, "splits": 7, "stages": 2},
 }
-DEFAULT_VARIANTS = ["tile", "tile_ldsm", "tile_ldsm_s5", "tile_ldsm_s3", "tile_lean",
-                    "tile_regs_lean", "tile_regs", "tile_w8k4s4", "tile_ldsm_w8k4s5"]  # fmt: skip
+DEFAULT_VARIANTS = ["tile", "tile_ldsm", "tile_ldsm_s5", "tile_ldsm_s3", "tile_ldsm_k7s3",
+                    "tile_ldsm_w8k7s2", "tile_ldsm_w8k4s5", "tile_lean", "tile_regs_lean"]  # fmt: skip
 
 
 def record(**kw) -> dict:

@@ -59,7 +59,9 @@ def test_back_tile_compiles(preset, tp, T):
                                    dict(act="regs", warps=8, splits=4, stages=5),
                                    dict(lean=True), dict(act="regs", lean=True),
                                    dict(act="regs", ldsm=True, stages=5),
-                                   dict(act="regs", ldsm=True, warps=8, splits=4)])  # fmt: skip
+                                   dict(act="regs", ldsm=True, warps=8, splits=4),
+                                   dict(act="regs", ldsm=True, splits=7, stages=3),
+                                   dict(act="regs", ldsm=True, warps=8, splits=7, stages=2)])  # fmt: skip
 def test_back_tile_knobs_compile(knobs):
     bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
