@@ -285,13 +285,15 @@ class GroupedW2Tile:
             for s in cutlass.range_constexpr(NS - 1):
                 if const_expr(s < NCH):
                     self._load_w(mW, sW, row0, s, s, tid)
-            # the h rows this thread copies (pairs of tokens t0 .. t0 + np_ - 1; clamped)
+            # the h rows this thread copies (pairs of tokens t0 .. t0 + np_ - 1; clamped) and
+            # the pairs of the lane's token slots: one round trip for both
             hrows = self._h_rows(mPairs, off, t0, np_, tid)
+            sp = self._slot_pairs(mPairs, off, t0, np_, c)
             for s in cutlass.range_constexpr(NS - 1):
                 if const_expr(s < NCH):
                     self._load_h(mH, sX, hrows, np_, s, s, tid)
                 cute.arch.cp_async_commit_group()
-            slots = self._slots(mPairs, mTw, off, t0, np_, c)
+            slots = self._with_weights(mTw, sp)  # in flight during the K loop
             accs = mc.zero_accs(RT * self.MT)
             for i in cutlass.range_constexpr(NCH):
                 cute.arch.cp_async_wait_group(NS - 2)
@@ -305,16 +307,23 @@ class GroupedW2Tile:
             cute.arch.cp_async_wait_group(0)
             self._epilogue(mAcc, accs, slots, np_, row0, warp, g)
 
-    def _slots(self, mPairs, mTw, off, t0, np_, c):
-        """This lane's token slots of a pass, ``(j, pair, routing weight)`` (trace time; loaded
-        before the K loop so that they are in flight during it; clamped indices)."""
-        slots = []
+    def _slot_pairs(self, mPairs, off, t0, np_, c):
+        """This lane's token slots of a pass, ``(j, pair)`` (trace time; clamped indices)."""
+        out = []
         for jt in range(self.MT):
             for s2 in range(2):
                 j = jt * 8 + 2 * c + s2
-                p = mPairs[off + t0 + cutlass.min(j, np_ - 1)]
-                slots.append((j, p, mTw[p]))
-        return slots
+                out.append((j, mPairs[off + t0 + cutlass.min(j, np_ - 1)]))
+        return out
+
+    def _with_weights(self, mTw, sp):
+        """``(j, pair, routing weight)`` of :meth:`_slot_pairs`' slots (trace time)."""
+        return [(j, p, mTw[p]) for j, p in sp]
+
+    def _slots(self, mPairs, mTw, off, t0, np_, c):
+        """This lane's token slots of a pass, ``(j, pair, routing weight)`` (trace time; loaded
+        before the K loop so that they are in flight during it)."""
+        return self._with_weights(mTw, self._slot_pairs(mPairs, off, t0, np_, c))
 
     @cute.jit
     def _epilogue(self, mAcc, accs, slots, np_, row0, warp, g):
