@@ -51,6 +51,8 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"bk": 64, "stages": 3}),
         ("kimi-k3", 8, 64, {"stages": 2}),
         ("kimi-k3", 8, 64, {"warps": 8, "cap": 512}),
+        ("kimi-k3", 8, 64, {"order": "block"}),
+        ("kimi-k3", 8, 64, {"order": "block", "load": "bulk"}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -96,6 +98,12 @@ def test_knobs_env(monkeypatch):
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2T_LOAD"):
         gt.knobs()
     monkeypatch.delenv("DECODESCOPE_MOE_W2T_LOAD")
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_ORDER", "block")
+    assert gt.knobs().order == "block"
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_ORDER", "random")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2T_ORDER"):
+        gt.knobs()
+    monkeypatch.delenv("DECODESCOPE_MOE_W2T_ORDER")
     for var, bad in (("DECODESCOPE_MOE_W2T_RT", "3"), ("DECODESCOPE_MOE_W2T_BK", "x"),
                      ("DECODESCOPE_MOE_W2T_STAGES", "9"), ("DECODESCOPE_MOE_W2T_CAP", "0")):  # fmt: skip
         monkeypatch.setenv(var, bad)
@@ -239,7 +247,12 @@ def _coverage(op, T, K, nact, slot_n):
                                     for rr in (g, g + 8):
                                         sh_out[(tok, t * 16 + rr)] += 1
                 continue
-            for item in range(bid - op.CS, nact * op.CE, op.nr):
+            total = nact * op.CE
+            lo, hi = bid - op.CS, total
+            if op.blocked:
+                ipc = -(-total // op.nr)
+                lo, hi = lo * ipc, min(lo * ipc + ipc, total)
+            for item in range(lo, hi, op.step):
                 a, cb = item // op.CE, item % op.CE
                 n = slot_n[a]
                 for ps in range(-(-n // op.MP)):
@@ -266,6 +279,8 @@ def _coverage(op, T, K, nact, slot_n):
         ("kimi-k3", 8, 8, 2, {}),
         ("kimi-k3", 16, 16, 1, {"rt": 2, "cap": 4}),
         ("tiny", 1, 8, 1, {"load": "bulk", "warps": 2}),
+        ("kimi-k3", 8, 8, 2, {"order": "block"}),
+        ("tiny", 2, 13, 1, {"order": "block", "load": "bulk", "cap": 3}),
     ],
 )
 def test_every_output_written_once(preset, tp, T, nsm, kv):

@@ -48,7 +48,8 @@ so that one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT``
 warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
 chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
 ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 64), ``_LOAD``
-(``cp`` | ``bulk``).
+(``cp`` | ``bulk``), ``_ORDER`` (``stride``: a CTA walks items ``bid, bid + grid, ...``;
+``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ DEF_CAP = mg.CTAS_PER_SM  # routed CTAs per SM in the grid (past it, CTAs loop o
 SHARED_RT = 2  # row tiles per warp of the shared-expert CTAs (GroupedW2's tiling)
 SMEM_MAX = 227 * 1024
 LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
+# DECODESCOPE_MOE_W2T_ORDER: which items a routed CTA walks: "stride" (bid, bid + grid, ...) or
+# "block" (ceil(items / grid) consecutive ones: neighbouring row blocks of one expert)
+ORDERS = ("stride", "block")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class TileKnobs:
     mt: int = DEF_MT
     cap: int = DEF_CAP
     load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
+    order: str = "stride"  # ORDERS
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -100,6 +105,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "mt": ("DECODESCOPE_MOE_W2T_MT", (1, 2, 4)),
     "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 513))),
     "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
+    "order": ("DECODESCOPE_MOE_W2T_ORDER", ORDERS),
 }
 
 
@@ -111,7 +117,7 @@ def knobs() -> TileKnobs:
         v = os.environ.get(var, "")
         if v == "":
             continue
-        if name == "load":
+        if name in ("load", "order"):
             if v not in allowed:
                 raise ValueError(f"{var}={v!r}: expected one of {allowed}")
             vals[name] = v
@@ -162,6 +168,9 @@ class GroupedW2Tile:
         if kn.load not in LOADS:
             raise ValueError(f"grouped_w2_tile: load {kn.load!r}, expected one of {LOADS}")
         self.load = kn.load
+        if kn.order not in ORDERS:
+            raise ValueError(f"grouped_w2_tile: order {kn.order!r}, expected one of {ORDERS}")
+        self.blocked = kn.order == "block"
         self.bulk = kn.load == "bulk"
         self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
         self.NT = (self.NW + self.bulk) * 32  # bulk: one more warp, the producer
@@ -202,6 +211,7 @@ class GroupedW2Tile:
         self.slots = mg.n_slots(T, E, K)
         self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
         self.grid = self.CS + self.nr
+        self.step = 1 if self.blocked else self.nr  # item stride of a routed CTA
         self.kn = kn
 
     @cute.jit
@@ -248,12 +258,18 @@ class GroupedW2Tile:
             if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
                 self._shared(mHs, mWs2, mShared, bid, tid)
         else:
-            nact = mNact[0]
+            total = mNact[0] * self.CE
+            lo = bid - self.CS  # stride order: items lo, lo + nr, ... below total
+            hi = total
+            if const_expr(self.blocked):  # ceil(total / nr) consecutive items from lo * that
+                ipc = (total + self.nr - 1) // self.nr
+                lo = lo * ipc
+                hi = cutlass.min(lo + ipc, total)
             if const_expr(self.bulk):
                 self._bulk(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull,
-                           sEmpty, bid - self.CS, nact * self.CE, tid)  # fmt: skip
+                           sEmpty, lo, hi, tid)  # fmt: skip
             else:
-                for item in cutlass.range(bid - self.CS, nact * self.CE, self.nr):
+                for item in cutlass.range(lo, hi, self.step):
                     self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
                                item, tid)  # fmt: skip
 
@@ -351,6 +367,7 @@ class GroupedW2Tile:
     def _bulk(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull, sEmpty,
               start, total, tid):  # fmt: skip
         """``load=bulk``: warp ``NW`` (the producer) walks the CTA's (item, pass, chunk) stream
+        (items ``start, start + step, ...`` below ``total``)
         and fills stage ``k % NS`` with one ``cp.async.bulk`` per weight row (``BK x 2``
         contiguous bytes) and per token row of ``h``, completing on the stage's ``full``
         mbarrier; it refills a stage after the ``NW`` consumer warps' arrivals on its
@@ -366,7 +383,7 @@ class GroupedW2Tile:
         c = lane % 4
         k = Int32(0)
         if warp == self.NW:
-            for item in cutlass.range(start, total, self.nr, unroll=1):
+            for item in cutlass.range(start, total, self.step, unroll=1):
                 a = item // self.CE
                 row0 = (item % self.CE) * R
                 e = mSlotE[a]
@@ -407,7 +424,7 @@ class GroupedW2Tile:
         else:
             atom = mc.mma_atom()
             fa, fb = mc.fragments()
-            for item in cutlass.range(start, total, self.nr, unroll=1):
+            for item in cutlass.range(start, total, self.step, unroll=1):
                 a = item // self.CE
                 row0 = (item % self.CE) * R
                 off = mSlotOff[a]
