@@ -62,7 +62,7 @@ OUT: dict = {"dir": None}
 # every knob unset: the kernel's defaults
 BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "",
-        "DECODESCOPE_MLA_TC_SPLITS": "",
+        "DECODESCOPE_MLA_TC_SPLITS": "", "DECODESCOPE_MLA_TC_UNROLL": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -75,6 +75,14 @@ VARIANTS = {
     # clusters over 2 / 4 sequences too: w_uk / w_uv read once per cluster
     "cluster-seq2": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "2"}, 0, 0),
     "cluster-seq4": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "4"}, 0, 0),
+    # twice the w_uk / w_uv loads in flight per thread: latency or L2 bandwidth?
+    "unroll32": ("tc", {"DECODESCOPE_MLA_TC_UNROLL": "32"}, 0, 0),
+    "cluster-seq4 unroll32": (
+        "tc",
+        {**CLUSTER, "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "4", "DECODESCOPE_MLA_TC_UNROLL": "32"},
+        0,
+        0,
+    ),
     "simt": ("simt", {}, 1, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
@@ -315,7 +323,7 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     if B * T > 16:
         variants.pop("simt", None)
     for k in [k for k in variants if k.startswith("cluster-seq")]:
-        if T > 1 or B % int(k.removeprefix("cluster-seq")):  # one token, whole clusters only
+        if T > 1 or B % int(k.split()[0].removeprefix("cluster-seq")):  # 1 token, whole clusters
             variants.pop(k)
     if not a.no_sweep and tp == a.tp[0]:  # the sweep at the first TP only
         for hg, sp in SWEEP.get(pt_name, ()):

@@ -29,6 +29,7 @@ KNOBS = (
     "DECODESCOPE_MLA_TC_DIAG",
     "DECODESCOPE_MLA_TC_CLUSTER",
     "DECODESCOPE_MLA_TC_CLUSTER_SEQS",
+    "DECODESCOPE_MLA_TC_UNROLL",
 )
 
 
@@ -95,6 +96,22 @@ def test_cluster_seqs_compiles_k3(tp, batch, seqs, monkeypatch):
     assert p.clustered and p.cs_seqs == seqs and p.csize <= mtc.CLUSTER_MAX
     assert p.hs * p.csize >= p.hg and p.arows <= mtc.ROWS
     assert p.smem_bytes <= mtc.SMEM_MAX
+    assert mtc.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize(
+    "preset,tp,batch,tokens,cluster,seqs",
+    [("kimi-k3", 8, 64, 1, "0", "1"), ("kimi-k3", 8, 64, 1, "1", "4"), ("kimi-k3", 8, 8, 8, "0", "1"),
+     ("tiny", 1, 8, 1, "1", "2")],
+)  # fmt: skip
+def test_unroll_compiles(preset, tp, batch, tokens, cluster, seqs, monkeypatch):
+    """``DECODESCOPE_MLA_TC_UNROLL``: the w_uk / w_uv loads of a group issued before its FMAs
+    (plain and cluster paths; per-unit row counts below the unroll at the tiny preset)."""
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_UNROLL", "32")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", seqs)
+    p = mtc.plan_for(get_config(preset, tp), batch, tokens)
+    assert p.unroll == 32
     assert mtc.compile_plan(p) is not None
 
 
@@ -174,14 +191,15 @@ def _inputs(cfg, batch: int, tokens: int, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "ldsm,cluster,seqs", [("0", "0", "1"), ("1", "0", "1"), ("1", "1", "1"), ("0", "1", "1"),
-                          ("1", "1", "2"), ("1", "1", "4")],
+    "ldsm,cluster,seqs,unroll", [("0", "0", "1", ""), ("1", "0", "1", ""), ("1", "1", "1", ""),
+                                 ("0", "1", "1", ""), ("1", "1", "2", ""), ("1", "1", "4", ""),
+                                 ("1", "0", "1", "32"), ("1", "1", "4", "32")],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 16, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0),
                                (8, 64, 1, 3), (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
 )  # fmt: skip
-def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, seqs, monkeypatch):
+def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, seqs, unroll, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if seqs != "1" and (tokens > 1 or batch % int(seqs) or splits):
@@ -189,6 +207,7 @@ def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, seqs, monkey
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", ldsm)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", seqs)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_UNROLL", unroll)
     cfg = get_config("kimi-k3", tp)
     w, cache0, a, q, g = _inputs(cfg, batch, tokens, 100 + batch + tokens)
     ctx = cfg.context_len

@@ -169,6 +169,8 @@ class MLATCPlan:
     cluster: bool = field(default_factory=cluster_enabled)
     # sequences per cluster (cluster variant): the absorption / W_UV heads spread over them too
     cluster_seqs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_CLUSTER_SEQS", 1))
+    # w_uk / w_uv loads in flight per thread (0: by tokens, see ``unroll``)
+    unroll_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_UNROLL", 0))
 
     def __post_init__(self) -> None:
         if self.tokens > ROWS:
@@ -297,8 +299,9 @@ class MLATCPlan:
     @property
     def unroll(self) -> int:
         """w_uk / w_uv loads in flight per thread (the absorption and W_UV loops are L2-latency
-        chains: per = 128 loads per unit at 64x1); fewer at T = 8 (8 x 8 accumulators)."""
-        return 16 if self.tokens <= 2 else 8
+        chains: per = 128 loads per unit at 64x1); fewer at T = 8 (8 x 8 accumulators).
+        ``DECODESCOPE_MLA_TC_UNROLL`` overrides (an A/B of latency against L2 bandwidth)."""
+        return self.unroll_force or (16 if self.tokens <= 2 else 8)
 
     @property
     def cs(self) -> int:
@@ -851,7 +854,17 @@ class MLADecodeTC:
                 j = u // (ncg * DS)
                 acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for dd in cutlass.range(per, unroll=p.unroll):
+                if cutlass.const_expr(p.unroll_force):  # all U loads first, then the FMAs
+                    U = min(p.unroll, per)
+                    for d0 in cutlass.range(per // U, unroll=1):
+                        wvs = self.load_rows8(mWuk, h0 + j, ds * per + d0 * U, U, cg)
+                        for uu in cutlass.range_constexpr(U):
+                            d = ds * per + d0 * U + uu
+                            for t in cutlass.range_constexpr(T):
+                                qv = sQn[j * T + t, d]
+                                for e in cutlass.range_constexpr(8):
+                                    acc[t, e] = acc[t, e] + qv * wvs[uu][e].to(Float32)
+                for dd in cutlass.range(0 if p.unroll_force else per, unroll=p.unroll):
                     d = ds * per + dd
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
@@ -875,6 +888,16 @@ class MLADecodeTC:
                     for s in cutlass.range_constexpr(DS):
                         tot = tot + sAscr[s * p.rows * KVL + idx]
                     sQ[idx // KVL, idx % KVL] = (tot * scale).to(BFloat16)
+
+    def load_rows8(self, mW, h, row0, n: int, cg):
+        """``n`` new register tiles ``mW[h, row0 + i, 8 cg : 8 cg + 8]`` (16-byte loads, all
+        issued before any is used). Trace-time helper: inlines into the caller."""
+        ws = []
+        for i in range(n):
+            wv = cute.make_rmem_tensor((8,), BFloat16)
+            load_vec8(mW[h, row0 + i, None], cg * 8, wv)
+            ws.append(wv)
+        return ws
 
     @cute.jit
     def absorb_cluster(self, mWuk, sQn, sQ, sAscr, h0, b, sp, tidx, scale):
@@ -900,7 +923,17 @@ class MLADecodeTC:
                 ds = (u // ncg) % DS
                 acc = cute.make_rmem_tensor(cute.make_layout((C * T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for dd in cutlass.range(per, unroll=p.unroll):
+                if cutlass.const_expr(p.unroll_force):  # all U loads first, then the FMAs
+                    U = min(p.unroll, per)
+                    for d0 in cutlass.range(per // U, unroll=1):
+                        wvs = self.load_rows8(mWuk, h0 + j, ds * per + d0 * U, U, cg)
+                        for uu in cutlass.range_constexpr(U):
+                            d = ds * per + d0 * U + uu
+                            for k in cutlass.range_constexpr(C * T):
+                                qv = sQn[jl * C * T + k, d]
+                                for e in cutlass.range_constexpr(8):
+                                    acc[k, e] = acc[k, e] + qv * wvs[uu][e].to(Float32)
+                for dd in cutlass.range(0 if p.unroll_force else per, unroll=p.unroll):
                     d = ds * per + dd
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuk[h0 + j, d, None], cg * 8, wv)
@@ -1050,7 +1083,17 @@ class MLADecodeTC:
                 j = u // (nvg * CS)
                 acc = cute.make_rmem_tensor(cute.make_layout((T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for cc in cutlass.range(per, unroll=p.unroll):
+                if cutlass.const_expr(p.unroll_force):  # all U loads first, then the FMAs
+                    U = min(p.unroll, per)
+                    for c0 in cutlass.range(per // U, unroll=1):
+                        wvs = self.load_rows8(mWuv, h0 + j, cs * per + c0 * U, U, vg)
+                        for uu in cutlass.range_constexpr(U):
+                            ci = cs * per + c0 * U + uu
+                            for t in cutlass.range_constexpr(T):
+                                ov = sOlat[j * T + t, ci]
+                                for e in cutlass.range_constexpr(8):
+                                    acc[t, e] = acc[t, e] + ov * wvs[uu][e].to(Float32)
+                for cc in cutlass.range(0 if p.unroll_force else per, unroll=p.unroll):
                     ci = cs * per + cc
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)
@@ -1104,7 +1147,17 @@ class MLADecodeTC:
                 cs = (u // nvg) % CS
                 acc = cute.make_rmem_tensor(cute.make_layout((C * T, 8), stride=(8, 1)), Float32)
                 acc.fill(0.0)
-                for cc in cutlass.range(per, unroll=p.unroll):
+                if cutlass.const_expr(p.unroll_force):  # all U loads first, then the FMAs
+                    U = min(p.unroll, per)
+                    for c0 in cutlass.range(per // U, unroll=1):
+                        wvs = self.load_rows8(mWuv, h0 + j, cs * per + c0 * U, U, vg)
+                        for uu in cutlass.range_constexpr(U):
+                            ci = cs * per + c0 * U + uu
+                            for k in cutlass.range_constexpr(C * T):
+                                ov = sOm[jl * C * T + k, ci]
+                                for e in cutlass.range_constexpr(8):
+                                    acc[k, e] = acc[k, e] + ov * wvs[uu][e].to(Float32)
+                for cc in cutlass.range(0 if p.unroll_force else per, unroll=p.unroll):
                     ci = cs * per + cc
                     wv = cute.make_rmem_tensor((8,), BFloat16)
                     load_vec8(mWuv[h0 + j, ci, None], vg * 8, wv)
