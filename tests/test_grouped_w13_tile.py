@@ -264,6 +264,12 @@ def test_knobs(monkeypatch):
         gt.GroupedW13Tile(8, 32, 4, 160, 64, 4.0, 25.0, cfg=gt.TileConfig(32, 64, 2, 1))
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "tile")
     assert mg.w13_mode() == "tile"
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "")
+    assert mg.w13_mode() == "tile"  # the default since the H200 A/B s9/r2
+    monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W13")
+    assert mg.w13_mode() == "tile"
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "ring")
+    assert mg.w13_mode() == "ring"
 
 
 def test_block_wiring(monkeypatch):
@@ -281,7 +287,7 @@ def test_block_wiring(monkeypatch):
 
     monkeypatch.setattr(itf, "compiled", fake_compiled)
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
-    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "tile")
+    monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W13", raising=False)  # the default: tile
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "3")
     cfg = get_config("tiny", 1)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)

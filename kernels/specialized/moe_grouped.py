@@ -15,8 +15,10 @@ and their latencies overlap, as in vLLM's launches, which run at the bytes floor
    ``slot_n``, ``nact``) and writes each expert's pairs ``p = t * k + j`` contiguously
    (``pairs``; order inside an expert: shared-memory atomics, not deterministic). CTAs 1..NSH
    write ``hs = bf16(SiTU(shared gate, shared up))`` [T, S] from the front kernel's output.
-Weights of 2. and 3. reach the MMAs through per-lane ``cp.async`` rings in shared memory by
-default (:mod:`mma_common`; ``DECODESCOPE_MOE_GROUPED_W13`` / ``_W2`` pick the register loads).
+Weights of 2. and 3. reach the MMAs through per-lane ``cp.async`` rings in shared memory
+(:mod:`mma_common`; ``DECODESCOPE_MOE_GROUPED_W13`` / ``_W2`` pick the register loads). Kernel 2
+by default is :class:`grouped_w13_tile.GroupedW13Tile` instead (``DECODESCOPE_MOE_GROUPED_W13=
+tile``: a CTA-shared multi-stage pipeline, the rate of vLLM's Triton w13 on the H200).
 
 2. :class:`GroupedW13` (grid ``slots x Ie/16``): CTA (slot a, row tile r) computes gate rows
    ``16r..16r+15`` and the matching up rows of expert ``slot_e[a]`` against that expert's
@@ -62,21 +64,23 @@ W2_ROWS = W2_WARPS * W2_RT * ROWS  # 128 rows per w2 CTA
 # worst-case grid (21.5 k CTAs at T = 64) is not launched in full
 CTAS_PER_SM = 64
 W13_MODES = ("w8", "w4", "ring")  # GroupedW13 tilings (see its __init__)
-# DECODESCOPE_MOE_GROUPED_W13=tile: grouped_w13_tile.GroupedW13Tile instead (CTA-shared cp.async
-# pipeline, warps splitting rows; opt-in until the H200 A/B, notes/specialized_moe.md session 9)
+# DECODESCOPE_MOE_GROUPED_W13=tile (the default since the H200 A/B s9/r2): grouped_w13_tile.
+# GroupedW13Tile instead of GroupedW13 (CTA-shared cp.async pipeline, warps splitting rows;
+# w13 alone, TP8: ring 163.7 -> tile 146.3 us at 8 tokens, 636.4 -> 564.9 at 64, Triton's w13
+# on the same routing 149.4 / 564.5; notes/gpu-logs/s9/r2/w13tile)
 W13_TILE = "tile"
 W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.async ring
 # DECODESCOPE_MOE_GROUPED_W2=tile: grouped_w2_tile.GroupedW2Tile instead (CTA-shared cp.async
 # tile pipeline, warps splitting rows; notes/specialized_moe.md s9)
 W2_TILE = "tile"
-RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
-# w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
-# 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
-# for more CTAs per SM)
 # the tile w2 is the default up to this many tokens (H200 TP8 s9/r2, w2 alone, us / floor: ring
 # 110.5 (1.35) -> tile 76.1 (0.98) at 8 tokens; at 64 the ring's 353.8 (1.13) beat the tile's
 # 375.6 (1.25), its best sweep point only tied: 323.6 (1.13); notes/gpu-logs/s9/r2/w2tile)
 W2_TILE_UPTO = 16
+RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
+# w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
+# 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
+# for more CTAs per SM)
 W2_RING_STAGES = 3
 # GroupedRoute's top-k: K rounds of router_topk.select_topk, or route_topk.thresh_topk
 ROUTE_TOPK = ("rounds", "thresh")
@@ -723,12 +727,13 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_ST
 
 
 def w13_mode() -> str:
-    """``DECODESCOPE_MOE_GROUPED_W13``: ``ring`` (default), ``w4`` or ``w8`` (:class:`GroupedW13`'s
-    tilings), or ``tile`` (:class:`grouped_w13_tile.GroupedW13Tile`, opt-in). H200 TP8, w13
-    alone (notes/gpu-logs/s7/r5): w4 -> ring (weights through the cp.async ring, z in
-    registers) 844.6 -> 639.8 us at 64 tokens (floor 604), ~212 -> 165.9 at 8 (floor 148). Read
-    at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "ring")
+    """``DECODESCOPE_MOE_GROUPED_W13``: ``tile`` (default: :class:`grouped_w13_tile.
+    GroupedW13Tile`), or ``ring``, ``w4``, ``w8`` (:class:`GroupedW13`'s tilings). H200 TP8, w13
+    alone, us / floor: ring -> tile 163.7 (1.03) -> 146.3 (0.95) at 8 tokens, 636.4 (1.03) ->
+    564.9 (0.91) at 64, level with Triton's w13 on the same routing (notes/gpu-logs/s9/r2);
+    before that w4 -> ring 844.6 -> 639.8 us at 64 (s7/r5). Read at each call, part of the
+    compile key."""
+    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "") or W13_TILE
     if v not in (*W13_MODES, W13_TILE):
         raise ValueError(
             f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {(*W13_MODES, W13_TILE)}"
