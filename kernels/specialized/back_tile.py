@@ -133,7 +133,8 @@ class BackPlan:
         if self.stages:
             return self.stages
         fixed = self._fixed_bytes(tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=False,
-                                              splits_force=self.splits, warps=self.warps))  # fmt: skip
+                                              splits_force=self.splits, warps=self.warps,
+                                              ldsm=False))  # fmt: skip
         for s in (4, 3):
             if _two_per_sm(s * self._stage_bytes() + fixed):
                 return s
@@ -143,8 +144,16 @@ class BackPlan:
     def tile(self) -> tg.TilePlan:
         """The :class:`.tile_gemm.TilePlan` whose tiling this kernel shares (BF16 sizes: its
         ``smem_bytes`` is not this kernel's)."""
-        return tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=self.pdl,
-                           splits_force=self.splits, warps=self.warps, stages=self.nstages)  # fmt: skip
+        return tg.TilePlan(
+            m=self.m,
+            k=self.k,
+            segments=(self.n,),
+            pdl=self.pdl,
+            splits_force=self.splits,
+            warps=self.warps,
+            stages=self.nstages,
+            ldsm=False,
+        )  # fmt: skip  (this kernel's own fragments: self.ldsm)
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
         # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer
@@ -551,16 +560,16 @@ class BackTile(tg.TileGemm):
             ua = 2 * ks + lane // 16
             aregs = []
             for q in cutlass.range_constexpr(tg.RT):
-                aregs.append(_ldsm_x4(a_base + (q * 16 * BK + (ua ^ li) * 8)))
+                aregs.append(tg.ldsm_x4(a_base + (q * 16 * BK + (ua ^ li) * 8)))
             ub = 2 * ks + bh
             bregs = []
             for jj in cutlass.range_constexpr(p.ntiles // 2):
-                bb = _ldsm_x4(b_base + (jj * 16 * BK + (ub ^ li) * 8))
+                bb = tg.ldsm_x4(b_base + (jj * 16 * BK + (ub ^ li) * 8))
                 bregs.append((bb[0], bb[1]))
                 bregs.append((bb[2], bb[3]))
             if cutlass.const_expr(p.ntiles % 2):  # lanes 0-15: (last tile, k +0 | +8)
                 jl = p.ntiles - 1
-                b0, b1 = _ldsm_x2(sXb.iterator + (xs * (p.mp * BK) + (jl * 8 + li) * BK
+                b0, b1 = tg.ldsm_x2(sXb.iterator + (xs * (p.mp * BK) + (jl * 8 + li) * BK
                                                   + ((2 * ks + bh) ^ li) * 8))  # fmt: skip
                 bregs.append((b0, b1))
             for j in cutlass.range_constexpr(p.ntiles):
@@ -693,25 +702,6 @@ class BackTile(tg.TileGemm):
                     cute.autovec_copy(ov, cute.local_tile(mOut[m, None], (4,), (nn // 4,)))
         if tidx == 0:
             mCnt[bx] = Int32(0)
-
-
-def _ldsm_x4(ptr):
-    """``ldmatrix .x4``: four 8x8 BF16 matrices, row addresses from lanes 0-7, 8-15, 16-23,
-    24-31; lane (g, c) gets elements (g, 2c .. 2c + 1) of each, one 32-bit register each."""
-    return cute.arch.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Int32, Int32, Int32, Int32],
-        read_only_args=[ptr],
-    )
-
-
-def _ldsm_x2(ptr):
-    """``ldmatrix .x2``: two matrices, row addresses from lanes 0-15 (the others ignored)."""
-    return cute.arch.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{$w0}, {$w1}}, [{$r0}];",
-        write_only_types=[Int32, Int32],
-        read_only_args=[ptr],
-    )
 
 
 class _Pair:

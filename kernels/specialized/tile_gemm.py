@@ -44,6 +44,15 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   launch reads M x K x 2 (or 3) x 2 bytes once (0.9 MB at 64 tokens) and keeps the rounding
   of vLLM's ``fused_add_rms_norm``: ``bf16(bf16(h * rstd) * w)``.
 
+``ldsm`` (``TilePlan.ldsm``, ``DECODESCOPE_TILE_LDSM=1`` read when a plan is built; an A/B knob,
+default off): the fragments by ``ldmatrix.x4`` (A: one per 16-row tile and 16-wide K step; B:
+two token tiles per instruction), K in natural order, unit ``u`` of row ``r`` stored at
+``u ^ (r % 8)`` in both buffers (the 8 rows of a matrix hit 8 bank groups). The default path
+re-assembles the A fragment for every MMA (``mma_common.mma_k16``: ~4 register moves per MMA);
+SASS of the MoE front's plan at 64 tokens (ptxas 13.0, cuobjdump): 872 instructions, 231
+moves, 148 registers by default; 648, 7 moves, 128 registers with ``ldsm``. The default
+plans' PTX is unchanged by the knob's code (normalised PTX compared).
+
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
 attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
 tokens on, not q_b), ``default`` (the skinny / split-K choice). Compile key: the plan (every shape static).
@@ -114,6 +123,9 @@ class TilePlan:
     splits_force: int = 0
     warps: int = 4
     stages: int = 4
+    # ldmatrix fragments (natural K order, unit u of row r at u ^ (r % 8)): an A/B knob,
+    # DECODESCOPE_TILE_LDSM=1 (read when a plan is built, so a plan key says which it is)
+    ldsm: bool = field(default_factory=lambda: os.environ.get("DECODESCOPE_TILE_LDSM") == "1")
     # the norm prologue launch (not part of the GEMM kernel; see norm_plan)
     norm: bool = False
     add_residual: bool = False
@@ -269,7 +281,7 @@ class TileGemm:
             r = tidx // 8 + i * (nt // 8)
             if row0 + r < n:
                 src = cute.local_tile(mW[row0 + r, None], (8,), (kc * 8 + u,))
-                dst = cute.local_tile(sW[stg, r, None], (8,), ((u + 4 * (r % 2)) % 8,))
+                dst = cute.local_tile(sW[stg, r, None], (8,), (self.swz(u, r),))
                 cute.arch.inline_ptx(
                     "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
                     read_only_args=[dst.iterator, src.iterator],
@@ -287,7 +299,7 @@ class TileGemm:
             u = idx % 8
             if idx < units and r < p.m:
                 src = cute.local_tile(mX[r, None], (8,), (kc * 8 + u,))
-                dst = cute.local_tile(sX[stg, r, None], (8,), ((u + 4 * (r % 2)) % 8,))
+                dst = cute.local_tile(sX[stg, r, None], (8,), (self.swz(u, r),))
                 cute.arch.inline_ptx(
                     "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;",
                     read_only_args=[dst.iterator, src.iterator],
@@ -327,7 +339,10 @@ class TileGemm:
                 self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
                 self.load_x(mX, sX, kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
+            if cutlass.const_expr(p.ldsm):
+                self.compute_ldsm(sW, sX, i % p.stages, warp, lane, accs, fa, fb, atom)
+            else:
+                self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
 
         if cutlass.const_expr(p.splits == 1):
@@ -343,6 +358,50 @@ class TileGemm:
             if sLast[0] == p.splits - 1:
                 cute.arch.fence_acq_rel_gpu()
                 self.epilogue_partial(mO, mE, mWs, mCnt, bx, cta, n, tidx)
+
+    def swz(self, u, r):
+        """Shared-memory unit of 16-byte unit ``u`` of row ``r`` (trace-time helper)."""
+        if self.p.ldsm:
+            return u ^ (r % 8)
+        return (u + 4 * (r % 2)) % 8
+
+    @cute.jit
+    def compute_ldsm(self, sW, sX, stg, warp, lane, accs, fa, fb, atom):
+        """``ldsm``: the MMAs of one chunk with ``ldmatrix`` fragments, K in natural order: per
+        16-wide K step, A of each 16-row tile by one ``x4`` (lanes 0-15 rows 0-15 at k + 0,
+        lanes 16-31 at k + 8), B of two token tiles by one ``x4`` (lanes 0-7 / 8-15 / 16-23 /
+        24-31: (tile, k + 0), (tile, k + 8), (tile + 1, k + 0), (tile + 1, k + 8)), an ``x2``
+        for an odd last tile; both buffers keep unit ``u`` of row ``r`` at ``u ^ (r % 8)``."""
+        p = self.p
+        fa32 = cute.recast_tensor(fa, Int32)
+        fb32 = cute.recast_tensor(fb, Int32)
+        li = lane % 8
+        a_base = sW.iterator + (stg * (p.cta_rows * BK) + (warp * WARP_ROWS + lane % 16) * BK)
+        bh = (lane // 8) % 2
+        b_base = sX.iterator + (stg * (p.mp * BK) + ((lane // 16) * 8 + li) * BK)
+        for ks in cutlass.range_constexpr(BK // 16):
+            ua = 2 * ks + lane // 16
+            aregs = []
+            for q in cutlass.range_constexpr(RT):
+                aregs.append(ldsm_x4(a_base + (q * 16 * BK + (ua ^ li) * 8)))
+            ub = 2 * ks + bh
+            bregs = []
+            for jj in cutlass.range_constexpr(p.ntiles // 2):
+                bb = ldsm_x4(b_base + (jj * 16 * BK + (ub ^ li) * 8))
+                bregs.append((bb[0], bb[1]))
+                bregs.append((bb[2], bb[3]))
+            if cutlass.const_expr(p.ntiles % 2):  # lanes 0-15: (last tile, k + 0 | + 8)
+                jl = p.ntiles - 1
+                bregs.append(ldsm_x2(sX.iterator + (stg * (p.mp * BK) + (jl * 8 + li) * BK
+                                                    + (ub ^ li) * 8)))  # fmt: skip
+            for j in cutlass.range_constexpr(p.ntiles):
+                fb32[0] = bregs[j][0]
+                fb32[1] = bregs[j][1]
+                for q in cutlass.range_constexpr(RT):
+                    for e in cutlass.range_constexpr(4):
+                        fa32[e] = aregs[q][e]
+                    acc = accs[q * p.ntiles + j]
+                    cute.gemm(atom, acc, fa, fb, acc)
 
     @cute.jit
     def compute(self, sW, sX, stg, warp, g, c, accs, fa, fb, atom):
@@ -455,6 +514,25 @@ class TileGemm:
                     cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
         if tidx == 0:
             mCnt[bx] = Int32(0)
+
+
+def ldsm_x4(ptr):
+    """``ldmatrix .x4``: four 8x8 BF16 matrices, row addresses from lanes 0-7, 8-15, 16-23,
+    24-31; lane (g, c) gets elements (g, 2c .. 2c + 1) of each, one 32-bit register each."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32, Int32, Int32, Int32],
+        read_only_args=[ptr],
+    )
+
+
+def ldsm_x2(ptr):
+    """``ldmatrix .x2``: two matrices, row addresses from lanes 0-15 (the others ignored)."""
+    return cute.arch.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Int32, Int32],
+        read_only_args=[ptr],
+    )
 
 
 # -- torch-facing --------------------------------------------------------------------------
