@@ -38,6 +38,18 @@ def test_compiles_default(tp, T):
     assert itf.compile_only(op, *args) is not None
 
 
+@pytest.mark.parametrize("tp,T", [(1, 3), (2, 8)])
+def test_compiles_tiny(tp, T):
+    """The tiny preset (the CPU / GPU tests' shapes): Ie 64 / 32, the latter smaller than R
+    (one partial item per expert)."""
+    cfg = get_config("tiny", tp)
+    e = cfg.moe
+    op, args = gt.build(T, e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter,
+                        cfg.shared_inter, 4.0, 25.0, True)  # fmt: skip
+    assert op.partial == (cfg.expert_inter % op.R != 0)
+    assert itf.compile_only(op, *args) is not None
+
+
 # sweep points the GPU script names (grouped_w13tile_r.._k.._s.._t..); TP16 R 128: a partial item
 @pytest.mark.parametrize(
     "tp,rows,bk,stages,rt",
