@@ -63,6 +63,7 @@ OUT: dict = {"dir": None}
 BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "",
         "DECODESCOPE_MLA_TC_SPLITS": "", "DECODESCOPE_MLA_TC_UNROLL": "",
+        "DECODESCOPE_MLA_TC_NBUF": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -83,6 +84,9 @@ VARIANTS = {
         0,
         0,
     ),
+    # one key buffer, two CTAs per SM (twice the splits)
+    "nbuf1": ("tc", {"DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
+    "cluster nbuf1": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant

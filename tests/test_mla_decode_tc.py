@@ -30,6 +30,7 @@ KNOBS = (
     "DECODESCOPE_MLA_TC_CLUSTER",
     "DECODESCOPE_MLA_TC_CLUSTER_SEQS",
     "DECODESCOPE_MLA_TC_UNROLL",
+    "DECODESCOPE_MLA_TC_NBUF",
 )
 
 
@@ -115,6 +116,20 @@ def test_unroll_compiles(preset, tp, batch, tokens, cluster, seqs, monkeypatch):
     assert mtc.compile_plan(p) is not None
 
 
+@pytest.mark.parametrize(
+    "tp,batch,cluster", [(8, 64, "0"), (8, 32, "0"), (8, 64, "1"), (8, 32, "1"), (16, 64, "1")]
+)
+def test_nbuf1_compiles(tp, batch, cluster, monkeypatch):
+    """``DECODESCOPE_MLA_TC_NBUF=1``: one key buffer, <= 113 KB and 128 registers (two CTAs
+    per SM), about two CTAs per SM in the grid."""
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_NBUF", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
+    p = mtc.plan_for(get_config("kimi-k3", tp), batch, 1)
+    assert p.nbuf == 1 and p.ctas_per_sm == 2 and p.smem_bytes <= mtc.SMEM_TWO_CTAS
+    assert mtc.NUM_SMS < p.groups * p.batch * p.splits <= 2 * mtc.NUM_SMS
+    assert mtc.compile_plan(p) is not None
+
+
 def test_cluster_plans_tp8(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", "1")
     cfg = get_config("kimi-k3", 8)
@@ -157,6 +172,10 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", "3")
     with pytest.raises(ValueError, match="CLUSTER_SEQS=3 must divide the batch"):
         mtc.plan_for(cfg, 64, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", "1")
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_NBUF", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_TC_NBUF: 1 or 2"):
+        mtc.plan_for(cfg, 64, 1)
 
 
 # -- GPU -------------------------------------------------------------------------------------
@@ -191,23 +210,30 @@ def _inputs(cfg, batch: int, tokens: int, seed: int):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "ldsm,cluster,seqs,unroll", [("0", "0", "1", ""), ("1", "0", "1", ""), ("1", "1", "1", ""),
-                                 ("0", "1", "1", ""), ("1", "1", "2", ""), ("1", "1", "4", ""),
-                                 ("1", "0", "1", "32"), ("1", "1", "4", "32")],
+    "ldsm,cluster,seqs,unroll,nbuf",
+    [("0", "0", "1", "", ""), ("1", "0", "1", "", ""), ("1", "1", "1", "", ""),
+     ("0", "1", "1", "", ""), ("1", "1", "2", "", ""), ("1", "1", "4", "", ""),
+     ("1", "0", "1", "32", ""), ("1", "1", "4", "32", ""), ("1", "0", "1", "", "1"),
+     ("1", "1", "1", "", "1")],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "tp,batch,tokens,splits", [(8, 8, 1, 0), (8, 16, 1, 0), (8, 32, 1, 0), (8, 64, 1, 0),
                                (8, 64, 1, 3), (16, 64, 1, 0), (8, 8, 8, 0), (8, 1, 8, 0)],
 )  # fmt: skip
-def test_gpu_vs_reference(tp, batch, tokens, splits, ldsm, cluster, seqs, unroll, monkeypatch):
+def test_gpu_vs_reference(
+    tp, batch, tokens, splits, ldsm, cluster, seqs, unroll, nbuf, monkeypatch
+):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if seqs != "1" and (tokens > 1 or batch % int(seqs) or splits):
         pytest.skip("clusters over sequences: one token, batch divisible, the plan's splits")
+    if nbuf == "1" and tokens > 1:
+        pytest.skip("one key buffer: one token (the shared memory of 8 tokens does not fit)")
     monkeypatch.setenv("DECODESCOPE_MLA_TC_LDSM", ldsm)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER", cluster)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_CLUSTER_SEQS", seqs)
     monkeypatch.setenv("DECODESCOPE_MLA_TC_UNROLL", unroll)
+    monkeypatch.setenv("DECODESCOPE_MLA_TC_NBUF", nbuf)
     cfg = get_config("kimi-k3", tp)
     w, cache0, a, q, g = _inputs(cfg, batch, tokens, 100 + batch + tokens)
     ctx = cfg.context_len

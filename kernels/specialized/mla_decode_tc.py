@@ -72,6 +72,12 @@ tokens <= 8): clusters of (C sequences) x (splits) CTAs, at most 8; the CTA of c
 L2 -> SM bytes / C), merging those rows from the C sequences' splits into a buffer of their own
 in the key buffers. TP8 64x1 with C = 4: clusters of 8, two heads or one per CTA.
 
+``DECODESCOPE_MLA_TC_NBUF=1`` (opt-in): one key buffer instead of two, so that two CTAs share
+an SM (~100-110 KB of shared memory each, at most 128 registers: ptxas spills 72-96 bytes, in
+the absorption, none in the key loop) and the splits double to fill them; the other CTA's work
+hides what the missing double buffer exposes. ``DECODESCOPE_MLA_TC_UNROLL=U`` (opt-in): the
+``w_uk`` / ``w_uv`` loads of each group of U rows issued before their FMAs.
+
 ``DECODESCOPE_MLA_TC_DIAG=1`` is a timing diagnostic with wrong results: no ``w_uk`` / ``w_uv``
 reads (q_lat and the output are zeros), to split the kernel's time between the per-CTA
 absorption / W_UV (L2 bytes) and the key loop.
@@ -109,6 +115,7 @@ NUM_SMS = 132
 NEG = -1.0e30
 ABSORB_SCRATCH = 40 * 1024  # bytes of shared memory for the absorption's partial sums
 SMEM_MAX = 227 * 1024
+SMEM_TWO_CTAS = 113 * 1024  # two CTAs per SM (228 KB per SM, 1 KB reserved per CTA)
 PAIRS_ONE_SPLIT = 128  # (sequence, head group) pairs from which each pair is one CTA
 CLUSTER_MAX = 8  # portable thread-block cluster size (the splits of one pair in a cluster)
 
@@ -171,6 +178,8 @@ class MLATCPlan:
     cluster_seqs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_CLUSTER_SEQS", 1))
     # w_uk / w_uv loads in flight per thread (0: by tokens, see ``unroll``)
     unroll_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_UNROLL", 0))
+    # key buffers: 2 (double-buffered, one CTA per SM) or 1 (single, two CTAs per SM)
+    nbuf: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_NBUF", 2))
 
     def __post_init__(self) -> None:
         if self.tokens > ROWS:
@@ -179,6 +188,8 @@ class MLATCPlan:
             )
         if self.lat % 16 or self.kv_lora % (8 * WARPS) or self.v_dim % 8 or self.nope % 8:
             raise ValueError("mla_decode_tc: latent % 16, kv_lora % 64, v_dim % 8, nope % 8")
+        if self.nbuf not in (1, 2):
+            raise ValueError(f"DECODESCOPE_MLA_TC_NBUF: 1 or 2, got {self.nbuf}")
         if self.cluster_seqs < 1 or self.batch % self.cluster_seqs:
             raise ValueError(
                 f"DECODESCOPE_MLA_TC_CLUSTER_SEQS={self.cluster_seqs} must divide the batch "
@@ -237,10 +248,12 @@ class MLATCPlan:
     @property
     def keys_per_split(self) -> int:
         pairs = self.groups * self.batch
-        want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT else -(-NUM_SMS // pairs))
+        sms = NUM_SMS * self.ctas_per_sm
+        fill = -(-sms // pairs) if self.nbuf == 2 else max(1, sms // pairs)  # nbuf 1: <= 2/SM
+        want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT * self.ctas_per_sm else fill)
         most = -(-self.nkeys // KBLK)
         if self.cluster:  # splits of a pair (x cluster_seqs) = one cluster: ~one CTA per SM
-            want = self.splits_force or max(1, NUM_SMS // pairs)
+            want = self.splits_force or max(1, sms // pairs)
             most = min(most, CLUSTER_MAX // self.cluster_seqs)
         s = max(1, min(want, most, 64))
         return -(-self.nkeys // (s * KBLK)) * KBLK
@@ -252,6 +265,11 @@ class MLATCPlan:
     @property
     def nblk(self) -> int:
         return self.keys_per_split // KBLK
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs an SM holds: 2 with one key buffer (``nbuf`` 1: <= 113 KB and <= 128 registers)."""
+        return 2 if self.nbuf == 1 else 1
 
     @property
     def clustered(self) -> bool:
@@ -308,7 +326,7 @@ class MLATCPlan:
         """Slices of the latent rows in the W_UV product (reduced in the key buffers)."""
         units = self.hs * (self.v_dim // 8)
         c = 1 << (max(4, NT // units).bit_length() - 1)  # a power of two
-        budget = 2 * KBLK * self.lp * 2 - ROWS * self.kv_lora * 4
+        budget = self.nbuf * KBLK * self.lp * 2 - ROWS * self.kv_lora * 4
         while c > 1 and (self.kv_lora % c or c * ROWS * self.v_dim * 4 > budget):
             c //= 2
         return c
@@ -316,7 +334,7 @@ class MLATCPlan:
     @property
     def smem_bytes(self) -> int:
         """Shared memory of one CTA (the ``Smem`` struct's fields, 16-byte alignment slack)."""
-        bf = 2 * (2 * KBLK * self.lp + ROWS * self.lp + self.tokens * self.lp)
+        bf = 2 * (self.nbuf * KBLK * self.lp + ROWS * self.lp + self.tokens * self.lp)
         bf += 2 * ROWS * (KBLK + PPAD)
         f32 = self.arows * self.nope
         f32 += self.ds * self.arows * self.kv_lora if self.ds > 1 else 4
@@ -329,12 +347,18 @@ class MLADecodeTC:
         self.p = plan
         if plan.smem_bytes > SMEM_MAX:
             raise ValueError(f"mla_decode_tc: {plan.smem_bytes} bytes of shared memory per CTA")
-        if plan.cs * ROWS * plan.v_dim * 4 + ROWS * plan.kv_lora * 4 > 2 * KBLK * plan.lp * 2:
+        if plan.nbuf == 1 and plan.smem_bytes > SMEM_TWO_CTAS:
+            raise ValueError(
+                f"DECODESCOPE_MLA_TC_NBUF=1: {plan.smem_bytes} bytes of shared memory per CTA, "
+                f"two CTAs per SM need <= {SMEM_TWO_CTAS}"
+            )
+        kbytes = plan.nbuf * KBLK * plan.lp * 2
+        if plan.cs * ROWS * plan.v_dim * 4 + ROWS * plan.kv_lora * 4 > kbytes:
             raise ValueError("mla_decode_tc: the W_UV scratch does not fit the key buffers")
         if plan.clustered:
             ar = plan.arows
             need = (ROWS * plan.kv_lora + ar * plan.kv_lora + plan.cs * ar * plan.v_dim) * 4
-            if ar > ROWS or need > 2 * KBLK * plan.lp * 2 or plan.csize > CLUSTER_MAX:
+            if ar > ROWS or need > kbytes or plan.csize > CLUSTER_MAX:
                 raise ValueError(
                     f"mla_decode_tc: cluster of {plan.csize} CTAs, {ar} merged rows: does not "
                     "fit (at most 8 CTAs, 16 rows, the key buffers)"
@@ -360,7 +384,7 @@ class MLADecodeTC:
 
         @cute.struct
         class Smem:
-            k: cute.struct.Align[cute.struct.MemRange[BFloat16, 2 * KBLK * LP], 16]
+            k: cute.struct.Align[cute.struct.MemRange[BFloat16, p.nbuf * KBLK * LP], 16]
             q: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * LP], 16]
             new: cute.struct.Align[cute.struct.MemRange[BFloat16, p.tokens * LP], 16]
             pm: cute.struct.Align[cute.struct.MemRange[BFloat16, ROWS * (KBLK + PPAD)], 16]
@@ -377,7 +401,10 @@ class MLADecodeTC:
             last: cute.struct.MemRange[Int32, 1]
 
         self.smem_cls = Smem
-        extra = {"cluster": [1, p.cs_seqs, p.splits]} if p.clustered else {}
+        # a cluster per pair (x sequences); nbuf 1: two CTAs per SM (<= 128 registers)
+        extra = ({"cluster": [1, p.cs_seqs, p.splits]} if p.clustered else {}) | (
+            {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100} if p.nbuf == 1 else {}
+        )
         self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mPart, mCnt, mOut).launch(
             grid=[p.groups, p.batch, p.splits],
             block=[NT, 1, 1],
@@ -401,7 +428,8 @@ class MLADecodeTC:
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
-        sK = st.k.get_tensor(cute.make_layout((2, KBLK, LP), stride=(KBLK * LP, LP, 1)))
+        NB = p.nbuf
+        sK = st.k.get_tensor(cute.make_layout((NB, KBLK, LP), stride=(KBLK * LP, LP, 1)))
         sQ = st.q.get_tensor(cute.make_layout((ROWS, LP), stride=(LP, 1)))
         sNew = st.new.get_tensor(cute.make_layout((T, LP), stride=(LP, 1)))
         sP = st.pm.get_tensor(cute.make_layout((ROWS, KBLK + PPAD), stride=(KBLK + PPAD, 1)))
@@ -425,8 +453,8 @@ class MLADecodeTC:
 
         k_begin = sp * p.keys_per_split
         k_end = cutlass.min(k_begin + p.keys_per_split, p.nkeys)
-        # -- cached keys of the first two blocks in flight at once --------------------------
-        for blk0 in cutlass.range_constexpr(2):
+        # -- cached keys of the first two blocks (one: nbuf 1) in flight at once -------------
+        for blk0 in cutlass.range_constexpr(NB):
             if cutlass.const_expr(blk0 < p.nblk):
                 self.issue_block(mCache, sK, b, k_begin + blk0 * KBLK, blk0, tidx)
             cute.arch.cp_async_commit_group()
@@ -515,8 +543,8 @@ class MLADecodeTC:
         t0 = r0 % T
         t1 = r1 % T
         for blk in cutlass.range(p.nblk):
-            buf = blk % 2
-            cute.arch.cp_async_wait_group(1)
+            buf = blk % NB
+            cute.arch.cp_async_wait_group(NB - 1)
             kb = k_begin + blk * KBLK
             self.fill_block(sK, sNew, kb, buf, tidx)
             cute.arch.sync_threads()
@@ -625,8 +653,8 @@ class MLADecodeTC:
                     fb[3] = sK[buf, k0 + 9, col]
                     cute.gemm(atom, oacc[nt], fa, fb, oacc[nt])
             cute.arch.sync_threads()
-            if blk + 2 < p.nblk:
-                self.issue_block(mCache, sK, b, kb + 2 * KBLK, buf, tidx)
+            if blk + NB < p.nblk:
+                self.issue_block(mCache, sK, b, kb + NB * KBLK, buf, tidx)
             cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
