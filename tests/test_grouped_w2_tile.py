@@ -72,12 +72,14 @@ def test_compiles(preset, tp, T, kv):
 
 def test_geometry_tp8():
     """TP8 defaults: 64 rows x 128 K per stage, all 3 chunks of an item in flight (3 buffers,
-    54 KB: 4 CTAs per SM), 56 items per expert, 56 shared CTAs first."""
+    54 KB: 4 CTAs per SM), 56 items per expert, 56 shared CTAs first, the routed grid the worst
+    case itself (one item per CTA)."""
     E, K, L, Ie, H, S = _dims("kimi-k3", 8)
     op = gt.GroupedW2Tile(64, E, K, L, Ie, H, S)
     assert (op.R, op.BK, op.NCH, op.stages, op.nbuf, op.MP) == (64, 128, 3, 4, 3, 8)
     assert op.smem == 3 * 72 * 128 * 2 and 4 * (op.smem + 256 + 1024) <= 228 * 1024
-    assert (op.CE, op.CS, op.nr) == (56, 56, 64 * 132)
+    assert (op.CE, op.CS, op.nr) == (56, 56, 896 * 56)
+    assert gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(cap=64)).nr == 64 * 132
     assert gt.GroupedW2Tile(8, E, K, L, Ie, H, S).nr == 128 * 56
     one = gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(cap=512))
     assert one.nr == 896 * 56  # the worst case itself: one item per CTA
@@ -297,7 +299,7 @@ def test_every_output_written_once(preset, tp, T, nsm, kv):
 
 def test_moe_grouped_routes_tile(monkeypatch):
     """``DECODESCOPE_MOE_GROUPED_W2=tile``: the w2 launch is this kernel, its knobs in the key
-    (CPU: launches recorded, not run); unset: the tile up to 16 tokens, the ring above."""
+    (CPU: launches recorded, not run); unset: the tile (at every token count)."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
     from decodescope.kernels.weights import make_layer_weights
 
@@ -310,10 +312,12 @@ def test_moe_grouped_routes_tile(monkeypatch):
     monkeypatch.setattr(itf, "compiled", fake_compiled)
     monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W2", raising=False)
-    # the default since the H200 A/B s9/r2: the tile up to 16 tokens, the ring from 32
-    assert mg.W2_TILE_UPTO == 16
-    assert mg.w2_mode(8) == mg.w2_mode(16) == "tile"
-    assert mg.w2_mode(17) == mg.w2_mode(64) == mg.w2_mode() == "ring"
+    # the default since the H200 A/Bs s9/r2 and s9/r4: the tile at every token count
+    assert mg.W2_TILE_UPTO is None
+    assert mg.w2_mode(8) == mg.w2_mode(64) == mg.w2_mode() == "tile"
+    monkeypatch.setattr(mg, "W2_TILE_UPTO", 16)  # the s9/r2 boundary still works
+    assert mg.w2_mode(16) == "tile" and mg.w2_mode(17) == mg.w2_mode() == "ring"
+    monkeypatch.setattr(mg, "W2_TILE_UPTO", None)
     monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W2", "ring")
     assert mg.w2_mode(8) == "ring"
     cfg = get_config("tiny", 1)
@@ -327,7 +331,7 @@ def test_moe_grouped_routes_tile(monkeypatch):
     op, args = build()
     assert isinstance(op, gt.GroupedW2Tile) and op.MT == 2 and len(args) == 13
     monkeypatch.delenv("DECODESCOPE_MOE_GROUPED_W2")
-    for T, want in ((5, "tile"), (32, "ring")):  # the defaults, by token count
+    for T, want in ((5, "tile"), (32, "tile")):  # the defaults, by token count
         keys.clear()
         SpecializedMoE(cfg, w, T).experts()
         ((key, _),) = [(k, b) for k, b in keys if k[0] == "moe_grouped_w2"]

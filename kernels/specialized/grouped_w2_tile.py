@@ -13,8 +13,11 @@ stage across the CTA: 64 weight rows x 128 K (256 contiguous bytes per row per s
 threads issuing 16-byte ``cp.async``. This kernel takes that shape:
 
 - **Item** = (selected expert slot ``a``, block ``cb`` of ``R = warps x RT x 16`` rows of its
-  ``w2[e]`` [L, Ie]); a CTA walks items ``bid, bid + grid, ...`` (grid capped at
-  ``cap`` CTAs per SM, as the other grouped kernels). The item's rows ``cb*R .. cb*R + R - 1``
+  ``w2[e]`` [L, Ie]); a CTA walks items ``bid, bid + grid, ...`` (grid capped at ``cap``
+  CTAs per SM: 512 by default, which at the kimi-k3 shapes is the worst case itself, so every
+  CTA does at most one item, as Triton's; CTAs past the selected items read ``nact`` and exit;
+  a cap of 64 had each CTA walk ~3 items at 64 tokens and lost 10 % on the H200). The item's
+  rows ``cb*R .. cb*R + R - 1``
   are one contiguous run of ``R x Ie x 2`` bytes (48 KB at TP8, R = 64).
 - **Pipeline** over the item's K = Ie in ``BK``-wide chunks through ``stages`` shared-memory
   buffers of ``(R + MP) x BK`` BF16 (``MP = 8 x MT`` token rows of ``h``): every thread issues
@@ -47,7 +50,7 @@ Knobs (module constants ``DEF_*``, env overrides read at each call and part of t
 so that one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT`` (row tiles per
 warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
 chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
-``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 64), ``_LOAD``
+``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 512), ``_LOAD``
 (``cp`` | ``bulk``), ``_ORDER`` (``stride``: a CTA walks items ``bid, bid + grid, ...``;
 ``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert).
 """
@@ -74,7 +77,13 @@ BK_CHOICES = (128, 64, 32)
 DEF_STAGES = 0  # shared-memory stages (0: every chunk of an item in flight, capped at MAX_STAGES)
 MAX_STAGES = 4
 DEF_MT = 1  # 8-token MMA tiles per pass (tokens per expert at 64 tokens: mostly 1-3)
-DEF_CAP = mg.CTAS_PER_SM  # routed CTAs per SM in the grid (past it, CTAs loop over items)
+# routed CTAs per SM in the grid (past it, CTAs loop over items): 512, i.e. the worst case
+# min(E, T*k) x L / R itself at the kimi-k3 shapes up to 64 tokens (50 k CTAs at 64, about half
+# of them exit after reading nact): one item per CTA, as Triton's w2. H200 TP8 s9/r4, w2 alone,
+# us / floor, cap 64 -> 512: 246.4 (1.14) -> 225.5 (1.09) at 32 tokens, 380.5 (1.25) -> 339.6
+# (1.13) at 64 (with 64, each CTA walked ~3 items one after another); at 8 tokens the cap does
+# not bind (7168 CTAs either way)
+DEF_CAP = 512
 SHARED_RT = 2  # row tiles per warp of the shared-expert CTAs (GroupedW2's tiling)
 SMEM_MAX = 227 * 1024
 LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD

@@ -73,10 +73,11 @@ W2_MODES = ("regs", "ring")  # GroupedW2 weight loads: registers, or the cp.asyn
 # DECODESCOPE_MOE_GROUPED_W2=tile: grouped_w2_tile.GroupedW2Tile instead (CTA-shared cp.async
 # tile pipeline, warps splitting rows; notes/specialized_moe.md s9)
 W2_TILE = "tile"
-# the tile w2 is the default up to this many tokens (H200 TP8 s9/r2, w2 alone, us / floor: ring
-# 110.5 (1.35) -> tile 76.1 (0.98) at 8 tokens; at 64 the ring's 353.8 (1.13) beat the tile's
-# 375.6 (1.25), its best sweep point only tied: 323.6 (1.13); notes/gpu-logs/s9/r2/w2tile)
-W2_TILE_UPTO = 16
+# the tile w2 is the default up to this many tokens (None: at every token count). H200 TP8, w2
+# alone, us / floor: ring 110.5 (1.35) -> tile 76.1 (0.98) at 8 tokens (s9/r2); with its grid
+# up to 512 CTAs per SM (grouped_w2_tile.DEF_CAP, one item per CTA) ring -> tile 232.2 (1.10) ->
+# 225.5 (1.09) at 32, 354.8 (1.19) -> 339.6 (1.13) at 64 (s9/r4; notes/gpu-logs/s9/r4/w2tile2)
+W2_TILE_UPTO: int | None = None
 RING_STAGES = 4  # K chunks in flight per warp in the "ring" modes (mma_common.ring_pipeline)
 # w2's ring depth: 3 (s8/r7, H200 TP8, w2 alone, us / bytes floor: 4 stages 1.17 / 1.18 at 64 /
 # 32 tokens, 3 stages 1.12 / 1.06, 2 stages 1.11 / 1.05; a shallower ring leaves shared memory
@@ -742,15 +743,16 @@ def w13_mode() -> str:
 
 
 def w2_mode(T: int | None = None) -> str:
-    """``DECODESCOPE_MOE_GROUPED_W2``: ``ring`` or ``regs`` (:class:`GroupedW2`'s weight loads),
-    or ``tile`` (:class:`grouped_w2_tile.GroupedW2Tile`). Unset: ``tile`` for ``T <=
-    W2_TILE_UPTO`` tokens (16; H200 s9/r2: 110.5 -> 76.1 us at 8), else ``ring`` (also when
-    ``T`` is not given). H200 TP8, w2 alone (notes/gpu-logs/s7/r2): regs -> ring 116.9 ->
-    102.1 us at 8 tokens, 491.8 -> 365.8 at 64 (floor ~301). Read at each call, part of the
-    compile key."""
+    """``DECODESCOPE_MOE_GROUPED_W2``: ``tile`` (:class:`grouped_w2_tile.GroupedW2Tile`, the
+    default at every token count since the H200 runs s9/r2 and s9/r4, see ``W2_TILE_UPTO``), or
+    ``ring`` / ``regs`` (:class:`GroupedW2`'s weight loads; H200 TP8, notes/gpu-logs/s7/r2:
+    regs -> ring 116.9 -> 102.1 us at 8 tokens, 491.8 -> 365.8 at 64). Unset: ``tile`` where
+    ``W2_TILE_UPTO`` is None or ``T <= W2_TILE_UPTO``, else ``ring``. Read at each call, part
+    of the compile key."""
     v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "")
     if v == "":
-        return W2_TILE if T is not None and T <= W2_TILE_UPTO else "ring"
+        tile = W2_TILE_UPTO is None or (T is not None and T <= W2_TILE_UPTO)
+        return W2_TILE if tile else "ring"
     if v not in (*W2_MODES, W2_TILE):
         raise ValueError(
             f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {(*W2_MODES, W2_TILE)}"
