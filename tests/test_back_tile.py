@@ -105,13 +105,22 @@ def test_back_tile_ldsm_tiny_compiles():
 
 def test_back_tile_knobs_env(monkeypatch):
     assert bt.knobs() == {
+        "stages": 0, "splits": 0, "warps": 4, "act": "smem", "lean": False, "ldsm": False,
+    }  # fmt: skip
+    assert bt.knobs(32) == bt.knobs()  # k16 up to 32 tokens
+    assert bt.knobs(64) == {
         "stages": 0,
         "splits": 0,
         "warps": 4,
-        "act": "smem",
+        "act": "regs",
         "lean": False,
-        "ldsm": False,
-    }
+        "ldsm": True,
+    }  # fmt: skip  (ldsm above 32: H200 s9/r4)
+    p64 = bt.plan_for(64, 3584, 7168, 1e-5)
+    assert p64.ldsm and p64.act == "regs" and p64.nstages == 4
+    assert not bt.plan_for(64, 3584, 7168, 1e-5, act="smem").ldsm  # a variant's own choice
+    assert not bt.plan_for(64, 3584, 7168, 1e-5, lean=True).ldsm
+    assert bt.plan_for(64, 3584, 7168, 1e-5, stages=3).ldsm
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_STAGES", "4")
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_SPLITS", "7")
     bp = bt.plan_for(64, 3584, 7168, 1e-5)
@@ -435,8 +444,8 @@ def test_b_reads_are_bank_conflict_free():
                 assert len(slots) == 16, (h, k, half)
 
 
-GPU_CONFIGS = {"smem": {}, "regs": {"act": "regs"}, "lean": {"lean": True},
-               "ldsm": {"act": "regs", "ldsm": True}}  # fmt: skip
+GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
+               "lean": {"lean": True}, "ldsm": {"act": "regs", "ldsm": True}}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -49,11 +49,17 @@ hoisted, A fragments per half) 471; ``frag="ldsm"`` (``act="regs"``, ``ldmatrix.
 and for B two token tiles at a time, K in natural order, 16-byte unit ``U`` of row ``r`` at
 ``U ^ (r % 8)`` in both buffers) 281, of them 64 HMMA, 24 LDSM, 2 MOV.
 
+Default fragments (``DECODESCOPE_MOE_BACK_TILE_FRAG=auto``): ``ldsm`` (with ``act="regs"``) above
+``LDSM_ABOVE`` = 32 tokens, ``k16`` with ``act="smem"`` up to 32 (H200 TP8 s9/r4: 30.5 against
+36.7 us at 64 tokens; 24.6 against 22.9 at 32).
+
 Selection: ``DECODESCOPE_MOE_BACK=tile`` forces it (1..64 tokens, ``L`` a multiple of 64, ``H``
 of 16); ``auto`` (the default) picks it from ``TILE_FROM`` = 32 tokens (H200 TP8, s9/r2: 22.8 us
-against BackMma's 33.9 at 32 tokens, 36.9 against 48.2 at 64), BackMma below. Knobs for A/Bs (compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit
-an SM, else 3), ``DECODESCOPE_MOE_BACK_TILE_SPLITS`` (0: the tile GEMM's rule, 4 at H 7168),
-``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4), ``DECODESCOPE_MOE_BACK_TILE_ACT`` (``smem``).
+against BackMma's 33.9 at 32 tokens, 36.9 against 48.2 at 64), BackMma below. Knobs for A/Bs
+(compile key): ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0: 4 where two CTAs fit an SM, else 3),
+``DECODESCOPE_MOE_BACK_TILE_SPLITS`` (0: the tile GEMM's rule, 4 at H 7168),
+``DECODESCOPE_MOE_BACK_TILE_WARPS`` (4), ``DECODESCOPE_MOE_BACK_TILE_ACT`` (``smem``),
+``DECODESCOPE_MOE_BACK_TILE_FRAG`` (``auto``; see :func:`knobs`).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -82,6 +88,9 @@ SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved pe
 TILE_FROM: int | None = 32
 ACTS = ("smem", "regs")  # how the FP32 activations travel (see the module docstring)
 FRAGS = ("k16", "lean", "ldsm")  # how the MMA operands are built (DECODESCOPE_MOE_BACK_TILE_FRAG)
+# the automatic fragments: ldmatrix above this many tokens. H200 TP8, kernel alone, graph medians
+# (notes/gpu-logs/s9/r4): 30.5 us against 36.7 (k16) at 64 tokens, 24.6 against 22.9 at 32
+LDSM_ABOVE = 32
 
 
 def _two_per_sm(nbytes: int) -> bool:
@@ -761,21 +770,26 @@ def _knob(var: str, choices: tuple[int, ...]) -> int:
     return int(v)
 
 
-def knobs() -> dict[str, int]:
-    """The A/B knobs (environment, read at each call): ``DECODESCOPE_MOE_BACK_TILE_STAGES``
-    (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8),
-    ``_ACT`` (``smem`` or ``regs``), ``_FRAG`` (``k16``: ``mma_common.mma_k16``; ``lean``: hoisted
-    copy addresses and A fragments built once per half; ``ldsm``: ``ldmatrix`` fragments, with
-    ``act="regs"``)."""
+def knobs(T: int = 0) -> dict[str, int]:
+    """The knobs for ``T`` tokens (environment, read at each call):
+    ``DECODESCOPE_MOE_BACK_TILE_STAGES`` (0 auto, 2..6), ``_SPLITS`` (0 auto, or a divisor of L / 64), ``_WARPS`` (0 = 4, 2, 4, 8),
+    ``_ACT`` (``smem`` or ``regs``), ``_FRAG`` (``auto``, the default: ``ldsm`` above
+    ``LDSM_ABOVE`` tokens, else ``k16``; ``k16``: ``mma_common.mma_k16``; ``lean``: hoisted copy
+    addresses and A fragments built once per half; ``ldsm``: ``ldmatrix`` fragments, which
+    set ``act="regs"``)."""
     stages = _knob("DECODESCOPE_MOE_BACK_TILE_STAGES", (0, 2, 3, 4, 5, 6))
     splits = _knob("DECODESCOPE_MOE_BACK_TILE_SPLITS", (0, 1, 2, 4, 7, 8, 14))
     warps = _knob("DECODESCOPE_MOE_BACK_TILE_WARPS", (0, 2, 4, 8)) or 4
     act = os.environ.get("DECODESCOPE_MOE_BACK_TILE_ACT", "") or "smem"
     if act not in ACTS:
         raise ValueError(f"DECODESCOPE_MOE_BACK_TILE_ACT={act!r}: expected one of {ACTS}")
-    frag = os.environ.get("DECODESCOPE_MOE_BACK_TILE_FRAG", "") or "k16"
-    if frag not in FRAGS:
-        raise ValueError(f"DECODESCOPE_MOE_BACK_TILE_FRAG={frag!r}: expected one of {FRAGS}")
+    frag = os.environ.get("DECODESCOPE_MOE_BACK_TILE_FRAG", "") or "auto"
+    if frag not in ("auto", *FRAGS):
+        raise ValueError(
+            f"DECODESCOPE_MOE_BACK_TILE_FRAG={frag!r}: expected one of {('auto', *FRAGS)}"
+        )
+    if frag == "auto":
+        frag = "ldsm" if T > LDSM_ABOVE else "k16"
     if frag == "ldsm":
         act = "regs"  # the BF16 buffer ldmatrix reads
     return {"stages": stages, "splits": splits, "warps": warps, "act": act,
@@ -783,8 +797,11 @@ def knobs() -> dict[str, int]:
 
 
 def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
-    """The plan of a launch: :func:`knobs` unless given, the MoE kernels' PDL switch."""
-    k = knobs()
+    """The plan of a launch: :func:`knobs` unless given (a ``kw`` naming ``act``, ``lean`` or
+    ``ldsm`` replaces the automatic fragment choice), the MoE kernels' PDL switch."""
+    k = knobs(T)
+    if {"act", "lean", "ldsm"} & kw.keys():  # a variant with its own activations / fragments
+        k.update(act="smem", lean=False, ldsm=False)
     k.update(kw)
     return BackPlan(m=T, k=L, n=H, eps=float(eps), pdl=k.pop("pdl", pdl_enabled()), **k)
 
