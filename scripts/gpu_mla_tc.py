@@ -69,7 +69,8 @@ LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
 # name -> (kernel, env, heads per CTA, splits)
 VARIANTS = {
-    "default": ("tc", {}, 0, 0),  # ldmatrix since s9/r2
+    "default": ("tc", {}, 0, 0),  # ldmatrix since s9/r2; clusters of 2 from 64 rows since s9/r4
+    "plain": ("tc", {"DECODESCOPE_MLA_TC_CLUSTER": "0"}, 0, 0),  # ldmatrix, never a cluster
     "noldsm": ("tc", {"DECODESCOPE_MLA_TC_LDSM": "0"}, 0, 0),  # the kernel before session 9
     "cluster": ("tc", CLUSTER, 0, 0),  # with the ldmatrix loads
     "cluster-noldsm": ("tc", {"DECODESCOPE_MLA_TC_CLUSTER": "1"}, 0, 0),

@@ -143,14 +143,15 @@ def test_mla_tc_plan_choice():
     cfg = get_config("kimi-k3", 8)
     assert mtc.plan_for(cfg, 1, 1).hg == 1
     p64 = mtc.plan_for(cfg, 64, 1)
-    assert (p64.hg, p64.splits) == (6, 1)
+    assert (p64.hg, p64.splits, p64.clustered) == (12, 2, True)  # cluster of 2 (H200 s9/r4)
+    assert (mtc.plan_for(cfg, 32, 1).hg, mtc.plan_for(cfg, 32, 1).splits) == (3, 1)  # plain
     assert mtc.plan_for(cfg, 1, 8).rows == 8
     assert mla.kernel_choice(torch.bfloat16) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "", 1, 1) == "simt"  # H200: simt faster at 1x1, 8x1
     assert mla.kernel_choice(torch.bfloat16, "", 1, 8) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "tc", 1, 1) == "tc"
     p88 = mtc.plan_for(cfg, 8, 8)
-    assert (p88.hg, p88.splits) == (2, 3)  # the H200's best of the 8x8 sweep
+    assert (p88.hg, p88.splits, p88.clustered) == (2, 2, True)  # s9/r4: 93.9 -> 54.7 us
     assert mla.kernel_choice(torch.float8_e4m3fn) == "simt"
     with pytest.raises(ValueError, match="heads_per_cta"):
         mtc.plan_for(cfg, 1, 8, heads_per_cta=4)

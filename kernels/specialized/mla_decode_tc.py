@@ -86,6 +86,7 @@ absorption / W_UV (L2 bytes) and the key loop.
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
 # (the DSL re-reads the source to preprocess a kernel: never edit a kernel file while a
 # process that imported it still compiles, its line numbers no longer match)
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -118,6 +119,11 @@ SMEM_MAX = 227 * 1024
 SMEM_TWO_CTAS = 113 * 1024  # two CTAs per SM (228 KB per SM, 1 KB reserved per CTA)
 PAIRS_ONE_SPLIT = 128  # (sequence, head group) pairs from which each pair is one CTA
 CLUSTER_MAX = 8  # portable thread-block cluster size (the splits of one pair in a cluster)
+# the default: clusters from 64 query rows, of at most 2 CTAs (H200 s9/r4: clusters of 4 or 8
+# CTAs of ~184 KB did not all fit at once on the GPCs: 32x1 in clusters of 4 65.3 us against
+# 60.0 without, 64x1 in clusters of 4 96.2 against 61.5 in clusters of 2)
+CLUSTER_MIN_ROWS = 64
+CLUSTER_AUTO_MAX = 2
 
 
 def _divisors(n: int) -> list[int]:
@@ -135,14 +141,17 @@ def env_int(name: str, default: int = 0) -> int:
         raise ValueError(f"{name}: an integer, got {v!r}") from None
 
 
-def cluster_enabled() -> bool:
+def cluster_mode() -> int:
     """``DECODESCOPE_MLA_TC_CLUSTER`` = 1: the splits of a (sequence, head group) form one
     thread-block cluster that shares the absorption, the merge and the W_UV through distributed
-    shared memory (module docstring, "cluster variant"); 0 or unset: as before."""
-    v = env_int("DECODESCOPE_MLA_TC_CLUSTER", 0)
-    if v not in (0, 1):
+    shared memory (module docstring, "cluster variant"), clusters of up to 8; 0: never; unset
+    (-1): the default, clusters of at most 2 from ``CLUSTER_MIN_ROWS`` query rows (batch x
+    tokens) on (H200 s9/r4: 64x1 75.7 -> 61.5 us, 8x8 93.9 -> 54.7; 32x1 60.0 -> 65.3, not
+    there)."""
+    v = env_int("DECODESCOPE_MLA_TC_CLUSTER", -1)
+    if v not in (-1, 0, 1):
         raise ValueError(f"DECODESCOPE_MLA_TC_CLUSTER: 0 or 1, got {v}")
-    return bool(v)
+    return v
 
 
 def ldsm_enabled() -> bool:
@@ -173,7 +182,8 @@ class MLATCPlan:
     ldsm: bool = field(default_factory=ldsm_enabled)
     # timing diagnostic, wrong results: 1 = no w_uk / w_uv reads (``DECODESCOPE_MLA_TC_DIAG``)
     diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_DIAG", 0))
-    cluster: bool = field(default_factory=cluster_enabled)
+    # 1 on (clusters <= 8), 0 off, -1 by batch x tokens (clusters <= 2; 2: that, decided on)
+    cluster: int = field(default_factory=cluster_mode)
     # sequences per cluster (cluster variant): the absorption / W_UV heads spread over them too
     cluster_seqs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_TC_CLUSTER_SEQS", 1))
     # w_uk / w_uv loads in flight per thread (0: by tokens, see ``unroll``)
@@ -195,7 +205,7 @@ class MLATCPlan:
                 f"DECODESCOPE_MLA_TC_CLUSTER_SEQS={self.cluster_seqs} must divide the batch "
                 f"({self.batch})"
             )
-        if self.cluster and self.cluster_seqs * self.tokens > 8:
+        if self.cl and self.cluster_seqs * self.tokens > 8:
             raise ValueError(
                 f"DECODESCOPE_MLA_TC_CLUSTER_SEQS={self.cluster_seqs} x {self.tokens} tokens: "
                 "at most 8 (sequence, token) pairs per absorption unit"
@@ -221,7 +231,7 @@ class MLATCPlan:
         if self.heads_per_cta:
             return self.heads_per_cta
         fit = [d for d in _divisors(self.heads) if d * self.tokens <= ROWS]
-        if self.cluster:  # the most heads per CTA: the cache read once per sequence if all fit
+        if self.cl:  # the most heads per CTA: the cache read once per sequence if all fit
             return fit[-1]
         if self.batch * self.tokens < 8:
             return 1
@@ -252,9 +262,10 @@ class MLATCPlan:
         fill = -(-sms // pairs) if self.nbuf == 2 else max(1, sms // pairs)  # nbuf 1: <= 2/SM
         want = self.splits_force or (1 if pairs >= PAIRS_ONE_SPLIT * self.ctas_per_sm else fill)
         most = -(-self.nkeys // KBLK)
-        if self.cluster:  # splits of a pair (x cluster_seqs) = one cluster: ~one CTA per SM
+        if self.cl:  # splits of a pair (x cluster_seqs) = one cluster: ~one CTA per SM
             want = self.splits_force or max(1, sms // pairs)
-            most = min(most, CLUSTER_MAX // self.cluster_seqs)
+            cmax = CLUSTER_MAX if self.cluster == 1 else CLUSTER_AUTO_MAX  # -1 / 2: the default
+            most = min(most, max(1, cmax // self.cluster_seqs))
         s = max(1, min(want, most, 64))
         return -(-self.nkeys // (s * KBLK)) * KBLK
 
@@ -267,6 +278,18 @@ class MLATCPlan:
         return self.keys_per_split // KBLK
 
     @property
+    def cl(self) -> bool:
+        """The cluster variant: ``DECODESCOPE_MLA_TC_CLUSTER=1``, or unset with at least
+        ``CLUSTER_MIN_ROWS`` query rows where its grid has clusters of 2 and covers at least
+        half the SMs (else the plain plan, unchanged)."""
+        if self.cluster == -1:
+            if self.batch * self.tokens < CLUSTER_MIN_ROWS or self.splits_force > CLUSTER_AUTO_MAX:
+                return False
+            on = dataclasses.replace(self, cluster=2)
+            return on.splits * on.cs_seqs > 1 and on.groups * on.batch * on.splits >= NUM_SMS // 2
+        return self.cluster in (1, 2)
+
+    @property
     def ctas_per_sm(self) -> int:
         """CTAs an SM holds: 2 with one key buffer (``nbuf`` 1: <= 113 KB and <= 128 registers)."""
         return 2 if self.nbuf == 1 else 1
@@ -274,12 +297,12 @@ class MLATCPlan:
     @property
     def clustered(self) -> bool:
         """The cluster variant with more than one CTA per cluster (else the plain path)."""
-        return self.cluster and self.splits * self.cs_seqs > 1
+        return self.cl and self.splits * self.cs_seqs > 1
 
     @property
     def cs_seqs(self) -> int:
         """Sequences per cluster (1 unless the cluster variant)."""
-        return self.cluster_seqs if self.cluster else 1
+        return self.cluster_seqs if self.cl else 1
 
     @property
     def csize(self) -> int:
