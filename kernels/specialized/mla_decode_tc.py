@@ -50,8 +50,9 @@ accumulation; only the order of the FP32 sums inside an MMA chain differs). H200
 notes/gpu-logs/s9/r2/mla_tc, kernel alone, TP8): 32x1 87.8 -> 59.9 us, 64x1 102.6 -> 75.8,
 8x8 109.2 -> 93.7, outputs as close to the reference as before (rel. L2 2.9e-3).
 
-Cluster variant (``DECODESCOPE_MLA_TC_CLUSTER=1``; off by default until the H200 has timed
-it): the most heads per CTA that fit 16 rows (all 12 at TP8 with one token: the cache is read
+Cluster variant (the default from 64 query rows in clusters of 2, see ``cluster_mode``;
+``DECODESCOPE_MLA_TC_CLUSTER=1`` everywhere with clusters up to 8, ``=0`` never): the most
+heads per CTA that fit 16 rows (all 12 at TP8 with one token: the cache is read
 once per sequence, not once per head group) and the keys split so that the grid is about one
 CTA per SM, at most 8 splits; the splits of one (sequence, head group) form a thread-block
 cluster (1, 1, splits). CTA ``s`` of the cluster absorbs only the heads ``j`` with
