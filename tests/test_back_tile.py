@@ -61,7 +61,9 @@ def test_back_tile_compiles(preset, tp, T):
                                    dict(act="regs", ldsm=True, stages=5),
                                    dict(act="regs", ldsm=True, warps=8, splits=4),
                                    dict(act="regs", ldsm=True, splits=7, stages=3),
-                                   dict(act="regs", ldsm=True, warps=8, splits=7, stages=2)])  # fmt: skip
+                                   dict(act="regs", ldsm=True, warps=8, splits=7, stages=2),
+                                   dict(act="smem", ldsm=True),
+                                   dict(act="smem", ldsm=True, warps=8, splits=7, stages=2)])  # fmt: skip
 def test_back_tile_knobs_compile(knobs):
     bp = bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, **knobs)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
@@ -89,6 +91,12 @@ def test_back_plan_geometry():
         bt.BackPlan(m=65, k=3584, n=7168, eps=1e-5)
     with pytest.raises(ValueError, match="multiple of 64"):
         bt.BackPlan(m=8, k=3584 + 32, n=7168, eps=1e-5)
+
+
+@pytest.mark.parametrize("T", [8, 13, 32])
+def test_back_tile_ldsm_smem_compiles(T):
+    bp = bt.BackPlan(m=T, k=3584, n=7168, eps=1e-5, act="smem", ldsm=True)
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
 
 
 @pytest.mark.parametrize("T", [8, 13, 32])
@@ -139,9 +147,12 @@ def test_back_tile_knobs_env(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_FRAG", "wgmma")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_FRAG"):
         bt.knobs()
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_FRAG", "ldsm_smem")
+    bp = bt.plan_for(64, 3584, 7168, 1e-5)
+    assert bp.ldsm and bp.act == "smem"
     monkeypatch.delenv("DECODESCOPE_MOE_BACK_TILE_FRAG")
-    with pytest.raises(ValueError, match="ldsm needs act"):
-        bt.BackPlan(m=8, k=3584, n=7168, eps=1e-5, ldsm=True)
+    with pytest.raises(ValueError, match="ldsm needs H"):
+        bt.BackPlan(m=8, k=3584, n=7168 + 16, eps=1e-5, act="regs", ldsm=True)
     monkeypatch.setenv("DECODESCOPE_MOE_BACK_TILE_WARPS", "five")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_TILE_WARPS"):
         bt.knobs()
@@ -354,8 +365,9 @@ def _ldsm(sm_rows: torch.Tensor, addrs: list[tuple[int, int]], nmat: int) -> lis
             for t in range(32)]  # fmt: skip
 
 
+@pytest.mark.parametrize("act", ["regs", "smem"])
 @pytest.mark.parametrize("T,warps", [(64, 4), (13, 4), (8, 8), (32, 2)])
-def test_ldsm_fragments(T, warps):
+def test_ldsm_fragments(T, warps, act):
     """``frag="ldsm"``: the weights as ``load_w_lean`` places them (unit ``u ^ (r % 8)``) and the
     activations as ``convert_regs`` writes them (the same XOR), read with ``compute_ldsm``'s lane
     addresses through an emulated ``ldmatrix``, give every lane the m16n8k16 fragments of the
@@ -377,18 +389,39 @@ def test_ldsm_fragments(T, warps):
             assert r % 8 == wr % 8
             o = 16 * (wu ^ (wr % 8))
             sw[r, o : o + 16] = W[r, 8 * wu : 8 * wu + 8].view(torch.uint8)
-    sx = torch.zeros(MP, 128, dtype=torch.uint8)
-    for tid in range(nt):  # convert_regs
+    slots = -(-(MP * bt.UNITS) // nt)
+    if act == "regs":
+        sx = torch.zeros(MP, 128, dtype=torch.uint8)
+    else:  # the FP32 stage as load_acc places it (unit u of row r at u ^ (r % 2))
+        sx = torch.zeros(MP, 256, dtype=torch.uint8)
+        for tid in range(nt):
+            u = tid % bt.UNITS
+            for q in range(slots):
+                idx = tid + q * nt
+                r = idx // bt.UNITS
+                if idx < MP * bt.UNITS and r < T:
+                    o = 16 * (u ^ (r % 2))
+                    sx[r, o : o + 16] = acc[r, 4 * u : 4 * u + 4].view(torch.uint8)
+    vals = {}  # convert_regs / convert_packed: every thread's values first (the warp barrier)
+    for tid in range(nt):
         u = tid % bt.UNITS
-        for q in range(-(-(MP * bt.UNITS) // nt)):
+        for q in range(slots):
             idx = tid + q * nt
             r = idx // bt.UNITS
             if idx < MP * bt.UNITS and r < T:
-                pu = (u // 2) ^ (r % 8)
-                o = 8 * (2 * pu + u % 2)
-                sx[r, o : o + 8] = _bf16_bytes(
-                    acc[r, 4 * u : 4 * u + 4] * nw[4 * u : 4 * u + 4].float()
-                )
+                if act == "regs":
+                    xf = acc[r, 4 * u : 4 * u + 4]
+                else:
+                    o = 16 * (u ^ (r % 2))
+                    xf = sx[r, o : o + 16].clone().view(torch.float32)
+                vals[tid, q] = _bf16_bytes(xf * nw[4 * u : 4 * u + 4].float())
+    for (tid, q), xb in vals.items():
+        u = tid % bt.UNITS
+        r = (tid + q * nt) // bt.UNITS
+        pu = (u // 2) ^ (r % 8)
+        o = 8 * (2 * pu + u % 2)
+        assert o + 8 <= 128  # packed into the first 128 bytes of the row
+        sx[r, o : o + 8] = xb
     ntiles = MP // 8
     for warp in range(warps):
         for ks in range(4):
@@ -445,7 +478,8 @@ def test_b_reads_are_bank_conflict_free():
 
 
 GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
-               "lean": {"lean": True}, "ldsm": {"act": "regs", "ldsm": True}}  # fmt: skip
+               "lean": {"lean": True}, "ldsm": {"act": "regs", "ldsm": True},
+               "ldsm_smem": {"act": "smem", "ldsm": True}}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -87,7 +87,9 @@ SM_SMEM = 228 * 1024  # shared memory per SM (H100/H200), 1 KB of it reserved pe
 # against 48.2 at 64
 TILE_FROM: int | None = 32
 ACTS = ("smem", "regs")  # how the FP32 activations travel (see the module docstring)
-FRAGS = ("k16", "lean", "ldsm")  # how the MMA operands are built (DECODESCOPE_MOE_BACK_TILE_FRAG)
+# how the MMA operands are built (DECODESCOPE_MOE_BACK_TILE_FRAG); ldsm_smem: ldsm with the FP32
+# stage through cp.async, converted and packed in place (act="smem")
+FRAGS = ("k16", "lean", "ldsm", "ldsm_smem")
 # the automatic fragments: ldmatrix above this many tokens. H200 TP8, kernel alone, graph medians
 # (notes/gpu-logs/s9/r4): 30.5 us against 36.7 (k16) at 64 tokens, 24.6 against 22.9 at 32
 LDSM_ABOVE = 32
@@ -115,8 +117,6 @@ class BackPlan:
     ldsm: bool = False  # ldmatrix fragments, XOR-8 swizzles (needs act="regs"; implies lean)
 
     def __post_init__(self) -> None:
-        if self.ldsm and self.act != "regs":
-            raise ValueError("back_tile: ldsm needs act='regs' (the BF16 buffer it reads)")
         if self.ldsm and self.n % (self.warps * tg.WARP_ROWS):
             raise ValueError(f"back_tile: ldsm needs H={self.n} a multiple of the CTA's rows")
         if self.act not in ACTS:
@@ -335,7 +335,10 @@ class BackTile(tg.TileGemm):
                 cute.arch.cp_async_wait_group(p.stages - 2)
             else:
                 cute.arch.cp_async_wait_group(p.stages - 2)
-                self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
+                if cutlass.const_expr(self.bp.ldsm):
+                    self.convert_packed(sX, sXb, sNW, stg, i, ssq, tidx)
+                else:
+                    self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
             # the converted chunk is visible to all; every thread is past chunk i - 1's MMAs,
             # so its stage may be refilled
             cute.arch.sync_threads()
@@ -485,6 +488,42 @@ class BackTile(tg.TileGemm):
                 cute.autovec_copy(xb, dst)
 
     @cute.jit
+    def convert_packed(self, sX, sXb, sNW, stg, i, ssq, tidx):
+        """``ldsm`` with ``act="smem"``: this thread's own units of chunk ``i`` read first (all
+        slots), then, after a warp barrier (the 16 units of a token row belong to 16 lanes of one
+        warp), ``bf16(acc * w_norm)`` packed into the first 128 bytes of the same FP32 row in
+        ldmatrix's layout: BF16 unit ``U = u // 2`` of row ``r`` at ``U ^ (r % 8)``, half
+        ``u % 2``. Those bytes held units 0-7 of the row, read by their lanes before the
+        barrier."""
+        p = self.p
+        units = p.mp * UNITS
+        u = tidx % UNITS
+        nw = cute.make_rmem_tensor((4,), BFloat16)
+        cute.autovec_copy(cute.local_tile(sNW, (4,), (i * UNITS + u,)), nw)
+        xbs = []
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            xb = cute.make_rmem_tensor((4,), BFloat16)
+            if idx < units:
+                xf = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(cute.local_tile(sX[stg, r, None], (4,), (u ^ (r % 2),)), xf)
+                s = ssq[q]
+                for e in cutlass.range_constexpr(4):
+                    s = s + xf[e] * xf[e]
+                    xb[e] = (xf[e] * nw[e].to(Float32)).to(BFloat16)
+                ssq[q] = s
+            xbs.append(xb)
+        cute.arch.sync_warp()
+        for q in cutlass.range_constexpr(self.slots):
+            idx = tidx + q * p.threads
+            r = idx // UNITS
+            if idx < units:
+                pu = (u // 2) ^ (r % 8)
+                dst = cute.local_tile(sXb[stg, r, None], (4,), (2 * pu + u % 2,))
+                cute.autovec_copy(xbs[q], dst)
+
+    @cute.jit
     def convert(self, sX, sXb, sNW, stg, i, ssq, tidx):
         """This thread's own units of chunk ``i`` (stage ``stg``): squares into ``ssq``, then
         ``bf16(acc * w_norm)`` into half ``(r // 2) % 2`` of the same unit."""
@@ -564,7 +603,8 @@ class BackTile(tg.TileGemm):
         a_base = sW.iterator + (stg * (p.cta_rows * BK) + ar * BK)
         bt = lane // 16  # token tile of the pair
         bh = (lane // 8) % 2  # k + 8 half
-        b_base = sXb.iterator + (xs * (p.mp * BK) + (bt * 8 + li) * BK)
+        xr = BK if self.bp.act == "regs" else 2 * BK  # BF16 row stride (smem: in the FP32 rows)
+        b_base = sXb.iterator + (xs * (p.mp * xr) + (bt * 8 + li) * xr)
         for ks in cutlass.range_constexpr(BK // 16):
             ua = 2 * ks + lane // 16
             aregs = []
@@ -573,12 +613,12 @@ class BackTile(tg.TileGemm):
             ub = 2 * ks + bh
             bregs = []
             for jj in cutlass.range_constexpr(p.ntiles // 2):
-                bb = tg.ldsm_x4(b_base + (jj * 16 * BK + (ub ^ li) * 8))
+                bb = tg.ldsm_x4(b_base + (jj * 16 * xr + (ub ^ li) * 8))
                 bregs.append((bb[0], bb[1]))
                 bregs.append((bb[2], bb[3]))
             if cutlass.const_expr(p.ntiles % 2):  # lanes 0-15: (last tile, k +0 | +8)
                 jl = p.ntiles - 1
-                b0, b1 = tg.ldsm_x2(sXb.iterator + (xs * (p.mp * BK) + (jl * 8 + li) * BK
+                b0, b1 = tg.ldsm_x2(sXb.iterator + (xs * (p.mp * xr) + (jl * 8 + li) * xr
                                                   + ((2 * ks + bh) ^ li) * 8))  # fmt: skip
                 bregs.append((b0, b1))
             for j in cutlass.range_constexpr(p.ntiles):
@@ -792,8 +832,10 @@ def knobs(T: int = 0) -> dict[str, int]:
         frag = "ldsm" if T > LDSM_ABOVE else "k16"
     if frag == "ldsm":
         act = "regs"  # the BF16 buffer ldmatrix reads
+    elif frag == "ldsm_smem":
+        act = "smem"
     return {"stages": stages, "splits": splits, "warps": warps, "act": act,
-            "lean": frag == "lean", "ldsm": frag == "ldsm"}  # fmt: skip
+            "lean": frag == "lean", "ldsm": frag.startswith("ldsm")}  # fmt: skip
 
 
 def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
