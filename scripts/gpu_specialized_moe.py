@@ -889,7 +889,7 @@ def variant_env(var: str) -> dict:
     if m:  # the defaults (thresh route, w13 ring), w2 on grouped_w2_tile with its knobs
         env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
                "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "tile"}  # fmt: skip
-        knobs = ("LOAD", "WARPS", "RT", "BK", "STAGES", "MT", "CAP", "ORDER")
+        knobs = ("LOAD", "WARPS", "RT", "BK", "STAGES", "MT", "CAP", "ORDER", "SNJ")
         for knob, v in zip(knobs, m.groups(), strict=True):
             env[f"DECODESCOPE_MOE_W2T_{knob}"] = v or ""  # "": the module default
         return env
@@ -912,10 +912,11 @@ W13TILE_RE = re.compile(
 # GroupedW2Tile and its knobs (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2
 # (128 rows per item), grouped_w2tile_bulk (a producer warp's cp.async.bulk per row on
 # mbarriers), grouped_w2tile_c512 (routed grid up to 512 CTAs per SM: one item per CTA at 64
-# tokens), grouped_w2tile_block (a CTA walks consecutive items)
+# tokens), grouped_w2tile_block (a CTA walks consecutive items), grouped_w2tile_sj2 (the
+# shared-expert CTAs 2 token tiles per pass)
 W2TILE_RE = re.compile(
     r"grouped_w2tile(?:_(bulk))?(?:_w(\d+))?(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_m(\d+))?"
-    r"(?:_c(\d+))?(?:_(block))?"
+    r"(?:_c(\d+))?(?:_(block))?(?:_sj(\d+))?"
 )
 VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring",
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
@@ -929,6 +930,7 @@ def variant_name(v: str) -> str:
         f"unknown variant {v!r}: one of {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>][_p<persist>]"
         " or grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>][_c<cap>][_block]"
+        "[_sj<SNJ>]"
     )
 
 
@@ -995,7 +997,8 @@ def main() -> int:
         type=variant_name,
         help=f"expert kernels to check and time (DECODESCOPE_MOE_EXPERTS): {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>][_p<persist>] or "
-        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block]",
+        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block]"
+        "[_sj<SNJ>]",
     )
     ap.add_argument(
         "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"

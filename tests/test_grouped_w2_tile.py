@@ -53,6 +53,9 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"warps": 8, "cap": 512}),
         ("kimi-k3", 8, 64, {"order": "block"}),
         ("kimi-k3", 8, 64, {"order": "block", "load": "bulk"}),
+        ("kimi-k3", 8, 64, {"snj": 2}),
+        ("kimi-k3", 8, 64, {"snj": 4}),
+        ("kimi-k3", 16, 32, {"snj": 4}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -239,15 +242,17 @@ def _coverage(op, T, K, nact, slot_n):
         for warp in range(op.NW):
             if bid < op.CS:
                 tiles = [(bid * op.NW + warp) * gt.SHARED_RT + q for q in range(gt.SHARED_RT)]
-                for ps in range(-(-T // 8)):
+                NJ = op.SNJ
+                for ps in range(-(-T // (8 * NJ))):
                     for lane in range(32):
                         g, c = lane // 4, lane % 4
-                        for s in range(2):
-                            tok = ps * 8 + 2 * c + s
-                            for t in tiles:
-                                if tok < T and t < op.ntH:
-                                    for rr in (g, g + 8):
-                                        sh_out[(tok, t * 16 + rr)] += 1
+                        for j in range(NJ):
+                            for s in range(2):
+                                tok = ps * 8 * NJ + j * 8 + 2 * c + s
+                                for t in tiles:
+                                    if tok < T and t < op.ntH:
+                                        for rr in (g, g + 8):
+                                            sh_out[(tok, t * 16 + rr)] += 1
                 continue
             total = nact * op.CE
             lo, hi = bid - op.CS, total
@@ -283,6 +288,8 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 1, 8, 1, {"load": "bulk", "warps": 2}),
         ("kimi-k3", 8, 8, 2, {"order": "block"}),
         ("tiny", 2, 13, 1, {"order": "block", "load": "bulk", "cap": 3}),
+        ("tiny", 1, 21, 1, {"snj": 2}),
+        ("tiny", 1, 13, 1, {"snj": 4}),
     ],
 )
 def test_every_output_written_once(preset, tp, T, nsm, kv):

@@ -52,7 +52,8 @@ warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_ST
 chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
 ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 512), ``_LOAD``
 (``cp`` | ``bulk``), ``_ORDER`` (``stride``: a CTA walks items ``bid, bid + grid, ...``;
-``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert).
+``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert),
+``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class TileKnobs:
     cap: int = DEF_CAP
     load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
     order: str = "stride"  # ORDERS
+    snj: int = 1  # 8-token tiles per pass of the shared-expert CTAs (capped at ceil(T / 8))
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -115,6 +117,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "cap": ("DECODESCOPE_MOE_W2T_CAP", tuple(range(1, 513))),
     "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
     "order": ("DECODESCOPE_MOE_W2T_ORDER", ORDERS),
+    "snj": ("DECODESCOPE_MOE_W2T_SNJ", (1, 2, 4)),
 }
 
 
@@ -217,6 +220,9 @@ class GroupedW2Tile:
         self.ntH = H // mg.ROWS
         self.CS = -(-H // (self.NW * SHARED_RT * mg.ROWS))  # shared-expert CTAs (first)
         self.Us = mg._div_pick(S // mg.KCH, (4, 3, 2, 1))
+        if kn.snj not in (1, 2, 4):
+            raise ValueError(f"grouped_w2_tile: shared token tiles {kn.snj}, expected 1, 2 or 4")
+        self.SNJ = min(kn.snj, -(-T // 8))
         self.slots = mg.n_slots(T, E, K)
         self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
         self.grid = self.CS + self.nr
@@ -513,8 +519,9 @@ class GroupedW2Tile:
     @cute.jit
     def _shared(self, mHs, mWs2, mShared, sb, tid):
         """Rows ``[sb * NW * 32, +NW * 32)`` of ``shared_out = hs @ shared_w2^T``: each warp two
-        16-row tiles over all of K (``S``), all tokens 8 per pass, plain FP32 stores."""
-        T, S = self.T, self.S
+        16-row tiles over all of K (``S``), all tokens ``8 x SNJ`` per pass (each weight load
+        feeds ``SNJ`` token tiles), plain FP32 stores."""
+        T, S, NJ = self.T, self.S, self.SNJ
         warp = tid // 32
         lane = tid % 32
         g = lane // 4
@@ -524,24 +531,25 @@ class GroupedW2Tile:
         tiles = [(sb * self.NW + warp) * SHARED_RT + q for q in range(SHARED_RT)]
         rows = [cutlass.min(t, self.ntH - 1) * mg.ROWS + g for t in tiles]
         U = self.Us
-        for ps in cutlass.range(-(-T // 8)):
-            tok = cutlass.min(ps * 8 + g, T - 1)
-            accs = mc.zero_accs(SHARED_RT)
+        for ps in cutlass.range(-(-T // (8 * NJ))):
+            toks = [cutlass.min(ps * 8 * NJ + j * 8 + g, T - 1) for j in range(NJ)]
+            accs = mc.zero_accs(SHARED_RT * NJ)
             for it in cutlass.range(S // mg.KCH // U, unroll_full=True):
                 mc.mma_chunks(
-                    atom, accs, fa, fb, mWs2, rows, 1, U,
+                    atom, accs, fa, fb, mWs2, rows, NJ, U,
                     lambda v, it=it: (it * U + v) * mg.KCH + c * 8,
-                    lambda k0, tok=tok: lambda j: mc.load_row8(mHs, tok, k0),
+                    lambda k0, toks=toks: lambda jj: mc.load_row8(mHs, toks[jj], k0),
                 )  # fmt: skip
-            for s in cutlass.range_constexpr(2):
-                t = ps * 8 + 2 * c + s
-                if t < T:
-                    for q in cutlass.range_constexpr(SHARED_RT):
-                        if tiles[q] < self.ntH:
-                            r0 = tiles[q] * mg.ROWS + g
-                            acc = accs[q]
-                            mShared[t, r0] = acc[s]
-                            mShared[t, r0 + 8] = acc[2 + s]
+            for j in cutlass.range_constexpr(NJ):
+                for s in cutlass.range_constexpr(2):
+                    t = ps * 8 * NJ + j * 8 + 2 * c + s
+                    if t < T:
+                        for q in cutlass.range_constexpr(SHARED_RT):
+                            if tiles[q] < self.ntH:
+                                r0 = tiles[q] * mg.ROWS + g
+                                acc = accs[q * NJ + j]
+                                mShared[t, r0] = acc[s]
+                                mShared[t, r0 + 8] = acc[2 + s]
 
 
 # -- torch-facing --------------------------------------------------------------------------
