@@ -170,7 +170,7 @@ def test_side_by_side_table_and_charts_render(server, page):
     assert page.locator(EXCEPTION).count() == 0
     assert not page.js_errors, page.js_errors
     page.get_by_role("tab", name="Side by side").click()
-    page.locator('[data-testid="stDataFrame"]').first.wait_for(state="visible")
+    page.locator('[data-testid="stDataFrame"]').first.wait_for(state="visible", timeout=TIMEOUT_MS)
     shot(page, "dashboard_side_by_side")
     page.get_by_role("tab", name="Charts").click()
     page.wait_for_function(
