@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from decodescope.kernels.timing import graph_time_us
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 RESULTS: list[dict] = []
@@ -115,34 +117,6 @@ def over_budget(a, what: str, ctx: dict) -> bool:
         record(check=what, **ctx, status="skipped", note=f"budget {a.budget_s} s spent")
         return True
     return False
-
-
-def graph_time_us(fns: list, replays: int) -> tuple[float, float, float]:
-    """Median/min/max us of one element of ``fns`` (one CUDA graph of all of them, replayed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up: compiles and allocates outside capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    ts.sort()
-    return ts[len(ts) // 2], ts[0], ts[-1]
 
 
 def back_inputs(L: int, H: int, T: int, seed: int):

@@ -52,6 +52,7 @@ from decodescope.kernels.bandwidth import copy_bandwidth_tbs
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.specialized import mla_decode as mla
 from decodescope.kernels.specialized import mla_decode_tc as mtc
+from decodescope.kernels.timing import graph_time_us
 from decodescope.kernels.weights import make_layer_weights, make_state
 
 DEV = torch.device("cuda")
@@ -150,34 +151,6 @@ class env:
 
 def rnd(*shape) -> torch.Tensor:
     return torch.randn(*shape, device=DEV).to(BF16)
-
-
-def graph_time_us(fns: list, replays: int) -> tuple[float, float, float]:
-    """Median / min / max us of one element of ``fns`` (one graph of all of them, replayed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up: compiles outside capture
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    ts.sort()
-    return ts[len(ts) // 2], ts[0], ts[-1]
 
 
 def mla_weights(cfg, base: dict | None = None) -> dict:

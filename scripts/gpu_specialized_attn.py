@@ -74,6 +74,7 @@ from decodescope.kernels.specialized import skinny_gemm as sg
 from decodescope.kernels.specialized import splitk_gemm as sk
 from decodescope.kernels.specialized import tile_gemm as tg
 from decodescope.kernels.specialized.attention_layers import SpecializedAttention, attention_ref
+from decodescope.kernels.timing import graph_time_us
 from decodescope.kernels.weights import make_layer_weights, make_state
 
 DEV = torch.device("cuda")
@@ -373,34 +374,6 @@ def check_layer(cfg, spec, w, state, B, T, ctx, std_ok: bool) -> None:
 
 
 # -- timing ------------------------------------------------------------------------------------
-
-
-def graph_time_us(fns: list, replays: int) -> tuple[float, float, float]:
-    """Median/min/max us of one element of ``fns`` (a graph of all of them, replayed)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:  # warm-up (compiles outside capture)
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / len(fns))
-    ts.sort()
-    return ts[len(ts) // 2], ts[0], ts[-1]
 
 
 def attn_bytes(cfg, kind: str, w: dict, state: dict, N: int) -> int:
