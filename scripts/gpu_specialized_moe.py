@@ -885,11 +885,12 @@ W13TILE_RE = re.compile(
 # GroupedW2Tile and its knobs (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2
 # (128 rows per item), grouped_w2tile_bulk (a producer warp's cp.async.bulk per row on
 # mbarriers), grouped_w2tile_c512 (routed grid up to 512 CTAs per SM: one item per CTA at 64
-# tokens), grouped_w2tile_block (a CTA walks consecutive items), grouped_w2tile_sj2 (the
-# shared-expert CTAs 2 token tiles per pass)
+# tokens), grouped_w2tile_block (a CTA walks consecutive items), grouped_w2tile_col (items slot
+# fastest: the empty CTAs spread through the grid), grouped_w2tile_sj2 (the shared-expert CTAs
+# 2 token tiles per pass)
 W2TILE_RE = re.compile(
     r"grouped_w2tile(?:_(bulk))?(?:_w(\d+))?(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_m(\d+))?"
-    r"(?:_c(\d+))?(?:_(block))?(?:_sj(\d+))?"
+    r"(?:_c(\d+))?(?:_(block|col))?(?:_sj(\d+))?"
 )
 VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring",
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip

@@ -56,6 +56,10 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"snj": 2}),
         ("kimi-k3", 8, 64, {"snj": 4}),
         ("kimi-k3", 16, 32, {"snj": 4}),
+        ("kimi-k3", 8, 8, {"order": "col"}),
+        ("kimi-k3", 8, 64, {"order": "col"}),
+        ("kimi-k3", 16, 32, {"order": "col"}),
+        ("kimi-k3", 16, 64, {"order": "col"}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -105,6 +109,8 @@ def test_knobs_env(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_W2T_LOAD")
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_ORDER", "block")
     assert gt.knobs().order == "block"
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_ORDER", "col")
+    assert gt.knobs().order == "col"
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_ORDER", "random")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2T_ORDER"):
         gt.knobs()
@@ -122,6 +128,8 @@ def test_knobs_env(monkeypatch):
         gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(warps=8, rt=4, stages=4))
     with pytest.raises(ValueError, match="expert_inter"):
         gt.GroupedW2Tile(8, E, K, L, 40, H, S)
+    with pytest.raises(ValueError, match="order 'col'"):
+        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="col", load="bulk"))
 
 
 # -- the kernel's data movement and MMAs replayed in Python ---------------------------------
@@ -259,8 +267,13 @@ def _coverage(op, T, K, nact, slot_n):
             if op.blocked:
                 ipc = -(-total // op.nr)
                 lo, hi = lo * ipc, min(lo * ipc + ipc, total)
-            for item in range(lo, hi, op.step):
-                a, cb = item // op.CE, item % op.CE
+            if op.col:  # the worst case's items, slot fastest; unselected slots skipped
+                items = [(i % op.slots, i // op.slots)
+                         for i in range(bid - op.CS, op.slots * op.CE, op.nr)]  # fmt: skip
+                items = [(a, cb) for a, cb in items if a < nact]
+            else:
+                items = [(i // op.CE, i % op.CE) for i in range(lo, hi, op.step)]
+            for a, cb in items:
                 n = slot_n[a]
                 for ps in range(-(-n // op.MP)):
                     np_ = min(n - ps * op.MP, op.MP)
@@ -290,6 +303,9 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 2, 13, 1, {"order": "block", "load": "bulk", "cap": 3}),
         ("tiny", 1, 21, 1, {"snj": 2}),
         ("tiny", 1, 13, 1, {"snj": 4}),
+        ("kimi-k3", 8, 8, 2, {"order": "col"}),  # capped: CTAs walk several columns
+        ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
+        ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
     ],
 )
 def test_every_output_written_once(preset, tp, T, nsm, kv):

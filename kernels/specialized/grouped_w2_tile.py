@@ -52,7 +52,9 @@ warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_ST
 chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
 ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 512), ``_LOAD``
 (``cp`` | ``bulk``), ``_ORDER`` (``stride``: a CTA walks items ``bid, bid + grid, ...``;
-``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert),
+``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert;
+``col``: the worst case's item space with the expert slot fastest, items of unselected slots
+skipped, so that the empty CTAs are spread through the grid as in Triton's, not all at its end),
 ``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens).
 """
 
@@ -89,8 +91,12 @@ SHARED_RT = 2  # row tiles per warp of the shared-expert CTAs (GroupedW2's tilin
 SMEM_MAX = 227 * 1024
 LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
 # DECODESCOPE_MOE_W2T_ORDER: which items a routed CTA walks: "stride" (bid, bid + grid, ...) or
-# "block" (ceil(items / grid) consecutive ones: neighbouring row blocks of one expert)
-ORDERS = ("stride", "block")
+# "block" (ceil(items / grid) consecutive ones: neighbouring row blocks of one expert), over the
+# selected experts' items (expert-major: the CTAs past nact x CE, the empty ones, come last in
+# the grid); "col": the worst case's item space slot-fastest, item i = (slot i % slots, row block
+# i // slots), an item whose slot >= nact skipped: the empty CTAs spread through the grid, as in
+# Triton's fused_moe grid (pid_m fastest), instead of trailing it
+ORDERS = ("stride", "block", "col")
 
 
 @dataclass(frozen=True)
@@ -183,7 +189,10 @@ class GroupedW2Tile:
         if kn.order not in ORDERS:
             raise ValueError(f"grouped_w2_tile: order {kn.order!r}, expected one of {ORDERS}")
         self.blocked = kn.order == "block"
+        self.col = kn.order == "col"
         self.bulk = kn.load == "bulk"
+        if self.col and self.bulk:
+            raise ValueError("grouped_w2_tile: order 'col' is for load 'cp' only")
         self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
         self.NT = (self.NW + self.bulk) * 32  # bulk: one more warp, the producer
         self.R = self.NW * self.RT * mg.ROWS  # weight rows per item
@@ -283,24 +292,30 @@ class GroupedW2Tile:
             if const_expr(self.bulk):
                 self._bulk(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull,
                            sEmpty, lo, hi, tid)  # fmt: skip
+            elif const_expr(self.col):  # the worst case's items, slot fastest
+                nact = mNact[0]
+                for item in cutlass.range(bid - self.CS, self.slots * self.CE, self.nr):
+                    a = item % self.slots
+                    if a < nact:
+                        self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
+                                   a, item // self.slots, tid)  # fmt: skip
             else:
                 for item in cutlass.range(lo, hi, self.step):
                     self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
-                               item, tid)  # fmt: skip
+                               item // self.CE, item % self.CE, tid)  # fmt: skip
 
     # -- routed items ----------------------------------------------------------------------
 
     @cute.jit
-    def _item(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, item, tid):
-        """One (expert slot, row block) item: every pass of ``MP`` tokens through the pipeline."""
+    def _item(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, a, cb, tid):
+        """One item, (expert slot ``a``, row block ``cb``): every pass of ``MP`` tokens through
+        the pipeline."""
         L, Ie, MP, RT = self.L, self.Ie, self.MP, self.RT
         NCH, NS = self.NCH, self.stages
         warp = tid // 32
         lane = tid % 32
         g = lane // 4
         c = lane % 4
-        a = item // self.CE
-        cb = item % self.CE
         e = mSlotE[a]
         off = mSlotOff[a]
         n = mSlotN[a]
