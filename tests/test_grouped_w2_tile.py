@@ -29,6 +29,13 @@ from decodescope.kernels.specialized import interface as itf  # noqa: E402
 from decodescope.kernels.specialized import moe_grouped as mg  # noqa: E402
 
 
+def _kv_id(v):
+    """Test ids that name the knobs (``order-col``), so that ``-k`` can pick them."""
+    if isinstance(v, dict):
+        return "_".join(f"{k}-{x}" for k, x in v.items()) or "defaults"
+    return None
+
+
 def _dims(preset: str, tp: int):
     cfg = get_config(preset, tp)
     e = cfg.moe
@@ -69,6 +76,7 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 32, {"load": "bulk", "mt": 2, "rt": 2}),
         ("tiny", 2, 3, {"load": "bulk"}),
     ],
+    ids=_kv_id,
 )
 def test_compiles(preset, tp, T, kv):
     E, K, L, Ie, H, S = _dims(preset, tp)
@@ -307,6 +315,7 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
         ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
     ],
+    ids=_kv_id,
 )
 def test_every_output_written_once(preset, tp, T, nsm, kv):
     E, K, L, Ie, H, S = _dims(preset, tp)
