@@ -106,6 +106,7 @@ class SpecializedAttention:
             _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
         else:
             compile_any(_op.q_b_plan(cfg, N))
+            _op.q_b_prepare(cfg, self.w, N)  # a folded norm's derived weight
             _mla.compile_for(cfg, self.B, self.T)
 
     def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:

@@ -10,7 +10,9 @@ stream and the layer has no separate norm launch. With more than one GPU the all
 between the GEMM and the add (not fused yet: one GPU runs the per-rank shapes).
 
 MLA also runs its ``q_b`` projection through the same kernel family (:func:`q_b_proj`): the
-q_a RMSNorm is that launch's prologue.
+q_a RMSNorm is that launch's prologue (skinny / split-K), or folded into the tile GEMM
+(``DECODESCOPE_TILE_NORM=fold``: the norm weight in a derived q_b weight, rstd in the
+epilogue; :func:`q_b_prepare` makes the weight before capture).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref
-from decodescope.kernels.specialized.tile_gemm import gemm_plan, project
+from decodescope.kernels.specialized.tile_gemm import TilePlan, folded_weight, gemm_plan, project
 
 
 def plan_for(cfg, kind: str, m: int):
@@ -49,8 +51,18 @@ def q_b_plan(cfg, m: int):
     )
 
 
+def q_b_prepare(cfg, w: dict, m: int) -> None:
+    """Before graph capture: where q_b's plan at ``m`` tokens folds the norm into the tile GEMM
+    (``DECODESCOPE_TILE_NORM=fold``), make the derived weight ``bf16(q_b * q_a_norm)`` now
+    (:func:`.tile_gemm.folded_weight`: one per weight tensor, kept while it lives)."""
+    p = q_b_plan(cfg, m)
+    if isinstance(p, TilePlan) and p.rms_fold:
+        folded_weight(w["q_b"], w["q_a_norm"])
+
+
 def q_b_proj(cfg, w: dict, a: torch.Tensor, q_out: torch.Tensor) -> None:
-    """``q = rmsnorm(q_a) * q_a_norm @ q_b^T`` with ``q_a = a[:, :q_lora]`` (a strided view)."""
+    """``q = rmsnorm(q_a) * q_a_norm @ q_b^T`` with ``q_a = a[:, :q_lora]`` (a strided view);
+    with ``DECODESCOPE_TILE_NORM=fold`` one tile GEMM launch on the folded weight."""
     q_a = a[:, : cfg.mla.q_lora_rank]
     project(q_a, [w["q_b"]], [q_out], norm_weight=w["q_a_norm"], eps=cfg.eps)
 

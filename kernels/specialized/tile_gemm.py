@@ -43,6 +43,16 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   shared memory (no ``cp.async``) or a per-CTA rstd pass (M x K reads per CTA); the extra
   launch reads M x K x 2 (or 3) x 2 bytes once (0.9 MB at 64 tokens) and keeps the rounding
   of vLLM's ``fused_add_rms_norm``: ``bf16(bf16(h * rstd) * w)``.
+- **Norm folded into the GEMM** (``rms_fold``, ``DECODESCOPE_TILE_NORM=fold``; a norm without a
+  residual add: MLA's q_b): ``out[m, n] = rstd[m] * sum_k x[m, k] * (g[k] W[n, k])``. The norm
+  weight is folded into a derived weight once (:func:`fold_norm_weight`, ``bf16(W * g)``: no
+  per-chunk work, one rounding where vLLM has ``bf16(bf16(x * rstd) * g)``; scaling the B
+  fragments instead would cost every warp ~2 instructions per activation element and chunk).
+  Each thread adds the squares of the activation units its own ``cp.async`` staged (after its
+  wait, before the barrier), the 8 threads of a token row reduce by butterfly, and the CTA's
+  sums go beside the split-K partials (workspace rows after them, ``[row tile, split, token]``);
+  the reducing CTA turns them into ``rsqrt(ss / K + eps)`` (split order) and scales the summed
+  partials before the rounding. One launch instead of two; x is read raw (strided q_a).
 
 ``ldsm`` (``TilePlan.ldsm``, ``DECODESCOPE_TILE_LDSM=1`` read when a plan is built; an A/B knob,
 default off): the fragments by ``ldmatrix.x4`` (A: one per 16-row tile and 16-wide K step; B:
@@ -60,6 +70,7 @@ tokens on, not q_b), ``default`` (the skinny / split-K choice). Compile key: the
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
@@ -95,20 +106,41 @@ def mode() -> str:
     return m
 
 
-def selected(m: int, k: int, norm: bool = False) -> bool:
+NORM_MODES = ("launch", "fold")
+
+
+def norm_mode() -> str:
+    """``DECODESCOPE_TILE_NORM``: ``launch`` (the default: a norm without a residual add runs
+    as its own launch where the tile kernel serves it, and ``auto`` keeps short-K ones off the
+    tile kernel) or ``fold`` (the RMSNorm folded into the GEMM, ``TilePlan.rms_fold``: q_b on
+    the tile kernel from ``AUTO_MIN_M`` tokens in one launch)."""
+    m = os.environ.get("DECODESCOPE_TILE_NORM", "") or "launch"
+    if m not in NORM_MODES:
+        raise ValueError(f"DECODESCOPE_TILE_NORM: one of {NORM_MODES}, got {m!r}")
+    return m
+
+
+def folds(norm: bool, residual: bool) -> bool:
+    """Whether a projection's norm is folded into the tile GEMM (``DECODESCOPE_TILE_NORM``):
+    only a norm without a residual add (the fold reads x with ``cp.async`` as it is)."""
+    return norm and not residual and norm_mode() == "fold"
+
+
+def selected(m: int, k: int, norm: bool = False, residual: bool = False) -> bool:
     """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``).
 
     ``auto`` (the default) follows the H200 A/B (TP8, notes/specialized.md, round 4 outcome):
     the tile kernel from ``AUTO_MIN_M`` (8) tokens on, except a short-K projection with the
     norm prologue (MLA's q_b, K 1536): its separate norm launch costs more than the GEMM saves below 32
     tokens (7.0 vs 5.6 us at 8), and from 32 on (9.4 vs 17.7 us) it would take the MLA layer
-    with the grouped experts to 12 launches, over issue 5's 11."""
+    with the grouped experts to 12 launches, over issue 5's 11. With ``DECODESCOPE_TILE_NORM=fold``
+    such a norm is folded into the GEMM (no extra launch), so q_b is served too."""
     md = mode()
     if md == "default" or k % BK or not 1 <= m <= 64:
         return False
     if md == "tile":
         return True
-    return m >= AUTO_MIN_M and (k >= 4096 or not norm)
+    return m >= AUTO_MIN_M and (k >= 4096 or not norm or folds(norm, residual))
 
 
 @dataclass(frozen=True)
@@ -130,6 +162,10 @@ class TilePlan:
     norm: bool = False
     add_residual: bool = False
     eps: float = 1e-5
+    # the RMSNorm folded into this GEMM (no norm launch): the weights carry the norm weight
+    # (fold_norm_weight), each CTA sums the squares of its staged K-slice of x, the epilogue
+    # scales by each token's rstd (DECODESCOPE_TILE_NORM=fold selects it for q_b)
+    rms_fold: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -140,6 +176,8 @@ class TilePlan:
             raise ValueError(f"tile GEMM: 1..3 segments, each a multiple of 16: {self.segments}")
         if self.add_residual and not self.norm:
             raise ValueError("tile GEMM: add_residual needs norm")
+        if self.rms_fold and (self.norm or self.out_f32):
+            raise ValueError("tile GEMM: rms_fold excludes the norm launch and out_f32")
         if self.out_f32 and self.residual_epilogue:
             raise ValueError("tile GEMM: out_f32 has no residual epilogue")
         if self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
@@ -196,8 +234,22 @@ class TilePlan:
 
     @property
     def ws_rows(self) -> int:
-        """Rows of the FP32 workspace ``[splits * mp, acc_rows]`` (token-major partials)."""
-        return self.splits * self.mp if self.splits > 1 else 8
+        """Rows of the FP32 workspace ``[splits * mp (+ ssq_rows), acc_rows]`` (token-major
+        partials; with ``rms_fold`` the sums of squares after them)."""
+        return self.splits * self.mp + self.ssq_rows if self.splits > 1 else 8
+
+    @property
+    def ssq_rows(self) -> int:
+        """Workspace rows holding the ``rms_fold`` sums of squares ``[row_ctas, splits, mp]``
+        (flat, after the partials) where ``splits > 1``."""
+        if not self.rms_fold or self.splits == 1:
+            return 0
+        return -(-self.splits * self.mp // self.cta_rows)
+
+    @property
+    def x_slots(self) -> int:
+        """16-byte activation units per thread and chunk (``load_x``'s loop)."""
+        return (self.mp * 8 + self.threads - 1) // self.threads
 
     @property
     def smem_bytes(self) -> int:
@@ -239,7 +291,15 @@ class TileGemm:
             x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
             last: cute.struct.MemRange[Int32, 1]
 
-        self.smem_cls = Smem
+        @cute.struct
+        class SmemFold:  # rms_fold: each token's rstd (or its sum of squares at one split)
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            last: cute.struct.MemRange[Int32, 1]
+            rs: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
+
+        self.smem_cls = SmemFold if p.rms_fold else Smem
+        Smem = self.smem_cls
         self.kernel(mX, mW0, mO0, mW1, mO1, mW2, mO2, mE, mWs, mCnt).launch(
             grid=[p.row_ctas, p.splits, 1],
             block=[p.threads, 1, 1],
@@ -260,6 +320,9 @@ class TileGemm:
         )
         sX = st.x.get_tensor(cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1)))
         sLast = st.last.get_tensor(cute.make_layout(1))
+        sRs = None
+        if cutlass.const_expr(p.rms_fold):
+            sRs = st.rs.get_tensor(cute.make_layout(p.mp))
 
         weights = (mW0, mW1, mW2)
         outs = (mO0, mO1, mO2)
@@ -267,8 +330,8 @@ class TileGemm:
         for s in cutlass.range_constexpr(len(p.segments)):
             nc = p.ctas(p.segments[s])
             if bx >= t0 and bx < t0 + nc:
-                self.body(mX, weights[s], outs[s], mE, mWs, mCnt, sW, sX, sLast, bx, bx - t0,
-                          p.segments[s], sp, tidx)  # fmt: skip
+                self.body(mX, weights[s], outs[s], mE, mWs, mCnt, sW, sX, sLast, sRs, bx,
+                          bx - t0, p.segments[s], sp, tidx)  # fmt: skip
             t0 += nc
 
     @cute.jit
@@ -306,7 +369,7 @@ class TileGemm:
                 )
 
     @cute.jit
-    def body(self, mX, mW, mO, mE, mWs, mCnt, sW, sX, sLast, bx, cta, n, sp, tidx):
+    def body(self, mX, mW, mO, mE, mWs, mCnt, sW, sX, sLast, sRs, bx, cta, n, sp, tidx):
         p = self.p
         warp = tidx // 32
         lane = tidx % 32
@@ -329,8 +392,14 @@ class TileGemm:
         atom = mc.mma_atom()
         accs = mc.zero_accs(RT * p.ntiles)
         fa, fb = mc.fragments()
+        ssq = None
+        if cutlass.const_expr(p.rms_fold):
+            ssq = cute.make_rmem_tensor((p.x_slots,), Float32)
+            ssq.fill(0.0)
         for i in cutlass.range(p.chunks, unroll=1):
             cute.arch.cp_async_wait_group(p.stages - 2)
+            if cutlass.const_expr(p.rms_fold):  # this thread's own units of chunk i, landed
+                self.squares(sX, i % p.stages, ssq, tidx)
             cute.arch.sync_threads()
             # the stage refilled now was read in iteration i - 1: every thread is past it
             nxt = i + (p.stages - 1)
@@ -344,9 +413,13 @@ class TileGemm:
             else:
                 self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(p.rms_fold):
+            self.store_ssq(mWs, sRs, ssq, bx, sp, tidx)
 
         if cutlass.const_expr(p.splits == 1):
-            self.store_direct(mO, mE, accs, row0, n, warp, g, c)
+            if cutlass.const_expr(p.rms_fold):
+                cute.arch.sync_threads()
+            self.store_direct(mO, mE, sRs, accs, row0, n, warp, g, c)
         else:
             self.store_partial(mWs, accs, bx, sp, warp, g, c)
             cute.arch.fence_acq_rel_gpu()
@@ -357,7 +430,67 @@ class TileGemm:
             cute.arch.sync_threads()
             if sLast[0] == p.splits - 1:
                 cute.arch.fence_acq_rel_gpu()
-                self.epilogue_partial(mO, mE, mWs, mCnt, bx, cta, n, tidx)
+                if cutlass.const_expr(p.rms_fold):
+                    self.rstd_of_splits(mWs, sRs, bx, tidx)
+                self.epilogue_partial(mO, mE, mWs, mCnt, bx, cta, n, tidx, sRs)
+
+    @cute.jit
+    def squares(self, sX, stg, ssq, tidx):
+        """``rms_fold``: add the squares of this thread's own activation units of stage
+        ``stg`` (those its ``load_x`` copied, complete after its ``cp.async`` wait without a
+        barrier: slot ``q`` is row ``(tidx + q * threads) // 8``, unit ``tidx % 8`` at its
+        swizzled place) into ``ssq[q]``. Rows ``m .. mp`` are never loaded: their sums are
+        garbage that :meth:`store_ssq` does not store."""
+        p = self.p
+        u = tidx % 8
+        for q in cutlass.range_constexpr(p.x_slots):
+            idx = tidx + q * p.threads
+            r = cutlass.min(idx // 8, p.mp - 1)  # rows past mp only where threads > units
+            xv = cute.make_rmem_tensor((8,), BFloat16)
+            cute.autovec_copy(cute.local_tile(sX[stg, r, None], (8,), (self.swz(u, r),)), xv)
+            s = ssq[q]
+            for e in cutlass.range_constexpr(8):
+                xf = xv[e].to(Float32)
+                s = s + xf * xf
+            ssq[q] = s
+
+    @cute.jit
+    def store_ssq(self, mWs, sRs, ssq, bx, sp, tidx):
+        """``rms_fold``: each token's sum of squares over this CTA's K slice (the 8 threads of a
+        row are 8 consecutive lanes: butterfly over them), into ``sRs`` at one split, else to
+        the workspace after the partials, ``[row tile bx, split sp, token]``."""
+        p = self.p
+        base = p.splits * p.mp * p.acc_rows
+        for q in cutlass.range_constexpr(p.x_slots):
+            s = ssq[q]
+            for o in cutlass.range_constexpr(3):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            idx = tidx + q * p.threads
+            r = idx // 8
+            if tidx % 8 == 0 and r < p.m:
+                if cutlass.const_expr(p.splits == 1):
+                    sRs[r] = s
+                else:
+                    ptr = mWs.iterator + (base + (bx * p.splits + sp) * p.mp + r)
+                    cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[ptr, s])
+
+    @cute.jit
+    def rstd_of_splits(self, mWs, sRs, bx, tidx):
+        """``rms_fold``, the last CTA of row tile ``bx``: each token's ``rstd = rsqrt(ss / K +
+        eps)`` from the splits' sums of squares (split order) into ``sRs``."""
+        p = self.p
+        base = p.splits * p.mp * p.acc_rows
+        for m in cutlass.range(tidx, p.m, p.threads, unroll=1):
+            ss = Float32(0.0)
+            for s in cutlass.range_constexpr(p.splits):
+                ptr = mWs.iterator + (base + (bx * p.splits + s) * p.mp + m)
+                ss = ss + cute.arch.inline_ptx(
+                    "ld.global.cg.f32 {$w0}, [{$r0}];",
+                    write_only_types=[Float32],
+                    read_only_args=[ptr],
+                )
+            sRs[m] = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
+        cute.arch.sync_threads()
 
     def swz(self, u, r):
         """Shared-memory unit of 16-byte unit ``u`` of row ``r`` (trace-time helper)."""
@@ -426,8 +559,9 @@ class TileGemm:
                 )
 
     @cute.jit
-    def store_direct(self, mO, mE, accs, row0, n, warp, g, c):
-        """lane (g, c), tile (q, j): rows g / g + 8 of tile q, tokens 8j + 2c + {0, 1}."""
+    def store_direct(self, mO, mE, sRs, accs, row0, n, warp, g, c):
+        """lane (g, c), tile (q, j): rows g / g + 8 of tile q, tokens 8j + 2c + {0, 1}
+        (``rms_fold``: ``sRs`` holds each token's sum of squares over all of K)."""
         p = self.p
         for q in cutlass.range_constexpr(RT):
             for hh in cutlass.range_constexpr(2):
@@ -438,6 +572,9 @@ class TileGemm:
                             m = j * 8 + 2 * c + e
                             if m < p.m:
                                 val = accs[q * p.ntiles + j][2 * hh + e]
+                                if cutlass.const_expr(p.rms_fold):
+                                    val = val * cute.math.rsqrt(
+                                        sRs[m] / Float32(p.k) + Float32(p.eps))  # fmt: skip
                                 if cutlass.const_expr(p.out_f32):
                                     mO[m, nn] = val
                                 else:
@@ -464,11 +601,12 @@ class TileGemm:
                         )
 
     @cute.jit
-    def epilogue_partial(self, mO, mE, mWs, mCnt, bx, cta, n, tidx):
+    def epilogue_partial(self, mO, mE, mWs, mCnt, bx, cta, n, tidx, sRs=None):
         """The last CTA of row tile ``bx``: sum the splits' partials, 4 rows of one token per
         thread and step (16-byte L2 loads, consecutive threads on consecutive rows: coalesced
         loads and 8-byte output stores), ``EPI_BATCH`` steps' loads issued before any sum;
-        epilogue, store; zero the counter."""
+        epilogue (``rms_fold``: times the token's rstd from ``sRs``), store; zero the
+        counter."""
         p = self.p
         nt = p.threads
         quads = p.cta_rows // 4
@@ -501,10 +639,15 @@ class TileGemm:
                     ev = cute.make_rmem_tensor((4,), BFloat16)
                     if cutlass.const_expr(p.residual_epilogue):
                         cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), ev)
+                    rs = None
+                    if cutlass.const_expr(p.rms_fold):
+                        rs = sRs[m]
                     for e in cutlass.range_constexpr(4):
                         val = vals[0][e]
                         for s in cutlass.range_constexpr(1, p.splits):
                             val = val + vals[s][e]
+                        if cutlass.const_expr(p.rms_fold):
+                            val = val * rs
                         if cutlass.const_expr(p.residual_epilogue):
                             val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
                         if cutlass.const_expr(p.out_f32):
@@ -668,11 +811,15 @@ def plan_of(
     stages: int = 4,
     out_f32: bool = False,
     pdl: bool | None = None,
+    rms_fold: bool = False,
+    ldsm: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
-    extra = {} if pdl is None else {"pdl": pdl}
+    extra: dict = {} if pdl is None else {"pdl": pdl}
+    if ldsm is not None:
+        extra["ldsm"] = ldsm
     return TilePlan(
         m=int(M),
         k=int(K),
@@ -686,6 +833,7 @@ def plan_of(
         norm=norm_weight is not None,
         add_residual=residual is not None,
         eps=float(eps),
+        rms_fold=rms_fold,
         **extra,
     )
 
@@ -704,19 +852,27 @@ def tile_gemm(
     warps: int = 4,
     stages: int = 4,
     pdl: bool | None = None,
+    rms_fold: bool = False,
+    ldsm: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
-    precedes the GEMM. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps). FP32
+    precedes the GEMM. With ``rms_fold`` (no ``norm_weight``) the weights carry the norm
+    weight (:func:`fold_norm_weight`) and the GEMM itself scales by each token's rstd: one
+    launch, ``bf16(rstd * sum_k x W')``. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
-    ``pdl``: the plan's PDL flag (default :func:`.utils.pdl_enabled`)."""
+    ``pdl`` / ``ldsm``: the plan's flags (default :func:`.utils.pdl_enabled` /
+    ``DECODESCOPE_TILE_LDSM``)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
         for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
             itf.check(o, f"tile_gemm out {i}", (x.shape[0], w.shape[0]), torch.float32)
+    if rms_fold and (norm_weight is not None or residual is not None):
+        raise ValueError("tile_gemm: rms_fold takes folded weights, no norm_weight or residual")
     p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
-                stages=stages, out_f32=out_f32, pdl=pdl)  # fmt: skip
+                stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
+                ldsm=ldsm)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
@@ -736,23 +892,55 @@ def tile_gemm(
 def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
     """The plan that serves an ``m x k`` projection: :class:`TilePlan` where :func:`selected`
     says so, else :func:`.splitk_gemm.gemm_plan`'s choice (same keyword flags)."""
-    if selected(m, k, flags.get("norm", False)):
+    norm, res = flags.get("norm", False), flags.get("add_residual", False)
+    if selected(m, k, norm, res):
+        fold = folds(norm, res)
         return TilePlan(
             m=m,
             k=k,
             segments=segments,
             residual_epilogue=flags.get("residual_epilogue", False),
             x_stride=flags.get("x_stride", 0),
-            norm=flags.get("norm", False),
-            add_residual=flags.get("add_residual", False),
+            norm=norm and not fold,
+            add_residual=res,
             eps=flags.get("eps", 1e-5),
+            rms_fold=fold,
         )
     return sk.gemm_plan(m, k, segments, **flags)
 
 
 def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], **kw) -> None:
-    """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords)."""
-    if selected(x.shape[0], x.shape[1], kw.get("norm_weight") is not None):
-        tile_gemm(x, weights, outs, **kw)
-    else:
+    """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords). A
+    folded norm (:func:`folds`) runs on :func:`folded_weight`'s derived weights (made on the
+    first call: call :func:`folded_weight` before graph capture)."""
+    norm = kw.get("norm_weight") is not None
+    res = kw.get("residual") is not None
+    if not selected(x.shape[0], x.shape[1], norm, res):
         sk.project(x, weights, outs, **kw)
+    elif folds(norm, res):
+        g = kw.pop("norm_weight")
+        tile_gemm(x, [folded_weight(w, g) for w in weights], outs, rms_fold=True, **kw)
+    else:
+        tile_gemm(x, weights, outs, **kw)
+
+
+def fold_norm_weight(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``bf16(W[n, k] * g[k])``: the RMSNorm weight folded into a projection's weight (one
+    rounding where vLLM rounds ``bf16(bf16(x * rstd) * g)``; both within BF16 tolerances)."""
+    if w.dim() != 2 or g.shape != (w.shape[1],):
+        raise ValueError(f"fold_norm_weight: weight {tuple(w.shape)}, norm {tuple(g.shape)}")
+    return (w.float() * g.float()).to(w.dtype).contiguous()
+
+
+_FOLDED: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+
+
+def folded_weight(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """:func:`fold_norm_weight` of ``(w, g)``, made once per weight tensor and kept while it
+    lives (weights do not change in place during a run; a different ``g`` remakes it)."""
+    hit = _FOLDED.get(id(w))
+    if hit is None or hit[0]() is not w or hit[1] is not g:
+        hit = (weakref.ref(w), g, fold_norm_weight(w, g))
+        _FOLDED[id(w)] = hit
+        weakref.finalize(w, _FOLDED.pop, id(w), None)
+    return hit[2]

@@ -1,0 +1,162 @@
+"""The RMSNorm folded into the tile GEMM (``TilePlan.rms_fold``, ``DECODESCOPE_TILE_NORM=fold``).
+
+CPU: sm_90a compiles of MLA's q_b with the folded norm at 8 / 32 / 64 tokens, TP8 and TP16
+(strided q_a input, split-K and one split); the plan (workspace rows for the sums of squares,
+no norm launch); the selection (default unchanged; with ``fold`` q_b goes to the tile kernel
+from 8 tokens and the MLA layer keeps its launch count); the folded math against the reference
+with vLLM's rounding. GPU (``-m gpu``): the kernel against the reference, NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# the package first: it sets CUTE_DSL_ARCH=sm_90a before anything imports cutlass
+from decodescope.kernels import specialized  # noqa: F401
+from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.specialized import oproj_residual_norm as op  # noqa: E402
+from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
+from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa: E402
+
+CFG8 = get_config("kimi-k3", 8)
+CFG16 = get_config("kimi-k3", 16)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for v in ("DECODESCOPE_TILE_NORM", "DECODESCOPE_ATTN_GEMM", "DECODESCOPE_TILE_LDSM"):
+        monkeypatch.delenv(v, raising=False)
+
+
+def _qb(cfg, m, **force) -> tg.TilePlan:
+    kw = dict(tg.attention_cases(cfg)["q_b"])
+    kw["norm"] = False
+    return tg.TilePlan(m=m, rms_fold=True, **kw, **force)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("m", [8, 32, 64])
+def test_fold_compiles(tp, m):
+    p = _qb(CFG8 if tp == 8 else CFG16, m)
+    assert p.splits > 1 and p.row_ctas * p.splits >= tg.NUM_SMS
+    assert tg.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize("force", [dict(splits_force=1), dict(ldsm=True, warps=2)])
+def test_fold_variants_compile(force):
+    assert tg.compile_plan(_qb(CFG8, 33, **force)) is not None
+
+
+def test_fold_plan():
+    p = _qb(CFG8, 64)
+    assert (p.row_ctas, p.splits, p.chunks, p.x_slots) == (18, 8, 3, 4)
+    # sums of squares [row tiles, splits, mp] after the partials, in whole rows
+    assert p.ssq_rows * p.acc_rows >= p.row_ctas * p.splits * p.mp
+    assert p.ws_rows == p.splits * p.mp + p.ssq_rows
+    assert p.gemm_ldx() == CFG8.mla_qkv_a_out  # x read raw (the q_a slice), no norm buffer
+    assert _qb(CFG8, 64, splits_force=1).ws_rows == 8  # one split: the sums stay in smem
+    assert tg.TilePlan(m=64, **tg.attention_cases(CFG8)["q_b"]).ssq_rows == 0
+    with pytest.raises(ValueError, match="rms_fold"):
+        tg.TilePlan(m=8, k=1536, segments=(16,), norm=True, rms_fold=True)
+
+
+def test_selection(monkeypatch):
+    assert not isinstance(op.q_b_plan(CFG8, 64), tg.TilePlan)  # default unchanged
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "fold")
+    assert not isinstance(op.q_b_plan(CFG8, 1), tg.TilePlan)  # AUTO_MIN_M
+    for m in (8, 32, 64):
+        p = op.q_b_plan(CFG8, m)
+        assert isinstance(p, tg.TilePlan) and p.rms_fold and not p.norm
+    # the residual-add norms (in_proj, qkv_a + g) keep their norm launch
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+
+    p = nqp.plan_for(CFG8, "mla", 64)
+    assert p.norm and not p.rms_fold
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
+    assert not isinstance(op.q_b_plan(CFG8, 64), tg.TilePlan)
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "auto")
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "bogus")
+    with pytest.raises(ValueError, match="DECODESCOPE_TILE_NORM"):
+        op.q_b_plan(CFG8, 64)
+
+
+def test_launch_count(monkeypatch):
+    """With the fold, q_b's tile plan adds no launch: the MLA layer stays at its count."""
+    from decodescope.kernels.config import LayerSpec
+    from decodescope.kernels.specialized import step
+
+    spec = LayerSpec(index=3, attn="mla", mlp="moe")
+    base = {m: step.extra_launches(CFG8, spec, m) for m in (8, 32, 64)}
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "fold")
+    assert {m: step.extra_launches(CFG8, spec, m) for m in (8, 32, 64)} == base
+
+
+def fold_ref(x, w, g, eps):
+    """The folded kernel's math in FP32: ``bf16(rstd * x @ bf16(W * g)^T)``."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return ((xf @ tg.fold_norm_weight(w, g).float().T) * rstd).to(torch.bfloat16)
+
+
+def test_fold_math_vs_reference():
+    """The fold's one rounding against vLLM's ``bf16(bf16(x * rstd) * g)``: within BF16
+    tolerances at q_b's shape."""
+    gen = torch.Generator().manual_seed(0)
+    K, N = 1536, 256
+    x = torch.randn(64, K, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) * K**-0.5).to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(K, generator=gen)).to(torch.bfloat16)
+    ref = skinny_gemm_ref(x, [w], norm_weight=g, eps=1e-5)[0][0].float()
+    err = (fold_ref(x, w, g, 1e-5).float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2
+    with pytest.raises(ValueError, match="fold_norm_weight"):
+        tg.fold_norm_weight(w, g[:-1])
+
+
+def test_folded_weight_cache():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    g = torch.randn(64).to(torch.bfloat16)
+    a = tg.folded_weight(w, g)
+    assert tg.folded_weight(w, g) is a  # made once per weight
+    assert torch.equal(a, tg.fold_norm_weight(w, g))
+    g2 = g.clone()
+    assert tg.folded_weight(w, g2) is not a  # another norm weight: remade
+
+
+# -- GPU -----------------------------------------------------------------------------------
+
+
+def check_fold(cfg, m, dev="cuda", seed=0, **force) -> float:
+    """q_b with the folded norm on fresh inputs into NaN-poisoned outputs; max relative error
+    vs the reference with vLLM's rounding (``skinny_gemm_ref``)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    K, N, ldx = cfg.mla.q_lora_rank, cfg.mla_q_b_out, cfg.mla_qkv_a_out
+    x = torch.randn(m, ldx, generator=gen, device=dev).to(torch.bfloat16)[:, :K]
+    w = (torch.randn(N, K, generator=gen, device=dev) * K**-0.5).to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(K, generator=gen, device=dev)).to(torch.bfloat16)
+    out = torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=dev)
+    tg.tile_gemm(x, [tg.fold_norm_weight(w, g)], [out], rms_fold=True, eps=cfg.eps, **force)
+    torch.cuda.synchronize()
+    ref = skinny_gemm_ref(x, [w], norm_weight=g, eps=cfg.eps)[0][0].float()
+    if not torch.isfinite(out.float()).all():
+        return float("inf")
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+def test_fold_gpu(tp, m):
+    assert check_fold(CFG8 if tp == 8 else CFG16, m, seed=m) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "force", [dict(splits=1), dict(splits=2), dict(warps=2), dict(warps=8, stages=3),
+              dict(ldsm=True)],
+)  # fmt: skip
+def test_fold_gpu_variants(force):
+    assert check_fold(CFG8, 64, seed=1, **force) < 2e-2
