@@ -514,6 +514,11 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
     floors = {"grouped_route": N * (e.num_experts + 2 * S) * 4,
               "grouped_w13": n_exp * 2 * Ie * L * 2,
               "grouped_w2": n_exp * Ie * L * 2 + S * H * 2}  # fmt: skip
+    from decodescope.kernels.specialized import experts_t1 as t1
+
+    if t1.mode(N) == "t1" and t1.shared_where() == "w13":  # the shared down runs in kernel 2
+        floors["grouped_w13"] += S * H * 2
+        floors["grouped_w2"] -= S * H * 2
     for i, name in enumerate(floors):
         fns = [(lambda b=b, i=i: mg.run_block_parts(b, (i,))) for b in blks]
         r = guarded(f"time_{name}", ctx, lambda fns=fns: graph_time_us(fns, replays))
@@ -841,6 +846,8 @@ def probe_grouped(a) -> set:
 
 def variant_env(var: str) -> dict:
     """The environment of an expert-kernel variant of ``--variants``."""
+    if var == "grouped_t1base" or T1_RE.fullmatch(var):  # 1 token: DECODESCOPE_MOE_T1
+        return t1_env(var)
     if var == "grouped_split":  # the route kernel's top-k over ceil(T/8) CTAs
         return {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "split"}
     if var == "grouped_w8":  # the route split, w13 on 8 warps with its K loop unrolled
@@ -862,8 +869,9 @@ def variant_env(var: str) -> dict:
     if m:  # the defaults (thresh route, w13 ring), w2 on grouped_w2_tile with its knobs
         env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
                "DECODESCOPE_MOE_GROUPED_W13": "ring", "DECODESCOPE_MOE_GROUPED_W2": "tile"}  # fmt: skip
-        knobs = ("LOAD", "WARPS", "RT", "BK", "STAGES", "MT", "CAP", "ORDER", "SNJ")
+        knobs = ("LOAD", "WARPS", "RT", "BK", "STAGES", "MT", "CAP", "ORDER", "SNJ", "EARLY")
         for knob, v in zip(knobs, m.groups(), strict=True):
+            v = "1" if v == "early" else v  # a flag
             env[f"DECODESCOPE_MOE_W2T_{knob}"] = v or ""  # "": the module default
         return env
     m = W13TILE_RE.fullmatch(var)
@@ -881,30 +889,60 @@ def variant_env(var: str) -> dict:
 W13TILE_RE = re.compile(
     r"grouped_w13tile(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_t(\d+))?(?:_p(\d+))?"
 )
-# grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block]:
+# grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block|_col]
+# [_sj<N>][_early]:
 # GroupedW2Tile and its knobs (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2
 # (128 rows per item), grouped_w2tile_bulk (a producer warp's cp.async.bulk per row on
 # mbarriers), grouped_w2tile_c512 (routed grid up to 512 CTAs per SM: one item per CTA at 64
 # tokens), grouped_w2tile_block (a CTA walks consecutive items), grouped_w2tile_col (items slot
 # fastest: the empty CTAs spread through the grid), grouped_w2tile_sj2 (the shared-expert CTAs
-# 2 token tiles per pass)
+# 2 token tiles per pass), grouped_w2tile_col_early (weights issued before the PDL wait)
 W2TILE_RE = re.compile(
     r"grouped_w2tile(?:_(bulk))?(?:_w(\d+))?(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_m(\d+))?"
-    r"(?:_c(\d+))?(?:_(block|col))?(?:_sj(\d+))?"
+    r"(?:_c(\d+))?(?:_(block|col))?(?:_sj(\d+))?(?:_(early))?"
 )
 VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring",
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
 
 
+# grouped_t1[_r<R>][_s<stages>][_k<BK>][_w2sh][_nopre]: DECODESCOPE_MOE_T1=t1 (1 token,
+# kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its stages
+# (6) and K chunk (128), the shared down before w13's PDL wait (_w2sh: in w2's first CTAs
+# instead), w2's weights before its wait (_nopre: after it). grouped_t1base: the grouped
+# kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
+T1_RE = re.compile(r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_(w2sh))?(?:_(nopre))?")
+
+
+def t1_env(var: str) -> dict:
+    """The environment of a ``grouped_t1...`` variant: the grouped kernels with the route's
+    default (thresh) and every w13 / w2 tile knob at its default, plus the T1 knobs."""
+    from decodescope.kernels.specialized import grouped_w2_tile as gw2
+    from decodescope.kernels.specialized import grouped_w13_tile as gwt
+
+    env = {"DECODESCOPE_MOE_EXPERTS": "grouped", "DECODESCOPE_MOE_GROUPED_ROUTE": "thresh",
+           "DECODESCOPE_MOE_GROUPED_W13": "", "DECODESCOPE_MOE_GROUPED_W2": ""}  # fmt: skip
+    env.update({v: "" for v in gwt.ENV.values()})
+    env.update({v: "" for v, _ in gw2._ENV.values()})
+    if var == "grouped_t1base":
+        return {**env, "DECODESCOPE_MOE_T1": "grouped"}
+    r, s, k, w2sh, nopre = T1_RE.fullmatch(var).groups()
+    return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
+            "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",
+            "DECODESCOPE_MOE_T1_SHARED": "w2" if w2sh else "",
+            "DECODESCOPE_MOE_T1_W2PRE": "0" if nopre else ""}  # fmt: skip
+
+
 def variant_name(v: str) -> str:
     """argparse type of ``--variants``: a fixed name or a ``grouped_w13tile...`` pattern."""
+    if v == "grouped_t1base" or T1_RE.fullmatch(v):
+        return v
     if v in VARIANTS or W13TILE_RE.fullmatch(v) or W2TILE_RE.fullmatch(v):
         return v
     raise argparse.ArgumentTypeError(
         f"unknown variant {v!r}: one of {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>][_p<persist>]"
-        " or grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>][_c<cap>][_block]"
-        "[_sj<SNJ>]"
+        " or grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>][_c<cap>][_block|_col]"
+        "[_sj<SNJ>][_early]"
     )
 
 
@@ -971,8 +1009,8 @@ def main() -> int:
         type=variant_name,
         help=f"expert kernels to check and time (DECODESCOPE_MOE_EXPERTS): {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>][_p<persist>] or "
-        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block]"
-        "[_sj<SNJ>]",
+        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block|_col]"
+        "[_sj<SNJ>][_early]",
     )
     ap.add_argument(
         "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"

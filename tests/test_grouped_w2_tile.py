@@ -67,6 +67,10 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"order": "col"}),
         ("kimi-k3", 16, 32, {"order": "col"}),
         ("kimi-k3", 16, 64, {"order": "col"}),
+        ("kimi-k3", 8, 32, {"order": "col", "early": 1}),
+        ("kimi-k3", 8, 64, {"order": "col", "early": 1}),
+        ("kimi-k3", 16, 64, {"order": "col", "early": 1}),
+        ("tiny", 1, 5, {"order": "col", "early": 1}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -138,6 +142,15 @@ def test_knobs_env(monkeypatch):
         gt.GroupedW2Tile(8, E, K, L, 40, H, S)
     with pytest.raises(ValueError, match="order 'col'"):
         gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="col", load="bulk"))
+    with pytest.raises(ValueError, match="early needs"):
+        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(early=1))
+    with pytest.raises(ValueError, match="early needs"):  # 7168 items over 64 x 100 CTAs
+        gt.GroupedW2Tile(
+            8, E, K, L, Ie, H, S, nsm=100, kn=gt.TileKnobs(order="col", cap=64, early=1)
+        )
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_EARLY", "1")
+    assert gt.knobs().early == 1
+    monkeypatch.delenv("DECODESCOPE_MOE_W2T_EARLY")
 
 
 # -- the kernel's data movement and MMAs replayed in Python ---------------------------------
@@ -314,6 +327,7 @@ def _coverage(op, T, K, nact, slot_n):
         ("kimi-k3", 8, 8, 2, {"order": "col"}),  # capped: CTAs walk several columns
         ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
         ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
+        ("tiny", 1, 21, 1, {"order": "col", "early": 1}),  # one item per CTA, several passes
     ],
     ids=_kv_id,
 )

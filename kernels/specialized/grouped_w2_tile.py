@@ -55,7 +55,10 @@ chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks o
 ``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert;
 ``col``: the worst case's item space with the expert slot fastest, items of unselected slots
 skipped, so that the empty CTAs are spread through the grid as in Triton's, not all at its end),
-``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens).
+``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens),
+``_EARLY`` (0; 1 with ``col`` and one item per CTA: the route lists read and the item's weight
+copies issued before ``griddepcontrol.wait``, so that CTAs resident during the previous
+kernel's tail stream their weights then; CTAs of unselected slots exit without waiting).
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ class TileKnobs:
     load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
     order: str = "stride"  # ORDERS
     snj: int = 1  # 8-token tiles per pass of the shared-expert CTAs (capped at ceil(T / 8))
+    # 1: a routed CTA reads the route lists and issues its item's weight copies before
+    # griddepcontrol.wait (order "col", one item per CTA); empty CTAs exit without waiting
+    early: int = 0
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -124,6 +130,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
     "order": ("DECODESCOPE_MOE_W2T_ORDER", ORDERS),
     "snj": ("DECODESCOPE_MOE_W2T_SNJ", (1, 2, 4)),
+    "early": ("DECODESCOPE_MOE_W2T_EARLY", (0, 1)),
 }
 
 
@@ -193,6 +200,7 @@ class GroupedW2Tile:
         self.bulk = kn.load == "bulk"
         if self.col and self.bulk:
             raise ValueError("grouped_w2_tile: order 'col' is for load 'cp' only")
+        self.early = bool(kn.early)
         self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
         self.NT = (self.NW + self.bulk) * 32  # bulk: one more warp, the producer
         self.R = self.NW * self.RT * mg.ROWS  # weight rows per item
@@ -236,6 +244,9 @@ class GroupedW2Tile:
         self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
         self.grid = self.CS + self.nr
         self.step = 1 if self.blocked else self.nr  # item stride of a routed CTA
+        if self.early and not (self.col and self.nr == self.slots * self.CE):
+            raise ValueError("grouped_w2_tile: early needs order 'col' with one item per CTA (a "
+                             f"cap of at least {-(-self.slots * self.CE // nsm)} CTAs per SM)")  # fmt: skip
         self.kn = kn
 
     @cute.jit
@@ -275,12 +286,35 @@ class GroupedW2Tile:
                     cute.arch.mbarrier_init(sEmpty.iterator + b, self.NW)
                 cute.arch.mbarrier_init_fence()
             cute.arch.barrier()
-        if const_expr(self.pdl):
+        if const_expr(self.pdl and not self.early):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if bid < self.CS:
+            if const_expr(self.pdl and self.early):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
                 self._shared(mHs, mWs2, mShared, bid, tid)
+        elif const_expr(self.early):  # col order, one item per CTA (checked in __init__)
+            # before griddepcontrol.wait: the route lists (written by the route kernel, which
+            # completed before any CTA of the w13 kernel this one follows passed its own wait,
+            # and those CTAs trigger this launch only after it) and the weights (constant)
+            item = bid - self.CS
+            a = item % self.slots
+            cb = item // self.slots
+            nact = mNact[0]
+            e = mSlotE[a]  # read for every slot, in parallel with nact; used when a < nact
+            off = mSlotOff[a]
+            n = mSlotN[a]
+            if a < nact:  # an empty CTA exits without waiting
+                mW = mg._expert_mat(mW2, e, self.L, self.Ie)
+                for s in cutlass.range_constexpr(self.stages - 1):
+                    if const_expr(s < self.NCH):
+                        self._load_w(mW, sW, cb * self.R, s, s, tid)
+                if const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid, True)
         else:
             total = mNact[0] * self.CE
             lo = bid - self.CS  # stride order: items lo, lo + nr, ... below total
@@ -296,29 +330,33 @@ class GroupedW2Tile:
                 nact = mNact[0]
                 for item in cutlass.range(bid - self.CS, self.slots * self.CE, self.nr):
                     a = item % self.slots
+                    e = mSlotE[a]  # in parallel with nact; used when a < nact
+                    off = mSlotOff[a]
+                    n = mSlotN[a]
                     if a < nact:
-                        self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
-                                   a, item // self.slots, tid)  # fmt: skip
+                        self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, item // self.slots,
+                                   e, off, n, tid)  # fmt: skip
             else:
                 for item in cutlass.range(lo, hi, self.step):
-                    self._item(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
-                               item // self.CE, item % self.CE, tid)  # fmt: skip
+                    a = item // self.CE
+                    self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, item % self.CE,
+                               mSlotE[a], mSlotOff[a], mSlotN[a], tid)  # fmt: skip
 
     # -- routed items ----------------------------------------------------------------------
 
     @cute.jit
-    def _item(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, a, cb, tid):
-        """One item, (expert slot ``a``, row block ``cb``): every pass of ``MP`` tokens through
-        the pipeline."""
+    def _item(self, mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid,
+              pre: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """One item, (expert slot ``a`` = expert ``e`` with ``n`` pairs from ``off``, row block
+        ``cb``): every pass of ``MP`` tokens through the pipeline. ``pre``: the first pass's
+        weight chunks were issued already (``order=col`` with ``early``), uncommitted: they join
+        the first commit group."""
         L, Ie, MP, RT = self.L, self.Ie, self.MP, self.RT
         NCH, NS = self.NCH, self.stages
         warp = tid // 32
         lane = tid % 32
         g = lane // 4
         c = lane % 4
-        e = mSlotE[a]
-        off = mSlotOff[a]
-        n = mSlotN[a]
         row0 = cb * self.R
         mW = mg._expert_mat(mW2, e, L, Ie)
         atom = mc.mma_atom()
@@ -327,10 +365,17 @@ class GroupedW2Tile:
             t0 = ps * MP
             np_ = cutlass.min(n - t0, MP)
             # every thread is past the previous pass's (or item's) reads of every stage
-            cute.arch.barrier()
-            for s in cutlass.range_constexpr(NS - 1):
-                if const_expr(s < NCH):
-                    self._load_w(mW, sW, row0, s, s, tid)
+            if const_expr(pre):
+                if ps > 0:
+                    cute.arch.barrier()
+                    for s in cutlass.range_constexpr(NS - 1):
+                        if const_expr(s < NCH):
+                            self._load_w(mW, sW, row0, s, s, tid)
+            else:
+                cute.arch.barrier()
+                for s in cutlass.range_constexpr(NS - 1):
+                    if const_expr(s < NCH):
+                        self._load_w(mW, sW, row0, s, s, tid)
             # the h rows this thread copies (pairs of tokens t0 .. t0 + np_ - 1; clamped) and
             # the pairs of the lane's token slots: one round trip for both
             hrows = self._h_rows(mPairs, off, t0, np_, tid)
