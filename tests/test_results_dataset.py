@@ -169,7 +169,7 @@ def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_p
 
     monkeypatch.setattr(cap, "run_capture", fake_capture)
     cli_mod.console.width = 250
-    js = tmp_path / "bench.json"
+    js = tmp_path / "new" / "bench.json"  # a folder that does not exist yet: bench makes it
     buf = io.StringIO()
     args = ["bench", "--batch", "1", "--json", str(js), "--runs-dir", str(tmp_path / "runs")]
     with (

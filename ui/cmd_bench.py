@@ -337,6 +337,11 @@ def bench_cmd(
         raise UsageError("--spec-verify takes 0..7 draft tokens")
     if tp_world < 1:
         raise UsageError(f"--tp-world must be >= 1, got {tp_world}")
+    if json_out is not None:  # fail before the captures, not after them
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--json {json_out}: cannot create its folder ({e})") from e
     tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
     root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))
