@@ -25,7 +25,11 @@ Variants (environment read at each launch, so each graph holds the variant set a
 ``default`` (every knob unset: the ldmatrix fragments since s9/r2), ``noldsm``
 (``DECODESCOPE_MLA_TC_LDSM=0``: the kernel before session 9), ``cluster`` (ldmatrix + the
 splits of a pair in one cluster sharing the absorption, merge and W_UV), ``cluster-noldsm``, ``simt`` (the old CUDA-core
-kernel, at <= 16 sequences), and per point the sweep ``ldsm hgH sS`` (heads per CTA, splits;
+kernel, at <= 16 sequences), ``auto`` (what ``mla_decode`` runs by default at the point),
+``split`` (:mod:`.mla_decode_split`, the three-phase kernel of session 10; heads x tokens <= 16)
+and its knobs ``split sS`` (splits), ``nbuf1`` / ``nbuf2`` (key buffers), ``aA`` (absorption
+column chunks), ``vrR`` (rows per W_UV item); a split check also fails if a wait gave up (the
+kernel's error word), and per point the sweep ``ldsm hgH sS`` (heads per CTA, splits;
 0 = the plan's; at the first ``--tp`` only).
 
 One failing piece is recorded and the run goes on; ``results.json`` is rewritten after every
@@ -51,6 +55,7 @@ from decodescope.kernels import reference as R
 from decodescope.kernels.bandwidth import copy_bandwidth_tbs
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.specialized import mla_decode as mla
+from decodescope.kernels.specialized import mla_decode_split as msp
 from decodescope.kernels.specialized import mla_decode_tc as mtc
 from decodescope.kernels.timing import graph_time_us
 from decodescope.kernels.weights import make_layer_weights, make_state
@@ -64,7 +69,9 @@ OUT: dict = {"dir": None}
 BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_TC_CLUSTER": "", "DECODESCOPE_MLA_TC_CLUSTER_SEQS": "",
         "DECODESCOPE_MLA_TC_SPLITS": "", "DECODESCOPE_MLA_TC_UNROLL": "",
-        "DECODESCOPE_MLA_TC_NBUF": "",
+        "DECODESCOPE_MLA_TC_NBUF": "", "DECODESCOPE_MLA_KERNEL": "",
+        "DECODESCOPE_MLA_SPLIT_SPLITS": "", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "",
+        "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -90,6 +97,30 @@ VARIANTS = {
     "nbuf1": ("tc", {"DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
     "cluster nbuf1": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
+    # what the layer runs today at this point (mla_decode's kernel_choice: simt below 16
+    # sequences with one token, tc above)
+    "auto": ("auto", {}, 0, 0),
+    # the three-phase kernel (mla_decode_split, session 10): its defaults, then knobs
+    "split": ("split", {}, 0, 0),
+    "split s4": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "4"}, 0, 0),
+    "split s8": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "8"}, 0, 0),
+    "split s9": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "9"}, 0, 0),
+    "split s8 nbuf1": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_SPLITS": "8", "DECODESCOPE_MLA_SPLIT_NBUF": "1"},
+        0,
+        0,
+    ),
+    "split s17 nbuf2": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_SPLITS": "17", "DECODESCOPE_MLA_SPLIT_NBUF": "2"},
+        0,
+        0,
+    ),
+    "split a1": ("split", {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "1"}, 0, 0),
+    "split a4": ("split", {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4"}, 0, 0),
+    "split vr1": ("split", {"DECODESCOPE_MLA_SPLIT_VROWS": "1"}, 0, 0),
+    "split vr8": ("split", {"DECODESCOPE_MLA_SPLIT_VROWS": "8"}, 0, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],
@@ -194,6 +225,11 @@ class Point:
         if kernel == "tc":
             mtc.mla_decode_tc(self.cfg, self.ws[i], a, q, g, self.caches[i], self.outs[i],
                               self.T, heads_per_cta=hg, splits=splits)  # fmt: skip
+        elif kernel == "split":
+            msp.mla_decode_split(self.cfg, self.ws[i], a, q, g, self.caches[i], self.outs[i],
+                                 self.T)  # fmt: skip
+        elif kernel == "auto":
+            mla.mla_decode(self.cfg, self.ws[i], a, q, g, self.caches[i], self.outs[i], self.T)
         else:
             mla.mla_decode(self.cfg, self.ws[i], a, q, g, self.caches[i], self.outs[i], self.T,
                            heads_per_cta=hg, kernel="simt")  # fmt: skip
@@ -216,11 +252,16 @@ def check_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: 
         e_out = R.rel_l2(out, pt.ref)
         e_rows = R.rel_l2(rows, pt.rcache[:, ctx_len:])
         old_ok = bool(torch.equal(pt.caches[0][:, :ctx_len], pt.cache0[:, :ctx_len]))
+        extra = {}
+        if kernel == "split":  # a wait that gave up (0.2 s) leaves its counter in the error word
+            err = msp.error_word(msp.plan_for(pt.cfg, pt.B, pt.T), DEV)
+            extra = {"error_word": err}
+            written = written and err == 0
         good = written and e_out < 2e-2 and e_rows < 1e-2 and old_ok
         ok = ok and good
         record(check=f"mla {name}" + (" (3 launches)" if rep else ""), **ctx,
                rel_l2=f"{e_out:.2e}", rows_rel_l2=f"{e_rows:.2e}", all_written=written,
-               old_rows_kept=old_ok, status="ok" if good else "FAIL")  # fmt: skip
+               old_rows_kept=old_ok, **extra, status="ok" if good else "FAIL")  # fmt: skip
     return ok
 
 
@@ -234,6 +275,13 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
         p = mtc.plan_for(pt.cfg, pt.B, pt.T, hg, splits)
         extra = {"hg": p.hg, "splits": p.splits, "ctas": p.groups * p.batch * p.splits,
                  "ldsm": int(p.ldsm), "cluster": p.csize if p.clustered else 0}  # fmt: skip
+    elif kernel == "split":
+        p = msp.plan_for(pt.cfg, pt.B, pt.T)
+        extra = {"splits": p.splits, "ctas": p.grid, "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
+                 "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
+                 "ctas_per_sm": p.ctas_per_sm}  # fmt: skip
+    elif kernel == "auto":
+        extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T)}
     base_us[name] = med
     ref = base_us.get("default")
     record(time=f"mla {name}", **ctx, **extra, us=f"{med:.1f}", us_min=f"{lo:.1f}",
@@ -300,6 +348,8 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     variants = {k: v for k, v in VARIANTS.items() if k in a.variants}
     if B * T > 16:
         variants.pop("simt", None)
+    if pt.cfg.mla_heads * T > mtc.ROWS:  # the split kernel: heads x tokens <= 16 MMA rows
+        variants = {k: v for k, v in variants.items() if v[0] != "split"}
     for k in [k for k in variants if k.startswith("cluster-seq")]:
         if T > 1 or B % int(k.split()[0].removeprefix("cluster-seq")):  # 1 token, whole clusters
             variants.pop(k)

@@ -490,7 +490,7 @@ def compile_plan(p: MLAPlan):
     return itf.compiled(("mla_decode", p), lambda: (MLADecode(p), _fake_args(p)))
 
 
-KERNELS = ("tc", "simt")
+KERNELS = ("tc", "simt", "split")
 
 
 TC_MIN_SEQS = 16  # one token per sequence: tc from this many sequences on
@@ -498,16 +498,17 @@ TC_MIN_SEQS = 16  # one token per sequence: tc from this many sequences on
 
 def kernel_choice(kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int = 1) -> str:
     """Which MLA decode kernel runs: ``tc`` (:mod:`.mla_decode_tc`, tensor cores, BF16 cache
-    only) or ``simt`` (this module's ``MLADecode``). ``kernel`` or ``DECODESCOPE_MLA_KERNEL``
-    chooses; by default ``tc`` for a BF16 cache with several tokens per sequence or from 16
+    only), ``simt`` (this module's ``MLADecode``) or ``split`` (:mod:`.mla_decode_split`, the
+    three-phase kernel of session 10, BF16 cache, heads x tokens <= 16; opt-in only).
+    ``kernel`` or ``DECODESCOPE_MLA_KERNEL`` chooses; by default ``tc`` for a BF16 cache with several tokens per sequence or from 16
     sequences on, else ``simt`` (H200, 15:15 run of eb72dbd, kernel alone: 1x1 simt 21.4 vs
     tc 24.2 us, 8x1 53.8 vs 68.4-87.6; 64x1 460.4 vs 105.6, 8x8 432.5 vs 102.0)."""
     k = kernel or os.environ.get("DECODESCOPE_MLA_KERNEL", "")
     if k and k not in KERNELS:
         raise ValueError(f"DECODESCOPE_MLA_KERNEL / kernel: one of {KERNELS}, got {k!r}")
     if kv_cache_dtype != torch.bfloat16:
-        if k == "tc":
-            raise NotImplementedError("mla_decode_tc: BF16 latent cache only")
+        if k in ("tc", "split"):
+            raise NotImplementedError(f"mla_decode_{k}: BF16 latent cache only")
         return "simt"
     return k or ("tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt")
 
@@ -515,7 +516,12 @@ def kernel_choice(kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int
 def compile_for(cfg, batch: int, tokens: int, kernel: str = "") -> object:
     """Compile (cached) the kernel :func:`mla_decode` would run for this shape."""
     dt = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-    if kernel_choice(dt, kernel, batch, tokens) == "tc":
+    choice = kernel_choice(dt, kernel, batch, tokens)
+    if choice == "split":
+        from decodescope.kernels.specialized import mla_decode_split as sp
+
+        return sp.compile_plan(sp.plan_for(cfg, batch, tokens))
+    if choice == "tc":
         from decodescope.kernels.specialized import mla_decode_tc as tc
 
         hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
@@ -536,7 +542,13 @@ def mla_decode(
     if cache_dtype is None:
         raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
     env_hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
-    if kernel_choice(kv_cache.dtype, kernel, a.shape[0] // tokens, tokens) == "tc":
+    choice = kernel_choice(kv_cache.dtype, kernel, a.shape[0] // tokens, tokens)
+    if choice == "split":
+        from decodescope.kernels.specialized.mla_decode_split import mla_decode_split
+
+        mla_decode_split(cfg, w, a, q, g, kv_cache, out, tokens)
+        return
+    if choice == "tc":
         from decodescope.kernels.specialized.mla_decode_tc import mla_decode_tc
 
         mla_decode_tc(cfg, w, a, q, g, kv_cache, out, tokens, heads_per_cta or env_hpc)

@@ -1,0 +1,869 @@
+"""Gated-MLA absorbed decode for 1-32 sequences in one launch of three phases: the absorption
+once per head, the keys split across many CTAs with all heads as the MMA rows, and the split
+merge + W_UV + gate per (head, rows). Opt-in: ``DECODESCOPE_MLA_KERNEL=split``.
+
+Same contract as :mod:`.mla_decode` / :mod:`.mla_decode_tc` (one launch: the new cache rows, the
+absorbed decode, ``out = (o_lat @ w_uv) * sigmoid(g)``); BF16 latent cache only, heads x tokens
+<= 16 (TP8: one token per sequence; TP16: up to two).
+
+Why (issue #5, notes/specialized.md "Session 10"): at 8-32 sequences the tensor-core kernel
+spends most of its time in per-CTA ``w_uk`` / ``w_uv`` reads (128 KB per head and CTA, a chain
+of L2 round trips) and the SIMT kernel re-reads the cache once per head. Here each ``w_uk`` /
+``w_uv`` head is staged in shared memory by ``cp.async`` once per launch (``w_uv`` once per
+item of rows) and applied with ``mma.sync``, and the cache is read once per sequence.
+
+Grid: one dimension of ``n_abs + n_att + n_uv`` CTAs, 8 warps each. A CTA takes a ticket from
+an atomic counter and works on the item of that ticket (not of its block index): tickets are
+handed out in order, so every item a CTA waits for belongs to a CTA that is already running
+and that waits on nothing later (no deadlock whatever the grid size or the scheduling order).
+
+1. Absorption items ``(head, column chunk)``: ``w_uk[h][:, chunk]`` into shared memory
+   (``cp.async``), ``q_nope`` of all ``B*T`` rows in tiles of 16, ``q_lat = q_nope @ w_uk``
+   on tensor cores, scaled by ``1/sqrt(nope + rope)``, stored BF16 to a workspace
+   ``q_lat [B*T, heads, kv_lora]``; then a release add on the "absorbed" counter.
+2. Attention items ``(sequence, split)``: the split's first key blocks are issued (``cp.async``)
+   before anything waits, the new latent rows are normalized (split 0 writes them to the
+   cache), ``q_pe`` staged; one thread waits (acquire) until every absorption item is done, the
+   CTA loads its sequence's ``q_lat`` rows, then the key loop of :class:`.MLADecodeTC` (ldmatrix
+   fragments, online softmax, 64-key blocks, the blocks of the split evenly spread: splits
+   need not divide the 17 blocks of 1025 keys) and writes ``(O, m, l)`` per row to the
+   partials; then a release add on the "attended" counter.
+3. W_UV items ``(head, rows, column chunk)``: ``w_uv[h][:, chunk]`` into shared memory first,
+   then a wait for every attention item; the rows' splits merged (``o_lat = sum_s O_s
+   exp(m_s - m) / sum_s l_s exp(m_s - m)``, BF16), ``o_lat @ w_uv`` on tensor cores, times
+   ``sigmoid(g)``.
+
+Every CTA adds one to an "exited" counter last; the CTA that completes it resets all counters
+(graph-replay safe). A wait that lasts more than ``SPIN_NS`` gives up and sets the error word
+(``cnt[C_ERR]``, checked by the GPU script and test): a wrong result, never a hang.
+
+Rounding points: ``q_lat`` and ``P`` in BF16 (as the tensor-core kernel), and ``o_lat`` in BF16
+before W_UV (the tensor-core kernel keeps it FP32; the standard path rounds it to BF16 too).
+
+Knobs (compile key; one H200 run sweeps them): ``DECODESCOPE_MLA_SPLIT_SPLITS`` (key splits per
+sequence; 0: one 64-key block per split where ``batch x blocks`` CTAs fit two per SM, else
+``132 // batch``), ``_ACHUNKS`` (column chunks of
+an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
+items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
+share an SM when the shared memory fits 113 KB).
+"""
+
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.comm import global_timer_ns
+from decodescope.kernels.specialized.mla_decode_tc import (
+    KBLK,
+    KPAD,
+    NEG,
+    NT,
+    NUM_SMS,
+    PPAD,
+    ROWS,
+    WARPS,
+    MLADecodeTC,
+    env_int,
+    ldsm_x2,
+    ldsm_x4,
+)
+from decodescope.kernels.specialized.utils import (
+    block_sum,
+    load_vec8,
+    pdl_begin,
+    pdl_enabled,
+    sigmoid,
+)
+
+WPAD = 8  # bf16 padding of staged rows: 16-byte aligned ldmatrix rows, 4-word bank offset
+SMEM_MAX = 227 * 1024
+SMEM_TWO_CTAS = 113 * 1024
+UV_ITEMS = 96  # W_UV items the default rows-per-item aims at
+SPIN_NS = 200_000_000  # a wait gives up after 0.2 s (sets the error word)
+# counters (int32 words of the workspace ``cnt``)
+C_TICKET, C_ABS, C_ATT, C_EXIT, C_ERR = 0, 1, 2, 3, 4
+NCNT = 8
+
+
+@dataclass(frozen=True)
+class MLASplitPlan:
+    batch: int
+    tokens: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v_dim: int
+    ctx: int
+    eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
+    splits_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_SPLITS", 0))
+    achunks_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_ACHUNKS", 0))
+    vrows_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_VROWS", 0))
+    nbuf_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_NBUF", 0))
+
+    def __post_init__(self) -> None:
+        if self.heads * self.tokens > ROWS:
+            raise ValueError(
+                f"mla_decode_split: {self.heads} heads x {self.tokens} tokens > {ROWS} MMA rows "
+                "(TP8: one token per sequence)"
+            )
+        if self.nope % 16 or self.kv_lora % (16 * WARPS) or self.v_dim % (8 * WARPS):
+            raise ValueError("mla_decode_split: nope % 16, kv_lora % 128, v_dim % 64")
+        if self.lat % 16:
+            raise ValueError("mla_decode_split: latent (kv_lora + rope) % 16")
+        if self.splits_force < 0:
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_SPLITS: >= 0, got {self.splits_force}")
+        if self.achunks_force not in (0, 1, 2, 4) or self.kv_lora % (self.achunks * 8 * WARPS):
+            raise ValueError(
+                f"DECODESCOPE_MLA_SPLIT_ACHUNKS: 1, 2 or 4 dividing kv_lora / 64, "
+                f"got {self.achunks_force}"
+            )
+        if not 0 <= self.vrows_force <= ROWS:
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_VROWS: 0-{ROWS}, got {self.vrows_force}")
+        if self.nbuf_force not in (0, 1, 2):
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
+
+    # -- shapes ------------------------------------------------------------------------------
+    @property
+    def lat(self) -> int:
+        return self.kv_lora + self.rope
+
+    @property
+    def a_width(self) -> int:
+        return self.q_lora + self.kv_lora + self.rope
+
+    @property
+    def rows(self) -> int:
+        """MMA rows of an attention item: row ``r`` = head ``r // T``, token ``r % T``."""
+        return self.heads * self.tokens
+
+    @property
+    def m(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def lp(self) -> int:
+        return self.lat + KPAD
+
+    @property
+    def nkeys(self) -> int:
+        return self.ctx + self.tokens
+
+    @property
+    def nblk_all(self) -> int:
+        return -(-self.nkeys // KBLK)
+
+    # -- work split ----------------------------------------------------------------------------
+    @property
+    def splits(self) -> int:
+        """One key block per split where those CTAs fit two per SM beside the absorption
+        items (one buffer: ~100 KB each), else about one CTA per SM (two buffers)."""
+        if self.splits_force:
+            return max(1, min(self.splits_force, self.nblk_all))
+        if self.batch * self.nblk_all <= 2 * NUM_SMS - self.n_abs:
+            return self.nblk_all
+        return max(1, min(NUM_SMS // self.batch, self.nblk_all))
+
+    @property
+    def blk_max(self) -> int:
+        return -(-self.nblk_all // self.splits)
+
+    @property
+    def nbuf(self) -> int:
+        return self.nbuf_force or (1 if self.blk_max == 1 else 2)
+
+    @property
+    def achunks(self) -> int:
+        return self.achunks_force or 2
+
+    @property
+    def cw(self) -> int:
+        """Latent columns of an absorption item."""
+        return self.kv_lora // self.achunks
+
+    @property
+    def vchunks(self) -> int:
+        """Output column chunks of a W_UV item: 2 with one key buffer (the staged ``w_uv``
+        half fits beside it in 113 KB), else 1."""
+        return 2 if self.nbuf == 1 and self.v_dim % (16 * WARPS) == 0 else 1
+
+    @property
+    def cv(self) -> int:
+        return self.v_dim // self.vchunks
+
+    @property
+    def vrows(self) -> int:
+        if self.vrows_force:
+            return self.vrows_force
+        r = 1
+        while r < ROWS and self.heads * -(-self.m // r) * self.vchunks > UV_ITEMS:
+            r *= 2
+        return r
+
+    @property
+    def n_abs(self) -> int:
+        return self.heads * self.achunks
+
+    @property
+    def n_att(self) -> int:
+        return self.batch * self.splits
+
+    @property
+    def n_uv(self) -> int:
+        return self.heads * -(-self.m // self.vrows) * self.vchunks
+
+    @property
+    def grid(self) -> int:
+        return self.n_abs + self.n_att + self.n_uv
+
+    # -- shared memory (one BF16 region, viewed per phase) ------------------------------------
+    @property
+    def buf_att(self) -> int:
+        return (self.nbuf * KBLK + ROWS + self.tokens) * self.lp + ROWS * (KBLK + PPAD)
+
+    @property
+    def buf_abs(self) -> int:
+        return self.nope * (self.cw + WPAD) + ROWS * (self.nope + WPAD)
+
+    @property
+    def buf_uv(self) -> int:
+        return self.kv_lora * (self.cv + WPAD) + ROWS * (self.kv_lora + WPAD)
+
+    @property
+    def buf_elems(self) -> int:
+        return max(self.buf_att, self.buf_abs, self.buf_uv)
+
+    @property
+    def smem_bytes(self) -> int:
+        f32 = 2 * WARPS * ROWS + ROWS * self.splits + 8
+        return 2 * self.buf_elems + 4 * f32 + 4 * 2 + 5 * 16
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return 2 if self.smem_bytes <= SMEM_TWO_CTAS else 1
+
+
+class MLADecodeSplit(MLADecodeTC):
+    """The three-phase kernel; reuses :class:`.MLADecodeTC`'s key-block helpers
+    (``issue_block``, ``fill_block``, ``scores_ldsm``, ``pv_ldsm``: they read ``lp``, ``lat``,
+    ``rows``, ``kv_lora``, ``ctx``, ``nkeys`` from the plan)."""
+
+    def __init__(self, plan: MLASplitPlan):
+        self.p = plan
+        if plan.smem_bytes > SMEM_MAX:
+            raise ValueError(f"mla_decode_split: {plan.smem_bytes} bytes of shared memory per CTA")
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # [B*T, a_width] bf16
+        mQ: cute.Tensor,  # [B*T, heads*(nope+rope)] bf16
+        mG: cute.Tensor,  # [B*T, heads*v] bf16
+        mKvNorm: cute.Tensor,  # [kv_lora] bf16
+        mWuk: cute.Tensor,  # [heads, nope, kv_lora] bf16
+        mWuv: cute.Tensor,  # [heads, kv_lora, v] bf16
+        mCache: cute.Tensor,  # [B, ctx+T, lat] bf16
+        mQl: cute.Tensor,  # [B*T, heads, kv_lora] bf16 workspace
+        mPart: cute.Tensor,  # [B, splits, 16, kv_lora + 4] f32 workspace
+        mCnt: cute.Tensor,  # [NCNT] i32, zero between launches (but C_ERR)
+        mOut: cute.Tensor,  # [B*T, heads*v] bf16
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+
+        @cute.struct
+        class Smem:
+            buf: cute.struct.Align[cute.struct.MemRange[BFloat16, p.buf_elems], 16]
+            red: cute.struct.MemRange[Float32, 2 * WARPS * ROWS]
+            wgt: cute.struct.MemRange[Float32, ROWS * p.splits]
+            misc: cute.struct.MemRange[Float32, 8]
+            tk: cute.struct.MemRange[Int32, 2]
+
+        self.smem_cls = Smem
+        extra = (
+            {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100} if p.ctas_per_sm == 2 else {}
+        )
+        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mOut).launch(
+            grid=[p.grid, 1, 1],
+            block=[NT, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+            **extra,
+        )
+
+    @cute.kernel
+    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mOut):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        base = st.buf.get_tensor(cute.make_layout(p.buf_elems)).iterator
+        sRed = st.red.get_tensor(cute.make_layout((2, WARPS, ROWS), stride=(WARPS * ROWS, ROWS, 1)))
+        sWgt = st.wgt.get_tensor(cute.make_layout((ROWS, p.splits), stride=(p.splits, 1)))
+        sMisc = st.misc.get_tensor(cute.make_layout(8))
+        sTk = st.tk.get_tensor(cute.make_layout(2))
+
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+        if tidx == 0:
+            sTk[0] = cute.arch.atomic_add(
+                mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
+            )
+        cute.arch.sync_threads()
+        tk = sTk[0]
+        if tk < p.n_abs:
+            self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, tidx)
+        else:
+            if tk < p.n_abs + p.n_att:
+                self.attend_item(
+                    tk - p.n_abs, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
+                    tidx,
+                )  # fmt: skip
+            else:
+                self.uv_item(tk - p.n_abs - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, tidx)
+
+        # the CTA that exits last resets the counters (every CTA read its last counter before)
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + C_EXIT, Int32(1), sem="acq_rel", scope="gpu")
+            if old == p.grid - 1:
+                mCnt[C_TICKET] = Int32(0)
+                mCnt[C_ABS] = Int32(0)
+                mCnt[C_ATT] = Int32(0)
+                mCnt[C_EXIT] = Int32(0)
+
+    # -- helpers ---------------------------------------------------------------------------
+    @cute.jit
+    def wait_count(self, mCnt, which: cutlass.Constexpr[int], target: cutlass.Constexpr[int]):
+        """One thread: spin (acquire) until ``cnt[which] >= target``; after ``SPIN_NS`` set
+        the error word and return (a wrong result, not a hang)."""
+        ptr = mCnt.iterator + which
+        v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        if v < target:
+            t0 = global_timer_ns()
+            going = True
+            while going:
+                v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+                if v >= target:
+                    going = False
+                elif global_timer_ns() - t0 > Int64(SPIN_NS):
+                    cute.arch.store(mCnt.iterator + C_ERR, Int32(which))
+                    going = False
+
+    @cute.jit
+    def publish(self, mCnt, which: cutlass.Constexpr[int], tidx):
+        """Every thread's global stores of this item visible, then ``cnt[which] += 1``."""
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.atomic_add(mCnt.iterator + which, Int32(1), sem="acq_rel", scope="gpu")
+
+    @cute.jit
+    def stage_rows(self, src2d, row0, col0, dst_ptr, dst_ld: cutlass.Constexpr[int],
+                   nrows: cutlass.Constexpr[int], ncols: cutlass.Constexpr[int], tidx):  # fmt: skip
+        """cp.async (16 B, L2 only) of ``src2d[row0 + i, col0 : col0 + ncols]`` for ``i <
+        nrows`` into shared rows of ``dst_ld`` elements."""
+        nv = ncols // 8
+        for i in cutlass.range_constexpr((nrows * nv + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < nrows * nv:
+                r = idx // nv
+                v = idx % nv
+                src = cute.local_tile(src2d[row0 + r, None], (8,), (col0 // 8 + v,))
+                cp_async16(dst_ptr + r * dst_ld + v * 8, src.iterator)
+
+    @cute.jit
+    def mma16(self, atom, acc, fa, fb, a_ptr, a_ld: cutlass.Constexpr[int], b_ptr,
+              b_ld: cutlass.Constexpr[int], nk: cutlass.Constexpr[int],
+              ntl: cutlass.Constexpr[int], lane):  # fmt: skip
+        """``acc[nt] += A[16, 16 nk] @ B[16 nk, 8 ntl]``: A row-major at ``a_ptr`` (rows of
+        ``a_ld``), B stored [k][n] at ``b_ptr`` (rows of ``b_ld``); A by ``ldmatrix.x4``, B by
+        ``x4.trans`` (two n-tiles each; ``x2`` for an odd last one)."""
+        mi = lane // 8
+        ri = lane % 8
+        fa32 = cute.recast_tensor(fa, Int32)
+        fb32 = cute.recast_tensor(fb, Int32)
+        a_base = a_ptr + ((mi % 2) * 8 + ri) * a_ld + (mi // 2) * 8
+        b_base = b_ptr + ((mi % 2) * 8 + ri) * b_ld + (mi // 2) * 8
+        for kk in cutlass.range_constexpr(nk):
+            aa = ldsm_x4(a_base + kk * 16, False)
+            for e in cutlass.range_constexpr(4):
+                fa32[e] = aa[e]
+            for j2 in cutlass.range_constexpr((ntl + 1) // 2):
+                bptr = b_base + kk * 16 * b_ld + j2 * 16
+                if cutlass.const_expr(2 * j2 + 1 < ntl):
+                    vb = ldsm_x4(bptr, True)
+                else:
+                    b0, b1 = ldsm_x2(bptr, True)
+                    vb = (b0, b1, b0, b1)
+                for h in cutlass.range_constexpr(2):
+                    nt = 2 * j2 + h
+                    if cutlass.const_expr(nt < ntl):
+                        fb32[0] = vb[2 * h]
+                        fb32[1] = vb[2 * h + 1]
+                        cute.gemm(atom, acc[nt], fa, fb, acc[nt])
+
+    def make_acc(self, ntl: int):
+        """``ntl`` zeroed m16n8 FP32 accumulators (trace-time helper)."""
+        acc = []
+        for _ in range(ntl):
+            a = cute.make_rmem_tensor((4, 1, 1), Float32)
+            a.fill(0.0)
+            acc.append(a)
+        return acc
+
+    # -- 1. absorption -----------------------------------------------------------------------
+    @cute.jit
+    def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, tidx):
+        p = self.p
+        CW, NOPE, M = p.cw, p.nope, p.m
+        CWP = CW + WPAD
+        AP = NOPE + WPAD
+        qw = p.nope + p.rope
+        h = it // p.achunks
+        col0 = (it % p.achunks) * CW
+        sW = cute.make_tensor(base, cute.make_layout((NOPE, CWP), stride=(CWP, 1)))
+        sA = cute.make_tensor(base + NOPE * CWP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
+        self.stage_rows(mWuk[h, None, None], 0, col0, sW.iterator, CWP, NOPE, CW, tidx)
+        cute.arch.cp_async_commit_group()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        NTL = CW // 8 // WARPS
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
+        nvq = NOPE // 8
+        for mt in cutlass.range_constexpr((M + ROWS - 1) // ROWS):
+            cute.arch.sync_threads()  # the previous tile's ldmatrix reads are done
+            for i in cutlass.range_constexpr((ROWS * nvq + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < ROWS * nvq:
+                    r = idx // nvq
+                    v = idx % nvq
+                    x = cute.make_rmem_tensor((8,), BFloat16)
+                    x.fill(0.0)
+                    if mt * ROWS + r < M:
+                        load_vec8(mQ[mt * ROWS + r, None], h * qw + v * 8, x)
+                    cute.autovec_copy(x, cute.local_tile(sA[r, None], (8,), (v,)))
+            if cutlass.const_expr(mt == 0):
+                cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            acc = self.make_acc(NTL)
+            self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CWP,
+                       NOPE // 16, NTL, lane)  # fmt: skip
+            r0 = mt * ROWS + g
+            for nt in cutlass.range_constexpr(NTL):
+                col = col0 + (warp * NTL + nt) * 8 + 2 * c
+                pp = cute.make_rmem_tensor((2,), BFloat16)
+                for hh in cutlass.range_constexpr(2):
+                    if r0 + 8 * hh < M:
+                        pp[0] = (acc[nt][2 * hh] * scale).to(BFloat16)
+                        pp[1] = (acc[nt][2 * hh + 1] * scale).to(BFloat16)
+                        cute.autovec_copy(
+                            pp, cute.local_tile(mQl[r0 + 8 * hh, h, None], (2,), (col // 2,))
+                        )
+        self.publish(mCnt, C_ABS, tidx)
+
+    # -- 2. attention ------------------------------------------------------------------------
+    @cute.jit
+    def attend_item(self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, tidx):
+        p = self.p
+        LP, L, KVL, T, R, NB, S = p.lp, p.lat, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
+        NBA = p.nblk_all
+        b = it // S
+        sp = it % S
+        sK = cute.make_tensor(base, cute.make_layout((NB, KBLK, LP), stride=(KBLK * LP, LP, 1)))
+        o = NB * KBLK * LP
+        sQ = cute.make_tensor(base + o, cute.make_layout((ROWS, LP), stride=(LP, 1)))
+        o += ROWS * LP
+        sNew = cute.make_tensor(base + o, cute.make_layout((T, LP), stride=(LP, 1)))
+        o += T * LP
+        sP = cute.make_tensor(
+            base + o, cute.make_layout((ROWS, KBLK + PPAD), stride=(KBLK + PPAD, 1))
+        )
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+
+        bb = sp * NBA // S
+        nblk = (sp + 1) * NBA // S - bb
+        k_begin = bb * KBLK
+        k_end = cutlass.min(k_begin + nblk * KBLK, p.nkeys)
+        for blk0 in cutlass.range_constexpr(NB):
+            if blk0 < nblk:
+                self.issue_block(mCache, sK, b, k_begin + blk0 * KBLK, blk0, tidx)
+            cute.arch.cp_async_commit_group()
+
+        # the new latent rows (bf16, as the cache stores them); split 0 writes the cache
+        for t in cutlass.range(T):
+            row = b * T + t
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < KVL:
+                    x = mA[row, p.q_lora + cc].to(Float32)
+                    ss = ss + x * x
+            ss = block_sum(ss, sMisc, WARPS)
+            rstd = cute.math.rsqrt(ss / Float32(KVL) + Float32(p.eps))
+            for i in cutlass.range_constexpr((L + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < L:
+                    val = mA[row, p.q_lora + cc]
+                    if cc < KVL:
+                        y = (val.to(Float32) * rstd).to(BFloat16).to(Float32)
+                        val = (y * mKvNorm[cc].to(Float32)).to(BFloat16)
+                    sNew[t, cc] = val
+                    if sp == 0:
+                        mCache[b, p.ctx + t, cc] = val
+
+        # q_pe scaled; the padding rows zero
+        scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
+        qw = p.nope + p.rope
+        for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < ROWS * p.rope:
+                r = idx // p.rope
+                e = idx % p.rope
+                v = Float32(0.0)
+                if r < R:
+                    v = mQ[b * T + r % T, (r // T) * qw + p.nope + e].to(Float32) * scale
+                sQ[r, KVL + e] = v.to(BFloat16)
+        if cutlass.const_expr(R < ROWS):
+            for i in cutlass.range_constexpr(((ROWS - R) * KVL + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < (ROWS - R) * KVL:
+                    sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
+
+        # q_lat of this sequence's rows, once every absorption item is done
+        if tidx == 0:
+            self.wait_count(mCnt, C_ABS, p.n_abs)
+        cute.arch.sync_threads()
+        nv = KVL // 8
+        for i in cutlass.range_constexpr((R * nv + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < R * nv:
+                r = idx // nv
+                v = idx % nv
+                src = cute.local_tile(mQl[b * T + r % T, r // T, None], (8,), (v,))
+                cp_async16(sQ.iterator + r * LP + v * 8, src.iterator)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # the key blocks (MLADecodeTC's loop, ldmatrix fragments)
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        NTL = KVL // 8 // WARPS
+        oacc = self.make_acc(NTL)
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        m0 = Float32(NEG)
+        m1 = Float32(NEG)
+        l0 = Float32(0.0)
+        l1 = Float32(0.0)
+        r0 = g
+        r1 = g + 8
+        t0 = r0 % T
+        t1 = r1 % T
+        for blk in cutlass.range(nblk):
+            buf = blk % NB
+            cute.arch.cp_async_wait_group(NB - 1)
+            kb = k_begin + blk * KBLK
+            self.fill_block(sK, sNew, kb, buf, tidx)
+            cute.arch.sync_threads()
+            sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
+            sacc.fill(0.0)
+            self.scores_ldsm(atom, sacc, fa, fb, sQ, sK, buf, warp, lane)
+            kp = kb + warp * 8 + 2 * c
+            sv = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                rr = r0 if e < 2 else r1
+                tt = t0 if e < 2 else t1
+                pos = kp + e % 2
+                sv[e] = Float32(NEG)
+                if rr < R and pos < k_end and pos < p.ctx + tt + 1:
+                    sv[e] = sacc[e]
+            mx0 = cute.arch.fmax(sv[0], sv[1])
+            mx1 = cute.arch.fmax(sv[2], sv[3])
+            for off in cutlass.range_constexpr(1, 3):
+                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=off))
+                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=off))
+            if c == 0:
+                sRed[0, warp, r0] = mx0
+                sRed[0, warp, r1] = mx1
+            cute.arch.sync_threads()
+            bm0 = sRed[0, 0, r0]
+            bm1 = sRed[0, 0, r1]
+            for w in cutlass.range_constexpr(1, WARPS):
+                bm0 = cute.arch.fmax(bm0, sRed[0, w, r0])
+                bm1 = cute.arch.fmax(bm1, sRed[0, w, r1])
+            mn0 = cute.arch.fmax(m0, bm0)
+            mn1 = cute.arch.fmax(m1, bm1)
+            corr0 = cute.math.exp(m0 - mn0, fastmath=True)
+            corr1 = cute.math.exp(m1 - mn1, fastmath=True)
+            pv = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                mn = mn0 if e < 2 else mn1
+                pv[e] = Float32(0.0)
+                if sv[e] > Float32(NEG):
+                    pv[e] = cute.math.exp(sv[e] - mn, fastmath=True)
+            l0 = l0 * corr0 + pv[0] + pv[1]
+            l1 = l1 * corr1 + pv[2] + pv[3]
+            m0 = mn0
+            m1 = mn1
+            for nt in cutlass.range_constexpr(NTL):
+                oacc[nt][0] = oacc[nt][0] * corr0
+                oacc[nt][1] = oacc[nt][1] * corr0
+                oacc[nt][2] = oacc[nt][2] * corr1
+                oacc[nt][3] = oacc[nt][3] * corr1
+            kl = warp * 8 + 2 * c
+            pp = cute.make_rmem_tensor((2,), BFloat16)
+            pp[0] = pv[0].to(BFloat16)
+            pp[1] = pv[1].to(BFloat16)
+            cute.autovec_copy(pp, cute.local_tile(sP[r0, None], (2,), (kl // 2,)))
+            pp[0] = pv[2].to(BFloat16)
+            pp[1] = pv[3].to(BFloat16)
+            cute.autovec_copy(pp, cute.local_tile(sP[r1, None], (2,), (kl // 2,)))
+            cute.arch.sync_threads()
+            self.pv_ldsm(atom, oacc, fa, fb, sP, sK, buf, warp, lane)
+            cute.arch.sync_threads()
+            if blk + NB < nblk:
+                self.issue_block(mCache, sK, b, kb + NB * KBLK, buf, tidx)
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+        # row sums; the split's (O, m, l) to the partials
+        for off in cutlass.range_constexpr(1, 3):
+            l0 = l0 + cute.arch.shuffle_sync_bfly(l0, offset=off)
+            l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=off)
+        if c == 0:
+            sRed[1, warp, r0] = l0
+            sRed[1, warp, r1] = l1
+        cute.arch.sync_threads()
+        la0 = Float32(0.0)
+        la1 = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            la0 = la0 + sRed[1, w, r0]
+            la1 = la1 + sRed[1, w, r1]
+        for nt in cutlass.range_constexpr(NTL):
+            col = (warp * NTL + nt) * 8 + 2 * c
+            v2 = cute.make_rmem_tensor((2,), Float32)
+            if r0 < R:
+                v2[0] = oacc[nt][0]
+                v2[1] = oacc[nt][1]
+                cute.autovec_copy(v2, cute.local_tile(mPart[b, sp, r0, None], (2,), (col // 2,)))
+            if r1 < R:
+                v2[0] = oacc[nt][2]
+                v2[1] = oacc[nt][3]
+                cute.autovec_copy(v2, cute.local_tile(mPart[b, sp, r1, None], (2,), (col // 2,)))
+        if warp == 0 and c == 0:
+            if r0 < R:
+                mPart[b, sp, r0, KVL] = m0
+                mPart[b, sp, r0, KVL + 1] = la0
+            if r1 < R:
+                mPart[b, sp, r1, KVL] = m1
+                mPart[b, sp, r1, KVL + 1] = la1
+        self.publish(mCnt, C_ATT, tidx)
+
+    # -- 3. merge + W_UV + gate --------------------------------------------------------------
+    @cute.jit
+    def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, tidx):
+        p = self.p
+        KVL, CV, T, S, VR, V, M = p.kv_lora, p.cv, p.tokens, p.splits, p.vrows, p.v_dim, p.m
+        CVP = CV + WPAD
+        AP = KVL + WPAD
+        vc = it % p.vchunks
+        h = (it // p.vchunks) % p.heads
+        m_0 = (it // (p.vchunks * p.heads)) * VR
+        sW = cute.make_tensor(base, cute.make_layout((KVL, CVP), stride=(CVP, 1)))
+        sA = cute.make_tensor(base + KVL * CVP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
+        self.stage_rows(mWuv[h, None, None], 0, vc * CV, sW.iterator, CVP, KVL, CV, tidx)
+        cute.arch.cp_async_commit_group()
+        # the padding rows of the A tile: zeros
+        nv = KVL // 8
+        for i in cutlass.range_constexpr(((ROWS - VR) * nv + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < (ROWS - VR) * nv:
+                x = cute.make_rmem_tensor((8,), BFloat16)
+                x.fill(0.0)
+                cute.autovec_copy(x, cute.local_tile(sA[VR + idx // nv, None], (8,), (idx % nv,)))
+
+        if tidx == 0:
+            self.wait_count(mCnt, C_ATT, p.n_att)
+        cute.arch.sync_threads()
+        # split weights of the item's rows (row i: token row m_0 + i, partial row h*T + t)
+        if tidx < VR:
+            mrow = m_0 + tidx
+            if mrow < M:
+                bq = mrow // T
+                pr = h * T + mrow % T
+                mall = Float32(NEG)
+                for s in cutlass.range_constexpr(S):
+                    mall = cute.arch.fmax(mall, ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL))
+                lall = Float32(0.0)
+                for s in cutlass.range_constexpr(S):
+                    w = cute.math.exp(
+                        ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL) - mall, fastmath=True
+                    )
+                    sWgt[tidx, s] = w
+                    lall = lall + ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL + 1) * w
+                for s in cutlass.range_constexpr(S):
+                    sWgt[tidx, s] = sWgt[tidx, s] / lall
+        cute.arch.sync_threads()
+        n4 = VR * (KVL // 4)
+        for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
+            idx = tidx + i * NT
+            ri = idx // (KVL // 4)
+            c4 = idx % (KVL // 4)
+            mrow = m_0 + ri
+            if idx < n4:
+                acc = cute.make_rmem_tensor((4,), Float32)
+                acc.fill(0.0)
+                if mrow < M:
+                    bq = mrow // T
+                    pr = h * T + mrow % T
+                    for s in cutlass.range_constexpr(S):
+                        v = ld_cg_v4f32(mPart[bq, s, pr, None].iterator + c4 * 4)
+                        w = sWgt[ri, s]
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = acc[e] + v[e] * w
+                ob = cute.make_rmem_tensor((4,), BFloat16)
+                for e in cutlass.range_constexpr(4):
+                    ob[e] = acc[e].to(BFloat16)
+                cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (4,), (c4,)))
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        NTL = CV // 8 // WARPS
+        atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        acc = self.make_acc(NTL)
+        self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
+                   KVL // 16, NTL, lane)  # fmt: skip
+        for nt in cutlass.range_constexpr(NTL):
+            col = h * V + vc * CV + (warp * NTL + nt) * 8 + 2 * c
+            for hh in cutlass.range_constexpr(2):
+                ri = g + 8 * hh
+                mrow = m_0 + ri
+                if ri < VR and mrow < M:
+                    for e in cutlass.range_constexpr(2):
+                        gate = sigmoid(mG[mrow, col + e].to(Float32))
+                        mOut[mrow, col + e] = (acc[nt][2 * hh + e] * gate).to(BFloat16)
+
+
+def cp_async16(dst_ptr, src_ptr) -> None:
+    """``cp.async.cg`` of 16 bytes (global -> shared, through L2 only)."""
+    cute.arch.inline_ptx(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", read_only_args=[dst_ptr, src_ptr]
+    )
+
+
+def ld_cg_f32(ptr) -> Float32:
+    """One FP32 from global memory at L2 (``ld.global.cg``: another CTA wrote it)."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr]
+    )
+
+
+def ld_cg_v4f32(ptr):
+    """Four FP32 (16-byte aligned) from global memory at L2."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Float32, Float32, Float32, Float32],
+        read_only_args=[ptr],
+    )
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def plan_for(cfg, batch: int, tokens: int) -> MLASplitPlan:
+    m = cfg.mla
+    return MLASplitPlan(
+        batch=batch,
+        tokens=tokens,
+        heads=cfg.mla_heads,
+        q_lora=m.q_lora_rank,
+        kv_lora=m.kv_lora_rank,
+        nope=m.qk_nope_head_dim,
+        rope=m.qk_rope_head_dim,
+        v_dim=m.v_head_dim,
+        ctx=cfg.context_len,
+        eps=cfg.eps,
+    )
+
+
+def _fake_args(p: MLASplitPlan):
+    bf = torch.bfloat16
+    M = p.m
+    return (
+        itf.fake(bf, (M, p.a_width), align=4),
+        itf.fake(bf, (M, p.heads * (p.nope + p.rope))),
+        itf.fake(bf, (M, p.heads * p.v_dim), align=4),
+        itf.fake(bf, (p.kv_lora,), align=4),
+        itf.fake(bf, (p.heads, p.nope, p.kv_lora)),
+        itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
+        itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
+        itf.fake(bf, (M, p.heads, p.kv_lora)),
+        itf.fake(torch.float32, (p.batch, p.splits, ROWS, p.kv_lora + 4)),
+        itf.fake(torch.int32, (NCNT,), align=4),
+        itf.fake(bf, (M, p.heads * p.v_dim), align=4),
+        itf.env_stream(),
+    )
+
+
+def compile_plan(p: MLASplitPlan):
+    # the key's name is the op's ("mla_decode"); the plan type tells the kernels apart
+    return itf.compiled(("mla_decode", p), lambda: (MLADecodeSplit(p), _fake_args(p)))
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_lat, partials, counters)`` of a plan (the counters zeroed once; the kernel resets
+    them, so the same buffers serve every launch and graph replay: one stream at a time)."""
+    key = (p, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        ql = torch.empty(p.m, p.heads, p.kv_lora, dtype=torch.bfloat16, device=device)
+        part = torch.empty(p.batch, p.splits, ROWS, p.kv_lora + 4, dtype=torch.float32,
+                           device=device)  # fmt: skip
+        cnt = torch.zeros(NCNT, dtype=torch.int32, device=device)
+        ws = _WS[key] = (ql, part, cnt)
+    return ws
+
+
+def error_word(p: MLASplitPlan, device) -> int:
+    """The plan's error word (host sync): 0, or the counter a wait gave up on (C_ABS / C_ATT)."""
+    return int(workspace(p, device)[2][C_ERR].item())
+
+
+def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
+    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows (BF16 cache)."""
+    if kv_cache.dtype != torch.bfloat16:
+        raise NotImplementedError(f"mla_decode_split: BF16 latent cache only, got {kv_cache.dtype}")
+    if q.data_ptr() % 16:
+        raise ValueError("mla_decode_split: q must be 16-byte aligned")
+    plan = plan_for(cfg, a.shape[0] // tokens, tokens)
+    fn = compile_plan(plan)
+    ql, part, cnt = workspace(plan, a.device)
+    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, ql, part, cnt, out)

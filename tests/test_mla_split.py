@@ -1,0 +1,169 @@
+"""The three-phase MLA decode (:mod:`decodescope.kernels.specialized.mla_decode_split`,
+``DECODESCOPE_MLA_KERNEL=split``).
+
+CPU: compiles for sm_90a (no GPU) at the kimi-k3 TP8 / TP16 shapes at 1, 8 and 32 sequences of
+one token; the plan's work split (items per phase, shared memory, CTAs per SM) and its knobs
+(one-line errors); the kernel choice.
+GPU (``pytest -m gpu``, H200): vs ``mla_decode_ref`` with the output and the new cache rows
+poisoned with NaN, three launches (the counters reset themselves), the error word zero, then a
+CUDA graph replayed twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+# the package's interface module first: it sets CUTE_DSL_ARCH (sm_90a) before cutlass loads
+pytest.importorskip("decodescope.kernels.specialized.interface")
+
+from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.reference import rel_l2  # noqa: E402
+from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
+from decodescope.kernels.specialized import mla_decode_split as msp  # noqa: E402
+
+KNOBS = (
+    "DECODESCOPE_MLA_SPLIT_SPLITS",
+    "DECODESCOPE_MLA_SPLIT_ACHUNKS",
+    "DECODESCOPE_MLA_SPLIT_VROWS",
+    "DECODESCOPE_MLA_SPLIT_NBUF",
+    "DECODESCOPE_MLA_KERNEL",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for k in KNOBS:
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("tp,batch", [(8, 1), (8, 8), (8, 32), (16, 8)])
+def test_compiles_k3(tp, batch):
+    p = msp.plan_for(get_config("kimi-k3", tp), batch, 1)
+    assert p.smem_bytes <= msp.SMEM_MAX
+    assert msp.compile_plan(p) is not None
+
+
+def test_compiles_knobs():
+    """Two key buffers with one CTA per SM and several blocks per split; absorption items of
+    the whole latent width; W_UV items of 8 rows and all output columns."""
+    p = msp.plan_for(get_config("kimi-k3", 8), 8, 1)
+    p = dataclasses.replace(p, splits_force=4, nbuf_force=2, achunks_force=1, vrows_force=8)
+    assert (p.blk_max, p.ctas_per_sm, p.vchunks, p.cw) == (5, 1, 1, 512)
+    assert msp.compile_plan(p) is not None
+
+
+def test_plans_tp8():
+    """The default work split at TP8 (12 heads): ~one attention CTA per SM, the absorption in
+    24 items of 256 columns, ~96 W_UV items; one key block per split up to 12 sequences (one
+    buffer: two CTAs per SM), else 132 // batch splits (32x1: 4 of 4-5 blocks)."""
+    assert msp.plan_for(get_config("kimi-k3", 8), 12, 1).splits == 17
+    assert msp.plan_for(get_config("kimi-k3", 8), 16, 1).splits == 8
+    cfg = get_config("kimi-k3", 8)
+    got = {}
+    for b in (1, 8, 32):  # 17 blocks of 64 keys (1024 cached + 1 new)
+        p = msp.plan_for(cfg, b, 1)
+        got[b] = (p.splits, p.blk_max, p.nbuf, p.ctas_per_sm, p.n_abs, p.n_att, p.n_uv)
+        assert p.rows == 12 and p.nblk_all == 17
+    assert got == {
+        1: (17, 1, 1, 2, 24, 17, 24),
+        8: (17, 1, 1, 2, 24, 136, 96),
+        32: (4, 5, 2, 1, 24, 128, 96),
+    }
+    p = msp.plan_for(cfg, 8, 1)
+    assert p.smem_bytes <= msp.SMEM_TWO_CTAS and p.vchunks == 2 and p.vrows == 2
+
+
+def test_splits_spread_blocks():
+    """Splits need not divide the 17 blocks: each split gets 1-2 (16 splits) blocks, all covered."""
+    p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), 8, 1), splits_force=16)
+    S, NBA = p.splits, p.nblk_all
+    spans = [((s + 1) * NBA // S) - (s * NBA // S) for s in range(S)]
+    assert sum(spans) == NBA and min(spans) >= 1 and max(spans) == p.blk_max == 2
+
+
+def test_knob_errors(monkeypatch):
+    cfg = get_config("kimi-k3", 8)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_SPLITS", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_SPLITS: an integer"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_SPLITS", "6")
+    assert msp.plan_for(cfg, 8, 1).splits == 6
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_ACHUNKS", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_ACHUNKS: 1, 2 or 4"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_ACHUNKS", "4")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_VROWS", "17")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_VROWS: 0-16"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_VROWS", "4")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_NBUF", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
+    with pytest.raises(ValueError, match="12 heads x 2 tokens > 16 MMA rows"):
+        msp.plan_for(cfg, 8, 2)
+
+
+def test_kernel_choice():
+    assert mla.kernel_choice(torch.bfloat16, "split", 8, 1) == "split"
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 1) == "simt"  # the default unchanged
+    with pytest.raises(NotImplementedError, match="mla_decode_split: BF16 latent cache only"):
+        mla.kernel_choice(torch.float8_e4m3fn, "split", 8, 1)
+
+
+def test_kernel_choice_env(monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_MLA_KERNEL", "split")
+    assert mla.kernel_choice(torch.bfloat16, "", 32, 1) == "split"
+    monkeypatch.setenv("DECODESCOPE_MLA_KERNEL", "splt")
+    with pytest.raises(ValueError, match="one of"):
+        mla.kernel_choice(torch.bfloat16, "", 32, 1)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "tp,batch,knobs",
+    [(8, 1, {}), (8, 8, {}), (8, 32, {}), (8, 64, {}), (16, 8, {}), (16, 2, {}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_SPLITS": "8", "DECODESCOPE_MLA_SPLIT_NBUF": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_SPLITS": "4", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "1",
+             "DECODESCOPE_MLA_SPLIT_VROWS": "8"}),
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4", "DECODESCOPE_MLA_SPLIT_VROWS": "1"})],
+)  # fmt: skip
+def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_mla_decode_tc import _inputs
+
+    for k, v in knobs.items():
+        monkeypatch.setenv(k, v)
+    cfg = get_config("kimi-k3", tp)
+    plan = msp.plan_for(cfg, batch, 1)
+    w, cache0, a, q, g = _inputs(cfg, batch, 1, 200 + batch)
+    ctx = cfg.context_len
+    ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, 1)
+    out = torch.empty_like(ref)
+    cache = cache0.clone()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        cache[:, ctx:].fill_(float("nan"))
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out, 1)
+        torch.cuda.synchronize()
+        assert msp.error_word(plan, out.device) == 0
+        assert bool(torch.isfinite(out).all())
+        assert rel_l2(out, ref) < 2e-2
+        assert rel_l2(cache[:, ctx:], rcache[:, ctx:]) < 1e-2
+        assert torch.equal(cache[:, :ctx], cache0[:, :ctx])
+    out_g = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out_g, 1)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert msp.error_word(plan, out.device) == 0
+    assert rel_l2(out_g, out) < 1e-6
