@@ -864,6 +864,17 @@ def moe_grouped(
         ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk, zero_acc),
         lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk, zero_acc),
     )
+    from decodescope.kernels.specialized import experts_t1 as _t1  # lazy: it imports this module
+
+    if _t1.mode(T) == "t1":  # DECODESCOPE_MOE_T1=t1 at 1 token: its own w13 and w2 launches
+        b, ids, tw = bufs, topk_ids.view(-1), topk_w.view(-1)
+        _t1.experts_t1(
+            lambda: r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n,
+                      b.nact, b.hs, b.ctr, acc.view(-1)),
+            y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, top_k=K, beta=beta,
+            lbeta=lbeta, pdl=pdl, nsm=nsm, parts=parts,
+        )  # fmt: skip
+        return
     tile = None
     if mode == W13_TILE:  # its tiling knobs (DECODESCOPE_MOE_W13T_*) are part of the key
         from decodescope.kernels.specialized import grouped_w13_tile as gwt
@@ -965,6 +976,11 @@ def selected(T: int = 0, dims: tuple | None = None) -> bool:
     v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto")
     if v == "grouped":
         return True
+    if v == "auto" and (AUTO_FROM is None or T < AUTO_FROM):  # DECODESCOPE_MOE_T1 (unset: pipe)
+        from decodescope.kernels.specialized import experts_t1 as _t1
+
+        if _t1.mode(T) != "pipe":
+            return dims is None or supported(T, *dims)
     if v != "auto" or AUTO_FROM is None or T < AUTO_FROM:
         return False
     return dims is None or supported(T, *dims)

@@ -1,0 +1,470 @@
+"""The expert part at 1 token on the grouped kernels, with the two waits filled: ``DECODESCOPE_MOE_T1``.
+
+Issue #5, batch-1 target. At 1 token (TP8) the persistent :class:`moe_experts.MoeExpertsPipe`
+adds ~55 us to the step for ~143 MB (16 experts x 8.26 MB + the shared down projection 11 MB,
+floor ~34 us): one CTA per SM walks a chain of small tiles. The grouped path (route, w13 tile,
+w2 tile: three launches, ~0.95x the floor from 8 tokens) has three costs at 1 token that this
+module removes or hides, keeping the same three launches and the same outputs:
+
+1. **Too few w13 CTAs.** :class:`grouped_w13_tile.GroupedW13Tile` with its default 64 gate rows
+   per item has 6 items per expert: 96 CTAs at 1 token (TP8), fewer than the 132 SMs, each
+   streaming 917 KB. Here the same kernel runs with 16 gate rows per item (one warp, 24 items per
+   expert: 384 CTAs at TP8, 192 at TP16, each ~229 KB, all resident at once: 6 stages of 12 KB,
+   3 CTAs per SM), so every SM streams (``DECODESCOPE_MOE_T1_ROWS`` / ``_STAGES`` / ``_BK``).
+2. **The route kernel's latency** (H200: ``thresh`` 6.3 us alone at 1 token) with nothing
+   streaming: the w13 CTAs become resident as soon as the route kernel's CTAs pass their own
+   PDL wait (it triggers at its top), and before their ``griddepcontrol.wait`` they now compute
+   the shared expert's down projection (which needs only the front kernel's output, complete
+   by then): ``hs = bf16(SiTU(shared gate, up))`` from ``y_front`` and ``shared_out = hs @
+   shared_w2^T``, each CTA ``ceil(H / grid)`` contiguous rows (19 at TP8) copied by
+   ``cp.async.cg`` into its (still unused) pipeline stages. So the shared down's 11 MB (TP8)
+   stream while the top-k runs, and the w2 kernel has no shared-expert CTAs
+   (``DECODESCOPE_MOE_T1_SHARED=w2`` puts them back there, for the A/B).
+3. **The w13 -> w2 hand-off.** The w2 CTAs become resident once every w13 CTA has passed its
+   wait (the route's lists are final then); before their own wait they read the lists (relaxed
+   GPU-scope loads: L2, never a stale L1 line) and issue the ``cp.async`` of their item's whole
+   weight block (48 KB at TP8), so the w2 stream starts while the last w13 CTAs finish, and only
+   the ``h`` rows wait for w13 (``DECODESCOPE_MOE_T1_W2PRE=0``: the weights after the wait).
+
+The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
+:class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
+files untouched): :class:`W13T1` adds the pre-wait shared down, :class:`W2T1` the pre-wait weight
+loads (one item per CTA and one pass per item, which holds up to 8 tokens). The route kernel is
+:class:`moe_grouped.GroupedRoute` itself (its shared-SiTU CTA still writes ``hs``; only the
+``T1_SHARED=w2`` form reads it).
+
+Selection (read at each call): ``DECODESCOPE_MOE_T1`` = ``pipe`` (default: unchanged, the pipe
+kernel below 8 tokens), ``grouped`` (the grouped kernels with their defaults at 1 token) or ``t1``
+(this module) where ``DECODESCOPE_MOE_EXPERTS`` is ``auto`` or ``grouped`` and the step has
+``T1_UPTO`` (1) token.
+"""
+
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+import os
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from decodescope.kernels.specialized import grouped_w2_tile as gw2
+from decodescope.kernels.specialized import grouped_w13_tile as gwt
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import moe_grouped as mg
+from decodescope.kernels.specialized.moe_common import situ
+
+MODES = ("pipe", "grouped", "t1")  # DECODESCOPE_MOE_T1
+T1_UPTO = 1  # the modes apply at this many tokens or fewer (the kernels hold up to MAX_T)
+MAX_T = 8  # one pass of 8 tokens per expert item (w13 and w2)
+ROWS_DEFAULT = 16  # gate rows per w13 item: 24 items per expert at TP8, 12 at TP16
+STAGES_DEFAULT = 6  # 6 x 12 KB: 3 CTAs per SM, 5 chunks (40 KB of weights) in flight per CTA
+BK_DEFAULT = 128  # 256-byte row runs (the w13 tile's A/B at 8 / 64 tokens: 128 beat 64)
+SHARED_WHERE = ("w13", "w2")  # DECODESCOPE_MOE_T1_SHARED
+
+ENV = {
+    "rows": "DECODESCOPE_MOE_T1_ROWS",
+    "stages": "DECODESCOPE_MOE_T1_STAGES",
+    "bk": "DECODESCOPE_MOE_T1_BK",
+}
+
+
+def mode(T: int) -> str:
+    """``DECODESCOPE_MOE_T1`` for a step of ``T`` tokens: ``pipe`` above ``T1_UPTO`` tokens, else
+    the variable's value (unset: ``pipe``); a bad value raises a one-line ``ValueError``."""
+    v = os.environ.get("DECODESCOPE_MOE_T1", "") or "pipe"
+    if v not in MODES:
+        raise ValueError(f"DECODESCOPE_MOE_T1={v!r}: expected one of {MODES}")
+    return v if 1 <= T <= T1_UPTO else "pipe"
+
+
+def w13_config() -> gwt.TileConfig:
+    """The w13 tiling of the ``t1`` mode: ``DECODESCOPE_MOE_T1_ROWS`` (16), ``_STAGES`` (6),
+    ``_BK`` (128); one warp per 16 rows, no persistence."""
+    vals = {"rows": ROWS_DEFAULT, "stages": STAGES_DEFAULT, "bk": BK_DEFAULT}
+    for field, var in ENV.items():
+        v = os.environ.get(var, "")
+        if v == "":
+            continue
+        if not v.isdigit():
+            raise ValueError(f"{var}={v!r}: expected a positive integer")
+        vals[field] = int(v)
+    try:
+        return gwt.TileConfig(rows=vals["rows"], bk=vals["bk"], stages=vals["stages"], rt=1)
+    except ValueError as e:
+        raise ValueError(f"DECODESCOPE_MOE_T1_*: {e}") from None
+
+
+def shared_where() -> str:
+    """``DECODESCOPE_MOE_T1_SHARED``: ``w13`` (default: the shared down before w13's wait) or
+    ``w2`` (the w2 kernel's first CTAs, as :class:`grouped_w2_tile.GroupedW2Tile`)."""
+    v = os.environ.get("DECODESCOPE_MOE_T1_SHARED", "") or "w13"
+    if v not in SHARED_WHERE:
+        raise ValueError(f"DECODESCOPE_MOE_T1_SHARED={v!r}: expected one of {SHARED_WHERE}")
+    return v
+
+
+def w2_pre() -> bool:
+    """``DECODESCOPE_MOE_T1_W2PRE``: ``1`` (default: w2's weights issued before its wait) or
+    ``0`` (after it)."""
+    v = os.environ.get("DECODESCOPE_MOE_T1_W2PRE", "") or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"DECODESCOPE_MOE_T1_W2PRE={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+def _ld(m, i, ty=Int32):
+    """A relaxed GPU-scope load of ``m[i]`` (flat index): served by L2, never a stale L1 line.
+    For data another grid wrote, read before this grid's ``griddepcontrol.wait``."""
+    return cute.arch.load(m.iterator + i, ty, sem="relaxed", scope="gpu")
+
+
+class W13T1(gwt.GroupedW13Tile):
+    """Kernel 2 of the ``t1`` mode: :class:`grouped_w13_tile.GroupedW13Tile`'s items (small row
+    blocks, :func:`w13_config`), and before the PDL wait (``shared``) the shared expert's down
+    projection, ``ceil(H / grid)`` rows per CTA (module docstring)."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
+                 cfg: gwt.TileConfig | None = None, shared: bool = True):  # fmt: skip
+        cfg = cfg or w13_config()
+        if cfg.persist:
+            raise ValueError("experts_t1: the w13 items run without persist")
+        super().__init__(T, E, K, L, Ie, beta, lbeta, pdl, nsm, cfg)
+        if not 1 <= T <= MAX_T:
+            raise ValueError(f"experts_t1: {T} tokens, expected 1..{MAX_T}")
+        if S % 8 or (E + L) % 4:
+            raise ValueError(f"experts_t1: shared_inter {S} (multiple of 8), experts + latent "
+                             f"{E + L} (multiple of 4)")  # fmt: skip
+        self.H, self.SI, self.shared = H, S, shared
+        self.US = S // 8  # 16-byte units of a shared_w2 row
+        self.RPC = -(-H // self.grid)  # shared_w2 rows per CTA (contiguous)
+        cap = (self.S * 2 * self.R * self.BK) // S  # rows the weight stages hold
+        if shared and cap < 1:
+            raise ValueError(f"experts_t1: a shared_w2 row ({S} x 2 B) exceeds the stages")
+        self.RB = min(self.RPC, cap)  # rows per round
+        self.NRB = -(-self.RPC // self.RB)
+        if shared and T * 2 * S > self.S * gwt.TOK * self.BK:
+            raise ValueError(f"experts_t1: {T} tokens' shared gate/up exceed the z stages")
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                 stream: cuda.CUstream):  # fmt: skip
+        S, R, BK = self.S, self.R, self.BK
+        HS = self.T * self.SI
+
+        @cute.struct
+        class Smem:
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, S * 2 * R * BK], 128]
+            z: cute.struct.Align[cute.struct.MemRange[Float32, S * gwt.TOK * BK], 128]
+            hs: cute.struct.Align[cute.struct.MemRange[BFloat16, HS], 16]
+
+        self.smem_cls = Smem
+        self.kernel(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared).launch(
+            grid=[self.grid, 1, 1],
+            block=[self.NT, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared):
+        S, R, BK, NRT, Ie, K = self.S, self.R, self.BK, self.NRT, self.Ie, self.K
+        TOK = gwt.TOK
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sW = st.w.get_tensor(cute.make_layout((S, 2 * R, BK), stride=(2 * R * BK, BK, 1)))
+        sZ = st.z.get_tensor(cute.make_layout((S, TOK, BK), stride=(TOK * BK, BK, 1)))
+        if const_expr(self.shared):
+            sWf = st.w.get_tensor(cute.make_layout(S * 2 * R * BK))
+            sZf = st.z.get_tensor(cute.make_layout(S * TOK * BK))
+            sHs = st.hs.get_tensor(cute.make_layout((self.T, self.SI), stride=(self.SI, 1)))
+            self._shared_down(mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        nact = mNact[0]
+        for item in cutlass.range(bid, nact * NRT, self.grid):  # (slot, row block) items
+            a = item // NRT
+            rt = item % NRT
+            e = mSlotE[a]
+            off = mSlotOff[a]
+            n = mSlotN[a]
+            mW = mg._expert_mat(mW13, e, 2 * Ie, self.L)
+            row0 = rt * R
+            nn = cutlass.min(n, TOK)  # one pass: n <= T <= 8
+            ztok = []
+            for i in cutlass.range_constexpr(self.ZP):
+                m = tid // self.UZ + i * (self.NT // self.UZ)
+                ztok.append(mPairs[off + cutlass.min(m, nn - 1)] // K)
+            pp = [mPairs[off + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
+            cute.arch.barrier()  # every warp is done with the stages (shared down, last item)
+            for s in cutlass.range_constexpr(S - 1):
+                if const_expr(s < self.NCH):
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, s, s, tid)
+                cute.arch.cp_async_commit_group()
+            accs = mc.zero_accs(2 * self.RT)
+            for i in cutlass.range(self.NCH, unroll=1):
+                cute.arch.cp_async_wait_group(S - 2)
+                cute.arch.barrier()  # chunk i landed for all; all past chunk i - 1
+                nxt = i + (S - 1)
+                if nxt < self.NCH:
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt, nxt % S, tid)
+                cute.arch.cp_async_commit_group()
+                self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom)
+            cute.arch.cp_async_wait_group(0)
+            self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
+
+    @cute.jit
+    def _shared_down(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane):
+        """``shared_out[t, r] = hs[t] . shared_w2[r]`` for this CTA's rows ``bid * RPC ..``:
+        the tokens' shared gate/up (FP32) into the z stages and the rows into the weight stages
+        by ``cp.async.cg`` (L2: the front kernel's output is complete, this grid's wait not yet
+        passed), ``hs = bf16(SiTU)`` while the rows land, then a warp per row (lanes on 16-byte
+        units, a butterfly sum), plain FP32 stores. Leaves no ``cp.async`` group open."""
+        T, E, L, SI, H, US, NT, NW = (self.T, self.E, self.L, self.SI, self.H, self.US, self.NT,
+                                      self.NW)  # fmt: skip
+        RB = self.RB
+        UY = 2 * SI // 4  # 16-byte units of a token's gate + up (FP32)
+        for i in cutlass.range(tid, T * UY, NT):
+            t = i // UY
+            u = i % UY
+            src = cute.local_tile(mY[t, None], (4,), ((E + L) // 4 + u,))
+            mc.cp_async16(cute.local_tile(sZf, (4,), (i,)), src)
+        cute.arch.cp_async_commit_group()
+        r0 = bid * self.RPC
+        nr = cutlass.min(H - r0, self.RPC)  # this CTA's rows (<= 0 for the grid's last CTAs)
+        for rb in cutlass.range_constexpr(self.NRB):
+            lo = rb * RB
+            n_r = cutlass.min(nr - lo, RB)
+            for i in cutlass.range(tid, n_r * US, NT):
+                rr = i // US
+                u = i % US
+                src = cute.local_tile(mWs2[r0 + lo + rr, None], (8,), (u,))
+                mc.cp_async16(cute.local_tile(sWf, (8,), (i,)), src)
+            cute.arch.cp_async_commit_group()
+            if const_expr(rb == 0):  # hs from the gate/up values, while the rows land
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.barrier()
+                for i in cutlass.range(tid, T * SI, NT):
+                    t = i // SI
+                    s = i % SI
+                    hv = situ(sZf[t * 2 * SI + s], sZf[t * 2 * SI + SI + s], self.beta,
+                              self.lbeta)  # fmt: skip
+                    sHs[t, s] = hv.to(BFloat16)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()  # rows and hs visible to every warp
+            for rr in cutlass.range(warp, n_r, NW):
+                acc = cute.make_rmem_tensor((T,), Float32)
+                acc.fill(0.0)
+                for u in cutlass.range(lane, US, 32):
+                    wv = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(sWf, (8,), (rr * US + u,)), wv)
+                    wf = cute.make_rmem_tensor((8,), Float32)
+                    wf.store(wv.load().to(Float32))
+                    for t in cutlass.range_constexpr(T):
+                        hb = cute.make_rmem_tensor((8,), BFloat16)
+                        cute.autovec_copy(cute.local_tile(sHs[t, None], (8,), (u,)), hb)
+                        hf = cute.make_rmem_tensor((8,), Float32)
+                        hf.store(hb.load().to(Float32))
+                        s_ = acc[t]
+                        for q in cutlass.range_constexpr(8):
+                            s_ = s_ + wf[q] * hf[q]
+                        acc[t] = s_
+                for t in cutlass.range_constexpr(T):
+                    v = acc[t]
+                    for o in cutlass.range_constexpr(5):
+                        v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> o)
+                    if lane == 0:
+                        mShared[t, r0 + lo + rr] = v
+            cute.arch.barrier()  # every warp done with the stages before they are refilled
+
+
+class W2T1(gw2.GroupedW2Tile):
+    """Kernel 3 of the ``t1`` mode: :class:`grouped_w2_tile.GroupedW2Tile`'s items (``cp``
+    loads), one per CTA, their route lists read and (``pre``) their weight copies issued before
+    the PDL wait; without ``shared`` no shared-expert CTAs (the w13 kernel did that)."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132,
+                 kn: gw2.TileKnobs | None = None, shared: bool = False,
+                 pre: bool = True):  # fmt: skip
+        super().__init__(T, E, K, L, Ie, H, S, pdl, nsm, kn)
+        if self.bulk:  # (the order knob does not apply: one item per CTA, item = CTA)
+            raise ValueError(
+                "experts_t1: the w2 tile with cp loads only (DECODESCOPE_MOE_W2T_LOAD)"
+            )
+        if self.nr < self.slots * self.CE:
+            raise ValueError(f"experts_t1: w2 needs one item per CTA ({self.slots * self.CE} "
+                             f"items, {self.nr} CTAs: raise DECODESCOPE_MOE_W2T_CAP)")  # fmt: skip
+        if not 1 <= T <= self.MP:
+            raise ValueError(f"experts_t1: {T} tokens, expected 1..{self.MP} (one pass)")
+        self.pre = pre
+        if not shared:
+            self.CS = 0
+            self.grid = self.nr
+
+    @cute.kernel
+    def kernel(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN,
+               mNact):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        BK = self.BKP
+        sW = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout((self.nbuf, self.R, BK), stride=(self.R * BK, BK, 1)),
+            byte_alignment=128,
+        )  # fmt: skip
+        sX = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout((self.nbuf, self.MP, BK), stride=(self.MP * BK, BK, 1)),
+            byte_alignment=128,
+        )  # fmt: skip
+        if const_expr(self.CS > 0):
+            if bid < self.CS:
+                if const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                self._shared(mHs, mWs2, mShared, bid, tid)
+            else:
+                self._item_t1(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact, sW,
+                              sX, bid - self.CS, tid)  # fmt: skip
+        else:
+            self._item_t1(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact, sW, sX,
+                          bid, tid)  # fmt: skip
+
+    @cute.jit
+    def _item_t1(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact, sW, sX,
+                 item, tid):  # fmt: skip
+        """Item ``item`` (if it exists): lists and (``pre``) weight copies, the PDL wait, the
+        ``h`` rows, the K loop, the weighted atomics. One pass (``n <= T <= MP``)."""
+        L, Ie, MP, NCH, NS, U, NT = (self.L, self.Ie, self.MP, self.NCH, self.stages, self.U,
+                                     self.NT)  # fmt: skip
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        total = _ld(mNact, 0) * self.CE
+        if item < total:
+            a = item // self.CE
+            row0 = (item % self.CE) * self.R
+            e = _ld(mSlotE, a)
+            off = _ld(mSlotOff, a)
+            n = _ld(mSlotN, a)
+            mW = mg._expert_mat(mW2, e, L, Ie)
+            if const_expr(self.pre):
+                for s in cutlass.range_constexpr(NS - 1):
+                    if const_expr(s < NCH):
+                        self._load_w(mW, sW, row0, s, s, tid)
+            np_ = cutlass.min(n, MP)
+            hrows = []
+            for i in cutlass.range_constexpr(-(-(MP * U) // NT)):
+                t, _ = gw2.piece(tid + i * NT, U)
+                hrows.append(_ld(mPairs, off + cutlass.min(t, np_ - 1)))
+            slots = []
+            for jt in cutlass.range_constexpr(self.MT):
+                for s2 in cutlass.range_constexpr(2):
+                    j = jt * 8 + 2 * c + s2
+                    p = _ld(mPairs, off + cutlass.min(j, np_ - 1))
+                    slots.append((j, p, _ld(mTw, p, Float32)))
+            if const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not self.pre):
+                for s in cutlass.range_constexpr(NS - 1):
+                    if const_expr(s < NCH):
+                        self._load_w(mW, sW, row0, s, s, tid)
+            for s in cutlass.range_constexpr(NS - 1):
+                if const_expr(s < NCH):
+                    self._load_h(mH, sX, hrows, np_, s, s, tid)
+                cute.arch.cp_async_commit_group()
+            atom = mc.mma_atom()
+            fa, fb = mc.fragments()
+            accs = mc.zero_accs(self.RT * self.MT)
+            for i in cutlass.range_constexpr(NCH):
+                cute.arch.cp_async_wait_group(NS - 2)
+                cute.arch.barrier()
+                nxt = i + NS - 1
+                if const_expr(nxt < NCH):
+                    self._load_w(mW, sW, row0, nxt, nxt % NS, tid)
+                    self._load_h(mH, sX, hrows, np_, nxt, nxt % NS, tid)
+                cute.arch.cp_async_commit_group()
+                self._compute(sW, sX, i % NS, warp, g, c, accs, fa, fb, atom)
+            cute.arch.cp_async_wait_group(0)
+            self._epilogue(mAcc, accs, slots, np_, row0, warp, g)
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+
+def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True):
+    """``(op, fake args)`` of :class:`W13T1`."""
+    op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared)
+    i32 = torch.int32
+    sl = op.slots
+    args = (
+        itf.fake(torch.float32, (T, E + L + 2 * S)),
+        itf.fake(torch.bfloat16, (E, 2 * Ie, L)),
+        itf.fake(torch.bfloat16, (T * K, Ie)),
+        itf.fake(i32, (T * K,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (sl,)),
+        itf.fake(i32, (4,)),
+        itf.fake(torch.bfloat16, (H, S)),
+        itf.fake(torch.float32, (T, H)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
+def build_w2(T, E, K, L, Ie, H, S, pdl=True, nsm=132, kn=None, shared=False, pre=True):
+    """``(op, fake args)`` of :class:`W2T1` (:func:`moe_grouped._build_w2`'s argument list)."""
+    op = W2T1(T, E, K, L, Ie, H, S, pdl, nsm, kn, shared, pre)
+    _, args = gw2.build(T, E, K, L, Ie, H, S, pdl, nsm, op.kn)
+    return op, args
+
+
+def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, *,
+               top_k: int, beta: float, lbeta: float, pdl: bool, nsm: int,
+               parts=(0, 1, 2)) -> None:  # fmt: skip
+    """The ``t1`` launches (called by :func:`moe_grouped.moe_grouped`, which checked the
+    tensors and compiled ``route``, the :class:`moe_grouped.GroupedRoute` launch): route, then
+    :class:`W13T1` (shared down before its wait), then :class:`W2T1`. ``parts`` as there."""
+    E, twoI, L = w13.shape
+    Ie = twoI // 2
+    H, S = shared_w2.shape
+    T = y_front.shape[0]
+    K = top_k
+    dims = (T, E, K, L, Ie, H, S)
+    cfg = w13_config()
+    sh13 = shared_where() == "w13"
+    kn = gw2.knobs()
+    pre = w2_pre()
+    w13k = itf.compiled(
+        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
+        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
+    )
+    w2k = itf.compiled(
+        ("moe_t1_w2", *dims, pdl, nsm, kn, not sh13, pre),
+        lambda: build_w2(T, E, K, L, Ie, H, S, pdl, nsm, kn, not sh13, pre),
+    )
+    b = bufs
+    tw = topk_w.view(-1)
+    if 0 in parts:
+        route()
+    if 1 in parts:
+        w13k(y_front, w13, h, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact, shared_w2,
+             shared_out)  # fmt: skip
+    if 2 in parts:
+        w2k(h, b.hs, w2, shared_w2, acc.view(-1), shared_out, b.pairs, tw, b.slot_e,
+            b.slot_off, b.slot_n, b.nact)  # fmt: skip

@@ -1,0 +1,264 @@
+"""``kernels/specialized/experts_t1.py`` (``DECODESCOPE_MOE_T1=t1``, the expert part at 1 token):
+compiles for sm_90a on the CPU at the kimi-k3 TP8 / TP16 shapes and the tiny preset; its index
+math replayed in Python (every ``h`` element and every shared-expert output row stored exactly
+once); the knobs and the selection (default unchanged: the pipe kernel); the block's wiring; on a
+GPU (``-m gpu``) the checks of ``scripts/gpu_specialized_moe.py`` (outputs poisoned first)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.specialized import experts_t1 as t1
+from decodescope.kernels.specialized import grouped_w13_tile as gt
+from decodescope.kernels.specialized import interface as itf  # sets CUTE_DSL_ARCH first
+from decodescope.kernels.specialized import moe_grouped as mg
+from decodescope.kernels.weights import make_layer_weights
+
+_VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
+         "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
+         "DECODESCOPE_MOE_EXPERTS")  # fmt: skip
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in _VARS:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def _dims(preset: str, tp: int, T: int = 1):
+    cfg = get_config(preset, tp)
+    e = cfg.moe
+    return (T, e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden,
+            cfg.shared_inter)  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_compiles_kimi_k3(tp, clean_env):
+    """Both kernels at 1 token with the default knobs: w13 with the shared down before its
+    wait, w2 without shared-expert CTAs and with its weights before its wait."""
+    d = _dims("kimi-k3", tp)
+    op, args = t1.build_w13(*d, 4.0, 25.0)
+    assert (op.R, op.S, op.BK, op.NW, op.shared) == (16, 6, 128, 1, True)
+    assert op.grid == 16 * d[4] // 16  # 16 experts x Ie / 16 items, all resident
+    assert op.RPC * op.grid >= d[5] and op.NRB == 1
+    assert itf.compile_only(op, *args) is not None
+    op2, args2 = t1.build_w2(*d)
+    assert op2.CS == 0 and op2.grid == op2.nr == 16 * d[3] // op2.R and op2.pre
+    assert itf.compile_only(op2, *args2) is not None
+
+
+@pytest.mark.parametrize("w2sh,pre", [(True, False)])
+def test_compiles_ab_forms(w2sh, pre, clean_env):
+    """The A/B forms at TP8: the shared down in w2's first CTAs, w2's weights after the wait."""
+    d = _dims("kimi-k3", 8)
+    op, args = t1.build_w13(*d, 4.0, 25.0, shared=not w2sh)
+    assert not op.shared
+    assert itf.compile_only(op, *args) is not None
+    op2, args2 = t1.build_w2(*d, shared=w2sh, pre=pre)
+    assert op2.CS > 0 and op2.grid == op2.CS + op2.nr and not op2.pre
+    assert itf.compile_only(op2, *args2) is not None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiles_tiny(tp, clean_env):
+    """The tiny preset (one K chunk, rows past Ie at TP 2 none: Ie 32 = 2 x 16)."""
+    d = _dims("tiny", tp, T=1)
+    op, args = t1.build_w13(*d, 4.0, 25.0)
+    assert itf.compile_only(op, *args) is not None
+    op2, args2 = t1.build_w2(*d)
+    assert itf.compile_only(op2, *args2) is not None
+
+
+def _shared_rows(op: t1.W13T1) -> dict[int, int]:
+    """:meth:`W13T1._shared_down`'s row loops replayed: how often each output row is stored."""
+    from collections import Counter
+
+    out: Counter = Counter()
+    for bid in range(op.grid):
+        r0 = bid * op.RPC
+        nr = min(op.H - r0, op.RPC)
+        for rb in range(op.NRB):
+            lo = rb * op.RB
+            n_r = min(nr - lo, op.RB)
+            for warp in range(op.NW):
+                for rr in range(warp, n_r, op.NW):
+                    out[r0 + lo + rr] += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "tp,cfg",
+    [(8, None), (16, None), (8, gt.TileConfig(rows=32, bk=128, stages=5, rt=1)),
+     (8, gt.TileConfig(rows=32, bk=64, stages=3, rt=1))],  # the last: 3 rounds per CTA
+)  # fmt: skip
+def test_shared_rows_once(tp, cfg, clean_env):
+    d = _dims("kimi-k3", tp)
+    op = t1.W13T1(*d, 4.0, 25.0, cfg=cfg)
+    out = _shared_rows(op)
+    assert sorted(out) == list(range(op.H)) and set(out.values()) == {1}
+
+
+def test_shared_rows_several_rounds():
+    """A grid small enough that a CTA's rows exceed its stages: rounds (NRB > 1)."""
+    d = _dims("kimi-k3", 8)
+    op = t1.W13T1(*d, 4.0, 25.0, nsm=1, cfg=gt.TileConfig(rows=16, bk=64, stages=3, rt=1))
+    assert op.NRB > 1
+    out = _shared_rows(op)
+    assert sorted(out) == list(range(op.H)) and set(out.values()) == {1}
+    _, args = t1.build_w13(*d, 4.0, 25.0, True, 1, op.cfg)
+    assert itf.compile_only(op, *args) is not None  # the rounds' code path
+
+
+@pytest.mark.parametrize("tp,T", [(8, 1), (16, 1), (8, 4)])
+def test_every_h_written_once(tp, T):
+    """The w13 items (:func:`grouped_w13_tile.coverage` replays the same loops; one pass per
+    item since ``n <= T <= 8``): every ``h`` element of every pair stored exactly once."""
+    d = _dims("kimi-k3", tp, T)
+    E, K, Ie = d[1], d[2], d[4]
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[:, 0] = 5
+    _, _, sn, nact, _ = mg.lists_from_ids(ids, E)
+    op = t1.W13T1(*d, 4.0, 25.0)
+    out = gt.coverage(op, nact, sn.tolist())
+    assert len(out) == int(sn.sum()) * Ie and set(out.values()) == {1}
+
+
+def test_knobs(clean_env):
+    mp = clean_env
+    assert t1.mode(1) == "pipe" and t1.w13_config() == gt.TileConfig(16, 128, 6, 1)
+    assert t1.shared_where() == "w13" and t1.w2_pre()
+    mp.setenv("DECODESCOPE_MOE_T1", "t1")
+    assert t1.mode(1) == "t1" and t1.mode(2) == "pipe" and t1.mode(8) == "pipe"
+    mp.setenv("DECODESCOPE_MOE_T1_ROWS", "32")
+    mp.setenv("DECODESCOPE_MOE_T1_STAGES", "5")
+    assert t1.w13_config() == gt.TileConfig(32, 128, 5, 1)
+    for var, bad, msg in (
+        ("DECODESCOPE_MOE_T1", "fast", "DECODESCOPE_MOE_T1='fast'"),
+        ("DECODESCOPE_MOE_T1_ROWS", "48", "rows=48"),
+        ("DECODESCOPE_MOE_T1_STAGES", "x", "DECODESCOPE_MOE_T1_STAGES='x'"),
+        ("DECODESCOPE_MOE_T1_SHARED", "back", "DECODESCOPE_MOE_T1_SHARED='back'"),
+        ("DECODESCOPE_MOE_T1_W2PRE", "2", "DECODESCOPE_MOE_T1_W2PRE='2'"),
+    ):
+        old = __import__("os").environ.get(var, "")
+        mp.setenv(var, bad)
+        with pytest.raises(ValueError, match=msg):
+            (t1.mode(1), t1.w13_config(), t1.shared_where(), t1.w2_pre())
+        mp.setenv(var, old)
+    with pytest.raises(ValueError, match="tokens"):
+        t1.W13T1(*_dims("kimi-k3", 8, 9), 4.0, 25.0)
+
+
+def test_selection(clean_env):
+    """Default unchanged (the pipe at 1 token); ``DECODESCOPE_MOE_T1=t1|grouped`` selects the
+    grouped path at 1 token only; an explicit ``DECODESCOPE_MOE_EXPERTS`` wins."""
+    mp = clean_env
+    dims = _dims("kimi-k3", 8)[1:]
+    assert not mg.selected(1, dims) and mg.selected(8, dims)
+    for v in ("t1", "grouped"):
+        mp.setenv("DECODESCOPE_MOE_T1", v)
+        assert mg.selected(1, dims) and not mg.selected(2, dims) and mg.selected(8, dims)
+    mp.setenv("DECODESCOPE_MOE_EXPERTS", "pipe")
+    assert not mg.selected(1, dims)
+    mp.setenv("DECODESCOPE_MOE_T1", "pipe")
+    mp.setenv("DECODESCOPE_MOE_EXPERTS", "auto")
+    assert not mg.selected(1, dims)
+
+
+def test_block_wiring(clean_env):
+    """``DECODESCOPE_MOE_T1=t1`` at 1 token: the block's expert step launches the route, W13T1
+    and W2T1 (in that order, with their knobs in the compile keys); ``grouped``: the grouped
+    kernels' own; unset: the pipe kernel (CPU: launches recorded, builds run, nothing compiled)."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    mp = clean_env
+    keys, built, calls = [], [], []
+
+    def fake_compiled(key, build):
+        keys.append(key)
+        op, _ = build()
+        built.append(op)
+        return lambda *a, key=key: calls.append(key[0])
+
+    mp.setattr(itf, "compiled", fake_compiled)
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    blk = SpecializedMoE(cfg, w, 1)
+    mp.setenv("DECODESCOPE_MOE_T1", "t1")
+    mp.setenv("DECODESCOPE_MOE_T1_STAGES", "4")
+    blk.experts()
+    assert calls == ["moe_grouped_route", "moe_t1_w13", "moe_t1_w2"]
+    ops = dict(zip([k[0] for k in keys], built, strict=True))
+    assert isinstance(ops["moe_t1_w13"], t1.W13T1) and ops["moe_t1_w13"].S == 4
+    assert isinstance(ops["moe_t1_w2"], t1.W2T1) and ops["moe_t1_w2"].CS == 0
+    calls.clear()
+    mp.setenv("DECODESCOPE_MOE_T1", "grouped")
+    blk.experts()
+    assert calls == ["moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
+    calls.clear()
+    mp.delenv("DECODESCOPE_MOE_T1")
+    blk.experts()
+    assert len(calls) == 1 and calls[0] != "moe_grouped_route"  # the persistent kernel
+
+
+def test_script_variants():
+    spec = importlib.util.spec_from_file_location("gpu_specialized_moe_t1", _SCRIPT)
+    gs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gs)
+    env = gs.variant_env("grouped_t1")
+    assert env["DECODESCOPE_MOE_T1"] == "t1" and env["DECODESCOPE_MOE_EXPERTS"] == "grouped"
+    assert env["DECODESCOPE_MOE_T1_ROWS"] == "" and env["DECODESCOPE_MOE_GROUPED_ROUTE"] == "thresh"
+    env = gs.variant_env("grouped_t1_r32_s5_w2sh_nopre")
+    assert (env["DECODESCOPE_MOE_T1_ROWS"], env["DECODESCOPE_MOE_T1_STAGES"]) == ("32", "5")
+    assert env["DECODESCOPE_MOE_T1_SHARED"] == "w2" and env["DECODESCOPE_MOE_T1_W2PRE"] == "0"
+    assert gs.variant_env("grouped_t1base")["DECODESCOPE_MOE_T1"] == "grouped"
+    assert gs.variant_name("grouped_t1_k64") == "grouped_t1_k64"
+
+
+# -- GPU (the lead's H200 runs: pytest -m gpu tests/test_experts_t1.py) -------------------------
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_specialized_moe.py"
+
+
+@pytest.fixture(scope="module")
+def gsm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = importlib.util.spec_from_file_location("gpu_specialized_moe", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp,var", [("kimi-k3", 8, "grouped_t1"),
+                                           ("kimi-k3", 16, "grouped_t1"),
+                                           ("kimi-k3", 8, "grouped_t1_w2sh_nopre"),
+                                           ("tiny", 1, "grouped_t1")])  # fmt: skip
+def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
+    """Lists, h (poisoned first) vs bf16(SiTU(w13 z)), routed sum, shared output, up-projection
+    and the block vs the references at 1 token, two fresh draws; then the default selection
+    path (``DECODESCOPE_MOE_EXPERTS`` unset) with ``DECODESCOPE_MOE_T1=t1``."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    for k, v in gsm.variant_env(var).items():
+        monkeypatch.setenv(k, v)
+    cfg = get_config(preset, tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    blk = SpecializedMoE(cfg, w, 1)
+    gsm.RESULTS.clear()
+    for draw in range(2):
+        ctx = {"preset": preset, "tp": tp, "tokens": 1, "draw": draw, "experts": var}
+        gsm.run_checks(cfg, w, blk, 1, ctx, seed=17 + draw, front_norm=False, fronts=False)
+    monkeypatch.delenv("DECODESCOPE_MOE_EXPERTS")
+    ctx = {"preset": preset, "tp": tp, "tokens": 1, "draw": 2, "experts": var + "_auto"}
+    gsm.run_checks(cfg, w, blk, 1, ctx, seed=19, front_norm=False, fronts=False)
+    bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
+    assert not bad, bad
+    assert any(r.get("check") == "shared_out" for r in gsm.RESULTS)
