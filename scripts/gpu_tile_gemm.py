@@ -2,6 +2,7 @@
 
     python scripts/gpu_tile_gemm.py --out $OUT/tile [--tp 8] [--ms 1 8 32 64]
         [--gemms in_proj qkv_a_g q_b o_proj] [--replays 30] [--no-timing] [--budget 200]
+        [--no-base-variants]
 
 One child process per GEMM (a hang or CUDA error loses that GEMM only; children compile and
 check at the same time, then take turns on a lock for their timings). Per GEMM:
@@ -14,6 +15,14 @@ check at the same time, then take turns on a lock for their timings). Per GEMM:
   ``tile GEMM only`` (input already normalized), a few split / stage variants, ``default``
   (what the layers run now: :func:`.splitk_gemm.project`), and ``cuBLAS`` (``torch.mm``, no
   norm or epilogue), with the bytes floor (weights + activations at the copy bandwidth).
+
+Session 10 rows (helper qb): q_b with the RMSNorm folded into the GEMM (``fold``: one launch on
+the derived weight ``bf16(q_b * q_a_norm)``, ``TilePlan.rms_fold``; checked against the
+reference with vLLM's rounding at 1 / 8 / 33 / 64 tokens and each fold variant at 64; timed
+at every ``--ms``, two variants from 32 tokens, all at the largest); o_proj's split-K epilogue
+knobs (``epi_hoist``: the residual loads issued with the partials'; ``epi_batch``; ``ldsm``;
+split counts), checked at 64, two timed from 32 tokens, all at the largest. ``--no-base-variants`` drops round 4's
+split / stage / warp rows of the plain plan.
 
 Writes ``results.json`` (rewritten as results arrive) and ``table.md`` under ``--out``; prints
 the table last (PASS/FAIL per check).
@@ -31,15 +40,56 @@ import time
 import traceback
 from pathlib import Path
 
+from decodescope.kernels.timing import graph_time_us
+
 GEMMS = ("in_proj", "qkv_a_g", "q_b", "o_proj")
 L2_BYTES = 50 * 2**20
 TOL = 2e-2  # max |err| / max |ref| over an output (BF16 outputs, FP32 sums in another order)
 CHECK_MS = (1, 8, 33, 64)
-VARIANTS = (  # forced tilings checked at 64 tokens and timed at every M
+VARIANTS = (  # forced tilings checked at 64 tokens and timed at the largest M
     {"stages": 3},
     {"stages": 6},
     {"warps": 2},
 )
+# session 10: the folded norm (q_b; {} is the fold's own plan) and o_proj's epilogue knobs,
+# each checked at VAR_CHECK_MS and timed at the largest M; the first VAR_WIDE of each also at
+# every M from VAR_MIN_M (few compiles: the run stays near 2 minutes)
+FOLD_VARIANTS = (
+    {},
+    {"ldsm": True},
+    {"epi_batch": 8},
+    {"splits": 4},
+    {"splits": 6},
+    {"warps": 2},
+    {"warps": 2, "splits": 3},
+    {"warps": 1},
+)
+EPI_VARIANTS = (
+    {"epi_hoist": True},
+    {"epi_hoist": True, "epi_batch": 8},
+    {"ldsm": True},
+    {"epi_hoist": True, "ldsm": True},
+    {"epi_hoist": True, "splits": 4},
+    {"epi_hoist": True, "splits": 2},
+    {"epi_hoist": True, "splits": 6},
+)
+VAR_CHECK_MS = (64,)
+VAR_MIN_M = 32
+VAR_WIDE = 2
+
+
+def label(f: dict) -> str:
+    """A variant's short name: ``hoist b8 ldsm S4 w2``."""
+    short = {"epi_hoist": "hoist", "ldsm": "ldsm"}
+    parts = []
+    for k, v in f.items():
+        if k in short:
+            parts.append(short[k])
+        else:
+            parts.append(
+                {"epi_batch": "b", "splits": "S", "warps": "w", "stages": "st"}[k] + str(v)
+            )
+    return " ".join(parts) or "plan"
 
 
 def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
@@ -55,6 +105,8 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
     kw = tg.attention_cases(cfg)[name]
     K, segs = kw["k"], kw["segments"]
     res: list[dict] = []
+    fold_vars = FOLD_VARIANTS if name == "q_b" else ()
+    epi_vars = EPI_VARIANTS if kw.get("residual_epilogue") else ()
 
     def rec(**r) -> None:
         r.update(gemm=name, tp=a["tp"])
@@ -87,12 +139,20 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device=dev) for n in segs]
         return x, args, outs
 
-    def check(m: int, force: dict) -> None:
+    def run_fold(x, ws, outs, args, force):
+        """q_b with the norm folded: one launch on the derived weights."""
+        wf = [tg.fold_norm_weight(w, args["norm_weight"]) for w in ws]
+        tg.tile_gemm(x, wf, outs, rms_fold=True, eps=args["eps"], **force)
+
+    def check(m: int, force: dict, fold: bool = False) -> None:
         ws = [rnd(n, K, std=K**-0.5) for n in segs]
         x, args, outs = inputs(m, ws)
         for t in outs + ([args["residual_out"]] if "residual_out" in args else []):
             t.fill_(float("nan"))
-        tg.tile_gemm(x, ws, outs, **args, **force)
+        if fold:
+            run_fold(x, ws, outs, args, force)
+        else:
+            tg.tile_gemm(x, ws, outs, **args, **force)
         torch.cuda.synchronize()
         refs, rref = skinny_gemm_ref(x, ws, **{k: v for k, v in args.items()
                                                if k != "residual_out"})  # fmt: skip
@@ -104,14 +164,29 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
             err = max(err, ((o.float() - r.float()).abs().max() / r.float().abs().max()).item())
         if rref is not None and not torch.equal(args["residual_out"], rref):
             err = math.inf
-        p = tg.plan_of(x, ws, **{k: v for k, v in args.items() if k != "residual_out"}, **force)
-        rec(what=f"check M{m} {force or 'plan'} (S{p.splits} w{p.warps} st{p.stages})",
+        if fold:
+            p = tg.plan_of(x, ws, eps=args["eps"], rms_fold=True, **force)
+            what = f"check M{m} fold {label(force)}"
+        else:
+            p = tg.plan_of(x, ws, **{k: v for k, v in args.items() if k != "residual_out"},
+                           **force)  # fmt: skip
+            what = f"check M{m} {label(force)}"
+        rec(what=f"{what} (S{p.splits} w{p.warps} st{p.stages} b{p.epi_batch})",
             err=f"{err:.2e}", status="PASS" if err < TOL else "FAIL")  # fmt: skip
 
     for m in CHECK_MS:
         guarded(f"check M{m}", lambda m=m: check(m, {}))
-    for f in VARIANTS + ({"splits": 1},):
-        guarded(f"check M64 {f}", lambda f=f: check(64, f))
+    if not a["no_base_variants"]:
+        for f in VARIANTS + ({"splits": 1},):
+            guarded(f"check M64 {f}", lambda f=f: check(64, f))
+    for m in CHECK_MS if fold_vars else ():  # the fold's own plan at every check size
+        guarded(f"check M{m} fold", lambda m=m: check(m, {}, True))
+    for f in fold_vars[1:] + (({"splits": 1},) if fold_vars else ()):
+        for m in VAR_CHECK_MS:
+            guarded(f"check M{m} fold {f}", lambda m=m, f=f: check(m, f, True))
+    for f in epi_vars:
+        for m in VAR_CHECK_MS:
+            guarded(f"check M{m} {f}", lambda m=m, f=f: check(m, f))
     if a["no_timing"]:
         return
     ok_checks = not any(r.get("status") in ("FAIL", "error") for r in res)
@@ -127,31 +202,11 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
     wsets = [[rnd(n, K, std=K**-0.5) for n in segs] for _ in range(ncopy)]
 
     def graph_us(fns: list, replays: int) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in fns:
-                f()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(replays):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / len(fns))
-        ts.sort()
-        return ts[len(ts) // 2]
+        return graph_time_us(fns, replays)[0]  # the median
 
+    if fold_vars:  # the folded weights of every copy (one norm weight: timing only)
+        gf = (1 + 0.1 * torch.randn(K, device=dev)).to(torch.bfloat16)
+        wfs = [[tg.fold_norm_weight(w, gf) for w in wl] for wl in wsets]
     # every timed launch list is built and run once (compiles) before the lock is taken
     jobs = []  # (what, m, floor, fns)
     for m in a["ms"]:
@@ -182,7 +237,26 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
                     p0, x, args["norm_weight"], args.get("residual"), args.get("residual_out")
                 ),
             )
-        if m == max(a["ms"]):
+        if fold_vars:
+            for f in (
+                fold_vars if m == max(a["ms"]) else fold_vars[: VAR_WIDE if m >= VAR_MIN_M else 1]
+            ):
+                pf = tg.plan_of(x, wfs[0], eps=args["eps"], rms_fold=True, **f)
+                add(
+                    f"fold {label(f)} (S{pf.splits} w{pf.warps}, 1 launch)",
+                    lambda i, x=x, outs=outs, f=f, wfs=wfs, eps=args["eps"]: tg.tile_gemm(
+                        x, wfs[i], outs, rms_fold=True, eps=eps, **f
+                    ),
+                )
+        for f in epi_vars if m == max(a["ms"]) else epi_vars[:VAR_WIDE] if m >= VAR_MIN_M else ():
+            pf = tg.plan_of(x, wsets[0], **pargs, **f)
+            add(
+                f"tile {label(f)} (S{pf.splits} w{pf.warps})",
+                lambda i, x=x, args=args, f=f, outs=outs: tg.tile_gemm(
+                    x, wsets[i], outs, **args, **f
+                ),
+            )
+        if m == max(a["ms"]) and not a["no_base_variants"]:
             divs = [d for d in range(1, p0.nch + 1) if p0.nch % d == 0 and d != p0.splits]
             near = sorted(divs, key=lambda d: abs(math.log(d / p0.splits)))[:2]
             for f in [{"splits": d} for d in near] + list(VARIANTS):
@@ -196,6 +270,21 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
             "default (splitk_gemm.project)",
             lambda i, x=x, args=args, outs=outs: sk.project(x, wsets[i], outs, **args),
         )
+        if name == "q_b":  # the standard path's two kernels: q_a / kv_a norms, then cuBLAS
+            xa = rnd(m, kw["x_stride"])
+            kv_n = torch.empty(m, kw["x_stride"] - K - cfg.mla.qk_rope_head_dim,
+                               dtype=torch.bfloat16, device=dev)  # fmt: skip
+            q_n = torch.empty(m, K, dtype=torch.bfloat16, device=dev)
+            kvw = (1 + 0.1 * torch.randn(kv_n.shape[1], device=dev)).to(torch.bfloat16)
+
+            def std_qb(i, xa=xa, kv_n=kv_n, q_n=q_n, kvw=kvw, args=args, outs=outs):
+                from decodescope.kernels.standard import triton_kernels as tk
+
+                tk.rmsnorm2(xa, 0, K, args["norm_weight"], q_n, K, kv_n.shape[1], kvw, kv_n,
+                            args["eps"])  # fmt: skip
+                torch.mm(q_n, wsets[i][0].t(), out=outs[0])
+
+            add("standard: triton rmsnorm2 + cuBLAS (2 launches)", std_qb)
         add(
             "cuBLAS torch.mm (no norm/epilogue)",
             lambda i, xn=xn, outs=outs: [
@@ -259,6 +348,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--budget", type=float, default=200, help="seconds for all children")
+    ap.add_argument("--no-base-variants", action="store_true",
+                    help="skip round 4's split / stage / warp variants of the plain plan")  # fmt: skip
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -267,7 +358,7 @@ def main() -> int:
     lock = ctx.Lock()
     barrier = ctx.Barrier(len(a.gemms))
     args = {"tp": a.tp, "ms": a.ms, "replays": a.replays, "no_timing": a.no_timing,
-            "budget": a.budget}  # fmt: skip
+            "budget": a.budget, "no_base_variants": a.no_base_variants}  # fmt: skip
     procs = {}
     for name in a.gemms:
         path = out / f"child_{name}.json"

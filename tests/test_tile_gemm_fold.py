@@ -1,10 +1,12 @@
-"""The RMSNorm folded into the tile GEMM (``TilePlan.rms_fold``, ``DECODESCOPE_TILE_NORM=fold``).
+"""The RMSNorm folded into the tile GEMM (``TilePlan.rms_fold``, ``DECODESCOPE_TILE_NORM=fold``),
+and the split-K epilogue knobs (``epi_hoist`` / ``epi_batch``, o_proj at 32-64 tokens).
 
 CPU: sm_90a compiles of MLA's q_b with the folded norm at 8 / 32 / 64 tokens, TP8 and TP16
 (strided q_a input, split-K and one split); the plan (workspace rows for the sums of squares,
 no norm launch); the selection (default unchanged; with ``fold`` q_b goes to the tile kernel
 from 8 tokens and the MLA layer keeps its launch count); the folded math against the reference
-with vLLM's rounding. GPU (``-m gpu``): the kernel against the reference, NaN-poisoned outputs.
+with vLLM's rounding; the epilogue knobs (environment, compiles of o_proj). GPU (``-m gpu``):
+the kernels against the reference, NaN-poisoned outputs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ CFG16 = get_config("kimi-k3", 16)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for v in ("DECODESCOPE_TILE_NORM", "DECODESCOPE_ATTN_GEMM", "DECODESCOPE_TILE_LDSM"):
+    for v in ("DECODESCOPE_TILE_NORM", "DECODESCOPE_ATTN_GEMM", "DECODESCOPE_TILE_LDSM",
+              "DECODESCOPE_TILE_EPI_HOIST", "DECODESCOPE_TILE_EPI_BATCH"):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
 
 
@@ -124,6 +127,27 @@ def test_folded_weight_cache():
     assert tg.folded_weight(w, g2) is not a  # another norm weight: remade
 
 
+def _oproj(m, **force) -> tg.TilePlan:
+    return tg.TilePlan(m=m, **tg.attention_cases(CFG8)["o_proj"], **force)
+
+
+def test_epilogue_knobs(monkeypatch):
+    p = _oproj(64)
+    assert (p.epi_hoist, p.epi_batch) == (False, tg.EPI_BATCH)  # default unchanged
+    monkeypatch.setenv("DECODESCOPE_TILE_EPI_HOIST", "1")
+    monkeypatch.setenv("DECODESCOPE_TILE_EPI_BATCH", "8")
+    q = _oproj(64)
+    assert (q.epi_hoist, q.epi_batch) == (True, 8) and q != p  # part of the compile key
+    with pytest.raises(ValueError, match="epi_batch"):
+        _oproj(64, epi_batch=0)
+
+
+@pytest.mark.parametrize("m,force", [(64, dict(epi_hoist=True)),
+                                     (32, dict(epi_hoist=True, epi_batch=8))])  # fmt: skip
+def test_hoist_compiles(m, force):
+    assert tg.compile_plan(_oproj(m, **force)) is not None
+
+
 # -- GPU -----------------------------------------------------------------------------------
 
 
@@ -160,3 +184,30 @@ def test_fold_gpu(tp, m):
 )  # fmt: skip
 def test_fold_gpu_variants(force):
     assert check_fold(CFG8, 64, seed=1, **force) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [8, 33, 64])
+@pytest.mark.parametrize(
+    "force", [dict(epi_hoist=True), dict(epi_hoist=True, epi_batch=8), dict(epi_hoist=True,
+              splits=2), dict(epi_hoist=True, ldsm=True)],
+)  # fmt: skip
+def test_hoist_gpu(m, force):
+    """o_proj + residual with the hoisted epilogue, the output aliasing the residual (as the
+    layer may): NaN-free and equal to the reference."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(m)
+    K, N = CFG8.kda_dim, CFG8.hidden
+    x = torch.randn(m, K, generator=gen, device=dev).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen, device=dev) * K**-0.5).to(torch.bfloat16)
+    r = torch.randn(m, N, generator=gen, device=dev).to(torch.bfloat16)
+    ref = skinny_gemm_ref(x, [w], epilogue_residual=r)[0][0].float()
+    out = torch.full((m, N), float("nan"), dtype=torch.bfloat16, device=dev)
+    tg.tile_gemm(x, [w], [out], epilogue_residual=r, **force)
+    alias = r.clone()
+    tg.tile_gemm(x, [w], [alias], epilogue_residual=alias, **force)
+    torch.cuda.synchronize()
+    for o in (out, alias):
+        assert torch.isfinite(o.float()).all()
+        assert ((o.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2

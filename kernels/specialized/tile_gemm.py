@@ -63,6 +63,15 @@ SASS of the MoE front's plan at 64 tokens (ptxas 13.0, cuobjdump): 872 instructi
 moves, 148 registers by default; 648, 7 moves, 128 registers with ``ldsm``. The default
 plans' PTX is unchanged by the knob's code (normalised PTX compared).
 
+Split-K epilogue knobs (A/B, read when a plan is built; defaults unchanged):
+``DECODESCOPE_TILE_EPI_HOIST=1`` (``TilePlan.epi_hoist``) issues the residual epilogue's loads
+with the partials' (clamped, outside the store branch). Without it the SASS of o_proj at 64
+tokens (ptxas 13.0, this CPU) loads each step's residual after the previous step's store: the
+output may alias the residual, so nothing moves a load above a store, and every step of a
+batch pays its own memory round trip after the partials' (16 steps of 4 rows per thread at 64
+tokens, 8 at 32, 2 at 8). ``DECODESCOPE_TILE_EPI_BATCH=N`` (``epi_batch``, default 4): steps
+whose loads go out together.
+
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
 attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
 tokens on, not q_b), ``default`` (the skinny / split-K choice). Compile key: the plan (every shape static).
@@ -166,6 +175,17 @@ class TilePlan:
     # (fold_norm_weight), each CTA sums the squares of its staged K-slice of x, the epilogue
     # scales by each token's rstd (DECODESCOPE_TILE_NORM=fold selects it for q_b)
     rms_fold: bool = False
+    # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
+    # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
+    # loads issued with the partials' instead of inside each step's store branch
+    # (DECODESCOPE_TILE_EPI_HOIST=1; without it each step's residual load is a round trip of
+    # its own after the partials': 16 per batch of 4 at 64 tokens)
+    epi_batch: int = field(
+        default_factory=lambda: int(os.environ.get("DECODESCOPE_TILE_EPI_BATCH", "") or EPI_BATCH)
+    )
+    epi_hoist: bool = field(
+        default_factory=lambda: os.environ.get("DECODESCOPE_TILE_EPI_HOIST") == "1"
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -180,6 +200,8 @@ class TilePlan:
             raise ValueError("tile GEMM: rms_fold excludes the norm launch and out_f32")
         if self.out_f32 and self.residual_epilogue:
             raise ValueError("tile GEMM: out_f32 has no residual epilogue")
+        if not 1 <= self.epi_batch <= 16:
+            raise ValueError(f"tile GEMM: epi_batch in 1..16, got {self.epi_batch}")
         if self.warps not in (1, 2, 4, 8) or not 2 <= self.stages <= 8:
             raise ValueError(f"tile GEMM: warps in 1/2/4/8, stages in 2..8: {self}")
         if self.splits_force and self.nch % self.splits_force:
@@ -604,15 +626,15 @@ class TileGemm:
     def epilogue_partial(self, mO, mE, mWs, mCnt, bx, cta, n, tidx, sRs=None):
         """The last CTA of row tile ``bx``: sum the splits' partials, 4 rows of one token per
         thread and step (16-byte L2 loads, consecutive threads on consecutive rows: coalesced
-        loads and 8-byte output stores), ``EPI_BATCH`` steps' loads issued before any sum;
-        epilogue (``rms_fold``: times the token's rstd from ``sRs``), store; zero the
-        counter."""
+        loads and 8-byte output stores), ``epi_batch`` steps' loads issued before any sum (with
+        ``epi_hoist`` the residual's too); epilogue (``rms_fold``: times the token's rstd from
+        ``sRs``), store; zero the counter."""
         p = self.p
         nt = p.threads
         quads = p.cta_rows // 4
         total = p.m * quads
         steps = (total + nt - 1) // nt
-        bsz = min(EPI_BATCH, steps)
+        bsz = min(p.epi_batch, steps)
         for b in cutlass.range((steps + bsz - 1) // bsz, unroll=1):
             parts = []
             for t in cutlass.range_constexpr(bsz):
@@ -631,14 +653,21 @@ class TileGemm:
                             read_only_args=[ptr],
                         )
                     )
-                parts.append((ok, m, r4, vals))
-            for ok, m, r4, vals in parts:
+                ev = None
+                if cutlass.const_expr(p.residual_epilogue and p.epi_hoist):
+                    # with the partials, outside the store's branch (clamped: in bounds)
+                    nnc = cutlass.min(cta * p.cta_rows + r4, n - 4)
+                    ev = cute.make_rmem_tensor((4,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nnc // 4,)), ev)
+                parts.append((ok, m, r4, vals, ev))
+            for ok, m, r4, vals, ev in parts:
                 nn = cta * p.cta_rows + r4
                 if ok and nn < n:
                     ov = cute.make_rmem_tensor((4,), Float32 if p.out_f32 else BFloat16)
-                    ev = cute.make_rmem_tensor((4,), BFloat16)
-                    if cutlass.const_expr(p.residual_epilogue):
-                        cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), ev)
+                    evl = ev
+                    if cutlass.const_expr(p.residual_epilogue and not p.epi_hoist):
+                        evl = cute.make_rmem_tensor((4,), BFloat16)
+                        cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), evl)
                     rs = None
                     if cutlass.const_expr(p.rms_fold):
                         rs = sRs[m]
@@ -649,7 +678,7 @@ class TileGemm:
                         if cutlass.const_expr(p.rms_fold):
                             val = val * rs
                         if cutlass.const_expr(p.residual_epilogue):
-                            val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
+                            val = val.to(BFloat16).to(Float32) + evl[e].to(Float32)
                         if cutlass.const_expr(p.out_f32):
                             ov[e] = val
                         else:
@@ -813,13 +842,16 @@ def plan_of(
     pdl: bool | None = None,
     rms_fold: bool = False,
     ldsm: bool | None = None,
+    epi_batch: int | None = None,
+    epi_hoist: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
     extra: dict = {} if pdl is None else {"pdl": pdl}
-    if ldsm is not None:
-        extra["ldsm"] = ldsm
+    for k, v in (("ldsm", ldsm), ("epi_batch", epi_batch), ("epi_hoist", epi_hoist)):
+        if v is not None:
+            extra[k] = v
     return TilePlan(
         m=int(M),
         k=int(K),
@@ -854,6 +886,8 @@ def tile_gemm(
     pdl: bool | None = None,
     rms_fold: bool = False,
     ldsm: bool | None = None,
+    epi_batch: int | None = None,
+    epi_hoist: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
@@ -861,8 +895,8 @@ def tile_gemm(
     weight (:func:`fold_norm_weight`) and the GEMM itself scales by each token's rstd: one
     launch, ``bf16(rstd * sum_k x W')``. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
-    ``pdl`` / ``ldsm``: the plan's flags (default :func:`.utils.pdl_enabled` /
-    ``DECODESCOPE_TILE_LDSM``)."""
+    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist``: the plan's flags (default
+    :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
         for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
@@ -872,7 +906,7 @@ def tile_gemm(
     p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
-                ldsm=ldsm)  # fmt: skip
+                ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
