@@ -72,6 +72,7 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_TC_NBUF": "", "DECODESCOPE_MLA_KERNEL": "",
         "DECODESCOPE_MLA_SPLIT_SPLITS": "", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "",
         "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
+        "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -121,6 +122,11 @@ VARIANTS = {
     "split a4": ("split", {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4"}, 0, 0),
     "split vr1": ("split", {"DECODESCOPE_MLA_SPLIT_VROWS": "1"}, 0, 0),
     "split vr8": ("split", {"DECODESCOPE_MLA_SPLIT_VROWS": "8"}, 0, 0),
+    # the phases' timeline (%globaltimer per CTA: start, end of wait, end), recorded after the
+    # check; then timed (the trace stores cost ~nothing)
+    "split trace": ("split", {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}, 0, 0),
+    # timing only (wrong results by design, no check): the waits skipped
+    "split diag": ("split", {"DECODESCOPE_MLA_SPLIT_DIAG": "1"}, 0, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],
@@ -262,6 +268,11 @@ def check_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: 
         record(check=f"mla {name}" + (" (3 launches)" if rep else ""), **ctx,
                rel_l2=f"{e_out:.2e}", rows_rel_l2=f"{e_rows:.2e}", all_written=written,
                old_rows_kept=old_ok, **extra, status="ok" if good else "FAIL")  # fmt: skip
+        if kernel == "split" and rep == 1:
+            p = msp.plan_for(pt.cfg, pt.B, pt.T)
+            if p.trace:  # the last launch's timeline, us from its first CTA's start
+                record(what=f"mla {name} timeline", **ctx, **msp.trace_summary(p, DEV),
+                       status="info")  # fmt: skip
     return ok
 
 
@@ -360,9 +371,12 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     base_us: dict = {}
     for name, (kernel, venv, hg, sp) in variants.items():
         with env({**BASE, **venv}):
-            ok = guarded(
-                f"check {name}", ctx, partial(check_variant, pt, name, kernel, hg, sp, ctx)
-            )
+            if name.endswith("diag"):  # wrong results by design: timed only
+                ok = True
+            else:
+                ok = guarded(
+                    f"check {name}", ctx, partial(check_variant, pt, name, kernel, hg, sp, ctx)
+                )
             if ok and not a.no_timing:
                 guarded(f"time {name}", ctx, partial(time_variant, pt, name, kernel, hg, sp, ctx,
                                                      a.replays, floor, base_us))  # fmt: skip

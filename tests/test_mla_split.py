@@ -29,6 +29,8 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_ACHUNKS",
     "DECODESCOPE_MLA_SPLIT_VROWS",
     "DECODESCOPE_MLA_SPLIT_NBUF",
+    "DECODESCOPE_MLA_SPLIT_TRACE",
+    "DECODESCOPE_MLA_SPLIT_DIAG",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -48,9 +50,11 @@ def test_compiles_k3(tp, batch):
 
 def test_compiles_knobs():
     """Two key buffers with one CTA per SM and several blocks per split; absorption items of
-    the whole latent width; W_UV items of 8 rows and all output columns."""
+    the whole latent width; W_UV items of 8 rows and all output columns; the trace stores."""
     p = msp.plan_for(get_config("kimi-k3", 8), 8, 1)
-    p = dataclasses.replace(p, splits_force=4, nbuf_force=2, achunks_force=1, vrows_force=8)
+    p = dataclasses.replace(
+        p, splits_force=4, nbuf_force=2, achunks_force=1, vrows_force=8, trace=1
+    )
     assert (p.blk_max, p.ctas_per_sm, p.vchunks, p.cw) == (5, 1, 1, 512)
     assert msp.compile_plan(p) is not None
 
@@ -103,6 +107,10 @@ def test_knob_errors(monkeypatch):
     with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG: 0 or 1"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     with pytest.raises(ValueError, match="12 heads x 2 tokens > 16 MMA rows"):
         msp.plan_for(cfg, 8, 2)
 
@@ -132,7 +140,8 @@ def test_kernel_choice_env(monkeypatch):
      (8, 8, {"DECODESCOPE_MLA_SPLIT_SPLITS": "8", "DECODESCOPE_MLA_SPLIT_NBUF": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_SPLITS": "4", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "1",
              "DECODESCOPE_MLA_SPLIT_VROWS": "8"}),
-     (8, 32, {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4", "DECODESCOPE_MLA_SPLIT_VROWS": "1"})],
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4", "DECODESCOPE_MLA_SPLIT_VROWS": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     if not torch.cuda.is_available():
@@ -158,6 +167,9 @@ def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
         assert rel_l2(out, ref) < 2e-2
         assert rel_l2(cache[:, ctx:], rcache[:, ctx:]) < 1e-2
         assert torch.equal(cache[:, :ctx], cache0[:, :ctx])
+    if plan.trace:  # every CTA wrote its row; waits end after the phase before them started
+        tl = msp.trace_summary(plan, out.device)
+        assert tl["span_us"] > 0 and "att_waited" in tl and "uv_end" in tl
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -45,7 +45,10 @@ sequence; 0: one 64-key block per split where ``batch x blocks`` CTAs fit two pe
 ``132 // batch``), ``_ACHUNKS`` (column chunks of
 an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
-share an SM when the shared memory fits 113 KB).
+share an SM when the shared memory fits 113 KB). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
+writes its ticket, start, end of wait and end (``%globaltimer``) to a trace buffer
+(:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
+waits skipped, so the phases overlap (the cost of the dependency chain).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -109,6 +112,11 @@ class MLASplitPlan:
     achunks_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_ACHUNKS", 0))
     vrows_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_VROWS", 0))
     nbuf_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_NBUF", 0))
+    # 1: each CTA writes (ticket, start, end of its wait, end) in %globaltimer ns to the trace
+    trace: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TRACE", 0))
+    # timing diagnostic, wrong results: 1 = no waits (the phases overlap: what the dependency
+    # chain costs)
+    diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_DIAG", 0))
 
     def __post_init__(self) -> None:
         if self.heads * self.tokens > ROWS:
@@ -131,6 +139,10 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_VROWS: 0-{ROWS}, got {self.vrows_force}")
         if self.nbuf_force not in (0, 1, 2):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
+        if self.trace not in (0, 1) or self.diag not in (0, 1):
+            raise ValueError(
+                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG: 0 or 1, got {self.trace} / {self.diag}"
+            )
 
     # -- shapes ------------------------------------------------------------------------------
     @property
@@ -275,6 +287,7 @@ class MLADecodeSplit(MLADecodeTC):
         mQl: cute.Tensor,  # [B*T, heads, kv_lora] bf16 workspace
         mPart: cute.Tensor,  # [B, splits, 16, kv_lora + 4] f32 workspace
         mCnt: cute.Tensor,  # [NCNT] i32, zero between launches (but C_ERR)
+        mTrace: cute.Tensor,  # [grid, 4] i64 (written with ``trace`` only)
         mOut: cute.Tensor,  # [B*T, heads*v] bf16
         stream: cuda.CUstream,
     ):
@@ -287,12 +300,13 @@ class MLADecodeSplit(MLADecodeTC):
             wgt: cute.struct.MemRange[Float32, ROWS * p.splits]
             misc: cute.struct.MemRange[Float32, 8]
             tk: cute.struct.MemRange[Int32, 2]
+            tm: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
 
         self.smem_cls = Smem
         extra = (
             {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100} if p.ctas_per_sm == 2 else {}
         )
-        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mOut).launch(
+        self.kernel(mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mTrace, mOut).launch(
             grid=[p.grid, 1, 1],
             block=[NT, 1, 1],
             smem=Smem.size_in_bytes(),
@@ -302,7 +316,7 @@ class MLADecodeSplit(MLADecodeTC):
         )
 
     @cute.kernel
-    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mOut):
+    def kernel(self, mA, mQ, mG, mKvNorm, mWuk, mWuv, mCache, mQl, mPart, mCnt, mTrace, mOut):
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -312,6 +326,7 @@ class MLADecodeSplit(MLADecodeTC):
         sWgt = st.wgt.get_tensor(cute.make_layout((ROWS, p.splits), stride=(p.splits, 1)))
         sMisc = st.misc.get_tensor(cute.make_layout(8))
         sTk = st.tk.get_tensor(cute.make_layout(2))
+        sTm = st.tm.get_tensor(cute.make_layout(2))
 
         if cutlass.const_expr(p.pdl):
             pdl_begin()
@@ -319,6 +334,9 @@ class MLADecodeSplit(MLADecodeTC):
             sTk[0] = cute.arch.atomic_add(
                 mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
             )
+            if cutlass.const_expr(p.trace):
+                sTm[0] = global_timer_ns()
+                sTm[1] = Int64(0)
         cute.arch.sync_threads()
         tk = sTk[0]
         if tk < p.n_abs:
@@ -327,13 +345,21 @@ class MLADecodeSplit(MLADecodeTC):
             if tk < p.n_abs + p.n_att:
                 self.attend_item(
                     tk - p.n_abs, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
-                    tidx,
+                    sTm, tidx,
                 )  # fmt: skip
             else:
-                self.uv_item(tk - p.n_abs - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, tidx)
+                self.uv_item(
+                    tk - p.n_abs - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx
+                )
 
         # the CTA that exits last resets the counters (every CTA read its last counter before)
         cute.arch.sync_threads()
+        if cutlass.const_expr(p.trace):  # noqa: SIM102 (a trace-time condition)
+            if tidx == 0:
+                mTrace[tk, 0] = Int64(tk)
+                mTrace[tk, 1] = sTm[0]
+                mTrace[tk, 2] = sTm[1]
+                mTrace[tk, 3] = global_timer_ns()
         if tidx == 0:
             old = cute.arch.atomic_add(mCnt.iterator + C_EXIT, Int32(1), sem="acq_rel", scope="gpu")
             if old == p.grid - 1:
@@ -344,11 +370,13 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- helpers ---------------------------------------------------------------------------
     @cute.jit
-    def wait_count(self, mCnt, which: cutlass.Constexpr[int], target: cutlass.Constexpr[int]):
+    def wait_count(self, mCnt, which: cutlass.Constexpr[int], target: cutlass.Constexpr[int], sTm):
         """One thread: spin (acquire) until ``cnt[which] >= target``; after ``SPIN_NS`` set
-        the error word and return (a wrong result, not a hang)."""
+        the error word and return (a wrong result, not a hang). ``diag``: no wait."""
         ptr = mCnt.iterator + which
         v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
+        if cutlass.const_expr(self.p.diag):
+            v = Int32(target)
         if v < target:
             t0 = global_timer_ns()
             going = True
@@ -359,6 +387,8 @@ class MLADecodeSplit(MLADecodeTC):
                 elif global_timer_ns() - t0 > Int64(SPIN_NS):
                     cute.arch.store(mCnt.iterator + C_ERR, Int32(which))
                     going = False
+        if cutlass.const_expr(self.p.trace):
+            sTm[1] = global_timer_ns()
 
     @cute.jit
     def publish(self, mCnt, which: cutlass.Constexpr[int], tidx):
@@ -479,7 +509,9 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- 2. attention ------------------------------------------------------------------------
     @cute.jit
-    def attend_item(self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, tidx):
+    def attend_item(
+        self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx
+    ):
         p = self.p
         LP, L, KVL, T, R, NB, S = p.lp, p.lat, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
         NBA = p.nblk_all
@@ -550,7 +582,7 @@ class MLADecodeSplit(MLADecodeTC):
 
         # q_lat of this sequence's rows, once every absorption item is done
         if tidx == 0:
-            self.wait_count(mCnt, C_ABS, p.n_abs)
+            self.wait_count(mCnt, C_ABS, p.n_abs, sTm)
         cute.arch.sync_threads()
         nv = KVL // 8
         for i in cutlass.range_constexpr((R * nv + NT - 1) // NT):
@@ -680,7 +712,7 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
     @cute.jit
-    def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, tidx):
+    def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx):
         p = self.p
         KVL, CV, T, S, VR, V, M = p.kv_lora, p.cv, p.tokens, p.splits, p.vrows, p.v_dim, p.m
         CVP = CV + WPAD
@@ -702,7 +734,7 @@ class MLADecodeSplit(MLADecodeTC):
                 cute.autovec_copy(x, cute.local_tile(sA[VR + idx // nv, None], (8,), (idx % nv,)))
 
         if tidx == 0:
-            self.wait_count(mCnt, C_ATT, p.n_att)
+            self.wait_count(mCnt, C_ATT, p.n_att, sTm)
         cute.arch.sync_threads()
         # split weights of the item's rows (row i: token row m_0 + i, partial row h*T + t)
         if tidx < VR:
@@ -825,6 +857,7 @@ def _fake_args(p: MLASplitPlan):
         itf.fake(bf, (M, p.heads, p.kv_lora)),
         itf.fake(torch.float32, (p.batch, p.splits, ROWS, p.kv_lora + 4)),
         itf.fake(torch.int32, (NCNT,), align=4),
+        itf.fake(torch.int64, (p.grid, 4), align=8),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
         itf.env_stream(),
     )
@@ -835,12 +868,13 @@ def compile_plan(p: MLASplitPlan):
     return itf.compiled(("mla_decode", p), lambda: (MLADecodeSplit(p), _fake_args(p)))
 
 
-_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_WS: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q_lat, partials, counters)`` of a plan (the counters zeroed once; the kernel resets
-    them, so the same buffers serve every launch and graph replay: one stream at a time)."""
+def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, ...]:
+    """``(q_lat, partials, counters, trace)`` of a plan (the counters zeroed once; the kernel
+    resets them, so the same buffers serve every launch and graph replay: one stream at a
+    time)."""
     key = (p, str(device))
     ws = _WS.get(key)
     if ws is None:
@@ -848,8 +882,32 @@ def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, torch.Tensor, torc
         part = torch.empty(p.batch, p.splits, ROWS, p.kv_lora + 4, dtype=torch.float32,
                            device=device)  # fmt: skip
         cnt = torch.zeros(NCNT, dtype=torch.int32, device=device)
-        ws = _WS[key] = (ql, part, cnt)
+        trace = torch.zeros(p.grid, 4, dtype=torch.int64, device=device)
+        ws = _WS[key] = (ql, part, cnt, trace)
     return ws
+
+
+def trace_summary(p: MLASplitPlan, device) -> dict:
+    """The last traced launch's timeline (host sync; ``trace`` plans), in us from the first
+    CTA's start: per phase the items' start, end of wait and end (min / median / max), and the
+    launch's span. Items that wrote no row (a plan without ``trace``) make it empty."""
+    tr = workspace(p, device)[3].cpu()
+    if not p.trace or int(tr[:, 1].min()) == 0:
+        return {}
+    t0 = int(tr[:, 1].min())
+    out = {"span_us": round((int(tr[:, 3].max()) - t0) / 1e3, 1)}
+    bounds = {"abs": (0, p.n_abs), "att": (p.n_abs, p.n_abs + p.n_att),
+              "uv": (p.n_abs + p.n_att, p.grid)}  # fmt: skip
+    for name, (lo, hi) in bounds.items():
+        rows = tr[lo:hi]
+        for col, what in ((1, "start"), (2, "waited"), (3, "end")):
+            if col == 2 and name == "abs":
+                continue
+            v = (rows[:, col] - t0).double() / 1e3
+            out[f"{name}_{what}"] = (
+                f"{v.min().item():.1f}/{v.median().item():.1f}/{v.max().item():.1f}"
+            )
+    return out
 
 
 def error_word(p: MLASplitPlan, device) -> int:
@@ -865,5 +923,5 @@ def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
         raise ValueError("mla_decode_split: q must be 16-byte aligned")
     plan = plan_for(cfg, a.shape[0] // tokens, tokens)
     fn = compile_plan(plan)
-    ql, part, cnt = workspace(plan, a.device)
-    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, ql, part, cnt, out)
+    ql, part, cnt, trace = workspace(plan, a.device)
+    fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, ql, part, cnt, trace, out)
