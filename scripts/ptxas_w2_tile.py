@@ -55,7 +55,7 @@ def main() -> int:
     for tp in a.tp:
         for T in a.tokens:
             for ks in a.knobs:
-                kv = {k: v if k in ("load", "order") else int(v)
+                kv = {k: v if k in ("load", "order", "shared") else int(v)
                       for k, v in (x.split("=") for x in ks.split(",") if x)}  # fmt: skip
                 print(f"TP{tp} T={T:<3} {ks or 'defaults':<20} {report(tp, T, kv)}", flush=True)
     return 0

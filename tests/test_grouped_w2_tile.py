@@ -71,6 +71,11 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"order": "col", "early": 1}),
         ("kimi-k3", 16, 64, {"order": "col", "early": 1}),
         ("tiny", 1, 5, {"order": "col", "early": 1}),
+        ("kimi-k3", 8, 8, {"shared": "tile"}),
+        ("kimi-k3", 8, 32, {"shared": "tile", "order": "col"}),
+        ("kimi-k3", 8, 64, {"shared": "tile", "order": "col", "early": 1}),
+        ("kimi-k3", 16, 64, {"shared": "tile", "order": "col", "early": 1}),
+        ("tiny", 2, 8, {"shared": "tile"}),
         ("tiny", 1, 5, {}),
         ("tiny", 2, 8, {}),
         ("kimi-k3", 8, 8, {"load": "bulk"}),
@@ -148,6 +153,14 @@ def test_knobs_env(monkeypatch):
         gt.GroupedW2Tile(
             8, E, K, L, Ie, H, S, nsm=100, kn=gt.TileKnobs(order="col", cap=64, early=1)
         )
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "tile")
+    assert gt.knobs().shared == "tile"
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "smem")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_W2T_SHARED"):
+        gt.knobs()
+    monkeypatch.delenv("DECODESCOPE_MOE_W2T_SHARED")
+    with pytest.raises(ValueError, match="shared 'tile'"):
+        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(shared="tile", load="bulk"))
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_EARLY", "1")
     assert gt.knobs().early == 1
     monkeypatch.delenv("DECODESCOPE_MOE_W2T_EARLY")
@@ -175,12 +188,14 @@ def _mma(frags_a, frags_b):
     return A @ B
 
 
-def _replay_pass(op, W, Hr, row0, np_):
+def _replay_pass(op, W, Hr, row0, np_, nch=None):
     """One pass of an item as the kernel moves it: returns the [R, np_] products the lanes'
-    epilogue would add (row offset from ``row0``, token slot)."""
+    epilogue would add (row offset from ``row0``, token slot). ``nch``: K chunks (a shared
+    item's ``NCHS``; rows of ``W`` past ``op.L`` are then loaded too: every block is full)."""
     R, U, NT, MP, RT, MT = op.R, op.U, op.NT, op.MP, op.RT, op.MT
+    lim = op.L if nch is None else W.shape[0]
     accs = {}  # (warp, lane, acc index) -> 4 values
-    for kc in range(op.NCH):
+    for kc in range(nch or op.NCH):
         sw = torch.full((R, U, 8), float("nan"), dtype=torch.float64)
         sx = torch.full((MP, U, 8), float("nan"), dtype=torch.float64)
         if op.bulk:  # one copy per row: its units in order, the padding never read
@@ -192,7 +207,7 @@ def _replay_pass(op, W, Hr, row0, np_):
         for tid in range(0 if op.bulk else NT):
             for i in range(R * U // NT):
                 r, u = gt.piece(tid + i * NT, U)
-                if row0 + r < op.L:
+                if row0 + r < lim:
                     k = (kc * U + u) * 8
                     sw[r, gt.swizzle(u, r, op.swz)] = W[row0 + r, k : k + 8]
             for i in range(-(-(MP * U) // NT)):
@@ -263,12 +278,53 @@ def test_replay_matches_matmul(preset, tp, kv, n):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+    "preset,tp,kv,T",
+    [
+        ("tiny", 1, {"shared": "tile"}, 5),  # S 128: 2 chunks of 64, all in flight
+        ("tiny", 2, {"shared": "tile", "mt": 2}, 13),  # S 64: 2 chunks of 32, unswizzled
+        ("kimi-k3", 16, {"shared": "tile"}, 64),  # S 384: 6 chunks of 64 through a 3-stage ring
+    ],
+    ids=_kv_id,
+)
+def test_shared_tile_replay_matches_matmul(preset, tp, kv, T):
+    """``shared=tile``: the last token group of the last row block, moved as the kernel moves it
+    (``NCHS`` chunks of the shared weights, rows of ``hs``), equals ``shared_w2 @ hs``; the ring
+    of ``NSS`` stages only ever uses the ``nbuf`` buffers."""
+    E, K, L, Ie, H, S = _dims(preset, tp)
+    op = gt.GroupedW2Tile(T, E, K, L, Ie, H, S, kn=gt.TileKnobs(**kv))
+    assert {i % op.NSS for i in range(op.NCHS)} <= set(range(op.nbuf))
+    assert op.CS == H // op.R * -(-T // op.MP)
+    g = torch.Generator().manual_seed(T)
+    W = torch.randn(H, S, generator=g, dtype=torch.float64)
+    Hs = torch.randn(T, S, generator=g, dtype=torch.float64)
+    tg = op.NTG - 1
+    t0 = tg * op.MP
+    np_ = min(T - t0, op.MP)
+    row0 = H - op.R
+    got = _replay_pass(op, W, Hs[t0 : t0 + np_], row0, np_, nch=op.NCHS)
+    torch.testing.assert_close(got, W[row0:] @ Hs[t0 : t0 + np_].T, rtol=1e-9, atol=1e-9)
+
+
 def _coverage(op, T, K, nact, slot_n):
     """The kernel's item loops and epilogue index math replayed: how often each (slot, pair
     index, latent row) and each (token, hidden row) output is produced."""
     acc_out, sh_out = Counter(), Counter()
     for bid in range(op.grid):
         for warp in range(op.NW):
+            if bid < op.CS and op.shtile:  # (row block, token group), token group fastest
+                rb, tg = bid // op.NTG, bid % op.NTG
+                for lane in range(32):
+                    g, c = lane // 4, lane % 4
+                    for jt in range(op.MT):
+                        for s2 in range(2):
+                            tok = tg * op.MP + jt * 8 + 2 * c + s2
+                            if tok < T:
+                                for q in range(op.RT):
+                                    r = rb * op.R + (warp * op.RT + q) * 16 + g
+                                    sh_out[(tok, r)] += 1
+                                    sh_out[(tok, r + 8)] += 1
+                continue
             if bid < op.CS:
                 tiles = [(bid * op.NW + warp) * gt.SHARED_RT + q for q in range(gt.SHARED_RT)]
                 NJ = op.SNJ
@@ -328,6 +384,9 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
         ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
         ("tiny", 1, 21, 1, {"order": "col", "early": 1}),  # one item per CTA, several passes
+        ("tiny", 1, 21, 1, {"shared": "tile"}),
+        ("tiny", 2, 13, 1, {"shared": "tile", "mt": 2, "order": "col"}),
+        ("kimi-k3", 16, 9, 512, {"shared": "tile", "order": "col", "early": 1, "rt": 2}),
     ],
     ids=_kv_id,
 )
@@ -406,6 +465,12 @@ def gsm():
         {},
         {"DECODESCOPE_MOE_W2T_RT": "2", "DECODESCOPE_MOE_W2T_MT": "2"},
         {"DECODESCOPE_MOE_W2T_LOAD": "bulk"},
+        {"DECODESCOPE_MOE_W2T_ORDER": "col", "DECODESCOPE_MOE_W2T_SNJ": "2"},
+        {
+            "DECODESCOPE_MOE_W2T_ORDER": "col",
+            "DECODESCOPE_MOE_W2T_SHARED": "tile",
+            "DECODESCOPE_MOE_W2T_EARLY": "1",
+        },
     ],
 )
 @pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1)])

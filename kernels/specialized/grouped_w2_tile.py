@@ -58,7 +58,11 @@ skipped, so that the empty CTAs are spread through the grid as in Triton's, not 
 ``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens),
 ``_EARLY`` (0; 1 with ``col`` and one item per CTA: the route lists read and the item's weight
 copies issued before ``griddepcontrol.wait``, so that CTAs resident during the previous
-kernel's tail stream their weights then; CTAs of unselected slots exit without waiting).
+kernel's tail stream their weights then; CTAs of unselected slots exit without waiting),
+``_SHARED`` (``regs``: the register-load shared expert above; ``tile``: the shared expert on the
+routed items' pipeline, one CTA per (``R`` rows of ``shared_w2``, ``MP`` tokens), token groups
+fastest so that the CTAs reading the same rows run together (L2 hits); ``H / R x ceil(T / MP)``
+CTAs, 896 at TP8 and 64 tokens, instead of 56 CTAs of 8 passes each).
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
 # i // slots), an item whose slot >= nact skipped: the empty CTAs spread through the grid, as in
 # Triton's fused_moe grid (pid_m fastest), instead of trailing it
 ORDERS = ("stride", "block", "col")
+SHARED_MODES = ("regs", "tile")  # DECODESCOPE_MOE_W2T_SHARED
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,9 @@ class TileKnobs:
     # 1: a routed CTA reads the route lists and issues its item's weight copies before
     # griddepcontrol.wait (order "col", one item per CTA); empty CTAs exit without waiting
     early: int = 0
+    # "regs": the shared expert on the first CTAs with GroupedW2's register loads; "tile": on
+    # the routed items' cp.async pipeline, one CTA per (R-row block of shared_w2, MP tokens)
+    shared: str = "regs"
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -131,6 +139,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "order": ("DECODESCOPE_MOE_W2T_ORDER", ORDERS),
     "snj": ("DECODESCOPE_MOE_W2T_SNJ", (1, 2, 4)),
     "early": ("DECODESCOPE_MOE_W2T_EARLY", (0, 1)),
+    "shared": ("DECODESCOPE_MOE_W2T_SHARED", SHARED_MODES),
 }
 
 
@@ -142,7 +151,7 @@ def knobs() -> TileKnobs:
         v = os.environ.get(var, "")
         if v == "":
             continue
-        if name in ("load", "order"):
+        if name in ("load", "order", "shared"):
             if v not in allowed:
                 raise ValueError(f"{var}={v!r}: expected one of {allowed}")
             vals[name] = v
@@ -236,6 +245,24 @@ class GroupedW2Tile:
         self.full_rows = L % self.R == 0
         self.ntH = H // mg.ROWS
         self.CS = -(-H // (self.NW * SHARED_RT * mg.ROWS))  # shared-expert CTAs (first)
+        if kn.shared not in SHARED_MODES:
+            raise ValueError(f"grouped_w2_tile: shared {kn.shared!r}, expected one of "
+                             f"{SHARED_MODES}")  # fmt: skip
+        self.shtile = kn.shared == "tile"
+        if self.shtile:  # CTA (row block, token group), token group fastest: L2 reuse
+            if self.bulk or H % self.R or S % bk:
+                raise ValueError(f"grouped_w2_tile: shared 'tile' needs load 'cp', hidden {H} a "
+                                 f"multiple of {self.R} rows, shared_inter {S} of {bk}")  # fmt: skip
+            self.NTG = -(-T // self.MP)  # token groups
+            self.CS = H // self.R * self.NTG
+            self.NCHS = S // bk  # K chunks of a shared item
+            if self.NCHS > 1 and self.nbuf < 2:  # a ring needs two buffers (tiny shapes)
+                self.nbuf = 2
+                self.smem = self.nbuf * (self.R + self.MP) * bk * 2
+            # its stages: every chunk in flight where the buffers hold them all, else a ring
+            self.NSS = self.NCHS + 1 if self.nbuf >= self.NCHS else self.nbuf
+            if self.NSS < 2:
+                raise ValueError("grouped_w2_tile: shared 'tile' needs 2 stages")
         self.Us = mg._div_pick(S // mg.KCH, (4, 3, 2, 1))
         if kn.snj not in (1, 2, 4):
             raise ValueError(f"grouped_w2_tile: shared token tiles {kn.snj}, expected 1, 2 or 4")
@@ -290,11 +317,15 @@ class GroupedW2Tile:
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
         if bid < self.CS:
-            if const_expr(self.pdl and self.early):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
-                self._shared(mHs, mWs2, mShared, bid, tid)
+            if const_expr(self.shtile):
+                self._shared_item(mHs, mWs2, mShared, sW, sX, bid // self.NTG, bid % self.NTG,
+                                  tid)  # fmt: skip
+            else:
+                if const_expr(self.pdl and self.early):
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
+                    self._shared(mHs, mWs2, mShared, bid, tid)
         elif const_expr(self.early):  # col order, one item per CTA (checked in __init__)
             # before griddepcontrol.wait: the route lists (written by the route kernel, which
             # completed before any CTA of the w13 kernel this one follows passed its own wait,
@@ -529,14 +560,15 @@ class GroupedW2Tile:
         return rows
 
     @cute.jit
-    def _load_w(self, mW, sW, row0, kc, stg, tid):
-        """cp.async of the item's ``R`` weight rows, chunk ``kc``, into stage ``stg``."""
+    def _load_w(self, mW, sW, row0, kc, stg, tid, full: cutlass.Constexpr[bool] = False):
+        """cp.async of the item's ``R`` weight rows, chunk ``kc``, into stage ``stg`` (rows past
+        ``L`` skipped unless ``full`` or the shapes make every block full)."""
         U, NT = self.U, self.NT
         for i in cutlass.range_constexpr(self.R * U // NT):
             idx = tid + i * NT
             r, u = piece(idx, U)
             dst = cute.local_tile(sW[stg, r, None], (8,), (swizzle(u, r, self.swz),))
-            if const_expr(self.full_rows):
+            if const_expr(self.full_rows or full):
                 mc.cp_async16(dst, cute.local_tile(mW[row0 + r, None], (8,), (kc * U + u,)))
             else:
                 if row0 + r < self.L:
@@ -573,6 +605,64 @@ class GroupedW2Tile:
                 xb = cute.make_rmem_tensor((8,), BFloat16)
                 cute.autovec_copy(cute.local_tile(sX[stg, jt * 8 + g, None], (8,), (pu,)), xb)
                 mc.mma_k16(atom, accs, fa, fb, xb, [(lo, hi, q * MT + jt) for lo, hi, q in tiles])
+
+    # -- shared expert on the tile pipeline (``shared=tile``) -----------------------------
+
+    @cute.jit
+    def _shared_item(self, mHs, mWs2, mShared, sW, sX, rb, tg, tid):
+        """``shared_out[t, r] = hs[t] . shared_w2[r]`` for the ``R`` rows of block ``rb`` and the
+        ``MP`` tokens of group ``tg``: one pass of the routed items' pipeline over K = ``S``
+        (``NCHS`` chunks through ``NSS`` stages), plain FP32 stores. With ``early`` the weight
+        chunks (constant) are issued before ``griddepcontrol.wait``, ``hs`` (the previous
+        kernel's output) after it."""
+        T, MP, NCH, NS = self.T, self.MP, self.NCHS, self.NSS
+        warp = tid // 32
+        lane = tid % 32
+        g = lane // 4
+        c = lane % 4
+        row0 = rb * self.R
+        t0 = tg * MP
+        np_ = cutlass.min(T - t0, MP)
+        for s in cutlass.range_constexpr(NS - 1):
+            self._load_w(mWs2, sW, row0, s, s, tid, True)
+        if const_expr(self.pdl and self.early):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        hrows = self._hs_rows(t0, tid)
+        for s in cutlass.range_constexpr(NS - 1):
+            self._load_h(mHs, sX, hrows, np_, s, s, tid)
+            cute.arch.cp_async_commit_group()
+        atom = mc.mma_atom()
+        fa, fb = mc.fragments()
+        accs = mc.zero_accs(self.RT * self.MT)
+        for i in cutlass.range_constexpr(NCH):
+            cute.arch.cp_async_wait_group(NS - 2)
+            cute.arch.barrier()
+            nxt = i + NS - 1
+            if const_expr(nxt < NCH):
+                self._load_w(mWs2, sW, row0, nxt, nxt % NS, tid, True)
+                self._load_h(mHs, sX, hrows, np_, nxt, nxt % NS, tid)
+            cute.arch.cp_async_commit_group()
+            self._compute(sW, sX, i % NS, warp, g, c, accs, fa, fb, atom)
+        cute.arch.cp_async_wait_group(0)
+        for jt in cutlass.range_constexpr(self.MT):
+            for s2 in cutlass.range_constexpr(2):
+                t = t0 + jt * 8 + 2 * c + s2
+                if t < T:
+                    for q in cutlass.range_constexpr(self.RT):
+                        r = row0 + (warp * self.RT + q) * mg.ROWS + g
+                        acc = accs[q * self.MT + jt]
+                        mShared[t, r] = acc[s2]
+                        mShared[t, r + 8] = acc[2 + s2]
+
+    def _hs_rows(self, t0, tid):
+        """Rows of ``hs`` (tokens ``t0 + t``, clamped to ``T - 1``) of the units this thread
+        copies per chunk (trace time)."""
+        rows = []
+        for i in range(-(-(self.MP * self.U) // self.NT)):
+            t, _ = piece(tid + i * self.NT, self.U)
+            rows.append(cutlass.min(t0 + t, self.T - 1))
+        return rows
 
     # -- shared expert (GroupedW2's register-load tiling) ---------------------------------
 
