@@ -242,10 +242,10 @@ class W13T1(gwt.GroupedW13Tile):
             mc.cp_async16(cute.local_tile(sZf, (4,), (i,)), src)
         cute.arch.cp_async_commit_group()
         r0 = bid * self.RPC
-        nr = cutlass.min(H - r0, self.RPC)  # this CTA's rows (<= 0 for the grid's last CTAs)
+        nr = cutlass.max(cutlass.min(H - r0, self.RPC), 0)  # this CTA's rows (0 past H)
         for rb in cutlass.range_constexpr(self.NRB):
             lo = rb * RB
-            n_r = cutlass.min(nr - lo, RB)
+            n_r = cutlass.max(cutlass.min(nr - lo, RB), 0)
             for i in cutlass.range(tid, n_r * US, NT):
                 rr = i // US
                 u = i % US
