@@ -73,6 +73,7 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_SPLITS": "", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "",
         "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
         "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
+        "DECODESCOPE_MLA_SPLIT_FUSE": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -118,6 +119,17 @@ VARIANTS = {
         0,
         0,
     ),
+    "split fuse": ("split", {"DECODESCOPE_MLA_SPLIT_FUSE": "1"}, 0, 0),
+    "split s8 nbuf1 fuse": (
+        "split",
+        {
+            "DECODESCOPE_MLA_SPLIT_SPLITS": "8",
+            "DECODESCOPE_MLA_SPLIT_NBUF": "1",
+            "DECODESCOPE_MLA_SPLIT_FUSE": "1",
+        },
+        0,
+        0,
+    ),  # fmt: skip
     "split a1": ("split", {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "1"}, 0, 0),
     "split a4": ("split", {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4"}, 0, 0),
     "split vr1": ("split", {"DECODESCOPE_MLA_SPLIT_VROWS": "1"}, 0, 0),
@@ -289,6 +301,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
     elif kernel == "split":
         p = msp.plan_for(pt.cfg, pt.B, pt.T)
         extra = {"splits": p.splits, "ctas": p.grid, "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
+                 "fused": int(p.fused),
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
                  "ctas_per_sm": p.ctas_per_sm}  # fmt: skip
     elif kernel == "auto":

@@ -31,6 +31,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_NBUF",
     "DECODESCOPE_MLA_SPLIT_TRACE",
     "DECODESCOPE_MLA_SPLIT_DIAG",
+    "DECODESCOPE_MLA_SPLIT_FUSE",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -78,6 +79,16 @@ def test_plans_tp8():
     }
     p = msp.plan_for(cfg, 8, 1)
     assert p.smem_bytes <= msp.SMEM_TWO_CTAS and p.vchunks == 2 and p.vrows == 2
+
+
+def test_fuse_plan_compiles():
+    """``DECODESCOPE_MLA_SPLIT_FUSE=1``: no CTAs of their own for the absorption (32x1: 128
+    attention + 96 W_UV CTAs); not where the attention items are fewer (1x1: 17 < 24)."""
+    cfg = get_config("kimi-k3", 8)
+    p = dataclasses.replace(msp.plan_for(cfg, 32, 1), fuse_abs=1)
+    assert p.fused and p.a_ctas == 0 and p.grid == 128 + 96
+    assert not dataclasses.replace(msp.plan_for(cfg, 1, 1), fuse_abs=1).fused
+    assert msp.compile_plan(p) is not None
 
 
 def test_splits_spread_blocks():
@@ -141,7 +152,10 @@ def test_kernel_choice_env(monkeypatch):
      (8, 8, {"DECODESCOPE_MLA_SPLIT_SPLITS": "4", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "1",
              "DECODESCOPE_MLA_SPLIT_VROWS": "8"}),
      (8, 32, {"DECODESCOPE_MLA_SPLIT_ACHUNKS": "4", "DECODESCOPE_MLA_SPLIT_VROWS": "1"}),
-     (8, 8, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8",
+             "DECODESCOPE_MLA_SPLIT_NBUF": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     if not torch.cuda.is_available():

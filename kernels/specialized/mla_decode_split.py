@@ -45,7 +45,9 @@ sequence; 0: one 64-key block per split where ``batch x blocks`` CTAs fit two pe
 ``132 // batch``), ``_ACHUNKS`` (column chunks of
 an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
-share an SM when the shared memory fits 113 KB). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
+share an SM when the shared memory fits 113 KB), ``_FUSE`` (1: no CTAs of their own for the
+absorption: the first ``n_abs`` attention CTAs absorb, publish, then attend; fewer CTAs where
+the grid passes one wave). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
 writes its ticket, start, end of wait and end (``%globaltimer``) to a trace buffer
 (:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
 waits skipped, so the phases overlap (the cost of the dependency chain).
@@ -112,6 +114,8 @@ class MLASplitPlan:
     achunks_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_ACHUNKS", 0))
     vrows_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_VROWS", 0))
     nbuf_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_NBUF", 0))
+    # 1: the absorption items done by the first attention CTAs before their own item
+    fuse_abs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_FUSE", 0))
     # 1: each CTA writes (ticket, start, end of its wait, end) in %globaltimer ns to the trace
     trace: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TRACE", 0))
     # timing diagnostic, wrong results: 1 = no waits (the phases overlap: what the dependency
@@ -139,6 +143,8 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_VROWS: 0-{ROWS}, got {self.vrows_force}")
         if self.nbuf_force not in (0, 1, 2):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
+        if self.fuse_abs not in (0, 1):
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
         if self.trace not in (0, 1) or self.diag not in (0, 1):
             raise ValueError(
                 f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG: 0 or 1, got {self.trace} / {self.diag}"
@@ -234,8 +240,19 @@ class MLASplitPlan:
         return self.heads * -(-self.m // self.vrows) * self.vchunks
 
     @property
+    def fused(self) -> bool:
+        """``fuse_abs`` where there are at least as many attention items as absorption items:
+        the CTAs of tickets ``< n_abs`` absorb first, then attend (no CTAs of their own)."""
+        return bool(self.fuse_abs) and self.n_abs <= self.n_att
+
+    @property
+    def a_ctas(self) -> int:
+        """CTAs (tickets) of their own for the absorption: ``n_abs``, or 0 when fused."""
+        return 0 if self.fused else self.n_abs
+
+    @property
     def grid(self) -> int:
-        return self.n_abs + self.n_att + self.n_uv
+        return self.a_ctas + self.n_att + self.n_uv
 
     # -- shared memory (one BF16 region, viewed per phase) ------------------------------------
     @property
@@ -339,18 +356,20 @@ class MLADecodeSplit(MLADecodeTC):
                 sTm[1] = Int64(0)
         cute.arch.sync_threads()
         tk = sTk[0]
-        if tk < p.n_abs:
+        A = p.a_ctas
+        if cutlass.const_expr(p.fused):  # noqa: SIM102 (a trace-time condition)
+            if tk < p.n_abs:  # absorb, publish, then attend (the shared memory reused)
+                self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, tidx)
+        if tk < A:
             self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, tidx)
         else:
-            if tk < p.n_abs + p.n_att:
+            if tk < A + p.n_att:
                 self.attend_item(
-                    tk - p.n_abs, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
+                    tk - A, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
                     sTm, tidx,
                 )  # fmt: skip
             else:
-                self.uv_item(
-                    tk - p.n_abs - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx
-                )
+                self.uv_item(tk - A - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx)
 
         # the CTA that exits last resets the counters (every CTA read its last counter before)
         cute.arch.sync_threads()
@@ -896,8 +915,10 @@ def trace_summary(p: MLASplitPlan, device) -> dict:
         return {}
     t0 = int(tr[:, 1].min())
     out = {"span_us": round((int(tr[:, 3].max()) - t0) / 1e3, 1)}
-    bounds = {"abs": (0, p.n_abs), "att": (p.n_abs, p.n_abs + p.n_att),
-              "uv": (p.n_abs + p.n_att, p.grid)}  # fmt: skip
+    A = p.a_ctas
+    bounds = {"abs": (0, A), "att": (A, A + p.n_att), "uv": (A + p.n_att, p.grid)}
+    if p.fused:
+        bounds.pop("abs")
     for name, (lo, hi) in bounds.items():
         rows = tr[lo:hi]
         for col, what in ((1, "start"), (2, "waited"), (3, "end")):
