@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 _LAYER_METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us")
-_OP_METRICS = ("kernels", "span_us", "kernel_sum_us")
+_OP_METRICS = ("kernels", "span_us", "kernel_sum_us", "share_us")
 _NULL_KEY = "\x00"  # stands for a null key while joining (Arrow joins never match nulls)
 
 
@@ -119,7 +119,7 @@ def _kind_of(side: pa.Table, out: pa.Table) -> pa.Array:
 
 
 def compare_ops(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
-    """Per (layer_kind, block, op): kernels per layer-step, span and kernel-sum, A vs B."""
+    """Per (layer_kind, block, op): kernels per layer-step, span, kernel-sum and share, A vs B."""
     a = metrics.op_table(a_kernels)
     b = metrics.op_table(b_kernels)
     return _side_by_side(a, b, ["layer_kind", "block", "op"], _OP_METRICS)
@@ -143,7 +143,9 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
     """For each B op named "x+y+z" (a fused op): the A ops it covers and A's figures for them.
 
     Columns: layer_kind, block, b_op, covers (A ops found), missing (parts A lacks), a_kernels
-    and a_span_us (the sums over the covered A ops, per layer-step medians), b_kernels, b_span_us.
+    and a_span_us (the sums over the covered A ops, per layer-step medians), b_kernels, b_span_us,
+    and a_share_us / b_share_us (what the ops add to the step: ``metrics.op_table``'s share_us;
+    B's span overstates a fused op whose kernels wait in ``griddepcontrol.wait``).
     """
     a = metrics.op_table(a_kernels)
     b = metrics.op_table(b_kernels)
@@ -157,6 +159,7 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
         covers, missing = [], []
         a_k = 0.0
         a_s = 0.0
+        a_sh = 0.0
         for p in parts:
             same_kind = [x for x in a_rows if x["op"] == p and x["layer_kind"] == r["layer_kind"]]
             hits = same_kind or [x for x in a_rows if x["op"] == p]
@@ -164,6 +167,7 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
                 covers.append(p)
                 a_k += sum(x["kernels"] for x in hits)
                 a_s += sum(x["span_us"] for x in hits)
+                a_sh += sum(x["share_us"] for x in hits)
             else:
                 missing.append(p)
         rows.append(
@@ -177,6 +181,8 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
                 "a_span_us": a_s if covers else None,
                 "b_kernels": r["kernels"],
                 "b_span_us": r["span_us"],
+                "a_share_us": a_sh if covers else None,
+                "b_share_us": r["share_us"],
             }
         )
     schema = pa.schema(
@@ -190,6 +196,8 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
             ("a_span_us", pa.float64()),
             ("b_kernels", pa.float64()),
             ("b_span_us", pa.float64()),
+            ("a_share_us", pa.float64()),
+            ("b_share_us", pa.float64()),
         ]
     )
     return pa.Table.from_pylist(rows, schema=schema)

@@ -11,6 +11,14 @@
   (programmatic dependent launch: it is resident and waits at ``griddepcontrol.wait``, or
   streams overlap across the boundary). The shares of consecutive layers add up to the step's
   time, where the spans would count each overlap twice: projections sum shares.
+- op share_us (``op_table``): the same idea one level down, what an op adds to the step's GPU
+  timeline. Each op of a (rank, step) covers the interval from its first kernel start to its
+  last kernel end; every instant covered by some op is charged to the covering op that ends
+  first (the one the timeline is waiting on). Under programmatic dependent launch a kernel's
+  recorded duration includes its wait in ``griddepcontrol.wait`` for the previous kernel, so
+  span_us and kernel_sum_us of such an op overstate it: its share starts where the previous op
+  ended. On one stream without such waits share_us equals span_us. A step's op shares add up
+  to the union of its ops' intervals: time between ops (launch bubbles) is nobody's.
 
 Per-step figures are summarised over steps as the median with min and max. Pure pyarrow + numpy.
 """
@@ -243,9 +251,41 @@ def _list_distinct(t: pa.Table, keys: list[str], col: str, out_name: str) -> pa.
     return out.sort_by([(k, "ascending") for k in keys])
 
 
+def _op_shares(groups: pa.Table, gid: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """share (ns) per op group (one op of one layer in one rank and step): see the module
+    docstring. ``groups`` has ``rank`` and ``step`` columns; ``gid`` maps kernels to groups."""
+    n = groups.num_rows
+    end = np.maximum(end, start)
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, gid, start)
+    np.maximum.at(last, gid, end)
+    rank = _num(pc.fill_null(groups["rank"], -1))
+    step = _num(groups["step"])
+    share = np.zeros(n, dtype=np.float64)
+    order = np.lexsort((step, rank))
+    cut = np.flatnonzero((np.diff(rank[order]) != 0) | (np.diff(step[order]) != 0)) + 1
+    for idx in np.split(order, cut):  # one (rank, step) at a time
+        f, e = first[idx], last[idx]
+        t = np.unique(np.concatenate([f, e]))
+        t0, t1 = t[:-1], t[1:]
+        # every elementary segment goes to the op covering it that ends first
+        cover = (f[None, :] <= t0[:, None]) & (e[None, :] >= t1[:, None])
+        ends = np.where(cover, e[None, :], np.iinfo(np.int64).max)
+        owner = np.argmin(ends, axis=1)
+        owned = cover.any(axis=1)
+        share[idx] = np.bincount(
+            owner[owned], weights=(t1 - t0)[owned].astype(np.float64), minlength=len(idx)
+        )
+    return share
+
+
+OP_METRICS = ("kernels", "span_us", "kernel_sum_us", "share_us")
+
+
 def op_table(kernels: pa.Table) -> pa.Table:
-    """One row per (layer_kind, block, op): kernels per layer-step, span_us and kernel_sum_us
-    (medians over layer-steps, with min/max), layer_steps seen, and the kernel names."""
+    """One row per (layer_kind, block, op): kernels per layer-step, span_us, kernel_sum_us and
+    share_us (medians over layer-steps, with min/max), layer_steps seen, and the kernel names."""
     k = _attributed(kernels)
     k = _plain(
         k.select(
@@ -266,17 +306,18 @@ def op_table(kernels: pa.Table) -> pa.Table:
                 "kernels": pa.array([], pa.float64()),
                 "span_us": pa.array([], pa.float64()),
                 "kernel_sum_us": pa.array([], pa.float64()),
+                "share_us": pa.array([], pa.float64()),
                 "kernel_names": pa.array([], pa.list_(pa.string())),
             }
         )
-    groups, _, st = _steps_of(k, keys)
+    groups, gid, st = _steps_of(k, keys)
     per = groups.select(["layer_kind", "block", "op"])
     per = per.append_column("kernels", pa.array(st["kernels"].astype(np.float64)))
     per = per.append_column("span_us", pa.array(st["span"] / 1e3))
     per = per.append_column("kernel_sum_us", pa.array(st["kernel_sum"] / 1e3))
-    out = group_stats(
-        per, ["layer_kind", "block", "op"], ("kernels", "span_us", "kernel_sum_us"), "layer_steps"
-    )
+    share = _op_shares(groups, gid, _num(k["start_ns"]), _num(k["end_ns"]))
+    per = per.append_column("share_us", pa.array(share / 1e3))
+    out = group_stats(per, ["layer_kind", "block", "op"], OP_METRICS, "layer_steps")
     names = _list_distinct(k, ["layer_kind", "block", "op"], "name", "kernel_names")
     out = out.append_column("kernel_names", names["kernel_names"])
     for c in ("layer_kind", "block", "op"):

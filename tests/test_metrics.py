@@ -257,6 +257,26 @@ def test_share_with_early_start_synthetic():
     )
 
 
+def test_op_share_synthetic():
+    # SYNTHETIC: one step of one layer. Op "a" runs 0-100; op "b" is resident from 20 (PDL
+    # wait) and ends at 160; op "r" runs on a second stream 110-140, hidden inside b; op "c"
+    # starts at 170 after a 10 ns gap and ends at 200.
+    rows = [
+        (0, 1, "kda", "attn", "a", 1, 0, 100, "ka"),
+        (0, 1, "kda", "attn", "b", 1, 20, 160, "kb"),
+        (0, 1, "kda", "moe", "r", 2, 110, 140, "kr"),
+        (0, 1, "kda", "moe", "c", 1, 170, 200, "kc"),
+    ]
+    ot = {r["op"]: r for r in metrics.op_table(_synthetic_kernels(rows)).to_pylist()}
+    assert ot["a"]["share_us"] == pytest.approx(0.100)
+    assert ot["b"]["span_us"] == pytest.approx(0.140)
+    # 0-100: a ends first; 100-110 and 140-160: b alone; 110-140: r ends before b
+    assert ot["b"]["share_us"] == pytest.approx(0.030)
+    assert ot["r"]["share_us"] == pytest.approx(0.030)
+    assert ot["c"]["share_us"] == pytest.approx(0.030)  # the gap before it is nobody's
+    assert sum(r["share_us"] for r in ot.values()) == pytest.approx(0.190)  # the busy union
+
+
 def test_share_on_h200_bench_runs():
     """Real H200 bench runs (results/, commit 38188ca, TP8 batch 1, dense + KDA + MLA layers):
     the specialized layers' first kernels start under PDL before the previous layer ends, so

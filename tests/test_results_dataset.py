@@ -205,3 +205,22 @@ def test_bench_names_where_the_standard_ops_came_from(runs):
 
     assert run_summary(spec)["ops"] == "13 cute"
     assert "WITHOUT vLLM" in run_summary(std)["ops"]
+
+
+def test_op_shares_add_up_to_the_layer_share_on_pdl_runs(runs):
+    """The newest specialized TP8 batch-1 run (PDL between every kernel: each kernel's recorded
+    duration includes its wait for the previous one): per layer kind, the ops' share_us add up
+    to the layer's share_us (within the error of summing medians), while their spans add up to
+    far more; on the standard run (no PDL) an op's share never exceeds its span."""
+    from decodescope.analysis.metrics import op_table
+
+    spec = _newest(runs, "specialized", 8, 1)
+    ops = op_table(spec.kernels).to_pylist()
+    layer_share = {r["layer_kind"]: r["share_us"] for r in kind_table(spec.kernels).to_pylist()}
+    for kind, share in layer_share.items():
+        mine = [r for r in ops if r["layer_kind"] == kind]
+        assert sum(r["share_us"] for r in mine) == pytest.approx(share, rel=0.02)
+        assert sum(r["span_us"] for r in mine) > 1.2 * share  # the PDL waits, counted per op
+    std = _newest(runs, "standard", 8, 1)
+    for r in op_table(std.kernels).to_pylist():
+        assert 0 <= r["share_us"] <= r["span_us"] + 1e-6

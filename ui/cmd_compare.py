@@ -151,7 +151,10 @@ def print_compare(
             arrow_table(
                 data["ops"],
                 "per op (per layer-step medians)",
-                _cols(["layer_kind", "block", "op"], ["kernels", "span_us", "kernel_sum_us"]),
+                _cols(
+                    ["layer_kind", "block", "op"],
+                    ["kernels", "span_us", "kernel_sum_us", "share_us"],
+                ),
                 HEADERS,
             )
         )

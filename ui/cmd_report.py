@@ -199,7 +199,16 @@ def print_report(run: Run, *, top: int = 15) -> None:
             arrow_table(
                 data["ops"],
                 "per op (per layer-step medians)",
-                ["layer_kind", "block", "op", "layer_steps", "kernels", "span_us", "kernel_sum_us"],
+                [
+                    "layer_kind",
+                    "block",
+                    "op",
+                    "layer_steps",
+                    "kernels",
+                    "span_us",
+                    "kernel_sum_us",
+                    "share_us",
+                ],
                 HEADERS,
             )
         )
