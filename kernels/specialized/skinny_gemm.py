@@ -46,7 +46,20 @@ One kernel family serves every dense projection of the specialized layers (``nor
   ``DECODESCOPE_SKINNY_LOAD=regs|ring|auto`` picks the mode of plans with M <= 16 that do not
   set it (``auto``: the ring for long K slices only).
 
-Compile key: (m, k, segment widths, flags, x row stride, load mode, stages). Shapes are static.
+- **Whole-slice L2 prefetch** (``GemmPlan.l2_all``; ``DECODESCOPE_L2_PREFETCH=1``, off by
+  default): in regs mode with PDL, each CTA issues one ``cp.async.bulk.prefetch.L2`` per weight
+  row it owns (its whole slice) before ``griddepcontrol.wait``, for plans whose weights total at
+  most ``L2_PREFETCH_MAX_MB`` (24 MB; ``DECODESCOPE_L2_PREFETCH_MAX_MB``): o_proj (22 MB at TP8)
+  and q_b (7 MB) then stream into the 50 MB L2 while the light decode kernel before them runs.
+  Every attention grid of this kernel is resident at once (448 CTAs at most, 3-4 per SM), so all
+  CTAs prefetch early.
+- **Streaming GEMV** (``GemmPlan.gemv``; ``DECODESCOPE_SKINNY_GEMV=N``, off by default): plans
+  with ``M <= N`` (N <= 4) that :func:`.gemv_stream.supports` are compiled and launched as
+  :class:`.gemv_stream.GemvStream` instead (activations staged and normalized once per CTA in
+  shared memory, weights streamed with deep register loads; same contract and reference).
+
+Compile key: (m, k, segment widths, flags, x row stride, load mode, stages, gemv, l2_all).
+Shapes are static.
 """
 
 from __future__ import annotations
@@ -77,6 +90,37 @@ RING_UNROLL_MAX = 32
 
 
 RING_AUTO_MIN_CHUNKS = 16  # "auto": the ring where a warp streams at least this many chunks
+GEMV_ENV = "DECODESCOPE_SKINNY_GEMV"  # largest M served by gemv_stream (0 / unset: never)
+L2_ENV = "DECODESCOPE_L2_PREFETCH"  # 1: whole-slice L2 prefetch before the PDL wait
+L2_MAX_ENV = "DECODESCOPE_L2_PREFETCH_MAX_MB"
+L2_PREFETCH_MAX_MB = 24.0  # prefetch only projections whose weights fit this (the L2 is 50 MB)
+
+
+def gemv_max_m() -> int:
+    """``DECODESCOPE_SKINNY_GEMV``: plans with M up to this (0..4) go to :mod:`.gemv_stream`
+    (0, the default: none)."""
+    from decodescope.kernels.specialized.gemv_stream import MAX_M
+
+    v = os.environ.get(GEMV_ENV, "") or "0"
+    if not v.isdigit() or int(v) > MAX_M:
+        raise ValueError(f"{GEMV_ENV}={v!r}: expected 0..{MAX_M} (largest token count served)")
+    return int(v)
+
+
+def l2_prefetch_max_bytes() -> int:
+    """Weight bytes up to which a plan prefetches its whole slice into L2 before the PDL wait:
+    0 unless ``DECODESCOPE_L2_PREFETCH=1``; ``L2_PREFETCH_MAX_MB`` or
+    ``DECODESCOPE_L2_PREFETCH_MAX_MB``."""
+    v = os.environ.get(L2_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{L2_ENV}={v!r}: expected 0 or 1")
+    if v == "0":
+        return 0
+    mb = os.environ.get(L2_MAX_ENV, "") or str(L2_PREFETCH_MAX_MB)
+    try:
+        return int(float(mb) * 2**20)
+    except ValueError:
+        raise ValueError(f"{L2_MAX_ENV}={mb!r}: expected a number of MB") from None
 
 
 def load_mode() -> str:
@@ -111,6 +155,8 @@ class GemmPlan:
     load: str = ""  # "regs" / "ring" ("": $DECODESCOPE_SKINNY_LOAD at M <= 16, else "regs")
     stages: int = RING_STAGES  # "ring": chunks in flight per warp
     ring_unroll: int = RING_UNROLL_MAX  # "ring": all chunks unrolled up to this many per warp
+    gemv: bool | None = None  # served by gemv_stream (None: DECODESCOPE_SKINNY_GEMV decides)
+    l2_all: bool | None = None  # whole-slice L2 prefetch (None: DECODESCOPE_L2_PREFETCH decides)
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
@@ -143,6 +189,18 @@ class GemmPlan:
             raise ValueError(f"GemmPlan.load={self.load!r}: expected one of {LOADS}")
         if not 1 <= self.stages <= 8:
             raise ValueError(f"GemmPlan.stages={self.stages}: expected 1..8")
+        if self.gemv is None:
+            from decodescope.kernels.specialized.gemv_stream import supports
+
+            v = self.m <= gemv_max_m() and supports(self.m, self.k, self.situ)
+            object.__setattr__(self, "gemv", v)
+        if self.l2_all is None:
+            wb = sum(self.segments) * self.k * 2
+            object.__setattr__(self, "l2_all", self.pdl and wb <= l2_prefetch_max_bytes())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.segments) * self.k * 2
 
     @property
     def ks(self) -> int:
@@ -367,6 +425,17 @@ class SkinnyGemm:
         g = lane // 4
         c = lane % 4
         chunk0 = warp * (p.k // KCHUNK // p.ks)
+        if cutlass.const_expr(p.l2_all):
+            # the CTA's whole slice: thread j < 16 rt prefetches row j of its tiles (the rows
+            # a clamped last CTA repeats are prefetched twice: harmless)
+            j = warp * 32 + lane
+            if j < ROWS * p.rt:
+                row_j = self.p.weight_tile(cta, j // ROWS, ntiles) * ROWS + j % ROWS
+                src = cute.local_tile(mW[row_j, None], (p.k,), (0,))
+                cute.arch.inline_ptx(
+                    "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                    read_only_args=[src.iterator, cutlass.Int32(p.k * 2)],
+                )
         for q in cutlass.range_constexpr(p.rt):
             row = self.p.weight_tile(cta, q, ntiles) * ROWS + g
             for v in cutlass.range_constexpr(p.unroll):
@@ -637,7 +706,12 @@ def _fake_args(plan: GemmPlan):
 
 
 def compile_plan(plan: GemmPlan):
-    """Compile (cached) the kernel of ``plan``; works without a GPU."""
+    """Compile (cached) the kernel of ``plan`` (:mod:`.gemv_stream`'s where ``plan.gemv``);
+    works without a GPU."""
+    if plan.gemv:
+        from decodescope.kernels.specialized import gemv_stream as gs
+
+        return gs.compile_plan(gs.from_gemm_plan(plan))
     return itf.compiled(("skinny_gemm", plan), lambda: (SkinnyGemm(plan), _fake_args(plan)))
 
 
@@ -661,6 +735,8 @@ def skinny_gemm(
     load: str = "",
     stages: int = RING_STAGES,
     ring_unroll: int = RING_UNROLL_MAX,
+    gemv: bool | None = None,
+    l2_all: bool | None = None,
 ) -> None:
     """Run one launch: ``outs[s] = norm(x (+ residual)) @ weights[s]^T (+ epilogue_residual)``.
 
@@ -671,6 +747,8 @@ def skinny_gemm(
     ``situ=(beta, linear_beta)``: one gate/up weight ``[2D, K]``, ``outs[0]`` is ``[M, D]``
     and receives SiTU-and-mul of the two halves. ``load`` / ``stages`` / ``ring_unroll``: the
     weight loads (:class:`GemmPlan`; ``""``: ``DECODESCOPE_SKINNY_LOAD`` at M <= 16).
+    ``gemv`` / ``l2_all``: force the streaming GEMV / the whole-slice L2 prefetch (None: their
+    environment knobs).
     """
     M, K = x.shape
     plan = GemmPlan(
@@ -690,7 +768,15 @@ def skinny_gemm(
         load=load,
         stages=stages,
         ring_unroll=ring_unroll,
+        gemv=gemv,
+        l2_all=l2_all,
     )
+    if plan.gemv:
+        from decodescope.kernels.specialized import gemv_stream as gs
+
+        gs.launch(gs.from_gemm_plan(plan), x, weights, outs, residual, residual_out,
+                  norm_weight, epilogue_residual)  # fmt: skip
+        return
     fn = compile_plan(plan)
     ph = _placeholder(x.device)
     segs: list[torch.Tensor] = []

@@ -1,0 +1,460 @@
+"""Streaming GEMV for 1..4 tokens: ``out[m, n] = sum_k x'[m, k] * W[n, k]``, the weights read
+once at near-HBM speed, the (normalized) activations from shared memory.
+
+Why (issue #5, batch 1): :mod:`.skinny_gemm` at one token reaches 2.6 TB/s on the 90 MB KDA
+in_proj (cuBLAS 3.3): each of its warps walks a chain of per-chunk L2 round trips for the
+activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, per CTA:
+
+- **Tile**: ``warps`` x ``rows`` consecutive weight rows (each warp owns ``rows`` of them), all
+  tokens, all of K. Within a warp, lanes split K: lane ``l`` reads the 16-byte pieces at
+  columns ``(32 i + l) * 8 .. + 7`` (``i < K / 256``), so one warp-wide load covers 512
+  contiguous bytes of a row. Each lane keeps an FP32 accumulator per (row, token); a butterfly
+  shuffle sums the 32 lanes at the end; lane 0 stores.
+- **Deep in-flight loads**: a warp's loads are walked in groups of ``group`` pieces x
+  ``rows`` rows; group ``g + depth`` is issued (16-byte ``ld.global`` into registers) before
+  group ``g`` is consumed, so ``depth x group x rows`` loads per lane (512 B per warp each) are
+  in flight at all times; the first ``depth`` groups are issued before the PDL wait (the
+  weights never come from the previous kernel) and stream during the norm prologue. The loop
+  is fully unrolled at trace time (K / 256 <= 28 pieces).
+- **Activations once per CTA**: the prologue stages ``x`` (``bf16(x + r)`` with
+  ``add_residual``; CTA 0 writes it as the new residual stream) into shared memory ``[M, K]``
+  BF16 (14 KB per token), computes each token's rstd with one block reduction, and rewrites its
+  own pieces normalized, ``bf16(bf16(h * rstd) * w_norm)`` (vLLM's ``fused_add_rms_norm``
+  rounding, as :func:`.skinny_gemm.skinny_gemm_ref`). The main loop then reads 16-byte
+  activation pieces from shared memory only: no L2 round trip on its critical path.
+- **Whole-slice L2 prefetch** (``l2_all``): before the PDL wait, each warp issues one
+  ``cp.async.bulk.prefetch.L2`` per weight row it owns (the whole row), so a small projection
+  (o_proj 22 MB, q_b 7 MB at TP8) streams into L2 while a light previous kernel (KDA decode:
+  12 CTAs, MLA decode) runs, and is then read from L2. Useful only if the grid is resident at
+  once (:meth:`GemvPlan.resident_estimate`).
+- **Epilogue**: ``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + res)`` (o_proj
+  writing the residual stream; ``res`` may alias the output: same thread reads then writes).
+- Several weights ("segments", MLA's qkv_a and g_proj) in one launch: the grid is the
+  concatenation of their CTAs.
+
+Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, off by default) routes the plans it
+supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
+(``w8r2g2d2``) or the sweep's explicit values. Compile key: the plan (every shape static).
+"""
+
+# no `from __future__ import annotations`: the Smem struct reads its field annotations
+import os
+import re
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum
+
+PIECE = 8  # BF16 per 16-byte load
+KSTEP = 32 * PIECE  # K columns covered by one warp-wide load (512 bytes)
+MAX_M = 4
+CFG_ENV = "DECODESCOPE_GEMV_CFG"
+DEFAULT_CFG = (8, 2, 2, 2)  # warps, rows per warp, pieces per group, groups in flight
+NUM_SMS = 132  # H200
+SM_SMEM = 227 * 1024  # usable shared memory per SM (H200), 1 KB reserved per CTA
+SM_REGS = 64 * 1024
+
+
+def parse_cfg(v: str) -> tuple[int, int, int, int]:
+    """``w8r2g2d2`` -> (warps, rows, group, depth)."""
+    mt = re.fullmatch(r"w(\d+)r(\d+)g(\d+)d(\d+)", v.strip())
+    if not mt:
+        raise ValueError(f"{CFG_ENV}={v!r}: expected wWrRgGdD, e.g. w8r2g2d2")
+    return tuple(int(g) for g in mt.groups())  # type: ignore[return-value]
+
+
+def env_cfg() -> tuple[int, int, int, int]:
+    v = os.environ.get(CFG_ENV, "")
+    return parse_cfg(v) if v else DEFAULT_CFG
+
+
+def supports(m: int, k: int, situ: bool = False) -> bool:
+    """Shapes this kernel serves: 1..4 tokens, K a multiple of 256, no SiTU epilogue."""
+    return 1 <= m <= MAX_M and k % KSTEP == 0 and not situ
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    m: int
+    k: int
+    segments: tuple[int, ...]
+    norm: bool = False
+    add_residual: bool = False
+    residual_epilogue: bool = False
+    x_stride: int = 0  # row stride of x in elements (0: compact)
+    eps: float = 1e-5
+    pdl: bool = field(default_factory=pdl_enabled)
+    warps: int = DEFAULT_CFG[0]
+    rows: int = DEFAULT_CFG[1]  # weight rows per warp
+    group: int = DEFAULT_CFG[2]  # 16-byte pieces per lane and row in one load group
+    depth: int = DEFAULT_CFG[3]  # groups issued ahead of the one consumed
+    l2_all: bool = False  # prefetch the CTA's whole weight slice into L2 before the PDL wait
+
+    def __post_init__(self) -> None:
+        if not supports(self.m, self.k):
+            raise ValueError(
+                f"gemv_stream: needs 1..{MAX_M} tokens and K a multiple of {KSTEP}, "
+                f"got M={self.m}, K={self.k}"
+            )
+        if not 1 <= len(self.segments) <= 3 or any(n < 1 for n in self.segments):
+            raise ValueError(f"gemv_stream: 1..3 non-empty segments, got {self.segments}")
+        if self.add_residual and not self.norm:
+            raise ValueError("gemv_stream: add_residual needs norm")
+        if self.x_stride and (self.x_stride < self.k or self.x_stride % PIECE):
+            raise ValueError(
+                f"gemv_stream: x row stride {self.x_stride} must be >= K and 8-aligned"
+            )
+        for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
+                            ("group", self.group, 32), ("depth", self.depth, 8)):  # fmt: skip
+            if not 1 <= v <= hi:
+                raise ValueError(f"gemv_stream: {name}={v} outside 1..{hi}")
+
+    @property
+    def pieces(self) -> int:
+        """16-byte loads per lane and row (K / 256)."""
+        return self.k // KSTEP
+
+    @property
+    def grp(self) -> int:
+        return min(self.group, self.pieces)
+
+    @property
+    def ngroups(self) -> int:
+        return -(-self.pieces // self.grp)
+
+    @property
+    def cta_rows(self) -> int:
+        return self.warps * self.rows
+
+    def ctas(self, n: int) -> int:
+        return -(-n // self.cta_rows)
+
+    @property
+    def grid(self) -> int:
+        return sum(self.ctas(n) for n in self.segments)
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def ldx(self) -> int:
+        return self.x_stride or self.k
+
+    @property
+    def smem_bytes(self) -> int:
+        """Activations [M, K] BF16 + warp partials + rstd (+ alignment)."""
+        return self.m * self.k * 2 + 4 * self.warps * self.m + 4 * self.m + 64
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.segments) * self.k * 2
+
+    def in_flight_regs(self) -> int:
+        """Registers per lane held by weight loads in flight (``(depth + 1)`` groups)."""
+        return (min(self.depth, self.ngroups) + 1) * self.grp * self.rows * 4
+
+    def resident_estimate(self, regs: int) -> int:
+        """CTAs per SM with ``regs`` registers per thread (ptxas), by registers, threads and
+        shared memory; the grid is resident at once if ``grid <= NUM_SMS * this``."""
+        by_regs = SM_REGS // (regs * self.threads)
+        by_thr = 2048 // self.threads
+        by_smem = SM_SMEM // (self.smem_bytes + 1024)
+        return max(0, min(by_regs, by_thr, by_smem, 32))
+
+
+class GemvStream:
+    def __init__(self, plan: GemvPlan):
+        self.p = plan
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, ldx] bf16 (first K columns used)
+        mR: cute.Tensor,  # [M, K] residual in (add_residual) else placeholder
+        mRout: cute.Tensor,  # [M, K] new residual out (add_residual) else placeholder
+        mNW: cute.Tensor,  # [K] norm weight (norm) else placeholder
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mW1: cute.Tensor,
+        mO1: cute.Tensor,
+        mW2: cute.Tensor,
+        mO2: cute.Tensor,
+        mE: cute.Tensor,  # [M, N0] epilogue residual (residual_epilogue) else placeholder
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+
+        @cute.struct
+        class Smem:
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.m * p.k], 16]
+            red: cute.struct.MemRange[Float32, p.warps * p.m]
+            rstd: cute.struct.MemRange[Float32, p.m]
+
+        self.smem_cls = Smem
+        self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
+            grid=[p.grid, 1, 1],
+            block=[p.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sX = st.x.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
+        sRed = st.red.get_tensor(cute.make_layout((p.warps, p.m), stride=(p.m, 1)))
+        sRstd = st.rstd.get_tensor(cute.make_layout(p.m))
+        weights = (mW0, mW1, mW2)
+        outs = (mO0, mO1, mO2)
+        t0 = 0
+        for s in cutlass.range_constexpr(len(p.segments)):
+            nc = p.ctas(p.segments[s])
+            if bidx >= t0 and bidx < t0 + nc:
+                self.body(mX, mR, mRout, mNW, weights[s], outs[s], mE, sX, sRed, sRstd,
+                          bidx - t0, p.segments[s], bidx, warp, lane)  # fmt: skip
+            t0 += nc
+
+    def issue(self, mW, rows, g: int, lane):
+        """Group ``g``'s loads (trace time): ``[(piece, [row])]`` 8-register BF16 tensors."""
+        p = self.p
+        buf = []
+        for i in range(g * p.grp, min((g + 1) * p.grp, p.pieces)):
+            per_row = []
+            for r in rows:
+                t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                load_vec8(mW[r, None], (i * 32 + lane) * PIECE, t)
+                per_row.append(t)
+            buf.append((i, per_row))
+        return buf
+
+    def issue_first(self, mW, rows, lane) -> dict:
+        """The first ``depth`` groups (trace time)."""
+        return {g: self.issue(mW, rows, g, lane) for g in range(min(self.p.depth, self.p.ngroups))}
+
+    def mainloop(self, mW, rows, bufs: dict, sX, lane) -> list:
+        """All groups, fully unrolled (trace time): group ``g + depth`` is issued before group
+        ``g`` is consumed. Returns the per-lane FP32 partial sums ``[row][token]``."""
+        p = self.p
+        accs = [[Float32(0.0) for _ in range(p.m)] for _ in range(p.rows)]
+        for g in range(p.ngroups):
+            if g + p.depth < p.ngroups:
+                bufs[g + p.depth] = self.issue(mW, rows, g + p.depth, lane)
+            for i, per_row in bufs.pop(g):
+                k0 = (i * 32 + lane) * PIECE
+                wf = [[w[e].to(Float32) for e in range(PIECE)] for w in per_row]
+                for m in range(p.m):
+                    xv = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(sX[m, None], (PIECE,), (k0 // PIECE,)), xv)
+                    xf = [xv[e].to(Float32) for e in range(PIECE)]
+                    for r in range(p.rows):
+                        a = accs[r][m]
+                        for e in range(PIECE):
+                            a = a + wf[r][e] * xf[e]
+                        accs[r][m] = a
+        return accs
+
+    @cute.jit
+    def body(self, mX, mR, mRout, mNW, mW, mO, mE, sX, sRed, sRstd, cta, n, bidx, warp, lane):
+        p = self.p
+        row0 = cta * p.cta_rows + warp * p.rows
+        rows = []
+        for r in cutlass.range_constexpr(p.rows):
+            rows.append(cutlass.min(row0 + r, n - 1))
+
+        if cutlass.const_expr(p.l2_all):
+            # the whole slice this warp will read, one bulk prefetch per row (lane r: row r)
+            for r in cutlass.range_constexpr(p.rows):
+                if lane == r and row0 + r < n:
+                    src = cute.local_tile(mW[rows[r], None], (p.k,), (0,))
+                    cute.arch.inline_ptx(
+                        "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                        read_only_args=[src.iterator, Int32(p.k * 2)],
+                    )
+        # the first groups' weights go out before the PDL wait (never written by the
+        # previous kernel), and so do the norm weights of this thread's prologue pieces
+        bufs = self.issue_first(mW, rows, lane)
+        nvec = p.k // PIECE
+        per = -(-nvec // p.threads)
+        tidx = warp * 32 + lane
+        nws = []
+        if cutlass.const_expr(p.norm):
+            for i in cutlass.range_constexpr(per):
+                t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                load_vec8(mNW, cutlass.min(tidx + i * p.threads, nvec - 1) * PIECE, t)
+                nws.append(t)
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+
+        self.prologue(mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane)
+        accs = self.mainloop(mW, rows, bufs, sX, lane)
+
+        for r in cutlass.range_constexpr(p.rows):
+            for m in cutlass.range_constexpr(p.m):
+                tot = warp_sum(accs[r][m])
+                if lane == 0 and row0 + r < n:
+                    if cutlass.const_expr(p.residual_epilogue):
+                        tot = tot.to(BFloat16).to(Float32) + mE[m, row0 + r].to(Float32)
+                    mO[m, row0 + r] = tot.to(BFloat16)
+
+    @cute.jit
+    def prologue(self, mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane):
+        """Stage ``h = x (+ r)`` in shared memory (CTA 0 writes ``h`` to ``mRout``); with
+        ``norm``: per-token rstd (one block reduction), then each thread rewrites its own
+        pieces normalized. Every thread's loads are issued before any is used (row clamped,
+        the surplus pieces weighted 0): one L2 round trip."""
+        p = self.p
+        nt = p.threads
+        tidx = warp * 32 + lane
+        nvec = p.k // PIECE
+        per = -(-nvec // nt)
+        for m in cutlass.range_constexpr(p.m):
+            hs = []
+            for i in cutlass.range_constexpr(per):
+                kv = cutlass.min(tidx + i * nt, nvec - 1)
+                xv = cute.make_rmem_tensor((PIECE,), BFloat16)
+                load_vec8(mX[m, None], kv * PIECE, xv)
+                if cutlass.const_expr(p.add_residual):
+                    rv = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    load_vec8(mR[m, None], kv * PIECE, rv)
+                    for e in cutlass.range_constexpr(PIECE):
+                        xv[e] = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                hs.append(xv)
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * nt
+                if kv < nvec:
+                    cute.autovec_copy(hs[i], cute.local_tile(sX[m, None], (PIECE,), (kv,)))
+                    if cutlass.const_expr(p.add_residual):  # noqa: SIM102 (trace-time test)
+                        if bidx == 0:
+                            cute.autovec_copy(
+                                hs[i], cute.local_tile(mRout[m, None], (PIECE,), (kv,))
+                            )
+                if cutlass.const_expr(p.norm):
+                    keep = Float32(1.0)
+                    if kv >= nvec:
+                        keep = Float32(0.0)
+                    for e in cutlass.range_constexpr(PIECE):
+                        f = hs[i][e].to(Float32)
+                        ss = ss + f * f * keep
+            if cutlass.const_expr(p.norm):
+                ss = warp_sum(ss)
+                if lane == 0:
+                    sRed[warp, m] = ss
+        cute.arch.sync_threads()
+        if cutlass.const_expr(p.norm):
+            for m in cutlass.range_constexpr(p.m):
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(p.warps):
+                    tot = tot + sRed[w, m]
+                rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
+                for i in cutlass.range_constexpr(per):
+                    kv = tidx + i * nt
+                    if kv < nvec:
+                        t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                        sv = cute.local_tile(sX[m, None], (PIECE,), (kv,))
+                        cute.autovec_copy(sv, t)
+                        for e in cutlass.range_constexpr(PIECE):
+                            y = (t[e].to(Float32) * rs).to(BFloat16)
+                            t[e] = (y.to(Float32) * nws[i][e].to(Float32)).to(BFloat16)
+                        cute.autovec_copy(t, sv)
+            cute.arch.sync_threads()
+
+
+# -- torch-facing --------------------------------------------------------------------------
+
+_PLACEHOLDER = (16, 16)
+
+
+def _fake_args(p: GemvPlan):
+    bf = torch.bfloat16
+    M, K = p.m, p.k
+    ph = itf.fake(bf, _PLACEHOLDER)
+    x = itf.fake_strided(bf, (M, K), (p.ldx, 1))
+    r = itf.fake(bf, (M, K)) if p.add_residual else ph
+    rout = itf.fake(bf, (M, K)) if p.add_residual else ph
+    nw = itf.fake(bf, (K,)) if p.norm else itf.fake(bf, (16,))
+    segs = []
+    for s in range(3):
+        if s < len(p.segments):
+            n = p.segments[s]
+            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, n))]
+        else:
+            segs += [ph, ph]
+    e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
+    return (x, r, rout, nw, *segs, e, itf.env_stream())
+
+
+def compile_plan(p: GemvPlan):
+    """Compile (cached) the kernel of ``p``; works without a GPU (sm_90a)."""
+    return itf.compiled(("gemv_stream", p), lambda: (GemvStream(p), _fake_args(p)))
+
+
+def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None) -> GemvPlan:
+    """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
+    from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
+    w, r, g, d = cfg or env_cfg()
+    return GemvPlan(
+        m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
+        residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
+        warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all,
+    )  # fmt: skip
+
+
+def gemv(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    epilogue_residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    cfg: tuple[int, int, int, int] | None = None,
+    l2_all: bool = False,
+) -> None:
+    """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
+    (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``), ``l2_all`` the whole-slice
+    L2 prefetch before the PDL wait."""
+    M, K = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
+    w_, r_, g_, d_ = cfg or env_cfg()
+    p = GemvPlan(
+        m=int(M), k=int(K), segments=tuple(int(w.shape[0]) for w in weights),
+        norm=norm_weight is not None, add_residual=residual is not None,
+        residual_epilogue=epilogue_residual is not None,
+        x_stride=0 if x.stride(0) == K else int(x.stride(0)), eps=float(eps),
+        warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all,
+    )  # fmt: skip
+    launch(p, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual)
+
+
+def launch(p: GemvPlan, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual):
+    fn = compile_plan(p)
+    ph = itf.placeholder(x.device, _PLACEHOLDER)
+    segs: list[torch.Tensor] = []
+    for s in range(3):
+        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
+    fn(
+        x,
+        residual if residual is not None else ph,
+        residual_out if residual is not None else ph,
+        norm_weight if norm_weight is not None else ph[0],
+        *segs,
+        epilogue_residual if epilogue_residual is not None else ph,
+    )

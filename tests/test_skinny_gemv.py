@@ -1,0 +1,204 @@
+"""The streaming GEMV for 1..4 tokens (:mod:`.gemv_stream`) and the whole-slice L2 prefetch of
+small projections (``GemmPlan.l2_all``), both opt-in through :mod:`.skinny_gemm`.
+
+CPU (CI): the attention projections' GEMV plans compile for sm_90a (KDA in_proj and MLA
+qkv_a + g with the residual + RMSNorm prologue, q_b with its strided input and norm, o_proj
+with the residual epilogue; kimi-k3 TP8 and TP16, M = 1; in_proj and o_proj at M = 4); the
+PTX issues the first ``depth`` load groups before ``griddepcontrol.wait`` and one bulk L2
+prefetch per row with ``l2_all``; the row / column map covers every weight element once; the
+environment knobs (default unchanged) and plan validation.
+GPU (``pytest -m gpu``, H200): GEMV vs the torch reference, fresh random inputs, NaN-poisoned
+outputs, M = 1, 2, 4, default and swept knobs; the skinny kernel with the L2 prefetch.
+"""
+
+from __future__ import annotations
+
+import glob
+import tempfile
+
+import pytest
+import torch
+
+from decodescope.kernels.config import get_config
+from decodescope.kernels.specialized import gemv_stream as gs
+from decodescope.kernels.specialized import norm_qkv_proj as nqp
+from decodescope.kernels.specialized import oproj_residual_norm as orn
+from decodescope.kernels.specialized import skinny_gemm as sg
+
+
+def _cases(tp: int) -> dict[str, dict]:
+    cfg = get_config("kimi-k3", tp)
+    return {
+        "kda_in_proj": dict(k=cfg.hidden, segments=(cfg.kda_in_proj_out,), norm=True,
+                            add_residual=True, eps=cfg.eps),
+        "mla_qkv_a_g": dict(k=cfg.hidden, segments=(cfg.mla_qkv_a_out, cfg.mla_v_dim),
+                            norm=True, add_residual=True, eps=cfg.eps),
+        "mla_q_b": dict(k=cfg.mla.q_lora_rank, segments=(cfg.mla_q_b_out,), norm=True,
+                        x_stride=cfg.mla_qkv_a_out, eps=cfg.eps),
+        "o_proj": dict(k=cfg.kda_dim, segments=(cfg.hidden,), residual_epilogue=True),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_gemv_plans_compile(tp):
+    for name, kw in _cases(tp).items():
+        plan = gs.GemvPlan(m=1, l2_all=name in ("o_proj", "mla_q_b"), **kw)
+        assert gs.compile_plan(plan) is not None, name
+
+
+@pytest.mark.parametrize("name", ["kda_in_proj", "o_proj"])
+def test_gemv_compiles_m4(name):
+    assert gs.compile_plan(gs.GemvPlan(m=4, **_cases(8)[name])) is not None
+
+
+def _ptx(op, args) -> str:
+    import cutlass.cute as cute
+
+    d = tempfile.mkdtemp()
+    cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")
+    (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
+    with open(path) as f:
+        return f.read()
+
+
+def test_gemv_ptx_order():
+    """o_proj TP8 (6 pieces per lane and row, 2 rows per warp, groups of 2, depth 2): the
+    first 2 groups (8 weight loads) go out before the PDL wait, the rest (4) after; with
+    ``l2_all`` two bulk prefetches (one per row of the warp) precede the wait."""
+    plan = gs.GemvPlan(m=1, l2_all=True, **_cases(8)["o_proj"])
+    ptx = _ptx(gs.GemvStream(plan), gs._fake_args(plan))
+    wait = ptx.index("griddepcontrol.wait")
+    v4 = [i for i in range(len(ptx)) if ptx.startswith("ld.global.v4", i)]
+    first = plan.depth * plan.grp * plan.rows
+    assert sum(i < wait for i in v4) == first
+    # after the wait: the remaining weight loads and x (one piece per thread at K 1536)
+    assert len(v4) - first == plan.pieces * plan.rows - first + 1
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") == plan.rows
+    assert ptx.index("cp.async.bulk.prefetch.L2") < wait
+
+
+def test_skinny_l2_prefetch_ptx():
+    """The skinny kernel's whole-slice prefetch: one bulk prefetch (the thread's row), before
+    the wait; none in the default plan."""
+    kw = _cases(8)["o_proj"]
+    on = sg.GemmPlan(m=1, load="regs", l2_all=True, gemv=False, **kw)
+    off = sg.GemmPlan(m=1, load="regs", l2_all=False, gemv=False, **kw)
+    p_on = _ptx(sg.SkinnyGemm(on), sg._fake_args(on))
+    assert p_on.count("cp.async.bulk.prefetch.L2.global") == 1
+    assert p_on.index("cp.async.bulk.prefetch.L2") < p_on.index("griddepcontrol.wait")
+    assert "cp.async.bulk.prefetch" not in _ptx(sg.SkinnyGemm(off), sg._fake_args(off))
+
+
+@pytest.mark.parametrize("cfg", [(8, 2, 2, 2), (16, 3, 2, 2), (4, 4, 4, 1), (8, 1, 32, 8)])
+@pytest.mark.parametrize("tp", [8, 16])
+def test_gemv_coverage(cfg, tp):
+    """The kernel's index map (row ``cta * warps * rows + warp * rows + r`` of a segment, lane
+    ``l`` reading columns ``(32 i + l) * 8 .. + 7``; rows past the segment clamped for loads and
+    not stored) covers every weight element of every segment exactly once; the load groups
+    (issued ``depth`` ahead) cover every piece once, in order."""
+    w, r, g, d = cfg
+    for name, kw in _cases(tp).items():
+        p = gs.GemvPlan(m=1, warps=w, rows=r, group=g, depth=d, **kw)
+        for n in p.segments:
+            cta, warp, rr = torch.meshgrid(torch.arange(p.ctas(n)), torch.arange(p.warps),
+                                           torch.arange(p.rows), indexing="ij")  # fmt: skip
+            rows = (cta * p.cta_rows + warp * p.rows + rr).flatten()
+            rows = rows[rows < n]  # the stored rows
+            assert torch.equal(rows.sort().values, torch.arange(n)), (name, n)
+            i, lane, e = torch.meshgrid(torch.arange(p.pieces), torch.arange(32),
+                                        torch.arange(gs.PIECE), indexing="ij")  # fmt: skip
+            cols = ((i * 32 + lane) * gs.PIECE + e).flatten()
+            assert torch.equal(cols.sort().values, torch.arange(p.k)), (name, n)
+        order = [i for gi in range(p.ngroups)
+                 for i in range(gi * p.grp, min((gi + 1) * p.grp, p.pieces))]  # fmt: skip
+        assert order == list(range(p.pieces)), name
+
+
+def test_selection_knobs(monkeypatch):
+    """Off by default (plans unchanged); ``DECODESCOPE_SKINNY_GEMV=N`` routes the plans with
+    M <= N that the GEMV supports; ``DECODESCOPE_L2_PREFETCH=1`` turns the prefetch on for
+    weights up to 24 MB (TP8 o_proj 22 MB, q_b 7 MB; not in_proj 90 MB)."""
+    cfg = get_config("kimi-k3", 8)
+    monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
+    monkeypatch.setenv("DECODESCOPE_SPLITK_GEMM", "0")
+    for v in (sg.GEMV_ENV, sg.L2_ENV, sg.L2_MAX_ENV, gs.CFG_ENV, "DECODESCOPE_NO_PDL"):
+        monkeypatch.delenv(v, raising=False)
+    plans = {"in": nqp.plan_for(cfg, "kda", 1), "qkv": nqp.plan_for(cfg, "mla", 1),
+             "o": orn.plan_for(cfg, "kda", 1), "qb": orn.q_b_plan(cfg, 1)}  # fmt: skip
+    assert all(not p.gemv and not p.l2_all for p in plans.values())
+    monkeypatch.setenv(sg.GEMV_ENV, "2")
+    assert nqp.plan_for(cfg, "kda", 1).gemv and orn.q_b_plan(cfg, 2).gemv
+    assert not nqp.plan_for(cfg, "kda", 3).gemv  # M above the knob
+    assert not sg.GemmPlan(m=1, k=32 * 5, segments=(16,)).gemv  # K not a multiple of 256
+    assert not sg.GemmPlan(m=1, k=256, segments=(32,), situ=True).gemv  # SiTU: not served
+    monkeypatch.setenv(sg.L2_ENV, "1")
+    assert orn.plan_for(cfg, "kda", 1).l2_all and orn.q_b_plan(cfg, 1).l2_all
+    assert not nqp.plan_for(cfg, "kda", 1).l2_all
+    assert orn.plan_for(cfg, "kda", 1).weight_bytes <= 24 * 2**20
+    monkeypatch.setenv(sg.L2_MAX_ENV, "8")
+    assert not orn.plan_for(cfg, "kda", 1).l2_all and orn.q_b_plan(cfg, 1).l2_all
+    monkeypatch.setenv("DECODESCOPE_NO_PDL", "1")  # the prefetch rides on the PDL overlap
+    assert not orn.q_b_plan(cfg, 1).l2_all
+    monkeypatch.delenv("DECODESCOPE_NO_PDL")
+    # the GEMV plan follows the GEMM plan (and its knobs from the environment)
+    monkeypatch.setenv(gs.CFG_ENV, "w16r3g4d1")
+    gp = gs.from_gemm_plan(orn.q_b_plan(cfg, 1))
+    assert (gp.warps, gp.rows, gp.group, gp.depth, gp.l2_all) == (16, 3, 4, 1, True)
+    assert gp.x_stride == cfg.mla_qkv_a_out and gp.norm and not gp.add_residual
+
+
+def test_bad_knobs(monkeypatch):
+    monkeypatch.setenv(sg.GEMV_ENV, "9")
+    with pytest.raises(ValueError, match="DECODESCOPE_SKINNY_GEMV"):
+        sg.GemmPlan(m=1, k=256, segments=(16,))
+    monkeypatch.setenv(sg.GEMV_ENV, "0")
+    monkeypatch.setenv(sg.L2_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_L2_PREFETCH"):
+        sg.GemmPlan(m=1, k=256, segments=(16,))
+    monkeypatch.setenv(sg.L2_ENV, "1")
+    monkeypatch.setenv(sg.L2_MAX_ENV, "lots")
+    with pytest.raises(ValueError, match="DECODESCOPE_L2_PREFETCH_MAX_MB"):
+        sg.GemmPlan(m=1, k=256, segments=(16,))
+    with pytest.raises(ValueError, match="DECODESCOPE_GEMV_CFG"):
+        gs.parse_cfg("8,2,2,2")
+    with pytest.raises(ValueError, match="1..4 tokens"):
+        gs.GemvPlan(m=5, k=256, segments=(16,))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gs.GemvPlan(m=1, k=160, segments=(16,))
+    with pytest.raises(ValueError, match="depth=0"):
+        gs.GemvPlan(m=1, k=256, segments=(16,), depth=0)
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("cfg", [None, (16, 3, 2, 2), (4, 4, 4, 1)])
+def test_gemv_vs_reference_gpu(m, cfg):
+    dev = torch.device("cuda")
+    torch.manual_seed(m)
+    c = get_config("kimi-k3", 8)
+    bf = torch.bfloat16
+    for name, kw in _cases(8).items():
+        K, segs = kw["k"], kw["segments"]
+        ws = [(torch.randn(n, K, device=dev) * K**-0.5).to(bf) for n in segs]
+        ld = kw.get("x_stride") or K
+        x = torch.randn(m, ld, device=dev).to(bf)[:, :K]
+        r = torch.randn(m, K, device=dev).to(bf)
+        nw = (1 + 0.1 * torch.randn(K, device=dev)).to(bf)
+        e = torch.randn(m, segs[0], device=dev).to(bf)
+        outs = [torch.full((m, n), float("nan"), device=dev, dtype=bf) for n in segs]
+        rout = torch.full((m, K), float("nan"), device=dev, dtype=bf)
+        f = dict(residual=r if kw.get("add_residual") else None,
+                 norm_weight=nw if kw.get("norm") else None,
+                 epilogue_residual=e if kw.get("residual_epilogue") else None, eps=c.eps)  # fmt: skip
+        gs.gemv(x, ws, outs, residual_out=rout if kw.get("add_residual") else None, cfg=cfg,
+                l2_all=name == "o_proj", **f)  # fmt: skip
+        torch.cuda.synchronize()
+        ref, ref_r = sg.skinny_gemm_ref(x, ws, **f)
+        for o, ro in zip(outs, ref, strict=True):
+            err = ((o.float() - ro.float()).norm() / ro.float().norm()).item()
+            assert torch.isfinite(o.float()).all() and err < 2e-2, (name, err)
+        if ref_r is not None:
+            assert torch.equal(rout, ref_r), name
