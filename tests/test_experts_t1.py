@@ -105,13 +105,16 @@ def test_shared_rows_once(tp, cfg, clean_env):
 
 
 def test_shared_rows_several_rounds():
-    """A grid small enough that a CTA's rows exceed its stages: rounds (NRB > 1)."""
+    """Stages small enough that a CTA's rows take several rounds (NRB > 1); a capped grid (one
+    item per CTA needed) is refused."""
     d = _dims("kimi-k3", 8)
-    op = t1.W13T1(*d, 4.0, 25.0, nsm=1, cfg=gt.TileConfig(rows=16, bk=64, stages=3, rt=1))
+    op = t1.W13T1(*d, 4.0, 25.0, cfg=gt.TileConfig(rows=16, bk=64, stages=3, rt=1))
     assert op.NRB > 1
     out = _shared_rows(op)
     assert sorted(out) == list(range(op.H)) and set(out.values()) == {1}
-    _, args = t1.build_w13(*d, 4.0, 25.0, True, 1, op.cfg)
+    with pytest.raises(ValueError, match="one item per CTA"):
+        t1.W13T1(*d, 4.0, 25.0, nsm=1, cfg=op.cfg)
+    _, args = t1.build_w13(*d, 4.0, 25.0, True, 132, op.cfg)
     assert itf.compile_only(op, *args) is not None  # the rounds' code path
 
 

@@ -144,6 +144,9 @@ class W13T1(gwt.GroupedW13Tile):
             raise ValueError(f"experts_t1: a shared_w2 row ({S} x 2 B) exceeds the stages")
         self.RB = min(self.RPC, cap)  # rows per round
         self.NRB = -(-self.RPC // self.RB)
+        if self.grid != self.slots * self.NRT:
+            raise ValueError(f"experts_t1: w13 needs one item per CTA ({self.slots * self.NRT} "
+                             f"items, grid {self.grid})")  # fmt: skip
         if shared and T * 2 * S > self.S * gwt.TOK * self.BK:
             raise ValueError(f"experts_t1: {T} tokens' shared gate/up exceed the z stages")
 
@@ -192,20 +195,24 @@ class W13T1(gwt.GroupedW13Tile):
             cute.arch.griddepcontrol_launch_dependents()
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
+        # one item per CTA (the grid is every (slot, row block) item, checked in __init__): the
+        # slot's lists read beside nact (the slot exists; used only when it is active)
+        a = bid // NRT
+        row0 = (bid % NRT) * R
         nact = mNact[0]
-        for item in cutlass.range(bid, nact * NRT, self.grid):  # (slot, row block) items
-            a = item // NRT
-            rt = item % NRT
-            e = mSlotE[a]
-            off = mSlotOff[a]
-            n = mSlotN[a]
+        e = mSlotE[a]
+        off = mSlotOff[a]
+        n = mSlotN[a]
+        if bid < nact * NRT:
             mW = mg._expert_mat(mW13, e, 2 * Ie, self.L)
-            row0 = rt * R
             nn = cutlass.min(n, TOK)  # one pass: n <= T <= 8
             ztok = []
             for i in cutlass.range_constexpr(self.ZP):
-                m = tid // self.UZ + i * (self.NT // self.UZ)
-                ztok.append(mPairs[off + cutlass.min(m, nn - 1)] // K)
+                if const_expr(self.T == 1):  # the one token: no pair lookup before the loads
+                    ztok.append(Int32(0))
+                else:
+                    m = tid // self.UZ + i * (self.NT // self.UZ)
+                    ztok.append(mPairs[off + cutlass.min(m, nn - 1)] // K)
             pp = [mPairs[off + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
             cute.arch.barrier()  # every warp is done with the stages (shared down, last item)
             for s in cutlass.range_constexpr(S - 1):
@@ -353,13 +360,13 @@ class W2T1(gw2.GroupedW2Tile):
         lane = tid % 32
         g = lane // 4
         c = lane % 4
+        a = item // self.CE  # < slots: the grid is every item (checked in __init__)
+        row0 = (item % self.CE) * self.R
         total = _ld(mNact, 0) * self.CE
+        e = _ld(mSlotE, a)  # beside nact; used only when the slot is active
+        off = _ld(mSlotOff, a)
+        n = _ld(mSlotN, a)
         if item < total:
-            a = item // self.CE
-            row0 = (item % self.CE) * self.R
-            e = _ld(mSlotE, a)
-            off = _ld(mSlotOff, a)
-            n = _ld(mSlotN, a)
             mW = mg._expert_mat(mW2, e, L, Ie)
             if const_expr(self.pre):
                 for s in cutlass.range_constexpr(NS - 1):
