@@ -907,12 +907,15 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
 
 
-# grouped_t1[_r<R>][_s<stages>][_k<BK>][_w2sh][_nopre]: DECODESCOPE_MOE_T1=t1 (1 token,
-# kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its stages
-# (6) and K chunk (128), the shared down before w13's PDL wait (_w2sh: in w2's first CTAs
-# instead), w2's weights before its wait (_nopre: after it). grouped_t1base: the grouped
-# kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
-T1_RE = re.compile(r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_(w2sh))?(?:_(nopre))?")
+# grouped_t1[_r<R>][_s<stages>][_k<BK>][_w2w<warps>][_w2sh][_nopre]: DECODESCOPE_MOE_T1=t1 (1
+# token, kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its
+# stages (6) and K chunk (128), w2's warps per item (DECODESCOPE_MOE_W2T_WARPS: 4 = 64 rows), the
+# shared down before w13's PDL wait (_w2sh: in w2's first CTAs instead), w2's weights before its
+# wait (_nopre: after it). grouped_t1base: the grouped kernels' own defaults at 1 token
+# (DECODESCOPE_MOE_T1=grouped).
+T1_RE = re.compile(
+    r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
+)
 
 
 def t1_env(var: str) -> dict:
@@ -927,7 +930,8 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, w2sh, nopre = T1_RE.fullmatch(var).groups()
+    r, s, k, w2w, w2sh, nopre = T1_RE.fullmatch(var).groups()
+    env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
     return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
             "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",
             "DECODESCOPE_MOE_T1_SHARED": "w2" if w2sh else "",

@@ -14,6 +14,7 @@ import torch
 
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.specialized import experts_t1 as t1
+from decodescope.kernels.specialized import grouped_w2_tile as gw2
 from decodescope.kernels.specialized import grouped_w13_tile as gt
 from decodescope.kernels.specialized import interface as itf  # sets CUTE_DSL_ARCH first
 from decodescope.kernels.specialized import moe_grouped as mg
@@ -63,6 +64,9 @@ def test_compiles_ab_forms(w2sh, pre, clean_env):
     op2, args2 = t1.build_w2(*d, shared=w2sh, pre=pre)
     assert op2.CS > 0 and op2.grid == op2.CS + op2.nr and not op2.pre
     assert itf.compile_only(op2, *args2) is not None
+    op3, args3 = t1.build_w2(*d, kn=gw2.TileKnobs(warps=2))  # the script's _w2w2
+    assert op3.R == 32 and op3.grid == 16 * d[3] // 32
+    assert itf.compile_only(op3, *args3) is not None
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -217,6 +221,7 @@ def test_script_variants():
     env = gs.variant_env("grouped_t1")
     assert env["DECODESCOPE_MOE_T1"] == "t1" and env["DECODESCOPE_MOE_EXPERTS"] == "grouped"
     assert env["DECODESCOPE_MOE_T1_ROWS"] == "" and env["DECODESCOPE_MOE_GROUPED_ROUTE"] == "thresh"
+    assert gs.variant_env("grouped_t1_w2w2")["DECODESCOPE_MOE_W2T_WARPS"] == "2"
     env = gs.variant_env("grouped_t1_r32_s5_w2sh_nopre")
     assert (env["DECODESCOPE_MOE_T1_ROWS"], env["DECODESCOPE_MOE_T1_STAGES"]) == ("32", "5")
     assert env["DECODESCOPE_MOE_T1_SHARED"] == "w2" and env["DECODESCOPE_MOE_T1_W2PRE"] == "0"
