@@ -92,9 +92,11 @@ SMEM_MAX = 227 * 1024
 SMEM_TWO_CTAS = 113 * 1024
 UV_ITEMS = 96  # W_UV items the default rows-per-item aims at
 SPIN_NS = 200_000_000  # a wait gives up after 0.2 s (sets the error word)
-# counters (int32 words of the workspace ``cnt``)
-C_TICKET, C_ABS, C_ATT, C_EXIT, C_ERR = 0, 1, 2, 3, 4
-NCNT = 8
+# counters (int32 words of the workspace ``cnt``), each on its own 128-byte line: the
+# attention / W_UV CTAs poll C_ABS / C_ATT while others add to C_TICKET / C_EXIT
+C_TICKET, C_ABS, C_ATT, C_EXIT, C_ERR = 0, 32, 64, 96, 128
+NCNT = 160
+POLL_NS = 64  # nanosleep between polls
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,7 @@ class MLADecodeSplit(MLADecodeTC):
             t0 = global_timer_ns()
             going = True
             while going:
+                nanosleep(POLL_NS)
                 v = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
                 if v >= target:
                     going = False
@@ -818,6 +821,11 @@ class MLADecodeSplit(MLADecodeTC):
                     for e in cutlass.range_constexpr(2):
                         gate = sigmoid(mG[mrow, col + e].to(Float32))
                         mOut[mrow, col + e] = (acc[nt][2 * hh + e] * gate).to(BFloat16)
+
+
+def nanosleep(ns: int) -> None:
+    """``nanosleep.u32``: a polling thread yields its issue slots for about ``ns``."""
+    cute.arch.inline_ptx(f"nanosleep.u32 {ns};")
 
 
 def cp_async16(dst_ptr, src_ptr) -> None:
