@@ -334,9 +334,7 @@ class GroupedW2Tile:
             a = item % self.slots
             cb = item // self.slots
             nact = mNact[0]
-            e = mSlotE[a]  # read for every slot, in parallel with nact; used when a < nact
-            off = mSlotOff[a]
-            n = mSlotN[a]
+            e, off, n = self._slot_lists(mSlotE, mSlotOff, mSlotN, a)  # beside nact
             if a < nact:  # an empty CTA exits without waiting
                 mW = mg._expert_mat(mW2, e, self.L, self.Ie)
                 for s in cutlass.range_constexpr(self.stages - 1):
@@ -361,9 +359,7 @@ class GroupedW2Tile:
                 nact = mNact[0]
                 for item in cutlass.range(bid - self.CS, self.slots * self.CE, self.nr):
                     a = item % self.slots
-                    e = mSlotE[a]  # in parallel with nact; used when a < nact
-                    off = mSlotOff[a]
-                    n = mSlotN[a]
+                    e, off, n = self._slot_lists(mSlotE, mSlotOff, mSlotN, a)  # beside nact
                     if a < nact:
                         self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, item // self.slots,
                                    e, off, n, tid)  # fmt: skip
@@ -374,6 +370,14 @@ class GroupedW2Tile:
                                mSlotE[a], mSlotOff[a], mSlotN[a], tid)  # fmt: skip
 
     # -- routed items ----------------------------------------------------------------------
+
+    def _slot_lists(self, mSlotE, mSlotOff, mSlotN, a):
+        """Slot ``a``'s expert, pair offset and pair count, loaded for every slot ``< slots``
+        (stale past ``nact``; used only below it) as ``ld.relaxed.gpu``: a plain load would be
+        sunk below the ``a < nact`` branch by the compiler (seen in the SASS), costing one L2
+        round trip more before the weight copies. Trace time."""
+        return tuple(cute.arch.load(m.iterator + a, Int32, sem="relaxed", scope="gpu")
+                     for m in (mSlotE, mSlotOff, mSlotN))  # fmt: skip
 
     @cute.jit
     def _item(self, mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid,
