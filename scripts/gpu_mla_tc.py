@@ -274,6 +274,10 @@ def check_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: 
         if kernel == "split":  # a wait that gave up (0.2 s) leaves its counter in the error word
             err = msp.error_word(msp.plan_for(pt.cfg, pt.B, pt.T), DEV)
             extra = {"error_word": err}
+            try:  # diagnostics only: never the reason a check fails
+                extra.update(split_phases(pt))
+            except Exception as e:
+                extra["phases_error"] = f"{type(e).__name__}: {e}"[:200]
             written = written and err == 0
         good = written and e_out < 2e-2 and e_rows < 1e-2 and old_ok
         ok = ok and good
@@ -286,6 +290,35 @@ def check_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: 
                 record(what=f"mla {name} timeline", **ctx, **msp.trace_summary(p, DEV),
                        status="info")  # fmt: skip
     return ok
+
+
+def split_phases(pt: Point) -> dict:
+    """Where a wrong split result comes from (the last launch of copy 0, from its workspace):
+    ``q_lat`` (phase 1) vs ``q_nope @ w_uk`` scaled; the partials merged in torch (phase 2) vs
+    the softmax over the cache with the kernel's own ``q_lat`` (so each phase is judged from its
+    inputs); the output (phase 3) is the check's ``rel_l2``."""
+    cfg, m, T, B = pt.cfg, pt.cfg.mla, pt.T, pt.B
+    nh, kvl, ctx = cfg.mla_heads, m.kv_lora_rank, cfg.context_len
+    p = msp.plan_for(cfg, B, T)
+    ql, part = msp.workspace(p, DEV)[:2]
+    a, q, g = pt.ins[0]
+    qf = q.float().view(pt.N, nh, m.qk_head_dim)
+    scale = 1.0 / math.sqrt(m.qk_head_dim)
+    ql_ref = torch.einsum("nhd,hdl->nhl", qf[..., : m.qk_nope_head_dim], pt.ws[0]["w_uk"].float())
+    e_ql = R.rel_l2(ql.float(), ql_ref * scale)
+    P = part[:, :, : nh * T].double()  # [B, S, R, kvl + 4], row h*T + t
+    mm, ll = P[..., kvl], P[..., kvl + 1]
+    wts = torch.exp(mm - mm.max(1, keepdim=True).values)
+    o_part = (P[..., :kvl] * wts[..., None]).sum(1) / (ll * wts).sum(1)[..., None]  # [B, R, kvl]
+    keys = pt.caches[0].double()  # with the new rows (the check's launch wrote them)
+    q576 = torch.cat([ql.double().view(B, T, nh, kvl),
+                      (qf[..., m.qk_nope_head_dim :].double() * scale).view(B, T, nh, -1)], -1)  # fmt: skip
+    o_ref = torch.empty(B, nh * T, kvl, dtype=torch.float64, device=DEV)
+    for t in range(T):
+        k = keys[:, : ctx + t + 1]
+        sc = torch.einsum("bhl,bsl->bhs", q576[:, t], k)
+        o_ref[:, t::T] = torch.einsum("bhs,bsl->bhl", torch.softmax(sc, -1), k[..., :kvl])
+    return {"q_lat_rel_l2": f"{e_ql:.2e}", "o_lat_rel_l2": f"{R.rel_l2(o_part, o_ref):.2e}"}
 
 
 def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: dict,
