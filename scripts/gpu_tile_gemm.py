@@ -16,8 +16,9 @@ check at the same time, then take turns on a lock for their timings). Per GEMM:
   (what the layers run now: :func:`.splitk_gemm.project`), and ``cuBLAS`` (``torch.mm``, no
   norm or epilogue), with the bytes floor (weights + activations at the copy bandwidth).
 
-Session 10 rows (helper qb): q_b with the RMSNorm folded into the GEMM (``fold``: one launch on
-the derived weight ``bf16(q_b * q_a_norm)``, ``TilePlan.rms_fold``; checked against the
+Session 10 rows (helper qb): the RMSNorm folded into the GEMM (``fold``: one launch on the
+derived weight ``bf16(W * norm weight)``, ``TilePlan.rms_fold``; in_proj / qkv_a_g with the
+residual add folded in too, ``residual_out`` checked exactly; q_b: checked against the
 reference with vLLM's rounding at 1 / 8 / 33 / 64 tokens and each fold variant at 64; timed
 at every ``--ms``, two variants from 32 tokens, all at the largest); o_proj's split-K epilogue
 knobs (``epi_hoist``: the residual loads issued with the partials'; ``epi_batch``; ``ldsm``;
@@ -64,6 +65,11 @@ FOLD_VARIANTS = (
     {"warps": 2, "splits": 3},
     {"warps": 1},
 )
+FOLD_RES_VARIANTS = (  # in_proj / qkv_a + g with the residual add folded in too (fold_all)
+    {},
+    {"ldsm": True},
+    {"stages": 4},  # 4 stages: one CTA per SM at 64 tokens (the plan takes 3 there)
+)
 EPI_VARIANTS = (
     {"epi_hoist": True},
     {"epi_hoist": True, "epi_batch": 8},
@@ -105,7 +111,9 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
     kw = tg.attention_cases(cfg)[name]
     K, segs = kw["k"], kw["segments"]
     res: list[dict] = []
-    fold_vars = FOLD_VARIANTS if name == "q_b" else ()
+    fold_vars = ()
+    if kw.get("norm"):
+        fold_vars = FOLD_RES_VARIANTS if kw.get("add_residual") else FOLD_VARIANTS
     epi_vars = EPI_VARIANTS if kw.get("residual_epilogue") else ()
 
     def rec(**r) -> None:
@@ -142,7 +150,8 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
     def run_fold(x, ws, outs, args, force):
         """q_b with the norm folded: one launch on the derived weights."""
         wf = [tg.fold_norm_weight(w, args["norm_weight"]) for w in ws]
-        tg.tile_gemm(x, wf, outs, rms_fold=True, eps=args["eps"], **force)
+        res = {k: args[k] for k in ("residual", "residual_out") if k in args}
+        tg.tile_gemm(x, wf, outs, rms_fold=True, eps=args["eps"], **res, **force)
 
     def check(m: int, force: dict, fold: bool = False) -> None:
         ws = [rnd(n, K, std=K**-0.5) for n in segs]
@@ -165,7 +174,8 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
         if rref is not None and not torch.equal(args["residual_out"], rref):
             err = math.inf
         if fold:
-            p = tg.plan_of(x, ws, eps=args["eps"], rms_fold=True, **force)
+            p = tg.plan_of(x, ws, eps=args["eps"], rms_fold=True, residual=args.get("residual"),
+                           **force)  # fmt: skip
             what = f"check M{m} fold {label(force)}"
         else:
             p = tg.plan_of(x, ws, **{k: v for k, v in args.items() if k != "residual_out"},
@@ -241,11 +251,13 @@ def child(name: str, a: dict, lock, barrier, out_path: str) -> None:
             for f in (
                 fold_vars if m == max(a["ms"]) else fold_vars[: VAR_WIDE if m >= VAR_MIN_M else 1]
             ):
-                pf = tg.plan_of(x, wfs[0], eps=args["eps"], rms_fold=True, **f)
+                res = {k: args[k] for k in ("residual", "residual_out") if k in args}
+                pf = tg.plan_of(x, wfs[0], eps=args["eps"], rms_fold=True,
+                                residual=res.get("residual"), **f)  # fmt: skip
                 add(
-                    f"fold {label(f)} (S{pf.splits} w{pf.warps}, 1 launch)",
-                    lambda i, x=x, outs=outs, f=f, wfs=wfs, eps=args["eps"]: tg.tile_gemm(
-                        x, wfs[i], outs, rms_fold=True, eps=eps, **f
+                    f"fold {label(f)} (S{pf.splits} w{pf.warps} st{pf.stages}, 1 launch)",
+                    lambda i, x=x, outs=outs, f=f, wfs=wfs, eps=args["eps"], res=res: tg.tile_gemm(
+                        x, wfs[i], outs, rms_fold=True, eps=eps, **res, **f
                     ),
                 )
         for f in epi_vars if m == max(a["ms"]) else epi_vars[:VAR_WIDE] if m >= VAR_MIN_M else ():

@@ -127,6 +127,37 @@ def test_folded_weight_cache():
     assert tg.folded_weight(w, g2) is not a  # another norm weight: remade
 
 
+def _inproj(cfg, name, m, **force) -> tg.TilePlan:
+    kw = dict(tg.attention_cases(cfg)[name])
+    kw["norm"] = False
+    return tg.TilePlan(m=m, rms_fold=True, **kw, **force)
+
+
+@pytest.mark.parametrize("name,m", [("in_proj", 64), ("qkv_a_g", 32)])
+def test_fold_residual_compiles(name, m):
+    p = _inproj(CFG8, name, m)
+    assert p.add_residual and p.smem_bytes <= tg.SMEM_2CTA  # two CTAs per SM
+    assert p.stages == (3 if m == 64 else 4)
+    assert tg.compile_plan(p) is not None
+
+
+def test_fold_all_selection_and_launches(monkeypatch):
+    from decodescope.kernels.config import LayerSpec
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+    from decodescope.kernels.specialized import step
+
+    specs = [LayerSpec(index=1, attn="kda", mlp="moe"), LayerSpec(index=3, attn="mla", mlp="moe")]
+    base = [step.extra_launches(CFG8, sp, 64) for sp in specs]
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "fold")
+    assert not nqp.plan_for(CFG8, "kda", 64).rms_fold  # fold: q_b only
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "fold_all")
+    for kind in ("kda", "mla"):
+        p = nqp.plan_for(CFG8, kind, 64)
+        assert p.rms_fold and p.add_residual and not p.norm
+    # the input projection's norm launch is gone (q_b never had one on the tile kernel)
+    assert [step.extra_launches(CFG8, sp, 64) for sp in specs] == [b - 1 for b in base]
+
+
 def _oproj(m, **force) -> tg.TilePlan:
     return tg.TilePlan(m=m, **tg.attention_cases(CFG8)["o_proj"], **force)
 
@@ -211,3 +242,32 @@ def test_hoist_gpu(m, force):
     for o in (out, alias):
         assert torch.isfinite(o.float()).all()
         assert ((o.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["in_proj", "qkv_a_g"])
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+def test_fold_residual_gpu(name, m):
+    """The residual add folded in too: ``residual_out == bf16(x + r)`` exactly, outputs vs the
+    reference with vLLM's rounding, NaN-poisoned."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(m)
+    kw = tg.attention_cases(CFG8)[name]
+    K = kw["k"]
+    x = torch.randn(m, K, generator=gen, device=dev).to(torch.bfloat16)
+    r = torch.randn(m, K, generator=gen, device=dev).to(torch.bfloat16)
+    ws = [(torch.randn(n, K, generator=gen, device=dev) * K**-0.5).to(torch.bfloat16)
+          for n in kw["segments"]]  # fmt: skip
+    g = (1 + 0.2 * torch.randn(K, generator=gen, device=dev)).to(torch.bfloat16)
+    outs = [torch.full((m, w.shape[0]), float("nan"), dtype=torch.bfloat16, device=dev)
+            for w in ws]  # fmt: skip
+    rout = torch.full_like(r, float("nan"))
+    tg.tile_gemm(x, [tg.fold_norm_weight(w, g) for w in ws], outs, residual=r,
+                 residual_out=rout, rms_fold=True, eps=CFG8.eps)  # fmt: skip
+    torch.cuda.synchronize()
+    refs, rref = skinny_gemm_ref(x, ws, residual=r, norm_weight=g, eps=CFG8.eps)
+    assert torch.equal(rout, rref)
+    for o, ref in zip(outs, refs, strict=True):
+        assert torch.isfinite(o.float()).all()
+        assert ((o.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2

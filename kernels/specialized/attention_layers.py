@@ -101,12 +101,12 @@ class SpecializedAttention:
 
         compile_any(_nqp.plan_for(cfg, self.spec.attn, N))
         compile_any(_op.plan_for(cfg, self.spec.attn, N))
+        _op.fold_prepare(cfg, self.w, self.spec.attn, N)  # folded norms' derived weights
         _rms.compile_plan(_rms.NormPlan(N, cfg.hidden, cfg.eps))
         if self.spec.attn == "kda":
             _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
         else:
             compile_any(_op.q_b_plan(cfg, N))
-            _op.q_b_prepare(cfg, self.w, N)  # a folded norm's derived weight
             _mla.compile_for(cfg, self.B, self.T)
 
     def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:

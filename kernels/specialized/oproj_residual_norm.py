@@ -12,7 +12,7 @@ between the GEMM and the add (not fused yet: one GPU runs the per-rank shapes).
 MLA also runs its ``q_b`` projection through the same kernel family (:func:`q_b_proj`): the
 q_a RMSNorm is that launch's prologue (skinny / split-K), or folded into the tile GEMM
 (``DECODESCOPE_TILE_NORM=fold``: the norm weight in a derived q_b weight, rstd in the
-epilogue; :func:`q_b_prepare` makes the weight before capture).
+epilogue; :func:`fold_prepare` makes the weight before capture).
 """
 
 from __future__ import annotations
@@ -51,13 +51,21 @@ def q_b_plan(cfg, m: int):
     )
 
 
-def q_b_prepare(cfg, w: dict, m: int) -> None:
-    """Before graph capture: where q_b's plan at ``m`` tokens folds the norm into the tile GEMM
-    (``DECODESCOPE_TILE_NORM=fold``), make the derived weight ``bf16(q_b * q_a_norm)`` now
-    (:func:`.tile_gemm.folded_weight`: one per weight tensor, kept while it lives)."""
-    p = q_b_plan(cfg, m)
+def fold_prepare(cfg, w: dict, kind: str, m: int) -> None:
+    """Before graph capture: the derived weights (``bf16(W * norm weight)``) of every projection
+    whose plan at ``m`` tokens folds its RMSNorm into the tile GEMM (``DECODESCOPE_TILE_NORM``:
+    ``fold`` q_b, ``fold_all`` also the input projections); :func:`.tile_gemm.folded_weight`
+    keeps one per weight tensor while it lives, so the launches find them made."""
+    from decodescope.kernels.specialized import norm_qkv_proj as nqp
+
+    p = nqp.plan_for(cfg, kind, m)
     if isinstance(p, TilePlan) and p.rms_fold:
-        folded_weight(w["q_b"], w["q_a_norm"])
+        for wt in nqp.weights_for(w, kind):
+            folded_weight(wt, w["attn_norm"])
+    if kind == "mla":
+        p = q_b_plan(cfg, m)
+        if isinstance(p, TilePlan) and p.rms_fold:
+            folded_weight(w["q_b"], w["q_a_norm"])
 
 
 def q_b_proj(cfg, w: dict, a: torch.Tensor, q_out: torch.Tensor) -> None:

@@ -106,6 +106,7 @@ MODES = ("default", "tile", "auto")
 # whole layers separates the two.
 AUTO_MIN_M = 8
 EPI_BATCH = 4  # epilogue steps whose partial loads are issued together
+SMEM_2CTA = 113 * 1024  # shared memory per CTA that leaves room for two CTAs per SM
 
 
 def mode() -> str:
@@ -115,14 +116,15 @@ def mode() -> str:
     return m
 
 
-NORM_MODES = ("launch", "fold")
+NORM_MODES = ("launch", "fold", "fold_all")
 
 
 def norm_mode() -> str:
     """``DECODESCOPE_TILE_NORM``: ``launch`` (the default: a norm without a residual add runs
     as its own launch where the tile kernel serves it, and ``auto`` keeps short-K ones off the
-    tile kernel) or ``fold`` (the RMSNorm folded into the GEMM, ``TilePlan.rms_fold``: q_b on
-    the tile kernel from ``AUTO_MIN_M`` tokens in one launch)."""
+    tile kernel), ``fold`` (the RMSNorm folded into the GEMM, ``TilePlan.rms_fold``: q_b on
+    the tile kernel from ``AUTO_MIN_M`` tokens in one launch) or ``fold_all`` (also the norms
+    with a residual add: KDA in_proj, MLA qkv_a + g_proj lose their norm launch)."""
     m = os.environ.get("DECODESCOPE_TILE_NORM", "") or "launch"
     if m not in NORM_MODES:
         raise ValueError(f"DECODESCOPE_TILE_NORM: one of {NORM_MODES}, got {m!r}")
@@ -131,8 +133,9 @@ def norm_mode() -> str:
 
 def folds(norm: bool, residual: bool) -> bool:
     """Whether a projection's norm is folded into the tile GEMM (``DECODESCOPE_TILE_NORM``):
-    only a norm without a residual add (the fold reads x with ``cp.async`` as it is)."""
-    return norm and not residual and norm_mode() == "fold"
+    ``fold`` a norm without a residual add, ``fold_all`` every norm."""
+    md = norm_mode()
+    return norm and (md == "fold_all" or (md == "fold" and not residual))
 
 
 def selected(m: int, k: int, norm: bool = False, residual: bool = False) -> bool:
@@ -163,7 +166,7 @@ class TilePlan:
     pdl: bool = field(default_factory=pdl_enabled)
     splits_force: int = 0
     warps: int = 4
-    stages: int = 4
+    stages: int = 0  # 0: 4, or 3 where a residual fold's 4 would not leave two CTAs per SM
     # ldmatrix fragments (natural K order, unit u of row r at u ^ (r % 8)): an A/B knob,
     # DECODESCOPE_TILE_LDSM=1 (read when a plan is built, so a plan key says which it is)
     ldsm: bool = field(default_factory=lambda: os.environ.get("DECODESCOPE_TILE_LDSM") == "1")
@@ -188,14 +191,19 @@ class TilePlan:
     )
 
     def __post_init__(self) -> None:
+        if self.stages == 0:
+            st = 4
+            if self.rms_fold and self.add_residual and self._smem(4) > SMEM_2CTA:
+                st = 3
+            object.__setattr__(self, "stages", st)
         if not 1 <= self.m <= 64:
             raise ValueError(f"tile GEMM supports 1..64 tokens, got {self.m}")
         if self.k % BK:
             raise ValueError(f"tile GEMM: K must be a multiple of {BK}, got {self.k}")
         if not 1 <= len(self.segments) <= 3 or any(n % 16 for n in self.segments):
             raise ValueError(f"tile GEMM: 1..3 segments, each a multiple of 16: {self.segments}")
-        if self.add_residual and not self.norm:
-            raise ValueError("tile GEMM: add_residual needs norm")
+        if self.add_residual and not (self.norm or self.rms_fold):
+            raise ValueError("tile GEMM: add_residual needs norm or rms_fold")
         if self.rms_fold and (self.norm or self.out_f32):
             raise ValueError("tile GEMM: rms_fold excludes the norm launch and out_f32")
         if self.out_f32 and self.residual_epilogue:
@@ -273,9 +281,14 @@ class TilePlan:
         """16-byte activation units per thread and chunk (``load_x``'s loop)."""
         return (self.mp * 8 + self.threads - 1) // self.threads
 
+    def _smem(self, stages: int) -> int:
+        xs = 2 if self.rms_fold and self.add_residual else 1  # + the residual's stage
+        extra = self.mp * 4 + 16 if self.rms_fold else 0
+        return stages * (self.cta_rows + xs * self.mp) * BK * 2 + 16 + extra
+
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.cta_rows + self.mp) * BK * 2 + 16
+        return self._smem(self.stages)
 
     @property
     def ldx(self) -> int:
@@ -391,7 +404,9 @@ class TileGemm:
                 )
 
     @cute.jit
-    def body(self, mX, mW, mO, mE, mWs, mCnt, sW, sX, sLast, sRs, bx, cta, n, sp, tidx):
+    def body(self, mX, mW, mO, mE, mWs, mCnt, sW, sX, sLast, sRs, bx, cta, n, sp, tidx,
+             res=None):  # fmt: skip
+        """One CTA. ``res``: ``(mR, mRout, sR)`` of a residual fold (:class:`TileGemmFoldRes`)."""
         p = self.p
         warp = tidx // 32
         lane = tidx % 32
@@ -409,6 +424,8 @@ class TileGemm:
         for s in cutlass.range_constexpr(p.stages - 1):
             if cutlass.const_expr(s < pre):
                 self.load_x(mX, sX, kc0 + s, s, tidx)
+                if cutlass.const_expr(res is not None):
+                    self.load_x(res[0], res[2], kc0 + s, s, tidx)
             cute.arch.cp_async_commit_group()
 
         atom = mc.mma_atom()
@@ -421,7 +438,10 @@ class TileGemm:
         for i in cutlass.range(p.chunks, unroll=1):
             cute.arch.cp_async_wait_group(p.stages - 2)
             if cutlass.const_expr(p.rms_fold):  # this thread's own units of chunk i, landed
-                self.squares(sX, i % p.stages, ssq, tidx)
+                if cutlass.const_expr(res is not None):
+                    self.add_residual(sX, res[2], res[1], i % p.stages, kc0 + i, ssq, bx, tidx)
+                else:
+                    self.squares(sX, i % p.stages, ssq, tidx)
             cute.arch.sync_threads()
             # the stage refilled now was read in iteration i - 1: every thread is past it
             nxt = i + (p.stages - 1)
@@ -429,6 +449,8 @@ class TileGemm:
                 sn = nxt % p.stages
                 self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
                 self.load_x(mX, sX, kc0 + nxt, sn, tidx)
+                if cutlass.const_expr(res is not None):
+                    self.load_x(res[0], res[2], kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(p.ldsm):
                 self.compute_ldsm(sW, sX, i % p.stages, warp, lane, accs, fa, fb, atom)
@@ -475,6 +497,36 @@ class TileGemm:
                 xf = xv[e].to(Float32)
                 s = s + xf * xf
             ssq[q] = s
+
+    @cute.jit
+    def add_residual(self, sX, sR, mRout, stg, kc, ssq, bx, tidx):
+        """``rms_fold`` with a residual: this thread's own units of stage ``stg`` (as
+        :meth:`squares`) become ``h = bf16(x + r)`` in place in ``sX`` (before the barrier the
+        MMAs wait on), their squares go into ``ssq``, and the CTAs of row tile 0 (one per split,
+        together all of K) write ``h`` to ``mRout`` (the new residual stream, chunk ``kc``)."""
+        p = self.p
+        units = p.mp * 8
+        u = tidx % 8
+        for q in cutlass.range_constexpr(p.x_slots):
+            idx = tidx + q * p.threads
+            if idx < units:  # past units, the clamped row would be another thread's unit
+                r = idx // 8
+                pu = self.swz(u, r)
+                xv = cute.make_rmem_tensor((8,), BFloat16)
+                rv = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sX[stg, r, None], (8,), (pu,)), xv)
+                cute.autovec_copy(cute.local_tile(sR[stg, r, None], (8,), (pu,)), rv)
+                hv = cute.make_rmem_tensor((8,), BFloat16)
+                s = ssq[q]
+                for e in cutlass.range_constexpr(8):
+                    h = (xv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                    hv[e] = h
+                    hf = h.to(Float32)
+                    s = s + hf * hf
+                ssq[q] = s
+                cute.autovec_copy(hv, cute.local_tile(sX[stg, r, None], (8,), (pu,)))
+                if bx == 0 and r < p.m:
+                    cute.autovec_copy(hv, cute.local_tile(mRout[r, None], (8,), (kc * 8 + u,)))
 
     @cute.jit
     def store_ssq(self, mWs, sRs, ssq, bx, sp, tidx):
@@ -688,6 +740,73 @@ class TileGemm:
             mCnt[bx] = Int32(0)
 
 
+class TileGemmFoldRes(TileGemm):
+    """:class:`TileGemm` with the residual add folded in too (``rms_fold`` + ``add_residual``):
+    ``h = bf16(x + r)`` staged from both inputs, ``mRout = h``, ``out = bf16(rstd(h) * h @
+    W'^T)``. Its own launch signature (the residual in and out; no epilogue residual), so the
+    other plans' code is untouched."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, K] bf16
+        mR: cute.Tensor,  # [M, K] residual in
+        mRout: cute.Tensor,  # [M, K] x + r out
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mW1: cute.Tensor,
+        mO1: cute.Tensor,
+        mW2: cute.Tensor,
+        mO2: cute.Tensor,
+        mWs: cute.Tensor,
+        mCnt: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+
+        @cute.struct
+        class SmemFoldRes:
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            r: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            last: cute.struct.MemRange[Int32, 1]
+            rs: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
+
+        self.smem_cls = SmemFoldRes
+        self.kernel_res(mX, mR, mRout, mW0, mO0, mW1, mO1, mW2, mO2, mWs, mCnt).launch(
+            grid=[p.row_ctas, p.splits, 1],
+            block=[p.threads, 1, 1],
+            smem=SmemFoldRes.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel_res(self, mX, mR, mRout, mW0, mO0, mW1, mO1, mW2, mO2, mWs, mCnt):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, sp, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sW = st.w.get_tensor(
+            cute.make_layout((p.stages, p.cta_rows, BK), stride=(p.cta_rows * BK, BK, 1))
+        )
+        xl = cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1))
+        sX = st.x.get_tensor(xl)
+        sR = st.r.get_tensor(xl)
+        sLast = st.last.get_tensor(cute.make_layout(1))
+        sRs = st.rs.get_tensor(cute.make_layout(p.mp))
+        weights = (mW0, mW1, mW2)
+        outs = (mO0, mO1, mO2)
+        t0 = 0
+        for s in cutlass.range_constexpr(len(p.segments)):
+            nc = p.ctas(p.segments[s])
+            if bx >= t0 and bx < t0 + nc:
+                self.body(mX, weights[s], outs[s], None, mWs, mCnt, sW, sX, sLast, sRs, bx,
+                          bx - t0, p.segments[s], sp, tidx, res=(mR, mRout, sR))  # fmt: skip
+            t0 += nc
+
+
 def ldsm_x4(ptr):
     """``ldmatrix .x4``: four 8x8 BF16 matrices, row addresses from lanes 0-7, 8-15, 16-23,
     24-31; lane (g, c) gets elements (g, 2c .. 2c + 1) of each, one 32-bit register each."""
@@ -710,6 +829,15 @@ def ldsm_x2(ptr):
 # -- torch-facing --------------------------------------------------------------------------
 
 _PLACEHOLDER = (16, 16)
+
+
+def _fake_args_res(p: TilePlan):
+    """:class:`TileGemmFoldRes`'s arguments: x, r, r_out, the segments, workspace, counters."""
+    bf = torch.bfloat16
+    a = _fake_args(p)
+    xs = (itf.fake_strided(bf, (p.m, p.k), (p.ldx, 1)), itf.fake(bf, (p.m, p.k)),
+          itf.fake(bf, (p.m, p.k)))  # fmt: skip
+    return (*xs, *a[1:7], *a[8:])
 
 
 def _fake_args(p: TilePlan):
@@ -750,6 +878,8 @@ def _compile_norm(p: TilePlan):
 
 def compile_plan(p: TilePlan):
     """Compile (cached) the GEMM kernel of ``p`` (and its norm launch where ``p.norm``)."""
+    if p.rms_fold and p.add_residual:
+        return itf.compiled(("tile_gemm", p), lambda: (TileGemmFoldRes(p), _fake_args_res(p)))
     fn = itf.compiled(("tile_gemm", p), lambda: (TileGemm(p), _fake_args(p)))
     if p.norm:
         _compile_norm(p)
@@ -837,7 +967,7 @@ def plan_of(
     eps: float = 1e-5,
     splits: int = 0,
     warps: int = 4,
-    stages: int = 4,
+    stages: int = 0,
     out_f32: bool = False,
     pdl: bool | None = None,
     rms_fold: bool = False,
@@ -882,7 +1012,7 @@ def tile_gemm(
     eps: float = 1e-5,
     splits: int = 0,
     warps: int = 4,
-    stages: int = 4,
+    stages: int = 0,
     pdl: bool | None = None,
     rms_fold: bool = False,
     ldsm: bool | None = None,
@@ -893,7 +1023,9 @@ def tile_gemm(
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
     precedes the GEMM. With ``rms_fold`` (no ``norm_weight``) the weights carry the norm
     weight (:func:`fold_norm_weight`) and the GEMM itself scales by each token's rstd: one
-    launch, ``bf16(rstd * sum_k x W')``. ``splits`` / ``warps`` / ``stages`` force the tiling (sweeps). FP32
+    launch, ``bf16(rstd * sum_k x W')``; with ``residual`` too, ``h = bf16(x + residual)``
+    staged in the GEMM and written to ``residual_out``. ``splits`` / ``warps`` / ``stages``
+    force the tiling (sweeps; ``stages`` 0: the plan's choice). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
     ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist``: the plan's flags (default
     :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
@@ -901,8 +1033,9 @@ def tile_gemm(
     if out_f32:
         for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
             itf.check(o, f"tile_gemm out {i}", (x.shape[0], w.shape[0]), torch.float32)
-    if rms_fold and (norm_weight is not None or residual is not None):
-        raise ValueError("tile_gemm: rms_fold takes folded weights, no norm_weight or residual")
+    if rms_fold and (norm_weight is not None or (residual is None) != (residual_out is None)):
+        raise ValueError("tile_gemm: rms_fold takes folded weights (no norm_weight); a residual "
+                         "needs residual_out")  # fmt: skip
     p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
@@ -917,6 +1050,11 @@ def tile_gemm(
     for s in range(3):
         segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
     ws, cnt = _workspace(p, dev)
+    if p.rms_fold and p.add_residual:
+        itf.check(residual, "tile_gemm residual", tuple(x.shape), torch.bfloat16)
+        itf.check(residual_out, "tile_gemm residual_out", tuple(x.shape), torch.bfloat16)
+        fn(x, residual, residual_out, *segs, ws, cnt)
+        return
     fn(a, *segs, epilogue_residual if epilogue_residual is not None else ph, ws, cnt)
 
 
