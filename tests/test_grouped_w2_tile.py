@@ -71,6 +71,7 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"order": "col", "early": 1}),
         ("kimi-k3", 16, 64, {"order": "col", "early": 1}),
         ("tiny", 1, 5, {"order": "col", "early": 1}),
+        ("kimi-k3", 8, 64, {"order": "col", "early": 1, "cap": 64}),  # capped: CTAs loop
         ("kimi-k3", 8, 8, {"shared": "tile"}),
         ("kimi-k3", 8, 32, {"shared": "tile", "order": "col"}),
         ("kimi-k3", 8, 64, {"shared": "tile", "order": "col", "early": 1}),
@@ -149,10 +150,6 @@ def test_knobs_env(monkeypatch):
         gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="col", load="bulk"))
     with pytest.raises(ValueError, match="early needs"):
         gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(early=1))
-    with pytest.raises(ValueError, match="early needs"):  # 7168 items over 64 x 100 CTAs
-        gt.GroupedW2Tile(
-            8, E, K, L, Ie, H, S, nsm=100, kn=gt.TileKnobs(order="col", cap=64, early=1)
-        )
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "tile")
     assert gt.knobs().shared == "tile"
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "smem")
@@ -384,6 +381,7 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
         ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
         ("tiny", 1, 21, 1, {"order": "col", "early": 1}),  # one item per CTA, several passes
+        ("tiny", 2, 13, 1, {"order": "col", "early": 1, "cap": 5}),  # first item + columns
         ("tiny", 1, 21, 1, {"shared": "tile"}),
         ("tiny", 2, 13, 1, {"shared": "tile", "mt": 2, "order": "col"}),
         ("kimi-k3", 16, 9, 512, {"shared": "tile", "order": "col", "early": 1, "rt": 2}),

@@ -56,8 +56,8 @@ chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks o
 ``col``: the worst case's item space with the expert slot fastest, items of unselected slots
 skipped, so that the empty CTAs are spread through the grid as in Triton's, not all at its end),
 ``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens),
-``_EARLY`` (0; 1 with ``col`` and one item per CTA: the route lists read and the item's weight
-copies issued before ``griddepcontrol.wait``, so that CTAs resident during the previous
+``_EARLY`` (0; 1 with ``col``: the route lists read and the CTA's first item's weight copies
+issued before ``griddepcontrol.wait``, so that CTAs resident during the previous
 kernel's tail stream their weights then; CTAs of unselected slots exit without waiting),
 ``_SHARED`` (``regs``: the register-load shared expert above; ``tile``: the shared expert on the
 routed items' pipeline, one CTA per (``R`` rows of ``shared_w2``, ``MP`` tokens), token groups
@@ -120,8 +120,8 @@ class TileKnobs:
     load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
     order: str = "stride"  # ORDERS
     snj: int = 1  # 8-token tiles per pass of the shared-expert CTAs (capped at ceil(T / 8))
-    # 1: a routed CTA reads the route lists and issues its item's weight copies before
-    # griddepcontrol.wait (order "col", one item per CTA); empty CTAs exit without waiting
+    # 1: a routed CTA reads the route lists and issues its first item's weight copies before
+    # griddepcontrol.wait (order "col"); with one item per CTA, empty CTAs exit without waiting
     early: int = 0
     # "regs": the shared expert on the first CTAs with GroupedW2's register loads; "tile": on
     # the routed items' cp.async pipeline, one CTA per (R-row block of shared_w2, MP tokens)
@@ -271,9 +271,8 @@ class GroupedW2Tile:
         self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
         self.grid = self.CS + self.nr
         self.step = 1 if self.blocked else self.nr  # item stride of a routed CTA
-        if self.early and not (self.col and self.nr == self.slots * self.CE):
-            raise ValueError("grouped_w2_tile: early needs order 'col' with one item per CTA (a "
-                             f"cap of at least {-(-self.slots * self.CE // nsm)} CTAs per SM)")  # fmt: skip
+        if self.early and not self.col:
+            raise ValueError("grouped_w2_tile: early needs order 'col'")
         self.kn = kn
 
     @cute.jit
@@ -326,7 +325,7 @@ class GroupedW2Tile:
                     cute.arch.griddepcontrol_launch_dependents()
                 if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
                     self._shared(mHs, mWs2, mShared, bid, tid)
-        elif const_expr(self.early):  # col order, one item per CTA (checked in __init__)
+        elif const_expr(self.early):  # col order
             # before griddepcontrol.wait: the route lists (written by the route kernel, which
             # completed before any CTA of the w13 kernel this one follows passed its own wait,
             # and those CTAs trigger this launch only after it) and the weights (constant)
@@ -335,15 +334,25 @@ class GroupedW2Tile:
             cb = item // self.slots
             nact = mNact[0]
             e, off, n = self._slot_lists(mSlotE, mSlotOff, mSlotN, a)  # beside nact
-            if a < nact:  # an empty CTA exits without waiting
+            if a < nact:
                 mW = mg._expert_mat(mW2, e, self.L, self.Ie)
                 for s in cutlass.range_constexpr(self.stages - 1):
                     if const_expr(s < self.NCH):
                         self._load_w(mW, sW, cb * self.R, s, s, tid)
+            if const_expr(self.nr == self.slots * self.CE):  # one item per CTA
+                if a < nact:  # an empty CTA exits without waiting
+                    if const_expr(self.pdl):
+                        cute.arch.griddepcontrol_wait()
+                        cute.arch.griddepcontrol_launch_dependents()
+                    self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid, True)
+            else:  # a capped grid: the first item pre-issued, the CTA's further columns after
                 if const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
-                self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid, True)
+                if a < nact:
+                    self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, cb, e, off, n, tid, True)
+                self._col_items(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
+                                nact, item + self.nr, tid)  # fmt: skip
         else:
             total = mNact[0] * self.CE
             lo = bid - self.CS  # stride order: items lo, lo + nr, ... below total
@@ -355,14 +364,9 @@ class GroupedW2Tile:
             if const_expr(self.bulk):
                 self._bulk(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, sFull,
                            sEmpty, lo, hi, tid)  # fmt: skip
-            elif const_expr(self.col):  # the worst case's items, slot fastest
-                nact = mNact[0]
-                for item in cutlass.range(bid - self.CS, self.slots * self.CE, self.nr):
-                    a = item % self.slots
-                    e, off, n = self._slot_lists(mSlotE, mSlotOff, mSlotN, a)  # beside nact
-                    if a < nact:
-                        self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, item // self.slots,
-                                   e, off, n, tid)  # fmt: skip
+            elif const_expr(self.col):
+                self._col_items(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
+                                mNact[0], bid - self.CS, tid)  # fmt: skip
             else:
                 for item in cutlass.range(lo, hi, self.step):
                     a = item // self.CE
@@ -370,6 +374,19 @@ class GroupedW2Tile:
                                mSlotE[a], mSlotOff[a], mSlotN[a], tid)  # fmt: skip
 
     # -- routed items ----------------------------------------------------------------------
+
+    @cute.jit
+    def _col_items(self, mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX, nact,
+                   start, tid):  # fmt: skip
+        """``order=col``: the worst case's items ``start, start + nr, ...``, slot fastest (item
+        ``i`` = slot ``i % slots``, row block ``i // slots``), those of slots ``>= nact``
+        skipped."""
+        for item in cutlass.range(start, self.slots * self.CE, self.nr):
+            a = item % self.slots
+            e, off, n = self._slot_lists(mSlotE, mSlotOff, mSlotN, a)  # beside nact
+            if a < nact:
+                self._item(mH, mW2, mAcc, mPairs, mTw, sW, sX, a, item // self.slots, e, off, n,
+                           tid)  # fmt: skip
 
     def _slot_lists(self, mSlotE, mSlotOff, mSlotN, a):
         """Slot ``a``'s expert, pair offset and pair count, loaded for every slot ``< slots``
