@@ -69,6 +69,7 @@ FOLD_RES_VARIANTS = (  # in_proj / qkv_a + g with the residual add folded in too
     {},
     {"ldsm": True},
     {"stages": 4},  # 4 stages: one CTA per SM at 64 tokens (the plan takes 3 there)
+    {"warps": 2},  # 64-row CTAs: 4 stages fit two CTAs per SM at 64 tokens
 )
 EPI_VARIANTS = (
     {"epi_hoist": True},
