@@ -64,6 +64,7 @@ import torch
 from decodescope.kernels import reference as R
 from decodescope.kernels.bandwidth import copy_bandwidth_tbs
 from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.specialized import gemv_stream as gs
 from decodescope.kernels.specialized import kda_decode as kda
 from decodescope.kernels.specialized import mla_decode as mla
 from decodescope.kernels.specialized import mla_decode_tc as mtc
@@ -117,7 +118,15 @@ GEMM_KINDS = {
     "splitk-partial": {"DECODESCOPE_SPLITK_GEMM": "1", "DECODESCOPE_SPLITK_REDUCE": "partial",
                        "DECODESCOPE_ATTN_GEMM": "default"},
     "tile": {"DECODESCOPE_ATTN_GEMM": "tile"},  # norm launch + tiled cp.async GEMM
+    # the streaming GEMV (gemv_stream.py) up to 4 tokens, its knobs from DECODESCOPE_GEMV_CFG
+    "gemv": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default",
+             "DECODESCOPE_SKINNY_GEMV": "4"},
+    # the skinny kernel (registers) with the whole-slice L2 prefetch of o_proj / q_b
+    "skinny-l2pf": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_ATTN_GEMM": "default",
+                    "DECODESCOPE_SKINNY_LOAD": "regs", "DECODESCOPE_L2_PREFETCH": "1"},
 }  # fmt: skip
+GEMV = {"DECODESCOPE_SKINNY_GEMV": "4"}
+L2PF = {"DECODESCOPE_L2_PREFETCH": "1"}
 TIMING = {"on": False, "replays": 30}
 
 
@@ -169,6 +178,7 @@ class env:
 def gemm_kinds(m: int, k: int) -> list[str]:
     """The GEMM kernels that can serve an m x k projection (split-K needs K % 256 == 0)."""
     kinds = ["skinny"] + (["skinny-ring"] if m <= 16 else [])
+    kinds += ["gemv", "skinny-l2pf"] if gs.supports(m, k) else []
     kinds += ["splitk", "splitk-partial"] if k % sk.KGRAIN == 0 else []
     return kinds + (["tile"] if k % tg.BK == 0 else [])
 
@@ -411,6 +421,11 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
         variants["skinny"] = dict(GEMM_KINDS["skinny"])
         variants["skinny-ring"] = dict(GEMM_KINDS["skinny-ring"])
         variants["skinny-auto"] = {**GEMM_KINDS["skinny"], "DECODESCOPE_SKINNY_LOAD": "auto"}
+    if N <= gs.MAX_M:  # the streaming GEMV and the whole-slice L2 prefetch (o_proj, q_b):
+        # each alone and together, on top of the defaults (the skinny kernel below 8 tokens)
+        variants["l2pf"] = dict(L2PF)
+        variants["gemv"] = dict(GEMV)
+        variants["gemv-l2pf"] = {**GEMV, **L2PF}
     spec_us = None
     for vname, venv in variants.items():
         sfx = "" if vname == "new" else f" [{vname} kernels]"
@@ -570,13 +585,114 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
         (lambda i=i: torch.mm(x, ws[i].t(), out=outs[i])) for i in range(n)]))  # fmt: skip
 
 
+# -- streaming GEMV sweep (1..4 tokens) ----------------------------------------------------------
+
+# (warps, rows per warp, pieces per group, groups ahead) of gemv_stream, at M = 1; M 2 / 4 run
+# the first two. "auto": gemv_stream.auto_cfg (what DECODESCOPE_SKINNY_GEMV runs when
+# DECODESCOPE_GEMV_CFG is unset); r3 / w16r3: fewer CTAs (in_proj TP8: 262 / 131); g4 / d4:
+# more loads in flight per lane.
+GEMV_SWEEP = ["auto", "w8r2g2d2", "w8r3g2d2", "w16r3g2d2", "w16r1g4d2", "w8r2g4d1", "w8r2g2d4",
+              "w4r4g2d2"]  # fmt: skip
+GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
+
+
+def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=None) -> None:
+    """The attention projections at 1..4 tokens, each alone (weights rotated past L2): the
+    current default (skinny GEMM, registers), the streaming GEMV per knob set, the GEMV and the
+    skinny kernel with the whole-slice L2 prefetch (o_proj, q_b: back to back there is no light
+    kernel in front, so this is the prefetch's cost, not its gain), cuBLAS (no norm/epilogue,
+    one torch.mm per segment); each checked (NaN-poisoned outputs) before it is timed."""
+    cases = tg.attention_cases(cfg)
+    for name in GEMV_SHAPES:
+        kw = cases[name]
+        K, segs = kw["k"], kw["segments"]
+        wb = sum(segs) * K * 2
+        n = max(2, math.ceil(3 * L2_BYTES / wb))
+        ws = [[rnd(N, K, std=K**-0.5) for N in segs] for _ in range(n)]
+        for M in ms:
+            if not gs.supports(M, K):
+                continue
+            ctx = {"preset": cfg.preset, "tp": tp, "kind": f"gemv:{name}", "point": f"M{M}"}
+            guarded(f"gemv {name}", ctx, lambda M=M, ctx=ctx, kw=kw, ws=ws, name=name:
+                    gemv_point(name, kw, M, ws, ctx, bw_tbs, replays, cfgs))  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+
+
+def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
+    K, segs = kw["k"], kw["segments"]
+    n = len(ws)
+    ldx = kw.get("x_stride") or K
+    x = rnd(M, ldx)[:, :K]
+    r, nw = rnd(M, K), (1 + 0.1 * torch.randn(K, device=DEV)).to(BF16)
+    e = rnd(M, segs[0])
+    outs = [[torch.empty(M, N, dtype=BF16, device=DEV) for N in segs] for _ in range(n)]
+    rout = torch.empty(M, K, dtype=BF16, device=DEV)
+    f = dict(residual=r if kw.get("add_residual") else None,
+             norm_weight=nw if kw.get("norm") else None,
+             epilogue_residual=e if kw.get("residual_epilogue") else None,
+             eps=kw.get("eps", 1e-5))  # fmt: skip
+    rkw = {"residual_out": rout} if kw.get("add_residual") else {}
+    ref, ref_r = sg.skinny_gemm_ref(x, ws[0], **f)
+    nbytes = sum(segs) * K * 2 + M * K * 2 * (1 + 2 * bool(kw.get("add_residual")))
+    nbytes += M * sum(segs) * 2 * (1 + bool(kw.get("residual_epilogue")))
+    floor = nbytes / (bw * 1e6)
+
+    def run(tag: str, one) -> None:
+        poison(*outs[0], rout)
+        one(0)
+        torch.cuda.synchronize()
+        ok = all([check(f"gemv {name} {tag} out{j}", ctx, o, ro, TOL["out"])
+                  for j, (o, ro) in enumerate(zip(outs[0], ref, strict=True))])  # fmt: skip
+        if ref_r is not None and tag != "cuBLAS":
+            ok = check(f"gemv {name} {tag} r_out", ctx, rout, ref_r, 1e-6) and ok
+        if not ok:
+            return
+        med, lo, hi = graph_time_us([(lambda i=i: one(i)) for i in range(n)], replays)
+        record(time=f"{name} {tag}", **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
+               us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
+               tbs=f"{nbytes / med / 1e6:.2f}", status="time")  # fmt: skip
+
+    small = sum(segs) * K * 2 <= sg.L2_PREFETCH_MAX_MB * 2**20
+    guarded(f"gemv {name} skinny", ctx, lambda: run("skinny regs (default)", lambda i: sg.skinny_gemm(
+        x, ws[i], outs[i], load="regs", gemv=False, l2_all=False, **rkw, **f)))  # fmt: skip
+    if small:
+        guarded(f"gemv {name} skinny l2pf", ctx, lambda: run("skinny regs + L2 prefetch",
+                lambda i: sg.skinny_gemm(x, ws[i], outs[i], load="regs", gemv=False,
+                                         l2_all=True, **rkw, **f)))  # fmt: skip
+    for c in (cfgs or GEMV_SWEEP)[: (None if M == 1 else 2)]:
+        cf = None if c == "auto" else gs.parse_cfg(c)
+        guarded(f"gemv {name} {c}", ctx, lambda c=c, cf=cf: run(f"gemv {c}", lambda i: gs.gemv(
+            x, ws[i], outs[i], cfg=cf, **rkw, **f)))  # fmt: skip
+        if small and c == GEMV_SWEEP[0]:
+            guarded(f"gemv {name} {c} l2pf", ctx, lambda c=c, cf=cf: run(
+                f"gemv {c} + L2 prefetch", lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf,
+                                                              l2_all=True, **rkw, **f)))  # fmt: skip
+
+    def cublas(i: int) -> None:
+        for w_, o in zip(ws[i], outs[i], strict=True):
+            torch.mm(x, w_.t(), out=o)
+
+    cref = [(x.float() @ w_.float().t()).to(BF16) for w_ in ws[0]]
+    poison(*outs[0])
+    cublas(0)
+    torch.cuda.synchronize()
+    for j, (o, ro) in enumerate(zip(outs[0], cref, strict=True)):
+        check(f"gemv {name} cuBLAS out{j}", ctx, o, ro, TOL["out"])
+    med, lo, hi = graph_time_us([(lambda i=i: cublas(i)) for i in range(n)], replays)
+    record(time=f"{name} cuBLAS (no norm/epilogue, {len(segs)} mm)", **ctx, kernels=len(segs),
+           us=f"{med:.1f}", us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
+           eff=f"{med / floor:.2f}", tbs=f"{nbytes / med / 1e6:.2f}", status="time")  # fmt: skip
+
+
 # -- driver ------------------------------------------------------------------------------------
 
 
 def table_md() -> str:
     lines = [
-        "| tp | kind | point | what | kernels | us | min | max | floor us | span/floor | speedup |",
-        "|" + "---|" * 11,
+        "| tp | kind | point | what | kernels | us | min | max | floor us | span/floor | speedup "
+        "| TB/s |",
+        "|" + "---|" * 12,
     ]
     for r in RESULTS:
         if r.get("status") != "time":
@@ -584,12 +700,12 @@ def table_md() -> str:
         lines.append(
             f"| {r['tp']} | {r['kind']} | {r['point']} | {r['time']} | {r.get('kernels', '')} "
             f"| {r['us']} | {r['us_min']} | {r['us_max']} | {r.get('floor_us', '')} "
-            f"| {r.get('eff', '')} | {r.get('speedup', '')} |"
+            f"| {r.get('eff', '')} | {r.get('speedup', '')} | {r.get('tbs', '')} |"
         )
     skipped = [r for r in RESULTS if r.get("status") == "skipped"]
     for r in skipped:
         lines.append(f"| {r.get('tp', '')} | {r.get('kind', '')} | {r.get('point', '')} "
-                     "| skipped (--budget) | | | | | | | |")  # fmt: skip
+                     "| skipped (--budget) | | | | | | | | |")  # fmt: skip
     fails = [r for r in RESULTS if r.get("status") in ("FAIL", "error")]
     oks = sum(1 for r in RESULTS if r.get("status") == "ok")
     lines.append("")
@@ -634,6 +750,15 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="also check the tiny preset")
     ap.add_argument("--no-sweep", action="store_true", help="skip the GEMM tiling sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the GEMM tiling sweep")
+    ap.add_argument("--gemv-only", action="store_true",
+                    help="only the streaming-GEMV sweep of the 4 attention projections (first "
+                         "--tp, --sweep-ms up to 4; --gemv-cfgs)")  # fmt: skip
+    ap.add_argument(
+        "--gemv-cfgs",
+        nargs="+",
+        default=None,
+        help=f"GEMV knob sets wWrRgGdD (default {' '.join(GEMV_SWEEP)})",
+    )
     ap.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 8, 32, 64],
                     help="token counts of the GEMM sweep")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540,
@@ -646,6 +771,16 @@ def main() -> int:
     bw = guarded("copy_bw", {}, copy_bandwidth_tbs) or 4.22
     record(what="copy_bw_tbs", value=f"{bw:.3f}", gpu=torch.cuda.get_device_name(), status="info")
     shapes = [("kimi-k3", tp) for tp in a.tp] + ([("tiny", 1)] if a.tiny else [])
+    if a.gemv_only:
+        cfg = get_config("kimi-k3", a.tp[0])
+        ms = tuple(m for m in a.sweep_ms if m <= gs.MAX_M) or (1,)
+        guarded("gemv_sweep", {"tp": a.tp[0]},
+                lambda: gemv_sweep(cfg, a.tp[0], bw, a.replays, ms, a.gemv_cfgs))  # fmt: skip
+        table = table_md()
+        (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
+        (out / "table.md").write_text(table + "\n")
+        print(table)
+        return 0
     if a.sweep_only:
         shapes = []
     t0 = time.time()

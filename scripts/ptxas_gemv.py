@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("-m", type=int, nargs="+", default=[1])
     ap.add_argument("-k", nargs="+", default=["in_proj", "qkv_a_g", "q_b", "o_proj"])
-    ap.add_argument("--cfg", nargs="+", default=["w8r2g2d2"])
+    ap.add_argument("--cfg", nargs="+", default=["auto"], help="wWrRgGdD or auto")
     ap.add_argument("--l2-all", action="store_true")
     a = ap.parse_args()
     for tp in a.tp:
@@ -87,10 +87,12 @@ def main() -> int:
         for name in a.k:
             for m in a.m:
                 for c in a.cfg:
-                    w, r, g, d = gs.parse_cfg(c)
+                    segs = cs[name]["segments"]
+                    w, r, g, d = gs.auto_cfg(segs) if c == "auto" else gs.parse_cfg(c)
                     plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d,
                                        l2_all=a.l2_all, **cs[name])  # fmt: skip
-                    print(f"tp{tp} {name:8s} M{m} {c}: {report(plan)}", flush=True)
+                    tag = f"{c}=w{w}r{r}g{g}d{d}" if c == "auto" else c
+                    print(f"tp{tp} {name:8s} M{m} {tag}: {report(plan)}", flush=True)
     return 0
 
 

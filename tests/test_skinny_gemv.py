@@ -145,6 +145,14 @@ def test_selection_knobs(monkeypatch):
     gp = gs.from_gemm_plan(orn.q_b_plan(cfg, 1))
     assert (gp.warps, gp.rows, gp.group, gp.depth, gp.l2_all) == (16, 3, 4, 1, True)
     assert gp.x_stride == cfg.mla_qkv_a_out and gp.norm and not gp.add_residual
+    monkeypatch.setenv(gs.CFG_ENV, "auto")  # rows per warp for at most 2 CTAs per SM
+    for p, want, grid in ((nqp.plan_for(cfg, "kda", 1), (8, 3, 1, 2), 262),
+                          (orn.plan_for(cfg, "kda", 1), (8, 4, 1, 2), 224),
+                          (orn.q_b_plan(cfg, 1), (8, 2, 2, 2), 144),
+                          (nqp.plan_for(cfg, "mla", 1), (8, 2, 2, 2), 228)):  # fmt: skip
+        gp = gs.from_gemm_plan(p)
+        assert (gp.warps, gp.rows, gp.group, gp.depth) == want and gp.grid == grid
+        assert gp.grid <= gs.NUM_SMS * gs.AUTO_CTAS_PER_SM
 
 
 def test_bad_knobs(monkeypatch):

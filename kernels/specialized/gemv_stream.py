@@ -8,8 +8,8 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
 - **Tile**: ``warps`` x ``rows`` consecutive weight rows (each warp owns ``rows`` of them), all
   tokens, all of K. Within a warp, lanes split K: lane ``l`` reads the 16-byte pieces at
   columns ``(32 i + l) * 8 .. + 7`` (``i < K / 256``), so one warp-wide load covers 512
-  contiguous bytes of a row. Each lane keeps an FP32 accumulator per (row, token); a butterfly
-  shuffle sums the 32 lanes at the end; lane 0 stores.
+  contiguous bytes of a row. Each lane keeps an 8-wide FP32 accumulator per (row, token),
+  summed at the end, then a butterfly shuffle sums the 32 lanes; lane 0 stores.
 - **Deep in-flight loads**: a warp's loads are walked in groups of ``group`` pieces x
   ``rows`` rows; group ``g + depth`` is issued (16-byte ``ld.global`` into registers) before
   group ``g`` is consumed, so ``depth x group x rows`` loads per lane (512 B per warp each) are
@@ -34,7 +34,7 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
 
 Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, off by default) routes the plans it
 supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
-(``w8r2g2d2``) or the sweep's explicit values. Compile key: the plan (every shape static).
+(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`) or the sweep's explicit values. Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -56,6 +56,8 @@ KSTEP = 32 * PIECE  # K columns covered by one warp-wide load (512 bytes)
 MAX_M = 4
 CFG_ENV = "DECODESCOPE_GEMV_CFG"
 DEFAULT_CFG = (8, 2, 2, 2)  # warps, rows per warp, pieces per group, groups in flight
+AUTO_CTAS_PER_SM = 2  # "auto": rows per warp so that the grid fits this many CTAs per SM
+AUTO_LOADS = 4  # "auto": rows x group, loads per lane in one group
 NUM_SMS = 132  # H200
 SM_SMEM = 227 * 1024  # usable shared memory per SM (H200), 1 KB reserved per CTA
 SM_REGS = 64 * 1024
@@ -69,9 +71,20 @@ def parse_cfg(v: str) -> tuple[int, int, int, int]:
     return tuple(int(g) for g in mt.groups())  # type: ignore[return-value]
 
 
-def env_cfg() -> tuple[int, int, int, int]:
-    v = os.environ.get(CFG_ENV, "")
-    return parse_cfg(v) if v else DEFAULT_CFG
+def env_cfg() -> tuple[int, int, int, int] | None:
+    """``DECODESCOPE_GEMV_CFG`` (unset or ``auto``: None, :func:`auto_cfg` per plan)."""
+    v = os.environ.get(CFG_ENV, "") or "auto"
+    return None if v == "auto" else parse_cfg(v)
+
+
+def auto_cfg(segments: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """8 warps; rows per warp (1..4) so that the grid needs at most ``AUTO_CTAS_PER_SM`` CTAs
+    per SM (one wave, one prologue per CTA: TP8 in_proj 3 rows, 262 CTAs; o_proj 4, 224;
+    qkv_a + g and q_b 2); groups of ``AUTO_LOADS / rows`` pieces, 2 groups ahead."""
+    warps = 8
+    rows = -(-sum(segments) // (NUM_SMS * AUTO_CTAS_PER_SM * warps))
+    rows = max(1, min(4, rows))
+    return (warps, rows, max(1, AUTO_LOADS // rows), 2)
 
 
 def supports(m: int, k: int, situ: bool = False) -> bool:
@@ -247,25 +260,24 @@ class GemvStream:
 
     def mainloop(self, mW, rows, bufs: dict, sX, lane) -> list:
         """All groups, fully unrolled (trace time): group ``g + depth`` is issued before group
-        ``g`` is consumed. Returns the per-lane FP32 partial sums ``[row][token]``."""
+        ``g`` is consumed. Each (row, token) keeps an 8-wide FP32 vector accumulator (8
+        independent FMA chains); returns the per-lane sums ``[row][token]``."""
         p = self.p
-        accs = [[Float32(0.0) for _ in range(p.m)] for _ in range(p.rows)]
+        accs: list[list] = [[None] * p.m for _ in range(p.rows)]
         for g in range(p.ngroups):
             if g + p.depth < p.ngroups:
                 bufs[g + p.depth] = self.issue(mW, rows, g + p.depth, lane)
             for i, per_row in bufs.pop(g):
                 k0 = (i * 32 + lane) * PIECE
-                wf = [[w[e].to(Float32) for e in range(PIECE)] for w in per_row]
+                wf = [w.load().to(Float32) for w in per_row]
                 for m in range(p.m):
                     xv = cute.make_rmem_tensor((PIECE,), BFloat16)
                     cute.autovec_copy(cute.local_tile(sX[m, None], (PIECE,), (k0 // PIECE,)), xv)
-                    xf = [xv[e].to(Float32) for e in range(PIECE)]
+                    xf = xv.load().to(Float32)
                     for r in range(p.rows):
-                        a = accs[r][m]
-                        for e in range(PIECE):
-                            a = a + wf[r][e] * xf[e]
-                        accs[r][m] = a
-        return accs
+                        prod = wf[r] * xf
+                        accs[r][m] = prod if accs[r][m] is None else accs[r][m] + prod
+        return [[a.reduce(cute.ReductionOp.ADD, Float32(0.0), 0) for a in row] for row in accs]
 
     @cute.jit
     def body(self, mX, mR, mRout, mNW, mW, mO, mE, sX, sRed, sRstd, cta, n, bidx, warp, lane):
@@ -406,7 +418,7 @@ def compile_plan(p: GemvPlan):
 def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None) -> GemvPlan:
     """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
     from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
-    w, r, g, d = cfg or env_cfg()
+    w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments)
     return GemvPlan(
         m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
         residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
@@ -428,14 +440,15 @@ def gemv(
     l2_all: bool = False,
 ) -> None:
     """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
-    (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``), ``l2_all`` the whole-slice
-    L2 prefetch before the PDL wait."""
+    (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`auto_cfg`),
+    ``l2_all`` the whole-slice L2 prefetch before the PDL wait."""
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
-    w_, r_, g_, d_ = cfg or env_cfg()
+    segs = tuple(int(w.shape[0]) for w in weights)
+    w_, r_, g_, d_ = cfg or env_cfg() or auto_cfg(segs)
     p = GemvPlan(
-        m=int(M), k=int(K), segments=tuple(int(w.shape[0]) for w in weights),
+        m=int(M), k=int(K), segments=segs,
         norm=norm_weight is not None, add_residual=residual is not None,
         residual_epilogue=epilogue_residual is not None,
         x_stride=0 if x.stride(0) == K else int(x.stride(0)), eps=float(eps),
