@@ -376,6 +376,7 @@ _SHORT = {
     "busy_us": "busy us",
     "gaps_us": "gaps us",
     "kernel_sum_us": "kernel-sum us",
+    "share_us": "share us",
 }
 _KEYS = ("layer_kind", "rank", "layer", "block", "op", "b_op")
 
@@ -477,7 +478,7 @@ def view_charts(
     chart(fig, "layer_bars", "fig-layers")
     metric = st.radio(
         "Per-op bars show",
-        ["kernel_sum_us", "kernels", "span_us"],
+        ["share_us", "kernel_sum_us", "kernels", "span_us"],
         format_func=lambda m: figures.METRICS[m],
         horizontal=True,
         key="op-metric",
@@ -486,7 +487,9 @@ def view_charts(
         sa["ops"], None if single else sb["ops"], labels, metric=metric, coverage=pair["fused"]
     )
     st.caption(
-        "One segment per op, median per layer-step; a hatched segment is a fused op of B "
+        "One segment per op, median per layer-step (share: the time the op adds to the step; "
+        "a kernel launched early under PDL counts its wait in span and kernel-sum, not in "
+        "share); a hatched segment is a fused op of B "
         "(named x+y+z): it takes the colour of its first op, and its hover lists the ops of A "
         "it swallowed."
     )
