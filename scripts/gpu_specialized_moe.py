@@ -353,7 +353,10 @@ def _route_thresh_identical(blk, y: torch.Tensor, E: int, ctx: dict) -> None:
     for name, yin, bias in (("logits", y, blk.bias), ("quantized", yq, b0), ("row0_tied", yz, b0)):
         got = {}
         for mode in ("split", "thresh"):
-            with env(DECODESCOPE_MOE_GROUPED_ROUTE=mode):
+            # split: the grouped route kernel's rounds even where DECODESCOPE_MOE_T1_ROUTE=t1
+            # (experts_t1.RouteT1) runs the thresh side
+            t1r = {"DECODESCOPE_MOE_T1_ROUTE": ""} if mode == "split" else {}
+            with env(DECODESCOPE_MOE_GROUPED_ROUTE=mode, **t1r):
                 gb = mg.GroupedBuffers(blk.N, E, k, blk.cfg.shared_inter, DEV)
                 ids = torch.full((blk.N, k), -1, dtype=torch.int32, device=DEV)
                 tw = torch.full((blk.N, k), float("nan"), dtype=torch.float32, device=DEV)
@@ -907,14 +910,15 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
 
 
-# grouped_t1[_r<R>][_s<stages>][_k<BK>][_w2w<warps>][_w2sh][_nopre]: DECODESCOPE_MOE_T1=t1 (1
-# token, kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its
+# grouped_t1[_r<R>][_s<stages>][_k<BK>][_w2w<warps>][_w2sh][_nopre][_rt1]: DECODESCOPE_MOE_T1=t1
+# (1 token, kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its
 # stages (6) and K chunk (128), w2's warps per item (DECODESCOPE_MOE_W2T_WARPS: 4 = 64 rows), the
 # shared down before w13's PDL wait (_w2sh: in w2's first CTAs instead), w2's weights before its
-# wait (_nopre: after it). grouped_t1base: the grouped kernels' own defaults at 1 token
-# (DECODESCOPE_MOE_T1=grouped).
+# wait (_nopre: after it), the one-warp route RouteT1 (_rt1; DECODESCOPE_MOE_T1_ROUTE=t1).
+# grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
+    r"(?:_(rt1))?"
 )
 
 
@@ -930,8 +934,9 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, w2w, w2sh, nopre = T1_RE.fullmatch(var).groups()
+    r, s, k, w2w, w2sh, nopre, rt1 = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
+    env["DECODESCOPE_MOE_T1_ROUTE"] = "t1" if rt1 else ""
     return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
             "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",
             "DECODESCOPE_MOE_T1_SHARED": "w2" if w2sh else "",

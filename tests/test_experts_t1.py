@@ -22,7 +22,7 @@ from decodescope.kernels.weights import make_layer_weights
 
 _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
-         "DECODESCOPE_MOE_EXPERTS")  # fmt: skip
+         "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE")  # fmt: skip
 
 
 @pytest.fixture
@@ -77,6 +77,40 @@ def test_compiles_tiny(tp, clean_env):
     assert itf.compile_only(op, *args) is not None
     op2, args2 = t1.build_w2(*d)
     assert itf.compile_only(op2, *args2) is not None
+
+
+@pytest.mark.parametrize("tp,zero_acc", [(8, False), (8, True), (16, False)])
+def test_route_t1_compiles(tp, zero_acc):
+    cfg = get_config("kimi-k3", tp)
+    e = cfg.moe
+    nf = e.num_experts + cfg.expert_dim + 2 * cfg.shared_inter
+    op, args = t1.build_route(e.num_experts, e.top_k, cfg.expert_dim, nf, 1.0, True, zero_acc)
+    assert itf.compile_only(op, *args) is not None
+
+
+def _route_t1_lists(ids: list[int]):
+    """:class:`RouteT1`'s list writes replayed (lane j: its pick's rank by expert index)."""
+    K = len(ids)
+    slot_e, slot_off, slot_n, pairs = [None] * K, [None] * K, [None] * K, [None] * K
+    for j, e in enumerate(ids):
+        r = sum(1 for i in range(K) if ids[i] < e)
+        slot_e[r], slot_off[r], slot_n[r], pairs[r] = e, r, 1, j
+    return slot_e, slot_off, slot_n, K, pairs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_route_t1_lists(seed):
+    """The lists RouteT1 writes equal :func:`moe_grouped.lists_from_ids` of its ids (what the
+    grouped route kernel writes and the GPU script checks), on the router's own top-k."""
+    from decodescope.kernels.specialized.router_topk import router_topk_ref
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 896, generator=g)
+    bias = torch.randn(896, generator=g) * 0.1
+    ids, _ = router_topk_ref(logits, bias, 16, 1.0)
+    se, so, sn, nact, pairs = mg.lists_from_ids(ids, 896)
+    got = _route_t1_lists([int(x) for x in ids[0]])
+    assert got == (se.tolist(), so.tolist(), sn.tolist(), nact, pairs.tolist())
 
 
 def _shared_rows(op: t1.W13T1) -> dict[int, int]:
@@ -140,7 +174,7 @@ def test_every_h_written_once(tp, T):
 def test_knobs(clean_env):
     mp = clean_env
     assert t1.mode(1) == "pipe" and t1.w13_config() == gt.TileConfig(16, 128, 6, 1)
-    assert t1.shared_where() == "w13" and t1.w2_pre()
+    assert t1.shared_where() == "w13" and t1.w2_pre() and t1.route_where() == "grouped"
     mp.setenv("DECODESCOPE_MOE_T1", "t1")
     assert t1.mode(1) == "t1" and t1.mode(2) == "pipe" and t1.mode(8) == "pipe"
     mp.setenv("DECODESCOPE_MOE_T1_ROWS", "32")
@@ -152,11 +186,12 @@ def test_knobs(clean_env):
         ("DECODESCOPE_MOE_T1_STAGES", "x", "DECODESCOPE_MOE_T1_STAGES='x'"),
         ("DECODESCOPE_MOE_T1_SHARED", "back", "DECODESCOPE_MOE_T1_SHARED='back'"),
         ("DECODESCOPE_MOE_T1_W2PRE", "2", "DECODESCOPE_MOE_T1_W2PRE='2'"),
+        ("DECODESCOPE_MOE_T1_ROUTE", "one", "DECODESCOPE_MOE_T1_ROUTE='one'"),
     ):
         old = __import__("os").environ.get(var, "")
         mp.setenv(var, bad)
         with pytest.raises(ValueError, match=msg):
-            (t1.mode(1), t1.w13_config(), t1.shared_where(), t1.w2_pre())
+            (t1.mode(1), t1.w13_config(), t1.shared_where(), t1.w2_pre(), t1.route_where())
         mp.setenv(var, old)
     with pytest.raises(ValueError, match="tokens"):
         t1.W13T1(*_dims("kimi-k3", 8, 9), 4.0, 25.0)
@@ -205,6 +240,15 @@ def test_block_wiring(clean_env):
     assert isinstance(ops["moe_t1_w13"], t1.W13T1) and ops["moe_t1_w13"].S == 4
     assert isinstance(ops["moe_t1_w2"], t1.W2T1) and ops["moe_t1_w2"].CS == 0
     calls.clear()
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "t1")
+    blk.experts()
+    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
+    mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")  # RouteT1 writes no hs: refused
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_SHARED=w13"):
+        blk.experts()
+    mp.delenv("DECODESCOPE_MOE_T1_SHARED")
+    mp.delenv("DECODESCOPE_MOE_T1_ROUTE")
+    calls.clear()
     mp.setenv("DECODESCOPE_MOE_T1", "grouped")
     blk.experts()
     assert calls == ["moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
@@ -222,6 +266,8 @@ def test_script_variants():
     assert env["DECODESCOPE_MOE_T1"] == "t1" and env["DECODESCOPE_MOE_EXPERTS"] == "grouped"
     assert env["DECODESCOPE_MOE_T1_ROWS"] == "" and env["DECODESCOPE_MOE_GROUPED_ROUTE"] == "thresh"
     assert gs.variant_env("grouped_t1_w2w2")["DECODESCOPE_MOE_W2T_WARPS"] == "2"
+    assert gs.variant_env("grouped_t1_rt1")["DECODESCOPE_MOE_T1_ROUTE"] == "t1"
+    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_ROUTE"] == ""
     env = gs.variant_env("grouped_t1_r32_s5_w2sh_nopre")
     assert (env["DECODESCOPE_MOE_T1_ROWS"], env["DECODESCOPE_MOE_T1_STAGES"]) == ("32", "5")
     assert env["DECODESCOPE_MOE_T1_SHARED"] == "w2" and env["DECODESCOPE_MOE_T1_W2PRE"] == "0"
@@ -248,6 +294,8 @@ def gsm():
 @pytest.mark.parametrize("preset,tp,var", [("kimi-k3", 8, "grouped_t1"),
                                            ("kimi-k3", 16, "grouped_t1"),
                                            ("kimi-k3", 8, "grouped_t1_w2sh_nopre"),
+                                           ("kimi-k3", 8, "grouped_t1_rt1"),
+                                           ("kimi-k3", 16, "grouped_t1_rt1"),
                                            ("tiny", 1, "grouped_t1")])  # fmt: skip
 def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
     """Lists, h (poisoned first) vs bf16(SiTU(w13 z)), routed sum, shared output, up-projection

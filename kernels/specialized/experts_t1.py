@@ -53,6 +53,7 @@ from decodescope.kernels.specialized import grouped_w13_tile as gwt
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import moe_grouped as mg
+from decodescope.kernels.specialized import route_topk as rtk
 from decodescope.kernels.specialized.moe_common import situ
 
 MODES = ("pipe", "grouped", "t1")  # DECODESCOPE_MOE_T1
@@ -62,6 +63,7 @@ ROWS_DEFAULT = 16  # gate rows per w13 item: 24 items per expert at TP8, 12 at T
 STAGES_DEFAULT = 6  # 6 x 12 KB: 3 CTAs per SM, 5 chunks (40 KB of weights) in flight per CTA
 BK_DEFAULT = 128  # 256-byte row runs (the w13 tile's A/B at 8 / 64 tokens: 128 beat 64)
 SHARED_WHERE = ("w13", "w2")  # DECODESCOPE_MOE_T1_SHARED
+ROUTES = ("grouped", "t1")  # DECODESCOPE_MOE_T1_ROUTE
 
 ENV = {
     "rows": "DECODESCOPE_MOE_T1_ROWS",
@@ -114,10 +116,88 @@ def w2_pre() -> bool:
     return v == "1"
 
 
+def route_where() -> str:
+    """``DECODESCOPE_MOE_T1_ROUTE``: ``grouped`` (default: :class:`moe_grouped.GroupedRoute`) or
+    ``t1`` (:class:`RouteT1`: one warp, 1 token, no expert-wide count / scan; needs the shared
+    down in w13, ``DECODESCOPE_MOE_T1_SHARED=w13``, since it writes no ``hs``)."""
+    v = os.environ.get("DECODESCOPE_MOE_T1_ROUTE", "") or "grouped"
+    if v not in ROUTES:
+        raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE={v!r}: expected one of {ROUTES}")
+    return v
+
+
 def _ld(m, i, ty=Int32):
     """A relaxed GPU-scope load of ``m[i]`` (flat index): served by L2, never a stale L1 line.
     For data another grid wrote, read before this grid's ``griddepcontrol.wait``."""
     return cute.arch.load(m.iterator + i, ty, sem="relaxed", scope="gpu")
+
+
+class RouteT1:
+    """Kernel 1 of the ``t1`` mode with ``DECODESCOPE_MOE_T1_ROUTE=t1``: one warp ranks the one
+    token (:func:`route_topk.thresh_topk`, the grouped route's top-k) and writes the ids,
+    weights and the grouped lists directly: at 1 token the ``K`` picks are distinct experts, so
+    slot ``r`` is the pick of rank ``r`` by expert index (``slot_e`` increasing, ``slot_off[r] =
+    r``, ``slot_n[r] = 1``, ``pairs[r]`` = the pick's position ``j``, ``nact = K``), as
+    :func:`moe_grouped.lists_from_ids` has them; no expert-wide count, scan or barrier. With
+    ``zero_acc`` it then zeroes ``acc``. No ``hs`` (the shared down runs in :class:`W13T1`).
+    PDL: the biases before the wait, the trigger right after it (as :class:`moe_grouped.
+    GroupedRoute`), so the w13 CTAs are resident during the ranking."""
+
+    def __init__(self, E, K, L, scaling, pdl=True, zero_acc: bool = False):
+        if E % 32 or K > 32:
+            raise ValueError(f"experts_t1: route needs num_experts {E} % 32 == 0, top_k {K} <= 32")
+        if zero_acc and L % 128:
+            raise ValueError(f"experts_t1: zero_acc needs latent {L} a multiple of 128")
+        self.E, self.K, self.L, self.scaling, self.pdl = E, K, L, scaling, pdl
+        self.zero_acc = zero_acc
+
+    @cute.jit
+    def __call__(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mAcc,
+                 stream: cuda.CUstream):  # fmt: skip
+        self.kernel(mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mAcc).launch(
+            grid=[1, 1, 1], block=[32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mAcc):
+        E, K, CAP = self.E, self.K, rtk.CAP
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sIds = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+        sTw = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        sV = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sI = smem.allocate_tensor(Int32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        bias = rtk.load_bias(mBias, lane, E)  # a weight: before the PDL wait
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        for i in cutlass.range_constexpr(E // 32):  # thresh_topk counts its picks here
+            sCnt[lane + 32 * i] = Int32(0)
+        cute.arch.sync_warp()
+        rtk.thresh_topk(mY, mBias, bias, 0, lane, 0, sIds, sTw, sCnt, sM, sV, sI, sS, E, K,
+                        self.scaling, CAP)  # fmt: skip
+        if lane < K:  # thresh_topk ends with a warp sync: the picks are final
+            e = sIds[lane]
+            r = Int32(0)
+            for i in cutlass.range_constexpr(K):
+                r = r + cutlass.select_(sIds[i] < e, Int32(1), Int32(0))
+            mIds[lane] = e
+            mTw[lane] = sTw[lane]
+            mSlotE[r] = e
+            mSlotOff[r] = r
+            mSlotN[r] = Int32(1)
+            mPairs[r] = lane
+        if lane == 0:
+            mNact[0] = Int32(K)
+        if const_expr(self.zero_acc):  # acc [L] FP32, 16-byte stores
+            zv = cute.make_rmem_tensor((4,), Float32)
+            for q in cutlass.range_constexpr(4):
+                zv[q] = Float32(0.0)
+            for i in cutlass.range_constexpr(self.L // 128):
+                cute.autovec_copy(zv, cute.local_tile(mAcc, (4,), (lane + 32 * i,)))
 
 
 class W13T1(gwt.GroupedW13Tile):
@@ -441,12 +521,35 @@ def build_w2(T, E, K, L, Ie, H, S, pdl=True, nsm=132, kn=None, shared=False, pre
     return op, args
 
 
+def build_route(E, K, L, NF, scaling, pdl=True, zero_acc=False):
+    """``(op, fake args)`` of :class:`RouteT1` (``NF``: the front output's width)."""
+    op = RouteT1(E, K, L, scaling, pdl, zero_acc)
+    i32, f32 = torch.int32, torch.float32
+    args = (
+        itf.fake(f32, (1, NF)),
+        itf.fake(f32, (E,)),
+        itf.fake(i32, (K,)),
+        itf.fake(f32, (K,)),
+        itf.fake(i32, (K,)),
+        itf.fake(i32, (K,)),
+        itf.fake(i32, (K,)),
+        itf.fake(i32, (K,)),
+        itf.fake(i32, (4,)),
+        itf.fake(f32, (L,)),
+        itf.env_stream(),
+    )
+    return op, args
+
+
 def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, *,
-               top_k: int, beta: float, lbeta: float, pdl: bool, nsm: int,
-               parts=(0, 1, 2)) -> None:  # fmt: skip
+               top_k: int, beta: float, lbeta: float, pdl: bool, nsm: int, parts=(0, 1, 2),
+               router_bias=None, topk_ids=None, scaling: float = 1.0,
+               zero_acc: bool = False) -> None:  # fmt: skip
     """The ``t1`` launches (called by :func:`moe_grouped.moe_grouped`, which checked the
-    tensors and compiled ``route``, the :class:`moe_grouped.GroupedRoute` launch): route, then
-    :class:`W13T1` (shared down before its wait), then :class:`W2T1`. ``parts`` as there."""
+    tensors and compiled ``route``, the :class:`moe_grouped.GroupedRoute` launch): the route
+    (``route``, or :class:`RouteT1` with ``DECODESCOPE_MOE_T1_ROUTE=t1``, which needs
+    ``router_bias``, ``topk_ids``, ``scaling``, ``zero_acc``), then :class:`W13T1` (shared down
+    before its wait), then :class:`W2T1`. ``parts`` as there."""
     E, twoI, L = w13.shape
     Ie = twoI // 2
     H, S = shared_w2.shape
@@ -455,6 +558,21 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     dims = (T, E, K, L, Ie, H, S)
     cfg = w13_config()
     sh13 = shared_where() == "w13"
+    if route_where() == "t1":
+        if T != 1 or not sh13 or router_bias is None or topk_ids is None:
+            raise ValueError("DECODESCOPE_MOE_T1_ROUTE=t1 needs 1 token and "
+                             "DECODESCOPE_MOE_T1_SHARED=w13")  # fmt: skip
+        rk = itf.compiled(
+            ("moe_t1_route", E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
+            lambda: build_route(E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
+        )
+        b0 = bufs
+        ids, tw0 = topk_ids.view(-1), topk_w.view(-1)
+
+        def route():
+            rk(y_front, router_bias, ids, tw0, b0.pairs, b0.slot_e, b0.slot_off, b0.slot_n,
+               b0.nact, acc.view(-1))  # fmt: skip
+
     kn = gw2.knobs()
     pre = w2_pre()
     w13k = itf.compiled(

@@ -872,7 +872,8 @@ def moe_grouped(
             lambda: r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n,
                       b.nact, b.hs, b.ctr, acc.view(-1)),
             y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, top_k=K, beta=beta,
-            lbeta=lbeta, pdl=pdl, nsm=nsm, parts=parts,
+            lbeta=lbeta, pdl=pdl, nsm=nsm, parts=parts, router_bias=router_bias,
+            topk_ids=topk_ids, scaling=scaling, zero_acc=zero_acc,
         )  # fmt: skip
         return
     tile = None
