@@ -591,7 +591,7 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
 # the first two. "auto": gemv_stream.auto_cfg (what DECODESCOPE_SKINNY_GEMV runs when
 # DECODESCOPE_GEMV_CFG is unset); r3 / w16r3: fewer CTAs (in_proj TP8: 262 / 131); g4 / d4:
 # more loads in flight per lane.
-GEMV_SWEEP = ["auto", "w8r2g2d2", "w8r3g2d2", "w16r3g2d2", "w16r1g4d2", "w8r2g4d1", "w8r2g2d4",
+GEMV_SWEEP = ["auto", "w8r2g2d2", "w8r3g1d4", "w8r3g2d2", "w8r2g2d4", "w16r3g1d2", "w16r1g4d2",
               "w4r4g2d2"]  # fmt: skip
 GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
 

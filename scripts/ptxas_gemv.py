@@ -88,7 +88,7 @@ def main() -> int:
             for m in a.m:
                 for c in a.cfg:
                     segs = cs[name]["segments"]
-                    w, r, g, d = gs.auto_cfg(segs) if c == "auto" else gs.parse_cfg(c)
+                    w, r, g, d = gs.auto_cfg(segs, m) if c == "auto" else gs.parse_cfg(c)
                     plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d,
                                        l2_all=a.l2_all, **cs[name])  # fmt: skip
                     tag = f"{c}=w{w}r{r}g{g}d{d}" if c == "auto" else c

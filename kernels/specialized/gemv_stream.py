@@ -77,13 +77,14 @@ def env_cfg() -> tuple[int, int, int, int] | None:
     return None if v == "auto" else parse_cfg(v)
 
 
-def auto_cfg(segments: tuple[int, ...]) -> tuple[int, int, int, int]:
+def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]:
     """8 warps; rows per warp (1..4) so that the grid needs at most ``AUTO_CTAS_PER_SM`` CTAs
     per SM (one wave, one prologue per CTA: TP8 in_proj 3 rows, 262 CTAs; o_proj 4, 224;
-    qkv_a + g and q_b 2); groups of ``AUTO_LOADS / rows`` pieces, 2 groups ahead."""
+    qkv_a + g and q_b 2), at most ``4 / m`` (each (row, token) holds 8 FP32 accumulators);
+    groups of ``AUTO_LOADS / rows`` pieces, 2 groups ahead."""
     warps = 8
     rows = -(-sum(segments) // (NUM_SMS * AUTO_CTAS_PER_SM * warps))
-    rows = max(1, min(4, rows))
+    rows = max(1, min(4 // m, rows))
     return (warps, rows, max(1, AUTO_LOADS // rows), 2)
 
 
@@ -311,6 +312,13 @@ class GemvStream:
         if cutlass.const_expr(p.pdl):
             pdl_begin()
 
+        # the epilogue's residual (written by an earlier kernel: after the wait), loaded now so
+        # that it is in registers when the sums are
+        evs = []
+        if cutlass.const_expr(p.residual_epilogue):
+            for r in cutlass.range_constexpr(p.rows):
+                for m in cutlass.range_constexpr(p.m):
+                    evs.append(mE[m, rows[r]].to(Float32))
         self.prologue(mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane)
         accs = self.mainloop(mW, rows, bufs, sX, lane)
 
@@ -319,7 +327,7 @@ class GemvStream:
                 tot = warp_sum(accs[r][m])
                 if lane == 0 and row0 + r < n:
                     if cutlass.const_expr(p.residual_epilogue):
-                        tot = tot.to(BFloat16).to(Float32) + mE[m, row0 + r].to(Float32)
+                        tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
                     mO[m, row0 + r] = tot.to(BFloat16)
 
     @cute.jit
@@ -418,7 +426,7 @@ def compile_plan(p: GemvPlan):
 def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None) -> GemvPlan:
     """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
     from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
-    w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments)
+    w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments, gp.m)
     return GemvPlan(
         m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
         residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
@@ -446,7 +454,7 @@ def gemv(
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
     segs = tuple(int(w.shape[0]) for w in weights)
-    w_, r_, g_, d_ = cfg or env_cfg() or auto_cfg(segs)
+    w_, r_, g_, d_ = cfg or env_cfg() or auto_cfg(segs, int(M))
     p = GemvPlan(
         m=int(M), k=int(K), segments=segs,
         norm=norm_weight is not None, add_residual=residual is not None,
