@@ -26,6 +26,11 @@ module removes or hides, keeping the same three launches and the same outputs:
    weight block (48 KB at TP8), so the w2 stream starts while the last w13 CTAs finish, and only
    the ``h`` rows wait for w13 (``DECODESCOPE_MOE_T1_W2PRE=0``: the weights after the wait).
 
+4. **The route's own work** (optional, ``DECODESCOPE_MOE_T1_ROUTE=t1``): :class:`RouteT1`, one
+   warp that ranks the token with the grouped route's threshold top-k and writes the lists
+   directly (at 1 token the picks are distinct: slot = rank by expert index), without the
+   grouped route's expert-wide count, scan and barriers.
+
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
 files untouched): :class:`W13T1` adds the pre-wait shared down, :class:`W2T1` the pre-wait weight
