@@ -54,8 +54,9 @@ def ptx_of(plan) -> str:
 def report(plan) -> str:
     path, ptx = ptx_of(plan)
     wait = ptx.find("griddepcontrol.wait")
-    loads = len(re.findall(r"ld\.global[.\w]*\.v4", ptx))
-    early = len(re.findall(r"ld\.global[.\w]*\.v4", ptx[: max(wait, 0)]))
+    pat = r"ld\.global[.\w:]*\.v4"
+    loads = len(re.findall(pat, ptx))
+    early = len(re.findall(pat, ptx[: max(wait, 0)]))
     pf = ptx.count("cp.async.bulk.prefetch.L2")
     r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", path, "-o", os.devnull],
                        capture_output=True, text=True)  # fmt: skip
@@ -89,7 +90,8 @@ def main() -> int:
                 for c in a.cfg:
                     segs = cs[name]["segments"]
                     w, r, g, d = gs.auto_cfg(segs, m) if c == "auto" else gs.parse_cfg(c)
-                    plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d,
+                    ld = "plain" if c == "auto" else gs.parse_ld(c)
+                    plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d, ld=ld,
                                        l2_all=a.l2_all, **cs[name])  # fmt: skip
                     tag = f"{c}=w{w}r{r}g{g}d{d}" if c == "auto" else c
                     print(f"tp{tp} {name:8s} M{m} {tag}: {report(plan)}", flush=True)

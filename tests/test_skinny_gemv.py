@@ -77,6 +77,16 @@ def test_gemv_ptx_order():
     assert ptx.index("cp.async.bulk.prefetch.L2") < wait
 
 
+def test_gemv_nc_loads_ptx():
+    """``ld="nc"`` (knob suffix ``n``): every weight load is ``ld.global.nc`` with the
+    no-allocate / 256-byte hints, the same count as the plain form."""
+    plan = gs.GemvPlan(m=1, ld="nc", **_cases(8)["o_proj"])
+    ptx = _ptx(gs.GemvStream(plan), gs._fake_args(plan))
+    assert ptx.count("ld.global.nc.L1::no_allocate.L2::256B.v4.b32") == plan.pieces * plan.rows
+    assert gs.parse_ld("w8r2g2d2n") == "nc" and gs.parse_ld("auton") == "nc"
+    assert gs.parse_ld("auto") == "plain" and gs.parse_cfg("w8r2g2d2n") == (8, 2, 2, 2)
+
+
 def test_skinny_l2_prefetch_ptx():
     """The skinny kernel's whole-slice prefetch: one bulk prefetch (the thread's row), before
     the wait; none in the default plan."""
@@ -145,6 +155,10 @@ def test_selection_knobs(monkeypatch):
     gp = gs.from_gemm_plan(orn.q_b_plan(cfg, 1))
     assert (gp.warps, gp.rows, gp.group, gp.depth, gp.l2_all) == (16, 3, 4, 1, True)
     assert gp.x_stride == cfg.mla_qkv_a_out and gp.norm and not gp.add_residual
+    assert gp.ld == "plain"
+    monkeypatch.setenv(gs.CFG_ENV, "auton")
+    gp = gs.from_gemm_plan(orn.q_b_plan(cfg, 1))
+    assert gp.ld == "nc" and (gp.warps, gp.rows) == (8, 2)
     monkeypatch.setenv(gs.CFG_ENV, "auto")  # rows per warp for at most 2 CTAs per SM
     for p, want, grid in ((nqp.plan_for(cfg, "kda", 1), (8, 3, 1, 2), 262),
                           (orn.plan_for(cfg, "kda", 1), (8, 4, 1, 2), 224),
@@ -182,8 +196,9 @@ def test_bad_knobs(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("cfg", [None, (16, 3, 2, 2), (4, 4, 4, 1)])
-def test_gemv_vs_reference_gpu(m, cfg):
+@pytest.mark.parametrize("cfg,ld", [(None, "plain"), (None, "nc"), ((16, 3, 2, 2), "plain"),
+                                    ((4, 4, 4, 1), "plain")])  # fmt: skip
+def test_gemv_vs_reference_gpu(m, cfg, ld):
     dev = torch.device("cuda")
     torch.manual_seed(m)
     c = get_config("kimi-k3", 8)
@@ -202,7 +217,7 @@ def test_gemv_vs_reference_gpu(m, cfg):
                  norm_weight=nw if kw.get("norm") else None,
                  epilogue_residual=e if kw.get("residual_epilogue") else None, eps=c.eps)  # fmt: skip
         gs.gemv(x, ws, outs, residual_out=rout if kw.get("add_residual") else None, cfg=cfg,
-                l2_all=name == "o_proj", **f)  # fmt: skip
+                ld=ld, l2_all=name == "o_proj", **f)  # fmt: skip
         torch.cuda.synchronize()
         ref, ref_r = sg.skinny_gemm_ref(x, ws, **f)
         for o, ro in zip(outs, ref, strict=True):

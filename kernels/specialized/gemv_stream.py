@@ -34,7 +34,8 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
 
 Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, off by default) routes the plans it
 supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
-(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`) or the sweep's explicit values. Compile key: the plan (every shape static).
+(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`; a trailing ``n``: the weights by
+``ld.global.nc.L1::no_allocate.L2::256B``) or the sweep's explicit values. Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -64,17 +65,29 @@ SM_REGS = 64 * 1024
 
 
 def parse_cfg(v: str) -> tuple[int, int, int, int]:
-    """``w8r2g2d2`` -> (warps, rows, group, depth)."""
-    mt = re.fullmatch(r"w(\d+)r(\d+)g(\d+)d(\d+)", v.strip())
+    """``w8r2g2d2`` -> (warps, rows, group, depth) (a trailing ``n``, :func:`parse_ld`, is
+    allowed)."""
+    mt = re.fullmatch(r"w(\d+)r(\d+)g(\d+)d(\d+)n?", v.strip())
     if not mt:
-        raise ValueError(f"{CFG_ENV}={v!r}: expected wWrRgGdD, e.g. w8r2g2d2")
+        raise ValueError(f"{CFG_ENV}={v!r}: expected wWrRgGdD[n], e.g. w8r2g2d2")
     return tuple(int(g) for g in mt.groups())  # type: ignore[return-value]
 
 
+def parse_ld(v: str) -> str:
+    """The weight-load form of a knob string: ``nc`` with a trailing ``n``
+    (``ld.global.nc.L1::no_allocate.L2::256B``), else ``plain`` (``ld.global``)."""
+    return "nc" if v.strip().endswith("n") else "plain"
+
+
+def env_ld() -> str:
+    return parse_ld(os.environ.get(CFG_ENV, "") or "auto")
+
+
 def env_cfg() -> tuple[int, int, int, int] | None:
-    """``DECODESCOPE_GEMV_CFG`` (unset or ``auto``: None, :func:`auto_cfg` per plan)."""
+    """``DECODESCOPE_GEMV_CFG`` (unset, ``auto`` or ``auton``: None, :func:`auto_cfg` per
+    plan)."""
     v = os.environ.get(CFG_ENV, "") or "auto"
-    return None if v == "auto" else parse_cfg(v)
+    return None if v in ("auto", "auton") else parse_cfg(v)
 
 
 def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]:
@@ -109,6 +122,7 @@ class GemvPlan:
     group: int = DEFAULT_CFG[2]  # 16-byte pieces per lane and row in one load group
     depth: int = DEFAULT_CFG[3]  # groups issued ahead of the one consumed
     l2_all: bool = False  # prefetch the CTA's whole weight slice into L2 before the PDL wait
+    ld: str = "plain"  # weight loads: "plain" ld.global, "nc" ld.global.nc.L1::no_allocate.L2::256B
 
     def __post_init__(self) -> None:
         if not supports(self.m, self.k):
@@ -124,6 +138,8 @@ class GemvPlan:
             raise ValueError(
                 f"gemv_stream: x row stride {self.x_stride} must be >= K and 8-aligned"
             )
+        if self.ld not in ("plain", "nc"):
+            raise ValueError(f"gemv_stream: ld={self.ld!r}: expected 'plain' or 'nc'")
         for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
                             ("group", self.group, 32), ("depth", self.depth, 8)):  # fmt: skip
             if not 1 <= v <= hi:
@@ -249,8 +265,21 @@ class GemvStream:
         for i in range(g * p.grp, min((g + 1) * p.grp, p.pieces)):
             per_row = []
             for r in rows:
-                t = cute.make_rmem_tensor((PIECE,), BFloat16)
-                load_vec8(mW[r, None], (i * 32 + lane) * PIECE, t)
+                if p.ld == "nc":
+                    src = cute.local_tile(mW[r, None], (PIECE,), (i * 32 + lane,))
+                    v = cute.arch.inline_ptx(
+                        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 "
+                        "{{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                        write_only_types=[Int32, Int32, Int32, Int32],
+                        read_only_args=[src.iterator],
+                    )
+                    u = cute.make_rmem_tensor((4,), Int32)
+                    for e in range(4):
+                        u[e] = v[e]
+                    t = cute.recast_tensor(u, BFloat16)
+                else:
+                    t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    load_vec8(mW[r, None], (i * 32 + lane) * PIECE, t)
                 per_row.append(t)
             buf.append((i, per_row))
         return buf
@@ -423,14 +452,15 @@ def compile_plan(p: GemvPlan):
     return itf.compiled(("gemv_stream", p), lambda: (GemvStream(p), _fake_args(p)))
 
 
-def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None) -> GemvPlan:
+def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None, ld: str = "") -> GemvPlan:
     """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
     from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
     w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments, gp.m)
+    ld = ld or env_ld()
     return GemvPlan(
         m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
         residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
-        warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all,
+        warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all, ld=ld,
     )  # fmt: skip
 
 
@@ -446,10 +476,12 @@ def gemv(
     eps: float = 1e-5,
     cfg: tuple[int, int, int, int] | None = None,
     l2_all: bool = False,
+    ld: str = "",
 ) -> None:
     """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
     (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`auto_cfg`),
-    ``l2_all`` the whole-slice L2 prefetch before the PDL wait."""
+    ``l2_all`` the whole-slice L2 prefetch before the PDL wait, ``ld`` the weight loads
+    (``plain`` / ``nc``; default from ``DECODESCOPE_GEMV_CFG``'s trailing ``n``)."""
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
@@ -460,7 +492,7 @@ def gemv(
         norm=norm_weight is not None, add_residual=residual is not None,
         residual_epilogue=epilogue_residual is not None,
         x_stride=0 if x.stride(0) == K else int(x.stride(0)), eps=float(eps),
-        warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all,
+        warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all, ld=ld or env_ld(),
     )  # fmt: skip
     launch(p, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual)
 
