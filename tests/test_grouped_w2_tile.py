@@ -75,6 +75,8 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 8, {"shared": "tile"}),
         ("kimi-k3", 8, 32, {"shared": "tile", "order": "col"}),
         ("kimi-k3", 8, 64, {"shared": "tile", "order": "col", "early": 1}),
+        ("kimi-k3", 8, 64, {"shared": "spread", "order": "col", "early": 1}),
+        ("kimi-k3", 16, 32, {"shared": "spread", "order": "col"}),
         ("kimi-k3", 16, 64, {"shared": "tile", "order": "col", "early": 1}),
         ("tiny", 2, 8, {"shared": "tile"}),
         ("tiny", 1, 5, {}),
@@ -303,13 +305,33 @@ def test_shared_tile_replay_matches_matmul(preset, tp, kv, T):
     torch.testing.assert_close(got, W[row0:] @ Hs[t0 : t0 + np_].T, rtol=1e-9, atol=1e-9)
 
 
+def _cta_role(op, bid):
+    """The kernel's ``(is_sh, shared index, routed index)`` of CTA ``bid``: the shared CTAs
+    first, or (``shared=spread``) at every ``SPS``-th bid."""
+    if op.spread:
+        q = bid // op.SPS
+        return bid % op.SPS == 0 and q < op.CS, q, bid - min(-(-bid // op.SPS), op.CS)
+    return bid < op.CS, bid, bid - op.CS
+
+
+@pytest.mark.parametrize("T,shared", [(64, "spread"), (8, "spread"), (1, "spread"), (64, "tile")])
+def test_cta_roles_partition_the_grid(T, shared):
+    """Every shared index ``0 .. CS - 1`` and every routed index ``0 .. nr - 1`` is one CTA's."""
+    E, K, L, Ie, H, S = _dims("kimi-k3", 8)
+    op = gt.GroupedW2Tile(T, E, K, L, Ie, H, S, kn=gt.TileKnobs(shared=shared, order="col"))
+    roles = [_cta_role(op, b) for b in range(op.grid)]
+    assert sorted(q for sh, q, _ in roles if sh) == list(range(op.CS))
+    assert sorted(r for sh, _, r in roles if not sh) == list(range(op.nr))
+
+
 def _coverage(op, T, K, nact, slot_n):
     """The kernel's item loops and epilogue index math replayed: how often each (slot, pair
     index, latent row) and each (token, hidden row) output is produced."""
     acc_out, sh_out = Counter(), Counter()
-    for bid in range(op.grid):
+    for bid0 in range(op.grid):
+        is_sh, bid, rbid = _cta_role(op, bid0)  # bid: the shared index where is_sh
         for warp in range(op.NW):
-            if bid < op.CS and op.shtile:  # (row block, token group), token group fastest
+            if is_sh and op.shtile:  # (row block, token group), token group fastest
                 rb, tg = bid // op.NTG, bid % op.NTG
                 for lane in range(32):
                     g, c = lane // 4, lane % 4
@@ -322,7 +344,7 @@ def _coverage(op, T, K, nact, slot_n):
                                     sh_out[(tok, r)] += 1
                                     sh_out[(tok, r + 8)] += 1
                 continue
-            if bid < op.CS:
+            if is_sh:
                 tiles = [(bid * op.NW + warp) * gt.SHARED_RT + q for q in range(gt.SHARED_RT)]
                 NJ = op.SNJ
                 for ps in range(-(-T // (8 * NJ))):
@@ -337,13 +359,13 @@ def _coverage(op, T, K, nact, slot_n):
                                             sh_out[(tok, t * 16 + rr)] += 1
                 continue
             total = nact * op.CE
-            lo, hi = bid - op.CS, total
+            lo, hi = rbid, total
             if op.blocked:
                 ipc = -(-total // op.nr)
                 lo, hi = lo * ipc, min(lo * ipc + ipc, total)
             if op.col:  # the worst case's items, slot fastest; unselected slots skipped
                 items = [(i % op.slots, i // op.slots)
-                         for i in range(bid - op.CS, op.slots * op.CE, op.nr)]  # fmt: skip
+                         for i in range(rbid, op.slots * op.CE, op.nr)]  # fmt: skip
                 items = [(a, cb) for a, cb in items if a < nact]
             else:
                 items = [(i // op.CE, i % op.CE) for i in range(lo, hi, op.step)]
@@ -385,6 +407,8 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 1, 21, 1, {"shared": "tile"}),
         ("tiny", 2, 13, 1, {"shared": "tile", "mt": 2, "order": "col"}),
         ("kimi-k3", 16, 9, 512, {"shared": "tile", "order": "col", "early": 1, "rt": 2}),
+        ("tiny", 1, 21, 1, {"shared": "spread", "order": "col", "early": 1}),
+        ("kimi-k3", 8, 8, 2, {"shared": "spread"}),
     ],
     ids=_kv_id,
 )

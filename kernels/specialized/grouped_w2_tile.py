@@ -62,7 +62,9 @@ kernel's tail stream their weights then; CTAs of unselected slots exit without w
 ``_SHARED`` (``regs``: the register-load shared expert above; ``tile``: the shared expert on the
 routed items' pipeline, one CTA per (``R`` rows of ``shared_w2``, ``MP`` tokens), token groups
 fastest so that the CTAs reading the same rows run together (L2 hits); ``H / R x ceil(T / MP)``
-CTAs, 896 at TP8 and 64 tokens, instead of 56 CTAs of 8 passes each).
+CTAs, 896 at TP8 and 64 tokens, instead of 56 CTAs of 8 passes each; ``spread``: the same CTAs
+at every ``grid // CS``-th bid instead of first, so that their L2-bound reads overlap the routed
+DRAM stream).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
 # i // slots), an item whose slot >= nact skipped: the empty CTAs spread through the grid, as in
 # Triton's fused_moe grid (pid_m fastest), instead of trailing it
 ORDERS = ("stride", "block", "col")
-SHARED_MODES = ("regs", "tile")  # DECODESCOPE_MOE_W2T_SHARED
+SHARED_MODES = ("regs", "tile", "spread")  # DECODESCOPE_MOE_W2T_SHARED
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,8 @@ class GroupedW2Tile:
         if kn.shared not in SHARED_MODES:
             raise ValueError(f"grouped_w2_tile: shared {kn.shared!r}, expected one of "
                              f"{SHARED_MODES}")  # fmt: skip
-        self.shtile = kn.shared == "tile"
+        self.shtile = kn.shared in ("tile", "spread")
+        self.spread = kn.shared == "spread"
         if self.shtile:  # CTA (row block, token group), token group fastest: L2 reuse
             if self.bulk or H % self.R or S % bk:
                 raise ValueError(f"grouped_w2_tile: shared 'tile' needs load 'cp', hidden {H} a "
@@ -270,6 +273,9 @@ class GroupedW2Tile:
         self.slots = mg.n_slots(T, E, K)
         self.nr = min(self.slots * self.CE, kn.cap * nsm)  # routed CTAs
         self.grid = self.CS + self.nr
+        # shared=spread: shared CTA j at bid j * SPS (the shared items' L2 reads spread through
+        # the routed DRAM stream instead of all in the first waves)
+        self.SPS = self.grid // self.CS if self.spread else 1
         self.step = 1 if self.blocked else self.nr  # item stride of a routed CTA
         if self.early and not self.col:
             raise ValueError("grouped_w2_tile: early needs order 'col'")
@@ -315,21 +321,31 @@ class GroupedW2Tile:
         if const_expr(self.pdl and not self.early):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        if bid < self.CS:
+        # the shared CTAs: bids 0 .. CS - 1, or (spread) every SPS-th bid; rbid: the routed index
+        is_sh = bid < self.CS
+        sidx = bid
+        rbid = bid - self.CS
+        if const_expr(self.spread):
+            sidx = bid // self.SPS
+            is_sh = bid % self.SPS == 0
+            if sidx >= self.CS:
+                is_sh = False
+            rbid = bid - cutlass.min((bid + self.SPS - 1) // self.SPS, self.CS)
+        if is_sh:
             if const_expr(self.shtile):
-                self._shared_item(mHs, mWs2, mShared, sW, sX, bid // self.NTG, bid % self.NTG,
+                self._shared_item(mHs, mWs2, mShared, sW, sX, sidx // self.NTG, sidx % self.NTG,
                                   tid)  # fmt: skip
             else:
                 if const_expr(self.pdl and self.early):
                     cute.arch.griddepcontrol_wait()
                     cute.arch.griddepcontrol_launch_dependents()
                 if tid < self.NW * 32:  # bulk: the producer warp has no shared rows
-                    self._shared(mHs, mWs2, mShared, bid, tid)
+                    self._shared(mHs, mWs2, mShared, sidx, tid)
         elif const_expr(self.early):  # col order
             # before griddepcontrol.wait: the route lists (written by the route kernel, which
             # completed before any CTA of the w13 kernel this one follows passed its own wait,
             # and those CTAs trigger this launch only after it) and the weights (constant)
-            item = bid - self.CS
+            item = rbid
             a = item % self.slots
             cb = item // self.slots
             nact = mNact[0]
@@ -355,7 +371,7 @@ class GroupedW2Tile:
                                 nact, item + self.nr, tid)  # fmt: skip
         else:
             total = mNact[0] * self.CE
-            lo = bid - self.CS  # stride order: items lo, lo + nr, ... below total
+            lo = rbid  # stride order: items lo, lo + nr, ... below total
             hi = total
             if const_expr(self.blocked):  # ceil(total / nr) consecutive items from lo * that
                 ipc = (total + self.nr - 1) // self.nr
@@ -366,7 +382,7 @@ class GroupedW2Tile:
                            sEmpty, lo, hi, tid)  # fmt: skip
             elif const_expr(self.col):
                 self._col_items(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, sW, sX,
-                                mNact[0], bid - self.CS, tid)  # fmt: skip
+                                mNact[0], rbid, tid)  # fmt: skip
             else:
                 for item in cutlass.range(lo, hi, self.step):
                     a = item // self.CE
