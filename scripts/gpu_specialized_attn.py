@@ -590,9 +590,10 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
 # (warps, rows per warp, pieces per group, groups ahead) of gemv_stream, at M = 1; M 2 / 4 run
 # the first two. "auto": gemv_stream.auto_cfg (what DECODESCOPE_SKINNY_GEMV runs when
 # DECODESCOPE_GEMV_CFG is unset); r3 / w16r3: fewer CTAs (in_proj TP8: 262 / 131); g4 / d4:
-# more loads in flight per lane; a trailing "n": weights by ld.global.nc.L1::no_allocate.L2::256B.
-GEMV_SWEEP = ["auto", "auton", "w8r2g2d2", "w8r3g1d4", "w8r3g2d2", "w8r2g2d4", "w16r3g1d2",
-              "w16r1g4d2", "w4r4g2d2"]  # fmt: skip
+# more loads in flight per lane; suffix "n": weights by ld.global.nc.L1::no_allocate.L2::256B;
+# "x": the prologue's x / r by register loads (the default copies them by cp.async).
+GEMV_SWEEP = ["auto", "auton", "autox", "w8r2g2d2", "w8r3g1d4", "w8r3g2d2", "w8r2g2d4",
+              "w16r3g1d2", "w16r1g4d2", "w4r4g2d2"]  # fmt: skip
 GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
 
 
@@ -661,10 +662,9 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
                 lambda i: sg.skinny_gemm(x, ws[i], outs[i], load="regs", gemv=False,
                                          l2_all=True, **rkw, **f)))  # fmt: skip
     for c in (cfgs or GEMV_SWEEP)[: (None if M == 1 else 2)]:
-        cf = None if c.startswith("auto") else gs.parse_cfg(c)
-        ld = gs.parse_ld(c)
-        guarded(f"gemv {name} {c}", ctx, lambda c=c, cf=cf, ld=ld: run(f"gemv {c}", lambda i:
-                gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld, **rkw, **f)))  # fmt: skip
+        cf, ld, xl = gs.parse_cfg(c), gs.parse_ld(c), gs.parse_xload(c)
+        guarded(f"gemv {name} {c}", ctx, lambda c=c, cf=cf, ld=ld, xl=xl: run(f"gemv {c}",
+                lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld, xload=xl, **rkw, **f)))  # fmt: skip
         if small and c == GEMV_SWEEP[0]:
             guarded(f"gemv {name} {c} l2pf", ctx, lambda c=c, cf=cf, ld=ld: run(
                 f"gemv {c} + L2 prefetch", lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld,

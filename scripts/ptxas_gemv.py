@@ -80,7 +80,12 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("-m", type=int, nargs="+", default=[1])
     ap.add_argument("-k", nargs="+", default=["in_proj", "qkv_a_g", "q_b", "o_proj"])
-    ap.add_argument("--cfg", nargs="+", default=["auto"], help="wWrRgGdD or auto")
+    ap.add_argument(
+        "--cfg",
+        nargs="+",
+        default=["auto"],
+        help="wWrRgGdD or auto, suffixes n (nc loads) / x (prologue in registers)",
+    )
     ap.add_argument("--l2-all", action="store_true")
     a = ap.parse_args()
     for tp in a.tp:
@@ -89,11 +94,11 @@ def main() -> int:
             for m in a.m:
                 for c in a.cfg:
                     segs = cs[name]["segments"]
-                    w, r, g, d = gs.auto_cfg(segs, m) if c == "auto" else gs.parse_cfg(c)
-                    ld = "plain" if c == "auto" else gs.parse_ld(c)
-                    plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d, ld=ld,
+                    w, r, g, d = gs.parse_cfg(c) or gs.auto_cfg(segs, m)
+                    plan = gs.GemvPlan(m=m, warps=w, rows=r, group=g, depth=d,
+                                       ld=gs.parse_ld(c), xload=gs.parse_xload(c),
                                        l2_all=a.l2_all, **cs[name])  # fmt: skip
-                    tag = f"{c}=w{w}r{r}g{g}d{d}" if c == "auto" else c
+                    tag = f"{c}=w{w}r{r}g{g}d{d}" if c.startswith("auto") else c
                     print(f"tp{tp} {name:8s} M{m} {tag}: {report(plan)}", flush=True)
     return 0
 

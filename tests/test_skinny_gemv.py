@@ -71,10 +71,28 @@ def test_gemv_ptx_order():
     v4 = [i for i in range(len(ptx)) if ptx.startswith("ld.global.v4", i)]
     first = plan.depth * plan.grp * plan.rows
     assert sum(i < wait for i in v4) == first
-    # after the wait: the remaining weight loads and x (one piece per thread at K 1536)
-    assert len(v4) - first == plan.pieces * plan.rows - first + 1
+    # after the wait: the remaining weight loads; x (one piece per thread at K 1536) by
+    # cp.async after the wait (or by a register load with xload="regs")
+    assert len(v4) - first == plan.pieces * plan.rows - first
+    assert ptx.count("cp.async.cg.shared.global") == 1
+    assert wait < ptx.index("cp.async.cg.shared.global")
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == plan.rows
     assert ptx.index("cp.async.bulk.prefetch.L2") < wait
+    rp = gs.GemvPlan(m=1, xload="regs", **_cases(8)["o_proj"])
+    rptx = _ptx(gs.GemvStream(rp), gs._fake_args(rp))
+    assert rptx.count("ld.global.v4") == plan.pieces * plan.rows + 1
+    assert "cp.async" not in rptx
+
+
+def test_gemv_prologue_async_ptx():
+    """KDA in_proj TP8 (norm + residual): x and r of each thread's 4 pieces by cp.async (8),
+    one group, waited once; the register form compiles too."""
+    kw = _cases(8)["kda_in_proj"]
+    plan = gs.GemvPlan(m=1, **kw)
+    ptx = _ptx(gs.GemvStream(plan), gs._fake_args(plan))
+    assert ptx.count("cp.async.cg.shared.global") == 2 * -(-kw["k"] // 8 // plan.threads)
+    assert ptx.count("cp.async.wait_group") == 1
+    assert gs.compile_plan(gs.GemvPlan(m=1, xload="regs", **kw)) is not None
 
 
 def test_gemv_nc_loads_ptx():
@@ -85,6 +103,8 @@ def test_gemv_nc_loads_ptx():
     assert ptx.count("ld.global.nc.L1::no_allocate.L2::256B.v4.b32") == plan.pieces * plan.rows
     assert gs.parse_ld("w8r2g2d2n") == "nc" and gs.parse_ld("auton") == "nc"
     assert gs.parse_ld("auto") == "plain" and gs.parse_cfg("w8r2g2d2n") == (8, 2, 2, 2)
+    assert gs.parse_cfg("autox") is None and gs.parse_xload("autox") == "regs"
+    assert gs.parse_xload("w8r2g2d2n") == "async" and gs.parse_ld("w8r2g2d2xn") == "nc"
 
 
 def test_skinny_l2_prefetch_ptx():

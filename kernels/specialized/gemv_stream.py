@@ -16,10 +16,11 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
   in flight at all times; the first ``depth`` groups are issued before the PDL wait (the
   weights never come from the previous kernel) and stream during the norm prologue. The loop
   is fully unrolled at trace time (K / 256 <= 28 pieces).
-- **Activations once per CTA**: the prologue stages ``x`` (``bf16(x + r)`` with
-  ``add_residual``; CTA 0 writes it as the new residual stream) into shared memory ``[M, K]``
-  BF16 (14 KB per token), computes each token's rstd with one block reduction, and rewrites its
-  own pieces normalized, ``bf16(bf16(h * rstd) * w_norm)`` (vLLM's ``fused_add_rms_norm``
+- **Activations once per CTA**: the prologue copies ``x`` (and ``r``) into shared memory by
+  ``cp.async`` (every piece in flight at once: one L2 round trip), forms ``bf16(x + r)`` with
+  ``add_residual`` (CTA 0 writes it as the new residual stream) in ``[M, K]`` BF16 (14 KB per
+  token), computes each token's rstd with one block reduction, and rewrites its own pieces
+  normalized, ``bf16(bf16(h * rstd) * w_norm)`` (vLLM's ``fused_add_rms_norm``
   rounding, as :func:`.skinny_gemm.skinny_gemm_ref`). The main loop then reads 16-byte
   activation pieces from shared memory only: no L2 round trip on its critical path.
 - **Whole-slice L2 prefetch** (``l2_all``): before the PDL wait, each warp issues one
@@ -34,8 +35,9 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
 
 Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, off by default) routes the plans it
 supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
-(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`; a trailing ``n``: the weights by
-``ld.global.nc.L1::no_allocate.L2::256B``) or the sweep's explicit values. Compile key: the plan (every shape static).
+(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`; suffix ``n``: the weights by
+``ld.global.nc.L1::no_allocate.L2::256B``; suffix ``x``: the prologue's x / r by register
+loads instead of ``cp.async``) or the sweep's explicit values. Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -50,6 +52,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32
 
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum
 
 PIECE = 8  # BF16 per 16-byte load
@@ -64,30 +67,51 @@ SM_SMEM = 227 * 1024  # usable shared memory per SM (H200), 1 KB reserved per CT
 SM_REGS = 64 * 1024
 
 
-def parse_cfg(v: str) -> tuple[int, int, int, int]:
-    """``w8r2g2d2`` -> (warps, rows, group, depth) (a trailing ``n``, :func:`parse_ld`, is
-    allowed)."""
-    mt = re.fullmatch(r"w(\d+)r(\d+)g(\d+)d(\d+)n?", v.strip())
+_CFG_RE = re.compile(r"(?:auto|w(\d+)r(\d+)g(\d+)d(\d+))([nx]*)")
+
+
+def _match(v: str) -> re.Match:
+    mt = _CFG_RE.fullmatch(v.strip())
     if not mt:
-        raise ValueError(f"{CFG_ENV}={v!r}: expected wWrRgGdD[n], e.g. w8r2g2d2")
-    return tuple(int(g) for g in mt.groups())  # type: ignore[return-value]
+        raise ValueError(f"{CFG_ENV}={v!r}: expected auto or wWrRgGdD, optional suffixes n / x, "
+                         "e.g. w8r2g2d2, auton")  # fmt: skip
+    return mt
+
+
+def parse_cfg(v: str) -> tuple[int, int, int, int] | None:
+    """``w8r2g2d2`` -> (warps, rows, group, depth); ``auto``: None (:func:`auto_cfg`).
+    Suffixes (:func:`parse_ld`, :func:`parse_xload`) are allowed."""
+    mt = _match(v)
+    return None if mt.group(1) is None else tuple(int(g) for g in mt.groups()[:4])  # type: ignore[return-value]
 
 
 def parse_ld(v: str) -> str:
-    """The weight-load form of a knob string: ``nc`` with a trailing ``n``
+    """The weight loads of a knob string: ``nc`` with suffix ``n``
     (``ld.global.nc.L1::no_allocate.L2::256B``), else ``plain`` (``ld.global``)."""
-    return "nc" if v.strip().endswith("n") else "plain"
+    return "nc" if "n" in _match(v).group(5) else "plain"
+
+
+def parse_xload(v: str) -> str:
+    """The prologue's activation loads of a knob string: ``regs`` with suffix ``x``, else
+    ``async`` (``cp.async`` into shared memory)."""
+    return "regs" if "x" in _match(v).group(5) else "async"
+
+
+def _env() -> str:
+    return os.environ.get(CFG_ENV, "") or "auto"
 
 
 def env_ld() -> str:
-    return parse_ld(os.environ.get(CFG_ENV, "") or "auto")
+    return parse_ld(_env())
+
+
+def env_xload() -> str:
+    return parse_xload(_env())
 
 
 def env_cfg() -> tuple[int, int, int, int] | None:
-    """``DECODESCOPE_GEMV_CFG`` (unset, ``auto`` or ``auton``: None, :func:`auto_cfg` per
-    plan)."""
-    v = os.environ.get(CFG_ENV, "") or "auto"
-    return None if v in ("auto", "auton") else parse_cfg(v)
+    """``DECODESCOPE_GEMV_CFG`` (unset or ``auto...``: None, :func:`auto_cfg` per plan)."""
+    return parse_cfg(_env())
 
 
 def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]:
@@ -123,6 +147,9 @@ class GemvPlan:
     depth: int = DEFAULT_CFG[3]  # groups issued ahead of the one consumed
     l2_all: bool = False  # prefetch the CTA's whole weight slice into L2 before the PDL wait
     ld: str = "plain"  # weight loads: "plain" ld.global, "nc" ld.global.nc.L1::no_allocate.L2::256B
+    # the prologue's x (and r) loads: "async" cp.async into shared memory (all in flight at
+    # once, no registers), "regs" 16-byte loads into registers
+    xload: str = "async"
 
     def __post_init__(self) -> None:
         if not supports(self.m, self.k):
@@ -138,6 +165,8 @@ class GemvPlan:
             raise ValueError(
                 f"gemv_stream: x row stride {self.x_stride} must be >= K and 8-aligned"
             )
+        if self.xload not in ("async", "regs"):
+            raise ValueError(f"gemv_stream: xload={self.xload!r}: expected 'async' or 'regs'")
         if self.ld not in ("plain", "nc"):
             raise ValueError(f"gemv_stream: ld={self.ld!r}: expected 'plain' or 'nc'")
         for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
@@ -178,9 +207,14 @@ class GemvPlan:
         return self.x_stride or self.k
 
     @property
+    def r_elems(self) -> int:
+        """Shared-memory staging of the residual input (``xload="async"`` with ``add_residual``)."""
+        return self.m * self.k if self.add_residual and self.xload == "async" else 8
+
+    @property
     def smem_bytes(self) -> int:
-        """Activations [M, K] BF16 + warp partials + rstd (+ alignment)."""
-        return self.m * self.k * 2 + 4 * self.warps * self.m + 4 * self.m + 64
+        """Activations [M, K] BF16 (+ the staged residual) + warp partials + rstd (+ alignment)."""
+        return (self.m * self.k + self.r_elems) * 2 + 4 * self.warps * self.m + 4 * self.m + 64
 
     @property
     def weight_bytes(self) -> int:
@@ -224,6 +258,7 @@ class GemvStream:
         @cute.struct
         class Smem:
             x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.m * p.k], 16]
+            r: cute.struct.Align[cute.struct.MemRange[BFloat16, p.r_elems], 16]
             red: cute.struct.MemRange[Float32, p.warps * p.m]
             rstd: cute.struct.MemRange[Float32, p.m]
 
@@ -246,6 +281,9 @@ class GemvStream:
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sX = st.x.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
+        sR = sX
+        if cutlass.const_expr(p.r_elems > 8):
+            sR = st.r.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
         sRed = st.red.get_tensor(cute.make_layout((p.warps, p.m), stride=(p.m, 1)))
         sRstd = st.rstd.get_tensor(cute.make_layout(p.m))
         weights = (mW0, mW1, mW2)
@@ -254,7 +292,7 @@ class GemvStream:
         for s in cutlass.range_constexpr(len(p.segments)):
             nc = p.ctas(p.segments[s])
             if bidx >= t0 and bidx < t0 + nc:
-                self.body(mX, mR, mRout, mNW, weights[s], outs[s], mE, sX, sRed, sRstd,
+                self.body(mX, mR, mRout, mNW, weights[s], outs[s], mE, sX, sR, sRed, sRstd,
                           bidx - t0, p.segments[s], bidx, warp, lane)  # fmt: skip
             t0 += nc
 
@@ -310,7 +348,8 @@ class GemvStream:
         return [[a.reduce(cute.ReductionOp.ADD, Float32(0.0), 0) for a in row] for row in accs]
 
     @cute.jit
-    def body(self, mX, mR, mRout, mNW, mW, mO, mE, sX, sRed, sRstd, cta, n, bidx, warp, lane):
+    def body(self, mX, mR, mRout, mNW, mW, mO, mE, sX, sR, sRed, sRstd, cta, n, bidx, warp,
+             lane):  # fmt: skip
         p = self.p
         row0 = cta * p.cta_rows + warp * p.rows
         rows = []
@@ -348,7 +387,10 @@ class GemvStream:
             for r in cutlass.range_constexpr(p.rows):
                 for m in cutlass.range_constexpr(p.m):
                     evs.append(mE[m, rows[r]].to(Float32))
-        self.prologue(mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane)
+        if cutlass.const_expr(p.xload == "async"):
+            self.prologue_async(mX, mR, mRout, sX, sR, sRed, nws, bidx, warp, lane)
+        else:
+            self.prologue(mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane)
         accs = self.mainloop(mW, rows, bufs, sX, lane)
 
         for r in cutlass.range_constexpr(p.rows):
@@ -358,6 +400,79 @@ class GemvStream:
                     if cutlass.const_expr(p.residual_epilogue):
                         tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
                     mO[m, row0 + r] = tot.to(BFloat16)
+
+    @cute.jit
+    def prologue_async(self, mX, mR, mRout, sX, sR, sRed, nws, bidx, warp, lane):
+        """As :meth:`prologue`, the thread's x (and r) pieces copied by ``cp.async`` into
+        shared memory first (all in flight together, no registers held: one L2 round trip),
+        then read back by the same thread (visible to it after ``cp.async.wait_group``)."""
+        p = self.p
+        nt = p.threads
+        tidx = warp * 32 + lane
+        nvec = p.k // PIECE
+        per = -(-nvec // nt)
+        for m in cutlass.range_constexpr(p.m):
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * nt
+                if kv < nvec:
+                    mc.cp_async16(cute.local_tile(sX[m, None], (PIECE,), (kv,)),
+                                  cute.local_tile(mX[m, None], (PIECE,), (kv,)))  # fmt: skip
+                    if cutlass.const_expr(p.add_residual):
+                        mc.cp_async16(cute.local_tile(sR[m, None], (PIECE,), (kv,)),
+                                      cute.local_tile(mR[m, None], (PIECE,), (kv,)))  # fmt: skip
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        for m in cutlass.range_constexpr(p.m):
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * nt
+                if kv < nvec:
+                    sv = cute.local_tile(sX[m, None], (PIECE,), (kv,))
+                    hv = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    cute.autovec_copy(sv, hv)
+                    if cutlass.const_expr(p.add_residual):
+                        rv = cute.make_rmem_tensor((PIECE,), BFloat16)
+                        cute.autovec_copy(cute.local_tile(sR[m, None], (PIECE,), (kv,)), rv)
+                        for e in cutlass.range_constexpr(PIECE):
+                            hv[e] = (hv[e].to(Float32) + rv[e].to(Float32)).to(BFloat16)
+                        cute.autovec_copy(hv, sv)
+                        if bidx == 0:
+                            cute.autovec_copy(hv, cute.local_tile(mRout[m, None], (PIECE,), (kv,)))
+                    if cutlass.const_expr(p.norm):
+                        hf = hv.load().to(Float32)
+                        ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(p.norm):
+                ss = warp_sum(ss)
+                if lane == 0:
+                    sRed[warp, m] = ss
+        cute.arch.sync_threads()
+        self.normalize(sX, sRed, nws, tidx)
+
+    @cute.jit
+    def normalize(self, sX, sRed, nws, tidx):
+        """With ``norm`` (after the barrier that published ``sRed``): each thread rewrites
+        its own pieces of every token as ``bf16(bf16(h * rstd) * w)``, then a barrier."""
+        p = self.p
+        nt = p.threads
+        nvec = p.k // PIECE
+        per = -(-nvec // nt)
+        if cutlass.const_expr(p.norm):
+            for m in cutlass.range_constexpr(p.m):
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(p.warps):
+                    tot = tot + sRed[w, m]
+                rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
+                for i in cutlass.range_constexpr(per):
+                    kv = tidx + i * nt
+                    if kv < nvec:
+                        t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                        sv = cute.local_tile(sX[m, None], (PIECE,), (kv,))
+                        cute.autovec_copy(sv, t)
+                        for e in cutlass.range_constexpr(PIECE):
+                            y = (t[e].to(Float32) * rs).to(BFloat16)
+                            t[e] = (y.to(Float32) * nws[i][e].to(Float32)).to(BFloat16)
+                        cute.autovec_copy(t, sv)
+            cute.arch.sync_threads()
 
     @cute.jit
     def prologue(self, mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane):
@@ -404,23 +519,7 @@ class GemvStream:
                 if lane == 0:
                     sRed[warp, m] = ss
         cute.arch.sync_threads()
-        if cutlass.const_expr(p.norm):
-            for m in cutlass.range_constexpr(p.m):
-                tot = Float32(0.0)
-                for w in cutlass.range_constexpr(p.warps):
-                    tot = tot + sRed[w, m]
-                rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
-                for i in cutlass.range_constexpr(per):
-                    kv = tidx + i * nt
-                    if kv < nvec:
-                        t = cute.make_rmem_tensor((PIECE,), BFloat16)
-                        sv = cute.local_tile(sX[m, None], (PIECE,), (kv,))
-                        cute.autovec_copy(sv, t)
-                        for e in cutlass.range_constexpr(PIECE):
-                            y = (t[e].to(Float32) * rs).to(BFloat16)
-                            t[e] = (y.to(Float32) * nws[i][e].to(Float32)).to(BFloat16)
-                        cute.autovec_copy(t, sv)
-            cute.arch.sync_threads()
+        self.normalize(sX, sRed, nws, tidx)
 
 
 # -- torch-facing --------------------------------------------------------------------------
@@ -452,15 +551,18 @@ def compile_plan(p: GemvPlan):
     return itf.compiled(("gemv_stream", p), lambda: (GemvStream(p), _fake_args(p)))
 
 
-def from_gemm_plan(gp, cfg: tuple[int, int, int, int] | None = None, ld: str = "") -> GemvPlan:
+def from_gemm_plan(
+    gp, cfg: tuple[int, int, int, int] | None = None, ld: str = "", xload: str = ""
+) -> GemvPlan:
     """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
     from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
     w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments, gp.m)
     ld = ld or env_ld()
+    xload = xload or env_xload()
     return GemvPlan(
         m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
         residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
-        warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all, ld=ld,
+        warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all, ld=ld, xload=xload,
     )  # fmt: skip
 
 
@@ -477,11 +579,13 @@ def gemv(
     cfg: tuple[int, int, int, int] | None = None,
     l2_all: bool = False,
     ld: str = "",
+    xload: str = "",
 ) -> None:
     """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
     (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`auto_cfg`),
     ``l2_all`` the whole-slice L2 prefetch before the PDL wait, ``ld`` the weight loads
-    (``plain`` / ``nc``; default from ``DECODESCOPE_GEMV_CFG``'s trailing ``n``)."""
+    (``plain`` / ``nc``; default from ``DECODESCOPE_GEMV_CFG``'s suffix ``n``), ``xload`` the
+    prologue's activation loads (``async`` / ``regs``; suffix ``x``)."""
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
@@ -493,6 +597,7 @@ def gemv(
         residual_epilogue=epilogue_residual is not None,
         x_stride=0 if x.stride(0) == K else int(x.stride(0)), eps=float(eps),
         warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all, ld=ld or env_ld(),
+        xload=xload or env_xload(),
     )  # fmt: skip
     launch(p, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual)
 
