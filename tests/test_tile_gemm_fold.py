@@ -271,3 +271,31 @@ def test_fold_residual_gpu(name, m):
     for o, ref in zip(outs, refs, strict=True):
         assert torch.isfinite(o.float()).all()
         assert ((o.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["launch", "fold_all"])
+def test_dry_run_step_launches(monkeypatch, mode):
+    """A whole step of the tiny model at 8 tokens on the CPU, every launch recorded (the kernels
+    faked at ``interface.compiled``): with ``fold_all`` the input projections (K 256: short, so
+    ``auto`` keeps them off the tile kernel with a norm launch) run as one tile launch each (the
+    tiny MLA's q_b has K 96: never on the tile kernel); the plan's launch count per layer
+    matches what ran."""
+    from decodescope import tracer
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import step as S
+
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", mode)
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(itf, "compiled", lambda key, build: (
+        lambda *a, **k: calls.append((tracer.current_path(), str(key[0])))))  # fmt: skip
+    p = S.plan(preset="tiny", tp_shape=1, batch=4, tokens_per_seq=2, layers="kda,mla")
+    m = S.SpecializedModel(p.cfg, p.specs, 4, 2, seed=0, device="cpu", front_norm=p.front_norm)
+    with tracer.range("step"):
+        m.step()
+    per_layer: dict[str, int] = {}
+    for path, _ in calls:
+        per_layer[path.split("/")[1]] = per_layer.get(path.split("/")[1], 0) + 1
+    assert per_layer == p.launches() == m.launches()
+    assert not any(c[1] == "tile_gemm_norm" for c in calls)
+    inp = [c[1] for c in calls if "input_residual_norm" in c[0]]
+    assert len(inp) == 2 and all((k == "tile_gemm") == (mode == "fold_all") for k in inp)
