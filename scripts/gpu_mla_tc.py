@@ -99,12 +99,14 @@ VARIANTS = {
     "nbuf1": ("tc", {"DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
     "cluster nbuf1": ("tc", {**CLUSTER, "DECODESCOPE_MLA_TC_NBUF": "1"}, 0, 0),
     "simt": ("simt", {}, 1, 0),
-    # what the layer runs today at this point (mla_decode's kernel_choice: simt below 16
-    # sequences with one token, tc above)
+    # what the layer runs at this point (mla_decode's kernel_choice: since s10/r2 split with
+    # one token per sequence, tc with several)
     "auto": ("auto", {}, 0, 0),
     # the three-phase kernel (mla_decode_split, session 10): its defaults, then knobs
     "split": ("split", {}, 0, 0),
     "split s4": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "4"}, 0, 0),
+    "split s17": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "17"}, 0, 0),  # first plan at 8x1
+    "split nofuse": ("split", {"DECODESCOPE_MLA_SPLIT_FUSE": "0"}, 0, 0),
     "split s8": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "8"}, 0, 0),
     "split s9": ("split", {"DECODESCOPE_MLA_SPLIT_SPLITS": "9"}, 0, 0),
     "split s8 nbuf1": (
@@ -338,7 +340,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
                  "ctas_per_sm": p.ctas_per_sm}  # fmt: skip
     elif kernel == "auto":
-        extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T)}
+        extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T, pt.cfg)}
     base_us[name] = med
     ref = base_us.get("default")
     record(time=f"mla {name}", **ctx, **extra, us=f"{med:.1f}", us_min=f"{lo:.1f}",

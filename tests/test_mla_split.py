@@ -61,39 +61,44 @@ def test_compiles_knobs():
 
 
 def test_plans_tp8():
-    """The default work split at TP8 (12 heads): ~one attention CTA per SM, the absorption in
-    24 items of 256 columns, ~96 W_UV items; one key block per split up to 12 sequences (one
-    buffer: two CTAs per SM), else 132 // batch splits (32x1: 4 of 4-5 blocks)."""
-    assert msp.plan_for(get_config("kimi-k3", 8), 12, 1).splits == 17
-    assert msp.plan_for(get_config("kimi-k3", 8), 16, 1).splits == 8
+    """The default work split at TP8 (12 heads), the H200 s10/r2 choices: 1x1 17 splits of one
+    key block (one buffer, two CTAs per SM), 8x1 8 splits, 32x1 4, 64x1 2 (two buffers, one
+    CTA per SM), the absorption fused into the attention CTAs where they pass one wave (32x1,
+    64x1); 24 absorption items of 256 columns, ~96 W_UV items."""
     cfg = get_config("kimi-k3", 8)
     got = {}
-    for b in (1, 8, 32):  # 17 blocks of 64 keys (1024 cached + 1 new)
+    for b in (1, 8, 32, 64):  # 17 blocks of 64 keys (1024 cached + 1 new)
         p = msp.plan_for(cfg, b, 1)
-        got[b] = (p.splits, p.blk_max, p.nbuf, p.ctas_per_sm, p.n_abs, p.n_att, p.n_uv)
-        assert p.rows == 12 and p.nblk_all == 17
+        got[b] = (p.splits, p.blk_max, p.nbuf, p.ctas_per_sm, p.fused, p.n_att, p.n_uv, p.grid)
+        assert p.rows == 12 and p.nblk_all == 17 and p.n_abs == 24
     assert got == {
-        1: (17, 1, 1, 2, 24, 17, 24),
-        8: (17, 1, 1, 2, 24, 136, 96),
-        32: (4, 5, 2, 1, 24, 128, 96),
+        1: (17, 1, 1, 2, False, 17, 24, 65),
+        8: (8, 3, 2, 1, False, 64, 96, 184),
+        32: (4, 5, 2, 1, True, 128, 96, 224),
+        64: (2, 9, 2, 1, True, 128, 96, 224),
     }
-    p = msp.plan_for(cfg, 8, 1)
+    p = dataclasses.replace(msp.plan_for(cfg, 8, 1), splits_force=17)
     assert p.smem_bytes <= msp.SMEM_TWO_CTAS and p.vchunks == 2 and p.vrows == 2
 
 
 def test_fuse_plan_compiles():
-    """``DECODESCOPE_MLA_SPLIT_FUSE=1``: no CTAs of their own for the absorption (32x1: 128
-    attention + 96 W_UV CTAs); not where the attention items are fewer (1x1: 17 < 24)."""
+    """``DECODESCOPE_MLA_SPLIT_FUSE``: 1 no CTAs of their own for the absorption (32x1: 128
+    attention + 96 W_UV CTAs), not where the attention items are fewer (1x1: 17 < 24); 0
+    never; unset where the absorption + attention CTAs pass one wave."""
     cfg = get_config("kimi-k3", 8)
-    p = dataclasses.replace(msp.plan_for(cfg, 32, 1), fuse_abs=1)
-    assert p.fused and p.a_ctas == 0 and p.grid == 128 + 96
+    p = msp.plan_for(cfg, 32, 1)
+    assert p.fuse_abs == -1 and p.fused and p.a_ctas == 0 and p.grid == 128 + 96
+    assert not dataclasses.replace(p, fuse_abs=0).fused
+    assert dataclasses.replace(msp.plan_for(cfg, 8, 1), fuse_abs=1).fused
+    assert not msp.plan_for(cfg, 8, 1).fused  # 24 + 64 CTAs: one wave
     assert not dataclasses.replace(msp.plan_for(cfg, 1, 1), fuse_abs=1).fused
     assert msp.compile_plan(p) is not None
 
 
 def test_splits_spread_blocks():
     """Splits need not divide the 17 blocks: each split gets 1-2 (16 splits) blocks, all covered."""
-    p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), 8, 1), splits_force=16)
+    p = msp.plan_for(get_config("kimi-k3", 8), 4, 1)
+    assert p.splits == 16
     S, NBA = p.splits, p.nblk_all
     spans = [((s + 1) * NBA // S) - (s * NBA // S) for s in range(S)]
     assert sum(spans) == NBA and min(spans) >= 1 and max(spans) == p.blk_max == 2
@@ -106,6 +111,10 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_SPLITS", "6")
     assert msp.plan_for(cfg, 8, 1).splits == 6
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_FUSE", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_FUSE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_ACHUNKS", "3")
     with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_ACHUNKS: 1, 2 or 4"):
         msp.plan_for(cfg, 8, 1)
@@ -127,8 +136,22 @@ def test_knob_errors(monkeypatch):
 
 
 def test_kernel_choice():
-    assert mla.kernel_choice(torch.bfloat16, "split", 8, 1) == "split"
-    assert mla.kernel_choice(torch.bfloat16, "", 8, 1) == "simt"  # the default unchanged
+    """The default for a BF16 cache with one token per sequence where the plan fits (H200
+    s10/r2); several tokens (verify steps) on tc; shapes the split kernel refuses (kimi-k3 TP2:
+    48 heads; the tiny preset's dimensions) as before; FP8 on simt."""
+    k3 = get_config("kimi-k3", 8)
+    for b in (1, 8, 32, 64):
+        assert mla.kernel_choice(torch.bfloat16, "", b, 1, k3) == "split"
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 1, get_config("kimi-k3", 16)) == "split"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8, k3) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 8, k3) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 1, get_config("kimi-k3", 2)) == "simt"
+    assert mla.kernel_choice(torch.bfloat16, "", 64, 1, get_config("kimi-k3", 2)) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 2, 1, get_config("tiny", 1)) == "simt"
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 1) == "split"  # no cfg: assumed to fit
+    assert mla.kernel_choice(torch.bfloat16, "tc", 8, 1, k3) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "simt", 8, 1, k3) == "simt"
+    assert mla.kernel_choice(torch.float8_e4m3fn, "", 8, 1, k3) == "simt"
     with pytest.raises(NotImplementedError, match="mla_decode_split: BF16 latent cache only"):
         mla.kernel_choice(torch.float8_e4m3fn, "split", 8, 1)
 

@@ -146,8 +146,8 @@ def test_mla_tc_plan_choice():
     assert (p64.hg, p64.splits, p64.clustered) == (12, 2, True)  # cluster of 2 (H200 s9/r4)
     assert (mtc.plan_for(cfg, 32, 1).hg, mtc.plan_for(cfg, 32, 1).splits) == (3, 1)  # plain
     assert mtc.plan_for(cfg, 1, 8).rows == 8
-    assert mla.kernel_choice(torch.bfloat16) == "tc"
-    assert mla.kernel_choice(torch.bfloat16, "", 1, 1) == "simt"  # H200: simt faster at 1x1, 8x1
+    assert mla.kernel_choice(torch.bfloat16) == "split"  # one token: split (H200 s10/r2)
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 1) == "split"
     assert mla.kernel_choice(torch.bfloat16, "", 1, 8) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "tc", 1, 1) == "tc"
     p88 = mtc.plan_for(cfg, 8, 8)

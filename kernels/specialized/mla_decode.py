@@ -21,10 +21,12 @@ batch (at batch 1, TP8: 12 heads x 16 splits of 64 cached keys); 8 warps per CTA
    for the next launch / graph replay) merges the splits and computes ``o = o_lat @ w_uv[h]``
    times ``sigmoid(g)``. With one split the CTA does it directly.
 
-The tensor-core kernel (heads x tokens as the MMA rows, keys staged in shared memory once
-per CTA) is :mod:`.mla_decode_tc`, the default for a BF16 cache with several tokens per
-sequence or many sequences; this one serves one token at small batch and the FP8 cache, and
-stays selectable (``DECODESCOPE_MLA_KERNEL=simt|tc``, :func:`kernel_choice`).
+The default for a BF16 cache with one token per sequence is :mod:`.mla_decode_split` (three
+phases in one launch: absorption once per head, the keys split over many CTAs with all heads
+as MMA rows, merge + W_UV + gate); with several tokens per sequence :mod:`.mla_decode_tc`
+(heads x tokens as the MMA rows, keys staged in shared memory once per CTA). This one serves
+the FP8 cache (and shapes neither takes) and stays selectable
+(``DECODESCOPE_MLA_KERNEL=simt|tc|split``, :func:`kernel_choice`).
 """
 
 from __future__ import annotations
@@ -496,13 +498,34 @@ KERNELS = ("tc", "simt", "split")
 TC_MIN_SEQS = 16  # one token per sequence: tc from this many sequences on
 
 
-def kernel_choice(kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int = 1) -> str:
+def split_fits(cfg, batch: int, tokens: int) -> bool:
+    """Whether :mod:`.mla_decode_split` takes this shape (heads x tokens <= 16 MMA rows, its
+    dimension multiples; the knobs in the environment valid)."""
+    from decodescope.kernels.specialized import mla_decode_split as sp
+
+    try:
+        sp.plan_for(cfg, batch, tokens)
+    except ValueError:
+        return False
+    return True
+
+
+def kernel_choice(
+    kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int = 1, cfg=None
+) -> str:
     """Which MLA decode kernel runs: ``tc`` (:mod:`.mla_decode_tc`, tensor cores, BF16 cache
     only), ``simt`` (this module's ``MLADecode``) or ``split`` (:mod:`.mla_decode_split`, the
-    three-phase kernel of session 10, BF16 cache, heads x tokens <= 16; opt-in only).
-    ``kernel`` or ``DECODESCOPE_MLA_KERNEL`` chooses; by default ``tc`` for a BF16 cache with several tokens per sequence or from 16
-    sequences on, else ``simt`` (H200, 15:15 run of eb72dbd, kernel alone: 1x1 simt 21.4 vs
-    tc 24.2 us, 8x1 53.8 vs 68.4-87.6; 64x1 460.4 vs 105.6, 8x8 432.5 vs 102.0)."""
+    three-phase kernel of session 10, BF16 cache, heads x tokens <= 16).
+
+    ``kernel`` or ``DECODESCOPE_MLA_KERNEL`` chooses; by default, for a BF16 cache: ``split``
+    with one token per sequence where its plan fits ``cfg`` (:func:`split_fits`; without a
+    ``cfg``: assumed, as for the kimi-k3 TP8 / TP16 shapes), else ``tc`` with several tokens
+    per sequence or from 16 sequences on, else ``simt``; ``simt`` for an FP8 cache. H200
+    s10/r2 (TP8, kernel alone, us): split 13.5 / 19.4 / 31.3 / 48.0 at 1x1 / 8x1 / 32x1 /
+    64x1 against simt 19.5 / 61.6 and tc 17.5 / 55.0 / 60.0 / 61.5 (earlier, 15:15 run of
+    eb72dbd: 1x1 simt 21.4 vs tc 24.2, 8x1 53.8 vs 68.4-87.6). Several tokens per sequence
+    (verify steps: 1x8, 8x8) stay on ``tc``: 12 heads x 8 tokens do not fit the split
+    kernel's 16 rows, and TP16's 6 heads x 2 tokens have not run on a GPU."""
     k = kernel or os.environ.get("DECODESCOPE_MLA_KERNEL", "")
     if k and k not in KERNELS:
         raise ValueError(f"DECODESCOPE_MLA_KERNEL / kernel: one of {KERNELS}, got {k!r}")
@@ -510,13 +533,17 @@ def kernel_choice(kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int
         if k in ("tc", "split"):
             raise NotImplementedError(f"mla_decode_{k}: BF16 latent cache only")
         return "simt"
-    return k or ("tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt")
+    if k:
+        return k
+    if tokens == 1 and (cfg is None or split_fits(cfg, batch, tokens)):
+        return "split"
+    return "tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt"
 
 
 def compile_for(cfg, batch: int, tokens: int, kernel: str = "") -> object:
     """Compile (cached) the kernel :func:`mla_decode` would run for this shape."""
     dt = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-    choice = kernel_choice(dt, kernel, batch, tokens)
+    choice = kernel_choice(dt, kernel, batch, tokens, cfg)
     if choice == "split":
         from decodescope.kernels.specialized import mla_decode_split as sp
 
@@ -542,7 +569,7 @@ def mla_decode(
     if cache_dtype is None:
         raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
     env_hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
-    choice = kernel_choice(kv_cache.dtype, kernel, a.shape[0] // tokens, tokens)
+    choice = kernel_choice(kv_cache.dtype, kernel, a.shape[0] // tokens, tokens, cfg)
     if choice == "split":
         from decodescope.kernels.specialized.mla_decode_split import mla_decode_split
 

@@ -1,6 +1,10 @@
-"""Gated-MLA absorbed decode for 1-32 sequences in one launch of three phases: the absorption
+"""Gated-MLA absorbed decode for 1-64 sequences in one launch of three phases: the absorption
 once per head, the keys split across many CTAs with all heads as the MMA rows, and the split
-merge + W_UV + gate per (head, rows). Opt-in: ``DECODESCOPE_MLA_KERNEL=split``.
+merge + W_UV + gate per (head, rows). The default for a BF16 cache with one token per sequence
+where the plan fits (:func:`.mla_decode.kernel_choice`; ``DECODESCOPE_MLA_KERNEL=split`` forces
+it). H200 s10/r2 (TP8, kernel alone, us; notes/gpu-logs/s10/r2/a): 1x1 13.5 (SIMT 19.5, TC
+17.5, standard kernels 23.0), 8x1 19.4 (SIMT 61.6, best TC 29.2, standard 27.7), 32x1 31.3 (TC
+60.0, standard 41.0), 64x1 48.0 (TC 61.5, standard 57.8).
 
 Same contract as :mod:`.mla_decode` / :mod:`.mla_decode_tc` (one launch: the new cache rows, the
 absorbed decode, ``out = (o_lat @ w_uv) * sigmoid(g)``); BF16 latent cache only, heads x tokens
@@ -41,13 +45,13 @@ Rounding points: ``q_lat`` and ``P`` in BF16 (as the tensor-core kernel), and ``
 before W_UV (the tensor-core kernel keeps it FP32; the standard path rounds it to BF16 too).
 
 Knobs (compile key; one H200 run sweeps them): ``DECODESCOPE_MLA_SPLIT_SPLITS`` (key splits per
-sequence; 0: one 64-key block per split where ``batch x blocks`` CTAs fit two per SM, else
-``132 // batch``), ``_ACHUNKS`` (column chunks of
+sequence; 0: ``64 // batch`` below 16 sequences, ``128 // batch`` from 16, at most the 17
+blocks), ``_ACHUNKS`` (column chunks of
 an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
 share an SM when the shared memory fits 113 KB), ``_FUSE`` (1: no CTAs of their own for the
-absorption: the first ``n_abs`` attention CTAs absorb, publish, then attend; fewer CTAs where
-the grid passes one wave). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
+absorption: the first ``n_abs`` attention CTAs absorb, publish, then attend; unset: where the
+absorption + attention CTAs would pass one wave; 0: never). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
 writes its ticket, start, end of wait and end (``%globaltimer``) to a trace buffer
 (:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
 waits skipped, so the phases overlap (the cost of the dependency chain).
@@ -91,6 +95,7 @@ WPAD = 8  # bf16 padding of staged rows: 16-byte aligned ldmatrix rows, 4-word b
 SMEM_MAX = 227 * 1024
 SMEM_TWO_CTAS = 113 * 1024
 UV_ITEMS = 96  # W_UV items the default rows-per-item aims at
+SPLIT_KEYS_LOW, SPLIT_KEYS = 64, 128  # default splits x batch below / from 16 sequences
 SPIN_NS = 200_000_000  # a wait gives up after 0.2 s (sets the error word)
 # counters (int32 words of the workspace ``cnt``), each on its own 128-byte line: the
 # attention / W_UV CTAs poll C_ABS / C_ATT while others add to C_TICKET / C_EXIT
@@ -117,7 +122,8 @@ class MLASplitPlan:
     vrows_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_VROWS", 0))
     nbuf_force: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_NBUF", 0))
     # 1: the absorption items done by the first attention CTAs before their own item
-    fuse_abs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_FUSE", 0))
+    # -1 (unset): where the absorption + attention CTAs would pass one wave; 0 never
+    fuse_abs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_FUSE", -1))
     # 1: each CTA writes (ticket, start, end of its wait, end) in %globaltimer ns to the trace
     trace: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TRACE", 0))
     # timing diagnostic, wrong results: 1 = no waits (the phases overlap: what the dependency
@@ -145,7 +151,7 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_VROWS: 0-{ROWS}, got {self.vrows_force}")
         if self.nbuf_force not in (0, 1, 2):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
-        if self.fuse_abs not in (0, 1):
+        if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
         if self.trace not in (0, 1) or self.diag not in (0, 1):
             raise ValueError(
@@ -185,13 +191,14 @@ class MLASplitPlan:
     # -- work split ----------------------------------------------------------------------------
     @property
     def splits(self) -> int:
-        """One key block per split where those CTAs fit two per SM beside the absorption
-        items (one buffer: ~100 KB each), else about one CTA per SM (two buffers)."""
-        if self.splits_force:
-            return max(1, min(self.splits_force, self.nblk_all))
-        if self.batch * self.nblk_all <= 2 * NUM_SMS - self.n_abs:
-            return self.nblk_all
-        return max(1, min(NUM_SMS // self.batch, self.nblk_all))
+        """``64 // batch`` below 16 sequences, ``128 // batch`` from 16, at most one per 64-key
+        block (H200 s10/r2, TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 /
+        17 21.2 / 4 23.7; 32x1 4 33.7 / 8 39.3; 64x1 2 49.1 / 4 57.8; other batches by the
+        rule, not measured)."""
+        want = self.splits_force or (SPLIT_KEYS_LOW if self.batch < 16 else SPLIT_KEYS) // max(
+            1, self.batch
+        )
+        return max(1, min(want, self.nblk_all))
 
     @property
     def blk_max(self) -> int:
@@ -243,9 +250,14 @@ class MLASplitPlan:
 
     @property
     def fused(self) -> bool:
-        """``fuse_abs`` where there are at least as many attention items as absorption items:
-        the CTAs of tickets ``< n_abs`` absorb first, then attend (no CTAs of their own)."""
-        return bool(self.fuse_abs) and self.n_abs <= self.n_att
+        """The CTAs of tickets ``< n_abs`` absorb first, then attend (no CTAs of their own for
+        the absorption), where there are at least as many attention items: with
+        ``DECODESCOPE_MLA_SPLIT_FUSE=1``, or unset where the absorption and attention CTAs
+        would not fit one wave (H200 s10/r2, TP8: 32x1 33.7 -> 31.3 us, 64x1 49.1 -> 48.0;
+        8x1 with 17 splits, one wave either way, 21.2 -> 21.9)."""
+        if self.n_abs > self.n_att or self.fuse_abs == 0:
+            return False
+        return self.fuse_abs == 1 or self.n_abs + self.n_att > NUM_SMS * self.ctas_per_sm
 
     @property
     def a_ctas(self) -> int:
