@@ -875,7 +875,9 @@ def variant_env(var: str) -> dict:
         knobs = ("LOAD", "WARPS", "RT", "BK", "STAGES", "MT", "CAP", "ORDER", "SNJ", "SHARED",
                  "EARLY")  # fmt: skip
         for knob, v in zip(knobs, m.groups(), strict=True):
-            v = {"early": "1", "sht": "tile", "shs": "spread"}.get(v, v)  # flags
+            v = {"early": "1", "late": "0", "sht": "tile", "shs": "spread", "shr": "regs"}.get(
+                v, v
+            )  # flags
             env[f"DECODESCOPE_MOE_W2T_{knob}"] = v or ""  # "": the module default
         return env
     m = W13TILE_RE.fullmatch(var)
@@ -894,18 +896,20 @@ W13TILE_RE = re.compile(
     r"grouped_w13tile(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_t(\d+))?(?:_p(\d+))?"
 )
 # grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block|_col]
-# [_sj<N>][_sht|_shs][_early]:
+# [_sj<N>][_sht|_shs|_shr][_early|_late]:
 # GroupedW2Tile and its knobs (kernels/specialized/grouped_w2_tile.py), e.g. grouped_w2tile_r2
 # (128 rows per item), grouped_w2tile_bulk (a producer warp's cp.async.bulk per row on
 # mbarriers), grouped_w2tile_c512 (routed grid up to 512 CTAs per SM: one item per CTA at 64
 # tokens), grouped_w2tile_block (a CTA walks consecutive items), grouped_w2tile_col (items slot
 # fastest: the empty CTAs spread through the grid), grouped_w2tile_sj2 (the shared-expert CTAs
 # 2 token tiles per pass), grouped_w2tile_col_sht (the shared expert on the tile pipeline;
-# _shs: its CTAs spread through the grid),
+# _shs: its CTAs spread through the grid; _shr: the register-load shared CTAs),
+# grouped_w2tile_stride_shr_late (the defaults before s10/r2: stride order, register-load shared
+# expert, weights after the PDL wait),
 # grouped_w2tile_col_early (weights issued before the PDL wait)
 W2TILE_RE = re.compile(
     r"grouped_w2tile(?:_(bulk))?(?:_w(\d+))?(?:_r(\d+))?(?:_k(\d+))?(?:_s(\d+))?(?:_m(\d+))?"
-    r"(?:_c(\d+))?(?:_(block|col))?(?:_sj(\d+))?(?:_(sht|shs))?(?:_(early))?"
+    r"(?:_c(\d+))?(?:_(block|col|stride))?(?:_sj(\d+))?(?:_(sht|shs|shr))?(?:_(early|late))?"
 )
 VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ring",
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
@@ -953,8 +957,8 @@ def variant_name(v: str) -> str:
     raise argparse.ArgumentTypeError(
         f"unknown variant {v!r}: one of {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<S>][_t<RT>][_p<persist>]"
-        " or grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>][_c<cap>][_block|_col]"
-        "[_sj<SNJ>][_sht|_shs][_early]"
+        " or grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<S>][_m<MT>][_c<cap>][_block|_col|_stride]"
+        "[_sj<SNJ>][_sht|_shs|_shr][_early|_late]"
     )
 
 
@@ -1021,8 +1025,8 @@ def main() -> int:
         type=variant_name,
         help=f"expert kernels to check and time (DECODESCOPE_MOE_EXPERTS): {VARIANTS} or "
         "grouped_w13tile[_r<R>][_k<BK>][_s<stages>][_t<RT>][_p<persist>] or "
-        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block|_col]"
-        "[_sj<SNJ>][_sht|_shs][_early]",
+        "grouped_w2tile[_bulk][_w<warps>][_r<RT>][_k<BK>][_s<stages>][_m<MT>][_c<cap>][_block|_col|_stride]"
+        "[_sj<SNJ>][_sht|_shs|_shr][_early|_late]",
     )
     ap.add_argument(
         "--quick", action="store_true", help="one draw per check, no front-norm checks or timings"

@@ -60,9 +60,13 @@ def _dims(preset: str, tp: int):
         ("kimi-k3", 8, 64, {"warps": 8, "cap": 512}),
         ("kimi-k3", 8, 64, {"order": "block"}),
         ("kimi-k3", 8, 64, {"order": "block", "load": "bulk"}),
-        ("kimi-k3", 8, 64, {"snj": 2}),
-        ("kimi-k3", 8, 64, {"snj": 4}),
-        ("kimi-k3", 16, 32, {"snj": 4}),
+        ("kimi-k3", 8, 64, {"snj": 2, "shared": "regs"}),
+        ("kimi-k3", 8, 64, {"snj": 4, "shared": "regs"}),
+        ("kimi-k3", 16, 32, {"snj": 4, "shared": "regs"}),
+        ("kimi-k3", 8, 64, {"order": "stride", "shared": "regs"}),  # the defaults before s10
+        ("kimi-k3", 16, 64, {"order": "stride", "shared": "regs"}),
+        ("kimi-k3", 8, 1, {}),
+        ("kimi-k3", 16, 1, {}),
         ("kimi-k3", 8, 8, {"order": "col"}),
         ("kimi-k3", 8, 64, {"order": "col"}),
         ("kimi-k3", 16, 32, {"order": "col"}),
@@ -105,7 +109,13 @@ def test_geometry_tp8():
     op = gt.GroupedW2Tile(64, E, K, L, Ie, H, S)
     assert (op.R, op.BK, op.NCH, op.stages, op.nbuf, op.MP) == (64, 128, 3, 4, 3, 8)
     assert op.smem == 3 * 72 * 128 * 2 and 4 * (op.smem + 256 + 1024) <= 228 * 1024
-    assert (op.CE, op.CS, op.nr) == (56, 56, 896 * 56)
+    assert (op.CE, op.nr) == (56, 896 * 56)
+    # the defaults since s10/r2: col order, the shared expert as 64-row x 8-token tiles, early
+    assert (op.order, op.shared, op.early, op.CS) == ("col", "tile", True, 7168 // 64 * 8)
+    old = gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="stride", shared="regs"))
+    assert (old.order, old.shared, old.early, old.CS) == ("stride", "regs", False, 56)
+    bulk = gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(load="bulk"))
+    assert (bulk.order, bulk.shared, bulk.early) == ("stride", "regs", False)  # auto
     assert gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(cap=64)).nr == 64 * 132
     assert gt.GroupedW2Tile(8, E, K, L, Ie, H, S).nr == 128 * 56
     one = gt.GroupedW2Tile(64, E, K, L, Ie, H, S, kn=gt.TileKnobs(cap=512))
@@ -151,7 +161,9 @@ def test_knobs_env(monkeypatch):
     with pytest.raises(ValueError, match="order 'col'"):
         gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="col", load="bulk"))
     with pytest.raises(ValueError, match="early needs"):
-        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(early=1))
+        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(order="stride", early=1))
+    with pytest.raises(ValueError, match="shared 'tile'"):
+        gt.GroupedW2Tile(8, E, K, L, Ie, H, S, kn=gt.TileKnobs(shared="spread", load="bulk"))
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "tile")
     assert gt.knobs().shared == "tile"
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_SHARED", "smem")
@@ -397,8 +409,8 @@ def _coverage(op, T, K, nact, slot_n):
         ("tiny", 1, 8, 1, {"load": "bulk", "warps": 2}),
         ("kimi-k3", 8, 8, 2, {"order": "block"}),
         ("tiny", 2, 13, 1, {"order": "block", "load": "bulk", "cap": 3}),
-        ("tiny", 1, 21, 1, {"snj": 2}),
-        ("tiny", 1, 13, 1, {"snj": 4}),
+        ("tiny", 1, 21, 1, {"snj": 2, "shared": "regs"}),
+        ("tiny", 1, 13, 1, {"snj": 4, "shared": "regs", "order": "stride"}),
         ("kimi-k3", 8, 8, 2, {"order": "col"}),  # capped: CTAs walk several columns
         ("tiny", 2, 13, 1, {"order": "col", "mt": 2}),
         ("kimi-k3", 16, 3, 512, {"order": "col"}),  # one item per CTA
@@ -487,12 +499,9 @@ def gsm():
         {},
         {"DECODESCOPE_MOE_W2T_RT": "2", "DECODESCOPE_MOE_W2T_MT": "2"},
         {"DECODESCOPE_MOE_W2T_LOAD": "bulk"},
-        {"DECODESCOPE_MOE_W2T_ORDER": "col", "DECODESCOPE_MOE_W2T_SNJ": "2"},
-        {
-            "DECODESCOPE_MOE_W2T_ORDER": "col",
-            "DECODESCOPE_MOE_W2T_SHARED": "tile",
-            "DECODESCOPE_MOE_W2T_EARLY": "1",
-        },
+        {"DECODESCOPE_MOE_W2T_SHARED": "regs", "DECODESCOPE_MOE_W2T_SNJ": "2"},
+        {"DECODESCOPE_MOE_W2T_ORDER": "stride", "DECODESCOPE_MOE_W2T_SHARED": "regs"},
+        {"DECODESCOPE_MOE_W2T_SHARED": "spread"},
     ],
 )
 @pytest.mark.parametrize("preset,tp", [("kimi-k3", 8), ("kimi-k3", 16), ("tiny", 1)])

@@ -33,9 +33,14 @@ threads issuing 16-byte ``cp.async``. This kernel takes that shape:
 - **Epilogue**: each lane's token slots' pairs and routing weights are loaded before the K
   loop; ``red.global.add.f32`` per (row, pair) as in GroupedW2. Experts with more than ``MP``
   tokens take several passes (the weights again, from L2).
-- **Shared expert**: the first ``CS`` CTAs (scheduled first, so that they overlap the routed
-  stream instead of trailing it) run GroupedW2's register-load shared-down code unchanged in
-  substance: 2 row tiles per warp, all tokens 8 per pass, plain FP32 stores.
+- **Shared expert**: the first ``CS`` CTAs, by default one per (``R`` rows of ``shared_w2``,
+  ``MP`` tokens) on the same pipeline (``_SHARED=tile``), else (``regs``) GroupedW2's
+  register-load shared-down code: 2 row tiles per warp, all tokens 8 per pass; plain FP32
+  stores either way.
+- **Defaults since the H200 run s10/r2** (``DEF_ORDER`` / ``DEF_SHARED`` / ``DEF_EARLY``):
+  items in ``col`` order, the shared expert as tiles, ``early`` (TP8, w2 alone, us / floor:
+  224.8 (1.09) -> 209.1 (0.98) at 32 tokens, 349.9 (1.15) -> 316.9 (1.06) at 64; Triton's w2
+  0.98 on the same routing).
 
 ``DECODESCOPE_MOE_W2T_LOAD=bulk`` moves the same tiles differently: one more warp, the
 producer, walks the CTA's (item, pass, chunk) stream and fills each stage with one
@@ -51,15 +56,17 @@ so that one H200 run can sweep them): ``DECODESCOPE_MOE_W2T_WARPS`` (4), ``_RT``
 warp, 1), ``_BK`` (K chunk, 0 = the largest of 128 / 64 / 32 dividing Ie), ``_STAGES`` (0 = all
 chunks of an item in flight, at most 4; bulk: stages = buffers, 0 = the chunks of one item),
 ``_MT`` (8-token tiles per pass, 1), ``_CAP`` (CTAs per SM of the routed grid, 512), ``_LOAD``
-(``cp`` | ``bulk``), ``_ORDER`` (``stride``: a CTA walks items ``bid, bid + grid, ...``;
+(``cp`` | ``bulk``), ``_ORDER`` (``auto``: ``col`` with cp loads, ``stride`` with bulk;
+``stride``: a CTA walks items ``bid, bid + grid, ...``;
 ``block``: ``ceil(items / grid)`` consecutive items, neighbouring row blocks of one expert;
 ``col``: the worst case's item space with the expert slot fastest, items of unselected slots
 skipped, so that the empty CTAs are spread through the grid as in Triton's, not all at its end),
 ``_SNJ`` (8-token tiles per pass of the shared-expert CTAs, 1: 8 passes at 64 tokens),
-``_EARLY`` (0; 1 with ``col``: the route lists read and the CTA's first item's weight copies
+``_EARLY`` (unset: 1 with ``col``, else 0; 1 needs ``col``: the route lists read and the CTA's first item's weight copies
 issued before ``griddepcontrol.wait``, so that CTAs resident during the previous
 kernel's tail stream their weights then; CTAs of unselected slots exit without waiting),
-``_SHARED`` (``regs``: the register-load shared expert above; ``tile``: the shared expert on the
+``_SHARED`` (``auto``: ``tile`` where its tiles fit, else ``regs``; ``regs``: the register-load
+shared expert above; ``tile``: the shared expert on the
 routed items' pipeline, one CTA per (``R`` rows of ``shared_w2``, ``MP`` tokens), token groups
 fastest so that the CTAs reading the same rows run together (L2 hits); ``H / R x ceil(T / MP)``
 CTAs, 896 at TP8 and 64 tokens, instead of 56 CTAs of 8 passes each; ``spread``: the same CTAs
@@ -105,8 +112,17 @@ LOADS = ("cp", "bulk")  # DECODESCOPE_MOE_W2T_LOAD
 # the grid); "col": the worst case's item space slot-fastest, item i = (slot i % slots, row block
 # i // slots), an item whose slot >= nact skipped: the empty CTAs spread through the grid, as in
 # Triton's fused_moe grid (pid_m fastest), instead of trailing it
-ORDERS = ("stride", "block", "col")
-SHARED_MODES = ("regs", "tile", "spread")  # DECODESCOPE_MOE_W2T_SHARED
+ORDERS = ("stride", "block", "col", "auto")  # auto: DEF_ORDER with cp loads, stride with bulk
+SHARED_MODES = ("regs", "tile", "spread", "auto")  # DECODESCOPE_MOE_W2T_SHARED (auto: below)
+# The defaults since the H200 run s10/r2 (commit 63dee67, notes/gpu-logs/s10/r2/a/w2col; TP8, w2
+# alone, us / floor, Triton's w2 on the same routing beside): stride + register-load shared
+# expert -> col + shared tile + early: 224.8 (1.09) -> 209.1 (0.98) at 32 tokens (Triton 207.9,
+# 0.98), 349.9 (1.15) -> 316.9 (1.06) at 64 (Triton 292.3, 0.98); col + tile without early:
+# 209.8 (1.04) / 323.8 (1.11). "auto" knobs resolve to them where they apply (cp loads; the
+# shared tile where hidden and shared_inter fit its tiles) and to the old ones elsewhere.
+DEF_ORDER = "col"
+DEF_SHARED = "tile"
+DEF_EARLY = 1
 
 
 @dataclass(frozen=True)
@@ -120,14 +136,16 @@ class TileKnobs:
     mt: int = DEF_MT
     cap: int = DEF_CAP
     load: str = "cp"  # "cp": every thread's cp.async; "bulk": a producer warp's cp.async.bulk
-    order: str = "stride"  # ORDERS
+    order: str = "auto"  # ORDERS
     snj: int = 1  # 8-token tiles per pass of the shared-expert CTAs (capped at ceil(T / 8))
     # 1: a routed CTA reads the route lists and issues its first item's weight copies before
-    # griddepcontrol.wait (order "col"); with one item per CTA, empty CTAs exit without waiting
-    early: int = 0
+    # griddepcontrol.wait (order "col"); with one item per CTA, empty CTAs exit without waiting;
+    # -1 (auto): DEF_EARLY where the order is col, else 0
+    early: int = -1
     # "regs": the shared expert on the first CTAs with GroupedW2's register loads; "tile": on
-    # the routed items' cp.async pipeline, one CTA per (R-row block of shared_w2, MP tokens)
-    shared: str = "regs"
+    # the routed items' cp.async pipeline, one CTA per (R-row block of shared_w2, MP tokens);
+    # "spread": those CTAs spread through the grid; "auto": DEF_SHARED where it applies
+    shared: str = "auto"
 
 
 _ENV = {  # knob -> (environment variable, allowed values)
@@ -140,7 +158,7 @@ _ENV = {  # knob -> (environment variable, allowed values)
     "load": ("DECODESCOPE_MOE_W2T_LOAD", LOADS),
     "order": ("DECODESCOPE_MOE_W2T_ORDER", ORDERS),
     "snj": ("DECODESCOPE_MOE_W2T_SNJ", (1, 2, 4)),
-    "early": ("DECODESCOPE_MOE_W2T_EARLY", (0, 1)),
+    "early": ("DECODESCOPE_MOE_W2T_EARLY", (0, 1)),  # unset: auto
     "shared": ("DECODESCOPE_MOE_W2T_SHARED", SHARED_MODES),
 }
 
@@ -206,12 +224,16 @@ class GroupedW2Tile:
         self.load = kn.load
         if kn.order not in ORDERS:
             raise ValueError(f"grouped_w2_tile: order {kn.order!r}, expected one of {ORDERS}")
-        self.blocked = kn.order == "block"
-        self.col = kn.order == "col"
         self.bulk = kn.load == "bulk"
+        order = kn.order if kn.order != "auto" else ("stride" if self.bulk else DEF_ORDER)
+        self.order = order
+        self.blocked = order == "block"
+        self.col = order == "col"
         if self.col and self.bulk:
             raise ValueError("grouped_w2_tile: order 'col' is for load 'cp' only")
-        self.early = bool(kn.early)
+        if kn.early not in (-1, 0, 1):
+            raise ValueError(f"grouped_w2_tile: early {kn.early}, expected 0 or 1 (-1: auto)")
+        self.early = bool(kn.early if kn.early >= 0 else DEF_EARLY and self.col)
         self.NW, self.RT, self.MT, self.BK = kn.warps, kn.rt, kn.mt, bk
         self.NT = (self.NW + self.bulk) * 32  # bulk: one more warp, the producer
         self.R = self.NW * self.RT * mg.ROWS  # weight rows per item
@@ -250,8 +272,13 @@ class GroupedW2Tile:
         if kn.shared not in SHARED_MODES:
             raise ValueError(f"grouped_w2_tile: shared {kn.shared!r}, expected one of "
                              f"{SHARED_MODES}")  # fmt: skip
-        self.shtile = kn.shared in ("tile", "spread")
-        self.spread = kn.shared == "spread"
+        shared = kn.shared
+        if shared == "auto":  # the shared tile where its tiles fit (cp loads, whole tiles)
+            fits = not self.bulk and H % self.R == 0 and S % bk == 0
+            shared = DEF_SHARED if fits or DEF_SHARED == "regs" else "regs"
+        self.shared = shared
+        self.shtile = shared in ("tile", "spread")
+        self.spread = shared == "spread"
         if self.shtile:  # CTA (row block, token group), token group fastest: L2 reuse
             if self.bulk or H % self.R or S % bk:
                 raise ValueError(f"grouped_w2_tile: shared 'tile' needs load 'cp', hidden {H} a "
