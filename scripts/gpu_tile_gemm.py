@@ -84,7 +84,7 @@ EPI_VARIANTS = (  # s10/r2 at 64 tokens: tile 17.9, hoist 15.0, hoist b8 14.6, h
     {"epi_hoist": True, "ldsm": True, "warps": 2},
 )
 VAR_CHECK_MS = (64,)
-VAR_MIN_M = 32
+VAR_MIN_M = 8
 VAR_WIDE = 3
 
 
