@@ -69,6 +69,7 @@ FOLD_VARIANTS = (
 )
 FOLD_RES_VARIANTS = (  # in_proj / qkv_a + g with the residual add folded in too (fold_all)
     {},
+    {"res_regs": True},  # r by registers one chunk ahead: 4 stages at 64 tokens, 2 CTAs/SM
     {"ldsm": True},
     {"stages": 4},  # 4 stages: one CTA per SM at 64 tokens (the plan takes 3 there)
     {"warps": 2},  # 64-row CTAs: 4 stages fit two CTAs per SM at 64 tokens
@@ -90,7 +91,7 @@ VAR_WIDE = 3
 
 def label(f: dict) -> str:
     """A variant's short name: ``hoist b8 ldsm S4 w2``."""
-    short = {"epi_hoist": "hoist", "ldsm": "ldsm"}
+    short = {"epi_hoist": "hoist", "ldsm": "ldsm", "res_regs": "rregs"}
     parts = []
     for k, v in f.items():
         if k in short:

@@ -133,12 +133,15 @@ def _inproj(cfg, name, m, **force) -> tg.TilePlan:
     return tg.TilePlan(m=m, rms_fold=True, **kw, **force)
 
 
-@pytest.mark.parametrize("name,m", [("in_proj", 64), ("qkv_a_g", 32)])
-def test_fold_residual_compiles(name, m):
-    p = _inproj(CFG8, name, m)
+@pytest.mark.parametrize("name,m,force", [("in_proj", 64, {}), ("qkv_a_g", 32, {}),
+                                          ("in_proj", 64, {"res_regs": True})])  # fmt: skip
+def test_fold_residual_compiles(name, m, force):
+    p = _inproj(CFG8, name, m, **force)
     assert p.add_residual and p.smem_bytes <= tg.SMEM_2CTA  # two CTAs per SM
-    assert p.stages == (3 if m == 64 else 4)
+    assert p.stages == (3 if m == 64 and not force else 4)  # res_regs: no residual stages
     assert tg.compile_plan(p) is not None
+    with pytest.raises(ValueError, match="res_regs"):
+        tg.TilePlan(m=8, k=1024, segments=(16,), res_regs=True)
 
 
 def test_fold_all_selection_and_launches(monkeypatch):
@@ -248,7 +251,8 @@ def test_hoist_gpu(m, force):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["in_proj", "qkv_a_g"])
 @pytest.mark.parametrize("m", [1, 8, 33, 64])
-def test_fold_residual_gpu(name, m):
+@pytest.mark.parametrize("res_regs", [False, True])
+def test_fold_residual_gpu(name, m, res_regs):
     """The residual add folded in too: ``residual_out == bf16(x + r)`` exactly, outputs vs the
     reference with vLLM's rounding, NaN-poisoned."""
     dev = "cuda"
@@ -264,7 +268,7 @@ def test_fold_residual_gpu(name, m):
             for w in ws]  # fmt: skip
     rout = torch.full_like(r, float("nan"))
     tg.tile_gemm(x, [tg.fold_norm_weight(w, g) for w in ws], outs, residual=r,
-                 residual_out=rout, rms_fold=True, eps=CFG8.eps)  # fmt: skip
+                 residual_out=rout, rms_fold=True, eps=CFG8.eps, res_regs=res_regs)  # fmt: skip
     torch.cuda.synchronize()
     refs, rref = skinny_gemm_ref(x, ws, residual=r, norm_weight=g, eps=CFG8.eps)
     assert torch.equal(rout, rref)

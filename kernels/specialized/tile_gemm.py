@@ -178,6 +178,9 @@ class TilePlan:
     # (fold_norm_weight), each CTA sums the squares of its staged K-slice of x, the epilogue
     # scales by each token's rstd (DECODESCOPE_TILE_NORM=fold selects it for q_b)
     rms_fold: bool = False
+    # rms_fold + add_residual: the residual's chunk read into registers one chunk ahead instead
+    # of its own cp.async stages (shared memory of a plain plan: 4 stages at 64 tokens)
+    res_regs: bool = False
     # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
     # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
     # loads issued with the partials' instead of inside each step's store branch
@@ -204,6 +207,8 @@ class TilePlan:
             raise ValueError(f"tile GEMM: 1..3 segments, each a multiple of 16: {self.segments}")
         if self.add_residual and not (self.norm or self.rms_fold):
             raise ValueError("tile GEMM: add_residual needs norm or rms_fold")
+        if self.res_regs and not (self.rms_fold and self.add_residual):
+            raise ValueError("tile GEMM: res_regs needs rms_fold and add_residual")
         if self.rms_fold and (self.norm or self.out_f32):
             raise ValueError("tile GEMM: rms_fold excludes the norm launch and out_f32")
         if self.out_f32 and self.residual_epilogue:
@@ -282,7 +287,7 @@ class TilePlan:
         return (self.mp * 8 + self.threads - 1) // self.threads
 
     def _smem(self, stages: int) -> int:
-        xs = 2 if self.rms_fold and self.add_residual else 1  # + the residual's stage
+        xs = 2 if self.rms_fold and self.add_residual and not self.res_regs else 1  # + r
         extra = self.mp * 4 + 16 if self.rms_fold else 0
         return stages * (self.cta_rows + xs * self.mp) * BK * 2 + 16 + extra
 
@@ -424,9 +429,13 @@ class TileGemm:
         for s in cutlass.range_constexpr(p.stages - 1):
             if cutlass.const_expr(s < pre):
                 self.load_x(mX, sX, kc0 + s, s, tidx)
-                if cutlass.const_expr(res is not None):
+                if cutlass.const_expr(res is not None and not p.res_regs):
                     self.load_x(res[0], res[2], kc0 + s, s, tidx)
             cute.arch.cp_async_commit_group()
+        rR = None
+        if cutlass.const_expr(res is not None and p.res_regs):  # chunk 0's residual
+            rR = [cute.make_rmem_tensor((8,), BFloat16) for _ in range(p.x_slots)]
+            self.load_r_regs(res[0], rR, kc0, tidx)
 
         atom = mc.mma_atom()
         accs = mc.zero_accs(RT * p.ntiles)
@@ -439,7 +448,11 @@ class TileGemm:
             cute.arch.cp_async_wait_group(p.stages - 2)
             if cutlass.const_expr(p.rms_fold):  # this thread's own units of chunk i, landed
                 if cutlass.const_expr(res is not None):
-                    self.add_residual(sX, res[2], res[1], i % p.stages, kc0 + i, ssq, bx, tidx)
+                    self.add_residual(sX, res[2], res[1], i % p.stages, kc0 + i, ssq, bx, tidx,
+                                      rR)  # fmt: skip
+                    if cutlass.const_expr(p.res_regs):  # noqa: SIM102 (compile-time, then run-time)
+                        if i + 1 < p.chunks:  # the next chunk's residual, during this one
+                            self.load_r_regs(res[0], rR, kc0 + i + 1, tidx)
                 else:
                     self.squares(sX, i % p.stages, ssq, tidx)
             cute.arch.sync_threads()
@@ -449,7 +462,7 @@ class TileGemm:
                 sn = nxt % p.stages
                 self.load_w(mW, sW, n, row0, kc0 + nxt, sn, tidx)
                 self.load_x(mX, sX, kc0 + nxt, sn, tidx)
-                if cutlass.const_expr(res is not None):
+                if cutlass.const_expr(res is not None and not p.res_regs):
                     self.load_x(res[0], res[2], kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(p.ldsm):
@@ -499,7 +512,17 @@ class TileGemm:
             ssq[q] = s
 
     @cute.jit
-    def add_residual(self, sX, sR, mRout, stg, kc, ssq, bx, tidx):
+    def load_r_regs(self, mR, rR, kc, tidx):
+        """``res_regs``: this thread's residual units of chunk ``kc`` (the units its ``load_x``
+        copies of x) into registers ``rR``; rows clamped to ``m - 1`` (in bounds; unused)."""
+        p = self.p
+        u = tidx % 8
+        for q in cutlass.range_constexpr(p.x_slots):
+            r = cutlass.min((tidx + q * p.threads) // 8, p.m - 1)
+            cute.autovec_copy(cute.local_tile(mR[r, None], (8,), (kc * 8 + u,)), rR[q])
+
+    @cute.jit
+    def add_residual(self, sX, sR, mRout, stg, kc, ssq, bx, tidx, rR=None):
         """``rms_fold`` with a residual: this thread's own units of stage ``stg`` (as
         :meth:`squares`) become ``h = bf16(x + r)`` in place in ``sX`` (before the barrier the
         MMAs wait on), their squares go into ``ssq``, and the CTAs of row tile 0 (one per split,
@@ -513,9 +536,12 @@ class TileGemm:
                 r = idx // 8
                 pu = self.swz(u, r)
                 xv = cute.make_rmem_tensor((8,), BFloat16)
-                rv = cute.make_rmem_tensor((8,), BFloat16)
                 cute.autovec_copy(cute.local_tile(sX[stg, r, None], (8,), (pu,)), xv)
-                cute.autovec_copy(cute.local_tile(sR[stg, r, None], (8,), (pu,)), rv)
+                if cutlass.const_expr(rR is not None):
+                    rv = rR[q]
+                else:
+                    rv = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(sR[stg, r, None], (8,), (pu,)), rv)
                 hv = cute.make_rmem_tensor((8,), BFloat16)
                 s = ssq[q]
                 for e in cutlass.range_constexpr(8):
@@ -764,11 +790,13 @@ class TileGemmFoldRes(TileGemm):
     ):
         p = self.p
 
+        rsz = 8 if p.res_regs else p.stages * p.mp * BK  # res_regs: r in registers
+
         @cute.struct
         class SmemFoldRes:
             w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
             x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
-            r: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            r: cute.struct.Align[cute.struct.MemRange[BFloat16, rsz], 128]
             last: cute.struct.MemRange[Int32, 1]
             rs: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
 
@@ -793,7 +821,7 @@ class TileGemmFoldRes(TileGemm):
         )
         xl = cute.make_layout((p.stages, p.mp, BK), stride=(p.mp * BK, BK, 1))
         sX = st.x.get_tensor(xl)
-        sR = st.r.get_tensor(xl)
+        sR = None if p.res_regs else st.r.get_tensor(xl)
         sLast = st.last.get_tensor(cute.make_layout(1))
         sRs = st.rs.get_tensor(cute.make_layout(p.mp))
         weights = (mW0, mW1, mW2)
@@ -974,6 +1002,7 @@ def plan_of(
     ldsm: bool | None = None,
     epi_batch: int | None = None,
     epi_hoist: bool | None = None,
+    res_regs: bool = False,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
@@ -996,6 +1025,7 @@ def plan_of(
         add_residual=residual is not None,
         eps=float(eps),
         rms_fold=rms_fold,
+        res_regs=res_regs,
         **extra,
     )
 
@@ -1018,6 +1048,7 @@ def tile_gemm(
     ldsm: bool | None = None,
     epi_batch: int | None = None,
     epi_hoist: bool | None = None,
+    res_regs: bool = False,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
@@ -1039,7 +1070,8 @@ def tile_gemm(
     p = plan_of(x, weights, residual=residual, norm_weight=norm_weight,
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
-                ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist)  # fmt: skip
+                ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist,
+                res_regs=res_regs)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
