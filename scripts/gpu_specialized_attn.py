@@ -96,7 +96,7 @@ PDL_AB_POINTS = ("1x1", "64x1")
 # commit 8394aa2 (small-M skinny GEMM everywhere, the SIMT MLA decode)
 VARIANTS = {  # old first (see check_kernels)
     "old": {"DECODESCOPE_SPLITK_GEMM": "0", "DECODESCOPE_MLA_KERNEL": "simt",
-            "DECODESCOPE_ATTN_GEMM": "default"},
+            "DECODESCOPE_ATTN_GEMM": "default", "DECODESCOPE_SKINNY_GEMV": "0"},
     "new": {},
     # the defaults with the split-K partial-sum reduction instead of FP32 atomics
     "partial": {"DECODESCOPE_SPLITK_REDUCE": "partial", "DECODESCOPE_ATTN_GEMM": "default"},
@@ -426,6 +426,7 @@ def run_timing(cfg, spec, w, state, B, T, ctx, bw_tbs, copies, replays, std_ok) 
         variants["l2pf"] = dict(L2PF)
         variants["gemv"] = dict(GEMV)
         variants["gemv-l2pf"] = {**GEMV, **L2PF}
+        variants["no-gemv"] = {"DECODESCOPE_SKINNY_GEMV": "0"}  # the skinny kernel at 1 token
     spec_us = None
     for vname, venv in variants.items():
         sfx = "" if vname == "new" else f" [{vname} kernels]"
@@ -599,7 +600,8 @@ GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
 
 def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=None) -> None:
     """The attention projections at 1..4 tokens, each alone (weights rotated past L2): the
-    current default (skinny GEMM, registers), the streaming GEMV per knob set, the GEMV and the
+    skinny GEMM (registers; the default before s10), the streaming GEMV per knob set ("auto":
+    gemv_stream.tuned_cfg, the default at 1 token), the GEMV and the
     skinny kernel with the whole-slice L2 prefetch (o_proj, q_b: back to back there is no light
     kernel in front, so this is the prefetch's cost, not its gain), cuBLAS (no norm/epilogue,
     one torch.mm per segment); each checked (NaN-poisoned outputs) before it is timed."""
@@ -655,7 +657,7 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
                tbs=f"{nbytes / med / 1e6:.2f}", status="time")  # fmt: skip
 
     small = sum(segs) * K * 2 <= sg.L2_PREFETCH_MAX_MB * 2**20
-    guarded(f"gemv {name} skinny", ctx, lambda: run("skinny regs (default)", lambda i: sg.skinny_gemm(
+    guarded(f"gemv {name} skinny", ctx, lambda: run("skinny regs (old default)", lambda i: sg.skinny_gemm(
         x, ws[i], outs[i], load="regs", gemv=False, l2_all=False, **rkw, **f)))  # fmt: skip
     if small:
         guarded(f"gemv {name} skinny l2pf", ctx, lambda: run("skinny regs + L2 prefetch",

@@ -145,17 +145,27 @@ def test_gemv_coverage(cfg, tp):
 
 
 def test_selection_knobs(monkeypatch):
-    """Off by default (plans unchanged); ``DECODESCOPE_SKINNY_GEMV=N`` routes the plans with
-    M <= N that the GEMV supports; ``DECODESCOPE_L2_PREFETCH=1`` turns the prefetch on for
-    weights up to 24 MB (TP8 o_proj 22 MB, q_b 7 MB; not in_proj 90 MB)."""
+    """The GEMV serves the 1-token attention plans by default (not 2 tokens; not a plan that
+    asks for a weight-load mode, by ``load`` or ``DECODESCOPE_SKINNY_LOAD``: the skinny
+    kernel's sweeps); ``DECODESCOPE_SKINNY_GEMV=N`` routes the plans with M <= N (0: none);
+    ``DECODESCOPE_L2_PREFETCH=1`` turns the prefetch on (off by default) for weights up to
+    24 MB (TP8 o_proj 22 MB, q_b 7 MB; not in_proj 90 MB)."""
     cfg = get_config("kimi-k3", 8)
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
     monkeypatch.setenv("DECODESCOPE_SPLITK_GEMM", "0")
-    for v in (sg.GEMV_ENV, sg.L2_ENV, sg.L2_MAX_ENV, gs.CFG_ENV, "DECODESCOPE_NO_PDL"):
+    for v in (sg.GEMV_ENV, sg.L2_ENV, sg.L2_MAX_ENV, gs.CFG_ENV, "DECODESCOPE_NO_PDL",
+              sg.LOAD_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
     plans = {"in": nqp.plan_for(cfg, "kda", 1), "qkv": nqp.plan_for(cfg, "mla", 1),
              "o": orn.plan_for(cfg, "kda", 1), "qb": orn.q_b_plan(cfg, 1)}  # fmt: skip
-    assert all(not p.gemv and not p.l2_all for p in plans.values())
+    assert all(p.gemv and not p.l2_all for p in plans.values())
+    assert not orn.plan_for(cfg, "kda", 2).gemv and not orn.q_b_plan(cfg, 4).gemv
+    assert not sg.GemmPlan(m=1, k=256, segments=(16,), load="regs").gemv  # a load mode asked
+    monkeypatch.setenv(sg.LOAD_ENV, "regs")
+    assert not nqp.plan_for(cfg, "kda", 1).gemv
+    monkeypatch.delenv(sg.LOAD_ENV)
+    monkeypatch.setenv(sg.GEMV_ENV, "0")
+    assert not nqp.plan_for(cfg, "kda", 1).gemv
     monkeypatch.setenv(sg.GEMV_ENV, "2")
     assert nqp.plan_for(cfg, "kda", 1).gemv and orn.q_b_plan(cfg, 2).gemv
     assert not nqp.plan_for(cfg, "kda", 3).gemv  # M above the knob
@@ -179,14 +189,19 @@ def test_selection_knobs(monkeypatch):
     monkeypatch.setenv(gs.CFG_ENV, "auton")
     gp = gs.from_gemm_plan(orn.q_b_plan(cfg, 1))
     assert gp.ld == "nc" and (gp.warps, gp.rows) == (8, 2)
-    monkeypatch.setenv(gs.CFG_ENV, "auto")  # rows per warp for at most 2 CTAs per SM
-    for p, want, grid in ((nqp.plan_for(cfg, "kda", 1), (8, 3, 1, 2), 262),
-                          (orn.plan_for(cfg, "kda", 1), (8, 4, 1, 2), 224),
-                          (orn.q_b_plan(cfg, 1), (8, 2, 2, 2), 144),
-                          (nqp.plan_for(cfg, "mla", 1), (8, 2, 2, 2), 228)):  # fmt: skip
+    monkeypatch.setenv(gs.CFG_ENV, "auto")  # the measured sets at TP8, 1 token
+    for p, want, grid in ((nqp.plan_for(cfg, "kda", 1), (8, 3, 2, 2), 262),
+                          (orn.plan_for(cfg, "kda", 1), (4, 4, 2, 2), 448),
+                          (orn.plan_for(cfg, "mla", 1), (4, 4, 2, 2), 448),
+                          (orn.q_b_plan(cfg, 1), (8, 2, 2, 4), 144),
+                          (nqp.plan_for(cfg, "mla", 1), (16, 1, 4, 2), 228)):  # fmt: skip
         gp = gs.from_gemm_plan(p)
         assert (gp.warps, gp.rows, gp.group, gp.depth) == want and gp.grid == grid
-        assert gp.grid <= gs.NUM_SMS * gs.AUTO_CTAS_PER_SM
+    # elsewhere auto_cfg: rows per warp for at most 2 CTAs per SM
+    c16 = get_config("kimi-k3", 16)
+    gp = gs.from_gemm_plan(nqp.plan_for(c16, "kda", 1))
+    assert (gp.warps, gp.rows, gp.group, gp.depth) == (8, 2, 2, 2) and gp.grid == 201
+    assert gs.auto_cfg((6288,)) == (8, 3, 1, 2) and gs.auto_cfg((7168,)) == (8, 4, 1, 2)
 
 
 def test_bad_knobs(monkeypatch):

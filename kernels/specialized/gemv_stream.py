@@ -33,9 +33,9 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
 - Several weights ("segments", MLA's qkv_a and g_proj) in one launch: the grid is the
   concatenation of their CTAs.
 
-Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, off by default) routes the plans it
-supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
-(``w8r2g2d2``; unset or ``auto``: :func:`auto_cfg`; suffix ``n``: the weights by
+Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, default 1: one-token plans) routes
+the plans it supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
+(``w8r2g2d2``; unset or ``auto``: :func:`tuned_cfg`, the measured set or :func:`auto_cfg`; suffix ``n``: the weights by
 ``ld.global.nc.L1::no_allocate.L2::256B``; suffix ``x``: the prologue's x / r by register
 loads instead of ``cp.async``) or the sweep's explicit values. Compile key: the plan (every shape static).
 """
@@ -110,8 +110,24 @@ def env_xload() -> str:
 
 
 def env_cfg() -> tuple[int, int, int, int] | None:
-    """``DECODESCOPE_GEMV_CFG`` (unset or ``auto...``: None, :func:`auto_cfg` per plan)."""
+    """``DECODESCOPE_GEMV_CFG`` (unset or ``auto...``: None, :func:`tuned_cfg` per plan)."""
     return parse_cfg(_env())
+
+
+# Knob sets measured best per shape (H200 s10/r2, kimi-k3 TP8, kernel alone, graph medians,
+# notes/gpu-logs/s10/r2/b/gemv): (m, k, segments) -> (warps, rows, group, depth). Other shapes
+# (TP16, M > 1): auto_cfg.
+TUNED: dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]] = {
+    (1, 7168, (6288,)): (8, 3, 2, 2),  # KDA in_proj: 24.1 us (auto w8r3g1d2 24.8)
+    (1, 7168, (2112, 1536)): (16, 1, 4, 2),  # MLA qkv_a + g: 14.5 (auto 16.6)
+    (1, 1536, (7168,)): (4, 4, 2, 2),  # o_proj: 6.6 (auto w8r4g1d2 7.6)
+    (1, 1536, (2304,)): (8, 2, 2, 4),  # MLA q_b: 3.1 (auto 3.4)
+}
+
+
+def tuned_cfg(m: int, k: int, segments: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """``TUNED`` where the shape was measured, else :func:`auto_cfg`."""
+    return TUNED.get((m, k, tuple(segments))) or auto_cfg(segments, m)
 
 
 def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]:
@@ -556,7 +572,7 @@ def from_gemm_plan(
 ) -> GemvPlan:
     """The GEMV plan serving a :class:`.skinny_gemm.GemmPlan` (its shape and flags; the knobs
     from ``cfg`` or ``DECODESCOPE_GEMV_CFG``)."""
-    w, r, g, d = cfg or env_cfg() or auto_cfg(gp.segments, gp.m)
+    w, r, g, d = cfg or env_cfg() or tuned_cfg(gp.m, gp.k, gp.segments)
     ld = ld or env_ld()
     xload = xload or env_xload()
     return GemvPlan(
@@ -582,7 +598,7 @@ def gemv(
     xload: str = "",
 ) -> None:
     """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
-    (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`auto_cfg`),
+    (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`tuned_cfg`),
     ``l2_all`` the whole-slice L2 prefetch before the PDL wait, ``ld`` the weight loads
     (``plain`` / ``nc``; default from ``DECODESCOPE_GEMV_CFG``'s suffix ``n``), ``xload`` the
     prologue's activation loads (``async`` / ``regs``; suffix ``x``)."""
@@ -590,7 +606,7 @@ def gemv(
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
     segs = tuple(int(w.shape[0]) for w in weights)
-    w_, r_, g_, d_ = cfg or env_cfg() or auto_cfg(segs, int(M))
+    w_, r_, g_, d_ = cfg or env_cfg() or tuned_cfg(int(M), int(K), segs)
     p = GemvPlan(
         m=int(M), k=int(K), segments=segs,
         norm=norm_weight is not None, add_residual=residual is not None,

@@ -53,10 +53,12 @@ One kernel family serves every dense projection of the specialized layers (``nor
   and q_b (7 MB) then stream into the 50 MB L2 while the light decode kernel before them runs.
   Every attention grid of this kernel is resident at once (448 CTAs at most, 3-4 per SM), so all
   CTAs prefetch early.
-- **Streaming GEMV** (``GemmPlan.gemv``; ``DECODESCOPE_SKINNY_GEMV=N``, off by default): plans
-  with ``M <= N`` (N <= 4) that :func:`.gemv_stream.supports` are compiled and launched as
-  :class:`.gemv_stream.GemvStream` instead (activations staged and normalized once per CTA in
-  shared memory, weights streamed with deep register loads; same contract and reference).
+- **Streaming GEMV** (``GemmPlan.gemv``; ``DECODESCOPE_SKINNY_GEMV=N``, default 1, 0 = off):
+  plans with ``M <= N`` (N <= 4) that :func:`.gemv_stream.supports` are compiled and launched
+  as :class:`.gemv_stream.GemvStream` instead (activations staged and normalized once per CTA
+  in shared memory, weights streamed with deep register loads; same contract and reference),
+  unless the plan asks for a weight-load mode (``load=`` or ``DECODESCOPE_SKINNY_LOAD``: the
+  skinny kernel's own knob, so its sweeps and A/B keep it).
 
 Compile key: (m, k, segment widths, flags, x row stride, load mode, stages, gemv, l2_all).
 Shapes are static.
@@ -90,7 +92,11 @@ RING_UNROLL_MAX = 32
 
 
 RING_AUTO_MIN_CHUNKS = 16  # "auto": the ring where a warp streams at least this many chunks
-GEMV_ENV = "DECODESCOPE_SKINNY_GEMV"  # largest M served by gemv_stream (0 / unset: never)
+GEMV_ENV = "DECODESCOPE_SKINNY_GEMV"  # largest M served by gemv_stream (unset: GEMV_DEFAULT_M)
+# gemv_stream serves 1-token plans by default (H200 s10/r2, TP8, kernel alone, us: in_proj 33.5
+# -> 24.1, qkv_a+g 24.7 -> 14.5, o_proj 10.5 -> 6.6, q_b 5.1 -> 3.1; at 4 tokens it lost on
+# in_proj 42.1 -> 44.5 and o_proj 9.5 -> 11.4: notes/specialized.md, session 10 skinny1)
+GEMV_DEFAULT_M = 1
 L2_ENV = "DECODESCOPE_L2_PREFETCH"  # 1: whole-slice L2 prefetch before the PDL wait
 L2_MAX_ENV = "DECODESCOPE_L2_PREFETCH_MAX_MB"
 L2_PREFETCH_MAX_MB = 24.0  # prefetch only projections whose weights fit this (the L2 is 50 MB)
@@ -98,10 +104,10 @@ L2_PREFETCH_MAX_MB = 24.0  # prefetch only projections whose weights fit this (t
 
 def gemv_max_m() -> int:
     """``DECODESCOPE_SKINNY_GEMV``: plans with M up to this (0..4) go to :mod:`.gemv_stream`
-    (0, the default: none)."""
+    (unset: ``GEMV_DEFAULT_M`` = 1; 0: none)."""
     from decodescope.kernels.specialized.gemv_stream import MAX_M
 
-    v = os.environ.get(GEMV_ENV, "") or "0"
+    v = os.environ.get(GEMV_ENV, "") or str(GEMV_DEFAULT_M)
     if not v.isdigit() or int(v) > MAX_M:
         raise ValueError(f"{GEMV_ENV}={v!r}: expected 0..{MAX_M} (largest token count served)")
     return int(v)
@@ -155,10 +161,13 @@ class GemmPlan:
     load: str = ""  # "regs" / "ring" ("": $DECODESCOPE_SKINNY_LOAD at M <= 16, else "regs")
     stages: int = RING_STAGES  # "ring": chunks in flight per warp
     ring_unroll: int = RING_UNROLL_MAX  # "ring": all chunks unrolled up to this many per warp
-    gemv: bool | None = None  # served by gemv_stream (None: DECODESCOPE_SKINNY_GEMV decides)
+    # served by gemv_stream (None: DECODESCOPE_SKINNY_GEMV decides, unless a weight-load mode
+    # was asked for, by ``load`` or DECODESCOPE_SKINNY_LOAD: that asks for this kernel)
+    gemv: bool | None = None
     l2_all: bool | None = None  # whole-slice L2 prefetch (None: DECODESCOPE_L2_PREFETCH decides)
 
     def __post_init__(self) -> None:
+        load_asked = bool(self.load) or bool(os.environ.get(LOAD_ENV, ""))
         if not 1 <= self.m <= 64:
             raise ValueError(f"skinny GEMM supports 1..64 tokens, got {self.m}")
         if self.k % KCHUNK:
@@ -192,7 +201,7 @@ class GemmPlan:
         if self.gemv is None:
             from decodescope.kernels.specialized.gemv_stream import supports
 
-            v = self.m <= gemv_max_m() and supports(self.m, self.k, self.situ)
+            v = not load_asked and self.m <= gemv_max_m() and supports(self.m, self.k, self.situ)
             object.__setattr__(self, "gemv", v)
         if self.l2_all is None:
             wb = sum(self.segments) * self.k * 2
