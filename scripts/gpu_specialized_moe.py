@@ -240,7 +240,7 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     blk.shared_out.fill_(float("nan"))
     blk.topk_ids.fill_(-1)
     blk.topk_weights.fill_(float("nan"))
-    gb = getattr(blk, "_grouped_bufs", None) if mg.selected() else None
+    gb = getattr(blk, "_grouped_bufs", None) if blk._grouped() else None
     if gb is not None:  # the grouped kernels' lists and shared SiTU, poisoned too
         for t in (gb.pairs, gb.slot_e, gb.slot_off, gb.slot_n, gb.nact):
             t.fill_(-7)
@@ -919,11 +919,12 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # (1 token, kernels/specialized/experts_t1.py): the w13 tile with R gate rows per item (16), its
 # stages (6) and K chunk (128), w2's warps per item (DECODESCOPE_MOE_W2T_WARPS: 4 = 64 rows), the
 # shared down before w13's PDL wait (_w2sh: in w2's first CTAs instead), w2's weights before its
-# wait (_nopre: after it), the one-warp route RouteT1 (_rt1; DECODESCOPE_MOE_T1_ROUTE=t1).
+# wait (_nopre: after it), the route: RouteT1 (_rt1; the default since s10/r2) or the grouped
+# route kernel (_rtg).
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
-    r"(?:_(rt1))?"
+    r"(?:_(rt1|rtg))?"
 )
 
 
@@ -941,7 +942,7 @@ def t1_env(var: str) -> dict:
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
     r, s, k, w2w, w2sh, nopre, rt1 = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
-    env["DECODESCOPE_MOE_T1_ROUTE"] = "t1" if rt1 else ""
+    env["DECODESCOPE_MOE_T1_ROUTE"] = {"rt1": "t1", "rtg": "grouped"}.get(rt1 or "", "")
     return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
             "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",
             "DECODESCOPE_MOE_T1_SHARED": "w2" if w2sh else "",

@@ -173,8 +173,15 @@ def test_every_h_written_once(tp, T):
 
 def test_knobs(clean_env):
     mp = clean_env
-    assert t1.mode(1) == "pipe" and t1.w13_config() == gt.TileConfig(16, 128, 6, 1)
-    assert t1.shared_where() == "w13" and t1.w2_pre() and t1.route_where() == "grouped"
+    assert t1.mode(1) == "t1" and t1.mode(2) == "pipe"  # the default since s10/r2
+    assert t1.w13_config() == gt.TileConfig(16, 128, 6, 1)
+    assert t1.shared_where() == "w13" and t1.w2_pre() and t1.route_where() == "t1"
+    mp.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")  # explicit grouped: its own kernels
+    assert t1.mode(1) == "grouped"
+    mp.delenv("DECODESCOPE_MOE_EXPERTS")
+    mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")  # RouteT1 writes no hs
+    assert t1.route_where() == "grouped"
+    mp.delenv("DECODESCOPE_MOE_T1_SHARED")
     mp.setenv("DECODESCOPE_MOE_T1", "t1")
     assert t1.mode(1) == "t1" and t1.mode(2) == "pipe" and t1.mode(8) == "pipe"
     mp.setenv("DECODESCOPE_MOE_T1_ROWS", "32")
@@ -198,11 +205,20 @@ def test_knobs(clean_env):
 
 
 def test_selection(clean_env):
-    """Default unchanged (the pipe at 1 token); ``DECODESCOPE_MOE_T1=t1|grouped`` selects the
-    grouped path at 1 token only; an explicit ``DECODESCOPE_MOE_EXPERTS`` wins."""
+    """Default: t1 at 1 token where it fits (kimi-k3 TP8 / TP16, tiny), the pipe where it does
+    not or with ``DECODESCOPE_MOE_T1=pipe``; ``t1|grouped`` select the grouped path at 1 token
+    only; an explicit ``DECODESCOPE_MOE_EXPERTS`` wins."""
     mp = clean_env
     dims = _dims("kimi-k3", 8)[1:]
-    assert not mg.selected(1, dims) and mg.selected(8, dims)
+    for d in (dims, _dims("kimi-k3", 16)[1:], _dims("tiny", 1)[1:], _dims("tiny", 2)[1:]):
+        assert mg.selected(1, d) and t1.fits(1, d)
+    assert not mg.selected(2, dims) and mg.selected(8, dims)
+    bad = (dims[0], dims[1], 3584 + 64, dims[3], dims[4], dims[5])  # latent not a multiple of 128
+    assert not t1.fits(1, bad) and not mg.selected(1, bad)  # the default falls back to the pipe
+    mp.setenv("DECODESCOPE_MOE_T1", "t1")
+    assert mg.selected(1, bad)  # set explicitly: the launch says why it cannot
+    mp.setenv("DECODESCOPE_MOE_T1", "pipe")
+    assert not mg.selected(1, dims)
     for v in ("t1", "grouped"):
         mp.setenv("DECODESCOPE_MOE_T1", v)
         assert mg.selected(1, dims) and not mg.selected(2, dims) and mg.selected(8, dims)
@@ -216,7 +232,8 @@ def test_selection(clean_env):
 def test_block_wiring(clean_env):
     """``DECODESCOPE_MOE_T1=t1`` at 1 token: the block's expert step launches the route, W13T1
     and W2T1 (in that order, with their knobs in the compile keys); ``grouped``: the grouped
-    kernels' own; unset: the pipe kernel (CPU: launches recorded, builds run, nothing compiled)."""
+    kernels' own; unset: t1 with RouteT1; ``pipe``: the pipe kernel (CPU: launches recorded,
+    builds run, nothing compiled)."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     mp = clean_env
@@ -234,6 +251,7 @@ def test_block_wiring(clean_env):
     blk = SpecializedMoE(cfg, w, 1)
     mp.setenv("DECODESCOPE_MOE_T1", "t1")
     mp.setenv("DECODESCOPE_MOE_T1_STAGES", "4")
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "grouped")
     blk.experts()
     assert calls == ["moe_grouped_route", "moe_t1_w13", "moe_t1_w2"]
     ops = dict(zip([k[0] for k in keys], built, strict=True))
@@ -254,6 +272,11 @@ def test_block_wiring(clean_env):
     assert calls == ["moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
     calls.clear()
     mp.delenv("DECODESCOPE_MOE_T1")
+    mp.delenv("DECODESCOPE_MOE_T1_STAGES")
+    blk.experts()  # the default: t1 with RouteT1
+    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
+    calls.clear()
+    mp.setenv("DECODESCOPE_MOE_T1", "pipe")
     blk.experts()
     assert len(calls) == 1 and calls[0] != "moe_grouped_route"  # the persistent kernel
 
@@ -267,7 +290,8 @@ def test_script_variants():
     assert env["DECODESCOPE_MOE_T1_ROWS"] == "" and env["DECODESCOPE_MOE_GROUPED_ROUTE"] == "thresh"
     assert gs.variant_env("grouped_t1_w2w2")["DECODESCOPE_MOE_W2T_WARPS"] == "2"
     assert gs.variant_env("grouped_t1_rt1")["DECODESCOPE_MOE_T1_ROUTE"] == "t1"
-    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_ROUTE"] == ""
+    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_ROUTE"] == ""  # the default: t1
+    assert gs.variant_env("grouped_t1_rtg")["DECODESCOPE_MOE_T1_ROUTE"] == "grouped"
     env = gs.variant_env("grouped_t1_r32_s5_w2sh_nopre")
     assert (env["DECODESCOPE_MOE_T1_ROWS"], env["DECODESCOPE_MOE_T1_STAGES"]) == ("32", "5")
     assert env["DECODESCOPE_MOE_T1_SHARED"] == "w2" and env["DECODESCOPE_MOE_T1_W2PRE"] == "0"

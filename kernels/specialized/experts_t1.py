@@ -38,10 +38,13 @@ loads (one item per CTA and one pass per item, which holds up to 8 tokens). The 
 :class:`moe_grouped.GroupedRoute` itself (its shared-SiTU CTA still writes ``hs``; only the
 ``T1_SHARED=w2`` form reads it).
 
-Selection (read at each call): ``DECODESCOPE_MOE_T1`` = ``pipe`` (default: unchanged, the pipe
-kernel below 8 tokens), ``grouped`` (the grouped kernels with their defaults at 1 token) or ``t1``
-(this module) where ``DECODESCOPE_MOE_EXPERTS`` is ``auto`` or ``grouped`` and the step has
-``T1_UPTO`` (1) token.
+Selection (read at each call), at ``T1_UPTO`` (1) token: ``DECODESCOPE_MOE_T1`` = ``t1`` (this
+module; the default since the H200 run s10/r2 where ``DECODESCOPE_MOE_EXPERTS`` is ``auto`` and
+the kernels fit the shapes (:func:`fits`), else the pipe), ``pipe`` (the persistent
+:class:`moe_experts.MoeExpertsPipe`, the default before) or ``grouped`` (the grouped kernels'
+own defaults). An explicit ``DECODESCOPE_MOE_EXPERTS=pipe|old`` wins; with ``grouped`` the
+grouped kernels run unless ``DECODESCOPE_MOE_T1=t1`` is set too. The route defaults to
+:class:`RouteT1` (``DECODESCOPE_MOE_T1_ROUTE``).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -62,6 +65,9 @@ from decodescope.kernels.specialized import route_topk as rtk
 from decodescope.kernels.specialized.moe_common import situ
 
 MODES = ("pipe", "grouped", "t1")  # DECODESCOPE_MOE_T1
+# unset DECODESCOPE_MOE_T1 at 1 token (lead's decision from the H200 s10/r2, TP8, experts part
+# in the chain: pipe 48.8 us, t1 45.0, t1 with RouteT1 44.0; block 94.8 -> 86.8)
+DEFAULT_MODE = "t1"
 T1_UPTO = 1  # the modes apply at this many tokens or fewer (the kernels hold up to MAX_T)
 MAX_T = 8  # one pass of 8 tokens per expert item (w13 and w2)
 ROWS_DEFAULT = 16  # gate rows per w13 item: 24 items per expert at TP8, 12 at TP16
@@ -79,11 +85,57 @@ ENV = {
 
 def mode(T: int) -> str:
     """``DECODESCOPE_MOE_T1`` for a step of ``T`` tokens: ``pipe`` above ``T1_UPTO`` tokens, else
-    the variable's value (unset: ``pipe``); a bad value raises a one-line ``ValueError``."""
-    v = os.environ.get("DECODESCOPE_MOE_T1", "") or "pipe"
-    if v not in MODES:
+    the variable's value; unset: ``DEFAULT_MODE`` (``t1``) where ``DECODESCOPE_MOE_EXPERTS`` is
+    ``auto`` (an explicit ``grouped`` keeps the grouped kernels' own: ``grouped``). A bad value
+    raises a one-line ``ValueError``. Whether ``t1`` fits the shapes: :func:`fits`."""
+    v = os.environ.get("DECODESCOPE_MOE_T1", "")
+    if v and v not in MODES:
         raise ValueError(f"DECODESCOPE_MOE_T1={v!r}: expected one of {MODES}")
-    return v if 1 <= T <= T1_UPTO else "pipe"
+    if not 1 <= T <= T1_UPTO:
+        return "pipe"
+    if v:
+        return v
+    ex = os.environ.get("DECODESCOPE_MOE_EXPERTS", "") or "auto"
+    return DEFAULT_MODE if ex == "auto" else "grouped"
+
+
+def fits(T: int, dims: tuple) -> bool:
+    """Whether the ``t1`` kernels (with the knobs in the environment) take these shapes,
+    ``dims = (E, K, L, Ie, H, S)`` (their constructors' checks; nothing is compiled)."""
+    E, K, L, Ie, H, S = dims
+    sh13 = shared_where() == "w13"
+    try:
+        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13)
+        W2T1(T, E, K, L, Ie, H, S, kn=w2_knobs(), shared=not sh13, pre=w2_pre())
+        if route_where() == "t1":
+            if T != 1 or not sh13:
+                return False
+            RouteT1(E, K, L, 1.0)
+    except ValueError:
+        return False
+    return True
+
+
+def use_t1(T: int, dims: tuple) -> bool:
+    """Whether a step of ``T`` tokens runs these kernels: :func:`mode` is ``t1``, set explicitly
+    (then a knob combination the kernels refuse raises its one-line error at the launch) or by
+    default where they :func:`fits` the shapes (else the pipe)."""
+    if mode(T) != "t1":
+        return False
+    return os.environ.get("DECODESCOPE_MOE_T1", "") == "t1" or fits(T, dims)
+
+
+def w2_knobs() -> gw2.TileKnobs:
+    """:func:`grouped_w2_tile.knobs` (``DECODESCOPE_MOE_W2T_*``: warps, stages, ...) with the
+    fields :class:`W2T1` decides itself pinned: its item order (one item per CTA, item = CTA),
+    no early path of the parent (W2T1 issues its weights before the wait itself), the shared
+    expert's register-load CTAs (used with ``DECODESCOPE_MOE_T1_SHARED=w2`` only)."""
+    import dataclasses
+
+    kn = gw2.knobs()
+    pin = {"order": "stride", "early": 0, "shared": "regs"}
+    names = {f.name for f in dataclasses.fields(kn)}
+    return dataclasses.replace(kn, **{k: v for k, v in pin.items() if k in names})
 
 
 def w13_config() -> gwt.TileConfig:
@@ -122,10 +174,14 @@ def w2_pre() -> bool:
 
 
 def route_where() -> str:
-    """``DECODESCOPE_MOE_T1_ROUTE``: ``grouped`` (default: :class:`moe_grouped.GroupedRoute`) or
-    ``t1`` (:class:`RouteT1`: one warp, 1 token, no expert-wide count / scan; needs the shared
-    down in w13, ``DECODESCOPE_MOE_T1_SHARED=w13``, since it writes no ``hs``)."""
-    v = os.environ.get("DECODESCOPE_MOE_T1_ROUTE", "") or "grouped"
+    """``DECODESCOPE_MOE_T1_ROUTE``: ``t1`` (:class:`RouteT1`: one warp, 1 token, no
+    expert-wide count / scan; it writes no ``hs``, so only with the shared down in w13) or
+    ``grouped`` (:class:`moe_grouped.GroupedRoute`). Unset: ``t1`` where the shared down runs in
+    w13 (the default; H200 s10/r2, TP8: experts 45.0 -> 44.0 us, route alone 6.2 -> 4.8), else
+    ``grouped``."""
+    v = os.environ.get("DECODESCOPE_MOE_T1_ROUTE", "")
+    if v == "":
+        return "t1" if shared_where() == "w13" else "grouped"
     if v not in ROUTES:
         raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE={v!r}: expected one of {ROUTES}")
     return v
@@ -578,7 +634,7 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
             rk(y_front, router_bias, ids, tw0, b0.pairs, b0.slot_e, b0.slot_off, b0.slot_n,
                b0.nact, acc.view(-1))  # fmt: skip
 
-    kn = gw2.knobs()
+    kn = w2_knobs()
     pre = w2_pre()
     w13k = itf.compiled(
         ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),

@@ -860,22 +860,25 @@ def moe_grouped(
     split = rmode != "one"
     topk = "thresh" if rmode == "thresh" else "rounds"
     dims = (T, E, K, L, Ie, H, S)
-    r = itf.compiled(
-        ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk, zero_acc),
-        lambda: _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk, zero_acc),
-    )
+    rkey = ("moe_grouped_route", *dims, scaling, beta, lbeta, pdl, split, topk, zero_acc)
+
+    def rbuild():
+        return _build_route(T, E, K, L, S, scaling, beta, lbeta, pdl, split, topk, zero_acc)
+
     from decodescope.kernels.specialized import experts_t1 as _t1  # lazy: it imports this module
 
-    if _t1.mode(T) == "t1":  # DECODESCOPE_MOE_T1=t1 at 1 token: its own w13 and w2 launches
+    if _t1.use_t1(T, (E, K, L, Ie, H, S)):  # 1 token: experts_t1 (DECODESCOPE_MOE_T1)
         b, ids, tw = bufs, topk_ids.view(-1), topk_w.view(-1)
-        _t1.experts_t1(
-            lambda: r(y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n,
-                      b.nact, b.hs, b.ctr, acc.view(-1)),
+        _t1.experts_t1(  # the grouped route compiled only where experts_t1 launches it
+            lambda: itf.compiled(rkey, rbuild)(
+                y_front, router_bias, ids, tw, b.pairs, b.slot_e, b.slot_off, b.slot_n, b.nact,
+                b.hs, b.ctr, acc.view(-1)),
             y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, top_k=K, beta=beta,
             lbeta=lbeta, pdl=pdl, nsm=nsm, parts=parts, router_bias=router_bias,
             topk_ids=topk_ids, scaling=scaling, zero_acc=zero_acc,
         )  # fmt: skip
         return
+    r = itf.compiled(rkey, rbuild)
     tile = None
     if mode == W13_TILE:  # its tiling knobs (DECODESCOPE_MOE_W13T_*) are part of the key
         from decodescope.kernels.specialized import grouped_w13_tile as gwt
@@ -972,15 +975,20 @@ AUTO_FROM: int | None = 8
 def selected(T: int = 0, dims: tuple | None = None) -> bool:
     """Whether :mod:`moe_block` runs these kernels: ``DECODESCOPE_MOE_EXPERTS=grouped``, or
     ``auto`` (the default) with ``AUTO_FROM`` set, ``T >= AUTO_FROM`` and the shapes ``dims =
-    (E, K, L, Ie, H, S)`` supported. The other values are :func:`moe_experts.kernel_variant`'s.
+    (E, K, L, Ie, H, S)`` supported; below ``AUTO_FROM`` with ``auto``: at 1 token
+    :func:`experts_t1.mode` (``t1`` by default where its kernels fit, run by :func:`moe_grouped`
+    through :mod:`experts_t1`). The other values are :func:`moe_experts.kernel_variant`'s.
     Read at each call."""
     v = os.environ.get("DECODESCOPE_MOE_EXPERTS", "auto")
     if v == "grouped":
         return True
-    if v == "auto" and (AUTO_FROM is None or T < AUTO_FROM):  # DECODESCOPE_MOE_T1 (unset: pipe)
+    if v == "auto" and (AUTO_FROM is None or T < AUTO_FROM):  # 1 token: DECODESCOPE_MOE_T1
         from decodescope.kernels.specialized import experts_t1 as _t1
 
-        if _t1.mode(T) != "pipe":
+        m = _t1.mode(T)  # unset: t1 where its kernels fit the shapes, else the pipe
+        if m == "t1":
+            return dims is None or _t1.use_t1(T, dims)
+        if m == "grouped":
             return dims is None or supported(T, *dims)
     if v != "auto" or AUTO_FROM is None or T < AUTO_FROM:
         return False
