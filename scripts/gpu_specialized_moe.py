@@ -519,7 +519,9 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
               "grouped_w2": n_exp * Ie * L * 2 + S * H * 2}  # fmt: skip
     from decodescope.kernels.specialized import experts_t1 as t1
 
-    if t1.mode(N) == "t1" and t1.shared_where() == "w13":  # the shared down runs in kernel 2
+    base = dict(floors)  # the Triton rows: their own kernels' bytes
+    dims = (e.num_experts, e.top_k, L, Ie, H, S)
+    if t1.use_t1(N, dims) and t1.shared_where() == "w13":  # the shared down runs in kernel 2
         floors["grouped_w13"] += S * H * 2
         floors["grouped_w2"] -= S * H * 2
     for i, name in enumerate(floors):
@@ -533,9 +535,9 @@ def time_grouped_parts(cfg, blks, N, ctx, bw_tbs, replays) -> None:
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                n_experts=n_exp, status="time")  # fmt: skip
     guarded("time_triton_w13", ctx,
-            lambda: _time_triton_w13(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp))  # fmt: skip
+            lambda: _time_triton_w13(cfg, blks, N, ctx, bw_tbs, replays, base, n_exp))  # fmt: skip
     guarded("time_triton_w2", ctx,
-            lambda: _time_triton_w2(cfg, blks, N, ctx, bw_tbs, replays, floors, n_exp))  # fmt: skip
+            lambda: _time_triton_w2(cfg, blks, N, ctx, bw_tbs, replays, base, n_exp))  # fmt: skip
     if "tile" in FRONTS:  # the route kernel as the tile front has it: zeroing acc too
         fns = [under(lambda b=b: mg.run_block_parts(b, (0,)), DECODESCOPE_MOE_FRONT="tile")
                for b in blks]  # fmt: skip
