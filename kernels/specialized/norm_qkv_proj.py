@@ -3,7 +3,7 @@
 KDA: the merged ``in_proj_qkvgfab`` (q, k, v, g, f_a, b, pad) in one segment (``f_b`` is folded
 into :mod:`.kda_decode`). MLA: ``fused_qkv_a_proj`` and ``g_proj`` as two segments of one grid.
 The kernel is :class:`.gemv_stream.GemvStream` at one token (``DECODESCOPE_SKINNY_GEMV``),
-:class:`.skinny_gemm.SkinnyGemm` up to 8 tokens, from 8 :mod:`.tile_gemm` (its norm a launch of
+:class:`.skinny_gemm.SkinnyGemm` below 8 tokens, from 8 :mod:`.tile_gemm` (its norm a launch of
 its own) or :class:`.splitk_gemm.SplitKGemm` (``tile_gemm.gemm_plan`` decides); the fused
 kernels compute the per-token rstd of ``r' = x + r`` in every CTA; CTA 0 writes ``r'`` (the
 new residual stream).
