@@ -75,11 +75,12 @@ FOLD_RES_VARIANTS = (  # in_proj / qkv_a + g with the residual add folded in too
     {"warps": 2},  # 64-row CTAs: 4 stages fit two CTAs per SM at 64 tokens
 )
 EPI_VARIANTS = (  # s10/r2 at 64 tokens: tile 17.9, hoist 15.0, hoist b8 14.6, hoist ldsm 13.0
-    {"epi_hoist": True, "ldsm": True},
+    {"epi_hoist": False, "ldsm": False},  # the plan before the s10/r2 defaults
+    {"epi_hoist": True, "ldsm": True},  # the default from 32 tokens (hoist alone below)
     {"epi_hoist": True, "ldsm": True, "epi_batch": 8},
-    {"epi_hoist": True},
-    {"ldsm": True},
-    {"epi_hoist": True, "epi_batch": 8},
+    {"epi_hoist": True, "ldsm": False},
+    {"epi_hoist": False, "ldsm": True},
+    {"epi_hoist": True, "ldsm": False, "epi_batch": 8},
     {"epi_hoist": True, "ldsm": True, "splits": 4},
     {"epi_hoist": True, "ldsm": True, "splits": 2},
     {"epi_hoist": True, "ldsm": True, "warps": 2},
@@ -95,7 +96,7 @@ def label(f: dict) -> str:
     parts = []
     for k, v in f.items():
         if k in short:
-            parts.append(short[k])
+            parts.append(short[k] if v else "no" + short[k])
         else:
             parts.append(
                 {"epi_batch": "b", "splits": "S", "warps": "w", "stages": "st"}[k] + str(v)

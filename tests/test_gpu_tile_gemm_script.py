@@ -100,6 +100,7 @@ def test_child_checks_and_timing_on_cpu(monkeypatch, tmp_path, name):
     if name == "o_proj":
         assert any(w.startswith("tile hoist ldsm") for w in whats)
         assert {r["M"] for r in times if r["what"].startswith("tile hoist ldsm (")} == {8, 32, 64}
+        assert any(w.startswith("tile nohoist noldsm") for w in whats)
     if name == "qkv_a_g":  # the residual fold
         assert any(w.startswith("fold plan") for w in whats)
     assert "checks:" in mod.table(res)

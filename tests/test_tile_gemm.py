@@ -70,13 +70,18 @@ def test_selection(monkeypatch):
     assert isinstance(nqp.plan_for(CFG, "kda", 8), tg.TilePlan)
     assert isinstance(op.plan_for(CFG, "mla", 8), tg.TilePlan)
     assert not isinstance(op.q_b_plan(CFG, 8), tg.TilePlan)  # q_b: its own norm launch
-    assert not isinstance(op.q_b_plan(CFG, 64), tg.TilePlan)  # would cost a 12th MLA launch
+    qb = op.q_b_plan(CFG, 64)  # from 16 tokens the norm folded in: no 12th MLA launch
+    assert isinstance(qb, tg.TilePlan) and qb.rms_fold and not qb.norm
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "launch")  # the old choice
+    assert not isinstance(op.q_b_plan(CFG, 64), tg.TilePlan)
+    monkeypatch.delenv("DECODESCOPE_TILE_NORM")
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "tile")
     for m in (1, 8, 64):
         assert isinstance(nqp.plan_for(CFG, "kda", m), tg.TilePlan)
         assert isinstance(op.plan_for(CFG, "mla", m), tg.TilePlan)
         qb = op.q_b_plan(CFG, m)
-        assert isinstance(qb, tg.TilePlan) and qb.norm and qb.ldx == CFG.mla_qkv_a_out
+        assert isinstance(qb, tg.TilePlan) and qb.ldx == CFG.mla_qkv_a_out
+        assert (qb.norm, qb.rms_fold) == ((True, False) if m < tg.FOLD_MIN_M else (False, True))
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "auto")
     monkeypatch.setattr(tg, "AUTO_MIN_M", 8)
     assert not isinstance(nqp.plan_for(CFG, "kda", 4), tg.TilePlan)

@@ -65,7 +65,12 @@ def test_fold_plan():
 
 
 def test_selection(monkeypatch):
-    assert not isinstance(op.q_b_plan(CFG8, 64), tg.TilePlan)  # default unchanged
+    # default (auto): folded from 16 tokens, the skinny kernel below
+    assert not isinstance(op.q_b_plan(CFG8, 8), tg.TilePlan)
+    for m in (16, 32, 64):
+        assert op.q_b_plan(CFG8, m).rms_fold
+    monkeypatch.setenv("DECODESCOPE_TILE_NORM", "launch")  # the old default
+    assert not isinstance(op.q_b_plan(CFG8, 64), tg.TilePlan)
     monkeypatch.setenv("DECODESCOPE_TILE_NORM", "fold")
     assert not isinstance(op.q_b_plan(CFG8, 1), tg.TilePlan)  # AUTO_MIN_M
     for m in (8, 32, 64):
@@ -167,11 +172,16 @@ def _oproj(m, **force) -> tg.TilePlan:
 
 def test_epilogue_knobs(monkeypatch):
     p = _oproj(64)
-    assert (p.epi_hoist, p.epi_batch) == (False, tg.EPI_BATCH)  # default unchanged
-    monkeypatch.setenv("DECODESCOPE_TILE_EPI_HOIST", "1")
+    assert (p.epi_hoist, p.epi_batch, p.ldsm) == (True, tg.EPI_BATCH, True)  # s10/r2 defaults
+    assert not _oproj(16).ldsm and _oproj(32).ldsm  # ldsm from LDSM_EPI_MIN_M tokens
+    assert not tg.TilePlan(m=64, **tg.attention_cases(CFG8)["in_proj"]).ldsm  # o_proj only
+    monkeypatch.setenv("DECODESCOPE_TILE_EPI_HOIST", "0")
     monkeypatch.setenv("DECODESCOPE_TILE_EPI_BATCH", "8")
+    monkeypatch.setenv("DECODESCOPE_TILE_LDSM", "0")
     q = _oproj(64)
-    assert (q.epi_hoist, q.epi_batch) == (True, 8) and q != p  # part of the compile key
+    assert (q.epi_hoist, q.epi_batch, q.ldsm) == (False, 8, False) and q != p  # compile key
+    monkeypatch.setenv("DECODESCOPE_TILE_LDSM", "1")
+    assert _oproj(8).ldsm
     with pytest.raises(ValueError, match="epi_batch"):
         _oproj(64, epi_batch=0)
 

@@ -11,7 +11,7 @@ between the GEMM and the add (not fused yet: one GPU runs the per-rank shapes).
 
 MLA also runs its ``q_b`` projection through the same kernel family (:func:`q_b_proj`): the
 q_a RMSNorm is that launch's prologue (skinny / split-K), or folded into the tile GEMM
-(``DECODESCOPE_TILE_NORM=fold``: the norm weight in a derived q_b weight, rstd in the
+(from 16 tokens by default, ``tile_gemm.folds``: the norm weight in a derived q_b weight, rstd in the
 epilogue; :func:`fold_prepare` makes the weight before capture).
 """
 
@@ -70,7 +70,8 @@ def fold_prepare(cfg, w: dict, kind: str, m: int) -> None:
 
 def q_b_proj(cfg, w: dict, a: torch.Tensor, q_out: torch.Tensor) -> None:
     """``q = rmsnorm(q_a) * q_a_norm @ q_b^T`` with ``q_a = a[:, :q_lora]`` (a strided view);
-    with ``DECODESCOPE_TILE_NORM=fold`` one tile GEMM launch on the folded weight."""
+    where ``tile_gemm.folds`` says so (from 16 tokens by default) one tile GEMM launch on the
+    folded weight."""
     q_a = a[:, : cfg.mla.q_lora_rank]
     project(q_a, [w["q_b"]], [q_out], norm_weight=w["q_a_norm"], eps=cfg.eps)
 

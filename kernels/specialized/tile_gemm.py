@@ -43,7 +43,7 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   shared memory (no ``cp.async``) or a per-CTA rstd pass (M x K reads per CTA); the extra
   launch reads M x K x 2 (or 3) x 2 bytes once (0.9 MB at 64 tokens) and keeps the rounding
   of vLLM's ``fused_add_rms_norm``: ``bf16(bf16(h * rstd) * w)``.
-- **Norm folded into the GEMM** (``rms_fold``, ``DECODESCOPE_TILE_NORM=fold``; a norm without a
+- **Norm folded into the GEMM** (``rms_fold``, :func:`folds`: by default from 16 tokens; a norm without a
   residual add: MLA's q_b): ``out[m, n] = rstd[m] * sum_k x[m, k] * (g[k] W[n, k])``. The norm
   weight is folded into a derived weight once (:func:`fold_norm_weight`, ``bf16(W * g)``: no
   per-chunk work, one rounding where vLLM has ``bf16(bf16(x * rstd) * g)``; scaling the B
@@ -54,8 +54,9 @@ but streams the weights with per-lane register loads (32 KB in flight per CTA). 
   the reducing CTA turns them into ``rsqrt(ss / K + eps)`` (split order) and scales the summed
   partials before the rounding. One launch instead of two; x is read raw (strided q_a).
 
-``ldsm`` (``TilePlan.ldsm``, ``DECODESCOPE_TILE_LDSM=1`` read when a plan is built; an A/B knob,
-default off): the fragments by ``ldmatrix.x4`` (A: one per 16-row tile and 16-wide K step; B:
+``ldsm`` (``TilePlan.ldsm``, read when a plan is built: ``DECODESCOPE_TILE_LDSM=1`` / ``0``
+everywhere / nowhere; unset: on for o_proj, the residual-epilogue plans, from
+``LDSM_EPI_MIN_M`` (32) tokens since s10/r2, off elsewhere): the fragments by ``ldmatrix.x4`` (A: one per 16-row tile and 16-wide K step; B:
 two token tiles per instruction), K in natural order, unit ``u`` of row ``r`` stored at
 ``u ^ (r % 8)`` in both buffers (the 8 rows of a matrix hit 8 bank groups). The default path
 re-assembles the A fragment for every MMA (``mma_common.mma_k16``: ~4 register moves per MMA);
@@ -63,18 +64,21 @@ SASS of the MoE front's plan at 64 tokens (ptxas 13.0, cuobjdump): 872 instructi
 moves, 148 registers by default; 648, 7 moves, 128 registers with ``ldsm``. The default
 plans' PTX is unchanged by the knob's code (normalised PTX compared).
 
-Split-K epilogue knobs (A/B, read when a plan is built; defaults unchanged):
-``DECODESCOPE_TILE_EPI_HOIST=1`` (``TilePlan.epi_hoist``) issues the residual epilogue's loads
-with the partials' (clamped, outside the store branch). Without it the SASS of o_proj at 64
+Split-K epilogue (read when a plan is built): ``TilePlan.epi_hoist`` (the default since s10/r2;
+``DECODESCOPE_TILE_EPI_HOIST=0`` turns it off) issues the residual epilogue's loads with the
+partials' (clamped, outside the store branch). Without it the SASS of o_proj at 64
 tokens (ptxas 13.0, this CPU) loads each step's residual after the previous step's store: the
 output may alias the residual, so nothing moves a load above a store, and every step of a
 batch pays its own memory round trip after the partials' (16 steps of 4 rows per thread at 64
-tokens, 8 at 32, 2 at 8). ``DECODESCOPE_TILE_EPI_BATCH=N`` (``epi_batch``, default 4): steps
-whose loads go out together.
+tokens, 8 at 32, 2 at 8). H200 s10/r2, o_proj alone at 64 / 32 tokens: 17.9 / 11.9 us ->
+hoist 15.0 / 10.5, hoist + ldsm 13.0 at 64 (cuBLAS 9.0 / 8.7). ``DECODESCOPE_TILE_EPI_BATCH=N``
+(``epi_batch``, default 4): steps whose loads go out together.
 
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
 attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
-tokens on, not q_b), ``default`` (the skinny / split-K choice). Compile key: the plan (every shape static).
+tokens on, q_b only with its norm folded, :func:`folds`: from 16 tokens by default),
+``default`` (the skinny / split-K choice); ``DECODESCOPE_TILE_NORM`` (:func:`norm_mode`).
+Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -116,26 +120,38 @@ def mode() -> str:
     return m
 
 
-NORM_MODES = ("launch", "fold", "fold_all")
+NORM_MODES = ("auto", "launch", "fold", "fold_all")
+# auto: q_b's norm folded into the tile GEMM from this many tokens (lead's default for the s10/r3
+# bench, from the s10/r2 checks; below, the skinny kernel with its norm prologue: ~5.6 us at 8)
+FOLD_MIN_M = 16
+# o_proj (residual epilogue): ldmatrix fragments from this many tokens unless
+# DECODESCOPE_TILE_LDSM says otherwise (s10/r2, 64 tokens: hoist 15.0 -> hoist + ldsm 13.0 us)
+LDSM_EPI_MIN_M = 32
 
 
 def norm_mode() -> str:
-    """``DECODESCOPE_TILE_NORM``: ``launch`` (the default: a norm without a residual add runs
-    as its own launch where the tile kernel serves it, and ``auto`` keeps short-K ones off the
-    tile kernel), ``fold`` (the RMSNorm folded into the GEMM, ``TilePlan.rms_fold``: q_b on
-    the tile kernel from ``AUTO_MIN_M`` tokens in one launch) or ``fold_all`` (also the norms
+    """``DECODESCOPE_TILE_NORM``: ``auto`` (the default: a norm without a residual add, MLA's
+    q_b, folded into the tile GEMM from ``FOLD_MIN_M`` tokens, ``TilePlan.rms_fold``: one
+    launch), ``launch`` (the old default: never folded; a norm runs as its own launch where the
+    tile kernel serves it, and ``DECODESCOPE_ATTN_GEMM=auto`` keeps short-K ones off the tile
+    kernel), ``fold`` (q_b folded from ``AUTO_MIN_M`` tokens) or ``fold_all`` (also the norms
     with a residual add: KDA in_proj, MLA qkv_a + g_proj lose their norm launch)."""
-    m = os.environ.get("DECODESCOPE_TILE_NORM", "") or "launch"
+    m = os.environ.get("DECODESCOPE_TILE_NORM", "") or "auto"
     if m not in NORM_MODES:
         raise ValueError(f"DECODESCOPE_TILE_NORM: one of {NORM_MODES}, got {m!r}")
     return m
 
 
-def folds(norm: bool, residual: bool) -> bool:
-    """Whether a projection's norm is folded into the tile GEMM (``DECODESCOPE_TILE_NORM``):
-    ``fold`` a norm without a residual add, ``fold_all`` every norm."""
+def folds(norm: bool, residual: bool, m: int = 64) -> bool:
+    """Whether an ``m``-token projection's norm is folded into the tile GEMM
+    (``DECODESCOPE_TILE_NORM``): ``auto`` a norm without a residual add from ``FOLD_MIN_M``
+    tokens, ``fold`` one without a residual add, ``fold_all`` every norm, ``launch`` none."""
     md = norm_mode()
-    return norm and (md == "fold_all" or (md == "fold" and not residual))
+    if not norm or md == "launch":
+        return False
+    if md == "fold_all":
+        return True
+    return not residual and (md == "fold" or m >= FOLD_MIN_M)
 
 
 def selected(m: int, k: int, norm: bool = False, residual: bool = False) -> bool:
@@ -145,14 +161,15 @@ def selected(m: int, k: int, norm: bool = False, residual: bool = False) -> bool
     the tile kernel from ``AUTO_MIN_M`` (8) tokens on, except a short-K projection with the
     norm prologue (MLA's q_b, K 1536): its separate norm launch costs more than the GEMM saves below 32
     tokens (7.0 vs 5.6 us at 8), and from 32 on (9.4 vs 17.7 us) it would take the MLA layer
-    with the grouped experts to 12 launches, over issue 5's 11. With ``DECODESCOPE_TILE_NORM=fold``
-    such a norm is folded into the GEMM (no extra launch), so q_b is served too."""
+    with the grouped experts to 12 launches, over issue 5's 11. Where :func:`folds` says so
+    (by default q_b from ``FOLD_MIN_M`` tokens) such a norm is folded into the GEMM (no extra
+    launch), so q_b is served too."""
     md = mode()
     if md == "default" or k % BK or not 1 <= m <= 64:
         return False
     if md == "tile":
         return True
-    return m >= AUTO_MIN_M and (k >= 4096 or not norm or folds(norm, residual))
+    return m >= AUTO_MIN_M and (k >= 4096 or not norm or folds(norm, residual, m))
 
 
 @dataclass(frozen=True)
@@ -167,16 +184,17 @@ class TilePlan:
     splits_force: int = 0
     warps: int = 4
     stages: int = 0  # 0: 4, or 3 where a residual fold's 4 would not leave two CTAs per SM
-    # ldmatrix fragments (natural K order, unit u of row r at u ^ (r % 8)): an A/B knob,
-    # DECODESCOPE_TILE_LDSM=1 (read when a plan is built, so a plan key says which it is)
-    ldsm: bool = field(default_factory=lambda: os.environ.get("DECODESCOPE_TILE_LDSM") == "1")
+    # ldmatrix fragments (natural K order, unit u of row r at u ^ (r % 8)); None: resolved when
+    # the plan is built (so a plan key says which it is): DECODESCOPE_TILE_LDSM=1 / 0 everywhere
+    # / nowhere, unset: residual-epilogue plans (o_proj) from LDSM_EPI_MIN_M tokens, others off
+    ldsm: bool | None = None
     # the norm prologue launch (not part of the GEMM kernel; see norm_plan)
     norm: bool = False
     add_residual: bool = False
     eps: float = 1e-5
     # the RMSNorm folded into this GEMM (no norm launch): the weights carry the norm weight
     # (fold_norm_weight), each CTA sums the squares of its staged K-slice of x, the epilogue
-    # scales by each token's rstd (DECODESCOPE_TILE_NORM=fold selects it for q_b)
+    # scales by each token's rstd (folds(): q_b from FOLD_MIN_M tokens by default)
     rms_fold: bool = False
     # rms_fold + add_residual: the residual's chunk read into registers one chunk ahead instead
     # of its own cp.async stages (shared memory of a plain plan: 4 stages at 64 tokens)
@@ -184,16 +202,20 @@ class TilePlan:
     # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
     # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
     # loads issued with the partials' instead of inside each step's store branch
-    # (DECODESCOPE_TILE_EPI_HOIST=1; without it each step's residual load is a round trip of
-    # its own after the partials': 16 per batch of 4 at 64 tokens)
+    # (default; DECODESCOPE_TILE_EPI_HOIST=0: each step's residual load a round trip of its own
+    # after the partials', 16 per thread at 64 tokens: s10/r2 o_proj 64 tokens 17.9 -> 15.0 us)
     epi_batch: int = field(
         default_factory=lambda: int(os.environ.get("DECODESCOPE_TILE_EPI_BATCH", "") or EPI_BATCH)
     )
     epi_hoist: bool = field(
-        default_factory=lambda: os.environ.get("DECODESCOPE_TILE_EPI_HOIST") == "1"
+        default_factory=lambda: os.environ.get("DECODESCOPE_TILE_EPI_HOIST") != "0"
     )
 
     def __post_init__(self) -> None:
+        if self.ldsm is None:
+            env = os.environ.get("DECODESCOPE_TILE_LDSM", "")
+            on = self.residual_epilogue and self.m >= LDSM_EPI_MIN_M
+            object.__setattr__(self, "ldsm", env == "1" if env in ("0", "1") else on)
         if self.stages == 0:
             st = 4
             if self.rms_fold and self.add_residual and self._smem(4) > SMEM_2CTA:
@@ -1098,7 +1120,7 @@ def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
     says so, else :func:`.splitk_gemm.gemm_plan`'s choice (same keyword flags)."""
     norm, res = flags.get("norm", False), flags.get("add_residual", False)
     if selected(m, k, norm, res):
-        fold = folds(norm, res)
+        fold = folds(norm, res, m)
         return TilePlan(
             m=m,
             k=k,
@@ -1121,7 +1143,7 @@ def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tenso
     res = kw.get("residual") is not None
     if not selected(x.shape[0], x.shape[1], norm, res):
         sk.project(x, weights, outs, **kw)
-    elif folds(norm, res):
+    elif folds(norm, res, x.shape[0]):
         g = kw.pop("norm_weight")
         tile_gemm(x, [folded_weight(w, g) for w in weights], outs, rms_fold=True, **kw)
     else:
