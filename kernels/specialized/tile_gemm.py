@@ -142,19 +142,20 @@ def norm_mode() -> str:
     return m
 
 
-def folds(norm: bool, residual: bool, m: int = 64) -> bool:
+def folds(norm: bool, residual: bool | None, m: int = 64) -> bool:
     """Whether an ``m``-token projection's norm is folded into the tile GEMM
     (``DECODESCOPE_TILE_NORM``): ``auto`` a norm without a residual add from ``FOLD_MIN_M``
-    tokens, ``fold`` one without a residual add, ``fold_all`` every norm, ``launch`` none."""
+    tokens, ``fold`` one without a residual add, ``fold_all`` every norm, ``launch`` none.
+    ``residual`` None (a caller that does not say) counts as a residual add."""
     md = norm_mode()
     if not norm or md == "launch":
         return False
     if md == "fold_all":
         return True
-    return not residual and (md == "fold" or m >= FOLD_MIN_M)
+    return residual is False and (md == "fold" or m >= FOLD_MIN_M)
 
 
-def selected(m: int, k: int, norm: bool = False, residual: bool = False) -> bool:
+def selected(m: int, k: int, norm: bool = False, residual: bool | None = None) -> bool:
     """Whether the tile kernel serves an ``m x k`` projection (``DECODESCOPE_ATTN_GEMM``).
 
     ``auto`` (the default) follows the H200 A/B (TP8, notes/specialized.md, round 4 outcome):
@@ -1118,7 +1119,7 @@ def tile_gemm(
 def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
     """The plan that serves an ``m x k`` projection: :class:`TilePlan` where :func:`selected`
     says so, else :func:`.splitk_gemm.gemm_plan`'s choice (same keyword flags)."""
-    norm, res = flags.get("norm", False), flags.get("add_residual", False)
+    norm, res = flags.get("norm", False), bool(flags.get("add_residual", False))
     if selected(m, k, norm, res):
         fold = folds(norm, res, m)
         return TilePlan(
