@@ -241,8 +241,8 @@ def test_gemv_vs_reference_gpu(m, cfg, ld):
     for name, kw in _cases(8).items():
         K, segs = kw["k"], kw["segments"]
         ws = [(torch.randn(n, K, device=dev) * K**-0.5).to(bf) for n in segs]
-        ld = kw.get("x_stride") or K
-        x = torch.randn(m, ld, device=dev).to(bf)[:, :K]
+        stride = kw.get("x_stride") or K  # x's row stride (not the load mode `ld`)
+        x = torch.randn(m, stride, device=dev).to(bf)[:, :K]
         r = torch.randn(m, K, device=dev).to(bf)
         nw = (1 + 0.1 * torch.randn(K, device=dev)).to(bf)
         e = torch.randn(m, segs[0], device=dev).to(bf)
