@@ -73,9 +73,9 @@ def main(path: str = "results") -> None:
     print(
         "| tp_shape | tp_world | batch | kind | std kernels | spec kernels | std us | spec us "
         "| speedup | floor us | std / floor | spec / floor | std share | spec share "
-        "| share speedup | commit |"
+        "| spec share / floor | share speedup | commit |"
     )
-    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     proj = []
     for (_preset, tp, tpw, batch, tps), by in sorted(
         pairs.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][4], kv[0][3])
@@ -99,6 +99,7 @@ def main(path: str = "results") -> None:
             ratio = f"{s['span_us'] / p['span_us']:.2f}x" if s and p else "-"
             s_eff = f"{s['span_us'] / fl:.2f}" if s and fl else "-"
             p_eff = f"{p['span_us'] / fl:.2f}" if p and fl else "-"
+            p_sh_eff = f"{p['share_us'] / fl:.2f}" if p and fl and p.get("share_us") else "-"
             sh = (
                 f"{s['share_us'] / p['share_us']:.2f}x"
                 if s and p and s.get("share_us") and p.get("share_us")
@@ -109,7 +110,7 @@ def main(path: str = "results") -> None:
                 f"| {cell(p, 'kernels', '{:.0f}')} | {cell(s, 'span_us', '{:,.1f}')} "
                 f"| {cell(p, 'span_us', '{:,.1f}')} | {ratio} | {f'{fl:,.1f}' if fl else '-'} "
                 f"| {s_eff} | {p_eff} | {cell(s, 'share_us', '{:,.1f}')} "
-                f"| {cell(p, 'share_us', '{:,.1f}')} | {sh} | {commit} |"
+                f"| {cell(p, 'share_us', '{:,.1f}')} | {p_sh_eff} | {sh} | {commit} |"
             )
     forced = _forced_env(shown)
     if forced:
