@@ -91,6 +91,17 @@ def test_bench_rows_and_projection_are_the_layer_mix_sum(runs):
             )
 
 
+def test_share_efficiency_is_share_over_floor(runs):
+    # the newest specialized TP8 batch-1 run: its first kernel waits early under PDL, so its
+    # share of the step is below its span and so is share x floor against span x floor
+    run = _newest(runs, "specialized", 8, 1, dense=True)
+    rows = {r["layer_kind"]: r for r in cmd_bench.kind_rows(run, "specialized", 1, 1)}
+    for r in rows.values():
+        assert r["share_efficiency"] == pytest.approx(r["share_us"] / r["floor_us"])
+        assert r["share_efficiency"] <= r["efficiency"] + 1e-9
+    assert rows["kda"]["share_efficiency"] < rows["kda"]["efficiency"]
+
+
 def test_specialized_path_launches_fewer_kernels(runs):
     for tp in (8, 16):
         for batch in (1, 8, 32, 64):

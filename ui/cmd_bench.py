@@ -76,6 +76,9 @@ def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
                 "copy_bw_tbs": bw,
                 "floor_us": floor,
                 "efficiency": (r["span_us"] / floor) if floor else None,
+                "share_efficiency": (r["share_us"] / floor)
+                if (floor and r.get("share_us") is not None)
+                else None,
                 "run_id": run.run_id,
             }
         )
@@ -117,6 +120,7 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
         "spec x floor",
         "std share",
         "spec share",
+        "spec share x floor",
         "share speedup",
     ):
         t.add_column(c, justify="left" if c == "kind" else "right")
@@ -145,6 +149,7 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
             f"{p['efficiency']:.2f}" if (p and p.get("efficiency")) else "-",
             _fmt(s and s.get("share_us")),
             _fmt(p and p.get("share_us")),
+            f"{p['share_efficiency']:.2f}" if (p and p.get("share_efficiency")) else "-",
             f"{s['share_us'] / p['share_us']:.2f}x"
             if (s and p and s.get("share_us") and p.get("share_us"))
             else "-",
