@@ -15,6 +15,7 @@ and writes ``<case>.ptx`` plus ``hashes.json`` (case -> sha256) to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,8 +35,10 @@ def _cases() -> dict:
     from decodescope.kernels.specialized import back_mma as bm
     from decodescope.kernels.specialized import dense_mlp as dm
     from decodescope.kernels.specialized import front_mma as fm
+    from decodescope.kernels.specialized import gemv_stream as gs
     from decodescope.kernels.specialized import kda_decode as kda
     from decodescope.kernels.specialized import mla_decode as mla
+    from decodescope.kernels.specialized import mla_decode_split as msp
     from decodescope.kernels.specialized import mla_decode_tc as mtc
     from decodescope.kernels.specialized import moe_allreduce as ma
     from decodescope.kernels.specialized import moe_experts as me
@@ -129,6 +132,31 @@ def _cases() -> dict:
     cases["moe_ar_flag_t1"] = (
         ma.compile_plan,
         ma.MoeARPlan(1, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True, proto="flag"),
+    )
+    # the split MLA decode, more MLADecodeTC plans (ldsm off, 8 sequences), the streaming GEMV
+    # and the skinny GEMM each forced (norm + residual prologue, residual epilogue)
+    for b in (1, 8, 32):
+        cases[f"tp8_mlasplit_b{b}t1"] = (msp.compile_plan, msp.plan_for(cfg, b, 1))
+    cases["tp16_mlasplit_b8t1"] = (msp.compile_plan, msp.plan_for(get_config("kimi-k3", 16), 8, 1))
+    cases["tp8_mlatc_b8t1"] = (mtc.compile_plan, mtc.plan_for(cfg, 8, 1))
+    cases["tp8_mlatc_b1t8_noldsm"] = (
+        mtc.compile_plan,
+        dataclasses.replace(mtc.plan_for(cfg, 1, 8), ldsm=False),
+    )
+    H, A = cfg.hidden, cfg.mla_qkv_a_out
+    for kind, gemv in (("gemv", True), ("skinny", False)):
+        cases[f"tp8_{kind}_normres_m1"] = (
+            sg.compile_plan,
+            sg.GemmPlan(m=1, k=H, segments=(A, cfg.mla_v_dim), norm=True, add_residual=True,
+                        gemv=gemv),
+        )  # fmt: skip
+        cases[f"tp8_{kind}_epi_m2"] = (
+            sg.compile_plan,
+            sg.GemmPlan(m=2, k=cfg.expert_dim, segments=(H,), residual_epilogue=True, gemv=gemv),
+        )
+    cases["tp8_gemv_direct_m4"] = (
+        gs.compile_plan,
+        gs.from_gemm_plan(sg.GemmPlan(m=4, k=H, segments=(A,), norm=True, gemv=True)),
     )
     cases["tp16_front_mma_t64"] = (
         "build",
