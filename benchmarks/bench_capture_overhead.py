@@ -65,6 +65,9 @@ Variants (``VARIANTS``; ``kind`` names are ``cupti.ActivityKind`` members):
 - ``graph_trace``: default + GRAPH_TRACE (graph-level records for graphs, kernel records for
   eager launches)
 - ``graph_trace_only``: GRAPH_TRACE alone (what graph-level tracing costs by itself)
+- ``hw_trace``: default with kernel timestamps from the Hardware Event System
+  (``cuptiActivityEnableHWTrace``); ``hw_trace_kernel``: the same for ``kernel``. Where CUPTI
+  refuses it the child's session notes say so and its records are the plain variant's
 - ``control``: no session in either phase (G captured again, no CUPTI): an A/A child that
   measures what "off blocks first, on blocks second" costs by itself (order, drift)
 
@@ -110,6 +113,13 @@ VARIANTS: dict[str, dict | None] = {
     "flush_period": {"flush_period_ms": 20},
     "graph_trace": {"kinds": [*_ALL, "GRAPH_TRACE"]},
     "graph_trace_only": {"kinds": ["GRAPH_TRACE"], "launch_records": "none", "graph_nodes": False},
+    "hw_trace": {"hw_trace": True},
+    "hw_trace_kernel": {
+        "kinds": ["CONCURRENT_KERNEL"],
+        "launch_records": "none",
+        "graph_nodes": False,
+        "hw_trace": True,
+    },
 }
 # what each variant still records completely, per mode (the others are ablations)
 CORRECT = {
@@ -121,6 +131,7 @@ CORRECT = {
     "small_buffers_convert": ("graph", "eager"),
     "flush_period": ("graph", "eager"),
     "graph_trace": ("graph",),  # step times per launch; kernels from the replays before it
+    "hw_trace": ("graph", "eager"),
 }
 LABELS = {
     "off": "off",
@@ -137,6 +148,8 @@ LABELS = {
     "flush_period": "flush 20 ms (program)",
     "graph_trace": "default+GRAPH_TRACE",
     "graph_trace_only": "GRAPH_TRACE alone",
+    "hw_trace": "default+HW trace (HES)",
+    "hw_trace_kernel": "kernel only, HW trace",
 }
 ATTRS = {  # --attrs key -> (cupti ActivityAttribute member, ctypes type name, scale)
     "host_pinned": ("ATTR_MEM_ALLOCATION_TYPE_HOST_PINNED", "c_uint8", 1),

@@ -590,6 +590,9 @@ class HybridCupti:
     def activity_disable(self, kind):
         pass
 
+    def activity_enable_hw_trace(self, enable):
+        self.hw_calls = [*getattr(self, "hw_calls", []), int(enable)]
+
     def subscribe(self, cb, userdata):
         self.subscribed = cb
         return 77
@@ -1165,3 +1168,36 @@ def test_overhead_bench_main_writes_as_it_goes_and_skips_what_does_not_fit(tmp_p
     assert seen == []  # a child is assumed to need ~20 s until one has run
     res = json.loads((tmp_path / "o.json").read_text())
     assert res["cases"]["standard-b1"][0]["error"] == "skipped: time budget"
+
+
+class HwCupti(HybridCupti):
+    """HybridCupti that takes (or refuses) ``activity_enable_hw_trace``."""
+
+    def __init__(self, refuse: bool):
+        super().__init__()
+        self.refuse, self.hw_calls = refuse, []
+
+    def activity_enable_hw_trace(self, enable):
+        if self.refuse:
+            raise RuntimeError("CUPTI_ERROR_NOT_SUPPORTED")  # as a GPU without HES answers
+        super().activity_enable_hw_trace(enable)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_session_hw_trace_on_off_and_refused(tmp_path, refuse):
+    pytest.importorskip("cupti")
+    c = HwCupti(refuse)
+    s = cap.Session(tmp_path, cupti_module=c, hw_trace=True).start()
+    # the kinds are enabled either way: a refusal leaves a note, not a broken session
+    assert set(c.enabled_kinds) >= {10, 1, 2}
+    if refuse:
+        assert s.counts["hw_trace_refused"] == 1 and "hw_trace" not in s.counts
+        assert any("activity_enable_hw_trace" in e for e in s.errors)
+    else:
+        assert c.hw_calls == [1] and s.counts["hw_trace"] == 1
+    s.stop()
+    assert c.hw_calls == ([] if refuse else [1, 0])  # switched off again at stop
+    # without the option nothing asks for it
+    c2 = HwCupti(refuse=False)
+    cap.Session(tmp_path / "plain", cupti_module=c2).start().stop()
+    assert c2.hw_calls == []

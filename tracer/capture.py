@@ -142,7 +142,13 @@ class Session:
       ``flush_period_ms`` (program mode) makes CUPTI deliver buffers periodically.
 
     ``kinds``, ``launch_records`` ("callback" | "activity" | "none") and ``graph_nodes`` select
-    the parts, so that the overhead benchmark can enable them one at a time. The default launch
+    the parts, so that the overhead benchmark can enable them one at a time. ``hw_trace`` asks
+    CUPTI for kernel timestamps from the GPU's Hardware Event System
+    (``cuptiActivityEnableHWTrace``) instead of its instrumented ones; a CUPTI or GPU that
+    refuses it leaves a note and the count ``hw_trace_refused``, and the session records as
+    without it. Off by default: on the H200 the per-kernel record is what the standard path's
+    graph replays pay (+3.5% at 58 kernels a step, ``CONCURRENT_KERNEL`` alone the same,
+    notes/capture.md); whether HES is cheaper there is the benchmark's ``hw_trace`` variant. The default launch
     records are CUPTI's native API records for the launch functions only ("activity"): on the
     H200 (2026-11-30, benchmarks/bench_capture_overhead.py, toy workload) they cost +49% per
     eager step against +431% for Python callbacks, whose trampoline costs ~27 us a launch.
@@ -158,6 +164,7 @@ class Session:
         kinds: Sequence[str] = ACTIVITY_KINDS,
         graph_nodes: bool = True,
         defer_conversion: bool = True,
+        hw_trace: bool = False,
         cupti_module: Any = None,
     ) -> None:
         if launch_records not in LAUNCH_RECORDS:
@@ -168,6 +175,8 @@ class Session:
         self.kinds = tuple(kinds)
         self.graph_nodes = graph_nodes
         self.defer_conversion = defer_conversion
+        self.hw_trace = bool(hw_trace)
+        self._hw_trace_on = False
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.buffer_bytes = int(buffer_bytes)
@@ -256,6 +265,14 @@ class Session:
                     except Exception as e:
                         self.counts["enable_api_record_failed"] += 1
                         self._note(f"activity_enable_*_api({name}): {e}")
+        if self.hw_trace:  # before the kinds: it selects how kernel records get timestamps
+            try:
+                c.activity_enable_hw_trace(1)
+                self._hw_trace_on = True
+                self.counts["hw_trace"] = 1
+            except Exception as e:
+                self.counts["hw_trace_refused"] += 1
+                self._note(f"activity_enable_hw_trace: {e}")
         for name in self.kinds:
             self.enable_kind(name)
         if self.flush_period_ms:
@@ -497,6 +514,10 @@ class Session:
             with contextlib.suppress(Exception):
                 fn(cbid, 0)
         self._api_enabled = []
+        if self._hw_trace_on:
+            with contextlib.suppress(Exception):
+                c.activity_enable_hw_trace(0)
+            self._hw_trace_on = False
         if self.flush_period_ms:
             with contextlib.suppress(Exception):
                 c.activity_flush_period(0)
