@@ -21,16 +21,26 @@ writing ``h``) and launch 1 becomes ``gate_up+act`` on ``h``: the skinny GEMM's 
 re-reads every token's row per CTA, which the H200 sweep measured at 2-3x the cost of a separate
 norm launch at M >= 32 (notes/specialized.md, "Dense layer 0"). Three launches then.
 
+Opt-in (``DECODESCOPE_DENSE_TILE``, :func:`tile_mode`; unset or ``0``: all of the above, as
+before) from ``DENSE_TILE_FROM`` (8) to 64 tokens: ``gate_up+act`` on the tensor cores,
+:mod:`.dense_tile` (the :mod:`.tile_gemm` pipeline with a gate/up row map and SiTU in the
+epilogue). ``1`` (or ``launch``): the RMSNorm as its own launch, then ``gate_up+act`` on ``h``
+(``OPS_SPLIT``, three launches); ``fold``: the norm folded into the tile GEMM (``mlp_norm``
+folded into a derived ``w13``, :func:`.tile_gemm.folded_weight`, made in :meth:`warmup`: one
+more copy of w13 in memory), two launches (``OPS``). Not validated on a GPU yet.
+
 The weights are the standard path's tensors as they are (no re-layout: the CTA's row map picks
 gate and up tiles, :meth:`.skinny_gemm.GemmPlan.weight_tile`), so both paths can share them.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from decodescope.kernels.specialized import dense_tile as _dt
 from decodescope.kernels.specialized import rmsnorm as _rms
 from decodescope.kernels.specialized import skinny_gemm as _sg
 from decodescope.kernels.specialized import tile_gemm as _tg
@@ -45,8 +55,28 @@ BLOCK = "mlp"
 SPLIT_NORM_FROM = 32
 
 
+DENSE_TILE_FROM = 8  # DECODESCOPE_DENSE_TILE: the tile kernel from this many tokens (to 64)
+TILE_MODES = {"": "", "0": "", "1": "launch", "launch": "launch", "fold": "fold"}
+
+
+def tile_mode(n_tokens: int) -> str:
+    """``gate_up+act`` on :mod:`.dense_tile` for ``n_tokens`` tokens (``DECODESCOPE_DENSE_TILE``,
+    opt-in): ``""`` (no: the skinny GEMM), ``"launch"`` (``1``: the norm its own launch) or
+    ``"fold"`` (the norm folded into the tile GEMM), from ``DENSE_TILE_FROM`` to 64 tokens."""
+    env = os.environ.get("DECODESCOPE_DENSE_TILE", "").strip()
+    if env not in TILE_MODES:
+        raise ValueError(f"DECODESCOPE_DENSE_TILE must be one of 0, 1, launch, fold, got {env!r}")
+    if not DENSE_TILE_FROM <= n_tokens <= 64:
+        return ""
+    return TILE_MODES[env]
+
+
 def split_norm_for(n_tokens: int) -> bool:
-    """Whether the RMSNorm runs as its own launch for ``n_tokens`` tokens per step."""
+    """Whether the RMSNorm runs as its own launch for ``n_tokens`` tokens per step
+    (:func:`tile_mode` decides where it is on)."""
+    tm = tile_mode(n_tokens)
+    if tm:
+        return tm == "launch"
     env = os.environ.get("DECODESCOPE_DENSE_SPLIT_NORM", "").strip()
     if env in ("0", "1"):
         return env == "1"
@@ -123,6 +153,19 @@ def gate_up_act(cfg, w: dict, r: torch.Tensor, act: torch.Tensor, norm: bool = T
     skinny_gemm(r, [w["dense_w13"]], [act], norm_weight=nw, eps=cfg.eps, situ=_betas(cfg))
 
 
+def tile_plan(cfg, m: int, fold: bool = False):
+    """:mod:`.dense_tile`'s plan for ``m`` tokens (``fold``: the norm folded in)."""
+    return _dt.plan(m, cfg.hidden, cfg.dense_inter, rms_fold=fold, eps=cfg.eps)
+
+
+def gate_up_act_tile(cfg, w: dict, x: torch.Tensor, act: torch.Tensor, fold: bool = False) -> None:
+    """``act`` by :mod:`.dense_tile`, one launch: ``x`` normalized (``fold`` False), or the
+    residual ``r`` with the norm folded in (``w13`` times ``mlp_norm``: the cached
+    :func:`.tile_gemm.folded_weight`, made on the first call: call it before graph capture)."""
+    w13 = _tg.folded_weight(w["dense_w13"], w["mlp_norm"]) if fold else w["dense_w13"]
+    _dt.dense_gate_up(x, w13, act, _betas(cfg), rms_fold=fold, eps=cfg.eps)
+
+
 def down_proj(cfg, w: dict, act: torch.Tensor, x_out: torch.Tensor) -> None:
     """``x_out = act @ dense_w2^T``. One launch (:func:`down_plan`'s kernel)."""
     if _down_tile(act.shape[0], act.shape[1]):
@@ -165,6 +208,10 @@ class SpecializedDenseMLP:
         self.act = torch.empty(n_tokens, cfg.dense_inter, dtype=BF16, device=dev)
         self.ops = ops_for(n_tokens)
         self.split = self.ops == OPS_SPLIT
+        self.tile = tile_mode(n_tokens)
+        if self.tile and not _dt.supports(n_tokens, cfg.hidden, cfg.dense_inter):
+            raise ValueError(f"DECODESCOPE_DENSE_TILE: dense_tile does not serve {n_tokens} "
+                             f"tokens, H {cfg.hidden}, Dn {cfg.dense_inter}")  # fmt: skip
         self.h = torch.empty(n_tokens, cfg.hidden, dtype=BF16, device=dev) if self.split else None
 
     @property
@@ -175,16 +222,28 @@ class SpecializedDenseMLP:
         """Compile every kernel (outside capture)."""
         if self.split:
             _rms.compile_plan(_rms.NormPlan(self.N, self.cfg.hidden, self.cfg.eps))
-        _sg.compile_plan(gate_up_plan(self.cfg, self.N, norm=not self.split))
+        if self.tile:
+            fold = self.tile == "fold"
+            _dt.prepare(tile_plan(self.cfg, self.N, fold), *_betas(self.cfg), self.act.device)
+            if fold:
+                _tg.folded_weight(self.w["dense_w13"], self.w["mlp_norm"])
+        else:
+            _sg.compile_plan(gate_up_plan(self.cfg, self.N, norm=not self.split))
         _tg.compile_any(down_plan(self.cfg, self.N))
 
     def stages(self, r: torch.Tensor, x_out: torch.Tensor):
         """``(op name, thunk)`` per launch, in order."""
         cfg, w = self.cfg, self.w
+        if self.tile == "fold":
+            return [
+                (OPS[0], lambda: gate_up_act_tile(cfg, w, r, self.act, fold=True)),
+                (OPS[1], lambda: down_proj(cfg, w, self.act, x_out)),
+            ]
         if self.split:
+            up = gate_up_act_tile if self.tile else functools.partial(gate_up_act, norm=False)
             return [
                 (OPS_SPLIT[0], lambda: _rms.rmsnorm(r, w["mlp_norm"], self.h, cfg.eps)),
-                (OPS_SPLIT[1], lambda: gate_up_act(cfg, w, self.h, self.act, norm=False)),
+                (OPS_SPLIT[1], lambda: up(cfg, w, self.h, self.act)),
                 (OPS_SPLIT[2], lambda: down_proj(cfg, w, self.act, x_out)),
             ]
         return [
