@@ -477,15 +477,6 @@ class MLADecodeSplit(MLADecodeTC):
                         fb32[1] = vb[2 * h + 1]
                         cute.gemm(atom, acc[nt], fa, fb, acc[nt])
 
-    def make_acc(self, ntl: int):
-        """``ntl`` zeroed m16n8 FP32 accumulators (trace-time helper)."""
-        acc = []
-        for _ in range(ntl):
-            a = cute.make_rmem_tensor((4, 1, 1), Float32)
-            a.fill(0.0)
-            acc.append(a)
-        return acc
-
     # -- 1. absorption -----------------------------------------------------------------------
     @cute.jit
     def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, tidx):
@@ -653,48 +644,9 @@ class MLADecodeSplit(MLADecodeTC):
             sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
             sacc.fill(0.0)
             self.scores_ldsm(atom, sacc, fa, fb, sQ, sK, buf, warp, lane)
-            kp = kb + warp * 8 + 2 * c
-            sv = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                rr = r0 if e < 2 else r1
-                tt = t0 if e < 2 else t1
-                pos = kp + e % 2
-                sv[e] = Float32(NEG)
-                if rr < R and pos < k_end and pos < p.ctx + tt + 1:
-                    sv[e] = sacc[e]
-            mx0 = cute.arch.fmax(sv[0], sv[1])
-            mx1 = cute.arch.fmax(sv[2], sv[3])
-            for off in cutlass.range_constexpr(1, 3):
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=off))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=off))
-            if c == 0:
-                sRed[0, warp, r0] = mx0
-                sRed[0, warp, r1] = mx1
-            cute.arch.sync_threads()
-            bm0 = sRed[0, 0, r0]
-            bm1 = sRed[0, 0, r1]
-            for w in cutlass.range_constexpr(1, WARPS):
-                bm0 = cute.arch.fmax(bm0, sRed[0, w, r0])
-                bm1 = cute.arch.fmax(bm1, sRed[0, w, r1])
-            mn0 = cute.arch.fmax(m0, bm0)
-            mn1 = cute.arch.fmax(m1, bm1)
-            corr0 = cute.math.exp(m0 - mn0, fastmath=True)
-            corr1 = cute.math.exp(m1 - mn1, fastmath=True)
-            pv = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                mn = mn0 if e < 2 else mn1
-                pv[e] = Float32(0.0)
-                if sv[e] > Float32(NEG):
-                    pv[e] = cute.math.exp(sv[e] - mn, fastmath=True)
-            l0 = l0 * corr0 + pv[0] + pv[1]
-            l1 = l1 * corr1 + pv[2] + pv[3]
-            m0 = mn0
-            m1 = mn1
-            for nt in cutlass.range_constexpr(NTL):
-                oacc[nt][0] = oacc[nt][0] * corr0
-                oacc[nt][1] = oacc[nt][1] * corr0
-                oacc[nt][2] = oacc[nt][2] * corr1
-                oacc[nt][3] = oacc[nt][3] * corr1
+            pv, l0, l1, m0, m1 = self.softmax_step(
+                sacc, sRed, oacc, kb, k_end, warp, c, r0, r1, t0, t1, m0, m1, l0, l1
+            )
             kl = warp * 8 + 2 * c
             pp = cute.make_rmem_tensor((2,), BFloat16)
             pp[0] = pv[0].to(BFloat16)
@@ -712,18 +664,7 @@ class MLADecodeSplit(MLADecodeTC):
         cute.arch.cp_async_wait_group(0)
 
         # row sums; the split's (O, m, l) to the partials
-        for off in cutlass.range_constexpr(1, 3):
-            l0 = l0 + cute.arch.shuffle_sync_bfly(l0, offset=off)
-            l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=off)
-        if c == 0:
-            sRed[1, warp, r0] = l0
-            sRed[1, warp, r1] = l1
-        cute.arch.sync_threads()
-        la0 = Float32(0.0)
-        la1 = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
-            la0 = la0 + sRed[1, w, r0]
-            la1 = la1 + sRed[1, w, r1]
+        la0, la1 = self.row_sums(sRed, l0, l1, warp, c, r0, r1)
         for nt in cutlass.range_constexpr(NTL):
             col = (warp * NTL + nt) * 8 + 2 * c
             v2 = cute.make_rmem_tensor((2,), Float32)

@@ -551,11 +551,7 @@ class MLADecodeTC:
         # -- 3. the key blocks ----------------------------------------------------------------
         atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
         NTL = KVL // 8 // WARPS  # PV n-tiles per warp
-        oacc = []
-        for _nt in cutlass.range_constexpr(NTL):
-            a = cute.make_rmem_tensor((4, 1, 1), Float32)
-            a.fill(0.0)
-            oacc.append(a)
+        oacc = self.make_acc(NTL)
         fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
         fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
         m0 = Float32(NEG)
@@ -597,49 +593,11 @@ class MLADecodeTC:
                 for e in cutlass.range_constexpr(4):
                     fb[e] = bk[e]
                 cute.gemm(atom, sacc, fa, fb, sacc)
-            # mask: row r (token r % T) sees positions < ctx + t + 1, this split's only
-            kp = kb + warp * 8 + 2 * c
-            sv = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                rr = r0 if e < 2 else r1
-                tt = t0 if e < 2 else t1
-                pos = kp + e % 2
-                sv[e] = Float32(NEG)
-                if rr < R and pos < k_end and pos < p.ctx + tt + 1:
-                    sv[e] = sacc[e]
-            mx0 = cute.arch.fmax(sv[0], sv[1])
-            mx1 = cute.arch.fmax(sv[2], sv[3])
-            for off in cutlass.range_constexpr(1, 3):
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=off))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=off))
-            if c == 0:
-                sRed[0, warp, r0] = mx0
-                sRed[0, warp, r1] = mx1
-            cute.arch.sync_threads()
-            bm0 = sRed[0, 0, r0]
-            bm1 = sRed[0, 0, r1]
-            for w in cutlass.range_constexpr(1, WARPS):
-                bm0 = cute.arch.fmax(bm0, sRed[0, w, r0])
-                bm1 = cute.arch.fmax(bm1, sRed[0, w, r1])
-            mn0 = cute.arch.fmax(m0, bm0)
-            mn1 = cute.arch.fmax(m1, bm1)
-            corr0 = cute.math.exp(m0 - mn0, fastmath=True)
-            corr1 = cute.math.exp(m1 - mn1, fastmath=True)
-            pv = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                mn = mn0 if e < 2 else mn1
-                pv[e] = Float32(0.0)
-                if sv[e] > Float32(NEG):
-                    pv[e] = cute.math.exp(sv[e] - mn, fastmath=True)
-            l0 = l0 * corr0 + pv[0] + pv[1]
-            l1 = l1 * corr1 + pv[2] + pv[3]
-            m0 = mn0
-            m1 = mn1
-            for nt in cutlass.range_constexpr(NTL):
-                oacc[nt][0] = oacc[nt][0] * corr0
-                oacc[nt][1] = oacc[nt][1] * corr0
-                oacc[nt][2] = oacc[nt][2] * corr1
-                oacc[nt][3] = oacc[nt][3] * corr1
+            # online softmax; mask: row r (token r % T) sees positions < ctx + t + 1, this
+            # split's only
+            pv, l0, l1, m0, m1 = self.softmax_step(
+                sacc, sRed, oacc, kb, k_end, warp, c, r0, r1, t0, t1, m0, m1, l0, l1
+            )
             kl = warp * 8 + 2 * c
             if cutlass.const_expr(p.ldsm):  # one 4-byte store per row
                 pp = cute.make_rmem_tensor((2,), BFloat16)
@@ -683,18 +641,7 @@ class MLADecodeTC:
         cute.arch.cp_async_wait_group(0)
 
         # -- 4. row sums; normalize (one split) or write the partial and merge --------------
-        for off in cutlass.range_constexpr(1, 3):
-            l0 = l0 + cute.arch.shuffle_sync_bfly(l0, offset=off)
-            l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=off)
-        if c == 0:
-            sRed[1, warp, r0] = l0
-            sRed[1, warp, r1] = l1
-        cute.arch.sync_threads()
-        la0 = Float32(0.0)
-        la1 = Float32(0.0)
-        for w in cutlass.range_constexpr(WARPS):
-            la0 = la0 + sRed[1, w, r0]
-            la1 = la1 + sRed[1, w, r1]
+        la0, la1 = self.row_sums(sRed, l0, l1, warp, c, r0, r1)
         if cutlass.const_expr(p.splits == 1):
             for nt in cutlass.range_constexpr(NTL):
                 col = (warp * NTL + nt) * 8 + 2 * c
@@ -755,6 +702,87 @@ class MLADecodeTC:
                 self.finish(mG, mWuv, mOut, sOlat, sK, b, h0, tidx)
                 if tidx == 0:
                     mCnt[b, gi] = Int32(0)
+
+    def make_acc(self, ntl: int):
+        """``ntl`` zeroed m16n8 FP32 accumulators (trace-time helper)."""
+        acc = []
+        for _ in range(ntl):
+            a = cute.make_rmem_tensor((4, 1, 1), Float32)
+            a.fill(0.0)
+            acc.append(a)
+        return acc
+
+    @cute.jit
+    def softmax_step(self, sacc, sRed, oacc, kb, k_end, warp, c, r0, r1, t0, t1, m0, m1, l0, l1):
+        """One key block's online softmax (this kernel's key loop and :mod:`.mla_decode_split`'s):
+        the scores ``sacc`` of keys ``kb + 8w ..`` masked (rows ``>= rows``, keys ``>= k_end``
+        or after the row's token), the block's row maxima through ``sRed[0]`` (a barrier), the
+        probabilities, the running sums and maxima updated, ``oacc`` rescaled. Returns
+        ``(p, l0, l1, m0, m1)``, ``p`` the thread's 4 probabilities (FP32)."""
+        p = self.p
+        R = p.rows
+        NTL = p.kv_lora // 8 // WARPS
+        kp = kb + warp * 8 + 2 * c
+        sv = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            rr = r0 if e < 2 else r1
+            tt = t0 if e < 2 else t1
+            pos = kp + e % 2
+            sv[e] = Float32(NEG)
+            if rr < R and pos < k_end and pos < p.ctx + tt + 1:
+                sv[e] = sacc[e]
+        mx0 = cute.arch.fmax(sv[0], sv[1])
+        mx1 = cute.arch.fmax(sv[2], sv[3])
+        for off in cutlass.range_constexpr(1, 3):
+            mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, offset=off))
+            mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, offset=off))
+        if c == 0:
+            sRed[0, warp, r0] = mx0
+            sRed[0, warp, r1] = mx1
+        cute.arch.sync_threads()
+        bm0 = sRed[0, 0, r0]
+        bm1 = sRed[0, 0, r1]
+        for w in cutlass.range_constexpr(1, WARPS):
+            bm0 = cute.arch.fmax(bm0, sRed[0, w, r0])
+            bm1 = cute.arch.fmax(bm1, sRed[0, w, r1])
+        mn0 = cute.arch.fmax(m0, bm0)
+        mn1 = cute.arch.fmax(m1, bm1)
+        corr0 = cute.math.exp(m0 - mn0, fastmath=True)
+        corr1 = cute.math.exp(m1 - mn1, fastmath=True)
+        pv = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            mn = mn0 if e < 2 else mn1
+            pv[e] = Float32(0.0)
+            if sv[e] > Float32(NEG):
+                pv[e] = cute.math.exp(sv[e] - mn, fastmath=True)
+        l0 = l0 * corr0 + pv[0] + pv[1]
+        l1 = l1 * corr1 + pv[2] + pv[3]
+        m0 = mn0
+        m1 = mn1
+        for nt in cutlass.range_constexpr(NTL):
+            oacc[nt][0] = oacc[nt][0] * corr0
+            oacc[nt][1] = oacc[nt][1] * corr0
+            oacc[nt][2] = oacc[nt][2] * corr1
+            oacc[nt][3] = oacc[nt][3] * corr1
+        return pv, l0, l1, m0, m1
+
+    @cute.jit
+    def row_sums(self, sRed, l0, l1, warp, c, r0, r1):
+        """After the key loop: the full sums of rows ``r0`` / ``r1`` from every thread's running
+        sums (quad shuffles, then the warps through ``sRed[1]``, a barrier)."""
+        for off in cutlass.range_constexpr(1, 3):
+            l0 = l0 + cute.arch.shuffle_sync_bfly(l0, offset=off)
+            l1 = l1 + cute.arch.shuffle_sync_bfly(l1, offset=off)
+        if c == 0:
+            sRed[1, warp, r0] = l0
+            sRed[1, warp, r1] = l1
+        cute.arch.sync_threads()
+        la0 = Float32(0.0)
+        la1 = Float32(0.0)
+        for w in cutlass.range_constexpr(WARPS):
+            la0 = la0 + sRed[1, w, r0]
+            la1 = la1 + sRed[1, w, r1]
+        return la0, la1
 
     @cute.jit
     def scores_ldsm(self, atom, sacc, fa, fb, sQ, sK, buf, warp, lane):
