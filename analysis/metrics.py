@@ -383,18 +383,24 @@ def with_floor(
 ) -> pa.Table:
     """A :func:`kind_table` with the bytes floor of DESIGN.md section 7 beside the span:
     ``bytes`` (what one layer of the kind must read and write per rank in one step),
-    ``floor_us`` = bytes / copy bandwidth, and ``efficiency`` = span_us / floor_us (1.0 would be
-    a layer running at copy speed). Nulls where the run did not measure them."""
+    ``floor_us`` = bytes / copy bandwidth, ``efficiency`` = span_us / floor_us (1.0 would be
+    a layer running at copy speed) and ``share_efficiency`` = share_us / floor_us (the layer's
+    share of the step against its floor: below ``efficiency`` where the layer's first kernel is
+    resident early under programmatic dependent launch). Nulls where the run did not measure
+    them."""
     n = kinds.num_rows
     lb = layer_bytes or {}
     b = [lb.get(k) for k in kinds["layer_kind"].to_pylist()]
     floor = [(x / (copy_bw_tbs * 1e6)) if x is not None and copy_bw_tbs else None for x in b]
     spans = kinds["span_us"].to_pylist() if n else []
     eff = [s / f if f and s is not None else None for s, f in zip(spans, floor, strict=True)]
+    shares = kinds["share_us"].to_pylist() if n and "share_us" in kinds.column_names else [None] * n
+    sh_eff = [s / f if f and s is not None else None for s, f in zip(shares, floor, strict=True)]
     return (
         kinds.append_column("bytes", pa.array(b, pa.int64()))
         .append_column("floor_us", pa.array(floor, pa.float64()))
         .append_column("efficiency", pa.array(eff, pa.float64()))
+        .append_column("share_efficiency", pa.array(sh_eff, pa.float64()))
     )
 
 

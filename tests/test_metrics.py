@@ -226,8 +226,11 @@ def test_bytes_floor():
     (r,) = metrics.with_floor(metrics.kind_table(k), {"kda": 390_000_000}, 4.22).to_pylist()
     assert r["floor_us"] == pytest.approx(92.4, abs=0.1)
     assert r["efficiency"] == pytest.approx(130 / 92.42, rel=1e-3)
+    # one kernel on one stream: the share is the span
+    assert r["share_efficiency"] == pytest.approx(r["efficiency"])
     (none,) = metrics.with_floor(metrics.kind_table(k), None, None).to_pylist()
     assert none["floor_us"] is None and none["efficiency"] is None
+    assert none["share_efficiency"] is None
 
 
 def test_share_with_early_start_synthetic():

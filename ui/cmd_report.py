@@ -32,13 +32,14 @@ HEADERS = {
     "kernel_names": "kernel names",
     "floor_us": "bytes floor us",
     "efficiency": "span / floor",
+    "share_efficiency": "share / floor",
 }
 
 
 def _floor_cols(kinds: pa.Table) -> list[str]:
     """The bytes-floor columns, where the run measured them (our own captures)."""
     if kinds.num_rows and kinds["floor_us"].null_count < kinds.num_rows:
-        return ["floor_us", "efficiency"]
+        return ["floor_us", "efficiency", "share_efficiency"]
     return []
 
 

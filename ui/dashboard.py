@@ -450,14 +450,17 @@ def view_floor(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: b
         if not (m.layer_bytes and m.copy_bw_tbs):
             continue
         t = metrics.with_floor(tables["kinds"], m.layer_bytes, m.copy_bw_tbs)
-        t = t.select(["layer_kind", "kernels", "span_us", "bytes", "floor_us", "efficiency"])
+        t = t.select(["layer_kind", "kernels", "span_us", "share_us", "bytes", "floor_us",
+                      "efficiency", "share_efficiency"])  # fmt: skip
         parts.append(t.add_column(0, "run", pa.array([lab] * t.num_rows, pa.string())))
     if not parts:
         return
     floor = pa.concat_tables(parts)
     st.markdown(
         "**Bytes floor** per layer kind: bytes one layer must move per rank and step / the "
-        "copy bandwidth measured in the same process; efficiency = span / floor"
+        "copy bandwidth measured in the same process; efficiency = span / floor, and share / "
+        "floor for the layer's share of the step (under programmatic dependent launch a "
+        "layer's first kernel is resident early, so its span counts part of the previous layer)"
     )
     _show(
         floor,
@@ -465,6 +468,8 @@ def view_floor(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: b
             "span_us": _NUM("span us", format="%.1f"),
             "floor_us": _NUM("floor us", format="%.1f"),
             "efficiency": _NUM("span / floor", format="%.2fx"),
+            "share_us": _NUM("share us", format="%.1f"),
+            "share_efficiency": _NUM("share / floor", format="%.2fx"),
             "bytes": _NUM("bytes", format="%d"),
         },
     )
