@@ -5,13 +5,14 @@
 
 Checks (fresh random weights and inputs, ``act`` poisoned with NaN, relative L2 error vs
 :func:`.dense_mlp.gate_up_act_ref`, the skinny kernel's reference: RMSNorm, bf16 GEMM, SiTU):
-the kernel at 8 / 32 / 33 / 64 tokens on the normalized input (its plan, one split forced,
-``ldsm``) and with the norm folded in (``rms_fold`` on ``bf16(w13 * mlp_norm)``, raw input),
+the kernel at 8 / 32 / 33 / 64 tokens on the normalized input (its plan, 1 and 4 splits
+forced, ``ldsm``) and with the norm folded in (``rms_fold`` on ``bf16(w13 * mlp_norm)``, raw input),
 each launched twice (the split-K counters re-zeroed); the dense MLP with
 ``DECODESCOPE_DENSE_TILE=1`` / ``fold`` vs :func:`.dense_mlp.dense_mlp_ref` at 8 and 64.
 
 Timings at each ``--ms`` (CUDA-graph replay medians per launch, :func:`.timing.graph_time_us`,
-the w13 copies rotated to pass 3x the L2): the tile kernel alone (input normalized), the fold
+the w13 copies rotated to pass 3x the L2): the tile kernel alone (input normalized; its plan
+and ``TIME_VARIANTS``: split counts, ``ldsm``), the fold
 alone, norm launch + tile (what ``DECODESCOPE_DENSE_TILE=1`` runs), the skinny kernel (the
 default: with its norm prologue below 32 tokens, norm launch + skinny from 32), ``cuBLAS mm``
 (``torch.mm`` into ``[M, 2 Dn]``) and ``cuBLAS mm + torch SiTU`` (the standard path's gate_up +
@@ -33,6 +34,10 @@ L2_BYTES = 50 * 2**20
 CHECK_MS = (8, 32, 33, 64)
 TOL = 1e-2  # relative L2 error (bf16 outputs; the fold has one rounding fewer: 2e-2)
 TOL_FOLD = 2e-2
+# the plan's split count is the smallest that gives 132 CTAs (S2 at TP8: one CTA per SM; S4 at
+# TP16); 4 / 7 splits give two CTAs per SM at TP8; ldsm fragments (o_proj's gain at 64 tokens)
+TIME_VARIANTS = ({"splits_force": 4}, {"splits_force": 7}, {"ldsm": True},
+                 {"splits_force": 4, "ldsm": True})  # fmt: skip
 
 
 def main() -> int:
@@ -116,7 +121,13 @@ def main() -> int:
             status="PASS" if ok else "FAIL")  # fmt: skip
 
     for m in CHECK_MS:
-        for kw in ({}, {"splits_force": 1}, {"ldsm": True}, {"rms_fold": True}):
+        for kw in (
+            {},
+            {"splits_force": 1},
+            {"splits_force": 4},
+            {"ldsm": True},
+            {"rms_fold": True},
+        ):
             guarded(f"check kernel {kw} M{m}", lambda m=m, kw=kw: check(m, kw))
 
     def check_mlp(mode: str, m: int) -> None:
@@ -175,6 +186,12 @@ def main() -> int:
                 "tile fold alone (norm folded)": lambda i, r=r, act=act: dt.dense_gate_up(
                     r, wfs[i], act, betas, rms_fold=True, eps=eps
                 ),
+                **{
+                    f"tile kernel alone {v}": lambda i, h=h, act=act, v=v: dt.dense_gate_up(
+                        h, ws[i]["dense_w13"], act, betas, eps=eps, **v
+                    )
+                    for v in TIME_VARIANTS
+                },
                 "norm launch + tile (DENSE_TILE=1)": lambda i, r=r, hb=hb, act=act: (
                     rms.rmsnorm(r, ws[i]["mlp_norm"], hb, eps),
                     dt.dense_gate_up(hb, ws[i]["dense_w13"], act, betas, eps=eps),

@@ -37,7 +37,7 @@ def test_compiles(tp, m):
 @pytest.mark.parametrize("tp,m,kw", [(8, 8, {"splits_force": 1}), (16, 33, {"splits_force": 1}),
                                      (8, 64, {"rms_fold": True}), (16, 8, {"rms_fold": True}),
                                      (8, 32, {"rms_fold": True, "splits_force": 1}),
-                                     (8, 64, {"ldsm": True})])  # fmt: skip
+                                     (8, 64, {"ldsm": True}), (8, 64, {"splits_force": 7})])  # fmt: skip
 def test_compiles_variants(tp, m, kw):
     cfg = CFGS[tp]
     p = dt.plan(m, cfg.hidden, cfg.dense_inter, eps=cfg.eps, **kw)
@@ -277,6 +277,6 @@ def test_gpu_script_on_cpu(monkeypatch, tmp_path):
     import json
 
     res = json.loads((out / "results.json").read_text())
-    assert sum(r["status"] == "PASS" for r in res) == 4 * 4 + 4
-    assert sum(r["status"] == "time" for r in res) == 7
+    assert sum(r["status"] == "PASS" for r in res) == 4 * 5 + 4
+    assert sum(r["status"] == "time" for r in res) == 7 + len(mod.TIME_VARIANTS)
     assert (out / "table.md").exists()
