@@ -1201,3 +1201,12 @@ def test_session_hw_trace_on_off_and_refused(tmp_path, refuse):
     c2 = HwCupti(refuse=False)
     cap.Session(tmp_path / "plain", cupti_module=c2).start().stop()
     assert c2.hw_calls == []
+
+
+def test_child_spec_passes_hw_trace_to_the_session(tmp_path):
+    from decodescope.tracer import child
+
+    s = child._start({"out": str(tmp_path / "a"), "fake": True, "hw_trace": True})
+    assert s.hw_trace is True
+    s = child._start({"out": str(tmp_path / "b"), "fake": True})
+    assert s.hw_trace is False

@@ -84,6 +84,8 @@ def _start(spec: dict[str, Any]) -> cap.Session:
         extra["kinds"] = tuple(spec["kinds"])
     if "graph_nodes" in spec:
         extra["graph_nodes"] = bool(spec["graph_nodes"])
+    if spec.get("hw_trace"):
+        extra["hw_trace"] = True
     _session = cap.Session(
         _out,
         flush_period_ms=int(spec.get("flush_period_ms", 0) or 0),
