@@ -226,6 +226,31 @@ def test_bad_knobs(monkeypatch):
         gs.GemvPlan(m=1, k=256, segments=(16,), depth=0)
 
 
+def test_shared_host_glue():
+    """skinny_gemm's shape_fields / call / fake_args, shared by both kernels' torch entries."""
+    buf = torch.zeros(2, 512, dtype=torch.bfloat16)
+    x = buf[:, :256]  # a row slice of a wider buffer
+    w = [torch.zeros(32, 256, dtype=torch.bfloat16), torch.zeros(16, 256, dtype=torch.bfloat16)]
+    nw = torch.ones(256, dtype=torch.bfloat16)
+    f = sg.shape_fields(x, w, None, nw, None, 1e-6)
+    assert f == dict(m=2, k=256, segments=(32, 16), norm=True, add_residual=False,
+                     residual_epilogue=False, x_stride=512, eps=1e-6)  # fmt: skip
+    assert sg.shape_fields(buf, w[:1], None, None, None, 1e-5)["x_stride"] == 0
+    outs = [torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16)]
+    got = []
+    sg.call(lambda *a: got.extend(a), x, w, outs, None, None, nw, None)
+    ph = got[1]
+    assert ph.shape == (16, 16) and got[2] is ph and got[3] is nw and got[0] is x
+    assert got[4:8] == [w[0], outs[0], w[1], outs[1]] and got[8] is ph and got[9] is ph
+    assert got[10] is ph and len(got) == 11
+    # the GEMV's fake arguments: outputs as wide as the segments; the skinny SiTU plan's: half
+    gp = gs.GemvPlan(m=2, k=256, segments=(32, 16), norm=True)
+    fa = gs._fake_args(gp)
+    assert len(fa) == 12 and fa[5].shape == (2, 32) and fa[7].shape == (2, 16)
+    sp = sg.GemmPlan(m=1, k=256, segments=(64,), situ=True, gemv=False)
+    assert sg._fake_args(sp)[5].shape == (1, 32)
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 

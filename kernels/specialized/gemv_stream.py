@@ -53,6 +53,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
+from decodescope.kernels.specialized import skinny_gemm as sg
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum
 
 PIECE = 8  # BF16 per 16-byte load
@@ -540,26 +541,9 @@ class GemvStream:
 
 # -- torch-facing --------------------------------------------------------------------------
 
-_PLACEHOLDER = (16, 16)
-
 
 def _fake_args(p: GemvPlan):
-    bf = torch.bfloat16
-    M, K = p.m, p.k
-    ph = itf.fake(bf, _PLACEHOLDER)
-    x = itf.fake_strided(bf, (M, K), (p.ldx, 1))
-    r = itf.fake(bf, (M, K)) if p.add_residual else ph
-    rout = itf.fake(bf, (M, K)) if p.add_residual else ph
-    nw = itf.fake(bf, (K,)) if p.norm else itf.fake(bf, (16,))
-    segs = []
-    for s in range(3):
-        if s < len(p.segments):
-            n = p.segments[s]
-            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, n))]
-        else:
-            segs += [ph, ph]
-    e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
-    return (x, r, rout, nw, *segs, e, itf.env_stream())
+    return sg.fake_args(p)
 
 
 def compile_plan(p: GemvPlan):
@@ -602,33 +586,17 @@ def gemv(
     ``l2_all`` the whole-slice L2 prefetch before the PDL wait, ``ld`` the weight loads
     (``plain`` / ``nc``; default from ``DECODESCOPE_GEMV_CFG``'s suffix ``n``), ``xload`` the
     prologue's activation loads (``async`` / ``regs``; suffix ``x``)."""
-    M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
-    segs = tuple(int(w.shape[0]) for w in weights)
-    w_, r_, g_, d_ = cfg or env_cfg() or tuned_cfg(int(M), int(K), segs)
+    f = sg.shape_fields(x, weights, residual, norm_weight, epilogue_residual, eps)
+    w_, r_, g_, d_ = cfg or env_cfg() or tuned_cfg(f["m"], f["k"], f["segments"])
     p = GemvPlan(
-        m=int(M), k=int(K), segments=segs,
-        norm=norm_weight is not None, add_residual=residual is not None,
-        residual_epilogue=epilogue_residual is not None,
-        x_stride=0 if x.stride(0) == K else int(x.stride(0)), eps=float(eps),
-        warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all, ld=ld or env_ld(),
+        **f, warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all, ld=ld or env_ld(),
         xload=xload or env_xload(),
     )  # fmt: skip
     launch(p, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual)
 
 
 def launch(p: GemvPlan, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual):
-    fn = compile_plan(p)
-    ph = itf.placeholder(x.device, _PLACEHOLDER)
-    segs: list[torch.Tensor] = []
-    for s in range(3):
-        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
-    fn(
-        x,
-        residual if residual is not None else ph,
-        residual_out if residual is not None else ph,
-        norm_weight if norm_weight is not None else ph[0],
-        *segs,
-        epilogue_residual if epilogue_residual is not None else ph,
-    )
+    sg.call(compile_plan(p), x, weights, outs, residual, residual_out, norm_weight,
+            epilogue_residual)  # fmt: skip

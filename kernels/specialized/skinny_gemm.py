@@ -695,7 +695,11 @@ class SkinnyGemm:
 _PLACEHOLDER = (16, 16)
 
 
-def _fake_args(plan: GemmPlan):
+def fake_args(plan, out_width=None):
+    """The fake arguments of a skinny GEMM / streaming GEMV kernel (the same signature:
+    ``x, residual, residual_out, norm_weight, (weight, out) x 3, epilogue_residual, stream``)
+    for ``plan`` (a :class:`GemmPlan` or :class:`.gemv_stream.GemvPlan`); ``out_width(n)``: the
+    output width of an ``n``-row segment (default ``n``)."""
     bf = torch.bfloat16
     M, K = plan.m, plan.k
     ph = itf.fake(bf, _PLACEHOLDER)
@@ -707,11 +711,48 @@ def _fake_args(plan: GemmPlan):
     for s in range(3):
         if s < len(plan.segments):
             n = plan.segments[s]
-            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, plan.out_width(n)))]
+            segs += [itf.fake(bf, (n, K)), itf.fake(bf, (M, out_width(n) if out_width else n))]
         else:
             segs += [ph, ph]
     e = itf.fake(bf, (M, plan.segments[0])) if plan.residual_epilogue else ph
     return (x, r, rout, nw, *segs, e, itf.env_stream())
+
+
+def _fake_args(plan: GemmPlan):
+    return fake_args(plan, plan.out_width)
+
+
+def call(fn, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual) -> None:
+    """Run a compiled skinny GEMM / streaming GEMV ``fn`` on torch tensors, placeholders for
+    what is absent (the argument order of :func:`fake_args`)."""
+    ph = itf.placeholder(x.device, _PLACEHOLDER)
+    segs: list[torch.Tensor] = []
+    for s in range(3):
+        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
+    fn(
+        x,
+        residual if residual is not None else ph,
+        residual_out if residual is not None else ph,
+        norm_weight if norm_weight is not None else ph[0],
+        *segs,
+        epilogue_residual if epilogue_residual is not None else ph,
+    )
+
+
+def shape_fields(x, weights, residual, norm_weight, epilogue_residual, eps) -> dict:
+    """The plan fields (:class:`GemmPlan`'s and :class:`.gemv_stream.GemvPlan`'s) that the
+    tensors of one call decide."""
+    M, K = x.shape
+    return dict(
+        m=int(M),
+        k=int(K),
+        segments=tuple(int(w.shape[0]) for w in weights),
+        norm=norm_weight is not None,
+        add_residual=residual is not None,
+        residual_epilogue=epilogue_residual is not None,
+        x_stride=0 if x.stride(0) == K else int(x.stride(0)),
+        eps=float(eps),
+    )
 
 
 def compile_plan(plan: GemmPlan):
@@ -722,10 +763,6 @@ def compile_plan(plan: GemmPlan):
 
         return gs.compile_plan(gs.from_gemm_plan(plan))
     return itf.compiled(("skinny_gemm", plan), lambda: (SkinnyGemm(plan), _fake_args(plan)))
-
-
-def _placeholder(device) -> torch.Tensor:
-    return itf.placeholder(device, _PLACEHOLDER)
 
 
 def skinny_gemm(
@@ -759,16 +796,8 @@ def skinny_gemm(
     ``gemv`` / ``l2_all``: force the streaming GEMV / the whole-slice L2 prefetch (None: their
     environment knobs).
     """
-    M, K = x.shape
     plan = GemmPlan(
-        m=M,
-        k=K,
-        segments=tuple(int(w.shape[0]) for w in weights),
-        norm=norm_weight is not None,
-        add_residual=residual is not None,
-        residual_epilogue=epilogue_residual is not None,
-        x_stride=0 if x.stride(0) == K else int(x.stride(0)),
-        eps=float(eps),
+        **shape_fields(x, weights, residual, norm_weight, epilogue_residual, eps),
         rt_force=rt,
         ks_force=ks,
         situ=situ is not None,
@@ -786,19 +815,8 @@ def skinny_gemm(
         gs.launch(gs.from_gemm_plan(plan), x, weights, outs, residual, residual_out,
                   norm_weight, epilogue_residual)  # fmt: skip
         return
-    fn = compile_plan(plan)
-    ph = _placeholder(x.device)
-    segs: list[torch.Tensor] = []
-    for s in range(3):
-        segs += [weights[s], outs[s]] if s < len(weights) else [ph, ph]
-    fn(
-        x,
-        residual if residual is not None else ph,
-        residual_out if residual is not None else ph,
-        norm_weight if norm_weight is not None else ph[0],
-        *segs,
-        epilogue_residual if epilogue_residual is not None else ph,
-    )
+    call(compile_plan(plan), x, weights, outs, residual, residual_out, norm_weight,
+         epilogue_residual)  # fmt: skip
 
 
 def skinny_gemm_ref(
