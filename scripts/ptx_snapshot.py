@@ -158,6 +158,15 @@ def _cases() -> dict:
         gs.compile_plan,
         gs.from_gemm_plan(sg.GemmPlan(m=4, k=H, segments=(A,), norm=True, gemv=True)),
     )
+    # the grouped MoE's w2 launch: GroupedW2 (regs) and GroupedW2Tile (its environment knobs)
+    for T, w2 in ((8, "regs"), (8, mg.W2_TILE), (64, mg.W2_TILE)):
+        cases[f"tp8_w2_{w2}_t{T}"] = (
+            "build",
+            lambda T=T, w2=w2, c=cfg: mg._build_w2(
+                T, c.moe.num_experts, c.moe.top_k, c.expert_dim, c.expert_inter, c.hidden,
+                c.shared_inter, True, mode=w2,
+            ),
+        )  # fmt: skip
     cases["tp16_front_mma_t64"] = (
         "build",
         lambda c=get_config("kimi-k3", 16): fm._build(
