@@ -923,10 +923,14 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # shared down before w13's PDL wait (_w2sh: in w2's first CTAs instead), w2's weights before its
 # wait (_nopre: after it), the route: RouteT1 (_rt1; the default since s10/r2) or the grouped
 # route kernel (_rtg).
+# _w2p[_pw<warps>][_ps<stages>][_pm<CTAs per SM>]: w2 on the persistent
+# kernels/specialized/w2_t1_persist.py (DECODESCOPE_MOE_T1_W2=persist and its
+# DECODESCOPE_MOE_T1_W2P_WARPS / _STAGES / _PERSM; defaults 2 / 5 / 3), e.g.
+# grouped_t1_w2p_pw4_ps4.
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
-    r"(?:_(rt1|rtg))?"
+    r"(?:_(rt1|rtg))?(?:_(w2p)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
 )
 
 
@@ -942,8 +946,12 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, w2w, w2sh, nopre, rt1 = T1_RE.fullmatch(var).groups()
+    r, s, k, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
+    env["DECODESCOPE_MOE_T1_W2"] = "persist" if w2p else ""
+    env["DECODESCOPE_MOE_T1_W2P_WARPS"] = pw or ""
+    env["DECODESCOPE_MOE_T1_W2P_STAGES"] = ps or ""
+    env["DECODESCOPE_MOE_T1_W2P_PERSM"] = pm or ""
     env["DECODESCOPE_MOE_T1_ROUTE"] = {"rt1": "t1", "rtg": "grouped"}.get(rt1 or "", "")
     return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
             "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",

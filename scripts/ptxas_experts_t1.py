@@ -2,9 +2,11 @@
 CPU: compiles each for sm_90a, keeps the PTX, runs ``ptxas -arch=sm_90a -v`` and prints
 registers, spill stores, shared memory per CTA, the CTAs per SM those allow (H200: 65536
 registers, 228 KB of shared memory with 1 KB reserved per CTA), the grid, and where the PDL wait
-sits relative to the first ``cp.async`` (the pre-wait copies: shared down / w2 weights).
+sits relative to the first ``cp.async`` (the pre-wait copies: shared down / w2 weights); also
+the persistent w2 (``w2_t1_persist.W2T1Persist``) per ``--w2p warps,stages,per_sm``.
 
     python scripts/ptxas_experts_t1.py [--tp 8 16] [--rows 16 32] [--stages 6 5]
+        [--w2p 2,5,3 4,4,2]
 """
 
 from __future__ import annotations
@@ -50,11 +52,15 @@ def main() -> int:
     from decodescope.kernels.specialized import experts_t1 as t1
     from decodescope.kernels.specialized import grouped_w13_tile as gt
     from decodescope.kernels.specialized import interface as itf  # noqa: F401 (arch first)
+    from decodescope.kernels.specialized import w2_t1_persist as wp
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--rows", type=int, nargs="+", default=[t1.ROWS_DEFAULT])
     ap.add_argument("--stages", type=int, nargs="+", default=[t1.STAGES_DEFAULT])
+    ap.add_argument("--w2p", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
+                    default=[(2, 5, 3)],
+                    help="persistent w2 tilings warps,stages,per_sm (none: skip)")  # fmt: skip
     a = ap.parse_args()
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
@@ -73,6 +79,13 @@ def main() -> int:
         print(f"TP{tp} w2: grid={op.grid} smem={op.smem} "
               f"ctas/SM(smem)={(228 * 1024) // (op.smem + 384 + 1024)} "
               f"{_ptxas(op, args, op.NT)}", flush=True)  # fmt: skip
+        for pw, ps, pm in a.w2p:  # DECODESCOPE_MOE_T1_W2=persist (w2_t1_persist.W2T1Persist)
+            pk = wp.PersistKnobs(warps=pw, stages=ps, per_sm=pm)
+            op, args = wp.build(*dims, pk=pk)
+            print(f"TP{tp} w2p w{pw} s{ps} m{pm}: grid={op.grid} units={op.units} "
+                  f"units/CTA<={op.UPC} R={op.R} smem={op.smem} "
+                  f"ctas/SM(smem)={(228 * 1024) // (op.smem + 384 + 1024)} "
+                  f"{_ptxas(op, args, op.NT)}", flush=True)  # fmt: skip
     return 0
 
 

@@ -31,6 +31,11 @@ module removes or hides, keeping the same three launches and the same outputs:
    directly (at 1 token the picks are distinct: slot = rank by expert index), without the
    grouped route's expert-wide count, scan and barriers.
 
+5. **A persistent w2** (optional, ``DECODESCOPE_MOE_T1_W2=persist``, session 11):
+   :class:`w2_t1_persist.W2T1Persist` in place of :class:`W2T1`, same arguments and outputs:
+   3 CTAs per SM, each a contiguous run of row blocks streamed through one ring across the
+   block boundaries (with the shared down in w13 only).
+
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
 files untouched): :class:`W13T1` adds the pre-wait shared down, :class:`W2T1` the pre-wait weight
@@ -106,7 +111,14 @@ def fits(T: int, dims: tuple) -> bool:
     sh13 = shared_where() == "w13"
     try:
         W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13)
-        W2T1(T, E, K, L, Ie, H, S, kn=w2_knobs(), shared=not sh13, pre=w2_pre())
+        if w2_persist():
+            if not sh13:
+                return False
+            from decodescope.kernels.specialized import w2_t1_persist as wp
+
+            wp.W2T1Persist(T, E, K, L, Ie, H, S)
+        else:
+            W2T1(T, E, K, L, Ie, H, S, kn=w2_knobs(), shared=not sh13, pre=w2_pre())
         if route_where() == "t1":
             if T != 1 or not sh13:
                 return False
@@ -162,6 +174,15 @@ def shared_where() -> str:
     if v not in SHARED_WHERE:
         raise ValueError(f"DECODESCOPE_MOE_T1_SHARED={v!r}: expected one of {SHARED_WHERE}")
     return v
+
+
+def w2_persist() -> bool:
+    """``DECODESCOPE_MOE_T1_W2``: ``persist`` (:class:`w2_t1_persist.W2T1Persist`, opt-in: a
+    fixed grid of CTAs each streaming a contiguous run of row blocks through one ring) or
+    ``tile`` (unset: :class:`W2T1`)."""
+    from decodescope.kernels.specialized import w2_t1_persist as wp
+
+    return wp.variant() == "persist"
 
 
 def w2_pre() -> bool:
@@ -640,10 +661,21 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
         ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
         lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
     )
-    w2k = itf.compiled(
-        ("moe_t1_w2", *dims, pdl, nsm, kn, not sh13, pre),
-        lambda: build_w2(T, E, K, L, Ie, H, S, pdl, nsm, kn, not sh13, pre),
-    )
+    if w2_persist():  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
+        from decodescope.kernels.specialized import w2_t1_persist as wp
+
+        if not sh13:
+            raise ValueError("DECODESCOPE_MOE_T1_W2=persist needs DECODESCOPE_MOE_T1_SHARED=w13")
+        pk = wp.knobs()
+        w2k = itf.compiled(
+            ("moe_t1_w2p", *dims, pdl, nsm, kn, pk),
+            lambda: wp.build(T, E, K, L, Ie, H, S, pdl, nsm, pk),
+        )
+    else:
+        w2k = itf.compiled(
+            ("moe_t1_w2", *dims, pdl, nsm, kn, not sh13, pre),
+            lambda: build_w2(T, E, K, L, Ie, H, S, pdl, nsm, kn, not sh13, pre),
+        )
     b = bufs
     tw = topk_w.view(-1)
     if 0 in parts:
