@@ -17,7 +17,12 @@ does, and nothing else with CUPTI:
 3. ``session``: start ONE :class:`Session` with the variant's options, capture ``G`` under it
    (GRAPHNODE callbacks fire, as in a real capture);
 4. ``on``: ``--blocks`` blocks (``G`` replays and eager steps), with the records per step counted
-   (proof that the variant traced what it claims);
+   (proof that the variant traced what it claims); then ``--eager-ab`` rounds of eager blocks
+   with the session paused (:meth:`Session.pause`: every kind and launch record disabled, CUPTI
+   still loaded and subscribed) and recording, interleaved ABBA: an eager overhead measured in
+   one process, free of the drift between the off and on phases (the s11 H200 run: the A/A
+   control's eager step moved -18% from its off to its on phase, and the off phases of the
+   children spread 34%);
 5. exit with ``os._exit``: the session is never stopped, nothing is replayed after it.
 
 Why (the H200 run of eb72dbd, ``notes/gpu-logs/s4/overhead_decode.log``): the earlier design
@@ -453,6 +458,18 @@ def inner(args: argparse.Namespace) -> dict:
         phase(f"on: {args.blocks} blocks, G + eager, session {variant}")
         for _ in range(args.blocks):
             block("on", graph, session)
+        if session is not None and args.eager_ab:
+            phase(f"eager A/B: {args.eager_ab} rounds, session paused / recording, ABBA")
+            for i in range(args.eager_ab):
+                for state in ("ab_off", "ab_on") if i % 2 == 0 else ("ab_on", "ab_off"):
+                    (session.pause if state == "ab_off" else session.resume)()
+                    torch.cuda.synchronize()
+                    n_nat, n_gpu = sizes["eager"]
+                    f = _figure(torch, eager_step, n_nat, n_gpu, cyc)
+                    res["blocks"].append({"phase": state, "variant": variant,
+                                          "figures": {"eager": f}, "records": {}})  # fmt: skip
+            session.resume()
+            _take_counts(session)
         if session is not None:
             res["session_errors"] = list(session.errors[:5])
             res["callback_errors"] = session.counts.get("callback_errors", 0)
@@ -519,6 +536,13 @@ def summarize_case(children: list[dict]) -> dict:
                 for k, x in (b["records"].get(tgt) or {}).items():
                     recs.setdefault(k, []).append(x)
             row["records_per_step"] = {k: _med(x) for k, x in sorted(recs.items())}
+            if tgt == "eager":  # interleaved in one process (ABBA, --eager-ab)
+                ab = [_ratio(_child_fig(c, "ab_on", tgt, "natural"),
+                             _child_fig(c, "ab_off", tgt, "natural")) for c in cs]  # fmt: skip
+                ab = [x for x in ab if x == x]
+                if ab:
+                    row["natural_ab_overhead"] = _med(ab)
+                    row["natural_ab_overheads"] = ab
             rows[v] = row
         out[tgt] = rows
     out["checks"] = {
@@ -560,6 +584,9 @@ def verdicts(summary: dict) -> dict:
         if ok:
             best = min(ok)
             v.update(best=best[1], best_overhead=best[0], best_ok=best[0] <= TARGETS[mode])
+        if d and d.get(f"{f}_ab_overhead") is not None:
+            x = d[f"{f}_ab_overhead"]
+            v.update(interleaved=x, interleaved_ok=x <= TARGETS[mode])
         out[mode] = v
     return out
 
@@ -598,6 +625,12 @@ def format_case(name: str, children: list[dict], summary: dict) -> str:
               f"{r['natural']:>10.1f}{_pct(r['natural_overhead']):>8}{r['host']:>9.1f}"
               f"{_pct(r['host_overhead']):>8}{r['gpu_min']:>8.1f}-{r['gpu_max']:<7.1f}"
               f"{r['buffers_in_loop']:>5} {'y' if r['hidden'] else 'n':>3}  {recs}")  # fmt: skip
+    ab = {v: r for v, r in summary.get("eager", {}).items() if "natural_ab_overheads" in r}
+    if ab:
+        p("  eager, interleaved in one process (session paused vs recording, ABBA blocks; "
+          "natural): " + "; ".join(f"{LABELS.get(v, v)} {_pct(r['natural_ab_overhead'])} "
+                                   f"(children {', '.join(_pct(x).strip() for x in r['natural_ab_overheads'])})"
+                                   for v, r in ab.items()))  # fmt: skip
     c = summary.get("checks", {})
     p(f"  checks: off spread across children gpu {_pct(c.get('off_graph_gpu_spread'))}, eager "
       f"{_pct(c.get('off_eager_natural_spread'))}; {c.get('g_vs_g0_note', '')}")  # fmt: skip
@@ -618,6 +651,9 @@ def format_verdicts(results: dict) -> str:
             if "best" in v:
                 line += (f"; cheapest complete: {LABELS.get(v['best'], v['best'])} "
                          f"{_pct(v['best_overhead'])} ({'ok' if v['best_ok'] else 'over'})")  # fmt: skip
+            if "interleaved" in v:
+                line += (f"; interleaved in one process (paused vs recording): "
+                         f"{_pct(v['interleaved'])} ({'ok' if v['interleaved_ok'] else 'over'})")  # fmt: skip
             print(line, file=w)
     for name, cs in results.get("cases", {}).items():
         for c in cs:
@@ -643,7 +679,7 @@ def run_child(case: dict, args: argparse.Namespace, timeout: float) -> dict:
         if lib:
             env["NVTX_INJECTION64_PATH"] = lib
     cmd = [sys.executable, __file__, "--inner", json.dumps(case), "--blocks", str(args.blocks),
-           "--block-ms", str(args.block_ms)]  # fmt: skip
+           "--block-ms", str(args.block_ms), "--eager-ab", str(args.eager_ab)]  # fmt: skip
     name = f"{case['name']}/{case['variant']}"
     last = {"phase": "start"}
 
@@ -694,6 +730,9 @@ def main(argv: list[str] | None = None) -> int:
                         v for v in VARIANTS if v != "off"))  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1, help="children per case and variant")
     ap.add_argument("--blocks", type=int, default=3, help="off blocks and on blocks per child")
+    ap.add_argument("--eager-ab", type=int, default=4,
+                    help="after the on blocks: rounds of eager blocks with the session paused "
+                         "and recording, interleaved ABBA (0: none)")  # fmt: skip
     ap.add_argument("--block-ms", type=float, default=25.0, help="ms of steps per figure")
     ap.add_argument("--budget-s", type=float, default=195.0, help="the whole run, seconds")
     ap.add_argument("--no-inject", action="store_true", help="no NVTX_INJECTION64_PATH")
@@ -726,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         attrs = parse_attrs(args.attrs)
         if args.rounds < 1 or args.blocks < 1:
             raise ValueError("--rounds and --blocks must be at least 1")
+        if args.eager_ab < 0:
+            raise ValueError("--eager-ab must be 0 or more")
         cases = {
             f"{wl}-b{b}": {"name": f"{wl}-b{b}", "workload": wl,
                            "opts": workload_opts(wl, b, args.opt), "attrs": attrs}

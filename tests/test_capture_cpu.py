@@ -999,7 +999,7 @@ class _FakeCuda:
         return True
 
 
-def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3):
+def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3, eager_ab=0):
     import json
     import sys
     from types import ModuleType
@@ -1057,7 +1057,8 @@ def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3):
     monkeypatch.setitem(reg.WORKLOADS, "fakebench", fake)
     case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
             "variant": variant, "attrs": {}, "round": 0}  # fmt: skip
-    args = b.argparse.Namespace(inner=json.dumps(case), blocks=blocks, block_ms=1.0)
+    args = b.argparse.Namespace(inner=json.dumps(case), blocks=blocks, block_ms=1.0,
+                                eager_ab=eager_ab)  # fmt: skip
     res = b.inner(args)
     assert calls == [{"batch": "1"}]
     return json.loads(json.dumps(res, default=str)), events, sessions
@@ -1125,7 +1126,7 @@ def test_overhead_bench_run_child_names_the_phase_a_crash_happened_in(tmp_path, 
         "os.kill(os.getpid(), signal.SIGSEGV)\n"
     )
     monkeypatch.setattr(b, "__file__", str(fake))
-    args = b.argparse.Namespace(no_inject=True, blocks=3, block_ms=25.0)
+    args = b.argparse.Namespace(no_inject=True, blocks=3, block_ms=25.0, eager_ab=4)
     r = b.run_child({"name": "standard-b1", "variant": "default"}, args, 30)
     assert r["error"] == ("exit -11 in phase: on: 3 blocks, G + eager, session default (2.0 s)"), r
     ok = tmp_path / "ok.py"
@@ -1210,3 +1211,36 @@ def test_child_spec_passes_hw_trace_to_the_session(tmp_path):
     assert s.hw_trace is True
     s = child._start({"out": str(tmp_path / "b"), "fake": True})
     assert s.hw_trace is False
+
+
+def test_overhead_bench_child_eager_ab_pauses_and_resumes_the_same_session(monkeypatch):
+    """--eager-ab: after the on blocks, eager blocks with the one session paused and recording,
+    ABBA; no graph replay while paused; the session is left recording."""
+    pytest.importorskip("cupti")
+    b = _bench()
+    res, events, sessions = _run_inner_on_fakes(b, monkeypatch, "default", blocks=1, eager_ab=2)
+    assert "failed" not in res, res.get("failed")
+    assert [x["phase"] for x in res["blocks"]] == [
+        "off", "on", "ab_off", "ab_on", "ab_on", "ab_off"]  # fmt: skip
+    assert all(set(x["figures"]) == {"eager"} for x in res["blocks"][2:])
+    (s,) = sessions
+    assert s.running and not s._paused and "session stop" not in events
+    c = s._cupti
+    kinds = len(s._enabled)
+    # two pauses: every kind disabled twice, every launch record switched 0 then 1 again
+    assert len(c.disabled_kinds) == 2 * kinds
+    offs = [x for x in c.api_calls if x[2] == 0]
+    assert len(offs) == 2 * len(s._api_enabled) and c.api_calls[-1][2] == 1
+    summ = b.summarize_case([res])
+    e = summ["eager"]["default"]
+    assert e["natural_ab_overhead"] == pytest.approx(e["natural_ab_overheads"][0])
+    assert "interleaved" in summ["verdicts"]["eager"]
+    assert "interleaved in one process" in b.format_case("fakebench-b1", [res], summ)
+
+
+def test_session_pause_resume_noop_when_not_running(tmp_path):
+    s = cap.Session(tmp_path, cupti_module=FakeCupti())
+    s.pause()  # not started: nothing to do, no CUPTI call
+    assert not s._paused
+    s.resume()
+    assert not s._paused

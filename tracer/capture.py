@@ -177,6 +177,7 @@ class Session:
         self.defer_conversion = defer_conversion
         self.hw_trace = bool(hw_trace)
         self._hw_trace_on = False
+        self._paused = False
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.buffer_bytes = int(buffer_bytes)
@@ -321,6 +322,50 @@ class Session:
             return False
         self._enabled.append(kind)
         return True
+
+    def pause(self) -> None:
+        """Stop recording without stopping the session: every enabled activity kind (but
+        ``GRAPH_TRACE``, which cannot come back) and every per-API launch record is disabled;
+        subscribers stay. For the overhead benchmark's interleaved eager blocks (the same
+        process, recording and not, block by block); do not replay CUDA graphs while paused.
+        What remains is CUPTI loaded and subscribed, recording nothing."""
+        if not self.running or self._paused:
+            return
+        c = self._cupti
+        graph_trace = getattr(getattr(c, "ActivityKind", None), "GRAPH_TRACE", None)
+        for kind in self._enabled:
+            if graph_trace is not None and int(kind) == int(graph_trace):
+                continue
+            try:
+                c.activity_disable(kind)
+            except Exception as e:
+                self._note(f"pause: activity_disable({kind}): {e}")
+        for fn, cbid in self._api_enabled:
+            try:
+                fn(cbid, 0)
+            except Exception as e:
+                self._note(f"pause: launch record {cbid}: {e}")
+        self._paused = True
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: the same kinds and launch records enabled again."""
+        if not self._paused:
+            return
+        c = self._cupti
+        graph_trace = getattr(getattr(c, "ActivityKind", None), "GRAPH_TRACE", None)
+        for kind in self._enabled:
+            if graph_trace is not None and int(kind) == int(graph_trace):
+                continue
+            try:
+                c.activity_enable(kind)
+            except Exception as e:
+                self._note(f"resume: activity_enable({kind}): {e}")
+        for fn, cbid in self._api_enabled:
+            try:
+                fn(cbid, 1)
+            except Exception as e:
+                self._note(f"resume: launch record {cbid}: {e}")
+        self._paused = False
 
     def _note(self, msg: str) -> None:
         if len(self.errors) < 50:
