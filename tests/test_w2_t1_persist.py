@@ -78,8 +78,9 @@ def _routings():
     E, K = 896, 16
     out = [("t1", 1, torch.randperm(E, generator=g)[:K][None]),
            ("t1_ends", 1, torch.cat([torch.arange(8), torch.arange(E - 8, E)])[None])]  # fmt: skip
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(4)])
-    ids[:, 0] = 7  # one expert for every token, others shared by a few
+    rest = torch.tensor([e for e in range(E) if e not in (7, 100)])
+    ids = torch.stack([rest[torch.randperm(rest.numel(), generator=g)[:K]] for _ in range(4)])
+    ids[:, 0] = 7  # one expert for every token, another shared by two (distinct per token)
     ids[1:3, 1] = 100
     out.append(("t4_rep", 4, ids))
     ids = torch.stack([torch.randperm(40, generator=g)[:K] for _ in range(8)])  # heavy repeats
@@ -226,9 +227,10 @@ def test_w2p_alone_gpu(preset, tp, T, pk, clean_env):
     d = _dims(preset, tp, T)
     _, E, K, L, Ie, H, S = d
     g = torch.Generator().manual_seed(tp * 10 + T)
+    gd = torch.Generator(device=dev).manual_seed(tp * 10 + T)
     op = wp.W2T1Persist(*d, pk=pk)
     fn = itf.compiled(("test_w2p", *d, pk), lambda: wp.build(*d, pk=pk))
-    w2 = (torch.randn(E, L, Ie, generator=g) * 0.05).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(E, L, Ie, device=dev, generator=gd) * 0.05).to(torch.bfloat16)
     sw2 = torch.zeros(H, S, dtype=torch.bfloat16, device=dev)
     hs = torch.zeros(T, S, dtype=torch.bfloat16, device=dev)
 
@@ -236,9 +238,8 @@ def test_w2p_alone_gpu(preset, tp, T, pk, clean_env):
         return torch.cat([x, torch.zeros(op.slots - x.numel(), dtype=torch.int32)]).to(dev)
 
     for draw in range(2):
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        if T > 1:
-            ids[:, 0] = ids[0, 0]  # a repeated expert
+        ids = torch.randperm(E, generator=g)[: T * K].view(T, K)
+        ids[1:, 0] = ids[0, 0]  # T > 1: one expert shared by every token (distinct per token)
         se, so, sn, nact, pairs = mg.lists_from_ids(ids, E)
         h = torch.randn(T * K, Ie, generator=g).to(torch.bfloat16).to(dev)
         tw = torch.rand(T * K, generator=g).to(dev)
