@@ -76,16 +76,14 @@ DRAM stream).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import BFloat16, Int32, Int64, const_expr
 from cutlass.experimental import primitives as prims
 
-from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import env_knobs as knob
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import moe_grouped as mg
 
@@ -166,22 +164,8 @@ _ENV = {  # knob -> (environment variable, allowed values)
 def knobs() -> TileKnobs:
     """:class:`TileKnobs` from the environment (``DECODESCOPE_MOE_W2T_*``), read at each call;
     a bad value raises a one-line ``ValueError`` naming the variable."""
-    vals = {}
-    for name, (var, allowed) in _ENV.items():
-        v = os.environ.get(var, "")
-        if v == "":
-            continue
-        if name in ("load", "order", "shared"):
-            if v not in allowed:
-                raise ValueError(f"{var}={v!r}: expected one of {allowed}")
-            vals[name] = v
-            continue
-        if not v.isdigit() or int(v) not in allowed:
-            lo, hi = min(allowed), max(allowed)
-            want = f"{lo}..{hi}" if len(allowed) == hi - lo + 1 else f"one of {allowed}"
-            raise ValueError(f"{var}={v!r}: expected {want}")
-        vals[name] = int(v)
-    return TileKnobs(**vals)
+    vals = {name: knob.read(var, allowed) for name, (var, allowed) in _ENV.items()}
+    return TileKnobs(**{name: v for name, v in vals.items() if v is not None})
 
 
 def piece(idx, U: int):
@@ -772,21 +756,4 @@ class GroupedW2Tile:
 def build(T, E, K, L, Ie, H, S, pdl=True, nsm: int = 132, kn: TileKnobs | None = None):
     """``(op, fake args)`` in :func:`moe_grouped._build_w2`'s argument order."""
     op = GroupedW2Tile(T, E, K, L, Ie, H, S, pdl, nsm, kn)
-    i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
-    sl = op.slots
-    args = (
-        itf.fake(bf, (T * K, Ie)),
-        itf.fake(bf, (T, S)),
-        itf.fake(bf, (E, L, Ie)),
-        itf.fake(bf, (H, S)),
-        itf.fake(f32, (T * L,)),
-        itf.fake(f32, (T, H)),
-        itf.fake(i32, (T * K,)),
-        itf.fake(f32, (T * K,)),
-        itf.fake(i32, (sl,)),
-        itf.fake(i32, (sl,)),
-        itf.fake(i32, (sl,)),
-        itf.fake(i32, (4,)),
-        itf.env_stream(),
-    )
-    return op, args
+    return op, mg.w2_fake_args(T, E, K, L, Ie, H, S, op.slots)

@@ -45,6 +45,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
+from decodescope.kernels.specialized import env_knobs as knob
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import route_topk as rtk
@@ -707,9 +708,14 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_ST
 
         return gw2.build(T, E, K, L, Ie, H, S, pdl, nsm, tile or gw2.knobs())
     op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode, stages)
+    return op, w2_fake_args(T, E, K, L, Ie, H, S, op.slots)
+
+
+def w2_fake_args(T, E, K, L, Ie, H, S, slots: int) -> tuple:
+    """The fake arguments of a w2 launch (:class:`GroupedW2` and :class:`grouped_w2_tile.
+    GroupedW2Tile` share them), ``slots`` the op's work-list length."""
     i32, f32, bf = torch.int32, torch.float32, torch.bfloat16
-    sl = op.slots
-    args = (
+    return (
         itf.fake(bf, (T * K, Ie)),
         itf.fake(bf, (T, S)),
         itf.fake(bf, (E, L, Ie)),
@@ -718,13 +724,12 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_ST
         itf.fake(f32, (T, H)),
         itf.fake(i32, (T * K,)),
         itf.fake(f32, (T * K,)),
-        itf.fake(i32, (sl,)),
-        itf.fake(i32, (sl,)),
-        itf.fake(i32, (sl,)),
+        itf.fake(i32, (slots,)),
+        itf.fake(i32, (slots,)),
+        itf.fake(i32, (slots,)),
         itf.fake(i32, (4,)),
         itf.env_stream(),
     )
-    return op, args
 
 
 def w13_mode() -> str:
@@ -734,12 +739,7 @@ def w13_mode() -> str:
     564.9 (0.91) at 64, level with Triton's w13 on the same routing (notes/gpu-logs/s9/r2);
     before that w4 -> ring 844.6 -> 639.8 us at 64 (s7/r5). Read at each call, part of the
     compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W13", "") or W13_TILE
-    if v not in (*W13_MODES, W13_TILE):
-        raise ValueError(
-            f"DECODESCOPE_MOE_GROUPED_W13={v!r}: expected one of {(*W13_MODES, W13_TILE)}"
-        )
-    return v
+    return knob.read("DECODESCOPE_MOE_GROUPED_W13", (*W13_MODES, W13_TILE), W13_TILE)
 
 
 def w2_mode(T: int | None = None) -> str:
@@ -749,14 +749,10 @@ def w2_mode(T: int | None = None) -> str:
     regs -> ring 116.9 -> 102.1 us at 8 tokens, 491.8 -> 365.8 at 64). Unset: ``tile`` where
     ``W2_TILE_UPTO`` is None or ``T <= W2_TILE_UPTO``, else ``ring``. Read at each call, part
     of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_W2", "")
-    if v == "":
+    v = knob.read("DECODESCOPE_MOE_GROUPED_W2", (*W2_MODES, W2_TILE))
+    if v is None:
         tile = W2_TILE_UPTO is None or (T is not None and T <= W2_TILE_UPTO)
         return W2_TILE if tile else "ring"
-    if v not in (*W2_MODES, W2_TILE):
-        raise ValueError(
-            f"DECODESCOPE_MOE_GROUPED_W2={v!r}: expected one of {(*W2_MODES, W2_TILE)}"
-        )
     return v
 
 
@@ -764,10 +760,7 @@ def w2_stages() -> int:
     """``DECODESCOPE_MOE_W2_STAGES``: chunks in flight per warp in :class:`GroupedW2`'s ring
     (default ``W2_RING_STAGES`` = 3 since the H200 A/B of s8/r7; fewer stages take less shared
     memory per CTA, so more CTAs fit an SM). Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_W2_STAGES", "") or str(W2_RING_STAGES)
-    if not v.isdigit() or not 1 <= int(v) <= 8:
-        raise ValueError(f"DECODESCOPE_MOE_W2_STAGES={v!r}: expected 1..8")
-    return int(v)
+    return knob.read("DECODESCOPE_MOE_W2_STAGES", tuple(range(1, 9)), str(W2_RING_STAGES))
 
 
 def route_mode() -> str:
@@ -778,10 +771,8 @@ def route_mode() -> str:
     us at 1 / 8 / 64 tokens, split 9.7 / 12.8 / 15.1 (16.6 / 19.0 at 8 / 64 before
     select_topk's loads were hoisted); ids and weights bit for bit equal (checks
     ``route_thresh_identical_*``). Read at each call, part of the compile key."""
-    v = os.environ.get("DECODESCOPE_MOE_GROUPED_ROUTE", "thresh")
-    if v not in ROUTE_MODES:
-        raise ValueError(f"DECODESCOPE_MOE_GROUPED_ROUTE={v!r}: expected one of {ROUTE_MODES}")
-    return v
+    var = "DECODESCOPE_MOE_GROUPED_ROUTE"  # set but empty: an error, as before
+    return knob.check(var, os.environ.get(var, "thresh"), ROUTE_MODES)
 
 
 def route_split() -> bool:

@@ -75,6 +75,7 @@ import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
 from cutlass import BFloat16, Float32  # noqa: E402
 
+from decodescope.kernels.specialized import env_knobs as knob
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.moe_common import situ
@@ -134,10 +135,7 @@ def load_mode() -> str:
     long K slices only: at least ``RING_AUTO_MIN_CHUNKS`` chunks per warp, the K 7168 input
     projections; short streams lost with the ring in GroupedW2 at 1 token), the weight loads of
     the plans with M <= 16 that do not choose (read where a plan is made: part of its key)."""
-    v = os.environ.get(LOAD_ENV, "") or "regs"
-    if v not in (*LOADS, "auto"):
-        raise ValueError(f"{LOAD_ENV}={v!r}: expected one of {(*LOADS, 'auto')}")
-    return v
+    return knob.read(LOAD_ENV, (*LOADS, "auto"), "regs")
 
 
 @dataclass(frozen=True)
