@@ -139,6 +139,7 @@ def _cases() -> dict:
         cases[f"tp8_mlasplit_b{b}t1"] = (msp.compile_plan, msp.plan_for(cfg, b, 1))
     cases["tp16_mlasplit_b8t1"] = (msp.compile_plan, msp.plan_for(get_config("kimi-k3", 16), 8, 1))
     cases["tp8_mlatc_b8t1"] = (mtc.compile_plan, mtc.plan_for(cfg, 8, 1))
+    cases["tp8_mlatc_b8t8"] = (mtc.compile_plan, mtc.plan_for(cfg, 8, 8))  # 64 rows: clustered
     cases["tp8_mlatc_b1t8_noldsm"] = (
         mtc.compile_plan,
         dataclasses.replace(mtc.plan_for(cfg, 1, 8), ldsm=False),
