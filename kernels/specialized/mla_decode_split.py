@@ -84,7 +84,6 @@ from decodescope.kernels.specialized.mla_decode_tc import (
     ldsm_x4,
 )
 from decodescope.kernels.specialized.utils import (
-    block_sum,
     load_vec8,
     pdl_begin,
     pdl_enabled,
@@ -538,7 +537,7 @@ class MLADecodeSplit(MLADecodeTC):
         self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx
     ):
         p = self.p
-        LP, L, KVL, T, R, NB, S = p.lp, p.lat, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
+        LP, KVL, T, R, NB, S = p.lp, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
         NBA = p.nblk_all
         b = it // S
         sp = it % S
@@ -566,44 +565,11 @@ class MLADecodeSplit(MLADecodeTC):
             cute.arch.cp_async_commit_group()
 
         # the new latent rows (bf16, as the cache stores them); split 0 writes the cache
-        for t in cutlass.range(T):
-            row = b * T + t
-            ss = Float32(0.0)
-            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
-                cc = tidx + i * NT
-                if cc < KVL:
-                    x = mA[row, p.q_lora + cc].to(Float32)
-                    ss = ss + x * x
-            ss = block_sum(ss, sMisc, WARPS)
-            rstd = cute.math.rsqrt(ss / Float32(KVL) + Float32(p.eps))
-            for i in cutlass.range_constexpr((L + NT - 1) // NT):
-                cc = tidx + i * NT
-                if cc < L:
-                    val = mA[row, p.q_lora + cc]
-                    if cc < KVL:
-                        y = (val.to(Float32) * rstd).to(BFloat16).to(Float32)
-                        val = (y * mKvNorm[cc].to(Float32)).to(BFloat16)
-                    sNew[t, cc] = val
-                    if sp == 0:
-                        mCache[b, p.ctx + t, cc] = val
+        self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, 0, sp, tidx)
 
         # q_pe scaled; the padding rows zero
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
-        qw = p.nope + p.rope
-        for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
-            idx = tidx + i * NT
-            if idx < ROWS * p.rope:
-                r = idx // p.rope
-                e = idx % p.rope
-                v = Float32(0.0)
-                if r < R:
-                    v = mQ[b * T + r % T, (r // T) * qw + p.nope + e].to(Float32) * scale
-                sQ[r, KVL + e] = v.to(BFloat16)
-        if cutlass.const_expr(R < ROWS):
-            for i in cutlass.range_constexpr(((ROWS - R) * KVL + NT - 1) // NT):
-                idx = tidx + i * NT
-                if idx < (ROWS - R) * KVL:
-                    sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
+        self.stage_q_pe(mQ, sQ, b, 0, scale, tidx)
 
         # q_lat of this sequence's rows, once every absorption item is done
         if tidx == 0:

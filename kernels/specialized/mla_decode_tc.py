@@ -484,26 +484,7 @@ class MLADecodeTC:
             cute.arch.cp_async_commit_group()
 
         # -- 1. the new latent rows (bf16, as the cache stores them) ------------------------
-        for t in cutlass.range(T):
-            row = b * T + t
-            ss = Float32(0.0)
-            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
-                cc = tidx + i * NT
-                if cc < KVL:
-                    x = mA[row, p.q_lora + cc].to(Float32)
-                    ss = ss + x * x
-            ss = block_sum(ss, sMisc, WARPS)
-            rstd = cute.math.rsqrt(ss / Float32(KVL) + Float32(p.eps))
-            for i in cutlass.range_constexpr((L + NT - 1) // NT):
-                cc = tidx + i * NT
-                if cc < L:
-                    val = mA[row, p.q_lora + cc]
-                    if cc < KVL:
-                        y = (val.to(Float32) * rstd).to(BFloat16).to(Float32)
-                        val = (y * mKvNorm[cc].to(Float32)).to(BFloat16)
-                    sNew[t, cc] = val
-                    if gi == 0 and sp == 0:
-                        mCache[b, p.ctx + t, cc] = val
+        self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, gi, sp, tidx)
 
         # -- 2. queries: q_nope (f32) for the absorption, q_pe scaled; padding rows zero ------
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
@@ -527,20 +508,7 @@ class MLADecodeTC:
                     r = idx // p.nope
                     d = idx % p.nope
                     sQn[r, d] = mQ[b * T + r % T, (h0 + r // T) * qw + d].to(Float32)
-        for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
-            idx = tidx + i * NT
-            if idx < ROWS * p.rope:
-                r = idx // p.rope
-                e = idx % p.rope
-                v = Float32(0.0)
-                if r < R:
-                    v = mQ[b * T + r % T, (h0 + r // T) * qw + p.nope + e].to(Float32) * scale
-                sQ[r, KVL + e] = v.to(BFloat16)
-        if cutlass.const_expr(R < ROWS):
-            for i in cutlass.range_constexpr(((ROWS - R) * KVL + NT - 1) // NT):
-                idx = tidx + i * NT
-                if idx < (ROWS - R) * KVL:
-                    sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
+        self.stage_q_pe(mQ, sQ, b, h0, scale, tidx)
         cute.arch.sync_threads()
         if cutlass.const_expr(p.clustered):
             self.absorb_cluster(mWuk, sQn, sQ, sAscr, h0, b, sp, tidx, scale)
@@ -702,6 +670,56 @@ class MLADecodeTC:
                 self.finish(mG, mWuv, mOut, sOlat, sK, b, h0, tidx)
                 if tidx == 0:
                     mCnt[b, gi] = Int32(0)
+
+    @cute.jit
+    def new_rows(self, mA, mKvNorm, mCache, sNew, sMisc, b, gi, sp, tidx):
+        """The sequence's new latent rows into ``sNew`` (RMSNorm over the ``kv_lora`` part,
+        bf16 as the cache stores them, a block reduction per token); the CTA of head group 0
+        and split 0 (``gi`` / ``sp``) writes them to the cache too."""
+        p = self.p
+        L, KVL, T = p.lat, p.kv_lora, p.tokens
+        for t in cutlass.range(T):
+            row = b * T + t
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr((KVL + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < KVL:
+                    x = mA[row, p.q_lora + cc].to(Float32)
+                    ss = ss + x * x
+            ss = block_sum(ss, sMisc, WARPS)
+            rstd = cute.math.rsqrt(ss / Float32(KVL) + Float32(p.eps))
+            for i in cutlass.range_constexpr((L + NT - 1) // NT):
+                cc = tidx + i * NT
+                if cc < L:
+                    val = mA[row, p.q_lora + cc]
+                    if cc < KVL:
+                        y = (val.to(Float32) * rstd).to(BFloat16).to(Float32)
+                        val = (y * mKvNorm[cc].to(Float32)).to(BFloat16)
+                    sNew[t, cc] = val
+                    if gi == 0 and sp == 0:
+                        mCache[b, p.ctx + t, cc] = val
+
+    @cute.jit
+    def stage_q_pe(self, mQ, sQ, b, h0, scale, tidx):
+        """``q_pe`` of the sequence's rows (heads from ``h0``) times ``scale`` into ``sQ``'s
+        last ``rope`` columns, the padding rows (``rows .. 15``) zero: bf16."""
+        p = self.p
+        KVL, T, R = p.kv_lora, p.tokens, p.rows
+        qw = p.nope + p.rope
+        for i in cutlass.range_constexpr((ROWS * p.rope + NT - 1) // NT):
+            idx = tidx + i * NT
+            if idx < ROWS * p.rope:
+                r = idx // p.rope
+                e = idx % p.rope
+                v = Float32(0.0)
+                if r < R:
+                    v = mQ[b * T + r % T, (h0 + r // T) * qw + p.nope + e].to(Float32) * scale
+                sQ[r, KVL + e] = v.to(BFloat16)
+        if cutlass.const_expr(R < ROWS):
+            for i in cutlass.range_constexpr(((ROWS - R) * KVL + NT - 1) // NT):
+                idx = tidx + i * NT
+                if idx < (ROWS - R) * KVL:
+                    sQ[R + idx // KVL, idx % KVL] = BFloat16(0.0)
 
     def make_acc(self, ntl: int):
         """``ntl`` zeroed m16n8 FP32 accumulators (trace-time helper)."""
