@@ -80,7 +80,6 @@ from decodescope.kernels.specialized.mla_decode_tc import (
     WARPS,
     MLADecodeTC,
     env_int,
-    ldsm_x2,
     ldsm_x4,
 )
 from decodescope.kernels.specialized.utils import (
@@ -462,19 +461,7 @@ class MLADecodeSplit(MLADecodeTC):
             aa = ldsm_x4(a_base + kk * 16, False)
             for e in cutlass.range_constexpr(4):
                 fa32[e] = aa[e]
-            for j2 in cutlass.range_constexpr((ntl + 1) // 2):
-                bptr = b_base + kk * 16 * b_ld + j2 * 16
-                if cutlass.const_expr(2 * j2 + 1 < ntl):
-                    vb = ldsm_x4(bptr, True)
-                else:
-                    b0, b1 = ldsm_x2(bptr, True)
-                    vb = (b0, b1, b0, b1)
-                for h in cutlass.range_constexpr(2):
-                    nt = 2 * j2 + h
-                    if cutlass.const_expr(nt < ntl):
-                        fb32[0] = vb[2 * h]
-                        fb32[1] = vb[2 * h + 1]
-                        cute.gemm(atom, acc[nt], fa, fb, acc[nt])
+            self.mma_b_trans(atom, acc, fa, fb, fb32, b_base + kk * 16 * b_ld, ntl)
 
     # -- 1. absorption -----------------------------------------------------------------------
     @cute.jit

@@ -883,19 +883,27 @@ class MLADecodeTC:
                 aa = ldsm_x4(p_base + kk * 16, False)
                 for e in cutlass.range_constexpr(4):
                     fa32[e] = aa[e]
-            for j2 in cutlass.range_constexpr((NTL + 1) // 2):
-                vptr = v_base + kk * 16 * LP + j2 * 16
-                if cutlass.const_expr(2 * j2 + 1 < NTL):
-                    vb = ldsm_x4(vptr, True)
-                else:
-                    b0, b1 = ldsm_x2(vptr, True)
-                    vb = (b0, b1, b0, b1)
-                for h in cutlass.range_constexpr(2):
-                    nt = 2 * j2 + h
-                    if cutlass.const_expr(nt < NTL):
-                        fb32[0] = vb[2 * h]
-                        fb32[1] = vb[2 * h + 1]
-                        cute.gemm(atom, oacc[nt], fa, fb, oacc[nt])
+            self.mma_b_trans(atom, oacc, fa, fb, fb32, v_base + kk * 16 * LP, NTL)
+
+    @cute.jit
+    def mma_b_trans(self, atom, acc, fa, fb, fb32, b_row, ntl: int):
+        """``acc[nt] += A B`` for ``ntl`` n-tiles of 8 with the A fragment in ``fa``: the B
+        fragments of one k-step by ``ldmatrix .trans`` from shared memory stored [k][n] (row
+        pointer ``b_row`` of this lane: k row, n-tile pair), two n-tiles per ``x4`` (an ``x2``
+        for an odd last one). ``fb32``: ``fb`` as Int32."""
+        for j2 in cutlass.range_constexpr((ntl + 1) // 2):
+            bptr = b_row + j2 * 16
+            if cutlass.const_expr(2 * j2 + 1 < ntl):
+                vb = ldsm_x4(bptr, True)
+            else:
+                b0, b1 = ldsm_x2(bptr, True)
+                vb = (b0, b1, b0, b1)
+            for h in cutlass.range_constexpr(2):
+                nt = 2 * j2 + h
+                if cutlass.const_expr(nt < ntl):
+                    fb32[0] = vb[2 * h]
+                    fb32[1] = vb[2 * h + 1]
+                    cute.gemm(atom, acc[nt], fa, fb, acc[nt])
 
     @cute.jit
     def issue_block(self, mCache, sK, b, kb, buf, tidx):
