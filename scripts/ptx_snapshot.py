@@ -50,6 +50,7 @@ def _cases() -> dict:
     from decodescope.kernels.specialized import router_topk as rt
     from decodescope.kernels.specialized import skinny_gemm as sg
     from decodescope.kernels.specialized import splitk_gemm as sk
+    from decodescope.kernels.specialized import tile_gemm as tg
     from decodescope.kernels.specialized import up_proj_shared_add as up
 
     cases: dict = {}
@@ -62,8 +63,13 @@ def _cases() -> dict:
         p = f"tp{tp}"
         # attention-side GEMMs: skinny below 8 tokens, split-K from 8
         for m in (1, 8):
-            cases[f"{p}_nqp_kda_m{m}"] = (sk.compile_any, nqp.plan_for(cfg, "kda", m))
-            cases[f"{p}_oproj_kda_m{m}"] = (sk.compile_any, orn.plan_for(cfg, "kda", m))
+            pl = nqp.plan_for(cfg, "kda", m)
+            if isinstance(pl, tg.TilePlan):  # from 8 tokens: the tile GEMM (its norm launch apart)
+                cases[f"{p}_nqp_kda_m{m}"] = (
+                    "build", lambda pl=pl: (tg.TileGemm(pl), tg._fake_args(pl)))  # fmt: skip
+            else:
+                cases[f"{p}_nqp_kda_m{m}"] = (sk.compile_any, pl)
+            cases[f"{p}_oproj_kda_m{m}"] = (tg.compile_any, orn.plan_for(cfg, "kda", m))
         cases[f"{p}_nqp_mla_m1"] = (sk.compile_any, nqp.plan_for(cfg, "mla", 1))
         cases[f"{p}_qb_m1"] = (sk.compile_any, orn.q_b_plan(cfg, 1))
         mm = 32 if tp == 8 else 16  # split-K: both MLA segments, the strided q_b input
