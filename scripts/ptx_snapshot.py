@@ -174,6 +174,14 @@ def _cases() -> dict:
                 c.shared_inter, True, mode=w2,
             ),
         )  # fmt: skip
+    # the experts at one token: W2T1 (the default) and its persistent variant (opt-in)
+    from decodescope.kernels.specialized import experts_t1 as et1
+    from decodescope.kernels.specialized import w2_t1_persist as w2p
+
+    dims = (1, cfg.moe.num_experts, cfg.moe.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden,
+            cfg.shared_inter)  # fmt: skip
+    cases["tp8_w2t1_t1"] = ("build", lambda d=dims: et1.build_w2(*d))
+    cases["tp8_w2t1_persist_t1"] = ("build", lambda d=dims: w2p.build(*d))
     cases["tp16_front_mma_t64"] = (
         "build",
         lambda c=get_config("kimi-k3", 16): fm._build(

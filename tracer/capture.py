@@ -331,41 +331,33 @@ class Session:
         What remains is CUPTI loaded and subscribed, recording nothing."""
         if not self.running or self._paused:
             return
-        c = self._cupti
-        graph_trace = getattr(getattr(c, "ActivityKind", None), "GRAPH_TRACE", None)
-        for kind in self._enabled:
-            if graph_trace is not None and int(kind) == int(graph_trace):
-                continue
-            try:
-                c.activity_disable(kind)
-            except Exception as e:
-                self._note(f"pause: activity_disable({kind}): {e}")
-        for fn, cbid in self._api_enabled:
-            try:
-                fn(cbid, 0)
-            except Exception as e:
-                self._note(f"pause: launch record {cbid}: {e}")
+        self._switch(False)
         self._paused = True
 
     def resume(self) -> None:
         """Undo :meth:`pause`: the same kinds and launch records enabled again."""
         if not self._paused:
             return
+        self._switch(True)
+        self._paused = False
+
+    def _switch(self, on: bool) -> None:
+        """Every enabled kind but ``GRAPH_TRACE``, and every launch record, on or off."""
         c = self._cupti
         graph_trace = getattr(getattr(c, "ActivityKind", None), "GRAPH_TRACE", None)
+        what = "resume" if on else "pause"
         for kind in self._enabled:
             if graph_trace is not None and int(kind) == int(graph_trace):
                 continue
             try:
-                c.activity_enable(kind)
+                (c.activity_enable if on else c.activity_disable)(kind)
             except Exception as e:
-                self._note(f"resume: activity_enable({kind}): {e}")
+                self._note(f"{what}: activity_{'enable' if on else 'disable'}({kind}): {e}")
         for fn, cbid in self._api_enabled:
             try:
-                fn(cbid, 1)
+                fn(cbid, 1 if on else 0)
             except Exception as e:
-                self._note(f"resume: launch record {cbid}: {e}")
-        self._paused = False
+                self._note(f"{what}: launch record {cbid}: {e}")
 
     def _note(self, msg: str) -> None:
         if len(self.errors) < 50:

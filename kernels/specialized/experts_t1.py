@@ -487,17 +487,7 @@ class W2T1(gw2.GroupedW2Tile):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
-        BK = self.BKP
-        sW = smem.allocate_tensor(
-            BFloat16,
-            cute.make_layout((self.nbuf, self.R, BK), stride=(self.R * BK, BK, 1)),
-            byte_alignment=128,
-        )  # fmt: skip
-        sX = smem.allocate_tensor(
-            BFloat16,
-            cute.make_layout((self.nbuf, self.MP, BK), stride=(self.MP * BK, BK, 1)),
-            byte_alignment=128,
-        )  # fmt: skip
+        sW, sX = self.stage_buffers(smem)
         if const_expr(self.CS > 0):
             if bid < self.CS:
                 if const_expr(self.pdl):

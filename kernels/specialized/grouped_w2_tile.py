@@ -302,12 +302,11 @@ class GroupedW2Tile:
             use_pdl=self.pdl,
         )  # fmt: skip
 
-    @cute.kernel
-    def kernel(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN,
-               mNact):  # fmt: skip
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
+    def stage_buffers(self, smem):
+        """The weight and token stage rings in shared memory (trace time, inside a kernel):
+        ``nbuf`` buffers of ``R`` weight rows and of ``MP`` token rows, ``BKP`` columns each,
+        128-byte aligned. The kernels of :mod:`.experts_t1` and :mod:`.w2_t1_persist` lay out
+        theirs the same way."""
         BKP = self.BKP
         sW = smem.allocate_tensor(
             BFloat16,
@@ -319,6 +318,15 @@ class GroupedW2Tile:
             cute.make_layout((self.nbuf, self.MP, BKP), stride=(self.MP * BKP, BKP, 1)),
             byte_alignment=128,
         )  # fmt: skip
+        return sW, sX
+
+    @cute.kernel
+    def kernel(self, mH, mHs, mW2, mWs2, mAcc, mShared, mPairs, mTw, mSlotE, mSlotOff, mSlotN,
+               mNact):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sW, sX = self.stage_buffers(smem)
         sFull = sEmpty = None
         if const_expr(self.bulk):
             sFull = smem.allocate_tensor(Int64, cute.make_layout(self.nbuf), byte_alignment=8)

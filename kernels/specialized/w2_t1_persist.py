@@ -41,7 +41,7 @@ import os
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, const_expr
+from cutlass import Float32, const_expr
 
 from decodescope.kernels.specialized import experts_t1 as t1
 from decodescope.kernels.specialized import grouped_w2_tile as gw2
@@ -152,17 +152,7 @@ class W2T1Persist(t1.W2T1):
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
-        BK = self.BKP
-        sW = smem.allocate_tensor(
-            BFloat16,
-            cute.make_layout((self.nbuf, self.R, BK), stride=(self.R * BK, BK, 1)),
-            byte_alignment=128,
-        )  # fmt: skip
-        sX = smem.allocate_tensor(
-            BFloat16,
-            cute.make_layout((self.nbuf, self.MP, BK), stride=(self.MP * BK, BK, 1)),
-            byte_alignment=128,
-        )  # fmt: skip
+        sW, sX = self.stage_buffers(smem)
         self._run(mH, mW2, mAcc, mPairs, mTw, mSlotE, mSlotOff, mSlotN, mNact, sW, sX, bid, tid)
 
     def _slot_meta(self, mPairs, mTw, mSlotE, mSlotOff, mSlotN, a, c, tid):
