@@ -36,8 +36,8 @@ TOL = 1e-2  # relative L2 error (bf16 outputs; the fold has one rounding fewer: 
 TOL_FOLD = 2e-2
 # the plan's split count is the smallest that gives 132 CTAs (S2 at TP8: one CTA per SM; S4 at
 # TP16); 4 / 7 splits give two CTAs per SM at TP8; ldsm fragments (o_proj's gain at 64 tokens)
-TIME_VARIANTS = ({"splits_force": 4}, {"splits_force": 7}, {"ldsm": True},
-                 {"splits_force": 4, "ldsm": True})  # fmt: skip
+# (ldsm the plan's default since s12/r1: {"ldsm": False} the plain fragments)
+TIME_VARIANTS = ({"splits_force": 4}, {"ldsm": False}, {"splits_force": 4, "ldsm": False})
 
 
 def main() -> int:
@@ -125,8 +125,9 @@ def main() -> int:
             {},
             {"splits_force": 1},
             {"splits_force": 4},
-            {"ldsm": True},
+            {"ldsm": False},
             {"rms_fold": True},
+            {"rms_fold": True, "ldsm": False},
         ):
             guarded(f"check kernel {kw} M{m}", lambda m=m, kw=kw: check(m, kw))
 
@@ -146,7 +147,7 @@ def main() -> int:
         rec(what=f"check dense MLP DECODESCOPE_DENSE_TILE={mode} ({mlp.launches} launches)",
             M=m, err=f"{err:.2e}", tol=tol, status="PASS" if err < tol else "FAIL")  # fmt: skip
 
-    for mode in ("1", "fold"):
+    for mode in ("1", "fold", "0"):
         for m in (8, 64):
             guarded(f"check dense MLP {mode} M{m}", lambda mode=mode, m=m: check_mlp(mode, m))
 
@@ -185,6 +186,9 @@ def main() -> int:
                 ),
                 "tile fold alone (norm folded)": lambda i, r=r, act=act: dt.dense_gate_up(
                     r, wfs[i], act, betas, rms_fold=True, eps=eps
+                ),
+                "tile fold alone {'ldsm': False}": lambda i, r=r, act=act: dt.dense_gate_up(
+                    r, wfs[i], act, betas, rms_fold=True, eps=eps, ldsm=False
                 ),
                 **{
                     f"tile kernel alone {v}": lambda i, h=h, act=act, v=v: dt.dense_gate_up(

@@ -926,11 +926,12 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # _w2p[_pw<warps>][_ps<stages>][_pm<CTAs per SM>]: w2 on the persistent
 # kernels/specialized/w2_t1_persist.py (DECODESCOPE_MOE_T1_W2=persist and its
 # DECODESCOPE_MOE_T1_W2P_WARPS / _STAGES / _PERSM; defaults 2 / 5 / 3), e.g.
-# grouped_t1_w2p_pw4_ps4.
+# grouped_t1_w2p_pw4_ps4; _w2t: W2T1 (DECODESCOPE_MOE_T1_W2=tile); neither: the default
+# (persist since session 12, W2T1 with _w2sh).
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
-    r"(?:_(rt1|rtg))?(?:_(w2p)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
+    r"(?:_(rt1|rtg))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
 )
 
 
@@ -948,7 +949,7 @@ def t1_env(var: str) -> dict:
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
     r, s, k, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
-    env["DECODESCOPE_MOE_T1_W2"] = "persist" if w2p else ""
+    env["DECODESCOPE_MOE_T1_W2"] = {"w2p": "persist", "w2t": "tile"}.get(w2p or "", "")
     env["DECODESCOPE_MOE_T1_W2P_WARPS"] = pw or ""
     env["DECODESCOPE_MOE_T1_W2P_STAGES"] = ps or ""
     env["DECODESCOPE_MOE_T1_W2P_PERSM"] = pm or ""

@@ -3,8 +3,9 @@
 CPU: the kernel compiles for sm_90a at kimi-k3 TP8 / TP16, 8 / 32 / 33 / 64 tokens (split-K
 epilogue, the one-split register epilogue, the folded norm); the row map is a permutation
 pairing each MMA tile's gate rows 0..7 with their up rows 8..15; a torch model of the kernel's
-index math (row map, per-split partials, both epilogues) equals the reference; the opt-in knob
-``DECODESCOPE_DENSE_TILE`` leaves the default alone and picks the launches. GPU (``-m gpu``):
+index math (row map, per-split partials, both epilogues) equals the reference; the knob
+``DECODESCOPE_DENSE_TILE`` (default ``fold`` from 8 tokens, ``0`` the skinny GEMM) picks the
+launches; ``ldmatrix`` fragments are the tile's default here. GPU (``-m gpu``):
 the kernel and the dense MLP with the knob vs the torch references, NaN-poisoned outputs.
 """
 
@@ -37,15 +38,21 @@ def test_compiles(tp, m):
 @pytest.mark.parametrize("tp,m,kw", [(8, 8, {"splits_force": 1}), (16, 33, {"splits_force": 1}),
                                      (8, 64, {"rms_fold": True}), (16, 8, {"rms_fold": True}),
                                      (8, 32, {"rms_fold": True, "splits_force": 1}),
-                                     (8, 64, {"ldsm": True}), (8, 64, {"splits_force": 7})])  # fmt: skip
+                                     (8, 64, {"ldsm": False}), (8, 8, {"splits_force": 7}),
+                                     (8, 64, {"rms_fold": True, "ldsm": False})])  # fmt: skip
 def test_compiles_variants(tp, m, kw):
     cfg = CFGS[tp]
     p = dt.plan(m, cfg.hidden, cfg.dense_inter, eps=cfg.eps, **kw)
     assert dt.compile_plan(p, *dm._betas(cfg)) is not None
 
 
-def test_plan_numbers_and_errors():
+def test_plan_numbers_and_errors(monkeypatch):
+    monkeypatch.delenv("DECODESCOPE_TILE_LDSM", raising=False)
     p8, p16 = dm.tile_plan(CFGS[8], 8), dm.tile_plan(CFGS[16], 64)
+    assert p8.ldsm and p16.ldsm and not dt.plan(8, 7168, 4224, ldsm=False).ldsm
+    monkeypatch.setenv("DECODESCOPE_TILE_LDSM", "0")
+    assert not dm.tile_plan(CFGS[8], 8).ldsm
+    monkeypatch.delenv("DECODESCOPE_TILE_LDSM")
     assert (p8.row_ctas, p8.splits, p8.chunks) == (66, 2, 56)
     assert (p16.row_ctas, p16.splits, p16.chunks) == (33, 4, 28)
     with pytest.raises(ValueError, match="dense tile"):
@@ -136,9 +143,10 @@ def test_index_model_equals_ref(dn, splits, fold):
 def test_knob(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_DENSE_TILE", raising=False)
     monkeypatch.delenv("DECODESCOPE_DENSE_SPLIT_NORM", raising=False)
-    assert dm.tile_mode(8) == "" and dm.ops_for(8) == dm.OPS and dm.ops_for(64) == dm.OPS_SPLIT
+    assert [dm.tile_mode(m) for m in (1, 7, 8, 64)] == ["", "", "fold", "fold"]  # the default
+    assert dm.ops_for(1) == dm.OPS and dm.ops_for(64) == dm.OPS  # two launches
     monkeypatch.setenv("DECODESCOPE_DENSE_TILE", "0")
-    assert dm.tile_mode(64) == ""
+    assert dm.tile_mode(64) == "" and dm.ops_for(8) == dm.OPS and dm.ops_for(64) == dm.OPS_SPLIT
     monkeypatch.setenv("DECODESCOPE_DENSE_TILE", "1")
     assert [dm.tile_mode(m) for m in (1, 7, 8, 64)] == ["", "", "launch", "launch"]
     assert dm.ops_for(1) == dm.OPS and dm.ops_for(8) == dm.OPS_SPLIT  # <= 3 launches
@@ -155,14 +163,14 @@ def _meta_weights(cfg):
     return {"dense_w13": e(2 * Dn, H), "dense_w2": e(H, Dn), "mlp_norm": e(H)}
 
 
-@pytest.mark.parametrize("mode,m", [("", 8), ("1", 8), ("1", 64)])
+@pytest.mark.parametrize("mode,m", [("0", 8), ("1", 8), ("1", 64), ("", 8), ("", 64)])
 def test_mlp_stages(monkeypatch, mode, m):
     monkeypatch.setenv("DECODESCOPE_DENSE_TILE", mode)
     monkeypatch.delenv("DECODESCOPE_DENSE_SPLIT_NORM", raising=False)
     cfg = CFGS[8]
     mlp = dm.SpecializedDenseMLP(cfg, _meta_weights(cfg), m)
-    assert mlp.tile == ("launch" if mode else "")
-    assert mlp.launches == (3 if mode else 2) and mlp.launches <= 3
+    assert mlp.tile == {"0": "", "1": "launch", "": "fold"}[mode]
+    assert mlp.launches == (3 if mode == "1" else 2)
     mlp.warmup()  # compiles the plan's kernels (meta tensors: nothing runs)
     r = torch.empty(m, cfg.hidden, dtype=torch.bfloat16, device="meta")
     assert [op for op, _ in mlp.stages(r, r)] == list(mlp.ops)

@@ -121,6 +121,11 @@ def test_split_covers_rows_once(tp, name, T, ids, pk, clean_env):
 
 def test_knobs_and_selection(clean_env):
     mp = clean_env
+    assert wp.variant() == "persist" and t1.w2_persist()  # the default since session 12
+    mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")  # no shared-down CTAs in the persistent w2
+    assert wp.variant() == "tile" and not t1.w2_persist()
+    mp.delenv("DECODESCOPE_MOE_T1_SHARED")
+    mp.setenv("DECODESCOPE_MOE_T1_W2", "tile")
     assert wp.variant() == "tile" and not t1.w2_persist()
     assert wp.knobs() == wp.PersistKnobs(2, 5, 3)
     mp.setenv("DECODESCOPE_MOE_T1_W2", "persist")
@@ -144,7 +149,7 @@ def test_knobs_and_selection(clean_env):
 
 def test_block_wiring(clean_env):
     """``DECODESCOPE_MOE_T1_W2=persist``: the same three launches, W2T1Persist third (its knobs
-    in the key); unset: W2T1 (CPU: builds run, nothing compiled)."""
+    in the key); ``tile``: W2T1; unset: persist (CPU: builds run, nothing compiled)."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     mp = clean_env
@@ -173,12 +178,17 @@ def test_block_wiring(clean_env):
         blk.experts()
     mp.delenv("DECODESCOPE_MOE_T1_SHARED")
     mp.delenv("DECODESCOPE_MOE_T1_ROUTE")
-    mp.delenv("DECODESCOPE_MOE_T1_W2")
+    mp.setenv("DECODESCOPE_MOE_T1_W2", "tile")
     mp.delenv("DECODESCOPE_MOE_T1")
     calls.clear()
     blk.experts()
     assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
     assert type(built[-1]) is t1.W2T1
+    mp.delenv("DECODESCOPE_MOE_T1_W2")
+    mp.delenv("DECODESCOPE_MOE_T1_W2P_PERSM")
+    calls.clear()
+    blk.experts()
+    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2p"]  # the default
 
 
 def _script():
@@ -193,7 +203,8 @@ def test_script_variants():
     env = gs.variant_env("grouped_t1_w2p")
     assert env["DECODESCOPE_MOE_T1"] == "t1" and env["DECODESCOPE_MOE_T1_W2"] == "persist"
     assert env["DECODESCOPE_MOE_T1_W2P_WARPS"] == "" and env["DECODESCOPE_MOE_T1_ROUTE"] == ""
-    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_W2"] == ""  # the default: W2T1
+    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_W2"] == ""  # the default: persist
+    assert gs.variant_env("grouped_t1_w2t")["DECODESCOPE_MOE_T1_W2"] == "tile"
     env = gs.variant_env("grouped_t1_w2p_pw4_ps4_pm2")
     assert (env["DECODESCOPE_MOE_T1_W2P_WARPS"], env["DECODESCOPE_MOE_T1_W2P_STAGES"],
             env["DECODESCOPE_MOE_T1_W2P_PERSM"]) == ("4", "4", "2")  # fmt: skip

@@ -31,7 +31,8 @@ module removes or hides, keeping the same three launches and the same outputs:
    directly (at 1 token the picks are distinct: slot = rank by expert index), without the
    grouped route's expert-wide count, scan and barriers.
 
-5. **A persistent w2** (optional, ``DECODESCOPE_MOE_T1_W2=persist``, session 11):
+5. **A persistent w2** (``DECODESCOPE_MOE_T1_W2=persist``, session 11; the default since
+   session 12 wherever the shared down runs in w13, ``tile`` for :class:`W2T1`):
    :class:`w2_t1_persist.W2T1Persist` in place of :class:`W2T1`, same arguments and outputs:
    3 CTAs per SM, each a contiguous run of row blocks streamed through one ring across the
    block boundaries (with the shared down in w13 only).
@@ -177,9 +178,9 @@ def shared_where() -> str:
 
 
 def w2_persist() -> bool:
-    """``DECODESCOPE_MOE_T1_W2``: ``persist`` (:class:`w2_t1_persist.W2T1Persist`, opt-in: a
-    fixed grid of CTAs each streaming a contiguous run of row blocks through one ring) or
-    ``tile`` (unset: :class:`W2T1`)."""
+    """``DECODESCOPE_MOE_T1_W2``: ``persist`` (:class:`w2_t1_persist.W2T1Persist`: a fixed grid
+    of CTAs each streaming a contiguous run of row blocks through one ring; the default where the
+    shared down runs in w13) or ``tile`` (:class:`W2T1`; the default with the shared down in w2)."""
     from decodescope.kernels.specialized import w2_t1_persist as wp
 
     return wp.variant() == "persist"
