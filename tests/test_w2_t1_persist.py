@@ -122,6 +122,7 @@ def test_split_covers_rows_once(tp, name, T, ids, pk, clean_env):
 def test_knobs_and_selection(clean_env):
     mp = clean_env
     assert wp.variant() == "persist" and t1.w2_persist()  # the default since session 12
+    assert t1.w2_persist(384) and not t1.w2_persist(192)  # TP8-wide experts only (TP16: tile)
     mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")  # no shared-down CTAs in the persistent w2
     assert wp.variant() == "tile" and not t1.w2_persist()
     mp.delenv("DECODESCOPE_MOE_T1_SHARED")
@@ -149,7 +150,8 @@ def test_knobs_and_selection(clean_env):
 
 def test_block_wiring(clean_env):
     """``DECODESCOPE_MOE_T1_W2=persist``: the same three launches, W2T1Persist third (its knobs
-    in the key); ``tile``: W2T1; unset: persist (CPU: builds run, nothing compiled)."""
+    in the key); ``tile``: W2T1; unset: persist from ``PERSIST_MIN_IE`` (CPU: builds run, nothing
+    compiled)."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     mp = clean_env
@@ -187,8 +189,12 @@ def test_block_wiring(clean_env):
     mp.delenv("DECODESCOPE_MOE_T1_W2")
     mp.delenv("DECODESCOPE_MOE_T1_W2P_PERSM")
     calls.clear()
+    blk.experts()  # the default at tiny's 64-wide experts (under PERSIST_MIN_IE): W2T1
+    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
+    mp.setattr(wp, "PERSIST_MIN_IE", 64)
+    calls.clear()
     blk.experts()
-    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2p"]  # the default
+    assert calls == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2p"]
 
 
 def _script():

@@ -32,7 +32,8 @@ module removes or hides, keeping the same three launches and the same outputs:
    grouped route's expert-wide count, scan and barriers.
 
 5. **A persistent w2** (``DECODESCOPE_MOE_T1_W2=persist``, session 11; the default since
-   session 12 wherever the shared down runs in w13, ``tile`` for :class:`W2T1`):
+   session 12 where the shared down runs in w13 and the experts are TP8-wide or wider,
+   ``tile`` for :class:`W2T1`):
    :class:`w2_t1_persist.W2T1Persist` in place of :class:`W2T1`, same arguments and outputs:
    3 CTAs per SM, each a contiguous run of row blocks streamed through one ring across the
    block boundaries (with the shared down in w13 only).
@@ -112,7 +113,7 @@ def fits(T: int, dims: tuple) -> bool:
     sh13 = shared_where() == "w13"
     try:
         W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13)
-        if w2_persist():
+        if w2_persist(Ie):
             if not sh13:
                 return False
             from decodescope.kernels.specialized import w2_t1_persist as wp
@@ -177,13 +178,14 @@ def shared_where() -> str:
     return v
 
 
-def w2_persist() -> bool:
+def w2_persist(ie: int | None = None) -> bool:
     """``DECODESCOPE_MOE_T1_W2``: ``persist`` (:class:`w2_t1_persist.W2T1Persist`: a fixed grid
     of CTAs each streaming a contiguous run of row blocks through one ring; the default where the
-    shared down runs in w13) or ``tile`` (:class:`W2T1`; the default with the shared down in w2)."""
+    shared down runs in w13 and the experts' width per rank ``ie`` is at least
+    ``w2_t1_persist.PERSIST_MIN_IE``) or ``tile`` (:class:`W2T1`; the default otherwise)."""
     from decodescope.kernels.specialized import w2_t1_persist as wp
 
-    return wp.variant() == "persist"
+    return wp.variant(ie) == "persist"
 
 
 def w2_pre() -> bool:
@@ -652,7 +654,7 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
         ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
         lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
     )
-    if w2_persist():  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
+    if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
         from decodescope.kernels.specialized import w2_t1_persist as wp
 
         if not sh13:

@@ -1,8 +1,9 @@
 """A persistent w2 for the experts at one token: ``DECODESCOPE_MOE_T1_W2=persist`` (issue #5).
 
-Kernel 3 of the ``t1`` mode (:mod:`experts_t1`): the default since session 12 wherever the
-shared down runs in w13 (the default; ``DECODESCOPE_MOE_T1_W2=tile``: :class:`experts_t1.W2T1`,
-the default before). H200 s12/r1, TP8, one token, alone: 16.4 -> 13.3 us (bytes floor 10.5);
+Kernel 3 of the ``t1`` mode (:mod:`experts_t1`): the default since session 12 where the shared
+down runs in w13 (the default) and the experts are at least ``PERSIST_MIN_IE`` wide per rank
+(TP8; at TP16 it was slower in the layer, :func:`variant`); ``DECODESCOPE_MOE_T1_W2=tile``:
+:class:`experts_t1.W2T1`, the default before. H200 s12/r1, TP8, one token, alone: 16.4 -> 13.3 us (bytes floor 10.5);
 the experts kernel 44.6 -> 43.4 us, the MoE block 86.8 -> 85.4 (``gpu_specialized_moe.py``,
 ``grouped_t1`` vs ``grouped_t1_w2p``). Same contract, launch slot, PDL placement and rounding as W2T1 (FP32 MMA accumulation per
 row over all of ``Ie``, ``acc[t, row] += weight(p) * y`` by ``red.global.add.f32``); only the
@@ -69,15 +70,22 @@ class PersistKnobs:
     per_sm: int = DEF_PER_SM
 
 
-def variant() -> str:
+PERSIST_MIN_IE = 384  # the default persists from this expert width per rank (TP8: 384; TP16: 192)
+
+
+def variant(ie: int | None = None) -> str:
     """``DECODESCOPE_MOE_T1_W2``: ``tile`` (:class:`experts_t1.W2T1`) or ``persist``; unset:
     ``persist`` where the shared down runs in w13 (``DECODESCOPE_MOE_T1_SHARED``, default
-    ``w13``), else ``tile`` (the persistent kernel has no shared-down CTAs)."""
+    ``w13``; the persistent kernel has no shared-down CTAs) and the experts' width per rank
+    ``ie`` (None: not considered) is at least ``PERSIST_MIN_IE``, else ``tile``. In the layer
+    (H200 s12, bench by share, experts + latent up): TP8 (``ie`` 384) -1.5 / -0.6 us (KDA /
+    MLA), TP16 (192) +1.8 / +1.9 us, so TP16 keeps W2T1."""
     v = os.environ.get("DECODESCOPE_MOE_T1_W2", "")
     if not v:
         from decodescope.kernels.specialized import experts_t1 as t1
 
-        return "persist" if t1.shared_where() == "w13" else "tile"
+        wide = ie is None or ie >= PERSIST_MIN_IE
+        return "persist" if t1.shared_where() == "w13" and wide else "tile"
     if v not in VARIANTS:
         raise ValueError(f"DECODESCOPE_MOE_T1_W2={v!r}: expected one of {VARIANTS}")
     return v
