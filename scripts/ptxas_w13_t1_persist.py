@@ -3,7 +3,7 @@ beside W13T1 (its default tiling): compiles each for sm_90a at kimi-k3 TP8 / TP1
 ``ptxas -arch=sm_90a -v`` (:func:`ptxas_experts_t1._ptxas`) and prints registers, spill stores,
 the grid, units, shared memory per CTA and the CTAs per SM it allows.
 
-    python scripts/ptxas_w13_t1_persist.py [--tp 8 16] [--w13p 1,16,1 1,8,2 1,6,3]
+    python scripts/ptxas_w13_t1_persist.py [--tp 8 16] [--w13p 1,16,1 1,8,2 1,6,3 1,16,1,4]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--w13p", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
-                    default=[(1, 16, 1)], help="tilings warps,stages,per_sm")  # fmt: skip
+                    default=[(1, 16, 1)], help="tilings warps,stages,per_sm[,sdrows]")  # fmt: skip
     ap.add_argument("--no-tile", action="store_true", help="skip W13T1")
     a = ap.parse_args()
     for tp in a.tp:
@@ -45,11 +45,12 @@ def main() -> int:
             print(f"TP{tp} w13 tile: grid={op.grid} shared rows/CTA={op.RPC} smem={smem} "
                   f"ctas/SM(smem)={(228 * 1024) // (smem + 1024)} {px._ptxas(op, args, op.NT)}",
                   flush=True)  # fmt: skip
-        for qw, qs, qm in a.w13p:
-            pk = w13p.PersistKnobs(warps=qw, stages=qs, per_sm=qm)
+        for q in a.w13p:
+            qw, qs, qm, sd = (*q, 1)[:4]
+            pk = w13p.PersistKnobs(warps=qw, stages=qs, per_sm=qm, sd=sd)
             op, args = w13p.build(*dims, 4.0, 25.0, pk=pk)
             smem = op.cfg.smem_bytes + hs
-            print(f"TP{tp} w13p w{qw} s{qs} m{qm}: grid={op.grid} units={op.units} "
+            print(f"TP{tp} w13p w{qw} s{qs} m{qm} sd{sd}: grid={op.grid} units={op.units} "
                   f"units/CTA<={op.UPC} R={op.R} shared rows/CTA={op.RPC} smem={smem} "
                   f"ctas/SM(smem)={(228 * 1024) // (smem + 1024)} {px._ptxas(op, args, op.NT)}",
                   flush=True)  # fmt: skip

@@ -56,9 +56,11 @@ def test_compiles_kimi_k3(tp, units, upc, clean_env):
 
 @pytest.mark.parametrize("pk,want", [(w13p.PersistKnobs(1, 8, 2), (16, 8, 264)),
                                      (w13p.PersistKnobs(2, 6, 1), (32, 6, 132)),
-                                     (w13p.PersistKnobs(1, 6, 3), (16, 6, 384))])  # fmt: skip
+                                     (w13p.PersistKnobs(1, 6, 3), (16, 6, 384)),
+                                     (w13p.PersistKnobs(1, 16, 1, 4), (16, 16, 132))])  # fmt: skip
 def test_compiles_knobs(pk, want, clean_env):
-    """Other tilings at TP8: 2 CTAs per SM with 8 stages, 32-row units, W13T1's own shape."""
+    """Other tilings at TP8: 2 CTAs per SM with 8 stages, 32-row units, W13T1's own shape, the
+    shared down 4 rows per warp iteration."""
     d = _dims("kimi-k3", 8)
     op, args = w13p.build(*d, BETA, LBETA, pk=pk)
     assert (op.R, op.S, op.grid) == want
@@ -145,7 +147,8 @@ def test_knobs_and_selection(clean_env):
     for var, bad in (("DECODESCOPE_MOE_T1_W13", "ring"), ("DECODESCOPE_MOE_T1_W13P_WARPS", "3"),
                      ("DECODESCOPE_MOE_T1_W13P_STAGES", "17"),
                      ("DECODESCOPE_MOE_T1_W13P_PERSM", "x"),
-                     ("DECODESCOPE_MOE_T1_W13P_PERSM", "0")):  # fmt: skip
+                     ("DECODESCOPE_MOE_T1_W13P_PERSM", "0"),
+                     ("DECODESCOPE_MOE_T1_W13P_SDROWS", "3")):  # fmt: skip
         old = __import__("os").environ.get(var, "")
         mp.setenv(var, bad)
         with pytest.raises(ValueError, match=var) as ei:
@@ -224,6 +227,12 @@ def test_script_variants():
     env = gs.variant_env("grouped_t1_s8_w2t_w13p_s12")  # T1 stages vs the w13p stages
     assert env["DECODESCOPE_MOE_T1_STAGES"] == "8" and env["DECODESCOPE_MOE_T1_W13P_STAGES"] == "12"
     assert env["DECODESCOPE_MOE_T1_W2"] == "tile"
+    env = gs.variant_env("grouped_t1_w13p_s12_i4")
+    assert (env["DECODESCOPE_MOE_T1_W13P_STAGES"], env["DECODESCOPE_MOE_T1_W13P_SDROWS"]) == (
+        "12",
+        "4",
+    )
+    assert gs.variant_env("grouped_t1_w13p")["DECODESCOPE_MOE_T1_W13P_SDROWS"] == ""
     for v in ("grouped_t1", "grouped_t1_w2p", "grouped_t1_w2t", "grouped_t1_w2p_pw4_ps4_pm2",
               "grouped_t1_rt1_w2p", "grouped_t1_w2sh_nopre", "grouped_t1base",
               "grouped_t1_w13p", "grouped_t1_w2p_w13p_w1_s16_m1"):  # fmt: skip
@@ -255,6 +264,8 @@ def _ref(y, w13, sw2, se, so, sn, nact, pairs, T, E, K, L, Ie, S):
 @pytest.mark.parametrize("preset,tp,T,pk", [("kimi-k3", 8, 1, None), ("kimi-k3", 16, 1, None),
                                             ("kimi-k3", 8, 1, w13p.PersistKnobs(1, 8, 2)),
                                             ("kimi-k3", 8, 1, w13p.PersistKnobs(2, 6, 1)),
+                                            ("kimi-k3", 8, 1, w13p.PersistKnobs(1, 16, 1, 4)),
+                                            ("kimi-k3", 16, 1, w13p.PersistKnobs(1, 8, 2, 2)),
                                             ("kimi-k3", 8, 4, w13p.PersistKnobs(1, 8, 2)),
                                             ("tiny", 1, 1, None), ("tiny", 2, 1, None)])  # fmt: skip
 def test_w13p_alone_gpu(preset, tp, T, pk, clean_env):
@@ -307,6 +318,7 @@ def test_w13p_alone_gpu(preset, tp, T, pk, clean_env):
 @pytest.mark.parametrize("preset,tp,var", [("kimi-k3", 8, "grouped_t1_w13p"),
                                            ("kimi-k3", 16, "grouped_t1_w13p"),
                                            ("kimi-k3", 8, "grouped_t1_w13p_s8_m2"),
+                                           ("kimi-k3", 8, "grouped_t1_w13p_i4"),
                                            ("kimi-k3", 8, "grouped_t1_w2t_w13p"),
                                            ("tiny", 1, "grouped_t1_w13p"),
                                            ("tiny", 2, "grouped_t1_w13p")])  # fmt: skip

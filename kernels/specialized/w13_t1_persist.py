@@ -36,7 +36,10 @@ unit's last ones are multiplied), so a CTA's copies never drain until its run en
   CTAs x 5 chunks. The stage count is not capped at W13T1's 8 (:class:`RingConfig`).
 
 Knobs (read at each call, part of the compile key): ``DECODESCOPE_MOE_T1_W13P_WARPS`` (1),
-``_STAGES`` (16), ``_PERSM`` (1); ``DECODESCOPE_MOE_T1_BK`` as for W13T1 (its ``_ROWS`` /
+``_STAGES`` (16), ``_PERSM`` (1), ``_SDROWS`` (1: W13T1's shared-down loop; 2 / 4: a warp
+takes that many shared-down rows per iteration, interleaved, same per-row arithmetic: with one
+warp per SM, 55 rows of dependent FMA chains are otherwise ~5 us before the wait, an estimate);
+``DECODESCOPE_MOE_T1_BK`` as for W13T1 (its ``_ROWS`` /
 ``_STAGES`` do not apply here). A bad value: a one-line ``ValueError`` naming the variable.
 """
 
@@ -46,12 +49,13 @@ import os
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from decodescope.kernels.specialized import experts_t1 as t1
 from decodescope.kernels.specialized import grouped_w13_tile as gwt
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import moe_grouped as mg
+from decodescope.kernels.specialized.moe_common import situ
 
 DEF_WARPS = 1  # 16-row units: 384 at TP8
 DEF_STAGES = 16  # 15 chunks of 8 KB weights in flight per CTA
@@ -61,6 +65,7 @@ ENV = {
     "warps": ("DECODESCOPE_MOE_T1_W13P_WARPS", (1, 2, 4, 8)),
     "stages": ("DECODESCOPE_MOE_T1_W13P_STAGES", tuple(range(2, MAX_STAGES + 1))),
     "per_sm": ("DECODESCOPE_MOE_T1_W13P_PERSM", tuple(range(1, 17))),
+    "sd": ("DECODESCOPE_MOE_T1_W13P_SDROWS", (1, 2, 4)),
 }
 VAR = "DECODESCOPE_MOE_T1_W13"
 VARIANTS = ("tile", "persist")  # DECODESCOPE_MOE_T1_W13 (unset: tile)
@@ -71,6 +76,7 @@ class PersistKnobs:
     warps: int = DEF_WARPS
     stages: int = DEF_STAGES
     per_sm: int = DEF_PER_SM
+    sd: int = 1  # shared-down rows per warp iteration (1: W13T1's own loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +207,85 @@ class W13T1Persist(t1.W13T1):
             cute.arch.griddepcontrol_launch_dependents()
         self._ring(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, sW, sZ, tid, bid,
                    warp, g, c)  # fmt: skip
+
+    @cute.jit
+    def _shared_down(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane):
+        """W13T1's shared down (``sd`` 1: its own method); ``sd`` > 1: the same copies, ``hs``
+        and per-row arithmetic (so the same bits), a warp taking ``sd`` rows per iteration with
+        their lane loops interleaved (independent FMA chains for one warp per SM)."""
+        if const_expr(self.pk.sd == 1):
+            t1.W13T1._shared_down(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
+        else:
+            self._shared_down_rows(mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
+
+    @cute.jit
+    def _shared_down_rows(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane):
+        """:meth:`_shared_down` with ``sd`` > 1 (W13T1's loads and ``hs`` verbatim; the row loop
+        takes ``sd`` rows at a time, clamped to the last row, stores guarded)."""
+        T, E, L, SI, H, US, NT, NW = (self.T, self.E, self.L, self.SI, self.H, self.US, self.NT,
+                                      self.NW)  # fmt: skip
+        RB, SD = self.RB, self.pk.sd
+        UY = 2 * SI // 4  # 16-byte units of a token's gate + up (FP32)
+        for i in cutlass.range(tid, T * UY, NT):
+            t = i // UY
+            u = i % UY
+            src = cute.local_tile(mY[t, None], (4,), ((E + L) // 4 + u,))
+            mc.cp_async16(cute.local_tile(sZf, (4,), (i,)), src)
+        cute.arch.cp_async_commit_group()
+        r0 = bid * self.RPC
+        nr = cutlass.max(cutlass.min(H - r0, self.RPC), 0)  # this CTA's rows (0 past H)
+        for rb in cutlass.range_constexpr(self.NRB):
+            lo = rb * RB
+            n_r = cutlass.max(cutlass.min(nr - lo, RB), 0)
+            for i in cutlass.range(tid, n_r * US, NT):
+                rr = i // US
+                u = i % US
+                src = cute.local_tile(mWs2[r0 + lo + rr, None], (8,), (u,))
+                mc.cp_async16(cute.local_tile(sWf, (8,), (i,)), src)
+            cute.arch.cp_async_commit_group()
+            if const_expr(rb == 0):  # hs from the gate/up values, while the rows land
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.barrier()
+                for i in cutlass.range(tid, T * SI, NT):
+                    t = i // SI
+                    s = i % SI
+                    hv = situ(sZf[t * 2 * SI + s], sZf[t * 2 * SI + SI + s], self.beta,
+                              self.lbeta)  # fmt: skip
+                    sHs[t, s] = hv.to(BFloat16)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()  # rows and hs visible to every warp
+            for rq in cutlass.range(warp * SD, n_r, NW * SD):
+                accs = []
+                rows = []
+                for j in cutlass.range_constexpr(SD):
+                    rows.append(cutlass.min(rq + j, n_r - 1))
+                    acc = cute.make_rmem_tensor((T,), Float32)
+                    acc.fill(0.0)
+                    accs.append(acc)
+                for u in cutlass.range(lane, US, 32):
+                    for j in cutlass.range_constexpr(SD):
+                        wv = cute.make_rmem_tensor((8,), BFloat16)
+                        cute.autovec_copy(cute.local_tile(sWf, (8,), (rows[j] * US + u,)), wv)
+                        wf = cute.make_rmem_tensor((8,), Float32)
+                        wf.store(wv.load().to(Float32))
+                        for t in cutlass.range_constexpr(T):
+                            hb = cute.make_rmem_tensor((8,), BFloat16)
+                            cute.autovec_copy(cute.local_tile(sHs[t, None], (8,), (u,)), hb)
+                            hf = cute.make_rmem_tensor((8,), Float32)
+                            hf.store(hb.load().to(Float32))
+                            s_ = accs[j][t]
+                            for q in cutlass.range_constexpr(8):
+                                s_ = s_ + wf[q] * hf[q]
+                            accs[j][t] = s_
+                for j in cutlass.range_constexpr(SD):
+                    for t in cutlass.range_constexpr(T):
+                        v = accs[j][t]
+                        for o in cutlass.range_constexpr(5):
+                            v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> o)
+                        if rq + j < n_r:  # noqa: SIM102 (dynamic conditions: nested ifs)
+                            if lane == 0:
+                                mShared[t, r0 + lo + rows[j]] = v
+            cute.arch.barrier()  # every warp done with the stages before they are refilled
 
     @cute.jit
     def _slot_meta(self, mPairs, mSlotE, mSlotOff, mSlotN, a, tid, c):
