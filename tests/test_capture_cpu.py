@@ -1244,3 +1244,26 @@ def test_session_pause_resume_noop_when_not_running(tmp_path):
     assert not s._paused
     s.resume()
     assert not s._paused
+
+
+def test_run_records_kernel_knobs(monkeypatch):
+    """The DECODESCOPE_* knobs set for a capture (inherited by the child) land in the run's
+    config_json["knobs"] and notes; the tool's own variables and empty values do not."""
+    for k in [k for k in __import__("os").environ if k.startswith("DECODESCOPE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("DECODESCOPE_MOE_T1_W2", "tile")
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE", "0")
+    monkeypatch.setenv("DECODESCOPE_L2_PREFETCH", "")  # empty: the default, not a knob
+    monkeypatch.setenv("DECODESCOPE_GIT_COMMIT", "abc1234")  # the tool's own
+    monkeypatch.setenv(cap.SPEC_ENV, "/tmp/spec.json")
+    assert cap.kernel_knobs() == {"DECODESCOPE_DENSE_TILE": "0", "DECODESCOPE_MOE_T1_W2": "tile"}
+    m = cap._build_meta({"workload": "w"}, {}, {}, time.time(), partial=False, command=None,
+                        message=None)  # fmt: skip
+    assert m.config["knobs"] == {"DECODESCOPE_DENSE_TILE": "0", "DECODESCOPE_MOE_T1_W2": "tile"}
+    assert "kernel knobs: DECODESCOPE_DENSE_TILE=0, DECODESCOPE_MOE_T1_W2=tile" in m.notes
+    monkeypatch.delenv("DECODESCOPE_MOE_T1_W2")
+    monkeypatch.delenv("DECODESCOPE_DENSE_TILE")
+    m = cap._build_meta({"workload": "w"}, {}, {}, time.time(), partial=False, command=None,
+                        message=None)  # fmt: skip
+    assert "knobs" not in m.config and not (m.notes or "").count("knobs")
+    assert cap.knobs_line({}) is None

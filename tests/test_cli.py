@@ -184,6 +184,23 @@ def test_check_against_run(work, tmp_path):
     assert data["ok"] is False and data["reasons"] and data["table"][0]["status"] == "regression"
 
 
+def test_check_names_differing_kernel_knobs(work, tmp_path):
+    """A run captured with kernel knobs (config_json["knobs"], written by the capture) checked
+    against a run without: the check still decides on the figures, and says the knobs differ."""
+    run = tracer.load(work / "hf")
+    cfg = {**run.meta.config, "knobs": {"DECODESCOPE_DENSE_TILE": "0"}}
+    meta = run.meta.replace(run_id="hf-knobs", config_json=json.dumps(cfg))
+    knobbed = tracer.write_run(run.replace(meta=meta), tmp_path / "knobs")
+    p = cli("check", knobbed, "--baseline", work / "hf", "--max-regression", "1")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "kernel knobs differ (DECODESCOPE_DENSE_TILE: run 0, baseline unset)" in p.stdout
+    js = json.loads(cli("check", work / "hf", "--baseline", work / "hf", "--max-regression", "1",
+                        "--json").stdout)  # fmt: skip
+    assert js["knobs_note"] is None
+    rep = json.loads(cli("report", knobbed, "--json", "--top", "1").stdout)
+    assert rep["run"]["knobs"] == "DECODESCOPE_DENSE_TILE=0"
+
+
 def test_check_against_dataset(work, tmp_path):
     ds = tmp_path / "ds"
     # the same real trace imported twice under two run ids: two baseline rows of one setup

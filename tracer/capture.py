@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -855,6 +855,39 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
+# DECODESCOPE_* variables that steer the tool, not the measured kernels (left out of a run's knobs)
+NOT_KNOBS = frozenset(
+    {
+        SPEC_ENV,
+        OWNER_ENV,
+        "DECODESCOPE_GIT_COMMIT",
+        "DECODESCOPE_RESULTS",
+        "DECODESCOPE_CHROMIUM",
+        "DECODESCOPE_DASHBOARD_PROFILE",
+        "DECODESCOPE_DASHBOARD_SOURCES",
+        "DECODESCOPE_DIST_TIMEOUT",
+    }
+)
+
+
+def kernel_knobs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``DECODESCOPE_*`` environment variables set (non-empty) for a capture, sorted: the
+    kernels' knobs (``DECODESCOPE_DENSE_TILE=0``, ``DECODESCOPE_MOE_T1_W2=tile``, ...), which
+    the child inherits and which change what runs. A run records them (``config_json["knobs"]``
+    and its notes) so that a figure measured off the defaults is never read as the defaults'."""
+    env = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in sorted(env.items())
+        if k.startswith("DECODESCOPE_") and k not in NOT_KNOBS and v.strip()
+    }
+
+
+def knobs_line(knobs: Mapping[str, str] | None) -> str | None:
+    """``"kernel knobs: A=1, B=x"`` or None."""
+    return "kernel knobs: " + ", ".join(f"{k}={v}" for k, v in knobs.items()) if knobs else None
+
+
 def _git_commit() -> str | None:
     env = os.environ.get("DECODESCOPE_GIT_COMMIT")  # a copy of the tree without its .git
     if env:
@@ -903,11 +936,14 @@ def _build_meta(
     config = {"capture": {k: v for k, v in spec.items() if k != "out"}}
     if command:
         config["command"] = list(command)
+    knobs = kernel_knobs()
+    if knobs:
+        config["knobs"] = knobs
     if wl_meta.get("config_json"):
         with contextlib.suppress(ValueError):
             config["workload"] = json.loads(wl_meta["config_json"])
     kw.pop("config_json", None)
-    notes = [n for n in (kw.pop("notes", None), message) if n]
+    notes = [n for n in (kw.pop("notes", None), knobs_line(knobs), message) if n]
     kw.update({k: v for k, v in meta.items() if k in fields and k != "run_id"})
     graph_mode = kw.pop("graph_mode", None) or (
         None if command else ("graph" if spec.get("graph") else "eager")

@@ -9,14 +9,17 @@ import typer
 
 from decodescope.analysis import dataset as layout
 from decodescope.analysis import regress
+from decodescope.analysis.schema import RunMeta
 from decodescope.tracer import dataset as tds
 from decodescope.ui.cli import UsageError, app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
+from decodescope.ui.cmd_report import knobs_of
 from decodescope.ui.render import arrow_table, dumps
 
 
-def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str]:
-    """The baseline kernels tables and a description of where they came from."""
+def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dict]]:
+    """The baseline kernels tables, a description of where they came from, and the kernel knobs
+    of each baseline run."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
         ids = layout.select_baseline(runs, run.meta)
@@ -24,9 +27,28 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str]:
             keys = ", ".join(f"{k}={getattr(run.meta, k)}" for k in layout.BASELINE_KEYS)
             raise UsageError(f"{path}: no baseline run with the same {keys}")
         kernels = tds.read_table(path, "kernels", ids)
-        return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)"
+        idset = set(ids)
+        knobs = [
+            knobs_of(RunMeta(run_id=r["run_id"], source="", config_json=r.get("config_json")))
+            for r in runs
+            if r.get("run_id") in idset
+        ]
+        return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)", knobs
     base = load_with_progress(path, scheme)
-    return [base.kernels], f"run {base.run_id}"
+    return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)]
+
+
+def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) -> str | None:
+    """One line naming the kernel knobs that differ between the run and a baseline run (a
+    regression check across different knobs compares different kernels), or None."""
+    diffs = []
+    for b in baselines:
+        for k in sorted(set(current) | set(b)):
+            if current.get(k) != b.get(k):
+                d = f"{k}: run {current.get(k, 'unset')}, baseline {b.get(k, 'unset')}"
+                if d not in diffs:
+                    diffs.append(d)
+    return "kernel knobs differ (" + "; ".join(diffs) + ")" if diffs else None
 
 
 @app.command("check")
@@ -44,10 +66,11 @@ def check(
 ) -> None:
     """Compare a run with a baseline per layer kind; exit 1 if span or kernel count regressed."""
     current = load_with_progress(run, scheme)
-    bases, origin = _baseline(baseline, current, scheme)
+    bases, origin, base_knobs = _baseline(baseline, current, scheme)
     result = regress.check(
         current, bases, max_regression, max_kernel_increase_pct=max_kernel_increase
     )
+    knob_note = knob_difference(knobs_of(current.meta), base_knobs)
     if json_out:
         typer.echo(
             dumps(
@@ -55,12 +78,15 @@ def check(
                     "ok": result.ok,
                     "reasons": result.reasons,
                     "baseline": origin,
+                    "knobs_note": knob_note,
                     "table": result.table,
                 }
             )
         )
     else:
         console.print(f"baseline: {origin}", highlight=False, soft_wrap=True)
+        if knob_note:
+            console.print(f"[yellow]note[/]: {knob_note}", highlight=False, soft_wrap=True)
         console.print(arrow_table(result.table, "per layer kind: run vs baseline"))
         if result.ok:
             console.print(f"[green]ok[/]: no regression above {max_regression:g}%")

@@ -73,9 +73,19 @@ def _ops_of(run: Run) -> str | None:
     return line.split(": ", 1)[1] if line else None
 
 
+def knobs_of(meta) -> dict[str, str]:
+    """The kernel knobs a capture recorded (``config_json["knobs"]``; {} for none or a trace)."""
+    try:
+        k = meta.config.get("knobs")
+    except ValueError:
+        return {}
+    return {str(a): str(b) for a, b in k.items()} if isinstance(k, dict) else {}
+
+
 def run_summary(run: Run) -> dict[str, Any]:
     m = run.meta
     n, in_range, in_layer = attributed_counts(run)
+    knobs = knobs_of(m)
     return {
         "run_id": m.run_id,
         "source": m.source,
@@ -98,6 +108,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "memops": run.memops.num_rows,
         "dropped_records": dropped_records(run),
         "ops": _ops_of(run),
+        "knobs": ", ".join(f"{a}={b}" for a, b in knobs.items()) or None,
         "partial": m.partial,
         "overheads": overhead_summary(run),
     }
