@@ -9,13 +9,13 @@ GPU and the copy-bandwidth range they measured.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from decodescope.tracer.dataset import read_runs
 from decodescope.ui import cmd_bench
 from decodescope.ui.cmd_demo import _pairs
+from decodescope.ui.cmd_report import knobs_of
 
 KINDS = ("dense", "kda", "mla")
 DESCRIBE = {
@@ -27,22 +27,6 @@ DESCRIBE = {
 
 def _batch(batch: int, tps: int) -> str:
     return f"{batch}" if tps == 1 else f"{batch}x{tps}"
-
-
-def _forced_env(shown) -> list[tuple[str, str]]:
-    """``(commit, "K=V, ...")`` for each commit whose shown runs set ``DECODESCOPE_*`` kernel
-    knobs (``kernel_env`` in the run's config)."""
-    by: dict[str, set[str]] = {}
-    for r in shown:
-        try:
-            cj = json.loads(r.meta.config_json or "{}")
-        except ValueError:
-            continue
-        env = (cj.get("workload") or cj).get("kernel_env") or {}
-        for k, v in env.items():
-            if not k.startswith("DECODESCOPE_CAPTURE_"):
-                by.setdefault((r.meta.git_commit or "?")[:7], set()).add(f"`{k}={v}`")
-    return [(c, ", ".join(sorted(v))) for c, v in sorted(by.items())]
 
 
 def main(path: str = "results") -> None:
@@ -112,13 +96,12 @@ def main(path: str = "results") -> None:
                 f"| {s_eff} | {p_eff} | {cell(s, 'share_us', '{:,.1f}')} "
                 f"| {cell(p, 'share_us', '{:,.1f}')} | {p_sh_eff} | {sh} | {commit} |"
             )
-    forced = _forced_env(shown)
-    if forced:
+    knobbed = sum(1 for r in runs if knobs_of(r.meta))
+    if knobbed:
         print(
-            "\nKernel choices set through the environment in the runs shown (each run's "
-            "`kernel_env`; the other runs used their commit's defaults): "
-            + "; ".join(f"{c}: {e}" for c, e in forced)
-            + "."
+            f"\n{knobbed} run(s) in `results/` were captured with kernel knobs set through the "
+            "environment (`DECODESCOPE_*`, recorded in each run): A/B runs of other kernels, "
+            "left out of these tables (`decodescope report` shows a run's knobs)."
         )
     dense = {p["dense_layer"] for _, _, p in proj}
     print(

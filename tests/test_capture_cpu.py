@@ -1267,3 +1267,28 @@ def test_run_records_kernel_knobs(monkeypatch):
                         message=None)  # fmt: skip
     assert "knobs" not in m.config and not (m.notes or "").count("knobs")
     assert cap.knobs_line({}) is None
+
+
+def test_knobs_of_and_default_tables():
+    """knobs_of reads both records (the capture's config_json["knobs"] and the specialized
+    workload's older kernel_env, handshake variables dropped); the bundled tables (demo, README)
+    show the newest run of the defaults, never a run captured with knobs (synthetic metas)."""
+    import json
+
+    from decodescope.ui.cmd_demo import _pairs
+    from decodescope.ui.cmd_report import knobs_of
+
+    def meta(rid, created, cfg):
+        return RunMeta(run_id=rid, source="cupti", created_at=created, preset="p", tp_shape=8,
+                       batch=1, backend="specialized", config_json=json.dumps(cfg))  # fmt: skip
+
+    old = meta("a", "2026-12-01T10", {"workload": {"kernel_env": {
+        "DECODESCOPE_CAPTURE_SPEC": "/x", "DECODESCOPE_MOE_BACK_NORM": "post"}}})  # fmt: skip
+    new = meta("b", "2026-12-01T11", {"knobs": {"DECODESCOPE_DENSE_TILE": "0"}})
+    plain = meta(
+        "c", "2026-12-01T09", {"workload": {"kernel_env": {"DECODESCOPE_CAPTURE_OWNER": "1"}}}
+    )
+    assert knobs_of(old) == {"DECODESCOPE_MOE_BACK_NORM": "post"}
+    assert knobs_of(new) == {"DECODESCOPE_DENSE_TILE": "0"} and knobs_of(plain) == {}
+    pairs = _pairs([NS(meta=m) for m in (old, new, plain)])
+    assert [r.meta.run_id for by in pairs.values() for r in by.values()] == ["c"]

@@ -879,7 +879,10 @@ def kernel_knobs(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {
         k: v
         for k, v in sorted(env.items())
-        if k.startswith("DECODESCOPE_") and k not in NOT_KNOBS and v.strip()
+        if k.startswith("DECODESCOPE_")
+        and not k.startswith("DECODESCOPE_CAPTURE_")
+        and k not in NOT_KNOBS
+        and v.strip()
     }
 
 

@@ -22,10 +22,15 @@ RUNS = REPO / "data" / "runs"
 
 def _pairs(runs) -> dict[tuple, dict[str, object]]:
     """(preset, tp_shape, tp_world, batch, tokens_per_seq) -> {backend: run}, the newest run per
-    backend."""
+    backend among the runs of the defaults (a run captured with kernel knobs, ``config_json
+    ["knobs"]``, measured other kernels: it stays in the dataset, out of these tables)."""
+    from decodescope.ui.cmd_report import knobs_of
+
     out: dict[tuple, dict[str, object]] = {}
     for r in sorted(runs, key=lambda r: str(r.meta.created_at)):
         m = r.meta
+        if knobs_of(m):
+            continue
         key = (m.preset, m.tp_shape, m.tp_world or 1, m.batch, m.tokens_per_seq or 1)
         out.setdefault(key, {})[m.backend] = r
     return out

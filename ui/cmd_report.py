@@ -74,12 +74,25 @@ def _ops_of(run: Run) -> str | None:
 
 
 def knobs_of(meta) -> dict[str, str]:
-    """The kernel knobs a capture recorded (``config_json["knobs"]``; {} for none or a trace)."""
+    """The kernel knobs a capture recorded: ``config_json["knobs"]`` (every capture since
+    bbfddcf) and the specialized workload's own ``kernel_env`` (older runs), without the
+    capture's handshake variables and empty values; {} for none or a trace."""
+    from decodescope.tracer.capture import NOT_KNOBS
+
     try:
-        k = meta.config.get("knobs")
+        cfg = meta.config
     except ValueError:
         return {}
-    return {str(a): str(b) for a, b in k.items()} if isinstance(k, dict) else {}
+    out: dict[str, str] = {}
+    wl = cfg.get("workload")
+    for k in ((wl or {}).get("kernel_env") if isinstance(wl, dict) else None, cfg.get("knobs")):
+        if isinstance(k, dict):
+            out.update({str(a): str(b) for a, b in k.items()})
+    return {
+        a: b
+        for a, b in sorted(out.items())
+        if b.strip() and a not in NOT_KNOBS and not a.startswith("DECODESCOPE_CAPTURE_")
+    }
 
 
 def run_summary(run: Run) -> dict[str, Any]:

@@ -41,7 +41,6 @@ raises a ValueError saying so; :func:`plan` gives the meta and range names witho
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -375,15 +374,11 @@ def extra_launches(cfg, spec, n_tokens: int) -> int:
 
 def kernel_env() -> dict[str, str]:
     """The ``DECODESCOPE_*`` variables that pick kernels or their options in this process (not
-    the bookkeeping ones): recorded in each run so that a figure names what produced it."""
-    skip = {"DECODESCOPE_GIT_COMMIT", "DECODESCOPE_RESULTS"}  # and the capture's own handshake
-    return {
-        k: v
-        for k, v in sorted(os.environ.items())
-        if k.startswith("DECODESCOPE_")
-        and k not in skip
-        and not k.startswith("DECODESCOPE_CAPTURE_")
-    }
+    the bookkeeping ones): recorded in each run so that a figure names what produced it
+    (:func:`decodescope.tracer.capture.kernel_knobs`, which every capture records too)."""
+    from decodescope.tracer.capture import kernel_knobs
+
+    return kernel_knobs()
 
 
 def plan(
