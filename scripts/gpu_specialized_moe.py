@@ -928,15 +928,10 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # DECODESCOPE_MOE_T1_W2P_WARPS / _STAGES / _PERSM; defaults 2 / 5 / 3), e.g.
 # grouped_t1_w2p_pw4_ps4; _w2t: W2T1 (DECODESCOPE_MOE_T1_W2=tile); neither: the default
 # (persist since session 12, W2T1 with _w2sh).
-# _w13p[_w<warps>][_s<stages>][_m<CTAs per SM>][_i<shared-down rows>] (last): w13 on the
-# persistent kernels/specialized/w13_t1_persist.py (DECODESCOPE_MOE_T1_W13=persist and its
-# DECODESCOPE_MOE_T1_W13P_WARPS / _STAGES / _PERSM / _SDROWS; defaults 1 / 16 / 1 / 1), e.g.
-# grouped_t1_w13p, grouped_t1_w13p_s8_m2, grouped_t1_w13p_i4; without it: W13T1 (the default).
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?(?:_(nopre))?"
     r"(?:_(rt1|rtg))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
-    r"(?:_(w13p)(?:_w(\d+))?(?:_s(\d+))?(?:_m(\d+))?(?:_i(\d+))?)?"
 )
 
 
@@ -952,14 +947,7 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm, w13p, qw, qs, qm, qi = T1_RE.fullmatch(
-        var
-    ).groups()
-    env["DECODESCOPE_MOE_T1_W13"] = "persist" if w13p else ""
-    env["DECODESCOPE_MOE_T1_W13P_WARPS"] = qw or ""
-    env["DECODESCOPE_MOE_T1_W13P_STAGES"] = qs or ""
-    env["DECODESCOPE_MOE_T1_W13P_PERSM"] = qm or ""
-    env["DECODESCOPE_MOE_T1_W13P_SDROWS"] = qi or ""
+    r, s, k, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
     env["DECODESCOPE_MOE_T1_W2"] = {"w2p": "persist", "w2t": "tile"}.get(w2p or "", "")
     env["DECODESCOPE_MOE_T1_W2P_WARPS"] = pw or ""

@@ -188,15 +188,6 @@ def w2_persist(ie: int | None = None) -> bool:
     return wp.variant(ie) == "persist"
 
 
-def w13_persist() -> bool:
-    """``DECODESCOPE_MOE_T1_W13``: ``persist`` (:class:`w13_t1_persist.W13T1Persist`: the shared
-    down as W13T1, then a fixed grid of CTAs each streaming a contiguous run of row blocks through
-    one ring) or ``tile`` (:class:`W13T1`; also unset: the default)."""
-    from decodescope.kernels.specialized import w13_t1_persist as w13p
-
-    return w13p.variant() == "persist"
-
-
 def w2_pre() -> bool:
     """``DECODESCOPE_MOE_T1_W2PRE``: ``1`` (default: w2's weights issued before its wait) or
     ``0`` (after it)."""
@@ -659,19 +650,10 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
     kn = w2_knobs()
     pre = w2_pre()
-    if w13_persist():  # DECODESCOPE_MOE_T1_W13=persist: the same arguments, another kernel
-        from decodescope.kernels.specialized import w13_t1_persist as w13p
-
-        qk = w13p.knobs()
-        w13k = itf.compiled(
-            ("moe_t1_w13p", *dims, beta, lbeta, pdl, nsm, cfg, sh13, qk),
-            lambda: w13p.build(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, qk),
-        )
-    else:
-        w13k = itf.compiled(
-            ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
-            lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
-        )
+    w13k = itf.compiled(
+        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
+        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
+    )
     if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
         from decodescope.kernels.specialized import w2_t1_persist as wp
 
