@@ -267,6 +267,11 @@ def test_the_default_pair_is_standard_vs_specialized_of_one_setup():
     pairs = [run("standard", 1), run("specialized", 1), run("standard", 64), run("specialized", 64)]
     assert dashboard.default_pair(pairs) == (0, 1)
     assert dashboard.default_pair([run("other", 1)]) == (0, 0)
+    # a later specialized run captured with kernel knobs (an A/B run) is not the default B
+    knob = run("specialized", 1)
+    knob = knob.replace(meta=knob.meta.replace(config_json='{"knobs": {"DECODESCOPE_X": "1"}}'))
+    assert dashboard.default_pair([*pairs, knob]) == (0, 1)
+    assert dashboard.default_pair([run("standard", 1), knob]) == (0, 1)  # none of the defaults
 
 
 REAL_TRACES = sorted(p.name for p in TRACES.iterdir() if p.name.startswith(("kineto_", "nsys_")))

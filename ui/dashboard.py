@@ -292,10 +292,19 @@ def default_pair(runs: list[Run]) -> tuple[int, int]:
     the standard runs that have such a partner, the reference's own figure comes first: batch 1,
     one token per sequence, one GPU, TP8 shapes, then the latest. Without any pair: the latest
     standard run (else the first run) and any specialized run, else the next run, else A. Runs
-    come in order of creation."""
+    come in order of creation; runs captured with kernel knobs (A/B runs of other kernels) only
+    where a backend has no run of the defaults."""
+    from decodescope.ui.cmd_report import knobs_of
+
     backends = [r.meta.backend for r in runs]
-    std = [i for i, b in enumerate(backends) if b == "standard"]
-    spec = [i for i, b in enumerate(backends) if b == "specialized"]
+
+    def of(backend: str) -> list[int]:
+        idx = [i for i, b in enumerate(backends) if b == backend]
+        plain = [i for i in idx if not knobs_of(runs[i].meta)]
+        return plain or idx
+
+    std = of("standard")
+    spec = of("specialized")
 
     def partners(a: int) -> list[int]:
         setup = {k: getattr(runs[a].meta, k) for k in PAIR_KEYS}
