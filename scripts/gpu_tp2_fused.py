@@ -2,12 +2,15 @@
 its all-reduces, against o_proj + NCCL all_reduce + residual; then CUDA-graph timing.
 
     torchrun --nproc-per-node 2 scripts/gpu_tp2_fused.py --out $OUT/tp2
-        [--tps 8 2] [--batches 1 8 32 64] [--protos flag ll] [--replays 40] [--burst 32]
+        [--tps 8 2] [--batches 1 8 32 64] [--protos flag ll ll_direct] [--replays 40] [--burst 32]
         [--no-moe] [--no-timing]
 
 ``--protos``: the peer-memory protocols of :mod:`decodescope.kernels.specialized.comm` to check
 and time, each with every piece below (``flag``: data, system fence, flag; ``ll``: 8-byte
-words of payload + flag). Both share one workspace and run interleaved, as a mixed step would.
+words of payload + flag; ``ll_direct``: the LL protocol with the MoE back end's kernel
+``MoeAllReduceLLDirect`` (``DECODESCOPE_TP2_MOE_LL=direct``: no local flag hop), MoE pieces
+only (its o_proj kernel is ``ll``'s) and only up to ``moe_allreduce.DIRECT_MAX_T`` tokens).
+All share one workspace and run interleaved, as a mixed step would.
 
 Launch with torchrun (one process per GPU; NCCL; ``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` set here before torch loads).
@@ -286,11 +289,20 @@ def oproj_checks(oa, ws, K: int, N: int, M: int, ctx: dict, a, proto: str) -> No
 # -- MoE back end ------------------------------------------------------------------------------
 
 
+def kernel_proto(proto: str) -> tuple[str, str | None]:
+    """``(proto, ll)`` of ``moe_allreduce`` for a ``--protos`` entry (``ll_direct``: LL with
+    ``MoeAllReduceLLDirect``; ``ll``: the two-phase LL kernel, whatever the environment)."""
+    if proto == "ll_direct":
+        return "ll", "direct"
+    return proto, ("phase" if proto == "ll" else None)
+
+
 def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
     L, H, eps = cfg.expert_dim, cfg.hidden, cfg.eps
+    proto, llv = kernel_proto(proto)
     compiled_on_both(lambda: ma.compile_plan(ma.MoeARPlan(T, L, H, float(eps), True,
                                                           ma.device_sms(DEV), ma.pdl_enabled(),
-                                                          proto)))  # fmt: skip
+                                                          proto, llv)))  # fmt: skip
     g = seeded(77 + T + 31 * RANK)
     gs = seeded(99 + T)
     gam = (torch.rand(L, generator=gs, device=DEV) + 0.5).to(BF16)
@@ -308,7 +320,7 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
         up.up_proj_shared_add(ar, gam, wu, sr, y, eps)
         return y
 
-    ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre, proto=proto)
+    ma.moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=pre, proto=proto, ll=llv)
     sync()
     check("moe_vs_single_gpu_kernel", ctx, rel(out, want(acc, sh)), 2e-3)
     same_on_ranks("moe_ranks_equal", ctx, out)
@@ -317,7 +329,7 @@ def moe_checks(ma, up, ws, cfg, T: int, ctx: dict, a, proto: str) -> None:
     pa = [randn((T, L), g, 1.0, F32) for _ in range(n)]
     ps = [randn((T, H), g, 1.0, F32) for _ in range(n)]
     ain, sin = acc.clone(), sh.clone()
-    graph = Graph(lambda: ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps, proto=proto))
+    graph = Graph(lambda: ma.moe_allreduce(ws, ain, gam, wu, sin, out, eps, proto=proto, ll=llv))
     hist = torch.empty(n, T, H, dtype=BF16, device=DEV)
     rng = random.Random(T)
     dist.barrier()
@@ -457,7 +469,11 @@ def moe_timing(ma, up, ws, cfg, T: int, ctx: dict, a, protos) -> None:
     out = torch.empty(T, H, dtype=BF16, device=DEV)
 
     def fused_fns(p):
-        return [lambda w=w: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps, proto=p) for w in wus]
+        kp, llv = kernel_proto(p)
+        return [
+            lambda w=w: ma.moe_allreduce(ws, acc, gam, w, sh, out, eps, proto=kp, ll=llv)
+            for w in wus
+        ]
 
     fused = {p: graph_us(fused_fns(p), a.replays) for p in protos}
     aligned = {p: graph_us(fused_fns(p), a.replays, align=True) for p in protos if a.align}
@@ -524,7 +540,7 @@ def _dry_patch(oa, ma, opr, up) -> None:
         dist.all_reduce(p)
         out.copy_((p.to(BF16).float() + r.float()).to(BF16))
 
-    def moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=None, proto=None):
+    def moe_allreduce(ws, acc, gam, wu, sh, out, eps, prefetch=None, proto=None, ll=None):
         a, s = acc.clone(), sh.clone()
         dist.all_reduce(a)
         dist.all_reduce(s)
@@ -554,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=270.0)
-    ap.add_argument("--protos", nargs="+", default=["flag", "ll"], choices=["flag", "ll"])
+    ap.add_argument(
+        "--protos", nargs="+", default=["flag", "ll"], choices=["flag", "ll", "ll_direct"]
+    )
     ap.add_argument(
         "--no-align",
         dest="align",
@@ -621,8 +639,10 @@ def main(argv: list[str] | None = None) -> int:
                 if over():
                     break
                 ctx = {"tp": tp, "batch": M, "proto": proto}
-                piece("oproj_checks", ctx, ws, oproj_checks, oa, ws, K, N, M, ctx, a, proto)
-                if not a.no_moe:
+                direct = proto == "ll_direct"  # MoE only, up to DIRECT_MAX_T tokens
+                if not direct:
+                    piece("oproj_checks", ctx, ws, oproj_checks, oa, ws, K, N, M, ctx, a, proto)
+                if not a.no_moe and (not direct or M <= ma.DIRECT_MAX_T):
                     piece("moe_checks", ctx, ws, moe_checks, ma, up, ws, cfg, M, ctx, a, proto)
         if a.no_timing:
             continue
@@ -633,9 +653,12 @@ def main(argv: list[str] | None = None) -> int:
                 if over():
                     break
                 ctx = {"tp": tp, "batch": M}
-                piece("oproj_timing", ctx, ws, oproj_timing, oa, opr, cfg, ws, K, N, M, ctx, a,
-                      [proto])  # fmt: skip
-                if not a.no_moe and tp == a.tps[0]:  # L, H are the same at every TP
+                direct = proto == "ll_direct"
+                if not direct:
+                    piece("oproj_timing", ctx, ws, oproj_timing, oa, opr, cfg, ws, K, N, M, ctx,
+                          a, [proto])  # fmt: skip
+                # L, H are the same at every TP
+                if not a.no_moe and tp == a.tps[0] and (not direct or M <= ma.DIRECT_MAX_T):
                     piece("moe_timing", ctx, ws, moe_timing, ma, up, ws, cfg, M, ctx, a, [proto])
     record(piece="done", elapsed_s=round(time.time() - T0), status="ok")
     t = table()

@@ -290,6 +290,24 @@ def wait_ll(ptr, flag: Int32, err_ptr) -> Float32:
 
 
 @cute.jit
+def settle_ll(ptr, w, flag: Int32, err_ptr) -> Float32:
+    """:func:`wait_ll` on a word ``w`` already loaded from ``ptr`` (:func:`ld_ll`): a thread
+    issues the loads of all the words it needs first (their round trips overlap) and settles
+    them one by one after; only a word not yet arrived is polled again."""
+    if hi32(w) != flag and cute.arch.load(err_ptr, Int32, sem="relaxed", scope="gpu") == 0:
+        t0 = global_timer_ns()
+        going = True
+        while going:
+            w = ld_ll(ptr)
+            if hi32(w) == flag:
+                going = False
+            elif global_timer_ns() - t0 > Int64(SPIN_TIMEOUT_NS):
+                cute.arch.store(err_ptr, flag)
+                going = False
+    return ll_value(w)
+
+
+@cute.jit
 def wait_local(flag_ptr, target: Int32, err_ptr) -> None:
     """Spin (this thread) with ``ld.acquire.gpu`` until ``*flag_ptr == target`` (a flag another
     CTA of this GPU raises with ``st.release.gpu``); timeout as :func:`wait_flag`."""
