@@ -322,3 +322,28 @@ def test_script_protos(monkeypatch):
     assert mod.kernel_proto("ll") == ("ll", "phase")
     assert mod.kernel_proto("flag") == ("flag", None)
     assert comm.PROTO_DEFAULT == "ll"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs")  # fmt: skip
+def test_direct_on_two_gpus(tmp_path):
+    """Not run on a GPU yet. The direct kernel beside the two-phase one on two GPUs (NVLink):
+    exact sums vs the single-GPU kernel on NCCL sums, ranks bitwise equal, bursts with one rank
+    lagging (``scripts/gpu_tp2_fused.py --protos ll ll_direct --no-timing``)."""
+    import json
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    torchrun = shutil.which("torchrun")
+    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--nproc-per-node", "2", str(root / "scripts" / "gpu_tp2_fused.py"),
+            "--out", str(tmp_path), "--tps", "8", "--batches", "1", "2", "--burst", "16",
+            "--protos", "ll", "ll_direct", "--no-timing"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    direct = [r for r in rows if "check" in r and r.get("proto") == "ll_direct"]
+    assert len(direct) == 8, direct  # 4 MoE checks x batches 1, 2
+    bad = [r for r in rows if r.get("status") in ("FAIL", "error")]
+    assert not bad, bad
