@@ -59,8 +59,10 @@ def _ptxas(f: Path) -> str | None:
     return r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("tp", [2, 8, 16])
-@pytest.mark.parametrize("t", list(range(1, ma.DIRECT_MAX_T + 1)))
+# the back end's shape is the same at every TP: TP2 / TP16 at one token, TP8 at every tile size
+@pytest.mark.parametrize(
+    ("tp", "t"), [(2, 1), (16, 1), *((8, t) for t in (1, 2, 4, ma.DIRECT_MAX_T))]
+)
 def test_direct_compiles(tp, t, tmp_path):
     cfg = get_config("kimi-k3", tp)
     plan = ma.MoeARPlan(t, cfg.expert_dim, cfg.hidden, cfg.eps, proto="ll", ll="direct")
@@ -86,7 +88,7 @@ def test_direct_compiles(tp, t, tmp_path):
     if out is not None:
         regs = int(re.search(r"Used (\d+) registers", out).group(1))
         # one 256-thread CTA per SM as the two-phase kernel (162 at T=1): 160 at T=1, 170 at
-        # T=2 (ptxas of CUDA 13.0 on this machine)
+        # T=2, 176 at T=4, 254 at T=8 (ptxas of CUDA 13.0 on this machine)
         assert regs <= 255, out
         assert "0 bytes spill stores" in out, out
 
@@ -110,7 +112,7 @@ def test_knob(monkeypatch):
     with pytest.raises(ValueError, match=ma.LL_ENV):
         ma.MoeARPlan(1, L, H, eps, proto="ll")
     with pytest.raises(ValueError, match="tokens"):
-        ma.MoeAllReduceLLDirect(ma.MoeARPlan(4, L, H, eps, proto="ll", ll="phase"))
+        ma.MoeAllReduceLLDirect(ma.MoeARPlan(16, L, H, eps, proto="ll", ll="phase"))
 
 
 # -- the protocol, simulated word by word ---------------------------------------------------
@@ -330,7 +332,7 @@ def test_script_protos(monkeypatch):
 def test_direct_on_two_gpus(tmp_path):
     """Not run on a GPU yet. The direct kernel beside the two-phase one on two GPUs (NVLink):
     exact sums vs the single-GPU kernel on NCCL sums, ranks bitwise equal, bursts with one rank
-    lagging (``scripts/gpu_tp2_fused.py --protos ll ll_direct --no-timing``)."""
+    lagging (``scripts/gpu_tp2_fused.py --protos ll ll_direct --batches 1 8 --no-timing``)."""
     import json
     import sys
 
@@ -338,12 +340,12 @@ def test_direct_on_two_gpus(tmp_path):
     torchrun = shutil.which("torchrun")
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd += ["--nproc-per-node", "2", str(root / "scripts" / "gpu_tp2_fused.py"),
-            "--out", str(tmp_path), "--tps", "8", "--batches", "1", "2", "--burst", "16",
+            "--out", str(tmp_path), "--tps", "8", "--batches", "1", "8", "--burst", "16",
             "--protos", "ll", "ll_direct", "--no-timing"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())
     direct = [r for r in rows if "check" in r and r.get("proto") == "ll_direct"]
-    assert len(direct) == 8, direct  # 4 MoE checks x batches 1, 2
+    assert len(direct) == 8, direct  # 4 MoE checks x batches 1, 8
     bad = [r for r in rows if r.get("status") in ("FAIL", "error")]
     assert not bad, bad

@@ -53,7 +53,9 @@ from decodescope.kernels.specialized.up_proj_shared_add import (
 
 LL_ENV = "DECODESCOPE_TP2_MOE_LL"
 LL_VARIANTS = ("phase", "direct")  # MoeAllReduceLL (default) / MoeAllReduceLLDirect
-DIRECT_MAX_T = 2  # tokens of MoeAllReduceLLDirect: [T, L] FP32 + BF16 in shared memory < 48 KB
+# tokens of MoeAllReduceLLDirect: one token tile; [T, L] FP32 + BF16 in shared memory (168 KB at
+# T=8: the DSL sets the kernel's max dynamic shared memory attribute to the device's opt-in)
+DIRECT_MAX_T = 8
 
 
 def resolve_ll(ll: str | None, proto: str, T: int) -> str:
