@@ -275,18 +275,7 @@ def wait_ll(ptr, flag: Int32, err_ptr) -> Float32:
     """Poll the LL word at ``ptr`` (this thread alone) until its flag is ``flag``; return its
     payload. After ``SPIN_TIMEOUT_NS`` record ``flag`` in ``*err_ptr`` and return the payload
     as it is (wrong, never a hang); once ``*err_ptr`` is set later waits return at once."""
-    w = ld_ll(ptr)
-    if hi32(w) != flag and cute.arch.load(err_ptr, Int32, sem="relaxed", scope="gpu") == 0:
-        t0 = global_timer_ns()
-        going = True
-        while going:
-            w = ld_ll(ptr)
-            if hi32(w) == flag:
-                going = False
-            elif global_timer_ns() - t0 > Int64(SPIN_TIMEOUT_NS):
-                cute.arch.store(err_ptr, flag)
-                going = False
-    return ll_value(w)
+    return settle_ll(ptr, ld_ll(ptr), flag, err_ptr)
 
 
 @cute.jit
