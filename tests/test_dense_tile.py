@@ -285,6 +285,6 @@ def test_gpu_script_on_cpu(monkeypatch, tmp_path):
     import json
 
     res = json.loads((out / "results.json").read_text())
-    assert sum(r["status"] == "PASS" for r in res) == 4 * 5 + 4
-    assert sum(r["status"] == "time" for r in res) == 7 + len(mod.TIME_VARIANTS)
+    assert sum(r["status"] == "PASS" for r in res) == 4 * 6 + 3 * 2  # kernels; MLP modes x M
+    assert sum(r["status"] == "time" for r in res) == 8 + len(mod.TIME_VARIANTS)
     assert (out / "table.md").exists()

@@ -135,6 +135,11 @@ def test_dense_refs_match_float64_reference_kimi_k3_tp16():
 
 
 def test_split_norm_choice(monkeypatch):
+    """The skinny path's rule (``DECODESCOPE_DENSE_TILE=0``); by default the norm is folded into
+    the tile GEMM from 8 tokens (two launches at every token count)."""
+    monkeypatch.delenv("DECODESCOPE_DENSE_TILE", raising=False)
+    assert dm.ops_for(1) == dm.OPS and dm.ops_for(32) == dm.OPS and dm.ops_for(64) == dm.OPS
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE", "0")
     assert dm.ops_for(1) == dm.OPS and dm.ops_for(31) == dm.OPS
     assert dm.ops_for(32) == dm.OPS_SPLIT == ("residual_norm", "gate_up+act", "down")
     monkeypatch.setenv("DECODESCOPE_DENSE_SPLIT_NORM", "1")
@@ -164,7 +169,7 @@ def test_plan_accepts_dense_first():
         for b, t in ((1, 1), (64, 1), (8, 8)):
             p = S.plan(preset=preset, tp_shape=tp, batch=b, tokens_per_seq=t,
                        layers="dense,kda,mla")  # fmt: skip
-            want = 6 if b * t >= dm.SPLIT_NORM_FROM else 5  # the norm launch of its own
+            want = 6 if dm.split_norm_for(b * t) else 5  # the norm launch of its own
             # the attention's input projection on the tile GEMM: its RMSNorm is a launch too
             want += 1 if tg.selected(b * t, p.cfg.hidden, norm=True) else 0
             assert p.launches()["layer.0:dense"] == want
@@ -253,6 +258,10 @@ def _reference_kernels(monkeypatch, m):
                         lambda x, w, y, eps: y.copy_(rms.rmsnorm_ref(x, w, eps)))  # fmt: skip
     monkeypatch.setattr(dm, "down_proj",
                         lambda cfg, w, act, out: out.copy_(dm.down_proj_ref(cfg, w, act)))  # fmt: skip
+    # the tile GEMM's gate_up (the default from 8 tokens): with the norm folded it takes the
+    # raw residual, else the normalized h
+    monkeypatch.setattr(dm, "gate_up_act_tile", lambda cfg, w, x, act, fold=False: act.copy_(
+        dm.gate_up_act_ref(cfg, w, x, norm=fold)))  # fmt: skip
 
 
 def _rel(a, b, rows=None):
@@ -267,7 +276,7 @@ def test_dense_first_step_matches_standard(monkeypatch, batch, tokens):
     from decodescope.kernels.standard.model import StandardModel
 
     p, m = _model(batch, tokens, "dense,kda,mla", seed=5)
-    assert m.dense[0].split == (batch * tokens >= 32)
+    assert m.dense[0].split == dm.split_norm_for(batch * tokens)
     _reference_kernels(monkeypatch, m)
     std = StandardModel(p.cfg, p.specs, batch, tokens, seed=5, device="cpu")
     m.step()

@@ -214,7 +214,8 @@ class SpecializedDenseMLP:
         self.tile = tile_mode(n_tokens)
         if self.tile and not _dt.supports(n_tokens, cfg.hidden, cfg.dense_inter):
             raise ValueError(f"DECODESCOPE_DENSE_TILE: dense_tile does not serve {n_tokens} "
-                             f"tokens, H {cfg.hidden}, Dn {cfg.dense_inter}")  # fmt: skip
+                             f"tokens, H {cfg.hidden}, Dn {cfg.dense_inter} (set "
+                             "DECODESCOPE_DENSE_TILE=0 for the skinny GEMM)")  # fmt: skip
         self.h = torch.empty(n_tokens, cfg.hidden, dtype=BF16, device=dev) if self.split else None
 
     @property
