@@ -133,6 +133,12 @@ def _cases() -> dict:
             ma.compile_plan,
             ma.MoeARPlan(T, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True),
         )
+    # the LL MoE back end without the local flag hop (DECODESCOPE_TP2_MOE_LL=direct, opt-in)
+    for T in (1, 8):
+        cases[f"moe_ar_direct_t{T}"] = (
+            ma.compile_plan,
+            ma.MoeARPlan(T, cfg.expert_dim, cfg.hidden, cfg.eps, prefetch=True, ll="direct"),
+        )
     # the flag protocol (the cases above take the default, LL)
     cases["tp8_oproj_ar_flag_m8"] = (oa.compile_plan, oa.plan_for(cfg, "kda", 8, proto="flag"))
     cases["moe_ar_flag_t1"] = (

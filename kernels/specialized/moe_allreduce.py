@@ -545,28 +545,8 @@ class MoeAllReduceLLDirect(UpProjSharedAdd):
         tokens) on the reduced latent in ``sA``; the epilogue adds ``own S + peer S``, the
         peer's words loaded before the dot products and settled after."""
         L, H, T, R = self.L, self.H, self.T, self.R
-        NT = self.NT
-        KV = L // VEC
         TL = T * L
-        tid, _, _ = cute.arch.thread_idx()
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        if warp < T:
-            ss = Float32(0.0)
-            for c in cutlass.range(lane, KV, 32, unroll=4):
-                v = sAv[(0, None), (warp, c)].load()
-                ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-            if lane == 0:
-                sRstd[warp] = cute.math.rsqrt(ss / Float32(L) + Float32(self.eps))
-        cute.arch.barrier()
-        for i in cutlass.range(tid, T * KV, NT, unroll=4):
-            t = i // KV
-            c = i % KV
-            v = sAv[(0, None), (t, c)].load()
-            gm = gGv[(0, None), (0, c)].load().to(Float32)
-            sXv[(0, None), (t, c)].store((v * gm * sRstd[t]).to(BFloat16))
-        cute.arch.barrier()
+        self._norm_stage(sAv, 0, gGv, sXv, sRstd, T)
         peerS = []
         for r in cutlass.range_constexpr(R):
             for t in cutlass.range_constexpr(T):

@@ -113,11 +113,11 @@ class UpProjSharedAdd:
                              T % TT)  # fmt: skip
 
     @cute.jit
-    def _token_tile(self, ws, gAv, gGv, sXv, sRstd, mShared, mOut, acc, t0, row0, li,
-                    nt: cutlass.Constexpr[int]):  # fmt: skip
-        """Tokens t0 .. t0+nt: RMSNorm of the routed sum (one warp per token), BF16 staging,
-        up-projection rows, + shared output, BF16 store."""
-        L, H = self.L, self.H
+    def _norm_stage(self, aV, t0, gGv, sXv, sRstd, nt: cutlass.Constexpr[int]):
+        """Rows ``t0 .. t0+nt`` of the FP32 latent ``aV`` (vector view): RMSNorm (one warp per
+        token, rstd into ``sRstd``) times the latent norm weight, BF16 into ``sXv``; a CTA
+        barrier after each half. Shared with :class:`.moe_allreduce.MoeAllReduceLLDirect`."""
+        L = self.L
         NT = self.NW * 32
         KV = L // VEC
         tid, _, _ = cute.arch.thread_idx()
@@ -126,7 +126,7 @@ class UpProjSharedAdd:
         if warp < nt:
             ss = Float32(0.0)
             for c in cutlass.range(lane, KV, 32, unroll=4):
-                v = gAv[(0, None), (t0 + warp, c)].load()
+                v = aV[(0, None), (t0 + warp, c)].load()
                 ss = ss + (v * v).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
             if lane == 0:
@@ -135,10 +135,18 @@ class UpProjSharedAdd:
         for i in cutlass.range(tid, nt * KV, NT, unroll=4):
             t = i // KV
             c = i % KV
-            v = gAv[(0, None), (t0 + t, c)].load()
+            v = aV[(0, None), (t0 + t, c)].load()
             gm = gGv[(0, None), (0, c)].load().to(Float32)
             sXv[(0, None), (t, c)].store((v * gm * sRstd[t]).to(BFloat16))
         cute.arch.barrier()
+
+    @cute.jit
+    def _token_tile(self, ws, gAv, gGv, sXv, sRstd, mShared, mOut, acc, t0, row0, li,
+                    nt: cutlass.Constexpr[int]):  # fmt: skip
+        """Tokens t0 .. t0+nt: RMSNorm of the routed sum (one warp per token), BF16 staging,
+        up-projection rows, + shared output, BF16 store."""
+        H = self.H
+        self._norm_stage(gAv, t0, gGv, sXv, sRstd, nt)
         dot_rows(ws, sXv, acc, li, self.R, nt, self.LPR, self.NCH)
         if li == 0:
             for r in cutlass.range_constexpr(self.R):
