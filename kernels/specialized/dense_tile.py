@@ -26,9 +26,11 @@ each token's rstd applied to the FP32 sums before the bf16 rounding of gate and 
 :mod:`.tile_gemm` itself is unchanged.
 
 Fragments: ``ldmatrix`` (``TilePlan.ldsm``) by default here (``DECODESCOPE_TILE_LDSM=0`` or
-``ldsm=False``: the plain loads). H200 s12/r1, TP8, h normalized, kernel alone: 38.5 -> 35.8
-us at 8 tokens, 38.8 -> 38.3 at 32, 54.9 -> 41.7 at 64 (bytes floor 28.9-29.2; cuBLAS's GEMM
-alone 32.6 / 34.1 / 35.8, plus a SiTU launch 54.3 / 56.4 / 61.2).
+``ldsm=False``: the plain loads). H200, TP8, h normalized, kernel alone, plain -> ldmatrix: 54.9
+-> 41.7 us at 64 tokens (s12/r1) and 52.8 -> 41.6 (s12/r3a); at 8 and 32 tokens no difference
+beyond the two runs' order effect (the variant timed first in a row ran ~3 us slower in both:
+r1 38.5 -> 35.8 at 8, r3a 35.9 -> 38.7 with the order reversed). Bytes floor 28.9-29.2 us;
+cuBLAS's GEMM alone 32.6 / 34.1 / 35.8 at 8 / 32 / 64, plus a SiTU launch 54.3 / 56.4 / 61.2.
 """
 
 # no `from __future__ import annotations`: cute.jit reads the annotations
