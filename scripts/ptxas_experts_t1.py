@@ -6,7 +6,10 @@ sits relative to the first ``cp.async`` (the pre-wait copies: shared down / w2 w
 the persistent w2 (``w2_t1_persist.W2T1Persist``) per ``--w2p warps,stages,per_sm``.
 
     python scripts/ptxas_experts_t1.py [--tp 8 16] [--rows 16 32] [--stages 6 5]
-        [--w2p 2,5,3 4,4,2]
+        [--w2p 2,5,3 4,4,2] [--kw 2,128,6 4,64,8]
+
+``--kw kw,bk,stages``: W13T1 with ``kw`` warps splitting each item's K chunks
+(``DECODESCOPE_MOE_T1_KW``), 16 rows, that K chunk and those stages.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def main() -> int:
     ap.add_argument("--w2p", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
                     default=[(2, 5, 3)],
                     help="persistent w2 tilings warps,stages,per_sm (none: skip)")  # fmt: skip
+    ap.add_argument("--kw", type=lambda v: tuple(int(x) for x in v.split(",")), nargs="*",
+                    default=[], help="W13T1 K-split forms kw,bk,stages")  # fmt: skip
     a = ap.parse_args()
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
@@ -75,6 +80,13 @@ def main() -> int:
                 print(f"TP{tp} w13 r{rows} s{st}: grid={op.grid} shared rows/CTA={op.RPC} "
                       f"smem={smem} ctas/SM(smem)={(228 * 1024) // (smem + 1024)} "
                       f"{_ptxas(op, args, op.NT)}", flush=True)  # fmt: skip
+        for kw, bk, st in a.kw:
+            c = gt.TileConfig(rows=t1.ROWS_DEFAULT, bk=bk, stages=st, rt=1)
+            op, args = t1.build_w13(*dims, 4.0, 25.0, True, 132, c, True, kw)
+            smem = c.smem_bytes + dims[0] * cfg.shared_inter * 2
+            print(f"TP{tp} w13 kw{kw} k{bk} s{st}: grid={op.grid} threads={op.NT} "
+                  f"smem={smem} ctas/SM(smem)={(228 * 1024) // (smem + 1024)} "
+                  f"{_ptxas(op, args, op.NT)}", flush=True)  # fmt: skip
         op, args = t1.build_w2(*dims)
         print(f"TP{tp} w2: grid={op.grid} smem={op.smem} "
               f"ctas/SM(smem)={(228 * 1024) // (op.smem + 384 + 1024)} "

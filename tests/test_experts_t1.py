@@ -22,7 +22,7 @@ from decodescope.kernels.weights import make_layer_weights
 
 _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
-         "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE")  # fmt: skip
+         "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW")  # fmt: skip
 
 
 @pytest.fixture
@@ -67,6 +67,37 @@ def test_compiles_ab_forms(w2sh, pre, clean_env):
     op3, args3 = t1.build_w2(*d, kn=gw2.TileKnobs(warps=2))  # the script's _w2w2
     assert op3.R == 32 and op3.grid == 16 * d[3] // 32
     assert itf.compile_only(op3, *args3) is not None
+
+
+@pytest.mark.parametrize("tp,kw,bk,stages", [(8, 2, 128, 6), (16, 2, 128, 6), (8, 4, 64, 8)])
+def test_compiles_split_k(tp, kw, bk, stages, clean_env):
+    """W13T1 with ``kw`` warps splitting each item's K chunks (``DECODESCOPE_MOE_T1_KW``): the
+    same grid and shared memory, ``kw`` times the threads, the loads spread over all of them."""
+    d = _dims("kimi-k3", tp)
+    c = gt.TileConfig(16, bk, stages, 1)
+    op, args = t1.build_w13(*d, 4.0, 25.0, True, 132, c, True, kw)
+    base = t1.W13T1(*d, 4.0, 25.0, cfg=c)
+    assert (op.KW, op.NWR, op.NW, op.NT, op.grid) == (kw, 1, kw, 32 * kw, base.grid)
+    assert op.WP * op.NT == base.WP * base.NT and op.R % op.RS == 0
+    assert itf.compile_only(op, *args) is not None
+
+
+def test_split_k_refused(clean_env):
+    """One-line errors for K splits the ring or the chunks cannot take."""
+    d = _dims("kimi-k3", 8)
+    with pytest.raises(ValueError, match="kw=3"):
+        t1.W13T1(*d, 4.0, 25.0, kw=3)
+    with pytest.raises(ValueError, match="stages a multiple"):
+        t1.W13T1(*d, 4.0, 25.0, cfg=gt.TileConfig(16, 128, 5, 1), kw=2)
+    with pytest.raises(ValueError, match="stages a multiple"):
+        t1.W13T1(*d, 4.0, 25.0, cfg=gt.TileConfig(16, 128, 6, 1), kw=4)
+    clean_env.setenv("DECODESCOPE_MOE_T1_KW", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_KW='3'"):
+        t1.w13_kw()
+    clean_env.setenv("DECODESCOPE_MOE_T1_KW", "2")
+    assert t1.w13_kw() == 2 and t1.fits(1, _dims("kimi-k3", 8)[1:])
+    clean_env.setenv("DECODESCOPE_MOE_T1_STAGES", "5")  # kw 2 with 5 stages: not taken
+    assert not t1.fits(1, _dims("kimi-k3", 8)[1:])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -297,6 +328,9 @@ def test_script_variants():
     assert env["DECODESCOPE_MOE_T1_SHARED"] == "w2" and env["DECODESCOPE_MOE_T1_W2PRE"] == "0"
     assert gs.variant_env("grouped_t1base")["DECODESCOPE_MOE_T1"] == "grouped"
     assert gs.variant_name("grouped_t1_k64") == "grouped_t1_k64"
+    env = gs.variant_env("grouped_t1_s8_k64_kw4")
+    assert (env["DECODESCOPE_MOE_T1_BK"], env["DECODESCOPE_MOE_T1_KW"]) == ("64", "4")
+    assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_KW"] == ""
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_experts_t1.py) -------------------------
@@ -320,6 +354,9 @@ def gsm():
                                            ("kimi-k3", 8, "grouped_t1_w2sh_nopre"),
                                            ("kimi-k3", 8, "grouped_t1_rt1"),
                                            ("kimi-k3", 16, "grouped_t1_rt1"),
+                                           ("kimi-k3", 8, "grouped_t1_kw2"),
+                                           ("kimi-k3", 16, "grouped_t1_kw2"),
+                                           ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
                                            ("tiny", 1, "grouped_t1")])  # fmt: skip
 def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
     """Lists, h (poisoned first) vs bf16(SiTU(w13 z)), routed sum, shared output, up-projection

@@ -88,6 +88,9 @@ ENV = {
     "stages": "DECODESCOPE_MOE_T1_STAGES",
     "bk": "DECODESCOPE_MOE_T1_BK",
 }
+KW_ENV = "DECODESCOPE_MOE_T1_KW"  # warps splitting an item's K chunks (W13T1.kw)
+KW_DEFAULT = 1
+KW_CHOICES = (1, 2, 4)
 
 
 def mode(T: int) -> str:
@@ -112,7 +115,7 @@ def fits(T: int, dims: tuple) -> bool:
     E, K, L, Ie, H, S = dims
     sh13 = shared_where() == "w13"
     try:
-        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13)
+        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13, kw=w13_kw())
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -167,6 +170,18 @@ def w13_config() -> gwt.TileConfig:
         return gwt.TileConfig(rows=vals["rows"], bk=vals["bk"], stages=vals["stages"], rt=1)
     except ValueError as e:
         raise ValueError(f"DECODESCOPE_MOE_T1_*: {e}") from None
+
+
+def w13_kw() -> int:
+    """``DECODESCOPE_MOE_T1_KW``: the warps of a :class:`W13T1` item that split its K chunks
+    between them (1, 2 or 4; default 1: one warp walks all of them). A bad value raises a
+    one-line ``ValueError``."""
+    v = os.environ.get(KW_ENV, "")
+    if v == "":
+        return KW_DEFAULT
+    if not v.isdigit() or int(v) not in KW_CHOICES:
+        raise ValueError(f"{KW_ENV}={v!r}: expected one of {KW_CHOICES}")
+    return int(v)
 
 
 def shared_where() -> str:
@@ -291,11 +306,13 @@ class W13T1(gwt.GroupedW13Tile):
     projection, ``ceil(H / grid)`` rows per CTA (module docstring)."""
 
     def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
-                 cfg: gwt.TileConfig | None = None, shared: bool = True):  # fmt: skip
+                 cfg: gwt.TileConfig | None = None, shared: bool = True,
+                 kw: int = KW_DEFAULT):  # fmt: skip
         cfg = cfg or w13_config()
         if cfg.persist:
             raise ValueError("experts_t1: the w13 items run without persist")
         super().__init__(T, E, K, L, Ie, beta, lbeta, pdl, nsm, cfg)
+        self._split_k(kw)
         if not 1 <= T <= MAX_T:
             raise ValueError(f"experts_t1: {T} tokens, expected 1..{MAX_T}")
         if S % 8 or (E + L) % 4:
@@ -314,6 +331,35 @@ class W13T1(gwt.GroupedW13Tile):
                              f"items, grid {self.grid})")  # fmt: skip
         if shared and T * 2 * S > self.S * gwt.TOK * self.BK:
             raise ValueError(f"experts_t1: {T} tokens' shared gate/up exceed the z stages")
+
+    def _split_k(self, kw: int) -> None:
+        """``kw`` warps per row group (``DECODESCOPE_MOE_T1_KW``): the CTA's ``NWR`` row warps
+        times ``kw``; every warp loads, warp ``wk = warp // NWR`` multiplies the chunks
+        ``i % kw == wk`` (``kw`` chunks per pipeline step, each in its own stage), and the
+        accumulators are summed across ``wk`` in shared memory before the epilogue (in ``wk``
+        order: deterministic; a different FP32 summation order than ``kw = 1``).
+        ``kw = 1`` is the kernel as before (the same PTX)."""
+        if kw not in KW_CHOICES:
+            raise ValueError(f"experts_t1: kw={kw}, expected one of {KW_CHOICES}")
+        self.KW, self.NWR = kw, self.NW
+        if kw == 1:
+            return
+        if self.S % kw or self.S // kw < 2:
+            raise ValueError(f"experts_t1: kw={kw} needs stages a multiple of it, at least "
+                             f"2 x kw (stages {self.S})")  # fmt: skip
+        if self.NCH % kw:
+            raise ValueError(f"experts_t1: kw={kw} must divide the {self.NCH} K chunks")
+        self.NW = self.NWR * kw
+        self.NT = 32 * self.NW
+        units = 2 * self.R * self.UPR  # 16-byte weight pieces of a chunk
+        if units % self.NT or self.R % (self.NT // self.UPR):
+            raise ValueError(f"experts_t1: kw={kw}: {self.NT} threads do not tile a chunk "
+                             f"({2 * self.R} rows x {self.UPR} pieces)")  # fmt: skip
+        self.WP = units // self.NT
+        self.RS = self.NT // self.UPR
+        self.ZP = -(-gwt.TOK * self.UZ // self.NT)
+        if self.NW * 2 * self.RT * 4 * 32 > self.S * gwt.TOK * self.BK:
+            raise ValueError(f"experts_t1: kw={kw}: the z stages cannot hold the partial sums")
 
     @cute.jit
     def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
@@ -380,21 +426,70 @@ class W13T1(gwt.GroupedW13Tile):
                     ztok.append(mPairs[off + cutlass.min(m, nn - 1)] // K)
             pp = [mPairs[off + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
             cute.arch.barrier()  # every warp is done with the stages (shared down, last item)
-            for s in cutlass.range_constexpr(S - 1):
-                if const_expr(s < self.NCH):
-                    self._load(mW, mY, sW, sZ, row0, ztok, nn, s, s, tid)
-                cute.arch.cp_async_commit_group()
-            accs = mc.zero_accs(2 * self.RT)
-            for i in cutlass.range(self.NCH, unroll=1):
-                cute.arch.cp_async_wait_group(S - 2)
-                cute.arch.barrier()  # chunk i landed for all; all past chunk i - 1
-                nxt = i + (S - 1)
-                if nxt < self.NCH:
-                    self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt, nxt % S, tid)
-                cute.arch.cp_async_commit_group()
-                self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom)
-            cute.arch.cp_async_wait_group(0)
-            self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
+            if const_expr(self.KW == 1):
+                for s in cutlass.range_constexpr(S - 1):
+                    if const_expr(s < self.NCH):
+                        self._load(mW, mY, sW, sZ, row0, ztok, nn, s, s, tid)
+                    cute.arch.cp_async_commit_group()
+                accs = mc.zero_accs(2 * self.RT)
+                for i in cutlass.range(self.NCH, unroll=1):
+                    cute.arch.cp_async_wait_group(S - 2)
+                    cute.arch.barrier()  # chunk i landed for all; all past chunk i - 1
+                    nxt = i + (S - 1)
+                    if nxt < self.NCH:
+                        self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt, nxt % S, tid)
+                    cute.arch.cp_async_commit_group()
+                    self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom)
+                cute.arch.cp_async_wait_group(0)
+                self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
+            else:
+                self._split_k_item(mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane,
+                                   g, c, atom, fa, fb)  # fmt: skip
+
+    @cute.jit
+    def _split_k_item(self, mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane, g, c,
+                      atom, fa, fb):  # fmt: skip
+        """The item with ``KW`` warps per row group (:meth:`_split_k`): pipeline steps of ``KW``
+        chunks (chunk ``j KW + w`` in stage ``(j % SG) KW + w``, ``SG = S / KW`` steps in the
+        ring, one commit group per step), warp ``wk`` multiplies chunk ``j KW + wk``; then the
+        ``wk > 0`` warps' accumulators through the (free) z stages into warp ``wk = 0``'s, which
+        stores ``h``."""
+        S, KW, NWR, RT = self.S, self.KW, self.NWR, self.RT
+        SG = S // KW
+        NG = self.NCH // KW
+        wr = warp % NWR
+        wk = warp // NWR
+        for s in cutlass.range_constexpr(SG - 1):
+            if const_expr(s < NG):
+                for w in cutlass.range_constexpr(KW):
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, s * KW + w, s * KW + w, tid)
+            cute.arch.cp_async_commit_group()
+        accs = mc.zero_accs(2 * RT)
+        for j in cutlass.range(NG, unroll=1):
+            cute.arch.cp_async_wait_group(SG - 2)
+            cute.arch.barrier()  # step j landed for all; every warp past step j - 1
+            nxt = j + (SG - 1)
+            if nxt < NG:
+                for w in cutlass.range_constexpr(KW):
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt * KW + w,
+                               (nxt % SG) * KW + w, tid)  # fmt: skip
+            cute.arch.cp_async_commit_group()
+            self._compute(sW, sZ, (j % SG) * KW + wk, wr, g, c, accs, fa, fb, atom)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # every warp done with its chunks: the z stages are free
+        NA = 2 * RT * 4  # accumulator registers per lane
+        sP = st.z.get_tensor(cute.make_layout((self.NW, NA, 32), stride=(NA * 32, 32, 1)))
+        if wk > 0:
+            for a in cutlass.range_constexpr(2 * RT):
+                for e in cutlass.range_constexpr(4):
+                    sP[warp, a * 4 + e, lane] = accs[a][e]
+        cute.arch.barrier()
+        if wk == 0:
+            for kk in cutlass.range_constexpr(1, KW):
+                for a in cutlass.range_constexpr(2 * RT):
+                    for e in cutlass.range_constexpr(4):
+                        accs[a][e] = accs[a][e] + sP[kk * NWR + wr, a * 4 + e, lane]
+            self._epilogue(mH, accs, pp, nn, row0, wr, g, c)
 
     @cute.jit
     def _shared_down(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane):
@@ -568,9 +663,10 @@ class W2T1(gw2.GroupedW2Tile):
 # -- torch-facing --------------------------------------------------------------------------
 
 
-def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True):
+def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
+              kw=KW_DEFAULT):  # fmt: skip
     """``(op, fake args)`` of :class:`W13T1`."""
-    op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared)
+    op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw)
     i32 = torch.int32
     sl = op.slots
     args = (
@@ -650,9 +746,11 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
     kn = w2_knobs()
     pre = w2_pre()
+    kw = w13_kw()
     w13k = itf.compiled(
-        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13),
-        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13),
+        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)
+        + ((("kw", kw),) if kw != KW_DEFAULT else ()),
+        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw),
     )
     if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
         from decodescope.kernels.specialized import w2_t1_persist as wp
