@@ -98,6 +98,17 @@ def test_split_k_refused(clean_env):
     assert t1.w13_kw() == 2 and t1.fits(1, _dims("kimi-k3", 8)[1:])
     clean_env.setenv("DECODESCOPE_MOE_T1_STAGES", "5")  # kw 2 with 5 stages: not taken
     assert not t1.fits(1, _dims("kimi-k3", 8)[1:])
+    clean_env.delenv("DECODESCOPE_MOE_T1_KW")  # unset: the default split where it fits, else 1
+    assert t1.fits(1, _dims("kimi-k3", 8)[1:])
+    assert t1.w13_kw_for(1, _dims("kimi-k3", 8)[1:], t1.w13_config(), True) == 1
+
+
+@pytest.mark.parametrize("preset,tp,kw", [("kimi-k3", 8, 2), ("kimi-k3", 16, 2), ("tiny", 1, 1)])
+def test_split_k_default(preset, tp, kw, clean_env):
+    """Unset ``DECODESCOPE_MOE_T1_KW``: 2 at the kimi-k3 shapes (H200 s13/r2), 1 where the K
+    chunks are too few to split (tiny: one chunk); the block compiles W13T1 with it."""
+    d = _dims(preset, tp)
+    assert t1.w13_kw_for(1, d[1:], t1.w13_config(), True) == kw
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -38,6 +38,13 @@ module removes or hides, keeping the same three launches and the same outputs:
    3 CTAs per SM, each a contiguous run of row blocks streamed through one ring across the
    block boundaries (with the shared down in w13 only).
 
+6. **The K chunks split across warps** (``DECODESCOPE_MOE_T1_KW``, session 13): W13T1's items
+   with ``kw`` warps each (default 2 where the tiling takes it, else 1), every warp loading and
+   warp ``wk`` multiplying the chunks ``i % kw == wk``, the partial sums added through shared
+   memory before the SiTU epilogue. Same grid and shared memory, so twice the warps per SM: at
+   1 token one warp per item was issue-bound (H200 ncu s13/r1: 4.7 cycles per instruction, 3.0
+   TB/s); s13/r2: TP8 w13 alone 30.5 -> 27.5 us, TP16 20.3 -> 17.4.
+
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
 files untouched): :class:`W13T1` adds the pre-wait shared down, :class:`W2T1` the pre-wait weight
@@ -89,7 +96,10 @@ ENV = {
     "bk": "DECODESCOPE_MOE_T1_BK",
 }
 KW_ENV = "DECODESCOPE_MOE_T1_KW"  # warps splitting an item's K chunks (W13T1.kw)
-KW_DEFAULT = 1
+# unset DECODESCOPE_MOE_T1_KW: 2 where the tiling takes it (lead's decision from the H200 s13/r2,
+# 1 token, graph medians: TP8 w13 alone 30.5 -> 27.5 us, experts 42.1 -> 40.4, block 84.7 ->
+# 80.8; TP16 w13 20.3 -> 17.4, experts 31.5 -> 25.9, block 69.5 -> 63.6), else 1
+KW_DEFAULT = 2
 KW_CHOICES = (1, 2, 4)
 
 
@@ -115,7 +125,9 @@ def fits(T: int, dims: tuple) -> bool:
     E, K, L, Ie, H, S = dims
     sh13 = shared_where() == "w13"
     try:
-        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=w13_config(), shared=sh13, kw=w13_kw())
+        cfg = w13_config()
+        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13,
+              kw=w13_kw_for(T, dims, cfg, sh13))  # fmt: skip
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -174,14 +186,29 @@ def w13_config() -> gwt.TileConfig:
 
 def w13_kw() -> int:
     """``DECODESCOPE_MOE_T1_KW``: the warps of a :class:`W13T1` item that split its K chunks
-    between them (1, 2 or 4; default 1: one warp walks all of them). A bad value raises a
-    one-line ``ValueError``."""
+    between them (1, 2 or 4; unset: ``KW_DEFAULT``, 2, which :func:`w13_kw_for` lowers to 1
+    where the tiling cannot take it). A bad value raises a one-line ``ValueError``."""
     v = os.environ.get(KW_ENV, "")
     if v == "":
         return KW_DEFAULT
     if not v.isdigit() or int(v) not in KW_CHOICES:
         raise ValueError(f"{KW_ENV}={v!r}: expected one of {KW_CHOICES}")
     return int(v)
+
+
+def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
+    """The K split :class:`W13T1` runs with at these shapes ``dims = (E, K, L, Ie, H, S)`` and
+    tiling: :func:`w13_kw`; unset, 1 where the default split does not fit (too few stages or K
+    chunks: the tiny preset, ``DECODESCOPE_MOE_T1_STAGES=5``). A value set explicitly is kept
+    (the kernel's constructor refuses a bad one with its one-line error)."""
+    kw = w13_kw()
+    if kw == 1 or os.environ.get(KW_ENV, ""):
+        return kw
+    try:
+        W13T1(T, *dims, 1.0, 1.0, cfg=cfg, shared=shared, kw=kw)
+    except ValueError:
+        return 1
+    return kw
 
 
 def shared_where() -> str:
@@ -307,7 +334,7 @@ class W13T1(gwt.GroupedW13Tile):
 
     def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
                  cfg: gwt.TileConfig | None = None, shared: bool = True,
-                 kw: int = KW_DEFAULT):  # fmt: skip
+                 kw: int = 1):  # fmt: skip
         cfg = cfg or w13_config()
         if cfg.persist:
             raise ValueError("experts_t1: the w13 items run without persist")
@@ -664,7 +691,7 @@ class W2T1(gw2.GroupedW2Tile):
 
 
 def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
-              kw=KW_DEFAULT):  # fmt: skip
+              kw=1):  # fmt: skip
     """``(op, fake args)`` of :class:`W13T1`."""
     op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw)
     i32 = torch.int32
@@ -746,10 +773,9 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
     kn = w2_knobs()
     pre = w2_pre()
-    kw = w13_kw()
+    kw = w13_kw_for(T, dims[1:], cfg, sh13)
     w13k = itf.compiled(
-        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)
-        + ((("kw", kw),) if kw != KW_DEFAULT else ()),
+        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13) + ((("kw", kw),) if kw > 1 else ()),
         lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw),
     )
     if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
