@@ -25,6 +25,7 @@ Math (:func:`decodescope.kernels.reference.kda_attn_ref`), per token t, head h, 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
@@ -54,10 +55,37 @@ class KDAPlan:
     lower_bound: float = -5.0
     eps: float = 1e-5
     pdl: bool = field(default_factory=pdl_enabled)
+    vsplit: int = 1  # > 1: :class:`.kda_decode_split.KDADecodeSplit` (clusters per head)
 
     @property
     def dim(self) -> int:
         return self.heads * self.head_dim
+
+
+VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
+NUM_SMS = 132  # H200
+
+
+def vsplit_for(batch: int, heads: int, head_dim: int) -> int:
+    """``DECODESCOPE_KDA_VSPLIT``: CTAs (a cluster) per (head, sequence). ``1``: the one-CTA
+    kernel; ``2`` / ``4`` / ``8``: :mod:`.kda_decode_split` (head_dim 128 only); ``0``: the
+    largest split that keeps ``batch x heads x split`` within the SMs, 1 from half the SMs
+    (``batch x heads >= 66``) or for other head dims. Unset: ``1`` (the default until the H200
+    says otherwise). A bad value raises a one-line ``ValueError``."""
+    v = os.environ.get(VSPLIT_ENV, "")
+    if v == "":
+        return 1
+    if v not in ("0", "1", "2", "4", "8"):
+        raise ValueError(f"{VSPLIT_ENV}={v!r}: expected 0 (auto), 1, 2, 4 or 8")
+    n = int(v)
+    if n:
+        return n
+    if head_dim != 128 or 2 * batch * heads > NUM_SMS:
+        return 1
+    for vs in (8, 4, 2):
+        if batch * heads * vs <= NUM_SMS:
+            return vs
+    return 1
 
 
 class KDADecode:
@@ -242,8 +270,17 @@ def _fake_args(p: KDAPlan):
     )
 
 
+def make_op(p: KDAPlan):
+    """The kernel object of plan ``p``: the one-CTA kernel, or the cluster split."""
+    if p.vsplit > 1:
+        from decodescope.kernels.specialized.kda_decode_split import KDADecodeSplit
+
+        return KDADecodeSplit(p)
+    return KDADecode(p)
+
+
 def compile_plan(p: KDAPlan):
-    return itf.compiled(("kda_decode", p), lambda: (KDADecode(p), _fake_args(p)))
+    return itf.compiled(("kda_decode", p), lambda: (make_op(p), _fake_args(p)))
 
 
 def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
@@ -257,6 +294,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         proj_width=cfg.kda_in_proj_out,
         lower_bound=k.gate_lower_bound,
         eps=cfg.eps,
+        vsplit=vsplit_for(batch, cfg.kda_heads, k.head_dim),
     )
 
 

@@ -166,7 +166,7 @@ def _attn_problems(cfg, kind: str, batch: int, tokens: int) -> list[str]:
     _try(out, f"{where}, o_proj+residual", lambda: op.plan_for(cfg, kind, N))
     _try(out, f"{where}, residual_norm", lambda: rms.RMSNorm(rms.NormPlan(N, cfg.hidden, cfg.eps)))
     if kind == "kda":
-        _try(out, f"{where}, KDA decode", lambda: kda.KDADecode(kda.plan_for(cfg, batch, tokens)))
+        _try(out, f"{where}, KDA decode", lambda: kda.make_op(kda.plan_for(cfg, batch, tokens)))
     else:
         _try(out, f"{where}, q_b_proj", lambda: op.q_b_plan(cfg, N))
         _try(out, f"{where}, MLA decode", lambda: mla.MLADecode(mla.plan_for(cfg, batch, tokens)))

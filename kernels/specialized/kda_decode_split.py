@@ -1,0 +1,274 @@
+"""KDA decode with each head's value columns split over a thread-block cluster: the same
+function as :class:`.kda_decode.KDADecode` (conv update + SiLU + decay gate with f_b fused +
+beta + L2 norms + FP32 delta-rule recurrence in place + sigmoid-gated RMSNorm), for few
+sequences.
+
+Why (issue #5, batch 1; H200 ncu s13/r1, TP8 KDA layer, flushed caches): the one-CTA-per-head
+kernel runs 12 CTAs at TP8 batch 1 (6 at TP16), 8.4 us for 1.3 MB, issue-bound on 12 SMs (8.9
+cycles per instruction, LSU throttle on the state's 64 scalar loads per thread). The columns of
+a head's state ``S [k, v]`` are independent given ``q``, ``k``, the decay and ``beta``: here
+``vsplit`` CTAs share a head, each owning ``hd / vsplit`` value columns (``hd / vsplit`` x
+``hd`` of the FP32 state in registers), so ``heads x vsplit`` CTAs stream the state.
+
+Each CTA recomputes what the columns share (cheap next to the state): the short conv + SiLU and
+the L2 norms of all ``hd`` q and k channels (one channel per thread: ``2 hd`` = 256 threads),
+the ``hd`` decay gates (two lanes per row of ``f_b``, L2-resident after the first CTA), ``beta``.
+The one quantity over all columns, the output RMSNorm's sum of squares, is exchanged through
+distributed shared memory: each CTA leaves its partial in its own shared memory (two slots, by
+token parity), a cluster barrier (release / acquire) publishes them, every thread adds the
+``vsplit`` partials in rank order (the same sum in every CTA). A last cluster barrier keeps a
+CTA resident until its peers have read its partial.
+
+Within a CTA, thread ``t`` owns column ``r * CW + t // LPC`` (``CW = hd / vsplit`` columns of
+CTA rank ``r``, ``LPC = 256 / CW`` lanes per column, consecutive) and rows ``ii * LPC + t %
+LPC``: the per-column sums ``k^T S`` and ``q^T S`` are butterflies over ``LPC`` lanes. Writes:
+the state columns by their owners, the output and the v conv history by each column's first
+lane, the q / k conv history of channel ``c`` by the CTA with ``c // CW == r``.
+
+Rounding: FP32 throughout, as the one-CTA kernel; the column sums and the norm's partials add
+in a different order (results equal within FP32 rounding, not bit for bit).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from decodescope.kernels.specialized.utils import (
+    load_vec8,
+    pdl_begin,
+    sigmoid,
+    warp_sum,
+)
+
+THREADS = 256
+VSPLITS = (2, 4, 8)  # portable cluster sizes that divide head_dim 128 into >= 16 columns
+
+
+def _mapa(ptr, rank) -> Int32:
+    """The shared::cluster address of ``ptr`` (this CTA's shared memory) in CTA ``rank``."""
+    return cute.arch.inline_ptx(
+        "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};",
+        write_only_types=[Int32],
+        read_only_args=[ptr, Int32(rank)],
+    )
+
+
+def _ld_cluster_f32(addr) -> Float32:
+    return cute.arch.inline_ptx(
+        "ld.shared::cluster.f32 {$w0}, [{$r0}];",
+        write_only_types=[Float32],
+        read_only_args=[addr],
+    )
+
+
+class KDADecodeSplit:
+    """``vsplit`` CTAs (one cluster) per (head, sequence); see the module docstring."""
+
+    def __init__(self, plan):
+        self.p = plan
+        hd, vs = plan.head_dim, plan.vsplit
+        if vs not in VSPLITS:
+            raise ValueError(f"kda_decode_split: vsplit={vs}, expected one of {VSPLITS}")
+        if 2 * hd != THREADS:
+            raise ValueError(
+                f"kda_decode_split: head_dim {hd}: the split kernel takes head_dim "
+                f"{THREADS // 2} (one q or k channel per thread)"
+            )
+        self.vs = vs
+        self.cw = hd // vs  # value columns per CTA
+        self.lpc = THREADS // self.cw  # lanes per column (consecutive)
+        self.rpt = hd // self.lpc  # state rows per thread
+        self.lpc_log2 = self.lpc.bit_length() - 1  # butterfly steps of a column sum
+        if self.lpc > 32:
+            raise ValueError(f"kda_decode_split: {self.lpc} lanes per column exceed a warp")
+        self.warps = THREADS // 32
+
+    @cute.jit
+    def __call__(
+        self,
+        mProj: cute.Tensor,  # [B*T, P] bf16
+        mConvW: cute.Tensor,  # [3D, KC] bf16
+        mConv: cute.Tensor,  # [B, 3D, KC-1] bf16, in place
+        mFb: cute.Tensor,  # [D, hd] bf16
+        mALog: cute.Tensor,  # [heads] f32
+        mDt: cute.Tensor,  # [D] f32
+        mONorm: cute.Tensor,  # [hd] bf16
+        mS: cute.Tensor,  # [B, heads, hd, hd] f32, in place
+        mOut: cute.Tensor,  # [B*T, D] bf16
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        hd, vs = p.head_dim, self.vs
+
+        @cute.struct
+        class Smem:
+            fa: cute.struct.MemRange[Float32, hd]
+            decay: cute.struct.MemRange[Float32, hd]
+            q: cute.struct.MemRange[Float32, hd]
+            k: cute.struct.MemRange[Float32, hd]
+            red: cute.struct.MemRange[Float32, 16]
+            osq: cute.struct.MemRange[Float32, 2]  # this CTA's partial, by token parity
+
+        self.smem_cls = Smem
+        self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
+            grid=[p.heads * vs, p.batch, 1],
+            block=[THREADS, 1, 1],
+            cluster=[vs, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
+        p = self.p
+        hd, D, KC, T = p.head_dim, p.dim, p.conv_kernel, p.tokens
+        VS, CW, LPC, RPT, NW = self.vs, self.cw, self.lpc, self.rpt, self.warps
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, b, _ = cute.arch.block_idx()
+        h = bx // VS
+        r = bx % VS  # rank in the cluster (clusters tile the grid's x in runs of VS)
+        warp = tidx // 32
+        lane = tidx % 32
+        jl = tidx // LPC
+        rp = tidx % LPC
+        j = r * CW + jl  # this thread's value column in the head
+        col = h * hd + j
+        lead = rp == 0  # the lane that writes per-column results
+        which = tidx // hd  # 0: a q channel, 1: a k channel
+        ch = tidx % hd
+        qkc = which * D + h * hd + ch  # its conv channel
+        i_d = tidx // 2  # the decay row this thread helps compute
+        half = tidx % 2
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        sFa = st.fa.get_tensor(cute.make_layout(hd))
+        sDecay = st.decay.get_tensor(cute.make_layout(hd))
+        sQ = st.q.get_tensor(cute.make_layout(hd))
+        sK = st.k.get_tensor(cute.make_layout(hd))
+        sRed = st.red.get_tensor(cute.make_layout(16))
+        sOsq = st.osq.get_tensor(cute.make_layout(2))
+
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+        rS = cute.make_rmem_tensor((RPT,), Float32)
+        for ii in cutlass.range_constexpr(self.rpt):
+            rS[ii] = mS[b, h, ii * LPC + rp, j]
+        # conv history and weights: this thread's q or k channel, and its column's v channel
+        rHqk = cute.make_rmem_tensor((KC - 1,), Float32)
+        rCqk = cute.make_rmem_tensor((KC,), Float32)
+        rHv = cute.make_rmem_tensor((KC - 1,), Float32)
+        rCv = cute.make_rmem_tensor((KC,), Float32)
+        for i in cutlass.range_constexpr(KC - 1):
+            rHqk[i] = mConv[b, qkc, i].to(Float32)
+            rHv[i] = mConv[b, 2 * D + col, i].to(Float32)
+        for i in cutlass.range_constexpr(KC):
+            rCqk[i] = mConvW[qkc, i].to(Float32)
+            rCv[i] = mConvW[2 * D + col, i].to(Float32)
+        a_h = cute.math.exp(mALog[h], fastmath=False)
+        dt = mDt[h * hd + i_d]
+        onorm = mONorm[j].to(Float32)
+        scale = Float32(hd**-0.5) if which == 0 else Float32(1.0)
+
+        for t in cutlass.range(T, unroll_full=True):
+            row = b * T + t
+            # short conv + SiLU: this thread's q / k channel, and the column's v channel
+            xn = mProj[row, qkc].to(Float32)
+            acc = xn * rCqk[KC - 1]
+            for i in cutlass.range_constexpr(KC - 1):
+                acc = acc + rHqk[i] * rCqk[i]
+            for i in cutlass.range_constexpr(KC - 2):
+                rHqk[i] = rHqk[i + 1]
+            rHqk[KC - 2] = xn
+            val = acc * sigmoid(acc)
+            xv = mProj[row, 2 * D + col].to(Float32)
+            av = xv * rCv[KC - 1]
+            for i in cutlass.range_constexpr(KC - 1):
+                av = av + rHv[i] * rCv[i]
+            for i in cutlass.range_constexpr(KC - 2):
+                rHv[i] = rHv[i + 1]
+            rHv[KC - 2] = xv
+            vv = av * sigmoid(av)
+            if tidx < hd:
+                sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
+            gj = mProj[row, 3 * D + col].to(Float32)
+            beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+            # sums of squares: warps [0, NW/2) hold q channels, [NW/2, NW) k channels
+            ws = warp_sum(val * val)
+            if lane == 0:
+                sRed[warp] = ws
+            cute.arch.sync_threads()  # also publishes sFa
+            ss = Float32(0.0)
+            for w in cutlass.range_constexpr(self.warps // 2):
+                ss = ss + sRed[which * (NW // 2) + w]
+            vn = val / cute.arch.fmax(cute.math.sqrt(ss), Float32(1e-12)) * scale
+            if which == 0:
+                sQ[ch] = vn
+            else:
+                sK[ch] = vn
+            # decay of row i_d: f_b[h*hd + i_d, :] . f_a, two lanes per row
+            f = Float32(0.0)
+            for v in cutlass.range(hd // 16, unroll_full=True):
+                k0 = (v * 2 + half) * 8
+                fb = cute.make_rmem_tensor((8,), BFloat16)
+                load_vec8(mFb[h * hd + i_d, None], k0, fb)
+                for e in cutlass.range_constexpr(8):
+                    f = f + fb[e].to(Float32) * sFa[k0 + e]
+            f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
+            gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
+            if half == 0:
+                sDecay[i_d] = cute.math.exp(gk, fastmath=False)
+            cute.arch.sync_threads()  # sQ, sK, sDecay complete; sRed free
+            kv = Float32(0.0)
+            for ii in cutlass.range_constexpr(self.rpt):
+                i = ii * LPC + rp
+                rS[ii] = rS[ii] * sDecay[i]
+                kv = kv + sK[i] * rS[ii]
+            for o in cutlass.range_constexpr(self.lpc_log2):
+                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1 << o)
+            u = beta * (vv - kv)
+            cute.arch.sync_threads()  # as the one-CTA kernel: keeps sK / sQ out of registers
+            o = Float32(0.0)
+            for ii in cutlass.range_constexpr(self.rpt):
+                i = ii * LPC + rp
+                rS[ii] = rS[ii] + sK[i] * u
+                o = o + sQ[i] * rS[ii]
+            for o_ in cutlass.range_constexpr(self.lpc_log2):
+                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << o_)
+            # this CTA's columns' sum of squares, then the cluster's (DSMEM, rank order)
+            o_sq = Float32(0.0)
+            if lead:
+                o_sq = o * o
+            ws2 = warp_sum(o_sq)
+            if lane == 0:
+                sRed[warp] = ws2
+            cute.arch.sync_threads()
+            if tidx == 0:
+                part = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    part = part + sRed[w]
+                sOsq[t % 2] = part
+            cute.arch.cluster_arrive()  # release: this CTA's partial of token t
+            cute.arch.cluster_wait()  # acquire: every CTA's
+            tot = Float32(0.0)
+            for q in cutlass.range_constexpr(self.vs):
+                tot = tot + _ld_cluster_f32(_mapa(sOsq.iterator + t % 2, q))
+            rstd = cute.math.rsqrt(tot / Float32(hd) + Float32(p.eps))
+            if lead:
+                mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
+            cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK, sRed
+
+        for ii in cutlass.range_constexpr(self.rpt):
+            mS[b, h, ii * LPC + rp, j] = rS[ii]
+        if lead:
+            for i in cutlass.range_constexpr(KC - 1):
+                mConv[b, 2 * D + col, i] = rHv[i].to(BFloat16)
+        if ch // CW == r:
+            for i in cutlass.range_constexpr(KC - 1):
+                mConv[b, qkc, i] = rHqk[i].to(BFloat16)
+        cute.arch.cluster_arrive()  # nobody exits while a peer may still read its partial
+        cute.arch.cluster_wait()
