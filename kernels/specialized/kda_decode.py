@@ -170,6 +170,15 @@ class KDADecode:
         a_h = cute.math.exp(mALog[h], fastmath=False)
         dt = mDt[col]
         onorm = mONorm[j].to(Float32)
+        # from 2 tokens: this lane's half of f_b row col held across the tokens (its L2 round
+        # trips out of the per-token chain; the same products in the same order). At 1 token
+        # it is loaded in the loop as before (128 registers: two CTAs per SM at large batch)
+        NV = hd // 8 // SP
+        HOLD = T > 1
+        if cutlass.const_expr(HOLD):
+            rFb = cute.make_rmem_tensor((8, NV), BFloat16)  # column v: 8 contiguous
+            for v in cutlass.range_constexpr(NV):
+                load_vec8(mFb[col, None], (v * SP + half) * 8, rFb[None, v])
 
         for t in cutlass.range(T, unroll_full=True):
             row = b * T + t
@@ -200,12 +209,18 @@ class KDADecode:
             kn = qkv[1] / cute.arch.fmax(cute.math.sqrt(kss), Float32(1e-12))
             # decay gate of channel j (a k row of S): f_b[col, :] . f_a, split over the lanes
             f = Float32(0.0)
-            for v in cutlass.range(hd // 8 // SP, unroll_full=True):
-                k0 = (v * SP + half) * 8
-                fb = cute.make_rmem_tensor((8,), BFloat16)  # f_b row: L1/L2-resident
-                load_vec8(mFb[col, None], k0, fb)
-                for e in cutlass.range_constexpr(8):
-                    f = f + fb[e].to(Float32) * sFa[k0 + e]
+            if cutlass.const_expr(HOLD):
+                for v in cutlass.range_constexpr(NV):
+                    k0 = (v * SP + half) * 8
+                    for e in cutlass.range_constexpr(8):
+                        f = f + rFb[e, v].to(Float32) * sFa[k0 + e]
+            else:
+                for v in cutlass.range(hd // 8 // SP, unroll_full=True):
+                    k0 = (v * SP + half) * 8
+                    fb = cute.make_rmem_tensor((8,), BFloat16)  # f_b row: L1/L2-resident
+                    load_vec8(mFb[col, None], k0, fb)
+                    for e in cutlass.range_constexpr(8):
+                        f = f + fb[e].to(Float32) * sFa[k0 + e]
             if cutlass.const_expr(SP == 2):
                 f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
             f = f + dt

@@ -173,6 +173,10 @@ class KDADecodeSplit:
         dt = mDt[h * hd + i_d]
         onorm = mONorm[j].to(Float32)
         scale = Float32(hd**-0.5) if which == 0 else Float32(1.0)
+        # this lane's half of f_b row h*hd + i_d, held across the tokens
+        rFb = cute.make_rmem_tensor((8, hd // 16), BFloat16)  # column v: 8 contiguous
+        for v in cutlass.range_constexpr(hd // 16):
+            load_vec8(mFb[h * hd + i_d, None], (v * 2 + half) * 8, rFb[None, v])
 
         for t in cutlass.range(T, unroll_full=True):
             row = b * T + t
@@ -212,12 +216,10 @@ class KDADecodeSplit:
                 sK[ch] = vn
             # decay of row i_d: f_b[h*hd + i_d, :] . f_a, two lanes per row
             f = Float32(0.0)
-            for v in cutlass.range(hd // 16, unroll_full=True):
+            for v in cutlass.range_constexpr(hd // 16):
                 k0 = (v * 2 + half) * 8
-                fb = cute.make_rmem_tensor((8,), BFloat16)
-                load_vec8(mFb[h * hd + i_d, None], k0, fb)
                 for e in cutlass.range_constexpr(8):
-                    f = f + fb[e].to(Float32) * sFa[k0 + e]
+                    f = f + rFb[e, v].to(Float32) * sFa[k0 + e]
             f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
             gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
             if half == 0:
