@@ -45,7 +45,10 @@ def test_compiles(tp, T, vs, clean_env):
 
 def test_selection(clean_env):
     mp = clean_env
-    assert kda.vsplit_for(1, 12, 128) == 1  # unset: the one-CTA kernel
+    assert kda.vsplit_for(1, 12, 128) == 1  # unset: the one-CTA kernel at one token
+    assert kda.vsplit_for(1, 12, 128, tokens=8) == 8  # and auto from two (H200 s13/r4)
+    assert kda.vsplit_for(8, 12, 128, tokens=8) == 1 and kda.vsplit_for(8, 6, 128, tokens=8) == 2
+    assert kda.plan_for(get_config("kimi-k3", 8), 1, 8).vsplit == 8
     mp.setenv(kda.VSPLIT_ENV, "0")  # auto: the largest split within the SMs, 1 from half of them
     assert kda.vsplit_for(1, 12, 128) == 8 and kda.vsplit_for(1, 6, 128) == 8
     assert kda.vsplit_for(2, 12, 128) == 4 and kda.vsplit_for(4, 12, 128) == 2

@@ -66,15 +66,17 @@ VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
 NUM_SMS = 132  # H200
 
 
-def vsplit_for(batch: int, heads: int, head_dim: int) -> int:
+def vsplit_for(batch: int, heads: int, head_dim: int, tokens: int = 1) -> int:
     """``DECODESCOPE_KDA_VSPLIT``: CTAs (a cluster) per (head, sequence). ``1``: the one-CTA
-    kernel; ``2`` / ``4`` / ``8``: :mod:`.kda_decode_split` (head_dim 128 only); ``0``: the
-    largest split that keeps ``batch x heads x split`` within the SMs, 1 from half the SMs
-    (``batch x heads >= 66``) or for other head dims. Unset: ``1`` (the default until the H200
-    says otherwise). A bad value raises a one-line ``ValueError``."""
+    kernel; ``2`` / ``4`` / ``8``: :mod:`.kda_decode_split` (head_dim 128 only); ``0``: auto,
+    the largest split that keeps ``batch x heads x split`` within the SMs, 1 from half the SMs
+    (``batch x heads >= 66``) or for other head dims. Unset: auto from 2 tokens per sequence,
+    1 at one token (H200, TP8 1x8 in the layer, bench shares: the KDA decode 43.0 us one-CTA
+    in s13/r5, 30.9 split 8 in s13/r4; at 1x1 the KDA layer did not move, 112.4 / 112.8 us in
+    s13/r3 / r4). A bad value raises a one-line ``ValueError``."""
     v = os.environ.get(VSPLIT_ENV, "")
     if v == "":
-        return 1
+        v = "0" if tokens > 1 else "1"
     if v not in ("0", "1", "2", "4", "8"):
         raise ValueError(f"{VSPLIT_ENV}={v!r}: expected 0 (auto), 1, 2, 4 or 8")
     n = int(v)
@@ -309,7 +311,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         proj_width=cfg.kda_in_proj_out,
         lower_bound=k.gate_lower_bound,
         eps=cfg.eps,
-        vsplit=vsplit_for(batch, cfg.kda_heads, k.head_dim),
+        vsplit=vsplit_for(batch, cfg.kda_heads, k.head_dim, tokens),
     )
 
 
