@@ -917,10 +917,11 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
             "grouped_thresh", "grouped_w2s2", "grouped_w2s4", "grouped_w2s3", "grouped_w2s6"]  # fmt: skip
 
 
-# grouped_t1[_r<R>][_s<stages>][_k<BK>][_kw<warps>][_w2w<warps>][_w2sh][_nopre][_rt1]:
+# grouped_t1[_r<R>][_s<stages>][_k<BK>][_kw<warps>][_zt][_w2w<warps>][_w2sh][_nopre][_rt1]:
 # DECODESCOPE_MOE_T1=t1 (1 token, kernels/specialized/experts_t1.py): the w13 tile with R gate rows
 # per item (16), its stages (6), K chunk (128) and warps splitting an item's K chunks
-# (DECODESCOPE_MOE_T1_KW: 1), w2's warps per item (DECODESCOPE_MOE_W2T_WARPS: 4 = 64 rows), the
+# (DECODESCOPE_MOE_T1_KW: 2 where it fits), z stages sized for the tokens (_zt:
+# DECODESCOPE_MOE_T1_ZT=1), w2's warps per item (DECODESCOPE_MOE_W2T_WARPS: 4 = 64 rows), the
 # shared down before w13's PDL wait (_w2sh: in w2's first CTAs instead), w2's weights before its
 # wait (_nopre: after it), the route: RouteT1 (_rt1; the default since s10/r2) or the grouped
 # route kernel (_rtg).
@@ -931,7 +932,8 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # (persist since session 12, W2T1 with _w2sh).
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
-    r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_kw(\d+))?(?:_w2w(\d+))?(?:_(w2sh))?"
+    r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_kw(\d+))?(?:_(zt))?(?:_w2w(\d+))?"
+    r"(?:_(w2sh))?"
     r"(?:_(nopre))?"
     r"(?:_(rt1|rtg))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
 )
@@ -949,8 +951,9 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, kw, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
+    r, s, k, kw, zt, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_T1_KW"] = kw or ""
+    env["DECODESCOPE_MOE_T1_ZT"] = "1" if zt else ""
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
     env["DECODESCOPE_MOE_T1_W2"] = {"w2p": "persist", "w2t": "tile"}.get(w2p or "", "")
     env["DECODESCOPE_MOE_T1_W2P_WARPS"] = pw or ""

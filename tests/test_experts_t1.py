@@ -22,7 +22,8 @@ from decodescope.kernels.weights import make_layer_weights
 
 _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
-         "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW")  # fmt: skip
+         "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW",
+         "DECODESCOPE_MOE_T1_ZT")  # fmt: skip
 
 
 @pytest.fixture
@@ -101,6 +102,27 @@ def test_split_k_refused(clean_env):
     clean_env.delenv("DECODESCOPE_MOE_T1_KW")  # unset: the default split where it fits, else 1
     assert t1.fits(1, _dims("kimi-k3", 8)[1:])
     assert t1.w13_kw_for(1, _dims("kimi-k3", 8)[1:], t1.w13_config(), True) == 1
+
+
+@pytest.mark.parametrize("tp,kw,bk,stages,tz", [(8, 2, 128, 8, 2), (16, 2, 128, 8, 1),
+                                               (8, 1, 128, 8, 2), (8, 2, 64, 8, 3)])  # fmt: skip
+def test_tight_z(tp, kw, bk, stages, tz, clean_env):
+    """``DECODESCOPE_MOE_T1_ZT=1``: z stages of the fewest token slots that hold the token, the
+    pre-wait shared gate/up and the K split's partial sums, so 8 stages of 128 K fit the shared
+    memory of today's 6 (3 CTAs per SM at TP8)."""
+    d = _dims("kimi-k3", tp)
+    c = gt.TileConfig(16, bk, stages, 1)
+    op, args = t1.build_w13(*d, 4.0, 25.0, True, 132, c, True, kw, True)
+    slots = op.TZ
+    assert slots == tz and op.S * slots * op.BK >= max(2 * d[6], op.NW * 2 * op.RT * 4 * 32)
+    assert itf.compile_only(op, *args) is not None
+    clean_env.setenv("DECODESCOPE_MOE_T1_ZT", "1")
+    clean_env.setenv("DECODESCOPE_MOE_T1_STAGES", str(stages))
+    clean_env.setenv("DECODESCOPE_MOE_T1_BK", str(bk))
+    assert t1.w13_zt() and t1.fits(1, d[1:])
+    clean_env.setenv("DECODESCOPE_MOE_T1_ZT", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_ZT='2'"):
+        t1.w13_zt()
 
 
 @pytest.mark.parametrize("preset,tp,kw", [("kimi-k3", 8, 2), ("kimi-k3", 16, 2), ("tiny", 1, 1)])
@@ -342,6 +364,8 @@ def test_script_variants():
     env = gs.variant_env("grouped_t1_s8_k64_kw4")
     assert (env["DECODESCOPE_MOE_T1_BK"], env["DECODESCOPE_MOE_T1_KW"]) == ("64", "4")
     assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_KW"] == ""
+    env = gs.variant_env("grouped_t1_s8_zt")
+    assert (env["DECODESCOPE_MOE_T1_STAGES"], env["DECODESCOPE_MOE_T1_ZT"]) == ("8", "1")
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_experts_t1.py) -------------------------
@@ -368,6 +392,8 @@ def gsm():
                                            ("kimi-k3", 8, "grouped_t1_kw2"),
                                            ("kimi-k3", 16, "grouped_t1_kw2"),
                                            ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
+                                           ("kimi-k3", 8, "grouped_t1_s8_zt"),
+                                           ("kimi-k3", 16, "grouped_t1_s8_zt"),
                                            ("tiny", 1, "grouped_t1")])  # fmt: skip
 def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
     """Lists, h (poisoned first) vs bf16(SiTU(w13 z)), routed sum, shared output, up-projection

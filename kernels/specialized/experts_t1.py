@@ -101,6 +101,7 @@ KW_ENV = "DECODESCOPE_MOE_T1_KW"  # warps splitting an item's K chunks (W13T1.kw
 # 80.8; TP16 w13 20.3 -> 17.4, experts 31.5 -> 25.9, block 69.5 -> 63.6), else 1
 KW_DEFAULT = 2
 KW_CHOICES = (1, 2, 4)
+ZT_ENV = "DECODESCOPE_MOE_T1_ZT"  # 1: W13T1's z stages sized for the pass's tokens (opt-in)
 
 
 def mode(T: int) -> str:
@@ -127,7 +128,7 @@ def fits(T: int, dims: tuple) -> bool:
     try:
         cfg = w13_config()
         W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13,
-              kw=w13_kw_for(T, dims, cfg, sh13))  # fmt: skip
+              kw=w13_kw_for(T, dims, cfg, sh13), zt=w13_zt())  # fmt: skip
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -196,6 +197,16 @@ def w13_kw() -> int:
     return int(v)
 
 
+def w13_zt() -> bool:
+    """``DECODESCOPE_MOE_T1_ZT``: ``1`` sizes :class:`W13T1`'s z stages for the step's tokens
+    (and what the pre-wait shared down and the K split's partial sums need) instead of 8 token
+    slots, so more stages fit the same shared memory (``0`` / unset: 8 slots)."""
+    v = os.environ.get(ZT_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ZT_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
     """The K split :class:`W13T1` runs with at these shapes ``dims = (E, K, L, Ie, H, S)`` and
     tiling: :func:`w13_kw`; unset, 1 where the default split does not fit (too few stages or K
@@ -205,7 +216,7 @@ def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
     if kw == 1 or os.environ.get(KW_ENV, ""):
         return kw
     try:
-        W13T1(T, *dims, 1.0, 1.0, cfg=cfg, shared=shared, kw=kw)
+        W13T1(T, *dims, 1.0, 1.0, cfg=cfg, shared=shared, kw=kw, zt=w13_zt())
     except ValueError:
         return 1
     return kw
@@ -334,11 +345,12 @@ class W13T1(gwt.GroupedW13Tile):
 
     def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
                  cfg: gwt.TileConfig | None = None, shared: bool = True,
-                 kw: int = 1):  # fmt: skip
+                 kw: int = 1, zt: bool = False):  # fmt: skip
         cfg = cfg or w13_config()
         if cfg.persist:
             raise ValueError("experts_t1: the w13 items run without persist")
         super().__init__(T, E, K, L, Ie, beta, lbeta, pdl, nsm, cfg)
+        self.TZ = gwt.TOK  # token slots of a z stage
         self._split_k(kw)
         if not 1 <= T <= MAX_T:
             raise ValueError(f"experts_t1: {T} tokens, expected 1..{MAX_T}")
@@ -358,6 +370,9 @@ class W13T1(gwt.GroupedW13Tile):
                              f"items, grid {self.grid})")  # fmt: skip
         if shared and T * 2 * S > self.S * gwt.TOK * self.BK:
             raise ValueError(f"experts_t1: {T} tokens' shared gate/up exceed the z stages")
+        if zt:  # the fewest slots >= T that still hold the shared gate/up and the partials
+            need = max(T * 2 * S if shared else 0, self.NW * 2 * self.RT * 4 * 32)
+            self.TZ = max(T, min(gwt.TOK, -(-need // (self.S * self.BK))))
 
     def _split_k(self, kw: int) -> None:
         """``kw`` warps per row group (``DECODESCOPE_MOE_T1_KW``): the CTA's ``NWR`` row warps
@@ -385,7 +400,7 @@ class W13T1(gwt.GroupedW13Tile):
         self.WP = units // self.NT
         self.RS = self.NT // self.UPR
         self.ZP = -(-gwt.TOK * self.UZ // self.NT)
-        if self.NW * 2 * self.RT * 4 * 32 > self.S * gwt.TOK * self.BK:
+        if self.NW * 2 * self.RT * 4 * 32 > self.S * self.TZ * self.BK:
             raise ValueError(f"experts_t1: kw={kw}: the z stages cannot hold the partial sums")
 
     @cute.jit
@@ -397,7 +412,7 @@ class W13T1(gwt.GroupedW13Tile):
         @cute.struct
         class Smem:
             w: cute.struct.Align[cute.struct.MemRange[BFloat16, S * 2 * R * BK], 128]
-            z: cute.struct.Align[cute.struct.MemRange[Float32, S * gwt.TOK * BK], 128]
+            z: cute.struct.Align[cute.struct.MemRange[Float32, S * self.TZ * BK], 128]
             hs: cute.struct.Align[cute.struct.MemRange[BFloat16, HS], 16]
 
         self.smem_cls = Smem
@@ -422,10 +437,11 @@ class W13T1(gwt.GroupedW13Tile):
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sW = st.w.get_tensor(cute.make_layout((S, 2 * R, BK), stride=(2 * R * BK, BK, 1)))
-        sZ = st.z.get_tensor(cute.make_layout((S, TOK, BK), stride=(TOK * BK, BK, 1)))
+        TZ = self.TZ
+        sZ = st.z.get_tensor(cute.make_layout((S, TZ, BK), stride=(TZ * BK, BK, 1)))
         if const_expr(self.shared):
             sWf = st.w.get_tensor(cute.make_layout(S * 2 * R * BK))
-            sZf = st.z.get_tensor(cute.make_layout(S * TOK * BK))
+            sZf = st.z.get_tensor(cute.make_layout(S * TZ * BK))
             sHs = st.hs.get_tensor(cute.make_layout((self.T, self.SI), stride=(self.SI, 1)))
             self._shared_down(mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
         if const_expr(self.pdl):
@@ -466,12 +482,17 @@ class W13T1(gwt.GroupedW13Tile):
                     if nxt < self.NCH:
                         self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt, nxt % S, tid)
                     cute.arch.cp_async_commit_group()
-                    self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom)
+                    self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom, self._zg(g))
                 cute.arch.cp_async_wait_group(0)
                 self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
             else:
                 self._split_k_item(mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane,
                                    g, c, atom, fa, fb)  # fmt: skip
+
+    def _zg(self, g):
+        """The z slot lane group ``g`` reads: ``g`` (None) with 8 slots, else clamped to the
+        last slot (its MMA column is then a copy; only columns of real tokens are stored)."""
+        return None if self.TZ == gwt.TOK else cutlass.min(g, self.TZ - 1)
 
     @cute.jit
     def _split_k_item(self, mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane, g, c,
@@ -501,7 +522,8 @@ class W13T1(gwt.GroupedW13Tile):
                     self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt * KW + w,
                                (nxt % SG) * KW + w, tid)  # fmt: skip
             cute.arch.cp_async_commit_group()
-            self._compute(sW, sZ, (j % SG) * KW + wk, wr, g, c, accs, fa, fb, atom)
+            self._compute(sW, sZ, (j % SG) * KW + wk, wr, g, c, accs, fa, fb, atom,
+                          self._zg(g))  # fmt: skip
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()  # every warp done with its chunks: the z stages are free
         NA = 2 * RT * 4  # accumulator registers per lane
@@ -691,9 +713,9 @@ class W2T1(gw2.GroupedW2Tile):
 
 
 def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
-              kw=1):  # fmt: skip
+              kw=1, zt=False):  # fmt: skip
     """``(op, fake args)`` of :class:`W13T1`."""
-    op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw)
+    op = W13T1(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt)
     i32 = torch.int32
     sl = op.slots
     args = (
@@ -774,9 +796,12 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     kn = w2_knobs()
     pre = w2_pre()
     kw = w13_kw_for(T, dims[1:], cfg, sh13)
+    zt = w13_zt()
     w13k = itf.compiled(
-        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13) + ((("kw", kw),) if kw > 1 else ()),
-        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw),
+        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)
+        + ((("kw", kw),) if kw > 1 else ())
+        + ((("zt", 1),) if zt else ()),
+        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt),
     )
     if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
         from decodescope.kernels.specialized import w2_t1_persist as wp

@@ -390,15 +390,18 @@ class GroupedW13Tile:
                 mc.cp_async16(zdst, zsrc)
 
     @cute.jit
-    def _compute(self, sW, sZ, stg, warp, g, c, accs, fa, fb, atom):
+    def _compute(self, sW, sZ, stg, warp, g, c, accs, fa, fb, atom, zg=None):
         """The MMAs of one chunk: per 32-wide K block, the lane's z of token ``g`` (two FP32
         units, to BF16) against its gate/up tiles' rows ``g``, ``g + 8`` (one 16-byte read
-        each); accumulators ``accs[2q]`` (gate) and ``accs[2q + 1]`` (up) of pair ``q``."""
+        each); accumulators ``accs[2q]`` (gate) and ``accs[2q + 1]`` (up) of pair ``q``.
+        ``zg``: the z slot to read instead of ``g`` (a subclass whose z stages hold fewer
+        token slots clamps it; columns past the pass's tokens are never stored)."""
         R, RT = self.R, self.RT
+        zr = g if zg is None else zg
         for h in cutlass.range_constexpr(self.BK // 32):
             zf = cute.make_rmem_tensor((8,), Float32)
             for v in cutlass.range_constexpr(2):
-                zu = cute.local_tile(sZ[stg, g, None], (4,), (z_unit(8 * h + 2 * c + v, g),))
+                zu = cute.local_tile(sZ[stg, zr, None], (4,), (z_unit(8 * h + 2 * c + v, zr),))
                 cute.autovec_copy(zu, cute.local_tile(zf, (4,), (v,)))
             xb = cute.make_rmem_tensor((8,), BFloat16)
             xb.store(zf.load().to(BFloat16))
