@@ -27,6 +27,7 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 @pytest.fixture
 def clean_env(monkeypatch):
     monkeypatch.delenv(kda.VSPLIT_ENV, raising=False)
+    monkeypatch.delenv(kda.EARLY_ENV, raising=False)
     return monkeypatch
 
 
@@ -61,6 +62,35 @@ def test_selection(clean_env):
     mp.setenv(kda.VSPLIT_ENV, "3")
     with pytest.raises(ValueError, match="DECODESCOPE_KDA_VSPLIT='3'"):
         kda.vsplit_for(1, 12, 128)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_early(T, clean_env):
+    """``DECODESCOPE_KDA_EARLY=1``: the split's state / conv / weight loads before its PDL wait
+    (PTX: global loads before ``griddepcontrol.wait``), the projection's after it; unset: none
+    before it. A bad value is a one-line error."""
+    import glob
+    import tempfile
+
+    import cutlass.cute as cute
+
+    counts = []
+    for early in (False, True):
+        p = dataclasses.replace(_plan(8, 1, T, 8), early=early, pdl=True)
+        d = tempfile.mkdtemp(prefix="kda_early_")
+        cute.compile(kda.make_op(p), *kda._fake_args(p),
+                     options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip
+        (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
+        ptx = Path(path).read_text()
+        w = ptx.find("griddepcontrol.wait")
+        counts.append((ptx[:w].count("ld.global"), ptx[w:].count("ld.global")))
+    (before0, _), (before1, after1) = counts
+    assert before0 == 0 and before1 > 0 and after1 > 0
+    clean_env.setenv(kda.EARLY_ENV, "1")
+    assert kda.plan_for(get_config("kimi-k3", 8), 1, T).early
+    clean_env.setenv(kda.EARLY_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_EARLY='yes'"):
+        kda.early_enabled()
 
 
 def test_refused(clean_env):
@@ -110,13 +140,16 @@ def gks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp,B,T,vs", [(8, 1, 1, 8), (8, 1, 8, 8), (16, 1, 1, 8), (8, 2, 1, 4),
-                                       (16, 1, 8, 2)])  # fmt: skip
-def test_split_gpu(gks, tp, B, T, vs, clean_env):
-    """Output (poisoned first), FP32 state and conv history against the reference, two draws."""
+@pytest.mark.parametrize("tp,B,T,vs,early", [(8, 1, 1, 8, False), (8, 1, 8, 8, False),
+                                             (16, 1, 1, 8, False), (8, 2, 1, 4, False),
+                                             (16, 1, 8, 2, False), (8, 1, 1, 8, True),
+                                             (16, 1, 8, 8, True)])  # fmt: skip
+def test_split_gpu(gks, tp, B, T, vs, early, clean_env):
+    """Output (poisoned first), FP32 state and conv history against the reference, two draws
+    (``early``: the loads before the PDL wait; one kernel alone, nothing to overlap)."""
     cfg = get_config("kimi-k3", tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
-    p = _plan(tp, B, T, vs)
+    p = dataclasses.replace(_plan(tp, B, T, vs), early=early)
     for d in range(2):
         res = gks.check(cfg, w, p, B, T, seed=5 + d)
         assert res["ok"], res

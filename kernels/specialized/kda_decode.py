@@ -56,6 +56,8 @@ class KDAPlan:
     eps: float = 1e-5
     pdl: bool = field(default_factory=pdl_enabled)
     vsplit: int = 1  # > 1: :class:`.kda_decode_split.KDADecodeSplit` (clusters per head)
+    # the split's state, conv history and weights before the PDL wait (:func:`early_enabled`)
+    early: bool = field(default_factory=lambda: early_enabled())
 
     @property
     def dim(self) -> int:
@@ -63,6 +65,24 @@ class KDAPlan:
 
 
 VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
+EARLY_ENV = "DECODESCOPE_KDA_EARLY"
+
+
+def early_enabled() -> bool:
+    """``DECODESCOPE_KDA_EARLY=1`` (opt-in, not yet measured): the cluster split
+    (:mod:`.kda_decode_split`) loads what the previous kernel of the step does not write (the FP32 state and the conv history, last
+    written by this layer's kernel one step earlier, and the weights) before their PDL wait, so
+    those loads overlap the input projection's tail; only the projection's row waits. Sound
+    because every specialized kernel waits before it lets its dependents launch (a kernel's
+    early part runs after everything but its predecessor is complete) and no two consecutive
+    kernels of a step touch the same layer's state. ``0`` / unset: everything after the wait.
+    The one-CTA kernel ignores it (ptxas: 128 -> 254 registers at 1 token, spills at 8)."""
+    v = os.environ.get(EARLY_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{EARLY_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 NUM_SMS = 132  # H200
 
 

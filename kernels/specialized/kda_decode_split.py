@@ -153,7 +153,7 @@ class KDADecodeSplit:
         sRed = st.red.get_tensor(cute.make_layout(16))
         sOsq = st.osq.get_tensor(cute.make_layout(2))
 
-        if cutlass.const_expr(p.pdl):
+        if cutlass.const_expr(p.pdl and not p.early):
             pdl_begin()
         rS = cute.make_rmem_tensor((RPT,), Float32)
         for ii in cutlass.range_constexpr(self.rpt):
@@ -177,6 +177,8 @@ class KDADecodeSplit:
         rFb = cute.make_rmem_tensor((8, hd // 16), BFloat16)  # column v: 8 contiguous
         for v in cutlass.range_constexpr(hd // 16):
             load_vec8(mFb[h * hd + i_d, None], (v * 2 + half) * 8, rFb[None, v])
+        if cutlass.const_expr(p.pdl and p.early):
+            pdl_begin()  # the loads above are in flight (kda_decode.early_enabled)
 
         for t in cutlass.range(T, unroll_full=True):
             row = b * T + t
