@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ import torch
 from decodescope.kernels import reference as R
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.specialized import kda_decode as kda
+from decodescope.kernels.timing import graph_time_us
 from decodescope.kernels.weights import make_layer_weights, make_state
 
 DEV = "cuda"
@@ -71,26 +71,8 @@ def time_alone(cfg, w, p, B, T, replays: int) -> float:
     proj = [torch.randn(B * T, cfg.kda_in_proj_out, device=DEV).to(BF16) for _ in range(n)]
     outs = [torch.empty(B * T, cfg.kda_dim, dtype=BF16, device=DEV) for _ in range(n)]
     fn = kda.compile_plan(p)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        for i in range(n):  # warm-up, eager
-            run_one(fn, cfg, w, proj[i], ss[i], cs[i], outs[i], p)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=s):
-            for i in range(n):
-                run_one(fn, cfg, w, proj[i], ss[i], cs[i], outs[i], p)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(times)
+    fns = [lambda i=i: run_one(fn, cfg, w, proj[i], ss[i], cs[i], outs[i], p) for i in range(n)]
+    return graph_time_us(fns, replays)[0]
 
 
 def main() -> int:

@@ -34,8 +34,9 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 
+from decodescope.kernels.specialized.mla_decode_tc import ld_cluster_f32, mapa
 from decodescope.kernels.specialized.utils import (
     load_vec8,
     pdl_begin,
@@ -45,23 +46,6 @@ from decodescope.kernels.specialized.utils import (
 
 THREADS = 256
 VSPLITS = (2, 4, 8)  # portable cluster sizes that divide head_dim 128 into >= 16 columns
-
-
-def _mapa(ptr, rank) -> Int32:
-    """The shared::cluster address of ``ptr`` (this CTA's shared memory) in CTA ``rank``."""
-    return cute.arch.inline_ptx(
-        "mapa.shared::cluster.u32 {$w0}, {$r0}, {$r1};",
-        write_only_types=[Int32],
-        read_only_args=[ptr, Int32(rank)],
-    )
-
-
-def _ld_cluster_f32(addr) -> Float32:
-    return cute.arch.inline_ptx(
-        "ld.shared::cluster.f32 {$w0}, [{$r0}];",
-        write_only_types=[Float32],
-        read_only_args=[addr],
-    )
 
 
 class KDADecodeSplit:
@@ -260,7 +244,7 @@ class KDADecodeSplit:
             cute.arch.cluster_wait()  # acquire: every CTA's
             tot = Float32(0.0)
             for q in cutlass.range_constexpr(self.vs):
-                tot = tot + _ld_cluster_f32(_mapa(sOsq.iterator + t % 2, q))
+                tot = tot + ld_cluster_f32(mapa(sOsq.iterator + t % 2, q))
             rstd = cute.math.rsqrt(tot / Float32(hd) + Float32(p.eps))
             if lead:
                 mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
