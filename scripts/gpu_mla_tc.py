@@ -73,7 +73,7 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_SPLITS": "", "DECODESCOPE_MLA_SPLIT_ACHUNKS": "",
         "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
         "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
-        "DECODESCOPE_MLA_SPLIT_FUSE": "",
+        "DECODESCOPE_MLA_SPLIT_FUSE": "", "DECODESCOPE_MLA_SPLIT_EARLY": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -141,6 +141,15 @@ VARIANTS = {
     "split trace": ("split", {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}, 0, 0),
     # timing only (wrong results by design, no check): the waits skipped
     "split diag": ("split", {"DECODESCOPE_MLA_SPLIT_DIAG": "1"}, 0, 0),
+    # the loads that do not need q before the PDL wait (checked; alone it has no predecessor
+    # to overlap: the gain shows in the layer)
+    "split early": ("split", {"DECODESCOPE_MLA_SPLIT_EARLY": "1"}, 0, 0),
+    "split early trace": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_EARLY": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"},
+        0,
+        0,
+    ),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],

@@ -46,8 +46,8 @@ def test_compiles(tp, T, vs, clean_env):
 
 def test_selection(clean_env):
     mp = clean_env
-    assert kda.vsplit_for(1, 12, 128) == 1  # unset: the one-CTA kernel at one token
-    assert kda.vsplit_for(1, 12, 128, tokens=8) == 8  # and auto from two (H200 s13/r4)
+    assert kda.vsplit_for(1, 12, 128) == 8  # unset: auto at one token (H200 s14/r1, early loads)
+    assert kda.vsplit_for(1, 12, 128, tokens=8) == 8  # and from two (H200 s13/r4)
     assert kda.vsplit_for(8, 12, 128, tokens=8) == 1 and kda.vsplit_for(8, 6, 128, tokens=8) == 2
     assert kda.plan_for(get_config("kimi-k3", 8), 1, 8).vsplit == 8
     mp.setenv(kda.VSPLIT_ENV, "0")  # auto: the largest split within the SMs, 1 from half of them
@@ -86,6 +86,9 @@ def test_early(T, clean_env):
         counts.append((ptx[:w].count("ld.global"), ptx[w:].count("ld.global")))
     (before0, _), (before1, after1) = counts
     assert before0 == 0 and before1 > 0 and after1 > 0
+    assert kda.plan_for(get_config("kimi-k3", 8), 1, T).early  # unset: on (H200 s14/r1)
+    clean_env.setenv(kda.EARLY_ENV, "0")
+    assert not kda.plan_for(get_config("kimi-k3", 8), 1, T).early
     clean_env.setenv(kda.EARLY_ENV, "1")
     assert kda.plan_for(get_config("kimi-k3", 8), 1, T).early
     clean_env.setenv(kda.EARLY_ENV, "yes")

@@ -32,6 +32,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_TRACE",
     "DECODESCOPE_MLA_SPLIT_DIAG",
     "DECODESCOPE_MLA_SPLIT_FUSE",
+    "DECODESCOPE_MLA_SPLIT_EARLY",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -95,6 +96,36 @@ def test_fuse_plan_compiles():
     assert msp.compile_plan(p) is not None
 
 
+@pytest.mark.parametrize("batch", [1, 32])
+def test_early_ptx(batch, monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_EARLY=1``: the ticket and the cp.async stages (w_uk, w_uv,
+    key blocks) ahead of the first ``griddepcontrol.wait`` in the PTX, and one wait per item
+    kind (absorb, attend, W_UV: after each item's stages, before its q loads); unset: one wait,
+    nothing ahead of it. 32x1 is the fused plan (absorb, then attend, in one CTA)."""
+    import glob
+    import tempfile
+    from pathlib import Path
+
+    import cutlass.cute as cute
+
+    monkeypatch.delenv("DECODESCOPE_NO_PDL", raising=False)
+    res = []
+    for early in (0, 1):
+        p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), batch, 1), early=early)
+        assert p.pdl and p.fused == (batch == 32)
+        d = tempfile.mkdtemp(prefix="mla_early_")
+        cute.compile(msp.MLADecodeSplit(p), *msp._fake_args(p),
+                     options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip
+        (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
+        ptx = Path(path).read_text()
+        w = ptx.find("griddepcontrol.wait")
+        assert w > 0
+        pre = ptx[:w]
+        res.append((pre.count("cp.async"), pre.count("atom."), ptx.count("griddepcontrol.wait")))
+    assert res[0] == (0, 0, 1)
+    assert res[1][0] > 0 and res[1][1] >= 1 and res[1][2] >= 3
+
+
 def test_splits_spread_blocks():
     """Splits need not divide the 17 blocks: each split gets 1-2 (16 splits) blocks, all covered."""
     p = msp.plan_for(get_config("kimi-k3", 8), 4, 1)
@@ -128,9 +159,13 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG: 0 or 1"):
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _EARLY: 0 or 1"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_EARLY", "2")
+    with pytest.raises(ValueError, match="_EARLY: 0 or 1, got 0 / 0 / 2"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_EARLY")
     with pytest.raises(ValueError, match="12 heads x 2 tokens > 16 MMA rows"):
         msp.plan_for(cfg, 8, 2)
 
@@ -178,7 +213,9 @@ def test_kernel_choice_env(monkeypatch):
      (8, 8, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
      (8, 32, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8",
-             "DECODESCOPE_MLA_SPLIT_NBUF": "1"})],
+             "DECODESCOPE_MLA_SPLIT_NBUF": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"}),
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     if not torch.cuda.is_available():

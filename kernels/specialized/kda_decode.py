@@ -69,15 +69,17 @@ EARLY_ENV = "DECODESCOPE_KDA_EARLY"
 
 
 def early_enabled() -> bool:
-    """``DECODESCOPE_KDA_EARLY=1`` (opt-in, not yet measured): the cluster split
-    (:mod:`.kda_decode_split`) loads what the previous kernel of the step does not write (the FP32 state and the conv history, last
-    written by this layer's kernel one step earlier, and the weights) before their PDL wait, so
+    """``DECODESCOPE_KDA_EARLY``: the cluster split (:mod:`.kda_decode_split`) loads what the
+    previous kernel of the step does not write (the FP32 state and the conv history, last
+    written by this layer's kernel one step earlier, and the weights) before its PDL wait, so
     those loads overlap the input projection's tail; only the projection's row waits. Sound
     because every specialized kernel waits before it lets its dependents launch (a kernel's
     early part runs after everything but its predecessor is complete) and no two consecutive
-    kernels of a step touch the same layer's state. ``0`` / unset: everything after the wait.
-    The one-CTA kernel ignores it (ptxas: 128 -> 254 registers at 1 token, spills at 8)."""
-    v = os.environ.get(EARLY_ENV, "") or "0"
+    kernels of a step touch the same layer's state. Unset or ``1`` (the default since H200
+    s14/r1: TP8 1x1 in the layer, bench shares, the KDA decode 11.3 us one-CTA -> 8.2 split 8
+    with early loads, the KDA layer 112.5 -> 109.6); ``0``: everything after the wait. The
+    one-CTA kernel ignores it (ptxas: 128 -> 254 registers at 1 token, spills at 8)."""
+    v = os.environ.get(EARLY_ENV, "") or "1"
     if v not in ("0", "1"):
         raise ValueError(f"{EARLY_ENV}={v!r}: expected 0 or 1")
     return v == "1"
@@ -88,15 +90,14 @@ NUM_SMS = 132  # H200
 
 def vsplit_for(batch: int, heads: int, head_dim: int, tokens: int = 1) -> int:
     """``DECODESCOPE_KDA_VSPLIT``: CTAs (a cluster) per (head, sequence). ``1``: the one-CTA
-    kernel; ``2`` / ``4`` / ``8``: :mod:`.kda_decode_split` (head_dim 128 only); ``0``: auto,
-    the largest split that keeps ``batch x heads x split`` within the SMs, 1 from half the SMs
-    (``batch x heads >= 66``) or for other head dims. Unset: auto from 2 tokens per sequence,
-    1 at one token (H200, TP8 1x8 in the layer, bench shares: the KDA decode 43.0 us one-CTA
-    in s13/r5, 30.9 split 8 in s13/r4; at 1x1 the KDA layer did not move, 112.4 / 112.8 us in
-    s13/r3 / r4). A bad value raises a one-line ``ValueError``."""
-    v = os.environ.get(VSPLIT_ENV, "")
-    if v == "":
-        v = "0" if tokens > 1 else "1"
+    kernel; ``2`` / ``4`` / ``8``: :mod:`.kda_decode_split` (head_dim 128 only); ``0`` or
+    unset: auto, the largest split that keeps ``batch x heads x split`` within the SMs, 1 from
+    half the SMs (``batch x heads >= 66``) or for other head dims. H200, bench shares in the
+    layer: TP8 1x8 the KDA decode 43.0 us one-CTA (s13/r5), 30.9 split 8 (s13/r4); TP8 1x1 no
+    better split alone (s13/r3 / r4), 11.3 -> 8.2 us split 8 with the early loads of
+    :func:`early_enabled` (s14/r1), so auto at every token count since then. A bad value raises
+    a one-line ``ValueError``."""
+    v = os.environ.get(VSPLIT_ENV, "") or "0"
     if v not in ("0", "1", "2", "4", "8"):
         raise ValueError(f"{VSPLIT_ENV}={v!r}: expected 0 (auto), 1, 2, 4 or 8")
     n = int(v)

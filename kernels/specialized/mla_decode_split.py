@@ -55,6 +55,11 @@ absorption + attention CTAs would pass one wave; 0: never). ``DECODESCOPE_MLA_SP
 writes its ticket, start, end of wait and end (``%globaltimer``) to a trace buffer
 (:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
 waits skipped, so the phases overlap (the cost of the dependency chain).
+``DECODESCOPE_MLA_SPLIT_EARLY=1`` (opt-in): under PDL the ticket, the ``w_uk`` / ``w_uv`` stages,
+the first key blocks and the new latent rows (with their cache write) before the PDL wait,
+``q`` after it: the previous kernel of the layer (q_b_proj) writes only ``q``, and every
+kernel before it is complete when this one starts (each specialized kernel waits before it
+lets its dependents launch), the same argument as the KDA decode's early loads.
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -127,6 +132,10 @@ class MLASplitPlan:
     # timing diagnostic, wrong results: 1 = no waits (the phases overlap: what the dependency
     # chain costs)
     diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_DIAG", 0))
+    # 1: what the previous kernel (q_b_proj, which writes only q) does not write is issued
+    # before the PDL wait: the ticket, w_uk / w_uv stages, the first key blocks, the new latent
+    # rows (from the launch before it) and their cache write; q after the wait
+    early: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_EARLY", 0))
 
     def __post_init__(self) -> None:
         if self.heads * self.tokens > ROWS:
@@ -151,9 +160,10 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
-        if self.trace not in (0, 1) or self.diag not in (0, 1):
+        if self.trace not in (0, 1) or self.diag not in (0, 1) or self.early not in (0, 1):
             raise ValueError(
-                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG: 0 or 1, got {self.trace} / {self.diag}"
+                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _EARLY: 0 or 1, got {self.trace} / "
+                f"{self.diag} / {self.early}"
             )
 
     # -- shapes ------------------------------------------------------------------------------
@@ -357,7 +367,7 @@ class MLADecodeSplit(MLADecodeTC):
         sTk = st.tk.get_tensor(cute.make_layout(2))
         sTm = st.tm.get_tensor(cute.make_layout(2))
 
-        if cutlass.const_expr(p.pdl):
+        if cutlass.const_expr(p.pdl and not p.early):
             pdl_begin()
         if tidx == 0:
             sTk[0] = cute.arch.atomic_add(
@@ -400,6 +410,13 @@ class MLADecodeSplit(MLADecodeTC):
                 mCnt[C_EXIT] = Int32(0)
 
     # -- helpers ---------------------------------------------------------------------------
+    @cute.jit
+    def early_wait(self):
+        """``early`` plans: the PDL wait of an item, after the loads it may issue before it
+        (everything but ``q``); the other plans waited at the top of the kernel."""
+        if cutlass.const_expr(self.p.pdl and self.p.early):
+            pdl_begin()
+
     @cute.jit
     def wait_count(self, mCnt, which: cutlass.Constexpr[int], target: cutlass.Constexpr[int], sTm):
         """One thread: spin (acquire) until ``cnt[which] >= target``; after ``SPIN_NS`` set
@@ -477,6 +494,7 @@ class MLADecodeSplit(MLADecodeTC):
         sA = cute.make_tensor(base + NOPE * CWP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
         self.stage_rows(mWuk[h, None, None], 0, col0, sW.iterator, CWP, NOPE, CW, tidx)
         cute.arch.cp_async_commit_group()
+        self.early_wait()  # q_nope comes from the previous kernel
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -555,6 +573,7 @@ class MLADecodeSplit(MLADecodeTC):
         self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, 0, sp, tidx)
 
         # q_pe scaled; the padding rows zero
+        self.early_wait()  # q comes from the previous kernel
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
         self.stage_q_pe(mQ, sQ, b, 0, scale, tidx)
 
@@ -652,6 +671,7 @@ class MLADecodeSplit(MLADecodeTC):
         sA = cute.make_tensor(base + KVL * CVP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
         self.stage_rows(mWuv[h, None, None], 0, vc * CV, sW.iterator, CVP, KVL, CV, tidx)
         cute.arch.cp_async_commit_group()
+        self.early_wait()
         # the padding rows of the A tile: zeros
         nv = KVL // 8
         for i in cutlass.range_constexpr(((ROWS - VR) * nv + NT - 1) // NT):
