@@ -32,7 +32,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_TRACE",
     "DECODESCOPE_MLA_SPLIT_DIAG",
     "DECODESCOPE_MLA_SPLIT_FUSE",
-    "DECODESCOPE_MLA_SPLIT_EARLY",
+    "DECODESCOPE_MLA_SPLIT_L2PRE",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -97,11 +97,10 @@ def test_fuse_plan_compiles():
 
 
 @pytest.mark.parametrize("batch", [1, 32])
-def test_early_ptx(batch, monkeypatch):
-    """``DECODESCOPE_MLA_SPLIT_EARLY=1``: the ticket and the cp.async stages (w_uk, w_uv,
-    key blocks) ahead of the first ``griddepcontrol.wait`` in the PTX, and one wait per item
-    kind (absorb, attend, W_UV: after each item's stages, before its q loads); unset: one wait,
-    nothing ahead of it. 32x1 is the fused plan (absorb, then attend, in one CTA)."""
+def test_l2pre_ptx(batch, monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_L2PRE=1``: L2 prefetches (of w_uk / w_uv) ahead of the PDL
+    wait, nothing else moves (the ticket after it); unset: no prefetch at all. 32x1 is the
+    fused plan."""
     import glob
     import tempfile
     from pathlib import Path
@@ -110,20 +109,20 @@ def test_early_ptx(batch, monkeypatch):
 
     monkeypatch.delenv("DECODESCOPE_NO_PDL", raising=False)
     res = []
-    for early in (0, 1):
-        p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), batch, 1), early=early)
+    for l2pre in (0, 1):
+        p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), batch, 1), l2pre=l2pre)
         assert p.pdl and p.fused == (batch == 32)
-        d = tempfile.mkdtemp(prefix="mla_early_")
+        d = tempfile.mkdtemp(prefix="mla_l2pre_")
         cute.compile(msp.MLADecodeSplit(p), *msp._fake_args(p),
                      options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip
         (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
         ptx = Path(path).read_text()
         w = ptx.find("griddepcontrol.wait")
-        assert w > 0
+        assert w > 0 and ptx.count("griddepcontrol.wait") == 1
         pre = ptx[:w]
-        res.append((pre.count("cp.async"), pre.count("atom."), ptx.count("griddepcontrol.wait")))
-    assert res[0] == (0, 0, 1)
-    assert res[1][0] > 0 and res[1][1] >= 1 and res[1][2] >= 3
+        res.append((pre.count("prefetch.global.L2"), ptx.count("prefetch"), pre.count("atom.")))
+    assert res[0] == (0, 0, 0)
+    assert res[1][0] >= 1 and res[1][0] == res[1][1] and res[1][2] == 0
 
 
 def test_splits_spread_blocks():
@@ -159,13 +158,13 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _EARLY: 0 or 1"):
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE: 0 or 1"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
-    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_EARLY", "2")
-    with pytest.raises(ValueError, match="_EARLY: 0 or 1, got 0 / 0 / 2"):
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
+    with pytest.raises(ValueError, match="_L2PRE: 0 or 1, got 0 / 0 / 2"):
         msp.plan_for(cfg, 8, 1)
-    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_EARLY")
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
     with pytest.raises(ValueError, match="12 heads x 2 tokens > 16 MMA rows"):
         msp.plan_for(cfg, 8, 2)
 
@@ -214,8 +213,8 @@ def test_kernel_choice_env(monkeypatch):
      (8, 32, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8",
              "DECODESCOPE_MLA_SPLIT_NBUF": "1"}),
-     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"}),
-     (8, 32, {"DECODESCOPE_MLA_SPLIT_EARLY": "1"})],
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}),
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     if not torch.cuda.is_available():

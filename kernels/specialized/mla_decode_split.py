@@ -55,11 +55,13 @@ absorption + attention CTAs would pass one wave; 0: never). ``DECODESCOPE_MLA_SP
 writes its ticket, start, end of wait and end (``%globaltimer``) to a trace buffer
 (:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
 waits skipped, so the phases overlap (the cost of the dependency chain).
-``DECODESCOPE_MLA_SPLIT_EARLY=1`` (opt-in): under PDL the ticket, the ``w_uk`` / ``w_uv`` stages,
-the first key blocks and the new latent rows (with their cache write) before the PDL wait,
-``q`` after it: the previous kernel of the layer (q_b_proj) writes only ``q``, and every
-kernel before it is complete when this one starts (each specialized kernel waits before it
-lets its dependents launch), the same argument as the KDA decode's early loads.
+``DECODESCOPE_MLA_SPLIT_L2PRE=1``: before the PDL wait each CTA issues ``prefetch.global.L2``
+for its share of ``w_uk`` and ``w_uv`` (3 MB at TP8), so the absorption's ``w_uk`` stage, the
+first load on the phase chain, reads L2 instead of DRAM after the wait. A hint: safe whatever
+the previous kernel is. (A variant that issued the stages and took the ticket before the wait,
+s14/r2, saved 1.6 us of the decode's share at TP8 1x1 in the layer, but two launches of it back
+to back on one workspace share the ticket counter while the first runs: 5.4 ms per launch in
+the kernel-alone loop. Not kept.)
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -73,7 +75,7 @@ import torch
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from decodescope.kernels.specialized import interface as itf
-from decodescope.kernels.specialized.comm import global_timer_ns
+from decodescope.kernels.specialized.comm import global_timer_ns, prefetch_range
 from decodescope.kernels.specialized.mla_decode_tc import (
     KBLK,
     KPAD,
@@ -132,10 +134,9 @@ class MLASplitPlan:
     # timing diagnostic, wrong results: 1 = no waits (the phases overlap: what the dependency
     # chain costs)
     diag: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_DIAG", 0))
-    # 1: what the previous kernel (q_b_proj, which writes only q) does not write is issued
-    # before the PDL wait: the ticket, w_uk / w_uv stages, the first key blocks, the new latent
-    # rows (from the launch before it) and their cache write; q after the wait
-    early: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_EARLY", 0))
+    # 1: before the PDL wait each CTA prefetches its share of w_uk and w_uv into L2 (never
+    # written by the kernels before it; a hint, safe whatever runs before)
+    l2pre: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_L2PRE", 0))
 
     def __post_init__(self) -> None:
         if self.heads * self.tokens > ROWS:
@@ -160,10 +161,10 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
-        if self.trace not in (0, 1) or self.diag not in (0, 1) or self.early not in (0, 1):
+        if self.trace not in (0, 1) or self.diag not in (0, 1) or self.l2pre not in (0, 1):
             raise ValueError(
-                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _EARLY: 0 or 1, got {self.trace} / "
-                f"{self.diag} / {self.early}"
+                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE: 0 or 1, got {self.trace} / "
+                f"{self.diag} / {self.l2pre}"
             )
 
     # -- shapes ------------------------------------------------------------------------------
@@ -367,7 +368,12 @@ class MLADecodeSplit(MLADecodeTC):
         sTk = st.tk.get_tensor(cute.make_layout(2))
         sTm = st.tm.get_tensor(cute.make_layout(2))
 
-        if cutlass.const_expr(p.pdl and not p.early):
+        if cutlass.const_expr(p.l2pre):
+            # this CTA's share of w_uk and w_uv (contiguous [heads, rows, cols] bf16) into L2
+            bid, _, _ = cute.arch.block_idx()
+            for mW in (mWuk, mWuv):
+                prefetch_range(mW, cute.size(mW.shape), bid, p.grid, NT)
+        if cutlass.const_expr(p.pdl):
             pdl_begin()
         if tidx == 0:
             sTk[0] = cute.arch.atomic_add(
@@ -410,13 +416,6 @@ class MLADecodeSplit(MLADecodeTC):
                 mCnt[C_EXIT] = Int32(0)
 
     # -- helpers ---------------------------------------------------------------------------
-    @cute.jit
-    def early_wait(self):
-        """``early`` plans: the PDL wait of an item, after the loads it may issue before it
-        (everything but ``q``); the other plans waited at the top of the kernel."""
-        if cutlass.const_expr(self.p.pdl and self.p.early):
-            pdl_begin()
-
     @cute.jit
     def wait_count(self, mCnt, which: cutlass.Constexpr[int], target: cutlass.Constexpr[int], sTm):
         """One thread: spin (acquire) until ``cnt[which] >= target``; after ``SPIN_NS`` set
@@ -494,7 +493,6 @@ class MLADecodeSplit(MLADecodeTC):
         sA = cute.make_tensor(base + NOPE * CWP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
         self.stage_rows(mWuk[h, None, None], 0, col0, sW.iterator, CWP, NOPE, CW, tidx)
         cute.arch.cp_async_commit_group()
-        self.early_wait()  # q_nope comes from the previous kernel
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -573,7 +571,6 @@ class MLADecodeSplit(MLADecodeTC):
         self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, 0, sp, tidx)
 
         # q_pe scaled; the padding rows zero
-        self.early_wait()  # q comes from the previous kernel
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
         self.stage_q_pe(mQ, sQ, b, 0, scale, tidx)
 
@@ -671,7 +668,6 @@ class MLADecodeSplit(MLADecodeTC):
         sA = cute.make_tensor(base + KVL * CVP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
         self.stage_rows(mWuv[h, None, None], 0, vc * CV, sW.iterator, CVP, KVL, CV, tidx)
         cute.arch.cp_async_commit_group()
-        self.early_wait()
         # the padding rows of the A tile: zeros
         nv = KVL // 8
         for i in cutlass.range_constexpr(((ROWS - VR) * nv + NT - 1) // NT):
@@ -827,7 +823,10 @@ _WS: dict[tuple, tuple[torch.Tensor, ...]] = {}
 def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, ...]:
     """``(q_lat, partials, counters, trace)`` of a plan (the counters zeroed once; the kernel
     resets them, so the same buffers serve every launch and graph replay: one stream at a
-    time)."""
+    time). ``"cuda"`` and ``"cuda:<current>"`` name the same buffers."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (p, str(device))
     ws = _WS.get(key)
     if ws is None:
