@@ -243,6 +243,7 @@ def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     if plan.trace:  # every CTA wrote its row; waits end after the phase before them started
         tl = msp.trace_summary(plan, out.device)
         assert tl["span_us"] > 0 and "att_waited" in tl and "uv_end" in tl
+        assert {"att_q_lat", "att_keys", "att_partials", "uv_weights", "uv_o_lat"} <= set(tl)
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

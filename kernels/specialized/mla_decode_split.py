@@ -106,6 +106,14 @@ SPIN_NS = 200_000_000  # a wait gives up after 0.2 s (sets the error word)
 # attention / W_UV CTAs poll C_ABS / C_ATT while others add to C_TICKET / C_EXIT
 C_TICKET, C_ABS, C_ATT, C_EXIT, C_ERR = 0, 32, 64, 96, 128
 NCNT = 160
+# trace columns per CTA (%globaltimer ns): ticket, start, end of its wait, end, then the marks of
+# :data:`TRACE_MARKS` (0 where its item has none)
+NTRACE = 8
+TRACE_MARKS = {
+    "abs": {4: "staged", 5: "computed"},
+    "att": {7: "prewait", 4: "q_lat", 5: "keys", 6: "partials"},
+    "uv": {7: "prewait", 4: "weights", 5: "o_lat"},
+}
 POLL_NS = 64  # nanosleep between polls
 
 
@@ -327,7 +335,7 @@ class MLADecodeSplit(MLADecodeTC):
         mQl: cute.Tensor,  # [B*T, heads, kv_lora] bf16 workspace
         mPart: cute.Tensor,  # [B, splits, 16, kv_lora + 4] f32 workspace
         mCnt: cute.Tensor,  # [NCNT] i32, zero between launches (but C_ERR)
-        mTrace: cute.Tensor,  # [grid, 4] i64 (written with ``trace`` only)
+        mTrace: cute.Tensor,  # [grid, NTRACE] i64 (written with ``trace`` only)
         mOut: cute.Tensor,  # [B*T, heads*v] bf16
         stream: cuda.CUstream,
     ):
@@ -340,7 +348,7 @@ class MLADecodeSplit(MLADecodeTC):
             wgt: cute.struct.MemRange[Float32, ROWS * p.splits]
             misc: cute.struct.MemRange[Float32, 8]
             tk: cute.struct.MemRange[Int32, 2]
-            tm: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
+            tm: cute.struct.Align[cute.struct.MemRange[Int64, NTRACE], 8]
 
         self.smem_cls = Smem
         extra = (
@@ -366,7 +374,7 @@ class MLADecodeSplit(MLADecodeTC):
         sWgt = st.wgt.get_tensor(cute.make_layout((ROWS, p.splits), stride=(p.splits, 1)))
         sMisc = st.misc.get_tensor(cute.make_layout(8))
         sTk = st.tk.get_tensor(cute.make_layout(2))
-        sTm = st.tm.get_tensor(cute.make_layout(2))
+        sTm = st.tm.get_tensor(cute.make_layout(NTRACE))
 
         if cutlass.const_expr(p.l2pre):
             # this CTA's share of w_uk and w_uv (contiguous [heads, rows, cols] bf16) into L2
@@ -381,15 +389,16 @@ class MLADecodeSplit(MLADecodeTC):
             )
             if cutlass.const_expr(p.trace):
                 sTm[0] = global_timer_ns()
-                sTm[1] = Int64(0)
+                for i in cutlass.range_constexpr(1, NTRACE):
+                    sTm[i] = Int64(0)
         cute.arch.sync_threads()
         tk = sTk[0]
         A = p.a_ctas
         if cutlass.const_expr(p.fused):  # noqa: SIM102 (a trace-time condition)
             if tk < p.n_abs:  # absorb, publish, then attend (the shared memory reused)
-                self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, tidx)
+                self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, sTm, tidx)
         if tk < A:
-            self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, tidx)
+            self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, sTm, tidx)
         else:
             if tk < A + p.n_att:
                 self.attend_item(
@@ -407,6 +416,8 @@ class MLADecodeSplit(MLADecodeTC):
                 mTrace[tk, 1] = sTm[0]
                 mTrace[tk, 2] = sTm[1]
                 mTrace[tk, 3] = global_timer_ns()
+                for i in cutlass.range_constexpr(4, NTRACE):
+                    mTrace[tk, i] = sTm[i]
         if tidx == 0:
             old = cute.arch.atomic_add(mCnt.iterator + C_EXIT, Int32(1), sem="acq_rel", scope="gpu")
             if old == p.grid - 1:
@@ -437,6 +448,14 @@ class MLADecodeSplit(MLADecodeTC):
                     going = False
         if cutlass.const_expr(self.p.trace):
             sTm[1] = global_timer_ns()
+
+    @cute.jit
+    def mark(self, sTm, col: cutlass.Constexpr[int], tidx):
+        """``trace`` plans: thread 0 notes ``%globaltimer`` in trace column ``col`` (its own
+        progress: put it after a barrier to time the CTA's)."""
+        if cutlass.const_expr(self.p.trace):  # noqa: SIM102 (a trace-time condition)
+            if tidx == 0:
+                sTm[col] = global_timer_ns()
 
     @cute.jit
     def publish(self, mCnt, which: cutlass.Constexpr[int], tidx):
@@ -481,7 +500,7 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- 1. absorption -----------------------------------------------------------------------
     @cute.jit
-    def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, tidx):
+    def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, sTm, tidx):
         p = self.p
         CW, NOPE, M = p.cw, p.nope, p.m
         CWP = CW + WPAD
@@ -518,6 +537,8 @@ class MLADecodeSplit(MLADecodeTC):
             if cutlass.const_expr(mt == 0):
                 cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
+            if cutlass.const_expr(mt == 0):
+                self.mark(sTm, 4, tidx)  # w_uk and the first q tile staged
             acc = self.make_acc(NTL)
             self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CWP,
                        NOPE // 16, NTL, lane)  # fmt: skip
@@ -532,6 +553,7 @@ class MLADecodeSplit(MLADecodeTC):
                         cute.autovec_copy(
                             pp, cute.local_tile(mQl[r0 + 8 * hh, h, None], (2,), (col // 2,))
                         )
+        self.mark(sTm, 5, tidx)  # thread 0's q_lat stores issued
         self.publish(mCnt, C_ABS, tidx)
 
     # -- 2. attention ------------------------------------------------------------------------
@@ -575,6 +597,7 @@ class MLADecodeSplit(MLADecodeTC):
         self.stage_q_pe(mQ, sQ, b, 0, scale, tidx)
 
         # q_lat of this sequence's rows, once every absorption item is done
+        self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
         if tidx == 0:
             self.wait_count(mCnt, C_ABS, p.n_abs, sTm)
         cute.arch.sync_threads()
@@ -589,6 +612,7 @@ class MLADecodeSplit(MLADecodeTC):
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+        self.mark(sTm, 4, tidx)  # q_lat staged
 
         # the key blocks (MLADecodeTC's loop, ldmatrix fragments)
         atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
@@ -631,6 +655,7 @@ class MLADecodeSplit(MLADecodeTC):
                 self.issue_block(mCache, sK, b, kb + NB * KBLK, buf, tidx)
             cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
+        self.mark(sTm, 5, tidx)  # thread 0 through the key loop (its barriers: the CTA's)
 
         # row sums; the split's (O, m, l) to the partials
         la0, la1 = self.row_sums(sRed, l0, l1, warp, c, r0, r1)
@@ -652,6 +677,7 @@ class MLADecodeSplit(MLADecodeTC):
             if r1 < R:
                 mPart[b, sp, r1, KVL] = m1
                 mPart[b, sp, r1, KVL + 1] = la1
+        self.mark(sTm, 6, tidx)  # thread 0's partial stores issued
         self.publish(mCnt, C_ATT, tidx)
 
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
@@ -677,6 +703,7 @@ class MLADecodeSplit(MLADecodeTC):
                 x.fill(0.0)
                 cute.autovec_copy(x, cute.local_tile(sA[VR + idx // nv, None], (8,), (idx % nv,)))
 
+        self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
         if tidx == 0:
             self.wait_count(mCnt, C_ATT, p.n_att, sTm)
         cute.arch.sync_threads()
@@ -699,6 +726,7 @@ class MLADecodeSplit(MLADecodeTC):
                 for s in cutlass.range_constexpr(S):
                     sWgt[tidx, s] = sWgt[tidx, s] / lall
         cute.arch.sync_threads()
+        self.mark(sTm, 4, tidx)  # the splits' merge weights
         n4 = VR * (KVL // 4)
         for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
             idx = tidx + i * NT
@@ -722,6 +750,7 @@ class MLADecodeSplit(MLADecodeTC):
                 cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (4,), (c4,)))
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
+        self.mark(sTm, 5, tidx)  # o_lat merged and w_uv staged
 
         warp = tidx // 32
         lane = tidx % 32
@@ -806,7 +835,7 @@ def _fake_args(p: MLASplitPlan):
         itf.fake(bf, (M, p.heads, p.kv_lora)),
         itf.fake(torch.float32, (p.batch, p.splits, ROWS, p.kv_lora + 4)),
         itf.fake(torch.int32, (NCNT,), align=4),
-        itf.fake(torch.int64, (p.grid, 4), align=8),
+        itf.fake(torch.int64, (p.grid, NTRACE), align=8),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
         itf.env_stream(),
     )
@@ -834,15 +863,17 @@ def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, ...]:
         part = torch.empty(p.batch, p.splits, ROWS, p.kv_lora + 4, dtype=torch.float32,
                            device=device)  # fmt: skip
         cnt = torch.zeros(NCNT, dtype=torch.int32, device=device)
-        trace = torch.zeros(p.grid, 4, dtype=torch.int64, device=device)
+        trace = torch.zeros(p.grid, NTRACE, dtype=torch.int64, device=device)
         ws = _WS[key] = (ql, part, cnt, trace)
     return ws
 
 
 def trace_summary(p: MLASplitPlan, device) -> dict:
     """The last traced launch's timeline (host sync; ``trace`` plans), in us from the first
-    CTA's start: per phase the items' start, end of wait and end (min / median / max), and the
-    launch's span. Items that wrote no row (a plan without ``trace``) make it empty."""
+    CTA's start: per phase the items' start, the marks of :data:`TRACE_MARKS` (``prewait``: the
+    work before the wait done; ``waited``: the wait over; then the phase's own steps) and end
+    (min / median / max), in time order, and the launch's span. Items that wrote no row (a plan
+    without ``trace``) make it empty."""
     tr = workspace(p, device)[3].cpu()
     if not p.trace or int(tr[:, 1].min()) == 0:
         return {}
@@ -854,8 +885,13 @@ def trace_summary(p: MLASplitPlan, device) -> dict:
         bounds.pop("abs")
     for name, (lo, hi) in bounds.items():
         rows = tr[lo:hi]
-        for col, what in ((1, "start"), (2, "waited"), (3, "end")):
-            if col == 2 and name == "abs":
+        marks = TRACE_MARKS[name]
+        cols = [(1, "start")]
+        cols += [(7, marks[7])] if 7 in marks else []
+        cols += [(2, "waited")] if name != "abs" else []
+        cols += [(c, marks[c]) for c in (4, 5, 6) if c in marks] + [(3, "end")]
+        for col, what in cols:
+            if int(rows[:, col].min()) == 0:  # a mark this build did not write
                 continue
             v = (rows[:, col] - t0).double() / 1e3
             out[f"{name}_{what}"] = (
