@@ -227,3 +227,25 @@ def test_front_auto_takes_tile_from_32_tokens_with_grouped_experts(monkeypatch):
     assert fm.front_variant(64, 7168, grouped=True, nf=nf + 8) == "mma"  # rows not 16-aligned
     monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "mma")
     assert fm.front_variant(64, 7168, grouped=True, nf=nf) == "mma"
+
+
+@pytest.mark.parametrize("T", [1, 16, 17])
+def test_front_norm_wiring(monkeypatch, T):
+    """``forward_norm``'s front: the tensor-core kernel with the norm in it (its own compile
+    key, the norm weights and eps passed) where the front is ``mma`` and up to NORM_MAX_T
+    tokens; else the SIMT kernel's norm prologue."""
+    monkeypatch.delenv("DECODESCOPE_MOE_FRONT", raising=False)
+    rec, blk = _block(monkeypatch, T)
+    r = torch.randn(T, blk.cfg.hidden).to(torch.bfloat16)
+    assert blk._front() == "mma"
+    blk.front_norm(r)
+    (key, args) = rec.calls[0]
+    if T <= fm.NORM_MAX_T:
+        assert key[0] == "moe_front_mma_norm" and key[-1] == blk.cfg.eps
+        assert args[0] is r and args[-1] is blk.mlp_norm
+    else:
+        assert key[0] == "moe_front_gemv" and key[7] is True  # norm, no residual add
+    rec.calls.clear()
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", "simt")
+    blk.front_norm(r)
+    assert rec.names() == ["moe_front_gemv"]

@@ -123,6 +123,20 @@ def test_front_mma_compiles(preset, tp):
         assert itf.compile_only(op, *args) is not None
 
 
+@pytest.mark.parametrize("tp,T,load", [(8, 1, "ring"), (8, 8, "ring"), (16, 16, "regs")])
+def test_front_mma_norm_compiles(tp, T, load):
+    """FrontMmaNorm (the front with the post-attention RMSNorm in it, for the step's
+    ``front_norm``): compiles for sm_90a, the norm weights one more argument; past
+    ``NORM_MAX_T`` tokens a one-line error."""
+    _, d = _dims("kimi-k3", tp)
+    NF = d["E"] + d["L"] + 2 * d["S"]
+    op, args = fm._build(T, d["H"], NF, T * d["L"], d["E"], True, load, norm_eps=1e-5)
+    assert isinstance(op, fm.FrontMmaNorm) and op.norm and len(args) == 7
+    assert itf.compile_only(op, *args) is not None
+    with pytest.raises(ValueError, match="1..16 tokens, got 17"):
+        fm.FrontMmaNorm(17, d["H"], NF, 8, 8)
+
+
 @pytest.mark.parametrize("preset,tp", SHAPES)
 def test_back_mma_compiles(preset, tp):
     cfg, d = _dims(preset, tp)

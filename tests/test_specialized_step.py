@@ -206,7 +206,8 @@ def test_dry_run_ranges_and_launches(monkeypatch, front_norm):
         assert "step/layer.0:kda/layer.0.attn.residual_norm" in names
 
 
-def test_front_norm_option():
+def test_front_norm_option(monkeypatch):
+    monkeypatch.delenv(S.FRONT_NORM_ENV, raising=False)
     assert S.plan(**TINY, batch=16, front_norm="auto").front_norm
     assert not S.plan(**TINY, batch=17, front_norm="auto").front_norm
     assert not S.plan(**TINY).front_norm  # default: the halves as they stand
@@ -215,6 +216,16 @@ def test_front_norm_option():
         S.plan(**TINY, front_norm="maybe")
     cfg = json.loads(S.plan(**TINY, front_norm=1).meta["config_json"])
     assert cfg["front_norm"] is True
+    # DECODESCOPE_FRONT_NORM: the option's default (a recorded knob, so bench can A/B it)
+    monkeypatch.setenv(S.FRONT_NORM_ENV, "1")
+    cfg = json.loads(S.plan(**TINY).meta["config_json"])
+    assert cfg["front_norm"] is True and cfg["kernel_env"].get(S.FRONT_NORM_ENV) == "1"
+    assert not S.plan(**TINY, front_norm=0).front_norm  # the option wins
+    monkeypatch.setenv(S.FRONT_NORM_ENV, "auto")
+    assert S.plan(**TINY, batch=16).front_norm and not S.plan(**TINY, batch=17).front_norm
+    monkeypatch.setenv(S.FRONT_NORM_ENV, "yes please")
+    with pytest.raises(ValueError, match="DECODESCOPE_FRONT_NORM='yes please': expected 0, 1"):
+        S.plan(**TINY)
     assert "moe.residual_norm+router+latent_down+shared_experts" in cfg["op_impl"]
     # 1 token: the expert part is experts_t1's three launches (the default since s10/r2)
     assert cfg["launches"] == {"layer.0:kda": 8, "layer.1:mla": 9}

@@ -14,8 +14,13 @@ contiguous activations (token g of each 8-token tile, the same columns): chunk c
 in MMA step s of the chunk; a dot product does not care about the order of K as long as A and
 B use the same one. FP32 output: the router's logits stay FP32 for the top-k.
 
-Launch count: 1 (replaces ``FrontGemv``; no norm prologue: ``forward_norm`` /
-``forward_residual`` keep the SIMT kernel).
+Launch count: 1 (replaces ``FrontGemv``). :class:`FrontMmaNorm` (``front_mma(...,
+norm_w=...)``, up to ``NORM_MAX_T`` tokens) is the same kernel on ``h = rmsnorm(r) * norm_w``
+with vLLM's BF16 roundings (``bf16(bf16(r * rstd) * w)``): after its PDL wait every CTA sums
+the squares of the T rows of ``r`` (T x K BF16 from L2, one block reduction per token), and each
+activation fragment is normalized as it is loaded, beside its 8 norm weights. It lets the
+attention half drop its ``residual_norm`` launch (``SpecializedMoE.forward_norm``, the step's
+``front_norm`` option); ``forward_residual`` (with the residual add) keeps the SIMT kernel.
 
 ``front_tile`` (the default from ``TILE_FROM`` = 32 tokens with the grouped experts, or
 ``DECODESCOPE_MOE_FRONT=tile``; issue #5): the same ``y`` through
@@ -40,6 +45,7 @@ from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import tile_gemm as tg
 from decodescope.kernels.specialized.router_topk import pdl_enabled
+from decodescope.kernels.specialized.utils import block_sum
 
 ROWS = 16  # MMA M
 KCH = 32  # k per chunk: two m16n8k16 steps
@@ -47,8 +53,14 @@ NW = 8  # warps per CTA (K slices)
 RING_STAGES = 4
 
 
+NORM_MAX_T = 16  # FrontMmaNorm: each CTA re-reads the T rows of r for their norms
+
+
 class FrontMma:
     """Compile-time facts: T tokens, K, NF packed rows, sizes of ``acc`` / ``done``."""
+
+    norm = False  # FrontMmaNorm: the activations normalized as they are loaded
+    eps = 1e-5
 
     def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
                  load: str = "regs"):  # fmt: skip
@@ -100,6 +112,11 @@ class FrontMma:
         mAcc: cute.Tensor,
         mDone: cute.Tensor,
     ):
+        self.body(mX, mW, mY, mAcc, mDone, None)
+
+    @cute.jit
+    def body(self, mX, mW, mY, mAcc, mDone, mNorm):
+        """The kernel (traced inline); ``mNorm`` [K] bf16: :class:`FrontMmaNorm`'s weights."""
         T, RT, NJ, MP, U = self.T, self.RT, self.NJ, self.MP, self.U
         NT = NW * 32
         tid, _, _ = cute.arch.thread_idx()
@@ -132,10 +149,19 @@ class FrontMma:
         def issue(v, slot):
             mc.ring_issue_rows(sR, warp, lane, slot, mW, rows, (chunk0 + v) * KCH + c * 8)
 
+        rstd = []  # FrontMmaNorm: per token tile, the rstd of this lane's token
+
+        def act(k0):
+            """The B fragments' loader at column ``k0``: ``j -> 8 activations of toks[j]``."""
+            if const_expr(not self.norm):
+                return lambda j: mc.load_row8(mX, toks[j], k0)
+            gw = cute.make_rmem_tensor((8,), BFloat16)
+            cute.autovec_copy(cute.local_tile(mNorm, (8,), (k0 // 8,)), gw)
+            return lambda j: norm_row8(mc.load_row8(mX, toks[j], k0), gw, rstd[j])
+
         def consume(v, slot):
             k0 = (chunk0 + v) * KCH + c * 8
-            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ,
-                        lambda j: mc.load_row8(mX, toks[j], k0))  # fmt: skip
+            mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ, act(k0))
 
         if const_expr(self.load == "ring"):
             mc.ring_fill(self.CPW, NS, issue)  # weights: before the wait (never written upstream)
@@ -147,6 +173,25 @@ class FrontMma:
             mDone[i] = Int32(0)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.norm):
+            # every token's rstd (r is the previous kernel's output: after the wait)
+            sNs = smem.allocate_tensor(Float32, cute.make_layout(NW + MP), byte_alignment=16)
+            nv = self.K // 8
+            for t in cutlass.range_constexpr(T):
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr(-(-nv // NT)):
+                    v8 = tid + i * NT
+                    if v8 < nv:
+                        xr = mc.load_row8(mX, t, v8 * 8)
+                        for e in cutlass.range_constexpr(8):
+                            xf = xr[e].to(Float32)
+                            ss = ss + xf * xf
+                ss = block_sum(ss, sNs, NW)
+                if tid == 0:
+                    sNs[NW + t] = cute.math.rsqrt(ss / Float32(self.K) + Float32(self.eps))
+            cute.arch.barrier()
+            for j in cutlass.range_constexpr(NJ):
+                rstd.append(sNs[NW + toks[j]])
 
         if const_expr(self.load == "ring"):
             mc.ring_main(self.CPW, NS, issue, consume)
@@ -155,7 +200,7 @@ class FrontMma:
                 mc.mma_chunks(
                     atom, accs, fa, fb, mW, rows, NJ, U,
                     lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
-                    lambda k0: lambda j: mc.load_row8(mX, toks[j], k0),
+                    act,
                 )  # fmt: skip
 
         # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
@@ -178,17 +223,73 @@ class FrontMma:
             cute.arch.barrier()
 
 
-def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs"):
-    op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
+class FrontMmaNorm(FrontMma):
+    """:class:`FrontMma` on ``h = rmsnorm(r) * norm_w`` (the module docstring); up to
+    ``NORM_MAX_T`` tokens."""
+
+    norm = True
+
+    def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
+                 load: str = "regs", eps: float = 1e-5):  # fmt: skip
+        super().__init__(T, K, NF, n_acc, n_done, pdl, load)
+        if T > NORM_MAX_T:
+            raise ValueError(f"front_mma with norm_w: 1..{NORM_MAX_T} tokens, got {T}")
+        self.eps = eps
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+        mNorm: cute.Tensor,
+        stream,
+    ):
+        self.kernel(mX, mW, mY, mAcc, mDone, mNorm).launch(
+            grid=[self.grid, 1, 1], block=[NW * 32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mX: cute.Tensor,
+        mW: cute.Tensor,
+        mY: cute.Tensor,
+        mAcc: cute.Tensor,
+        mDone: cute.Tensor,
+        mNorm: cute.Tensor,
+    ):
+        self.body(mX, mW, mY, mAcc, mDone, mNorm)
+
+
+@cute.jit
+def norm_row8(xb, gw, rstd):
+    """``bf16(bf16(x * rstd) * g)`` of 8 activations (vLLM's RMSNorm roundings)."""
+    out = cute.make_rmem_tensor((8,), BFloat16)
+    for e in cutlass.range_constexpr(8):
+        hn = (xb[e].to(Float32) * rstd).to(BFloat16)
+        out[e] = (hn.to(Float32) * gw[e].to(Float32)).to(BFloat16)
+    return out
+
+
+def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None):
+    """``norm_eps``: :class:`FrontMmaNorm` with that eps (the norm weights an extra argument)."""
+    if norm_eps is None:
+        op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
+    else:
+        op = FrontMmaNorm(T, K, NF, n_acc, n_done, pdl, load, norm_eps)
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
         itf.fake(torch.float32, (T, NF)),
         itf.fake(torch.float32, (n_acc,)),
         itf.fake(torch.int32, (n_done,)),
-        itf.env_stream(),
     )
-    return op, args
+    if norm_eps is not None:
+        args += (itf.fake(torch.bfloat16, (K,)),)
+    return op, (*args, itf.env_stream())
 
 
 def mma_load(kernel: str = "front", T: int = 8) -> str:
@@ -231,8 +332,9 @@ def front_variant(T: int, K: int, grouped: bool = False, nf: int = 0) -> str:
     return "mma" if 1 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
 
 
-def front_mma(x, w_front, y, acc, done) -> None:
-    """Launch :class:`FrontMma`: ``y = x @ w_front^T`` (FP32), zero ``acc`` and ``done``."""
+def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5) -> None:
+    """Launch :class:`FrontMma`: ``y = x @ w_front^T`` (FP32), zero ``acc`` and ``done``; with
+    ``norm_w`` [K] :class:`FrontMmaNorm`: ``y = (rmsnorm(x) * norm_w) @ w_front^T``."""
     T, K = x.shape
     NF = w_front.shape[0]
     itf.check(x, "x", (T, K), torch.bfloat16)
@@ -240,6 +342,14 @@ def front_mma(x, w_front, y, acc, done) -> None:
     itf.check(y, "y_front", (T, NF), torch.float32)
     pdl = pdl_enabled()
     load = mma_load("front", T)
+    if norm_w is not None:
+        itf.check(norm_w, "norm_w", (K,), torch.bfloat16)
+        key = ("moe_front_mma_norm", T, K, NF, acc.numel(), done.numel(), pdl, load, eps)
+        fn = itf.compiled(
+            key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load, norm_eps=eps)
+        )
+        fn(x, w_front, y, acc.view(-1), done.view(-1), norm_w)
+        return
     key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl, load)
     fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load))
     fn(x, w_front, y, acc.view(-1), done.view(-1))

@@ -153,12 +153,18 @@ class SpecializedMoE:
 
     def front_norm(self, r: torch.Tensor) -> None:
         """Front kernel on ``rmsnorm(r) * mlp_norm`` (the residual already added upstream, as
-        the attention side's ``o_proj`` does)."""
+        the attention side's ``o_proj`` does): ``front_mma.FrontMmaNorm`` where the front is
+        the tensor-core kernel (up to ``NORM_MAX_T`` tokens), else ``router_topk.FrontGemv``
+        with its norm prologue."""
         if self.mlp_norm is None:
             raise ValueError("forward_norm needs the layer's mlp_norm weight")
         with self._r(OP_FRONT_NORM):
-            _rt.front_gemv(r, self.w_front, self.y_front, self.acc, self.done,
-                           norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+            if self._front() == "mma" and self.N <= _fm.NORM_MAX_T:
+                _fm.front_mma(r, self.w_front, self.y_front, self.acc, self.done,
+                              norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+            else:
+                _rt.front_gemv(r, self.w_front, self.y_front, self.acc, self.done,
+                               norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
 
     def experts(self) -> None:
         """Kernel 2 (``moe_experts``), or with ``DECODESCOPE_MOE_EXPERTS=grouped`` the three

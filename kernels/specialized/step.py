@@ -20,9 +20,11 @@ A dense layer (``layers="dense,kda,mla"``: K3's layer 0) is the attention half w
 ``layer.{i}.mlp.residual_norm+gate_up+act`` and ``layer.{i}.mlp.down``) normalizing the
 residual stream in its first kernel's prologue.
 
-Option ``front_norm`` (0 | 1 | auto; default 0) drops the attention half's last launch (the
-post-attention RMSNorm) and lets the MoE front kernel normalize the residual stream in its
-prologue (``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer.
+Option ``front_norm`` (0 | 1 | auto; default ``DECODESCOPE_FRONT_NORM``, else 0) drops the
+attention half's last launch (the post-attention RMSNorm) and lets the MoE front kernel
+normalize the residual stream in its prologue
+(``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer. The
+environment variable makes it a recorded kernel knob, so ``decodescope bench`` can A/B it.
 
 More than 64 tokens per step (the kernels take at most ``MAX_STEP_TOKENS`` = 64 tokens per
 launch: the verify step of 32 or 64 sequences of 1+7 tokens): at tp_world 1 every layer runs
@@ -41,6 +43,7 @@ raises a ValueError saying so; :func:`plan` gives the meta and range names witho
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +89,19 @@ ALLREDUCE = "fused"  # tp_world 2 default: peer memory inside the kernels (tp2.i
 ALLREDUCES = (ALLREDUCE, "nccl")  # nccl: explicit dist.all_reduce launches (tp2.install_nccl)
 
 
+FRONT_NORM_ENV = "DECODESCOPE_FRONT_NORM"
+
+
 def parse_front_norm(v: Any, n_tokens: int) -> bool:
     """``front_norm`` option: 0 | 1 | auto (on up to 16 tokens per step, where the front
-    kernel's per-CTA recompute of the row norms costs less than the launch it saves)."""
+    kernel's per-CTA recompute of the row norms costs less than the launch it saves); None:
+    ``DECODESCOPE_FRONT_NORM`` (unset: 0)."""
+    if v is None:
+        e = os.environ.get(FRONT_NORM_ENV, "").strip() or "0"
+        try:
+            return parse_front_norm(e, n_tokens)
+        except ValueError:
+            raise ValueError(f"{FRONT_NORM_ENV}={e!r}: expected 0, 1 or auto") from None
     s = str(v).strip().lower()
     if s in ("auto", ""):
         return n_tokens <= 16
@@ -394,7 +407,7 @@ def plan(
     expert_dtype: str = "bf16",
     device: str | None = None,
     tp_world: int | str = 1,
-    front_norm: str | int = 0,
+    front_norm: str | int | None = None,
     weights: str = "rank",
     allreduce: str = ALLREDUCE,
     **unknown: Any,
@@ -732,7 +745,8 @@ def specialized(**opts: Any) -> Workload:
     "dense,kda,mla": layer 0's attention + dense MLP first, ...),
     seed, context_len, kv_cache_dtype (bf16 | fp8_e4m3), expert_dtype (bf16), device (cuda),
     tp_world (1 | 2); and front_norm (0 | 1 | auto): the post-attention RMSNorm in the MoE front
-    kernel's prologue, one launch less per layer (default 0: the two halves as they stand).
+    kernel's prologue, one launch less per layer (default: ``DECODESCOPE_FRONT_NORM``, else 0:
+    the two halves as they stand).
 
     tp_world 2 (one process per rank, started by decodescope.tracer.distributed): joins the
     process group as the standard workload does (``standard.comm.init_from_env``), builds this
