@@ -311,7 +311,9 @@ def split_phases(pt: Point) -> dict:
     scale = 1.0 / math.sqrt(m.qk_head_dim)
     ql_ref = torch.einsum("nhd,hdl->nhl", qf[..., : m.qk_nope_head_dim], pt.ws[0]["w_uk"].float())
     e_ql = R.rel_l2(ql.float(), ql_ref * scale)
-    P = part[:, :, : nh * T].double()  # [B, S, R, kvl + 4], row h*T + t
+    G, S, Rg = p.groups, p.splits, p.rows  # head groups: partials [B, G*S, 16, kvl + 4]
+    P = part.view(B, G, S, part.shape[2], -1)[:, :, :, :Rg].double()
+    P = P.permute(0, 2, 1, 3, 4).reshape(B, S, G * Rg, -1)  # [B, S, R, kvl + 4], row h*T + t
     mm, ll = P[..., kvl], P[..., kvl + 1]
     wts = torch.exp(mm - mm.max(1, keepdim=True).values)
     o_part = (P[..., :kvl] * wts[..., None]).sum(1) / (ll * wts).sum(1)[..., None]  # [B, R, kvl]
@@ -338,7 +340,8 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
                  "ldsm": int(p.ldsm), "cluster": p.csize if p.clustered else 0}  # fmt: skip
     elif kernel == "split":
         p = msp.plan_for(pt.cfg, pt.B, pt.T)
-        extra = {"splits": p.splits, "ctas": p.grid, "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
+        extra = {"splits": p.splits, "groups": p.groups, "ctas": p.grid,
+                 "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
                  "fused": int(p.fused),
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
                  "ctas_per_sm": p.ctas_per_sm}  # fmt: skip

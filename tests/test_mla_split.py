@@ -82,6 +82,25 @@ def test_plans_tp8():
     assert p.smem_bytes <= msp.SMEM_TWO_CTAS and p.vchunks == 2 and p.vrows == 2
 
 
+@pytest.mark.parametrize(
+    "tp,batch,tokens,want",
+    [(8, 1, 8, (2, 6, 16, 17, 102, 102, 2)), (8, 8, 8, (2, 6, 16, 2, 12, 12, 1)),
+     (8, 1, 2, (6, 2, 12, 17, 34, 34, 2)), (16, 1, 8, (2, 3, 16, 17, 51, 51, 2)),
+     (16, 1, 2, (6, 1, 12, 17, 17, 17, 2))],
+)  # fmt: skip
+def test_head_groups(tp, batch, tokens, want):
+    """Several tokens per sequence (the verify step): the heads split into groups of ``hg``
+    (``hg x tokens <= 16`` MMA rows, ``hg`` dividing the heads), each group its own attention
+    items and partials (``groups x splits`` per sequence); with groups the splits' rule
+    aims at 128 attention items. One group where every head fits (TP16 1+1 tokens: 6 x 2 = 12
+    rows), as at one token. Compiles for sm_90a."""
+    p = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    got = (p.hg, p.groups, p.rows, p.splits, p.psplits, p.n_att // batch, p.ctas_per_sm)
+    assert got == want
+    assert p.smem_bytes <= msp.SMEM_MAX
+    assert msp.compile_plan(p) is not None
+
+
 def test_fuse_plan_compiles():
     """``DECODESCOPE_MLA_SPLIT_FUSE``: 1 no CTAs of their own for the absorption (32x1: 128
     attention + 96 W_UV CTAs), not where the attention items are fewer (1x1: 17 < 24); 0
@@ -165,8 +184,8 @@ def test_knob_errors(monkeypatch):
     with pytest.raises(ValueError, match="_L2PRE: 0 or 1, got 0 / 0 / 2"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
-    with pytest.raises(ValueError, match="12 heads x 2 tokens > 16 MMA rows"):
-        msp.plan_for(cfg, 8, 2)
+    with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):
+        dataclasses.replace(msp.plan_for(cfg, 8, 1), tokens=17)
 
 
 def test_kernel_choice():
@@ -180,6 +199,9 @@ def test_kernel_choice():
     assert mla.kernel_choice(torch.bfloat16, "", 1, 8, k3) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "", 8, 8, k3) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "", 8, 1, get_config("kimi-k3", 2)) == "simt"
+    k3tp2 = get_config("kimi-k3", 2)  # 48 heads: three groups, so not the default there
+    assert not mla.split_fits(k3tp2, 8, 1, one_group=True) and mla.split_fits(k3tp2, 8, 1)
+    assert mla.split_fits(k3, 1, 8) and not mla.split_fits(k3, 1, 8, one_group=True)
     assert mla.kernel_choice(torch.bfloat16, "", 64, 1, get_config("kimi-k3", 2)) == "tc"
     assert mla.kernel_choice(torch.bfloat16, "", 2, 1, get_config("tiny", 1)) == "simt"
     assert mla.kernel_choice(torch.bfloat16, "", 8, 1) == "split"  # no cfg: assumed to fit
@@ -217,6 +239,19 @@ def test_kernel_choice_env(monkeypatch):
      (8, 32, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
+    _gpu_check(tp, batch, 1, knobs, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch,tokens", [(8, 1, 8), (8, 8, 8), (8, 2, 2), (16, 1, 8),
+                                             (16, 1, 2)])  # fmt: skip
+def test_gpu_head_groups(tp, batch, tokens, monkeypatch):
+    """The verify step on the split kernel (head groups from 2 tokens at TP8, 8 at TP16),
+    causal over the new rows, against the same reference."""
+    _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}, monkeypatch)
+
+
+def _gpu_check(tp, batch, T, knobs, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from test_mla_decode_tc import _inputs
@@ -224,16 +259,16 @@ def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     for k, v in knobs.items():
         monkeypatch.setenv(k, v)
     cfg = get_config("kimi-k3", tp)
-    plan = msp.plan_for(cfg, batch, 1)
-    w, cache0, a, q, g = _inputs(cfg, batch, 1, 200 + batch)
+    plan = msp.plan_for(cfg, batch, T)
+    w, cache0, a, q, g = _inputs(cfg, batch, T, 200 + batch)
     ctx = cfg.context_len
-    ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, 1)
+    ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T)
     out = torch.empty_like(ref)
     cache = cache0.clone()
     for _ in range(3):
         out.fill_(float("nan"))
         cache[:, ctx:].fill_(float("nan"))
-        msp.mla_decode_split(cfg, w, a, q, g, cache, out, 1)
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out, T)
         torch.cuda.synchronize()
         assert msp.error_word(plan, out.device) == 0
         assert bool(torch.isfinite(out).all())
@@ -247,7 +282,7 @@ def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        msp.mla_decode_split(cfg, w, a, q, g, cache, out_g, 1)
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out_g, T)
     for _ in range(2):
         graph.replay()
     torch.cuda.synchronize()

@@ -498,16 +498,18 @@ KERNELS = ("tc", "simt", "split")
 TC_MIN_SEQS = 16  # one token per sequence: tc from this many sequences on
 
 
-def split_fits(cfg, batch: int, tokens: int) -> bool:
-    """Whether :mod:`.mla_decode_split` takes this shape (heads x tokens <= 16 MMA rows, its
-    dimension multiples; the knobs in the environment valid)."""
+def split_fits(cfg, batch: int, tokens: int, one_group: bool = False) -> bool:
+    """Whether :mod:`.mla_decode_split` takes this shape (its dimension multiples, 1..16
+    tokens per sequence: the heads split into groups where heads x tokens pass 16 MMA rows; the
+    knobs in the environment valid); ``one_group``: and every head in one attention item (the
+    shapes the default takes: kimi-k3 TP8 / TP16 at one token)."""
     from decodescope.kernels.specialized import mla_decode_split as sp
 
     try:
-        sp.plan_for(cfg, batch, tokens)
+        p = sp.plan_for(cfg, batch, tokens)
     except ValueError:
         return False
-    return True
+    return p.groups == 1 or not one_group
 
 
 def kernel_choice(
@@ -515,7 +517,7 @@ def kernel_choice(
 ) -> str:
     """Which MLA decode kernel runs: ``tc`` (:mod:`.mla_decode_tc`, tensor cores, BF16 cache
     only), ``simt`` (this module's ``MLADecode``) or ``split`` (:mod:`.mla_decode_split`, the
-    three-phase kernel of session 10, BF16 cache, heads x tokens <= 16).
+    three-phase kernel of session 10, BF16 cache; head groups from session 14).
 
     ``kernel`` or ``DECODESCOPE_MLA_KERNEL`` chooses; by default, for a BF16 cache: ``split``
     with one token per sequence where its plan fits ``cfg`` (:func:`split_fits`; without a
@@ -524,8 +526,9 @@ def kernel_choice(
     s10/r2 (TP8, kernel alone, us): split 13.5 / 19.4 / 31.3 / 48.0 at 1x1 / 8x1 / 32x1 /
     64x1 against simt 19.5 / 61.6 and tc 17.5 / 55.0 / 60.0 / 61.5 (earlier, 15:15 run of
     eb72dbd: 1x1 simt 21.4 vs tc 24.2, 8x1 53.8 vs 68.4-87.6). Several tokens per sequence
-    (verify steps: 1x8, 8x8) stay on ``tc``: 12 heads x 8 tokens do not fit the split
-    kernel's 16 rows, and TP16's 6 heads x 2 tokens have not run on a GPU."""
+    (verify steps: 1x8, 8x8) stay on ``tc``: the split kernel takes them in head groups since
+    session 14 (TP8 1+7 tokens: 6 groups of 2 heads), not yet run on a GPU;
+    ``DECODESCOPE_MLA_KERNEL=split`` forces it."""
     k = kernel or os.environ.get("DECODESCOPE_MLA_KERNEL", "")
     if k and k not in KERNELS:
         raise ValueError(f"DECODESCOPE_MLA_KERNEL / kernel: one of {KERNELS}, got {k!r}")
@@ -535,7 +538,7 @@ def kernel_choice(
         return "simt"
     if k:
         return k
-    if tokens == 1 and (cfg is None or split_fits(cfg, batch, tokens)):
+    if tokens == 1 and (cfg is None or split_fits(cfg, batch, tokens, one_group=True)):
         return "split"
     return "tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt"
 

@@ -7,8 +7,12 @@ it). H200 s10/r2 (TP8, kernel alone, us; notes/gpu-logs/s10/r2/a): 1x1 13.5 (SIM
 60.0, standard 41.0), 64x1 48.0 (TC 61.5, standard 57.8).
 
 Same contract as :mod:`.mla_decode` / :mod:`.mla_decode_tc` (one launch: the new cache rows, the
-absorbed decode, ``out = (o_lat @ w_uv) * sigmoid(g)``); BF16 latent cache only, heads x tokens
-<= 16 (TP8: one token per sequence; TP16: up to two).
+absorbed decode, ``out = (o_lat @ w_uv) * sigmoid(g)``); BF16 latent cache only. The MMA rows
+of an attention item are (head, token) pairs, at most 16: all heads at one token (kimi-k3 TP8 /
+TP16); with several tokens per sequence (the verify step) the heads split into groups of
+``hg`` (``hg x tokens <= 16``, TP8 1+7 tokens: 6 groups of 2), each group its own attention
+items and partials, which the W_UV phase merges per head (session 14; checked on the CPU only,
+so the verify step stays on ``tc`` unless ``DECODESCOPE_MLA_KERNEL=split``).
 
 Why (issue #5, notes/specialized.md "Session 10"): at 8-32 sequences the tensor-core kernel
 spends most of its time in per-CTA ``w_uk`` / ``w_uv`` reads (128 KB per head and CTA, a chain
@@ -148,11 +152,8 @@ class MLASplitPlan:
     l2pre: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_L2PRE", 0))
 
     def __post_init__(self) -> None:
-        if self.heads * self.tokens > ROWS:
-            raise ValueError(
-                f"mla_decode_split: {self.heads} heads x {self.tokens} tokens > {ROWS} MMA rows "
-                "(TP8: one token per sequence)"
-            )
+        if not 1 <= self.tokens <= ROWS:
+            raise ValueError(f"mla_decode_split: 1..{ROWS} tokens per sequence, got {self.tokens}")
         if self.nope % 16 or self.kv_lora % (16 * WARPS) or self.v_dim % (8 * WARPS):
             raise ValueError("mla_decode_split: nope % 16, kv_lora % 128, v_dim % 64")
         if self.lat % 16:
@@ -186,9 +187,24 @@ class MLASplitPlan:
         return self.q_lora + self.kv_lora + self.rope
 
     @property
+    def hg(self) -> int:
+        """Heads per attention item: the most that divide ``heads`` with ``hg x tokens`` within
+        the 16 MMA rows (all heads at one token for kimi-k3 TP8 / TP16)."""
+        for h in range(min(self.heads, ROWS // self.tokens), 0, -1):
+            if self.heads % h == 0:
+                return h
+        return 1
+
+    @property
+    def groups(self) -> int:
+        """Head groups: attention items per (sequence, split); 1 where every head fits."""
+        return self.heads // self.hg
+
+    @property
     def rows(self) -> int:
-        """MMA rows of an attention item: row ``r`` = head ``r // T``, token ``r % T``."""
-        return self.heads * self.tokens
+        """MMA rows of an attention item: row ``r`` = head ``g * hg + r // T``, token ``r % T``
+        (head group ``g``)."""
+        return self.hg * self.tokens
 
     @property
     def m(self) -> int:
@@ -209,14 +225,19 @@ class MLASplitPlan:
     # -- work split ----------------------------------------------------------------------------
     @property
     def splits(self) -> int:
-        """``64 // batch`` below 16 sequences, ``128 // batch`` from 16, at most one per 64-key
-        block (H200 s10/r2, TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 /
+        """``64 // batch`` below 16 sequences, ``128 // batch`` from 16 (with head groups:
+        ``128 // (batch x groups)``, not measured), at most one per 64-key block (H200 s10/r2, TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 /
         17 21.2 / 4 23.7; 32x1 4 33.7 / 8 39.3; 64x1 2 49.1 / 4 57.8; other batches by the
         rule, not measured)."""
-        want = self.splits_force or (SPLIT_KEYS_LOW if self.batch < 16 else SPLIT_KEYS) // max(
-            1, self.batch
-        )
+        bg = self.batch * self.groups  # attention items per split
+        keys = SPLIT_KEYS_LOW if bg < 16 and self.groups == 1 else SPLIT_KEYS
+        want = self.splits_force or keys // max(1, bg)
         return max(1, min(want, self.nblk_all))
+
+    @property
+    def psplits(self) -> int:
+        """Partials per sequence and row: ``groups x splits`` (group-major)."""
+        return self.groups * self.splits
 
     @property
     def blk_max(self) -> int:
@@ -260,7 +281,7 @@ class MLASplitPlan:
 
     @property
     def n_att(self) -> int:
-        return self.batch * self.splits
+        return self.batch * self.groups * self.splits
 
     @property
     def n_uv(self) -> int:
@@ -334,7 +355,7 @@ class MLADecodeSplit(MLADecodeTC):
         mWuv: cute.Tensor,  # [heads, kv_lora, v] bf16
         mCache: cute.Tensor,  # [B, ctx+T, lat] bf16
         mQl: cute.Tensor,  # [B*T, heads, kv_lora] bf16 workspace
-        mPart: cute.Tensor,  # [B, splits, 16, kv_lora + 4] f32 workspace
+        mPart: cute.Tensor,  # [B, groups x splits, 16, kv_lora + 4] f32 workspace
         mCnt: cute.Tensor,  # [NCNT] i32, zero between launches (but C_ERR)
         mTrace: cute.Tensor,  # [grid, NTRACE] i64 (written with ``trace`` only)
         mOut: cute.Tensor,  # [B*T, heads*v] bf16
@@ -565,8 +586,17 @@ class MLADecodeSplit(MLADecodeTC):
         p = self.p
         LP, KVL, T, R, NB, S = p.lp, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
         NBA = p.nblk_all
+        G, HG = p.groups, p.hg
         b = it // S
         sp = it % S
+        g0 = 0  # the item's head group; its first head h0; its partials' split index ps
+        h0 = 0
+        ps = sp
+        if cutlass.const_expr(G > 1):
+            b = it // (G * S)
+            g0 = (it // S) % G
+            h0 = g0 * HG
+            ps = g0 * S + sp
         sK = cute.make_tensor(base, cute.make_layout((NB, KBLK, LP), stride=(KBLK * LP, LP, 1)))
         o = NB * KBLK * LP
         sQ = cute.make_tensor(base + o, cute.make_layout((ROWS, LP), stride=(LP, 1)))
@@ -590,12 +620,12 @@ class MLADecodeSplit(MLADecodeTC):
                 self.issue_block(mCache, sK, b, k_begin + blk0 * KBLK, blk0, tidx)
             cute.arch.cp_async_commit_group()
 
-        # the new latent rows (bf16, as the cache stores them); split 0 writes the cache
-        self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, 0, sp, tidx)
+        # the new latent rows (bf16, as the cache stores them); group 0's split 0 writes them
+        self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, g0, sp, tidx)
 
         # q_pe scaled; the padding rows zero
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
-        self.stage_q_pe(mQ, sQ, b, 0, scale, tidx)
+        self.stage_q_pe(mQ, sQ, b, h0, scale, tidx)
 
         # q_lat of this sequence's rows, once every absorption item is done
         self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
@@ -608,7 +638,7 @@ class MLADecodeSplit(MLADecodeTC):
             if idx < R * nv:
                 r = idx // nv
                 v = idx % nv
-                src = cute.local_tile(mQl[b * T + r % T, r // T, None], (8,), (v,))
+                src = cute.local_tile(mQl[b * T + r % T, h0 + r // T, None], (8,), (v,))
                 cp_async16(sQ.iterator + r * LP + v * 8, src.iterator)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
@@ -666,18 +696,18 @@ class MLADecodeSplit(MLADecodeTC):
             if r0 < R:
                 v2[0] = oacc[nt][0]
                 v2[1] = oacc[nt][1]
-                cute.autovec_copy(v2, cute.local_tile(mPart[b, sp, r0, None], (2,), (col // 2,)))
+                cute.autovec_copy(v2, cute.local_tile(mPart[b, ps, r0, None], (2,), (col // 2,)))
             if r1 < R:
                 v2[0] = oacc[nt][2]
                 v2[1] = oacc[nt][3]
-                cute.autovec_copy(v2, cute.local_tile(mPart[b, sp, r1, None], (2,), (col // 2,)))
+                cute.autovec_copy(v2, cute.local_tile(mPart[b, ps, r1, None], (2,), (col // 2,)))
         if warp == 0 and c == 0:
             if r0 < R:
-                mPart[b, sp, r0, KVL] = m0
-                mPart[b, sp, r0, KVL + 1] = la0
+                mPart[b, ps, r0, KVL] = m0
+                mPart[b, ps, r0, KVL + 1] = la0
             if r1 < R:
-                mPart[b, sp, r1, KVL] = m1
-                mPart[b, sp, r1, KVL + 1] = la1
+                mPart[b, ps, r1, KVL] = m1
+                mPart[b, ps, r1, KVL + 1] = la1
         self.mark(sTm, 6, tidx)  # thread 0's partial stores issued
         self.publish(mCnt, C_ATT, tidx)
 
@@ -708,22 +738,31 @@ class MLADecodeSplit(MLADecodeTC):
         if tidx == 0:
             self.wait_count(mCnt, C_ATT, p.n_att, sTm)
         cute.arch.sync_threads()
-        # split weights of the item's rows (row i: token row m_0 + i, partial row h*T + t)
+        # split weights of the item's rows (row i: token row m_0 + i; its partials: row
+        # (h % hg) * T + t of head group h // hg, splits s0 .. s0 + S - 1)
+        s0 = 0
+        hr = h
+        if cutlass.const_expr(p.groups > 1):
+            s0 = (h // p.hg) * S
+            hr = h % p.hg
         if tidx < VR:
             mrow = m_0 + tidx
             if mrow < M:
                 bq = mrow // T
-                pr = h * T + mrow % T
+                pr = hr * T + mrow % T
                 mall = Float32(NEG)
                 for s in cutlass.range_constexpr(S):
-                    mall = cute.arch.fmax(mall, ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL))
+                    mall = cute.arch.fmax(
+                        mall, ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL)
+                    )
                 lall = Float32(0.0)
                 for s in cutlass.range_constexpr(S):
                     w = cute.math.exp(
-                        ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL) - mall, fastmath=True
+                        ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL) - mall,
+                        fastmath=True,
                     )
                     sWgt[tidx, s] = w
-                    lall = lall + ld_cg_f32(mPart[bq, s, pr, None].iterator + KVL + 1) * w
+                    lall = lall + ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL + 1) * w
                 for s in cutlass.range_constexpr(S):
                     sWgt[tidx, s] = sWgt[tidx, s] / lall
         cute.arch.sync_threads()
@@ -739,9 +778,9 @@ class MLADecodeSplit(MLADecodeTC):
                 acc.fill(0.0)
                 if mrow < M:
                     bq = mrow // T
-                    pr = h * T + mrow % T
+                    pr = hr * T + mrow % T
                     for s in cutlass.range_constexpr(S):
-                        v = ld_cg_v4f32(mPart[bq, s, pr, None].iterator + c4 * 4)
+                        v = ld_cg_v4f32(mPart[bq, s0 + s, pr, None].iterator + c4 * 4)
                         w = sWgt[ri, s]
                         for e in cutlass.range_constexpr(4):
                             acc[e] = acc[e] + v[e] * w
@@ -834,7 +873,7 @@ def _fake_args(p: MLASplitPlan):
         itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
         itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
         itf.fake(bf, (M, p.heads, p.kv_lora)),
-        itf.fake(torch.float32, (p.batch, p.splits, ROWS, p.kv_lora + 4)),
+        itf.fake(torch.float32, (p.batch, p.psplits, ROWS, p.kv_lora + 4)),
         itf.fake(torch.int32, (NCNT,), align=4),
         itf.fake(torch.int64, (p.grid, NTRACE), align=8),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
@@ -861,7 +900,7 @@ def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, ...]:
     ws = _WS.get(key)
     if ws is None:
         ql = torch.empty(p.m, p.heads, p.kv_lora, dtype=torch.bfloat16, device=device)
-        part = torch.empty(p.batch, p.splits, ROWS, p.kv_lora + 4, dtype=torch.float32,
+        part = torch.empty(p.batch, p.psplits, ROWS, p.kv_lora + 4, dtype=torch.float32,
                            device=device)  # fmt: skip
         cnt = torch.zeros(NCNT, dtype=torch.int32, device=device)
         trace = torch.zeros(p.grid, NTRACE, dtype=torch.int64, device=device)
