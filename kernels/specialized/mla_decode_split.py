@@ -55,18 +55,19 @@ an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
 share an SM when the shared memory fits 113 KB), ``_FUSE`` (1: no CTAs of their own for the
 absorption: the first ``n_abs`` attention CTAs absorb, publish, then attend; unset: where the
-absorption + attention CTAs would pass one wave; 0: never). ``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA
-writes its ticket, start, end of wait, end and the marks of :data:`TRACE_MARKS` (the steps
-inside each phase; ``%globaltimer``) to a trace buffer (:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
+absorption + attention CTAs would pass one wave; 0: never).
+``DECODESCOPE_MLA_SPLIT_TRACE=1``: each CTA writes its ticket, start, end of wait, end and the
+marks of :data:`TRACE_MARKS` (the steps inside each phase; ``%globaltimer``) to a trace buffer
+(:func:`trace_summary`); ``DECODESCOPE_MLA_SPLIT_DIAG=1`` (timing only, wrong results): the
 waits skipped, so the phases overlap (the cost of the dependency chain).
 ``DECODESCOPE_MLA_SPLIT_L2PRE=1`` (opt-in): before the PDL wait each CTA issues
 ``prefetch.global.L2`` for its share of ``w_uk`` and ``w_uv`` (3 MB at TP8), so the absorption's
 ``w_uk`` stage, the first load on the phase chain, reads L2 after the wait. A hint: safe
 whatever the previous kernel is. H200 TP8 1x1 in the layer (s14/r3, bench shares): the decode
-19.3 -> 19.1 us, no gain: the chain is not ``w_uk``'s DRAM latency. (A variant that issued the stages and took the ticket before the wait,
-s14/r2, saved 1.6 us of the decode's share at TP8 1x1 in the layer, but two launches of it back
-to back on one workspace share the ticket counter while the first runs: 5.4 ms per launch in
-the kernel-alone loop. Not kept.)
+19.3 -> 19.1 us, no gain: the chain is not ``w_uk``'s DRAM latency. (A variant that issued
+the stages and took the ticket before the wait, s14/r2, saved 1.6 us of the decode's share at
+TP8 1x1 in the layer, but two launches of it back to back on one workspace share the ticket
+counter while the first runs: 5.4 ms per launch in the kernel-alone loop. Not kept.)
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -226,9 +227,10 @@ class MLASplitPlan:
     @property
     def splits(self) -> int:
         """``64 // batch`` below 16 sequences, ``128 // batch`` from 16 (with head groups:
-        ``128 // (batch x groups)``, not measured), at most one per 64-key block (H200 s10/r2, TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 /
-        17 21.2 / 4 23.7; 32x1 4 33.7 / 8 39.3; 64x1 2 49.1 / 4 57.8; other batches by the
-        rule, not measured)."""
+        ``128 // (batch x groups)``, not measured), at most one per 64-key block (H200 s10/r2,
+        TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 / 17 21.2 / 4 23.7;
+        32x1 4 33.7 / 8 39.3; 64x1 2 49.1 / 4 57.8; other batches by the rule, not
+        measured)."""
         bg = self.batch * self.groups  # attention items per split
         keys = SPLIT_KEYS_LOW if bg < 16 and self.groups == 1 else SPLIT_KEYS
         want = self.splits_force or keys // max(1, bg)
