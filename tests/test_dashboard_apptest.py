@@ -301,3 +301,32 @@ def test_runs_that_measured_bytes_and_bandwidth_show_the_floor(monkeypatch, tmp_
     assert row["floor_us"] == pytest.approx(200.0)  # 844 MB at 4.22 TB/s
     assert row["efficiency"] == pytest.approx(row["span_us"] / 200.0)
     assert list(floor["run"]) == ["A"]  # B measured neither
+
+
+def test_a_dataset_folder_is_walked_once_per_page_run(monkeypatch, tmp_path):
+    """The caches' stamp of a dataset (the newest Parquet file) is asked for once per run of
+    it: the folder is walked once within ``STAMP_TTL_S``, again after it (a page of the 346
+    committed runs took 60 s walking it for each), and a new file moves the stamp then."""
+    ds = tmp_path / "ds"
+    (ds / "runs" / "run_id=a").mkdir(parents=True)
+    (ds / "runs" / "run_id=a" / "part-0.parquet").write_bytes(b"x")
+    walks = []
+    real = Path.rglob
+
+    def counting(self, pattern):
+        walks.append(str(self))
+        return real(self, pattern)
+
+    monkeypatch.setattr(Path, "rglob", counting)
+    clock = [100.0]
+    monkeypatch.setattr(dashboard.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(dashboard, "_FOLDER_STAMPS", {})
+    first = dashboard._stamp(f"{ds}#a")
+    assert [dashboard._stamp(f"{ds}#{r}") for r in "abc"] == [first] * 3
+    assert walks == [str(ds)]
+    new = ds / "runs" / "run_id=b"
+    new.mkdir()
+    (new / "part-0.parquet").write_bytes(b"y")
+    os.utime(new / "part-0.parquet", (first + 10, first + 10))
+    clock[0] += dashboard.STAMP_TTL_S + 0.1
+    assert dashboard._stamp(f"{ds}#b") == first + 10 and len(walks) == 2

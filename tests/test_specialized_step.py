@@ -484,9 +484,10 @@ def test_every_kernel_of_the_step_compiles_for_sm90a(monkeypatch):
         _, m = _model(batch=2, tokens=2, layers="kda,mla", front_norm=fn)
         m.warmup()
     # the back end on tensor cores from 1 token (back_mma.back_variant; the SIMT
-    # up_proj_shared_add stays the fallback for shapes BackMma refuses)
-    assert {"skinny_gemm", "kda_decode", "mla_decode", "rmsnorm", "moe_front_gemv",
-            "moe_experts", "moe_back_mma"} <= set(keys)  # fmt: skip
+    # up_proj_shared_add stays the fallback for shapes BackMma refuses); the front on tensor
+    # cores, with front_norm its variant with the RMSNorm in it (FrontMmaNorm)
+    assert {"skinny_gemm", "kda_decode", "mla_decode", "rmsnorm", "moe_front_mma",
+            "moe_front_mma_norm", "moe_experts", "moe_back_mma"} <= set(keys)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -121,11 +122,25 @@ def expand(source: str) -> tuple[list[Entry], list[str]]:
     return [Entry(source, str(d)) for d in found], []
 
 
+# a folder's stamp, reused for STAMP_TTL_S: one page run asks for it once per run of a dataset
+# (hundreds), and each walk of the folder reads every Parquet file's mtime
+STAMP_TTL_S = 2.0
+_FOLDER_STAMPS: dict[str, tuple[float, float]] = {}
+
+
 def _stamp(path: str) -> float:
+    """The modification time that keys the caches of ``path`` (a file, a run folder, or a
+    dataset run ``DATASET#run_id``: the newest Parquet file of the folder)."""
     p = Path(path.split("#", 1)[0])
     try:
         if p.is_dir():
-            return max((f.stat().st_mtime for f in p.rglob("*.parquet")), default=p.stat().st_mtime)
+            now = time.monotonic()
+            hit = _FOLDER_STAMPS.get(str(p))
+            if hit is not None and now - hit[1] < STAMP_TTL_S:
+                return hit[0]
+            v = max((f.stat().st_mtime for f in p.rglob("*.parquet")), default=p.stat().st_mtime)
+            _FOLDER_STAMPS[str(p)] = (v, now)
+            return v
         return p.stat().st_mtime
     except OSError:
         return 0.0
