@@ -69,19 +69,10 @@ def test_early(T, clean_env):
     """``DECODESCOPE_KDA_EARLY=1``: the split's state / conv / weight loads before its PDL wait
     (PTX: global loads before ``griddepcontrol.wait``), the projection's after it; unset: none
     before it. A bad value is a one-line error."""
-    import glob
-    import tempfile
-
-    import cutlass.cute as cute
-
     counts = []
     for early in (False, True):
         p = dataclasses.replace(_plan(8, 1, T, 8), early=early, pdl=True)
-        d = tempfile.mkdtemp(prefix="kda_early_")
-        cute.compile(kda.make_op(p), *kda._fake_args(p),
-                     options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip
-        (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
-        ptx = Path(path).read_text()
+        ptx = itf.ptx_text(kda.make_op(p), *kda._fake_args(p))
         w = ptx.find("griddepcontrol.wait")
         counts.append((ptx[:w].count("ld.global"), ptx[w:].count("ld.global")))
     (before0, _), (before1, after1) = counts

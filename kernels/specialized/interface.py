@@ -124,6 +124,24 @@ def compile_only(op: Callable, *args: Any) -> Any:
     return cute.compile(op, *args, options="--enable-tvm-ffi")
 
 
+def ptx_text(op: Callable, *args: Any) -> str:
+    """The PTX of ``op`` compiled for the target arch as :func:`compile_only` compiles it (a
+    temporary dump folder, removed after), for tests that check what the code generator
+    emitted (which loads precede ``griddepcontrol.wait``, ...)."""
+    import glob
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="decodescope_ptx_")
+    try:
+        cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")
+        (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
+        with open(path) as f:
+            return f.read()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def compiled(key: tuple, build: Callable[[], tuple[Callable, Sequence[Any]]]) -> Any:
     """The compiled kernel for ``key``; ``build()`` returns ``(jit_callable, fake_args)``.
 
