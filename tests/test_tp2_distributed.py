@@ -65,12 +65,19 @@ def test_ranks_that_succeed_merge(tmp_path):
 
 def test_launch_env_and_fail_fast(tmp_path):
     """Plain processes (GPU scripts): rank env, no multicast, first failure stops the rest."""
+    # Rank 1 fails only once rank 0 has printed its line: on a loaded machine rank 0 can start
+    # more than grace_s after rank 1, and would be stopped before it wrote anything.
+    r0_log = tmp_path / "r0.log"
     code = (
         "import os, sys, time\n"
         "print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'],"
         " os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'],"
         " os.environ['NVSHMEM_DISABLE_NVLS'], flush=True)\n"
-        "if os.environ['RANK'] == '1': sys.exit(5)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    end = time.monotonic() + 60\n"
+        f"    while not open({str(r0_log)!r}).read().strip() and time.monotonic() < end:\n"
+        "        time.sleep(0.05)\n"
+        "    sys.exit(5)\n"
         "time.sleep(600)\n"
     )
     port = free_port()
@@ -82,7 +89,7 @@ def test_launch_env_and_fail_fast(tmp_path):
         t = time.monotonic()
         res = launch(
             [[sys.executable, "-c", code]] * 2, [rank_env(r, 2, port) for r in range(2)],
-            timeout=120, grace_s=2, logs=[tmp_path / "r0.log", tmp_path / "r1.log"],
+            timeout=120, grace_s=2, logs=[r0_log, tmp_path / "r1.log"],
         )  # fmt: skip
     finally:
         os.environ.clear()
