@@ -413,8 +413,12 @@ def run_point(cfg, tp: int, pt_name: str, a, bw: float, base: dict | None) -> No
     variants = {k: v for k, v in VARIANTS.items() if k in a.variants}
     if B * T > 16:
         variants.pop("simt", None)
-    if pt.cfg.mla_heads * T > mtc.ROWS:  # the split kernel: heads x tokens <= 16 MMA rows
+    if not mla.split_fits(pt.cfg, B, T):  # the split kernel: 1..16 tokens, in head groups
+        skipped = [k for k, v in variants.items() if v[0] == "split"]
         variants = {k: v for k, v in variants.items() if v[0] != "split"}
+        if skipped:
+            record(what="skipped (split does not fit)", **ctx, variants=",".join(skipped),
+                   status="info")  # fmt: skip
     for k in [k for k in variants if k.startswith("cluster-seq")]:
         if T > 1 or B % int(k.split()[0].removeprefix("cluster-seq")):  # 1 token, whole clusters
             variants.pop(k)

@@ -181,15 +181,18 @@ def test_knob_errors(monkeypatch):
 
 def test_kernel_choice():
     """The default for a BF16 cache with one token per sequence where the plan fits (H200
-    s10/r2); several tokens (verify steps) on tc; shapes the split kernel refuses (kimi-k3 TP2:
+    s10/r2); several tokens (verify steps) in head groups at TP8 / TP16 (s15), tc at TP2; shapes the split kernel refuses (kimi-k3 TP2:
     48 heads; the tiny preset's dimensions) as before; FP8 on simt."""
     k3 = get_config("kimi-k3", 8)
     for b in (1, 8, 32, 64):
         assert mla.kernel_choice(torch.bfloat16, "", b, 1, k3) == "split"
     assert mla.kernel_choice(torch.bfloat16, "", 8, 1, get_config("kimi-k3", 16)) == "split"
-    assert mla.kernel_choice(torch.bfloat16, "", 1, 8, k3) == "tc"
-    assert mla.kernel_choice(torch.bfloat16, "", 8, 8, k3) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8, k3) == "split"  # head groups (s15)
+    assert mla.kernel_choice(torch.bfloat16, "", 8, 8, k3) == "split"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8, get_config("kimi-k3", 16)) == "split"
     assert mla.kernel_choice(torch.bfloat16, "", 8, 1, get_config("kimi-k3", 2)) == "simt"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8, get_config("kimi-k3", 2)) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 17, k3) == "tc"  # past 16 MMA rows
     k3tp2 = get_config("kimi-k3", 2)  # 48 heads: three groups, so not the default there
     assert not mla.split_fits(k3tp2, 8, 1, one_group=True) and mla.split_fits(k3tp2, 8, 1)
     assert mla.split_fits(k3, 1, 8) and not mla.split_fits(k3, 1, 8, one_group=True)

@@ -512,6 +512,11 @@ def split_fits(cfg, batch: int, tokens: int, one_group: bool = False) -> bool:
     return p.groups == 1 or not one_group
 
 
+# Several tokens per sequence go to the split kernel's head groups only with as few heads per
+# rank as measured there (kimi-k3 TP8: 12, TP16: 6); TP2's 48 heads (24 groups) stay on tc.
+SPLIT_GROUPED_MAX_HEADS = 12
+
+
 def kernel_choice(
     kv_cache_dtype, kernel: str = "", batch: int = 64, tokens: int = 1, cfg=None
 ) -> str:
@@ -520,15 +525,14 @@ def kernel_choice(
     three-phase kernel of session 10, BF16 cache; head groups from session 14).
 
     ``kernel`` or ``DECODESCOPE_MLA_KERNEL`` chooses; by default, for a BF16 cache: ``split``
-    with one token per sequence where its plan fits ``cfg`` (:func:`split_fits`; without a
-    ``cfg``: assumed, as for the kimi-k3 TP8 / TP16 shapes), else ``tc`` with several tokens
-    per sequence or from 16 sequences on, else ``simt``; ``simt`` for an FP8 cache. H200
-    s10/r2 (TP8, kernel alone, us): split 13.5 / 19.4 / 31.3 / 48.0 at 1x1 / 8x1 / 32x1 /
-    64x1 against simt 19.5 / 61.6 and tc 17.5 / 55.0 / 60.0 / 61.5 (earlier, 15:15 run of
-    eb72dbd: 1x1 simt 21.4 vs tc 24.2, 8x1 53.8 vs 68.4-87.6). Several tokens per sequence
-    (verify steps: 1x8, 8x8) stay on ``tc``: the split kernel takes them in head groups since
-    session 14 (TP8 1+7 tokens: 6 groups of 2 heads), not yet run on a GPU;
-    ``DECODESCOPE_MLA_KERNEL=split`` forces it."""
+    where its plan fits ``cfg`` (:func:`split_fits`; without a ``cfg``: assumed, as for the
+    kimi-k3 TP8 / TP16 shapes), with one token per sequence in one head group, with several
+    (verify steps) in head groups up to :data:`SPLIT_GROUPED_MAX_HEADS` heads; else ``tc``
+    with several tokens per sequence or from 16 sequences on, else ``simt``; ``simt`` for an
+    FP8 cache. H200 s10/r2 (TP8, kernel alone, us): split 13.5 / 19.4 / 31.3 / 48.0 at 1x1 /
+    8x1 / 32x1 / 64x1 against simt 19.5 / 61.6 and tc 17.5 / 55.0 / 60.0 / 61.5. Verify steps,
+    H200 s15 (bench shares, TP8 1+7 tokens): split in 6 head groups of 2 23.3 us against tc
+    42.4 (``DECODESCOPE_MLA_KERNEL=tc`` for the old choice)."""
     k = kernel or os.environ.get("DECODESCOPE_MLA_KERNEL", "")
     if k and k not in KERNELS:
         raise ValueError(f"DECODESCOPE_MLA_KERNEL / kernel: one of {KERNELS}, got {k!r}")
@@ -538,7 +542,11 @@ def kernel_choice(
         return "simt"
     if k:
         return k
-    if tokens == 1 and (cfg is None or split_fits(cfg, batch, tokens, one_group=True)):
+    if (
+        cfg is None
+        or split_fits(cfg, batch, tokens, one_group=tokens == 1)
+        and (tokens == 1 or cfg.mla_heads <= SPLIT_GROUPED_MAX_HEADS)
+    ):
         return "split"
     return "tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt"
 
