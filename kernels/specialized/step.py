@@ -25,6 +25,8 @@ attention half's last launch (the post-attention RMSNorm) and lets the MoE front
 normalize the residual stream in its prologue
 (``moe.residual_norm+router+latent_down+shared_experts``): one launch less per layer. The
 environment variable makes it a recorded kernel knob, so ``decodescope bench`` can A/B it.
+Off by default: on the H200 (s15, TP8 batch 1, bench shares) the fused norm cost more than the
+launch it saves (KDA layer 111.9 -> 115.3 us, projected step 10.68 -> 11.07 ms).
 
 More than 64 tokens per step (the kernels take at most ``MAX_STEP_TOKENS`` = 64 tokens per
 launch: the verify step of 32 or 64 sequences of 1+7 tokens): at tp_world 1 every layer runs
