@@ -11,8 +11,9 @@ absorbed decode, ``out = (o_lat @ w_uv) * sigmoid(g)``); BF16 latent cache only.
 of an attention item are (head, token) pairs, at most 16: all heads at one token (kimi-k3 TP8 /
 TP16); with several tokens per sequence (the verify step) the heads split into groups of
 ``hg`` (``hg x tokens <= 16``, TP8 1+7 tokens: 6 groups of 2), each group its own attention
-items and partials, which the W_UV phase merges per head (session 14; checked on the CPU only,
-so the verify step stays on ``tc`` unless ``DECODESCOPE_MLA_KERNEL=split``).
+items and partials, which the W_UV phase merges per head (session 14; the verify step's default
+at TP8 / TP16 since session 15: H200 kernel alone, TP8 1x8 25.5 us against tc 46.0, TP16 8x8
+32.1 against 73.0).
 
 Why (issue #5, notes/specialized.md "Session 10"): at 8-32 sequences the tensor-core kernel
 spends most of its time in per-CTA ``w_uk`` / ``w_uv`` reads (128 KB per head and CTA, a chain
