@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks pending at the end of session 14 (2026-12-01), in order of value, for the next
+# Ran in session 15 (notes/gpu-logs/s15/r1-r3; outcomes in notes/specialized.md and
+# notes/specialized_moe.md "Session 15"). The GPU checks pending at the end of session 14, in order of value, for the next
 # session's first three H200 calls (one GPU, three parts of ~6.5 minutes; each stage has its own
 # time limit and a failing stage does not stop the rest). From the project root on the GPU
 # machine, after
