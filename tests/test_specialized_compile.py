@@ -148,7 +148,8 @@ def test_mla_tc_plan_choice():
     assert mtc.plan_for(cfg, 1, 8).rows == 8
     assert mla.kernel_choice(torch.bfloat16) == "split"  # one token: split (H200 s10/r2)
     assert mla.kernel_choice(torch.bfloat16, "", 1, 1) == "split"
-    assert mla.kernel_choice(torch.bfloat16, "", 1, 8) == "tc"
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 8) == "split"  # head groups (H200 s15)
+    assert mla.kernel_choice(torch.bfloat16, "", 1, 17) == "tc"  # past the split's 16 rows
     assert mla.kernel_choice(torch.bfloat16, "tc", 1, 1) == "tc"
     p88 = mtc.plan_for(cfg, 8, 8)
     assert (p88.hg, p88.splits, p88.clustered) == (2, 2, True)  # s9/r4: 93.9 -> 54.7 us

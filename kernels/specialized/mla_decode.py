@@ -542,11 +542,13 @@ def kernel_choice(
         return "simt"
     if k:
         return k
-    if (
-        cfg is None
-        or split_fits(cfg, batch, tokens, one_group=tokens == 1)
-        and (tokens == 1 or cfg.mla_heads <= SPLIT_GROUPED_MAX_HEADS)
-    ):
+    if cfg is None:  # assumed a kimi-k3 TP8 / TP16 shape: the split takes up to 16 tokens
+        fits = tokens <= 16
+    else:
+        fits = split_fits(cfg, batch, tokens, one_group=tokens == 1) and (
+            tokens == 1 or cfg.mla_heads <= SPLIT_GROUPED_MAX_HEADS
+        )
+    if fits:
         return "split"
     return "tc" if tokens > 1 or batch >= TC_MIN_SEQS else "simt"
 
