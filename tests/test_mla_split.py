@@ -181,8 +181,9 @@ def test_knob_errors(monkeypatch):
 
 def test_kernel_choice():
     """The default for a BF16 cache with one token per sequence where the plan fits (H200
-    s10/r2); several tokens (verify steps) in head groups at TP8 / TP16 (s15), tc at TP2; shapes the split kernel refuses (kimi-k3 TP2:
-    48 heads; the tiny preset's dimensions) as before; FP8 on simt."""
+    s10/r2); several tokens (verify steps) in head groups at TP8 / TP16 (s15), tc at TP2;
+    shapes the split kernel refuses (kimi-k3 TP2: 48 heads; the tiny preset's dimensions) as
+    before; FP8 on simt."""
     k3 = get_config("kimi-k3", 8)
     for b in (1, 8, 32, 64):
         assert mla.kernel_choice(torch.bfloat16, "", b, 1, k3) == "split"

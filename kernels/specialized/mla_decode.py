@@ -21,11 +21,12 @@ batch (at batch 1, TP8: 12 heads x 16 splits of 64 cached keys); 8 warps per CTA
    for the next launch / graph replay) merges the splits and computes ``o = o_lat @ w_uv[h]``
    times ``sigmoid(g)``. With one split the CTA does it directly.
 
-The default for a BF16 cache with one token per sequence is :mod:`.mla_decode_split` (three
-phases in one launch: absorption once per head, the keys split over many CTAs with all heads
-as MMA rows, merge + W_UV + gate); with several tokens per sequence :mod:`.mla_decode_tc`
-(heads x tokens as the MMA rows, keys staged in shared memory once per CTA). This one serves
-the FP8 cache (and shapes neither takes) and stays selectable
+The default for a BF16 cache is :mod:`.mla_decode_split` (three phases in one launch:
+absorption once per head, the keys split over many CTAs with the heads as MMA rows, merge +
+W_UV + gate; several tokens per sequence in head groups at TP8 / TP16 since session 15);
+shapes it does not take go to :mod:`.mla_decode_tc` (heads x tokens as the MMA rows, keys
+staged in shared memory once per CTA) with several tokens or from 16 sequences on, else to
+this one, which also serves the FP8 cache and stays selectable
 (``DECODESCOPE_MLA_KERNEL=simt|tc|split``, :func:`kernel_choice`).
 """
 
