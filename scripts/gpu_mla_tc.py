@@ -74,7 +74,7 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
         "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_FUSE": "", "DECODESCOPE_MLA_SPLIT_L2PRE": "",
-        "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
+        "DECODESCOPE_MLA_SPLIT_UVFAST": "", "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
 # name -> (kernel, env, heads per CTA, splits)
@@ -144,6 +144,15 @@ VARIANTS = {
     # w_uk / w_uv L2 prefetch before the PDL wait (checked; alone, the weights stay in L2
     # between launches anyway: the gain shows in the layer)
     "split l2pre": ("split", {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}, 0, 0),
+    # the W_UV phase's chain after its wait shortened (session 16)
+    "split uvfast": ("split", {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, 0, 0),
+    "split uvfast trace": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_UVFAST": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"},
+        0,
+        0,
+    ),
+    "auto uvfast": ("auto", {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, 0, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],
@@ -344,7 +353,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
                  "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
                  "fused": int(p.fused),
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
-                 "ctas_per_sm": p.ctas_per_sm}  # fmt: skip
+                 "ctas_per_sm": p.ctas_per_sm, "uvfast": p.uvfast}  # fmt: skip
     elif kernel == "auto":
         extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T, pt.cfg)}
     base_us[name] = med

@@ -4,7 +4,8 @@ compiles for sm_90a on the CPU (``CUTE_DSL_ARCH=sm_90a``), keeps the PTX and run
 
     python scripts/ptxas_mla_split.py [--tp 8] [--batch 1 8 32] [--knobs splits=8,nbuf=2 ...]
 
-Knobs: splits, achunks, vrows, nbuf (the plan's ``*_force`` fields).
+Knobs: splits, achunks, vrows, nbuf (the plan's ``*_force`` fields), or any other plan field by
+its name (``uvfast=1``, ``l2pre=1``, ``trace=1``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def report(tp: int, batch: int, kv: dict) -> str:
     from decodescope.kernels.specialized import mla_decode_split as ms
 
     p = ms.plan_for(get_config("kimi-k3", tp), batch, 1)
-    p = dataclasses.replace(p, **{f"{k}_force": v for k, v in kv.items()})
+    names = {f.name for f in dataclasses.fields(p)}
+    p = dataclasses.replace(p, **{(k if k in names else f"{k}_force"): v for k, v in kv.items()})
     d = tempfile.mkdtemp(prefix="ptxas_mla_split_")
     cute.compile(ms.MLADecodeSplit(p), *ms._fake_args(p),
                  options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip

@@ -34,6 +34,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_DIAG",
     "DECODESCOPE_MLA_SPLIT_FUSE",
     "DECODESCOPE_MLA_SPLIT_L2PRE",
+    "DECODESCOPE_MLA_SPLIT_UVFAST",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -135,6 +136,54 @@ def test_l2pre_ptx(batch, monkeypatch):
     assert res[1][0] >= 1 and res[1][0] == res[1][1] and res[1][2] == 0
 
 
+@pytest.mark.parametrize("tp,batch,tokens", [(8, 1, 1), (8, 8, 1), (8, 32, 1), (8, 1, 8),
+                                             (16, 8, 1)])  # fmt: skip
+def test_uvfast_ptx(tp, batch, tokens):
+    """``DECODESCOPE_MLA_SPLIT_UVFAST=1``: the gate's loads move ahead of the W_UV phase's
+    wait, the merge reads every split's ``(m, l)`` as one 8-byte load (and, one row per item,
+    its two ``O`` columns too: 2 x splits reads where the default has 4 x splits), the MMA
+    count stays; the rest of the kernel is untouched (the absorption / attention loads)."""
+    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    p1 = dataclasses.replace(p0, uvfast=1)
+    ptx0, ptx1 = (itf.ptx_text(msp.MLADecodeSplit(p), *msp._fake_args(p)) for p in (p0, p1))
+    assert ptx1.count("mma.sync") == ptx0.count("mma.sync")
+    assert ptx1.count("cp.async.cg") == ptx0.count("cp.async.cg")
+    v2 = ptx1.count("ld.global.cg.v2.f32")
+    assert ptx0.count("ld.global.cg.v2.f32") == 0
+    S = p0.splits
+    if p0.uv_pairs:
+        assert (tp, batch) != (8, 32)
+        assert v2 == 2 * S and ptx1.count("ld.global.cg") == 2 * S
+        assert ptx0.count("ld.global.cg") == 4 * S
+    else:
+        assert v2 == S  # (m, l) once; O still as four-wide loads
+        assert ptx1.count("ld.global.cg.v4.f32") == ptx0.count("ld.global.cg.v4.f32")
+    assert msp.compile_plan(p1) is not None
+
+
+def test_trace_summary_synthetic():
+    """A synthetic trace buffer (no GPU; made up for the exact corner): the phases' marks in
+    time order, the three attention items that ended last named by (sequence, group, split)."""
+    p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", 8), 2, 1), trace=1)
+    assert not p.fused and p.groups == 1
+    tr = msp.workspace(p, "cpu")[3]
+    A, n_att = p.a_ctas, p.n_att
+    t0 = 1_000_000
+    for tk in range(p.grid):
+        tr[tk, 0] = tk
+        tr[tk, 1] = t0 + 10 * tk
+        tr[tk, 3] = t0 + 5000 + 10 * tk
+        tr[tk, 4:8] = t0 + 100
+        if tk >= A:
+            tr[tk, 2] = t0 + 3000
+    tr[A + n_att - 1, 3] = t0 + 9000  # the last item of sequence 1 ends last
+    tl = msp.trace_summary(p, "cpu")
+    assert tl["att_start"].startswith(f"{A * 10 / 1e3:.1f}/")
+    first = tl["att_last"].split()[0]
+    assert first.startswith(f"b1g0s{p.splits - 1}@") and first.endswith("/9.0")
+    assert len(tl["att_last"].split()) == 3
+
+
 def test_splits_spread_blocks():
     """Splits need not divide the 17 blocks: each split gets 1-2 (16 splits) blocks, all covered."""
     p = msp.plan_for(get_config("kimi-k3", 8), 4, 1)
@@ -168,13 +217,17 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE: 0 or 1"):
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
-    with pytest.raises(ValueError, match="_L2PRE: 0 or 1, got 0 / 0 / 2"):
+    with pytest.raises(ValueError, match="_UVFAST: 0 or 1, got 0 / 0 / 2 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "3")
+    with pytest.raises(ValueError, match="_UVFAST: 0 or 1, got 0 / 0 / 0 / 3"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_UVFAST")
     with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):
         dataclasses.replace(msp.plan_for(cfg, 8, 1), tokens=17)
 
@@ -231,7 +284,10 @@ def test_kernel_choice_env(monkeypatch):
      (8, 8, {"DECODESCOPE_MLA_SPLIT_FUSE": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8",
              "DECODESCOPE_MLA_SPLIT_NBUF": "1"}),
      (8, 1, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}),
-     (8, 32, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"})],
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}), (8, 32, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}),
+     (8, 64, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     _gpu_check(tp, batch, 1, knobs, monkeypatch)
@@ -244,6 +300,13 @@ def test_gpu_head_groups(tp, batch, tokens, monkeypatch):
     """The verify step on the split kernel (head groups from 2 tokens at TP8, 8 at TP16),
     causal over the new rows, against the same reference."""
     _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_TRACE": "1"}, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch,tokens", [(8, 1, 8), (8, 8, 8), (16, 1, 8)])
+def test_gpu_head_groups_uvfast(tp, batch, tokens, monkeypatch):
+    """The head groups' merge (partials per group) with ``UVFAST=1``."""
+    _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, monkeypatch)
 
 
 def _gpu_check(tp, batch, T, knobs, monkeypatch):
@@ -273,7 +336,10 @@ def _gpu_check(tp, batch, T, knobs, monkeypatch):
     if plan.trace:  # every CTA wrote its row; waits end after the phase before them started
         tl = msp.trace_summary(plan, out.device)
         assert tl["span_us"] > 0 and "att_waited" in tl and "uv_end" in tl
-        assert {"att_q_lat", "att_keys", "att_partials", "uv_weights", "uv_o_lat"} <= set(tl)
+        want = {"att_q_lat", "att_keys", "att_partials", "uv_weights", "uv_o_lat", "att_last"}
+        if plan.uvfast and plan.uv_pairs:  # the merge weights never pass shared memory
+            want.discard("uv_weights")
+        assert want <= set(tl)
     out_g = torch.full_like(out, float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -152,6 +152,9 @@ class MLASplitPlan:
     # 1: before the PDL wait each CTA prefetches its share of w_uk and w_uv into L2 (never
     # written by the kernels before it; a hint, safe whatever runs before)
     l2pre: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_L2PRE", 0))
+    # 1: the W_UV phase's chain after its wait shortened (gate before the wait, the merge in
+    # one round trip of L2 reads, two MMA chains); see :meth:`MLADecodeSplit.uv_item`
+    uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 0))
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -173,10 +176,11 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
-        if self.trace not in (0, 1) or self.diag not in (0, 1) or self.l2pre not in (0, 1):
+        flags = (self.trace, self.diag, self.l2pre, self.uvfast)
+        if any(f not in (0, 1) for f in flags):
             raise ValueError(
-                f"DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE: 0 or 1, got {self.trace} / "
-                f"{self.diag} / {self.l2pre}"
+                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST: 0 or 1, got "
+                + " / ".join(map(str, flags))
             )
 
     # -- shapes ------------------------------------------------------------------------------
@@ -277,6 +281,12 @@ class MLASplitPlan:
         while r < ROWS and self.heads * -(-self.m // r) * self.vchunks > UV_ITEMS:
             r *= 2
         return r
+
+    @property
+    def uv_pairs(self) -> bool:
+        """``uvfast``'s one-round-trip merge: one thread per (row, column pair) of a W_UV item
+        fits the CTA (one row per item at kv_lora 512)."""
+        return self.vrows * self.kv_lora // 2 <= NT
 
     @property
     def n_abs(self) -> int:
@@ -507,10 +517,11 @@ class MLADecodeSplit(MLADecodeTC):
     @cute.jit
     def mma16(self, atom, acc, fa, fb, a_ptr, a_ld: cutlass.Constexpr[int], b_ptr,
               b_ld: cutlass.Constexpr[int], nk: cutlass.Constexpr[int],
-              ntl: cutlass.Constexpr[int], lane):  # fmt: skip
+              ntl: cutlass.Constexpr[int], lane, acc2=None):  # fmt: skip
         """``acc[nt] += A[16, 16 nk] @ B[16 nk, 8 ntl]``: A row-major at ``a_ptr`` (rows of
         ``a_ld``), B stored [k][n] at ``b_ptr`` (rows of ``b_ld``); A by ``ldmatrix.x4``, B by
-        ``x4.trans`` (two n-tiles each; ``x2`` for an odd last one)."""
+        ``x4.trans`` (two n-tiles each; ``x2`` for an odd last one). With ``acc2`` the odd k
+        steps accumulate there (two MMA chains of ``nk / 2``; the caller adds them)."""
         mi = lane // 8
         ri = lane % 8
         fa32 = cute.recast_tensor(fa, Int32)
@@ -521,7 +532,8 @@ class MLADecodeSplit(MLADecodeTC):
             aa = ldsm_x4(a_base + kk * 16, False)
             for e in cutlass.range_constexpr(4):
                 fa32[e] = aa[e]
-            self.mma_b_trans(atom, acc, fa, fb, fb32, b_base + kk * 16 * b_ld, ntl)
+            dst = acc if acc2 is None or kk % 2 == 0 else acc2
+            self.mma_b_trans(atom, dst, fa, fb, fb32, b_base + kk * 16 * b_ld, ntl)
 
     # -- 1. absorption -----------------------------------------------------------------------
     @cute.jit
@@ -717,6 +729,13 @@ class MLADecodeSplit(MLADecodeTC):
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
     @cute.jit
     def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx):
+        """Merge the rows' splits, ``o_lat @ w_uv[h][:, chunk]``, times ``sigmoid(g)``. With
+        ``uvfast`` the chain after the wait is shorter: the gate is loaded and its sigmoid taken
+        before the wait; where one thread per (row, column pair) suffices (``uv_pairs``: one row
+        per item at kv_lora 512) each thread reads every split's ``(m, l)`` and its two ``O``
+        columns in one round trip and merges them itself (no weights through shared memory),
+        else the weight threads read ``(m, l)`` in one round trip (two before); the MMA's k
+        steps in two chains (even / odd) instead of one."""
         p = self.p
         KVL, CV, T, S, VR, V, M = p.kv_lora, p.cv, p.tokens, p.splits, p.vrows, p.v_dim, p.m
         CVP = CV + WPAD
@@ -736,6 +755,22 @@ class MLADecodeSplit(MLADecodeTC):
                 x = cute.make_rmem_tensor((8,), BFloat16)
                 x.fill(0.0)
                 cute.autovec_copy(x, cute.local_tile(sA[VR + idx // nv, None], (8,), (idx % nv,)))
+        NTL = CV // 8 // WARPS
+        if cutlass.const_expr(p.uvfast):
+            # sigmoid(g) of this thread's outputs (written by a kernel before the PDL wait)
+            gwarp = tidx // 32
+            gg = (tidx % 32) // 4
+            gc = tidx % 4
+            gv = cute.make_rmem_tensor((NTL * 4,), Float32)
+            for nt in cutlass.range_constexpr(NTL):
+                col = h * V + vc * CV + (gwarp * NTL + nt) * 8 + 2 * gc
+                for hh in cutlass.range_constexpr(2):
+                    ri = gg + 8 * hh
+                    mrow = m_0 + ri
+                    for e in cutlass.range_constexpr(2):
+                        gv[nt * 4 + hh * 2 + e] = Float32(0.0)
+                        if ri < VR and mrow < M:
+                            gv[nt * 4 + hh * 2 + e] = sigmoid(mG[mrow, col + e].to(Float32))
 
         self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
         if tidx == 0:
@@ -748,49 +783,33 @@ class MLADecodeSplit(MLADecodeTC):
         if cutlass.const_expr(p.groups > 1):
             s0 = (h // p.hg) * S
             hr = h % p.hg
-        if tidx < VR:
-            mrow = m_0 + tidx
-            if mrow < M:
-                bq = mrow // T
-                pr = hr * T + mrow % T
-                mall = Float32(NEG)
-                for s in cutlass.range_constexpr(S):
-                    mall = cute.arch.fmax(
-                        mall, ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL)
-                    )
-                lall = Float32(0.0)
-                for s in cutlass.range_constexpr(S):
-                    w = cute.math.exp(
-                        ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL) - mall,
-                        fastmath=True,
-                    )
-                    sWgt[tidx, s] = w
-                    lall = lall + ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL + 1) * w
-                for s in cutlass.range_constexpr(S):
-                    sWgt[tidx, s] = sWgt[tidx, s] / lall
-        cute.arch.sync_threads()
-        self.mark(sTm, 4, tidx)  # the splits' merge weights
-        n4 = VR * (KVL // 4)
-        for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
-            idx = tidx + i * NT
-            ri = idx // (KVL // 4)
-            c4 = idx % (KVL // 4)
-            mrow = m_0 + ri
-            if idx < n4:
-                acc = cute.make_rmem_tensor((4,), Float32)
-                acc.fill(0.0)
-                if mrow < M:
-                    bq = mrow // T
-                    pr = hr * T + mrow % T
-                    for s in cutlass.range_constexpr(S):
-                        v = ld_cg_v4f32(mPart[bq, s0 + s, pr, None].iterator + c4 * 4)
-                        w = sWgt[ri, s]
-                        for e in cutlass.range_constexpr(4):
-                            acc[e] = acc[e] + v[e] * w
-                ob = cute.make_rmem_tensor((4,), BFloat16)
-                for e in cutlass.range_constexpr(4):
-                    ob[e] = acc[e].to(BFloat16)
-                cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (4,), (c4,)))
+        if cutlass.const_expr(p.uvfast and p.uv_pairs):
+            self.merge_pairs(mPart, sA, m_0, s0, hr, tidx)
+        else:
+            self.merge_weights(mPart, sWgt, m_0, s0, hr, tidx)
+            cute.arch.sync_threads()
+            self.mark(sTm, 4, tidx)  # the splits' merge weights
+            n4 = VR * (KVL // 4)
+            for i in cutlass.range_constexpr((n4 + NT - 1) // NT):
+                idx = tidx + i * NT
+                ri = idx // (KVL // 4)
+                c4 = idx % (KVL // 4)
+                mrow = m_0 + ri
+                if idx < n4:
+                    acc = cute.make_rmem_tensor((4,), Float32)
+                    acc.fill(0.0)
+                    if mrow < M:
+                        bq = mrow // T
+                        pr = hr * T + mrow % T
+                        for s in cutlass.range_constexpr(S):
+                            v = ld_cg_v4f32(mPart[bq, s0 + s, pr, None].iterator + c4 * 4)
+                            w = sWgt[ri, s]
+                            for e in cutlass.range_constexpr(4):
+                                acc[e] = acc[e] + v[e] * w
+                    ob = cute.make_rmem_tensor((4,), BFloat16)
+                    for e in cutlass.range_constexpr(4):
+                        ob[e] = acc[e].to(BFloat16)
+                    cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (4,), (c4,)))
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         self.mark(sTm, 5, tidx)  # o_lat merged and w_uv staged
@@ -799,22 +818,113 @@ class MLADecodeSplit(MLADecodeTC):
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        NTL = CV // 8 // WARPS
         atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
         fa = cute.make_rmem_tensor((8, 1, 1), BFloat16)
         fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
         acc = self.make_acc(NTL)
-        self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
-                   KVL // 16, NTL, lane)  # fmt: skip
-        for nt in cutlass.range_constexpr(NTL):
-            col = h * V + vc * CV + (warp * NTL + nt) * 8 + 2 * c
-            for hh in cutlass.range_constexpr(2):
-                ri = g + 8 * hh
-                mrow = m_0 + ri
-                if ri < VR and mrow < M:
-                    for e in cutlass.range_constexpr(2):
-                        gate = sigmoid(mG[mrow, col + e].to(Float32))
-                        mOut[mrow, col + e] = (acc[nt][2 * hh + e] * gate).to(BFloat16)
+        if cutlass.const_expr(p.uvfast):
+            acc2 = self.make_acc(NTL)
+            self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
+                       KVL // 16, NTL, lane, acc2)  # fmt: skip
+            for nt in cutlass.range_constexpr(NTL):
+                col = h * V + vc * CV + (warp * NTL + nt) * 8 + 2 * c
+                for hh in cutlass.range_constexpr(2):
+                    ri = g + 8 * hh
+                    mrow = m_0 + ri
+                    if ri < VR and mrow < M:
+                        ob = cute.make_rmem_tensor((2,), BFloat16)
+                        for e in cutlass.range_constexpr(2):
+                            k = 2 * hh + e
+                            ob[e] = ((acc[nt][k] + acc2[nt][k]) * gv[nt * 4 + k]).to(BFloat16)
+                        cute.autovec_copy(ob, cute.local_tile(mOut[mrow, None], (2,), (col // 2,)))
+        else:
+            self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
+                       KVL // 16, NTL, lane)  # fmt: skip
+            for nt in cutlass.range_constexpr(NTL):
+                col = h * V + vc * CV + (warp * NTL + nt) * 8 + 2 * c
+                for hh in cutlass.range_constexpr(2):
+                    ri = g + 8 * hh
+                    mrow = m_0 + ri
+                    if ri < VR and mrow < M:
+                        for e in cutlass.range_constexpr(2):
+                            gate = sigmoid(mG[mrow, col + e].to(Float32))
+                            mOut[mrow, col + e] = (acc[nt][2 * hh + e] * gate).to(BFloat16)
+
+    @cute.jit
+    def merge_weights(self, mPart, sWgt, m_0, s0, hr, tidx):
+        """Threads ``< vrows``: the merge weights ``exp(m_s - m) / sum_s l_s exp(m_s - m)`` of
+        row ``m_0 + tidx`` into ``sWgt`` (``uvfast``: every ``(m, l)`` read in one round trip)."""
+        p = self.p
+        KVL, T, S, VR, M = p.kv_lora, p.tokens, p.splits, p.vrows, p.m
+        if tidx < VR:
+            mrow = m_0 + tidx
+            if mrow < M:
+                bq = mrow // T
+                pr = hr * T + mrow % T
+                if cutlass.const_expr(p.uvfast):
+                    ml = [ld_cg_v2f32(mPart[bq, s0 + s, pr, None].iterator + KVL) for s in range(S)]
+                    mall = ml[0][0]
+                    for s in cutlass.range_constexpr(1, S):
+                        mall = cute.arch.fmax(mall, ml[s][0])
+                    ws = [cute.math.exp(ml[s][0] - mall, fastmath=True) for s in range(S)]
+                    lall = Float32(0.0)
+                    for s in cutlass.range_constexpr(S):
+                        lall = lall + ml[s][1] * ws[s]
+                    inv = Float32(1.0) / lall
+                    for s in cutlass.range_constexpr(S):
+                        sWgt[tidx, s] = ws[s] * inv
+                else:
+                    mall = Float32(NEG)
+                    for s in cutlass.range_constexpr(S):
+                        mall = cute.arch.fmax(
+                            mall, ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL)
+                        )
+                    lall = Float32(0.0)
+                    for s in cutlass.range_constexpr(S):
+                        w = cute.math.exp(
+                            ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL) - mall,
+                            fastmath=True,
+                        )
+                        sWgt[tidx, s] = w
+                        lall = lall + ld_cg_f32(mPart[bq, s0 + s, pr, None].iterator + KVL + 1) * w
+                    for s in cutlass.range_constexpr(S):
+                        sWgt[tidx, s] = sWgt[tidx, s] / lall
+
+    @cute.jit
+    def merge_pairs(self, mPart, sA, m_0, s0, hr, tidx):
+        """``uvfast`` with ``uv_pairs``: thread ``(row, pair)`` reads the row's ``(m, l)`` and
+        its two ``O`` columns of every split (one round trip of ``2 x splits`` 8-byte L2 reads),
+        merges them and writes the two BF16 ``o_lat`` values to the A tile (zeros for rows past
+        the batch)."""
+        p = self.p
+        KVL, T, S, VR, M = p.kv_lora, p.tokens, p.splits, p.vrows, p.m
+        KV2 = KVL // 2
+        if tidx < VR * KV2:
+            ri = tidx // KV2
+            c2 = tidx % KV2
+            mrow = m_0 + ri
+            ob = cute.make_rmem_tensor((2,), BFloat16)
+            ob.fill(0.0)
+            if mrow < M:
+                bq = mrow // T
+                pr = hr * T + mrow % T
+                ml = [ld_cg_v2f32(mPart[bq, s0 + s, pr, None].iterator + KVL) for s in range(S)]
+                ov = [ld_cg_v2f32(mPart[bq, s0 + s, pr, None].iterator + 2 * c2) for s in range(S)]
+                mall = ml[0][0]
+                for s in cutlass.range_constexpr(1, S):
+                    mall = cute.arch.fmax(mall, ml[s][0])
+                lall = Float32(0.0)
+                a0 = Float32(0.0)
+                a1 = Float32(0.0)
+                for s in cutlass.range_constexpr(S):
+                    w = cute.math.exp(ml[s][0] - mall, fastmath=True)
+                    lall = lall + ml[s][1] * w
+                    a0 = a0 + ov[s][0] * w
+                    a1 = a1 + ov[s][1] * w
+                inv = Float32(1.0) / lall
+                ob[0] = (a0 * inv).to(BFloat16)
+                ob[1] = (a1 * inv).to(BFloat16)
+            cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (2,), (c2,)))
 
 
 def nanosleep(ns: int) -> None:
@@ -833,6 +943,15 @@ def ld_cg_f32(ptr) -> Float32:
     """One FP32 from global memory at L2 (``ld.global.cg``: another CTA wrote it)."""
     return cute.arch.inline_ptx(
         "ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[ptr]
+    )
+
+
+def ld_cg_v2f32(ptr):
+    """Two FP32 (8-byte aligned) from global memory at L2."""
+    return cute.arch.inline_ptx(
+        "ld.global.cg.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
+        write_only_types=[Float32, Float32],
+        read_only_args=[ptr],
     )
 
 
@@ -940,6 +1059,16 @@ def trace_summary(p: MLASplitPlan, device) -> dict:
             out[f"{name}_{what}"] = (
                 f"{v.min().item():.1f}/{v.median().item():.1f}/{v.max().item():.1f}"
             )
+    # the three attention items that ended last (the W_UV phase waits for the last one):
+    # item (sequence, group, split): start / waited / keys done / end, us
+    att = tr[A : A + p.n_att]
+    if len(att):
+        last = []
+        for i in att[:, 3].argsort(descending=True)[:3].tolist():
+            b, g, s = i // p.psplits, (i // p.splits) % p.groups, i % p.splits
+            t = [(int(att[i, c]) - t0) / 1e3 for c in (1, 2, 5, 3)]
+            last.append(f"b{b}g{g}s{s}@" + "/".join(f"{x:.1f}" for x in t))
+        out["att_last"] = " ".join(last)
     return out
 
 
