@@ -74,7 +74,8 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_VROWS": "", "DECODESCOPE_MLA_SPLIT_NBUF": "",
         "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_FUSE": "", "DECODESCOPE_MLA_SPLIT_L2PRE": "",
-        "DECODESCOPE_MLA_SPLIT_UVFAST": "", "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
+        "DECODESCOPE_MLA_SPLIT_UVFAST": "", "DECODESCOPE_MLA_SPLIT_TAIL": "",
+        "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
 # name -> (kernel, env, heads per CTA, splits)
@@ -153,6 +154,22 @@ VARIANTS = {
         0,
     ),
     "auto uvfast": ("auto", {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, 0, 0),
+    "split uv0": ("split", {"DECODESCOPE_MLA_SPLIT_UVFAST": "0"}, 0, 0),  # before session 16
+    # the new rows' block on the split with the fewest cached blocks, filled before the wait
+    "split tail": ("split", {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, 0, 0),
+    "split tail trace": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"},
+        0,
+        0,
+    ),
+    "split tail s8": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8"},
+        0,
+        0,
+    ),
+    "auto tail": ("auto", {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, 0, 0),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],
@@ -353,7 +370,8 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
                  "items": f"{p.n_abs}+{p.n_att}+{p.n_uv}",
                  "fused": int(p.fused),
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
-                 "ctas_per_sm": p.ctas_per_sm, "uvfast": p.uvfast}  # fmt: skip
+                 "ctas_per_sm": p.ctas_per_sm, "uvfast": p.uvfast, "tail": p.tail,
+                 "blk_max": p.blk_max}  # fmt: skip
     elif kernel == "auto":
         extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T, pt.cfg)}
     base_us[name] = med

@@ -35,6 +35,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_FUSE",
     "DECODESCOPE_MLA_SPLIT_L2PRE",
     "DECODESCOPE_MLA_SPLIT_UVFAST",
+    "DECODESCOPE_MLA_SPLIT_TAIL",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -143,7 +144,7 @@ def test_uvfast_ptx(tp, batch, tokens):
     wait, the merge reads every split's ``(m, l)`` as one 8-byte load (and, one row per item,
     its two ``O`` columns too: 2 x splits reads where the default has 4 x splits), the MMA
     count stays; the rest of the kernel is untouched (the absorption / attention loads)."""
-    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    p0 = dataclasses.replace(msp.plan_for(get_config("kimi-k3", tp), batch, tokens), uvfast=0)
     p1 = dataclasses.replace(p0, uvfast=1)
     ptx0, ptx1 = (itf.ptx_text(msp.MLADecodeSplit(p), *msp._fake_args(p)) for p in (p0, p1))
     assert ptx1.count("mma.sync") == ptx0.count("mma.sync")
@@ -158,6 +159,50 @@ def test_uvfast_ptx(tp, batch, tokens):
     else:
         assert v2 == S  # (m, l) once; O still as four-wide loads
         assert ptx1.count("ld.global.cg.v4.f32") == ptx0.count("ld.global.cg.v4.f32")
+    assert msp.compile_plan(p1) is not None
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (32, 1), (64, 1), (1, 8), (8, 8)])
+def test_tail_blocks(tp, batch, tokens):
+    """``tail``: the splits' block ranges tile ``[0, nblk_all)``, the last split holds the
+    tail (the block of the new rows) and has the fewest cached blocks, no split is longer than
+    the cached blocks' ceiling; one more split where those divide evenly (8x1: 9 of <= 2)."""
+    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    p1 = dataclasses.replace(p0, tail=1)
+    assert not p0.tail
+    for p in (p0, p1):
+        r = [p.block_range(s) for s in range(p.splits)]
+        assert r[0][0] == 0 and r[-1][1] == p.nblk_all
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(r, r[1:], strict=False))
+        assert p.blk_max == max(e - b for b, e in r)
+    F = p1.full_blocks
+    assert F == 16 and p1.nblk_all == 17
+    r = [p1.block_range(s) for s in range(p1.splits)]
+    cached = [min(e, F) - b for b, e in r]
+    assert cached[-1] == min(cached) and max(cached) == -(-F // p1.splits)
+    assert p1.blk_max <= p0.blk_max
+    if F % p0.splits == 0 and p0.splits < F:
+        assert p1.splits == p0.splits + 1 and p1.blk_max < p0.blk_max
+    else:
+        assert p1.splits == p0.splits
+    if (tp, batch, tokens) == (8, 8, 1):
+        assert (p0.splits, p0.blk_max, p1.splits, p1.blk_max) == (8, 3, 9, 2)
+    # a forced split count stays as it is
+    pf = dataclasses.replace(p0, tail=1, splits_force=p0.splits)
+    assert pf.splits == p0.splits
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 1), (1, 8)])
+def test_tail_compiles(batch, tokens):
+    """``tail``: compiles (sm_90a, CPU) at TP8 1x1 (17 one-block splits), 8x1 (9 splits, two
+    key buffers) and 1x8 (head groups); the fill of the first block moves ahead of the
+    absorption wait (one more ``bar.sync``), the MMA count stays."""
+    p0 = msp.plan_for(get_config("kimi-k3", 8), batch, tokens)
+    p1 = dataclasses.replace(p0, tail=1)
+    ptx0, ptx1 = (itf.ptx_text(msp.MLADecodeSplit(p), *msp._fake_args(p)) for p in (p0, p1))
+    assert ptx1.count("mma.sync") == ptx0.count("mma.sync")
+    assert ptx1.count("bar.sync") == ptx0.count("bar.sync") + 1
     assert msp.compile_plan(p1) is not None
 
 
@@ -217,17 +262,24 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST"):
+    with pytest.raises(ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
-    with pytest.raises(ValueError, match="_UVFAST: 0 or 1, got 0 / 0 / 2 / 0"):
+    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 2 / 1 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "3")
-    with pytest.raises(ValueError, match="_UVFAST: 0 or 1, got 0 / 0 / 0 / 3"):
+    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 0 / 3 / 0"):
         msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "0")
+    assert msp.plan_for(cfg, 8, 1).uvfast == 0
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_UVFAST")
+    assert msp.plan_for(cfg, 8, 1).uvfast == 1  # the default since session 16
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "2")
+    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 0 / 1 / 2"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TAIL")
     with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):
         dataclasses.replace(msp.plan_for(cfg, 8, 1), tokens=17)
 
@@ -287,7 +339,13 @@ def test_kernel_choice_env(monkeypatch):
      (8, 32, {"DECODESCOPE_MLA_SPLIT_L2PRE": "1"}),
      (8, 1, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}), (8, 32, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}),
-     (8, 64, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
+     (8, 64, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_UVFAST": "0"}), (8, 8, {"DECODESCOPE_MLA_SPLIT_UVFAST": "0"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}),
+     (8, 32, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}),
+     (8, 64, {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     _gpu_check(tp, batch, 1, knobs, monkeypatch)
@@ -307,6 +365,14 @@ def test_gpu_head_groups(tp, batch, tokens, monkeypatch):
 def test_gpu_head_groups_uvfast(tp, batch, tokens, monkeypatch):
     """The head groups' merge (partials per group) with ``UVFAST=1``."""
     _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch,tokens", [(8, 1, 8), (8, 8, 8), (16, 8, 8), (8, 2, 2)])
+def test_gpu_head_groups_tail(tp, batch, tokens, monkeypatch):
+    """The tail (the block of the 2-8 new rows, causal among them) on the split with the
+    fewest cached blocks, filled before the wait."""
+    _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, monkeypatch)
 
 
 def _gpu_check(tp, batch, T, knobs, monkeypatch):

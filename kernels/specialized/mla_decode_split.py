@@ -69,6 +69,16 @@ whatever the previous kernel is. H200 TP8 1x1 in the layer (s14/r3, bench shares
 the stages and took the ticket before the wait, s14/r2, saved 1.6 us of the decode's share at
 TP8 1x1 in the layer, but two launches of it back to back on one workspace share the ticket
 counter while the first runs: 5.4 ms per launch in the kernel-alone loop. Not kept.)
+``DECODESCOPE_MLA_SPLIT_UVFAST`` (default 1 since session 16; 0: the W_UV phase as before): the
+gate's sigmoid before the W_UV wait, the splits' merge in one round trip of L2 reads (one thread
+per row and column pair where that covers the item), two MMA chains. H200 s16 (kernel alone, us):
+TP8 1x1 13.4 -> 12.4, TP16 1x1 12.1 -> 11.1, TP8 8x1 19.4 -> 18.8, 1x8 25.2 -> 24.2, 8x8 and
+64x1 unchanged; in the layer (TP8 batch 1, bench shares) the decode 19.2 -> 15.5 us.
+``DECODESCOPE_MLA_SPLIT_TAIL=1`` (opt-in): the block of the new rows (1-16 keys past the cache)
+goes to the split with the fewest cached blocks and is filled before the absorption wait; one
+more split where the cached blocks divide evenly (8x1: 9 splits of at most 2 blocks, not 8 with
+one of 3). H200 s16 trace, TP8: the split holding that block ended last, 0.7 us after the
+median at 1x1 (its fill after the wait), 2.5 us at 8x1 (a third block).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -152,9 +162,14 @@ class MLASplitPlan:
     # 1: before the PDL wait each CTA prefetches its share of w_uk and w_uv into L2 (never
     # written by the kernels before it; a hint, safe whatever runs before)
     l2pre: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_L2PRE", 0))
-    # 1: the W_UV phase's chain after its wait shortened (gate before the wait, the merge in
-    # one round trip of L2 reads, two MMA chains); see :meth:`MLADecodeSplit.uv_item`
-    uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 0))
+    # 1 (the default since session 16): the W_UV phase's chain after its wait shortened (gate
+    # before the wait, the merge in one round trip of L2 reads, two MMA chains); see
+    # :meth:`MLADecodeSplit.uv_item`. 0: the kernel before it
+    uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 1))
+    # 1: the block(s) holding the new rows (the "tail": 1-16 keys) given to the split with the
+    # fewest cached blocks, its fill before the absorption wait, and one more split where the
+    # cached blocks divide evenly; see :attr:`MLASplitPlan.tail_blocks`
+    tail: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TAIL", 0))
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -176,10 +191,10 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
-        flags = (self.trace, self.diag, self.l2pre, self.uvfast)
+        flags = (self.trace, self.diag, self.l2pre, self.uvfast, self.tail)
         if any(f not in (0, 1) for f in flags):
             raise ValueError(
-                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST: 0 or 1, got "
+                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1, got "
                 + " / ".join(map(str, flags))
             )
 
@@ -239,7 +254,28 @@ class MLASplitPlan:
         bg = self.batch * self.groups  # attention items per split
         keys = SPLIT_KEYS_LOW if bg < 16 and self.groups == 1 else SPLIT_KEYS
         want = self.splits_force or keys // max(1, bg)
-        return max(1, min(want, self.nblk_all))
+        n = max(1, min(want, self.nblk_all))
+        f = self.full_blocks
+        if self.tail and not self.splits_force and f and f % n == 0 and n < f:
+            n += 1  # the tail's split one cached block short (8x1: 9 splits of <= 2 blocks)
+        return n
+
+    @property
+    def full_blocks(self) -> int:
+        """Blocks of cached keys only (``ctx // 64``); the blocks after them hold the new rows."""
+        return self.ctx // KBLK
+
+    def block_range(self, s: int) -> tuple[int, int]:
+        """The key blocks ``[begin, end)`` of split ``s``. Default: the blocks evenly spread
+        (``s * nblk_all // splits``: the last split the longest). ``tail``: the cached blocks
+        spread with the longer spans first, the tail blocks appended to the last split (the
+        shortest), so the 1-16 keys of the new rows never make a split one block longer than
+        the rest where the cached blocks do not divide evenly."""
+        S, NBA, F = self.splits, self.nblk_all, self.full_blocks
+        if not self.tail or F == 0:
+            return s * NBA // S, (s + 1) * NBA // S
+        end = NBA if s == S - 1 else -(-(s + 1) * F // S)
+        return -(-s * F // S), end
 
     @property
     def psplits(self) -> int:
@@ -248,7 +284,7 @@ class MLASplitPlan:
 
     @property
     def blk_max(self) -> int:
-        return -(-self.nblk_all // self.splits)
+        return max(e - b for b, e in map(self.block_range, range(self.splits)))
 
     @property
     def nbuf(self) -> int:
@@ -626,8 +662,15 @@ class MLADecodeSplit(MLADecodeTC):
         g = lane // 4
         c = lane % 4
 
-        bb = sp * NBA // S
-        nblk = (sp + 1) * NBA // S - bb
+        if cutlass.const_expr(p.tail and p.full_blocks > 0):
+            F = p.full_blocks
+            bb = (sp * F + S - 1) // S
+            nblk = ((sp + 1) * F + S - 1) // S - bb
+            if sp == S - 1:
+                nblk = NBA - bb
+        else:
+            bb = sp * NBA // S
+            nblk = (sp + 1) * NBA // S - bb
         k_begin = bb * KBLK
         k_end = cutlass.min(k_begin + nblk * KBLK, p.nkeys)
         for blk0 in cutlass.range_constexpr(NB):
@@ -637,6 +680,10 @@ class MLADecodeSplit(MLADecodeTC):
 
         # the new latent rows (bf16, as the cache stores them); group 0's split 0 writes them
         self.new_rows(mA, mKvNorm, mCache, sNew, sMisc, b, g0, sp, tidx)
+        if cutlass.const_expr(p.tail):
+            # the first block's rows past the cache (the tail: new rows, zeros) before the wait
+            cute.arch.sync_threads()  # sNew complete
+            self.fill_block(sK, sNew, k_begin, 0, tidx)
 
         # q_pe scaled; the padding rows zero
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
@@ -678,7 +725,11 @@ class MLADecodeSplit(MLADecodeTC):
             buf = blk % NB
             cute.arch.cp_async_wait_group(NB - 1)
             kb = k_begin + blk * KBLK
-            self.fill_block(sK, sNew, kb, buf, tidx)
+            if cutlass.const_expr(p.tail):
+                if blk > 0:  # the first block's filled before the wait
+                    self.fill_block(sK, sNew, kb, buf, tidx)
+            else:
+                self.fill_block(sK, sNew, kb, buf, tidx)
             cute.arch.sync_threads()
             sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
             sacc.fill(0.0)
