@@ -155,6 +155,7 @@ VARIANTS = {
     ),
     "auto uvfast": ("auto", {"DECODESCOPE_MLA_SPLIT_UVFAST": "1"}, 0, 0),
     "split uv0": ("split", {"DECODESCOPE_MLA_SPLIT_UVFAST": "0"}, 0, 0),  # before session 16
+    "split uvfast4": ("split", {"DECODESCOPE_MLA_SPLIT_UVFAST": "2"}, 0, 0),  # 4 MMA chains
     # the new rows' block on the split with the fewest cached blocks, filled before the wait
     "split tail": ("split", {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, 0, 0),
     "split tail trace": (

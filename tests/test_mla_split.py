@@ -160,6 +160,11 @@ def test_uvfast_ptx(tp, batch, tokens):
         assert v2 == S  # (m, l) once; O still as four-wide loads
         assert ptx1.count("ld.global.cg.v4.f32") == ptx0.count("ld.global.cg.v4.f32")
     assert msp.compile_plan(p1) is not None
+    if (tp, batch, tokens) == (8, 1, 1):  # four chains: the same loads and MMAs
+        p2 = dataclasses.replace(p0, uvfast=2)
+        ptx2 = itf.ptx_text(msp.MLADecodeSplit(p2), *msp._fake_args(p2))
+        for k in ("mma.sync", "ld.global.cg", "ldmatrix", "cp.async.cg"):
+            assert ptx2.count(k) == ptx1.count(k), k
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -262,22 +267,24 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1"):
+    with pytest.raises(ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1 "):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
-    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 2 / 1 / 0"):
+    with pytest.raises(ValueError, match="four MMA chains\\), got 0 / 0 / 2 / 1 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "3")
-    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 0 / 3 / 0"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 3 / 0"):
         msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "2")
+    assert msp.plan_for(cfg, 8, 1).uvfast == 2
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "0")
     assert msp.plan_for(cfg, 8, 1).uvfast == 0
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_UVFAST")
     assert msp.plan_for(cfg, 8, 1).uvfast == 1  # the default since session 16
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "2")
-    with pytest.raises(ValueError, match="_TAIL: 0 or 1, got 0 / 0 / 0 / 1 / 2"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 2"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TAIL")
     with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):

@@ -164,7 +164,7 @@ class MLASplitPlan:
     l2pre: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_L2PRE", 0))
     # 1 (the default since session 16): the W_UV phase's chain after its wait shortened (gate
     # before the wait, the merge in one round trip of L2 reads, two MMA chains); see
-    # :meth:`MLADecodeSplit.uv_item`. 0: the kernel before it
+    # :meth:`MLADecodeSplit.uv_item`. 0: the kernel before it; 2: four MMA chains
     uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 1))
     # 1: the block(s) holding the new rows (the "tail": 1-16 keys) given to the split with the
     # fewest cached blocks, its fill before the absorption wait, and one more split where the
@@ -192,10 +192,11 @@ class MLASplitPlan:
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
         flags = (self.trace, self.diag, self.l2pre, self.uvfast, self.tail)
-        if any(f not in (0, 1) for f in flags):
+        allowed = ((0, 1), (0, 1), (0, 1), (0, 1, 2), (0, 1))
+        if any(f not in a for f, a in zip(flags, allowed, strict=True)):
             raise ValueError(
-                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1, got "
-                + " / ".join(map(str, flags))
+                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1 "
+                "(_UVFAST 2: four MMA chains), got " + " / ".join(map(str, flags))
             )
 
     # -- shapes ------------------------------------------------------------------------------
@@ -553,11 +554,12 @@ class MLADecodeSplit(MLADecodeTC):
     @cute.jit
     def mma16(self, atom, acc, fa, fb, a_ptr, a_ld: cutlass.Constexpr[int], b_ptr,
               b_ld: cutlass.Constexpr[int], nk: cutlass.Constexpr[int],
-              ntl: cutlass.Constexpr[int], lane, acc2=None):  # fmt: skip
+              ntl: cutlass.Constexpr[int], lane, more=()):  # fmt: skip
         """``acc[nt] += A[16, 16 nk] @ B[16 nk, 8 ntl]``: A row-major at ``a_ptr`` (rows of
         ``a_ld``), B stored [k][n] at ``b_ptr`` (rows of ``b_ld``); A by ``ldmatrix.x4``, B by
-        ``x4.trans`` (two n-tiles each; ``x2`` for an odd last one). With ``acc2`` the odd k
-        steps accumulate there (two MMA chains of ``nk / 2``; the caller adds them)."""
+        ``x4.trans`` (two n-tiles each; ``x2`` for an odd last one). With ``more`` (extra
+        accumulator lists) k step ``kk`` accumulates into chain ``kk % (1 + len(more))``: that
+        many MMA chains of ``nk / chains`` (the caller adds them)."""
         mi = lane // 8
         ri = lane % 8
         fa32 = cute.recast_tensor(fa, Int32)
@@ -568,7 +570,8 @@ class MLADecodeSplit(MLADecodeTC):
             aa = ldsm_x4(a_base + kk * 16, False)
             for e in cutlass.range_constexpr(4):
                 fa32[e] = aa[e]
-            dst = acc if acc2 is None or kk % 2 == 0 else acc2
+            chains = (acc, *more)
+            dst = chains[kk % len(chains)]
             self.mma_b_trans(atom, dst, fa, fb, fb32, b_base + kk * 16 * b_ld, ntl)
 
     # -- 1. absorption -----------------------------------------------------------------------
@@ -874,9 +877,13 @@ class MLADecodeSplit(MLADecodeTC):
         fb = cute.make_rmem_tensor((4, 1, 1), BFloat16)
         acc = self.make_acc(NTL)
         if cutlass.const_expr(p.uvfast):
-            acc2 = self.make_acc(NTL)
+            more = [self.make_acc(NTL) for _ in range(2 * p.uvfast - 1)]  # 2 or 4 chains
             self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
-                       KVL // 16, NTL, lane, acc2)  # fmt: skip
+                       KVL // 16, NTL, lane, more)  # fmt: skip
+            for nt in cutlass.range_constexpr(NTL):
+                for a in more:
+                    for k in cutlass.range_constexpr(4):
+                        acc[nt][k] = acc[nt][k] + a[nt][k]
             for nt in cutlass.range_constexpr(NTL):
                 col = h * V + vc * CV + (warp * NTL + nt) * 8 + 2 * c
                 for hh in cutlass.range_constexpr(2):
@@ -886,7 +893,7 @@ class MLADecodeSplit(MLADecodeTC):
                         ob = cute.make_rmem_tensor((2,), BFloat16)
                         for e in cutlass.range_constexpr(2):
                             k = 2 * hh + e
-                            ob[e] = ((acc[nt][k] + acc2[nt][k]) * gv[nt * 4 + k]).to(BFloat16)
+                            ob[e] = (acc[nt][k] * gv[nt * 4 + k]).to(BFloat16)
                         cute.autovec_copy(ob, cute.local_tile(mOut[mrow, None], (2,), (col // 2,)))
         else:
             self.mma16(atom, acc, fa, fb, sA.iterator, AP, sW.iterator + warp * NTL * 8, CVP,
