@@ -75,6 +75,7 @@ BASE = {"DECODESCOPE_MLA_TC_LDSM": "", "DECODESCOPE_MLA_TC_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_TRACE": "", "DECODESCOPE_MLA_SPLIT_DIAG": "",
         "DECODESCOPE_MLA_SPLIT_FUSE": "", "DECODESCOPE_MLA_SPLIT_L2PRE": "",
         "DECODESCOPE_MLA_SPLIT_UVFAST": "", "DECODESCOPE_MLA_SPLIT_TAIL": "",
+        "DECODESCOPE_MLA_SPLIT_LL": "",
         "DECODESCOPE_MLA_HEADS_PER_CTA": ""}  # fmt: skip
 LDSM = {"DECODESCOPE_MLA_TC_LDSM": "1"}
 CLUSTER = {"DECODESCOPE_MLA_TC_LDSM": "1", "DECODESCOPE_MLA_TC_CLUSTER": "1"}
@@ -171,6 +172,24 @@ VARIANTS = {
         0,
     ),
     "auto tail": ("auto", {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, 0, 0),
+    # the partials as (value, epoch) pairs, no fence after the attention phase
+    "split ll": ("split", {"DECODESCOPE_MLA_SPLIT_LL": "1"}, 0, 0),
+    "split tail ll": (
+        "split",
+        {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TAIL": "1"},
+        0,
+        0,
+    ),
+    "split tail ll trace": (
+        "split",
+        {
+            "DECODESCOPE_MLA_SPLIT_LL": "1",
+            "DECODESCOPE_MLA_SPLIT_TAIL": "1",
+            "DECODESCOPE_MLA_SPLIT_TRACE": "1",
+        },
+        0,
+        0,
+    ),
 }
 SWEEP = {  # point -> (heads per CTA, splits) of the ldsm variant
     "8x1": [(2, 0), (2, 3), (4, 4)],
@@ -372,6 +391,7 @@ def time_variant(pt: Point, name: str, kernel: str, hg: int, splits: int, ctx: d
                  "fused": int(p.fused),
                  "nbuf": p.nbuf, "achunks": p.achunks, "vrows": p.vrows,
                  "ctas_per_sm": p.ctas_per_sm, "uvfast": p.uvfast, "tail": p.tail,
+                 "ll": int(p.ll_parts),
                  "blk_max": p.blk_max}  # fmt: skip
     elif kernel == "auto":
         extra = {"kernel": mla.kernel_choice(pt.caches[0].dtype, "", pt.B, pt.T, pt.cfg)}

@@ -36,6 +36,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_L2PRE",
     "DECODESCOPE_MLA_SPLIT_UVFAST",
     "DECODESCOPE_MLA_SPLIT_TAIL",
+    "DECODESCOPE_MLA_SPLIT_LL",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -211,6 +212,29 @@ def test_tail_compiles(batch, tokens):
     assert msp.compile_plan(p1) is not None
 
 
+@pytest.mark.parametrize("tp,batch", [(8, 1), (16, 1), (8, 8), (8, 32)])
+def test_ll_ptx(tp, batch):
+    """``DECODESCOPE_MLA_SPLIT_LL=1`` where one thread per (row, pair) merges (``uv_pairs``):
+    the partials as (value, epoch) pairs (16-byte volatile stores and loads, an int32
+    workspace twice as wide), the attention CTAs' fence gone (the absorption keeps its own),
+    the epoch kept in the counters; elsewhere (32x1: 4 rows per W_UV item) the knob changes
+    nothing."""
+    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, 1)
+    p1 = dataclasses.replace(p0, ll=1)
+    ptx0, ptx1 = (itf.ptx_text(msp.MLADecodeSplit(p), *msp._fake_args(p)) for p in (p0, p1))
+    if not p0.uv_pairs:
+        assert not p1.ll_parts and p1.part_words == p0.part_words and ptx1 == ptx0
+        return
+    assert p1.ll_parts and p1.part_words == 2 * p0.part_words
+    assert ptx0.count("fence.acq_rel.gpu") == 2 and ptx1.count("fence.acq_rel.gpu") == 1
+    assert "st.volatile.global.v4.b32" in ptx1 and "ld.volatile.global.v4.b32" in ptx1
+    assert "volatile" not in ptx0 and ptx1.count("ld.global.cg") == 0
+    assert ptx1.count("mma.sync") == ptx0.count("mma.sync")
+    assert msp.compile_plan(p1) is not None
+    part = msp.workspace(p1, "cpu")[1]
+    assert part.dtype == torch.int32 and not bool(part.any())  # epoch 0 is never a launch's
+
+
 def test_trace_summary_synthetic():
     """A synthetic trace buffer (no GPU; made up for the exact corner): the phases' marks in
     time order, the three attention items that ended last named by (sequence, group, split)."""
@@ -267,15 +291,17 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
-    with pytest.raises(ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1 "):
+    with pytest.raises(
+        ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL / _LL: 0 or 1 "
+    ):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
-    with pytest.raises(ValueError, match="four MMA chains\\), got 0 / 0 / 2 / 1 / 0"):
+    with pytest.raises(ValueError, match="four MMA chains\\), got 0 / 0 / 2 / 1 / 0 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "3")
-    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 3 / 0"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 3 / 0 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "2")
     assert msp.plan_for(cfg, 8, 1).uvfast == 2
@@ -284,9 +310,13 @@ def test_knob_errors(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_UVFAST")
     assert msp.plan_for(cfg, 8, 1).uvfast == 1  # the default since session 16
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "2")
-    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 2"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 2 / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TAIL")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_LL", "3")
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 0 / 3"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_LL")
     with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):
         dataclasses.replace(msp.plan_for(cfg, 8, 1), tokens=17)
 
@@ -352,7 +382,12 @@ def test_kernel_choice_env(monkeypatch):
      (8, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}),
      (8, 32, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}),
      (8, 64, {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
-     (8, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8"})],
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_TAIL": "1", "DECODESCOPE_MLA_SPLIT_SPLITS": "8"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1"}),
+     (8, 2, {"DECODESCOPE_MLA_SPLIT_LL": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1"}),
+     (8, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TAIL": "1",
+             "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     _gpu_check(tp, batch, 1, knobs, monkeypatch)

@@ -122,6 +122,7 @@ SPIN_NS = 200_000_000  # a wait gives up after 0.2 s (sets the error word)
 # counters (int32 words of the workspace ``cnt``), each on its own 128-byte line: the
 # attention / W_UV CTAs poll C_ABS / C_ATT while others add to C_TICKET / C_EXIT
 C_TICKET, C_ABS, C_ATT, C_EXIT, C_ERR = 0, 32, 64, 96, 128
+C_EPOCH = 144  # ``ll`` plans: the epoch of the last launch (its flags), set by its last CTA
 NCNT = 160
 # trace columns per CTA (%globaltimer ns): ticket, start, end of its wait, end, then the marks of
 # :data:`TRACE_MARKS` (0 where its item has none)
@@ -170,6 +171,11 @@ class MLASplitPlan:
     # fewest cached blocks, its fill before the absorption wait, and one more split where the
     # cached blocks divide evenly; see :attr:`MLASplitPlan.tail_blocks`
     tail: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TAIL", 0))
+    # 1: the partials carry their launch's epoch beside every word (8-byte (value, epoch)
+    # pairs) and the attention CTAs count themselves done without a fence; the W_UV merge
+    # checks the epochs and re-reads words not yet there. Only with ``uvfast`` where
+    # ``uv_pairs`` holds (:attr:`ll_parts`); elsewhere ignored
+    ll: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_LL", 0))
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -191,11 +197,11 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2, got {self.nbuf_force}")
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
-        flags = (self.trace, self.diag, self.l2pre, self.uvfast, self.tail)
-        allowed = ((0, 1), (0, 1), (0, 1), (0, 1, 2), (0, 1))
+        flags = (self.trace, self.diag, self.l2pre, self.uvfast, self.tail, self.ll)
+        allowed = ((0, 1), (0, 1), (0, 1), (0, 1, 2), (0, 1), (0, 1))
         if any(f not in a for f, a in zip(flags, allowed, strict=True)):
             raise ValueError(
-                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL: 0 or 1 "
+                "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL / _LL: 0 or 1 "
                 "(_UVFAST 2: four MMA chains), got " + " / ".join(map(str, flags))
             )
 
@@ -324,6 +330,17 @@ class MLASplitPlan:
         """``uvfast``'s one-round-trip merge: one thread per (row, column pair) of a W_UV item
         fits the CTA (one row per item at kv_lora 512)."""
         return self.vrows * self.kv_lora // 2 <= NT
+
+    @property
+    def ll_parts(self) -> bool:
+        """``ll`` in effect: the partials as (value, epoch) pairs, read by ``merge_pairs``."""
+        return bool(self.ll and self.uvfast and self.uv_pairs)
+
+    @property
+    def part_words(self) -> int:
+        """32-bit words per partial row: ``kv_lora`` O values, m, l, 2 pad; twice with
+        ``ll_parts`` (an epoch beside each)."""
+        return (self.kv_lora + 4) * (2 if self.ll_parts else 1)
 
     @property
     def n_abs(self) -> int:
@@ -459,12 +476,16 @@ class MLADecodeSplit(MLADecodeTC):
             sTk[0] = cute.arch.atomic_add(
                 mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
             )
+            if cutlass.const_expr(p.ll_parts):  # this launch's epoch (never 0: the buffers' init)
+                ep = cute.arch.load(mCnt.iterator + C_EPOCH, Int32, sem="relaxed", scope="gpu")
+                sTk[1] = ep + Int32(1)
             if cutlass.const_expr(p.trace):
                 sTm[0] = global_timer_ns()
                 for i in cutlass.range_constexpr(1, NTRACE):
                     sTm[i] = Int64(0)
         cute.arch.sync_threads()
         tk = sTk[0]
+        ep = sTk[1]
         A = p.a_ctas
         if cutlass.const_expr(p.fused):  # noqa: SIM102 (a trace-time condition)
             if tk < p.n_abs:  # absorb, publish, then attend (the shared memory reused)
@@ -475,10 +496,12 @@ class MLADecodeSplit(MLADecodeTC):
             if tk < A + p.n_att:
                 self.attend_item(
                     tk - A, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
-                    sTm, tidx,
+                    sTm, tidx, ep,
                 )  # fmt: skip
             else:
-                self.uv_item(tk - A - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx)
+                self.uv_item(
+                    tk - A - p.n_att, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx, ep
+                )
 
         # the CTA that exits last resets the counters (every CTA read its last counter before)
         cute.arch.sync_threads()
@@ -497,6 +520,8 @@ class MLADecodeSplit(MLADecodeTC):
                 mCnt[C_ABS] = Int32(0)
                 mCnt[C_ATT] = Int32(0)
                 mCnt[C_EXIT] = Int32(0)
+                if cutlass.const_expr(p.ll_parts):
+                    mCnt[C_EPOCH] = ep
 
     # -- helpers ---------------------------------------------------------------------------
     @cute.jit
@@ -635,7 +660,7 @@ class MLADecodeSplit(MLADecodeTC):
     # -- 2. attention ------------------------------------------------------------------------
     @cute.jit
     def attend_item(
-        self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx
+        self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx, ep
     ):
         p = self.p
         LP, KVL, T, R, NB, S = p.lp, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
@@ -759,6 +784,25 @@ class MLADecodeSplit(MLADecodeTC):
 
         # row sums; the split's (O, m, l) to the partials
         la0, la1 = self.row_sums(sRed, l0, l1, warp, c, r0, r1)
+        if cutlass.const_expr(p.ll_parts):
+            # (value, epoch) pairs, two values per 16-byte store; no fence: the counter below
+            # only tells the W_UV CTAs when to start reading, the epochs tell them what arrived
+            for nt in cutlass.range_constexpr(NTL):
+                col = (warp * NTL + nt) * 8 + 2 * c
+                if r0 < R:
+                    st_ll2(mPart[b, ps, r0, None].iterator + 2 * col, oacc[nt][0], oacc[nt][1], ep)
+                if r1 < R:
+                    st_ll2(mPart[b, ps, r1, None].iterator + 2 * col, oacc[nt][2], oacc[nt][3], ep)
+            if warp == 0 and c == 0:
+                if r0 < R:
+                    st_ll2(mPart[b, ps, r0, None].iterator + 2 * KVL, m0, la0, ep)
+                if r1 < R:
+                    st_ll2(mPart[b, ps, r1, None].iterator + 2 * KVL, m1, la1, ep)
+            self.mark(sTm, 6, tidx)
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.atomic_add(mCnt.iterator + C_ATT, Int32(1), sem="relaxed", scope="gpu")
+            return
         for nt in cutlass.range_constexpr(NTL):
             col = (warp * NTL + nt) * 8 + 2 * c
             v2 = cute.make_rmem_tensor((2,), Float32)
@@ -782,7 +826,7 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
     @cute.jit
-    def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx):
+    def uv_item(self, it, mG, mWuv, mPart, mCnt, mOut, base, sWgt, sTm, tidx, ep):
         """Merge the rows' splits, ``o_lat @ w_uv[h][:, chunk]``, times ``sigmoid(g)``. With
         ``uvfast`` the chain after the wait is shorter: the gate is loaded and its sigmoid taken
         before the wait; where one thread per (row, column pair) suffices (``uv_pairs``: one row
@@ -837,7 +881,9 @@ class MLADecodeSplit(MLADecodeTC):
         if cutlass.const_expr(p.groups > 1):
             s0 = (h // p.hg) * S
             hr = h % p.hg
-        if cutlass.const_expr(p.uvfast and p.uv_pairs):
+        if cutlass.const_expr(p.ll_parts):
+            self.merge_pairs_ll(mPart, mCnt, sA, sWgt, m_0, s0, hr, tidx, ep)
+        elif cutlass.const_expr(p.uvfast and p.uv_pairs):
             self.merge_pairs(mPart, sA, m_0, s0, hr, tidx)
         else:
             self.merge_weights(mPart, sWgt, m_0, s0, hr, tidx)
@@ -984,6 +1030,127 @@ class MLADecodeSplit(MLADecodeTC):
                 ob[1] = (a1 * inv).to(BFloat16)
             cute.autovec_copy(ob, cute.local_tile(sA[ri, None], (2,), (c2,)))
 
+    @cute.jit
+    def merge_pairs_ll(self, mPart, mCnt, sA, sWgt, m_0, s0, hr, tidx, ep):
+        """:meth:`merge_pairs` over (value, epoch) partials (one row per item: ``uv_pairs``).
+        Every thread issues its ``O`` pair of every split (16-byte volatile loads) first; then
+        lane ``s`` of warp 0 reads split ``s``'s ``(m, l)``, the warp takes the max and the sum
+        by shuffles and leaves the weights in ``sWgt[0]``; a barrier; each thread merges its
+        pair. One round of L2 reads and a barrier. A word whose epoch is not this launch's (its
+        store not arrived yet: the attention CTAs count themselves done without a fence) is
+        re-read after a short sleep; after ``SPIN_NS`` the error word is set (C_ATT)."""
+        p = self.p
+        KVL, T, S, M = p.kv_lora, p.tokens, p.splits, p.m
+        mrow = m_0
+        bq = mrow // T
+        pr = hr * T + mrow % T
+        c2 = tidx % (KVL // 2)
+        val = cute.make_rmem_tensor((2 * S,), Float32)
+        bad = Int32(0)
+        if mrow < M:
+            bad = self.ll_read_o(mPart, val, bq, s0, pr, c2, ep)
+        warp = tidx // 32
+        if warp == 0:
+            lane = tidx % 32
+            mv = Float32(NEG)
+            lv = Float32(0.0)
+            if mrow < M and lane < S:
+                x = ld_ll2(mPart[bq, s0 + lane, pr, None].iterator + 2 * KVL)
+                if cutlass.const_expr(not self.p.diag):  # noqa: SIM102 (trace-time)
+                    if x[1] != ep or x[3] != ep:
+                        x = self.ll_spin(mPart[bq, s0 + lane, pr, None].iterator + 2 * KVL, ep,
+                                         mCnt)  # fmt: skip
+                mv = x[0]
+                lv = x[2]
+            mall = mv
+            for off in (16, 8, 4, 2, 1):
+                mall = cute.arch.fmax(mall, cute.arch.shuffle_sync_bfly(mall, offset=off))
+            w = Float32(0.0)
+            if lane < S:
+                w = cute.math.exp(mv - mall, fastmath=True)
+            lsum = lv * w
+            for off in (16, 8, 4, 2, 1):
+                lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=off)
+            if lane < S:
+                sWgt[0, lane] = w / lsum
+        if cutlass.const_expr(not self.p.diag):  # noqa: SIM102 (trace-time)
+            if bad > 0:
+                t0 = global_timer_ns()
+                going = True
+                while going:
+                    nanosleep(POLL_NS)
+                    bad = self.ll_read_o(mPart, val, bq, s0, pr, c2, ep)
+                    if bad == 0:
+                        going = False
+                    elif global_timer_ns() - t0 > Int64(SPIN_NS):
+                        cute.arch.store(mCnt.iterator + C_ERR, Int32(C_ATT))
+                        going = False
+        cute.arch.sync_threads()
+        a0 = Float32(0.0)
+        a1 = Float32(0.0)
+        for s in cutlass.range_constexpr(S):
+            ws = sWgt[0, s]
+            a0 = a0 + val[2 * s] * ws
+            a1 = a1 + val[2 * s + 1] * ws
+        ob = cute.make_rmem_tensor((2,), BFloat16)
+        ob.fill(0.0)
+        if mrow < M:
+            ob[0] = a0.to(BFloat16)
+            ob[1] = a1.to(BFloat16)
+        cute.autovec_copy(ob, cute.local_tile(sA[0, None], (2,), (c2,)))
+
+    @cute.jit
+    def ll_read_o(self, mPart, val, bq, s0, pr, c2, ep) -> Int32:
+        """One round of the thread's ``O`` pair of every split into ``val``; returns how many
+        of the 2 x splits epochs are not ``ep``."""
+        S = self.p.splits
+        ov = [ld_ll2(mPart[bq, s0 + s, pr, None].iterator + 4 * c2) for s in range(S)]
+        bad = Int32(0)
+        for s in cutlass.range_constexpr(S):
+            val[2 * s] = ov[s][0]
+            val[2 * s + 1] = ov[s][2]
+            if ov[s][1] != ep:
+                bad = bad + Int32(1)
+            if ov[s][3] != ep:
+                bad = bad + Int32(1)
+        return bad
+
+    @cute.jit
+    def ll_spin(self, ptr, ep, mCnt):
+        """Re-read one 16-byte (value, epoch) x 2 word until both epochs are ``ep`` (after
+        ``SPIN_NS`` the error word is set and the last read kept)."""
+        x = ld_ll2(ptr)
+        t0 = global_timer_ns()
+        going = True
+        while going:
+            nanosleep(POLL_NS)
+            x = ld_ll2(ptr)
+            if x[1] == ep and x[3] == ep:
+                going = False
+            elif global_timer_ns() - t0 > Int64(SPIN_NS):
+                cute.arch.store(mCnt.iterator + C_ERR, Int32(C_ATT))
+                going = False
+        return x
+
+
+def st_ll2(ptr, a: Float32, b: Float32, ep: Int32) -> None:
+    """``st.volatile.global.v4.b32 [ptr], {a, ep, b, ep}``: two FP32 values, each beside the
+    launch's epoch (16-byte aligned; each 8-byte half is written as one piece)."""
+    cute.arch.inline_ptx(
+        "st.volatile.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r2}};",
+        read_only_args=[ptr, Float32(a), Int32(ep), Float32(b)],
+    )
+
+
+def ld_ll2(ptr):
+    """``ld.volatile.global.v4.b32``: ``(a, epoch_a, b, epoch_b)`` as written by
+    :func:`st_ll2` (FP32, Int32, FP32, Int32)."""
+    return cute.arch.inline_ptx(
+        "ld.volatile.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Float32, Int32, Float32, Int32],
+        read_only_args=[ptr],
+    )
+
 
 def nanosleep(ns: int) -> None:
     """``nanosleep.u32``: a polling thread yields its issue slots for about ``ns``."""
@@ -1053,7 +1220,9 @@ def _fake_args(p: MLASplitPlan):
         itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
         itf.fake(bf, (p.batch, p.ctx + p.tokens, p.lat)),
         itf.fake(bf, (M, p.heads, p.kv_lora)),
-        itf.fake(torch.float32, (p.batch, p.psplits, ROWS, p.kv_lora + 4)),
+        itf.fake(
+            torch.int32 if p.ll_parts else torch.float32, (p.batch, p.psplits, ROWS, p.part_words)
+        ),
         itf.fake(torch.int32, (NCNT,), align=4),
         itf.fake(torch.int64, (p.grid, NTRACE), align=8),
         itf.fake(bf, (M, p.heads * p.v_dim), align=4),
@@ -1080,8 +1249,12 @@ def workspace(p: MLASplitPlan, device) -> tuple[torch.Tensor, ...]:
     ws = _WS.get(key)
     if ws is None:
         ql = torch.empty(p.m, p.heads, p.kv_lora, dtype=torch.bfloat16, device=device)
-        part = torch.empty(p.batch, p.psplits, ROWS, p.kv_lora + 4, dtype=torch.float32,
-                           device=device)  # fmt: skip
+        if p.ll_parts:  # epochs start at 1: zeros are never this launch's
+            part = torch.zeros(p.batch, p.psplits, ROWS, p.part_words, dtype=torch.int32,
+                               device=device)  # fmt: skip
+        else:
+            part = torch.empty(p.batch, p.psplits, ROWS, p.kv_lora + 4, dtype=torch.float32,
+                               device=device)  # fmt: skip
         cnt = torch.zeros(NCNT, dtype=torch.int32, device=device)
         trace = torch.zeros(p.grid, NTRACE, dtype=torch.int64, device=device)
         ws = _WS[key] = (ql, part, cnt, trace)
