@@ -173,7 +173,8 @@ def test_uvfast_ptx(tp, batch, tokens):
 def test_tail_blocks(tp, batch, tokens):
     """``tail``: the splits' block ranges tile ``[0, nblk_all)``, the last split holds the
     tail (the block of the new rows) and has the fewest cached blocks, no split is longer than
-    the cached blocks' ceiling; one more split where those divide evenly (8x1: 9 of <= 2)."""
+    the cached blocks' ceiling; one more split where those divide evenly and the grid stays
+    one wave (TP16 8x1: 9 of <= 2)."""
     p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
     p1 = dataclasses.replace(p0, tail=1)
     assert not p0.tail
@@ -188,12 +189,15 @@ def test_tail_blocks(tp, batch, tokens):
     cached = [min(e, F) - b for b, e in r]
     assert cached[-1] == min(cached) and max(cached) == -(-F // p1.splits)
     assert p1.blk_max <= p0.blk_max
-    if F % p0.splits == 0 and p0.splits < F:
+    alt = dataclasses.replace(p1, splits_force=p0.splits + 1)
+    if F % p0.splits == 0 and p0.splits < F and alt.grid <= msp.NUM_SMS * alt.ctas_per_sm:
         assert p1.splits == p0.splits + 1 and p1.blk_max < p0.blk_max
-    else:
+    else:  # no extra split past one wave (TP8 8x1: 192 CTAs at one per SM)
         assert p1.splits == p0.splits
-    if (tp, batch, tokens) == (8, 8, 1):
-        assert (p0.splits, p0.blk_max, p1.splits, p1.blk_max) == (8, 3, 9, 2)
+    if (tp, batch, tokens) == (16, 8, 1):  # 132 CTAs: one wave
+        assert (p0.splits, p0.blk_max, p1.splits, p1.blk_max, p1.grid) == (8, 3, 9, 2, 132)
+    if (tp, batch, tokens) in ((8, 8, 1), (8, 32, 1), (8, 64, 1)):
+        assert p1.splits == p0.splits
     # a forced split count stays as it is
     pf = dataclasses.replace(p0, tail=1, splits_force=p0.splits)
     assert pf.splits == p0.splits

@@ -76,12 +76,20 @@ TP8 1x1 13.4 -> 12.4, TP16 1x1 12.1 -> 11.1, TP8 8x1 19.4 -> 18.8, 1x8 25.2 -> 2
 64x1 unchanged; in the layer (TP8 batch 1, bench shares) the decode 19.2 -> 15.5 us.
 ``DECODESCOPE_MLA_SPLIT_TAIL=1`` (opt-in): the block of the new rows (1-16 keys past the cache)
 goes to the split with the fewest cached blocks and is filled before the absorption wait; one
-more split where the cached blocks divide evenly (8x1: 9 splits of at most 2 blocks, not 8 with
-one of 3). H200 s16 trace, TP8: the split holding that block ended last, 0.7 us after the
-median at 1x1 (its fill after the wait), 2.5 us at 8x1 (a third block).
+more split where the cached blocks divide evenly and the grid stays one wave (TP16 8x1: 9
+splits of at most 2 blocks, not 8 with one of 3). H200 s16 (kernel alone, us): TP8 1x1 12.5 ->
+12.3, TP16 1x1 11.3 -> 11.1, TP16 8x1 16.4 -> 14.9; the extra split past one wave (TP8 32x1
+30.8 -> 40.2, 64x1 47.6 -> 59.0, measured before that rule) is no longer taken. In the layer
+(TP8 batch 1, with ``LL``) the decode's share 15.5 -> 18.5: not the default.
+``DECODESCOPE_MLA_SPLIT_LL=1`` (opt-in): the partials as (value, epoch) pairs, no fence after the
+attention phase (:meth:`MLADecodeSplit.merge_pairs_ll`). H200 s16: TP8 1x1 alone 12.5 -> 12.6
+(12.3 -> 12.0 with ``TAIL``); the W_UV merge after its wait took 1.4 us instead of 1.2, eating
+the fence's 0.5. ``DECODESCOPE_MLA_SPLIT_UVFAST=2``: four MMA chains in the W_UV phase (TP8 1x1
+12.8 against 12.5 for two: not kept).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -169,7 +177,7 @@ class MLASplitPlan:
     uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 1))
     # 1: the block(s) holding the new rows (the "tail": 1-16 keys) given to the split with the
     # fewest cached blocks, its fill before the absorption wait, and one more split where the
-    # cached blocks divide evenly; see :attr:`MLASplitPlan.tail_blocks`
+    # cached blocks divide evenly and the grid stays one wave; see :meth:`block_range`
     tail: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TAIL", 0))
     # 1: the partials carry their launch's epoch beside every word (8-byte (value, epoch)
     # pairs) and the attention CTAs count themselves done without a fence; the W_UV merge
@@ -264,7 +272,12 @@ class MLASplitPlan:
         n = max(1, min(want, self.nblk_all))
         f = self.full_blocks
         if self.tail and not self.splits_force and f and f % n == 0 and n < f:
-            n += 1  # the tail's split one cached block short (8x1: 9 splits of <= 2 blocks)
+            # the tail's split one cached block short (TP16 8x1: 9 splits of <= 2 blocks), only
+            # where the grid stays one wave: past it the extra CTAs wait for a free SM (H200
+            # s16/r3, kernel alone: TP8 32x1 30.8 -> 40.2 us, 64x1 47.6 -> 59.0)
+            alt = dataclasses.replace(self, splits_force=n + 1)
+            if alt.grid <= NUM_SMS * alt.ctas_per_sm:
+                n += 1
         return n
 
     @property
