@@ -498,7 +498,9 @@ class MLADecodeSplit(MLADecodeTC):
                     sTm[i] = Int64(0)
         cute.arch.sync_threads()
         tk = sTk[0]
-        ep = sTk[1]
+        ep = Int32(0)  # the launch's epoch: only ``ll_parts`` plans write and read it
+        if cutlass.const_expr(p.ll_parts):
+            ep = sTk[1]
         A = p.a_ctas
         if cutlass.const_expr(p.fused):  # noqa: SIM102 (a trace-time condition)
             if tk < p.n_abs:  # absorb, publish, then attend (the shared memory reused)
