@@ -175,9 +175,8 @@ def test_tail_blocks(tp, batch, tokens):
     tail (the block of the new rows) and has the fewest cached blocks, no split is longer than
     the cached blocks' ceiling; one more split where those divide evenly and the grid stays
     one wave (TP16 8x1: 9 of <= 2)."""
-    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
+    p0 = dataclasses.replace(msp.plan_for(get_config("kimi-k3", tp), batch, tokens), tail=0)
     p1 = dataclasses.replace(p0, tail=1)
-    assert not p0.tail
     for p in (p0, p1):
         r = [p.block_range(s) for s in range(p.splits)]
         assert r[0][0] == 0 and r[-1][1] == p.nblk_all
@@ -301,11 +300,11 @@ def test_knob_errors(monkeypatch):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TRACE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_L2PRE", "2")
-    with pytest.raises(ValueError, match="four MMA chains\\), got 0 / 0 / 2 / 1 / 0 / 0"):
+    with pytest.raises(ValueError, match="_TAIL auto\\), got 0 / 0 / 2 / 1 / auto / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_L2PRE")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "3")
-    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 3 / 0 / 0"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 3 / auto / 0"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_UVFAST", "2")
     assert msp.plan_for(cfg, 8, 1).uvfast == 2
@@ -316,9 +315,14 @@ def test_knob_errors(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "2")
     with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 2 / 0"):
         msp.plan_for(cfg, 8, 1)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "often")
+    with pytest.raises(
+        ValueError, match="DECODESCOPE_MLA_SPLIT_TAIL='often': expected 0, 1 or auto"
+    ):
+        msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_TAIL")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_LL", "3")
-    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / 0 / 3"):
+    with pytest.raises(ValueError, match="got 0 / 0 / 0 / 1 / auto / 3"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_LL")
     with pytest.raises(ValueError, match="1..16 tokens per sequence, got 17"):
@@ -461,3 +465,28 @@ def _gpu_check(tp, batch, T, knobs, monkeypatch):
     torch.cuda.synchronize()
     assert msp.error_word(plan, out.device) == 0
     assert rel_l2(out_g, out) < 1e-6
+
+
+@pytest.mark.parametrize("tail_env", ["", "auto"])
+def test_tail_auto(tail_env, monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_TAIL`` unset / auto: the tail placement only where it buys the
+    extra split within one wave (of the TP8 / TP16 points at 1 / 8 / 32 / 64 sequences and 1 /
+    8 tokens, TP16 8x1 alone: 9 splits, 132 CTAs; H200 s17/r1 in the layer, decode share 16.9
+    -> 15.3 us); 0 / 1 force it."""
+    if tail_env:
+        monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", tail_env)
+    on = []
+    for tp in (8, 16):
+        cfg = get_config("kimi-k3", tp)
+        for b in (1, 8, 32, 64):
+            for t in (1, 8):
+                p = msp.plan_for(cfg, b, t)
+                assert p.tail in (0, 1)
+                if p.tail:
+                    on.append((tp, b, t, p.splits, p.grid))
+    assert on == [(16, 8, 1, 9, 132)]
+    cfg = get_config("kimi-k3", 16)
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "0")
+    assert msp.plan_for(cfg, 8, 1).tail == 0 and msp.plan_for(cfg, 8, 1).splits == 8
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "1")
+    assert msp.plan_for(cfg, 1, 1).tail == 1

@@ -74,13 +74,15 @@ gate's sigmoid before the W_UV wait, the splits' merge in one round trip of L2 r
 per row and column pair where that covers the item), two MMA chains. H200 s16 (kernel alone, us):
 TP8 1x1 13.4 -> 12.4, TP16 1x1 12.1 -> 11.1, TP8 8x1 19.4 -> 18.8, 1x8 25.2 -> 24.2, 8x8 and
 64x1 unchanged; in the layer (TP8 batch 1, bench shares) the decode 19.2 -> 15.5 us.
-``DECODESCOPE_MLA_SPLIT_TAIL=1`` (opt-in): the block of the new rows (1-16 keys past the cache)
+``DECODESCOPE_MLA_SPLIT_TAIL`` (0 | 1 | auto; unset: auto, on only where its extra split is
+taken within one wave: TP16 8x1 of the TP8 / TP16 points): the block of the new rows (1-16 keys past the cache)
 goes to the split with the fewest cached blocks and is filled before the absorption wait; one
 more split where the cached blocks divide evenly and the grid stays one wave (TP16 8x1: 9
 splits of at most 2 blocks, not 8 with one of 3). H200 s16 (kernel alone, us): TP8 1x1 12.5 ->
 12.3, TP16 1x1 11.3 -> 11.1, TP16 8x1 16.4 -> 14.9; the extra split past one wave (TP8 32x1
 30.8 -> 40.2, 64x1 47.6 -> 59.0, measured before that rule) is no longer taken. In the layer
-(TP8 batch 1, with ``LL``) the decode's share 15.5 -> 18.5: not the default.
+(TP8 batch 1, with ``LL``) the decode's share 15.5 -> 18.5: not on there; at TP16 batch 8
+(s17/r1, same call, bench shares) 16.9 -> 15.3 us: ``auto`` takes it where the extra split is.
 ``DECODESCOPE_MLA_SPLIT_LL=1`` (opt-in): the partials as (value, epoch) pairs, no fence after the
 attention phase (:meth:`MLADecodeSplit.merge_pairs_ll`). H200 s16: TP8 1x1 alone 12.5 -> 12.6
 (12.3 -> 12.0 with ``TAIL``); the W_UV merge after its wait took 1.4 us instead of 1.2, eating
@@ -91,6 +93,7 @@ the fence's 0.5. ``DECODESCOPE_MLA_SPLIT_UVFAST=2``: four MMA chains in the W_UV
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import cuda.bindings.driver as cuda
@@ -177,8 +180,10 @@ class MLASplitPlan:
     uvfast: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_UVFAST", 1))
     # 1: the block(s) holding the new rows (the "tail": 1-16 keys) given to the split with the
     # fewest cached blocks, its fill before the absorption wait, and one more split where the
-    # cached blocks divide evenly and the grid stays one wave; see :meth:`block_range`
-    tail: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_TAIL", 0))
+    # cached blocks divide evenly and the grid stays one wave; see :meth:`block_range`. Unset
+    # or "auto" (-1 here, resolved in ``__post_init__``): 1 only where that extra split is
+    # taken (H200 s17/r1, TP16 batch 8 in the layer: the decode's share 16.9 -> 15.3 us)
+    tail: int = field(default_factory=lambda: _tail_env())
     # 1: the partials carry their launch's epoch beside every word (8-byte (value, epoch)
     # pairs) and the attention CTAs count themselves done without a fence; the W_UV merge
     # checks the epochs and re-reads words not yet there. Only with ``uvfast`` where
@@ -206,12 +211,16 @@ class MLASplitPlan:
         if self.fuse_abs not in (-1, 0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_FUSE: 0 or 1, got {self.fuse_abs}")
         flags = (self.trace, self.diag, self.l2pre, self.uvfast, self.tail, self.ll)
-        allowed = ((0, 1), (0, 1), (0, 1), (0, 1, 2), (0, 1), (0, 1))
+        allowed = ((0, 1), (0, 1), (0, 1), (0, 1, 2), (-1, 0, 1), (0, 1))
         if any(f not in a for f, a in zip(flags, allowed, strict=True)):
             raise ValueError(
                 "DECODESCOPE_MLA_SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL / _LL: 0 or 1 "
-                "(_UVFAST 2: four MMA chains), got " + " / ".join(map(str, flags))
+                "(_UVFAST 2: four MMA chains; _TAIL auto), got "
+                + " / ".join("auto" if f == -1 else str(f) for f in flags)
             )
+        if self.tail == -1:  # auto: on only where it buys the extra split within one wave
+            on = dataclasses.replace(self, tail=1).splits > dataclasses.replace(self, tail=0).splits
+            object.__setattr__(self, "tail", int(on))
 
     # -- shapes ------------------------------------------------------------------------------
     @property
@@ -1165,6 +1174,16 @@ def ld_ll2(ptr):
         write_only_types=[Float32, Int32, Float32, Int32],
         read_only_args=[ptr],
     )
+
+
+def _tail_env() -> int:
+    """``DECODESCOPE_MLA_SPLIT_TAIL``: 0 | 1 | auto (unset: auto, returned as -1)."""
+    v = os.environ.get("DECODESCOPE_MLA_SPLIT_TAIL", "").strip().lower()
+    if v in ("", "auto"):
+        return -1
+    if v.lstrip("-").isdigit():
+        return int(v)
+    raise ValueError(f"DECODESCOPE_MLA_SPLIT_TAIL={v!r}: expected 0, 1 or auto")
 
 
 def nanosleep(ns: int) -> None:
