@@ -56,6 +56,16 @@ MLA_OPS = (
 )
 
 
+OP_OPROJ_NORM = "o_proj+residual_norm"  # DECODESCOPE_OPROJ_NORM=1: the two as one launch
+
+
+def attn_ops(kind: str, fused_norm: bool = False) -> tuple[str, ...]:
+    """The attention half's launches (op names) of a KDA / MLA layer; ``fused_norm``: o_proj
+    and the RMSNorm after it as one (:func:`.oproj_residual_norm.norm_fused_plan`)."""
+    ops = KDA_OPS if kind == "kda" else MLA_OPS
+    return (*ops[:-2], OP_OPROJ_NORM) if fused_norm else ops
+
+
 class SpecializedAttention:
     """One layer's attention half for ``batch`` sequences of ``tokens`` tokens each."""
 
@@ -86,13 +96,26 @@ class SpecializedAttention:
             self.g = buf(N, cfg.mla_v_dim)
             self.q = buf(N, cfg.mla_q_b_out)
             self.o = buf(N, cfg.mla_v_dim)
+        # o_proj + the post-attention RMSNorm as one launch (None: two launches; the tp_world 2
+        # patches in tp2.py set it to None before they wrap ``stages``)
+        self.norm_plan = _op.norm_fused_plan(cfg, spec.attn, N)
 
     def _r(self, op: str):
         return _range(f"layer.{self.i}.attn.{op}")
 
     @property
+    def ops(self) -> tuple[str, ...]:
+        return attn_ops(self.spec.attn, self.norm_plan is not None)
+
+    @property
     def launches(self) -> int:
-        return len(KDA_OPS) if self.spec.attn == "kda" else len(MLA_OPS)
+        """Launches of :meth:`forward` (with the RMSNorm after o_proj)."""
+        return len(self.ops)
+
+    @property
+    def launches_no_norm(self) -> int:
+        """Launches of :meth:`stages_no_norm`."""
+        return len(attn_ops(self.spec.attn)) - 1
 
     def warmup(self) -> None:
         """Compile every kernel of this layer (outside capture)."""
@@ -103,6 +126,10 @@ class SpecializedAttention:
         compile_any(_op.plan_for(cfg, self.spec.attn, N))
         _op.fold_prepare(cfg, self.w, self.spec.attn, N)  # folded norms' derived weights
         _rms.compile_plan(_rms.NormPlan(N, cfg.hidden, cfg.eps))
+        if self.norm_plan is not None:
+            from decodescope.kernels.specialized.gemv_stream import compile_norm_plan
+
+            compile_norm_plan(self.norm_plan)
         if self.spec.attn == "kda":
             _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
         else:
@@ -111,6 +138,22 @@ class SpecializedAttention:
 
     def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
         """The layer's launches in order, as ``(op name, thunk)``; ``forward`` runs them."""
+        out = self._stages(x_in, r_in, r_out, h_out)
+        if self.norm_plan is None:
+            return out
+        cfg, w, p = self.cfg, self.w, self.norm_plan
+        return out[:-2] + [(OP_OPROJ_NORM, lambda: _op.oproj_residual_norm(
+            cfg, w, p, self.o, self.r_mid, r_out, h_out))]  # fmt: skip
+
+    def stages_no_norm(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
+        """The launches without the RMSNorm after o_proj (the dense MLP and the MoE front with
+        ``front_norm`` normalize in their own prologue): ``r_out`` is the residual stream after
+        attention."""
+        if self.norm_plan is None:  # through stages(): the tp_world 2 patches wrap it
+            return [s for s in self.stages(x_in, r_in, r_out, h_out) if s[0] != KDA_OPS[-1]]
+        return self._stages(x_in, r_in, r_out, h_out)[:-1]
+
+    def _stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
         cfg, w, st = self.cfg, self.w, self.state
         if self.spec.attn == "kda":
             return [

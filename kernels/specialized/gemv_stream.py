@@ -167,6 +167,9 @@ class GemvPlan:
     # the prologue's x (and r) loads: "async" cp.async into shared memory (all in flight at
     # once, no registers), "regs" 16-byte loads into registers
     xload: str = "async"
+    # o_proj's post-attention RMSNorm in the epilogue (:class:`GemvStreamNorm`): one grid-wide
+    # step (every CTA's sum of squares, a counter, then each CTA normalizes its own rows)
+    norm_out: bool = False
 
     def __post_init__(self) -> None:
         if not supports(self.m, self.k):
@@ -186,6 +189,13 @@ class GemvPlan:
             raise ValueError(f"gemv_stream: xload={self.xload!r}: expected 'async' or 'regs'")
         if self.ld not in ("plain", "nc"):
             raise ValueError(f"gemv_stream: ld={self.ld!r}: expected 'plain' or 'nc'")
+        if self.norm_out and (
+            not self.residual_epilogue or len(self.segments) != 1 or self.norm or self.add_residual
+        ):
+            raise ValueError(
+                "gemv_stream: norm_out needs one segment with the residual epilogue and no "
+                "input norm"
+            )
         for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
                             ("group", self.group, 32), ("depth", self.depth, 8)):  # fmt: skip
             if not 1 <= v <= hi:
@@ -271,6 +281,17 @@ class GemvStream:
         stream: cuda.CUstream,
     ):
         p = self.p
+        self.smem_cls = self.smem_struct()
+        self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
+            grid=[p.grid, 1, 1],
+            block=[p.threads, 1, 1],
+            smem=self.smem_cls.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    def smem_struct(self):
+        p = self.p
 
         @cute.struct
         class Smem:
@@ -279,14 +300,21 @@ class GemvStream:
             red: cute.struct.MemRange[Float32, p.warps * p.m]
             rstd: cute.struct.MemRange[Float32, p.m]
 
-        self.smem_cls = Smem
-        self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
-            grid=[p.grid, 1, 1],
-            block=[p.threads, 1, 1],
-            smem=Smem.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
-        )
+        return Smem
+
+    def smem_views(self, st=None):
+        """(sX, sR, sRed, sRstd) in this CTA's shared memory (inside the kernel; ``st`` an
+        allocated :meth:`smem_struct`, else one is allocated)."""
+        p = self.p
+        if st is None:
+            st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
+        sX = st.x.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
+        sR = sX
+        if cutlass.const_expr(p.r_elems > 8):
+            sR = st.r.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
+        sRed = st.red.get_tensor(cute.make_layout((p.warps, p.m), stride=(p.m, 1)))
+        sRstd = st.rstd.get_tensor(cute.make_layout(p.m))
+        return sX, sR, sRed, sRstd
 
     @cute.kernel
     def kernel(self, mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE):
@@ -295,14 +323,7 @@ class GemvStream:
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.smem_cls)
-        sX = st.x.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
-        sR = sX
-        if cutlass.const_expr(p.r_elems > 8):
-            sR = st.r.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
-        sRed = st.red.get_tensor(cute.make_layout((p.warps, p.m), stride=(p.m, 1)))
-        sRstd = st.rstd.get_tensor(cute.make_layout(p.m))
+        sX, sR, sRed, sRstd = self.smem_views()
         weights = (mW0, mW1, mW2)
         outs = (mO0, mO1, mO2)
         t0 = 0
@@ -366,7 +387,9 @@ class GemvStream:
 
     @cute.jit
     def body(self, mX, mR, mRout, mNW, mW, mO, mE, sX, sR, sRed, sRstd, cta, n, bidx, warp,
-             lane):  # fmt: skip
+             lane, post=()):  # fmt: skip
+        """One CTA's rows. ``post`` (``norm_out`` plans): ``(norm weight, h_out, partials,
+        counters)`` of :class:`GemvStreamNorm`'s epilogue."""
         p = self.p
         row0 = cta * p.cta_rows + warp * p.rows
         rows = []
@@ -410,13 +433,94 @@ class GemvStream:
             self.prologue(mX, mR, mRout, sX, sRed, sRstd, nws, bidx, warp, lane)
         accs = self.mainloop(mW, rows, bufs, sX, lane)
 
+        if cutlass.const_expr(p.norm_out):
+            self.store_norm(accs, evs, row0, n, mO, post, sRed, warp, lane)
+        else:
+            for r in cutlass.range_constexpr(p.rows):
+                for m in cutlass.range_constexpr(p.m):
+                    tot = warp_sum(accs[r][m])
+                    if lane == 0 and row0 + r < n:
+                        if cutlass.const_expr(p.residual_epilogue):
+                            tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
+                        mO[m, row0 + r] = tot.to(BFloat16)
+
+    @cute.jit
+    def store_norm(self, accs, evs, row0, n, mO, post, sRed, warp, lane):
+        """``norm_out``: each CTA stores its rows of ``h = bf16(bf16(acc) + res)`` (the new
+        residual), then counts itself done (every thread's stores fenced first); the CTA that
+        counts last reads the whole ``[M, N]`` of ``h`` back from L2 (one round trip: every
+        thread's loads issued together), sums the squares per token in a fixed order (the same
+        result whichever CTA is last), and writes ``bf16(bf16(h * rstd) * w)``
+        (:func:`.rmsnorm.rmsnorm_ref`'s rounding), then resets the counter. No CTA waits for
+        another: any grid size is safe."""
+        p = self.p
+        mG, mH, mCnt, sFlag = post
+        tidx = warp * 32 + lane
         for r in cutlass.range_constexpr(p.rows):
             for m in cutlass.range_constexpr(p.m):
                 tot = warp_sum(accs[r][m])
                 if lane == 0 and row0 + r < n:
-                    if cutlass.const_expr(p.residual_epilogue):
-                        tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
+                    tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
                     mO[m, row0 + r] = tot.to(BFloat16)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mCnt.iterator + C_ARRIVE, Int32(1), sem="acq_rel",
+                                       scope="gpu")  # fmt: skip
+            sFlag[0] = Int32(0)
+            if old == p.grid - 1:
+                sFlag[0] = Int32(1)
+        cute.arch.sync_threads()
+        if sFlag[0] == 1:  # the last CTA (a uniform branch: the flag is the CTA's)
+            cute.arch.fence_acq_rel_gpu()
+            self.norm_rows(mO, mG, mH, sRed, tidx, warp, lane)
+            if tidx == 0:
+                mCnt[C_ARRIVE] = Int32(0)
+
+    @cute.jit
+    def norm_rows(self, mO, mG, mH, sRed, tidx, warp, lane):
+        """The last CTA's pass over all of ``h``: loads at L2 (``ld.global.cg``: other CTAs
+        wrote them), one block reduction per token, the normalized rows written."""
+        p = self.p
+        N = p.segments[0]
+        nvec = N // PIECE
+        per = -(-nvec // p.threads)
+        hv = []  # [m][i]: 8 BF16 of h
+        gv = []  # [i]: 8 BF16 of the norm weight
+        for i in cutlass.range_constexpr(per):
+            kv = cutlass.min(tidx + i * p.threads, nvec - 1)
+            gv.append(ld_cg_vec8(cute.local_tile(mG, (PIECE,), (kv,))))
+        for m in cutlass.range_constexpr(p.m):
+            row = []
+            for i in cutlass.range_constexpr(per):
+                kv = cutlass.min(tidx + i * p.threads, nvec - 1)
+                row.append(ld_cg_vec8(cute.local_tile(mO[m, None], (PIECE,), (kv,))))
+            hv.append(row)
+        for m in cutlass.range_constexpr(p.m):
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                keep = Float32(1.0)
+                if tidx + i * p.threads >= nvec:
+                    keep = Float32(0.0)
+                hf = hv[m][i].load().to(Float32)
+                ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0) * keep
+            ss = warp_sum(ss)
+            if lane == 0:
+                sRed[warp, m] = ss
+        cute.arch.sync_threads()
+        for m in cutlass.range_constexpr(p.m):
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(p.warps):
+                tot = tot + sRed[w, m]
+            rs = cute.math.rsqrt(tot / Float32(N) + Float32(p.eps))
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * p.threads
+                if kv < nvec:
+                    t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    for e in cutlass.range_constexpr(PIECE):
+                        y = (hv[m][i][e].to(Float32) * rs).to(BFloat16)
+                        t[e] = (y.to(Float32) * gv[i][e].to(Float32)).to(BFloat16)
+                    cute.autovec_copy(t, cute.local_tile(mH[m, None], (PIECE,), (kv,)))
 
     @cute.jit
     def prologue_async(self, mX, mR, mRout, sX, sR, sRed, nws, bidx, warp, lane):
@@ -539,6 +643,73 @@ class GemvStream:
         self.normalize(sX, sRed, nws, tidx)
 
 
+class GemvStreamNorm(GemvStream):
+    """o_proj + residual add + the next RMSNorm in one launch (``norm_out`` plans): the
+    streaming GEMV with :meth:`GemvStream.store_norm`'s epilogue: ``out = bf16(bf16(x @ W^T) +
+    res)`` and ``h_out = rmsnorm(out) * w``; ``counters`` int32 ``[4]`` (zeroed once; the last
+    CTA resets what it used)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, K] bf16
+        mW: cute.Tensor,  # [N, K] bf16
+        mO: cute.Tensor,  # [M, N] new residual out (may alias mE)
+        mE: cute.Tensor,  # [M, N] residual in
+        mG: cute.Tensor,  # [N] norm weight
+        mH: cute.Tensor,  # [M, N] normalized out
+        mCnt: cute.Tensor,  # [4] int32: CTAs done, spare
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        base = self.smem_struct()
+
+        @cute.struct
+        class Smem:
+            s: base
+            flag: cute.struct.MemRange[Int32, 4]
+
+        self.smem_cls = base
+        self.smem_norm = Smem
+        self.kernel_norm(mX, mW, mO, mE, mG, mH, mCnt).launch(
+            grid=[p.grid, 1, 1],
+            block=[p.threads, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel_norm(self, mX, mW, mO, mE, mG, mH, mCnt):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        st = cutlass.memory.SmemAllocator().allocate(self.smem_norm)
+        sX, sR, sRed, sRstd = self.smem_views(st.s)
+        sFlag = st.flag.get_tensor(cute.make_layout(4))
+        self.body(mX, mX, mX, mG, mW, mO, mE, sX, sR, sRed, sRstd, bidx, p.segments[0], bidx,
+                  warp, lane, post=(mG, mH, mCnt, sFlag))  # fmt: skip
+
+
+C_ARRIVE = 0  # GemvStreamNorm's counter: CTAs done
+
+
+def ld_cg_vec8(src: cute.Tensor) -> cute.Tensor:
+    """8 BF16 (16 bytes, aligned) from global memory at L2 (``ld.global.cg``: another CTA wrote
+    them) into a register tensor."""
+    v = cute.arch.inline_ptx(
+        "ld.global.cg.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32, Int32, Int32, Int32],
+        read_only_args=[src.iterator],
+    )
+    u = cute.make_rmem_tensor((4,), Int32)
+    for e in range(4):
+        u[e] = v[e]
+    return cute.recast_tensor(u, BFloat16)
+
+
 # -- torch-facing --------------------------------------------------------------------------
 
 
@@ -600,3 +771,59 @@ def gemv(
 def launch(p: GemvPlan, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual):
     sg.call(compile_plan(p), x, weights, outs, residual, residual_out, norm_weight,
             epilogue_residual)  # fmt: skip
+
+
+# -- o_proj + residual + RMSNorm (norm_out) ----------------------------------------------------
+
+_NORM_CNT: dict[str, torch.Tensor] = {}
+
+
+def norm_plan(gp: GemvPlan) -> GemvPlan | None:
+    """``gp`` with the RMSNorm epilogue (:class:`GemvStreamNorm`), or None where the plan is
+    not one segment with the residual epilogue."""
+    import dataclasses
+
+    try:
+        return dataclasses.replace(gp, norm_out=True)
+    except ValueError:
+        return None
+
+
+def _fake_norm_args(p: GemvPlan):
+    bf = torch.bfloat16
+    M, K, N = p.m, p.k, p.segments[0]
+    return (
+        itf.fake_strided(bf, (M, K), (p.ldx, 1)),
+        itf.fake(bf, (N, K)),
+        itf.fake(bf, (M, N)),
+        itf.fake(bf, (M, N)),
+        itf.fake(bf, (N,)),
+        itf.fake(bf, (M, N)),
+        itf.fake(torch.int32, (4,), align=4),
+        itf.env_stream(),
+    )
+
+
+def compile_norm_plan(p: GemvPlan):
+    """Compile (cached) :class:`GemvStreamNorm` for a ``norm_out`` plan (works without a GPU)."""
+    if not p.norm_out:
+        raise ValueError("gemv_stream: compile_norm_plan needs a norm_out plan (norm_plan)")
+    return itf.compiled(("gemv_stream_norm", p), lambda: (GemvStreamNorm(p), _fake_norm_args(p)))
+
+
+def norm_counters(device) -> torch.Tensor:
+    """The counters of every :class:`GemvStreamNorm` launch on ``device`` (made on the first
+    call: before graph capture, in the layers' eager warm-up step). One set is enough: launches
+    on one stream never overlap in their epilogue (each waits for the kernel before it), and
+    the last CTA of each launch leaves the counter at 0."""
+    key = str(device)
+    c = _NORM_CNT.get(key)
+    if c is None:
+        c = _NORM_CNT[key] = torch.zeros(4, dtype=torch.int32, device=device)
+    return c
+
+
+def gemv_norm(p: GemvPlan, x, w, out, residual, norm_weight, h_out) -> None:
+    """``out = bf16(bf16(x @ w^T) + residual)`` (``out`` may alias ``residual``) and ``h_out =
+    rmsnorm(out) * norm_weight`` in one launch of the ``norm_out`` plan ``p``."""
+    compile_norm_plan(p)(x, w, out, residual, norm_weight, h_out, norm_counters(x.device))

@@ -28,6 +28,35 @@ def plan_for(cfg, kind: str, m: int):
     return gemm_plan(m, k, (cfg.hidden,), residual_epilogue=True, eps=cfg.eps)
 
 
+OPROJ_NORM_ENV = "DECODESCOPE_OPROJ_NORM"
+OPROJ_NORM_DEFAULT = "0"
+
+
+def norm_fused_plan(cfg, kind: str, m: int):
+    """The :class:`.gemv_stream.GemvStreamNorm` plan that runs o_proj, the residual add and
+    the MoE block's input RMSNorm as one launch (``DECODESCOPE_OPROJ_NORM=1``; unset:
+    ``OPROJ_NORM_DEFAULT``), or None: the knob off, or o_proj at ``m`` tokens not on
+    :mod:`.gemv_stream` (1 token by default)."""
+    from decodescope.kernels.specialized import env_knobs
+    from decodescope.kernels.specialized import gemv_stream as gs
+    from decodescope.kernels.specialized.skinny_gemm import GemmPlan
+
+    if env_knobs.read(OPROJ_NORM_ENV, ("0", "1"), OPROJ_NORM_DEFAULT) != "1":
+        return None
+    p = plan_for(cfg, kind, m)
+    if not isinstance(p, GemmPlan) or not p.gemv:
+        return None
+    return gs.norm_plan(gs.from_gemm_plan(p))
+
+
+def oproj_residual_norm(cfg, w: dict, plan, o, r, r_out, h_out) -> None:
+    """``r_out = bf16(o @ o_proj^T) + r`` and ``h_out = rmsnorm(r_out) * mlp_norm`` in one
+    launch of ``plan`` (:func:`norm_fused_plan`); ``r_out`` may alias ``r``."""
+    from decodescope.kernels.specialized import gemv_stream as gs
+
+    gs.gemv_norm(plan, o, w["o_proj"], r_out, r, w["mlp_norm"], h_out)
+
+
 def oproj_residual(cfg, w: dict, o, r, r_out) -> None:
     """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` may alias ``r``: each element is
     read and then written by the same thread."""

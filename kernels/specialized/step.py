@@ -66,10 +66,10 @@ def _int(v: Any, name: str) -> int:
 # -- what the halves support -------------------------------------------------------------------
 
 
-def _attn_ops(kind: str) -> tuple[str, ...]:
+def _attn_ops(kind: str, fused_norm: bool = False) -> tuple[str, ...]:
     from decodescope.kernels.specialized import attention_layers as al
 
-    return al.KDA_OPS if kind == "kda" else al.MLA_OPS
+    return al.attn_ops(kind, fused_norm)
 
 
 def _moe_ops(front_norm: bool = False) -> tuple[str, ...]:
@@ -316,6 +316,8 @@ class Plan:
         else:
             if self.front_norm:
                 attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
+            elif self.fused_norm(spec):
+                attn = _attn_ops(spec.attn, True)
             moe = _moe_ops(self.front_norm)
             names = [f"attn.{o}" for o in attn] + [f"moe.{o}" for o in moe]
         if self.tp_world == 2 and self.allreduce == "nccl":  # explicit all-reduce launches
@@ -331,6 +333,16 @@ class Plan:
                      for x in (_tp2.NCCL_OPS[n] if unfused and n == _tp2.MOE_BACK_OP
                                else (TP2_RENAME.get(n, n),))]  # fmt: skip
         return names
+
+    def fused_norm(self, spec) -> bool:
+        """o_proj and the RMSNorm after it as one launch in ``spec``'s layer
+        (``DECODESCOPE_OPROJ_NORM``; one GPU; not with ``front_norm`` or a dense MLP, which
+        normalize in their own first kernel)."""
+        from decodescope.kernels.specialized import oproj_residual_norm as _op
+
+        if self.tp_world != 1 or self.front_norm or spec.mlp == "dense":
+            return False
+        return _op.norm_fused_plan(self.cfg, spec.attn, self.chunk_tokens) is not None
 
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``, in
@@ -649,10 +661,9 @@ class SpecializedModel:
         """The attention half without its last launch (the post-attention RMSNorm): ``r_out``
         is the residual stream after attention (o_proj's residual epilogue wrote it)."""
         attn = self.attn_c[i][c]
-        for op, fn in attn.stages(x, r, r_out, h):
-            if op != FRONT_NORM_DROPS:
-                with attn._r(op):
-                    fn()
+        for op, fn in attn.stages_no_norm(x, r, r_out, h):
+            with attn._r(op):
+                fn()
 
     def _moe_front_norm(self, i: int, r_out, x_out, c: int = 0) -> None:
         """The MoE block with ``h = rmsnorm(r_out) * mlp_norm`` in its front kernel's prologue."""
@@ -696,12 +707,11 @@ class SpecializedModel:
         """Launches per layer (attention half + MoE block or dense MLP), all chunks."""
         from decodescope.kernels.specialized import moe_block as mb
 
-        drop = 1 if self.front_norm else 0
         out = {}
         for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
             lay = f"layer.{s.index}:{s.kind}"
-            out[lay] = a.launches - 1 + d.launches if d is not None else (
-                a.launches - drop + len(mb.OPS))  # fmt: skip
+            out[lay] = a.launches_no_norm + d.launches if d is not None else (
+                (a.launches_no_norm if self.front_norm else a.launches) + len(mb.OPS))  # fmt: skip
             out[lay] += extra_launches(self.cfg, s, self.Nc)
             out[lay] *= self.chunks
         return out

@@ -135,6 +135,7 @@ def install_nccl(model) -> None:
 
 
 def _nccl_attn(attn, _op, dist) -> None:
+    attn.norm_plan = None  # o_proj and the RMSNorm stay two launches (the all-reduce between)
     orig = attn.stages
     y = torch.empty_like(attn.r_mid)
     zero = torch.zeros_like(attn.r_mid)
@@ -232,6 +233,7 @@ def precompile(model) -> int:
 
 
 def _patch_attn(attn, ws, prefetch) -> None:
+    attn.norm_plan = None  # the fused o_proj all-reduce kernel replaces o_proj alone
     orig = attn.stages
 
     def stages(x_in, r_in, r_out, h_out):

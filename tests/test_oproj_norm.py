@@ -1,0 +1,246 @@
+"""o_proj + residual add + the MoE block's input RMSNorm in one launch
+(:class:`.gemv_stream.GemvStreamNorm`, ``DECODESCOPE_OPROJ_NORM=1``, issue #5).
+
+CPU (CI): the kernel compiles for sm_90a at kimi-k3 TP8 / TP16 with the o_proj GEMV's tuned
+knobs (1 token) and at 2 / 4 tokens; its PTX adds to the plain o_proj GEMV one counter atomic,
+the fence and the last CTA's L2 loads of the whole row (and of the norm weight), with the same
+weight loads before ``griddepcontrol.wait``; ptxas registers no more than the plain GEMV's;
+the plan rules; the knob's parsing and the layer's wiring (op names, launches: KDA 3 and MLA 4
+attention launches at one token, the dense layer and ``front_norm`` unchanged, tp_world 2
+never fused).
+GPU (``pytest -m gpu``, H200): against the torch reference of o_proj + residual and
+:func:`.rmsnorm.rmsnorm_ref` on fresh random inputs with NaN-poisoned outputs, the output
+aliasing the residual as the layers run it, repeated launches (the counter back at 0 after
+each), inside a CUDA graph replayed several times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from decodescope.kernels.config import get_config
+from decodescope.kernels.specialized import gemv_stream as gs
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized import oproj_residual_norm as orn
+
+ENV = orn.OPROJ_NORM_ENV
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for v in (ENV, "DECODESCOPE_GEMV_CFG", "DECODESCOPE_SKINNY_GEMV", "DECODESCOPE_FRONT_NORM"):
+        monkeypatch.delenv(v, raising=False)
+
+
+def _plans(tp: int, m: int = 1):
+    base = gs.GemvPlan(
+        m=m, k=get_config("kimi-k3", tp).kda_dim, segments=(7168,), residual_epilogue=True,
+        warps=4, rows=4, group=2, depth=2,
+    )  # fmt: skip
+    return base, gs.norm_plan(base)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_knob_gives_plan(tp, monkeypatch):
+    cfg = get_config("kimi-k3", tp)
+    assert orn.norm_fused_plan(cfg, "kda", 1) is None  # off by default
+    monkeypatch.setenv(ENV, "1")
+    for kind in ("kda", "mla"):
+        p = orn.norm_fused_plan(cfg, kind, 1)
+        assert p is not None and p.norm_out and p.residual_epilogue
+        assert p == gs.norm_plan(gs.from_gemm_plan(orn.plan_for(cfg, kind, 1)))
+        assert orn.norm_fused_plan(cfg, kind, 8) is None  # o_proj not on gemv_stream there
+    monkeypatch.setenv(ENV, "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_OPROJ_NORM='2': expected one of"):
+        orn.norm_fused_plan(cfg, "kda", 1)
+
+
+def test_plan_rules():
+    base, q = _plans(8)
+    assert q is not None and q.grid == base.grid == 448
+    for bad in (dict(residual_epilogue=False), dict(segments=(7168, 512))):
+        assert gs.norm_plan(dataclasses.replace(base, **bad)) is None
+    with pytest.raises(ValueError, match="norm_out needs one segment with the residual"):
+        dataclasses.replace(base, residual_epilogue=False, norm_out=True)
+    with pytest.raises(ValueError, match="needs a norm_out plan"):
+        gs.compile_norm_plan(base)
+
+
+@pytest.mark.parametrize("tp,m", [(8, 1), (16, 1), (8, 2), (8, 4)])
+def test_compiles(tp, m):
+    _, q = _plans(tp, m)
+    assert gs.compile_norm_plan(q) is not None
+
+
+def _regs(ptx: str) -> int | None:
+    if not shutil.which("ptxas"):
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-300:]
+    assert "0 bytes spill stores" in r.stderr
+    return int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+
+
+def test_ptx():
+    base, q = _plans(8)
+    ptx0 = itf.ptx_text(gs.GemvStream(base), *gs._fake_args(base))
+    ptx1 = itf.ptx_text(gs.GemvStreamNorm(q), *gs._fake_norm_args(q))
+    v4 = r"ld\.global[.\w:]*\.v4"
+    w0 = ptx0.find("griddepcontrol.wait")
+    w1 = ptx1.find("griddepcontrol.wait")
+    assert len(re.findall(v4, ptx1[:w1])) == len(re.findall(v4, ptx0[:w0])) > 0
+    assert ptx0.count("atom.") == 0 and ptx1.count("atom.global.acq_rel.add") == 1
+    assert ptx1.count("fence.acq_rel.gpu") == 2
+    per = -(-7168 // 8 // q.threads)  # 16-byte pieces of a row per thread in the last CTA
+    assert ptx1.count("ld.global.cg.v4.b32") == 2 * per  # h and the norm weight
+    r0, r1 = _regs(ptx0), _regs(ptx1)
+    if r0 is not None:
+        assert r1 <= max(r0, 128), (r0, r1)
+
+
+def test_layer_wiring(monkeypatch):
+    """The step's op names and launch counts with o_proj + norm fused, without a GPU: every
+    launch goes through interface.compiled, recorded with its open range. The tiny preset's
+    o_proj (K 128) is not a gemv_stream shape, so the plan choice is stood in for (a synthetic
+    plan object where ``norm_fused_plan`` would give one: one token per step)."""
+    from types import SimpleNamespace
+
+    from decodescope import tracer
+    from decodescope.kernels.specialized import attention_layers as al
+    from decodescope.kernels.specialized import step as S
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(itf, "compiled", lambda key, build: lambda *a, **k: calls.append(
+        (tracer.current_path(), str(key[0]))))  # fmt: skip
+
+    def run(batch, layers, front_norm=0):
+        calls.clear()
+        p = S.plan(preset="tiny", tp_shape=1, batch=batch, tokens_per_seq=1, layers=layers,
+                   seed=0, front_norm=front_norm)  # fmt: skip
+        m = S.SpecializedModel(p.cfg, p.specs, batch, 1, seed=0, device="cpu",
+                               front_norm=p.front_norm)  # fmt: skip
+        with tracer.range("step"):
+            m.step()
+        want = [f"step/{lay}/{op}" for lay, ops in p.range_names().items() for op in ops]
+        # one or more launches per op range (the routed experts: three at one token), in order
+        assert [k for k, _ in itertools.groupby(c[0] for c in calls)] == want
+        assert len(calls) == sum(p.launches().values())
+        assert m.launches() == p.launches()
+        return p.launches(), p.range_names()  # now: the plan asks norm_fused_plan each time
+
+    base, _ = run(1, "kda,mla")
+    base_dense, _ = run(1, "dense,mla")
+    base_fn, _ = run(1, "kda,mla", front_norm=1)
+    fake = SimpleNamespace(norm_out=True)
+    monkeypatch.setattr(orn, "norm_fused_plan", lambda cfg, kind, m: fake if m == 1 else None)
+    launches, names = run(1, "kda,mla")
+    assert {k: base[k] - v for k, v in launches.items()} == {"layer.0:kda": 1, "layer.1:mla": 1}
+    assert names["layer.0:kda"][2] == "layer.0.attn.o_proj+residual_norm"
+    assert names["layer.1:mla"][3] == "layer.1.attn.o_proj+residual_norm"
+    fused = [c for c in calls if c[1] == "gemv_stream_norm"]
+    assert [c[0].split(".attn.")[-1] for c in fused] == [al.OP_OPROJ_NORM] * 2
+    assert al.attn_ops("kda", True) == (*al.KDA_OPS[:2], al.OP_OPROJ_NORM)
+    # the dense layer and front_norm keep o_proj alone (their next kernel normalizes)
+    assert run(1, "dense,mla")[0]["layer.0:dense"] == base_dense["layer.0:dense"]
+    assert run(1, "kda,mla", front_norm=1)[0] == base_fn
+    # more tokens than the GEMV serves: unchanged
+    _, names2 = run(2, "kda,mla")
+    assert all("o_proj+residual_norm" not in n for ns in names2.values() for n in ns)
+
+
+def _inputs(tp: int, m: int, seed: int):
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    bf = torch.bfloat16
+    K, N = get_config("kimi-k3", tp).kda_dim, 7168
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
+
+    x, r = rnd(m, K), rnd(m, N)
+    w = rnd(N, K, scale=K**-0.5)
+    g = (1 + 0.1 * torch.randn(N, device=dev, generator=gen)).to(bf)
+    return x, w, r, g
+
+
+def _ref(x, w, r, g, eps):
+    from decodescope.kernels.specialized.rmsnorm import rmsnorm_ref
+
+    out = ((x.float() @ w.float().T).to(torch.bfloat16).float() + r.float()).to(torch.bfloat16)
+    return out, rmsnorm_ref(out, g, eps)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,m", [(8, 1), (16, 1), (8, 2), (8, 4)])
+def test_vs_reference_gpu(tp, m):
+    """Eager, the output aliasing the residual (as the layers call it), twice in a row (the
+    counter back at 0 each time), against the references; h also against rmsnorm_ref of the
+    kernel's own residual output (only the sum order of the squares differs)."""
+    _, q = _plans(tp, m)
+    eps = get_config("kimi-k3", tp).eps
+    for seed in (1, 2):
+        x, w, r, g = _inputs(tp, m, seed)
+        ref_out, ref_h = _ref(x, w, r, g, eps)
+        out = r.clone()
+        h = torch.full_like(r, float("nan"))
+        gs.gemv_norm(q, x, w, out, out, g, h)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all() and torch.isfinite(h.float()).all()
+        from decodescope.kernels.specialized.rmsnorm import rmsnorm_ref
+
+        assert _rel(out, ref_out) < 2e-2 and _rel(h, ref_h) < 2e-2
+        assert _rel(h, rmsnorm_ref(out, g, eps)) < 4e-3
+        assert int(gs.norm_counters(x.device)[gs.C_ARRIVE]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+def test_graph_replays_gpu(tp):
+    """Captured once into a CUDA graph (beside the plain o_proj GEMV and the RMSNorm launch of
+    the same inputs), replayed with fresh inputs copied in: each replay matches the unfused
+    pair."""
+    from decodescope.kernels.specialized import rmsnorm as rms
+
+    _, q = _plans(tp, 1)
+    base = dataclasses.replace(q, norm_out=False)
+    eps = get_config("kimi-k3", tp).eps
+    x, w, r, g = _inputs(tp, 1, 7)
+    out, h = torch.empty_like(r), torch.empty_like(r)
+    out2, h2 = torch.empty_like(r), torch.empty_like(r)
+
+    def both():
+        gs.gemv_norm(q, x, w, out, r, g, h)
+        gs.launch(base, x, [w], [out2], None, None, None, r)
+        rms.rmsnorm(out2, g, h2, eps)
+
+    both()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    for seed in range(8, 13):
+        x2, _, r2, _ = _inputs(tp, 1, seed)
+        x.copy_(x2)
+        r.copy_(r2)
+        h.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, out2)
+        assert _rel(h, h2) < 4e-3 and torch.isfinite(h.float()).all()
+        assert _rel(h, _ref(x, w, r, g, eps)[1]) < 2e-2
+    assert int(gs.norm_counters(x.device)[gs.C_ARRIVE]) == 0
