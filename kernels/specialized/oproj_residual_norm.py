@@ -29,6 +29,9 @@ def plan_for(cfg, kind: str, m: int):
 
 
 OPROJ_NORM_ENV = "DECODESCOPE_OPROJ_NORM"
+# off: H200 s17/r2 (TP8 batch 1, bench shares) o_proj + norm 6.4 -> 6.7 us fused, but the MoE
+# front after it 20.5 -> 26.4 (its pre-wait weight stream no longer runs beside a one-CTA norm);
+# projected step 10.59 -> 11.09 ms. Kernel alone: GEMV + norm 8.25, fused 8.98 us.
 OPROJ_NORM_DEFAULT = "0"
 
 
