@@ -1,5 +1,7 @@
 """o_proj + residual add + the MoE block's input RMSNorm in one launch
-(:class:`.gemv_stream.GemvStreamNorm`, ``DECODESCOPE_OPROJ_NORM=1``, issue #5).
+(:class:`.gemv_stream.GemvStreamNorm`, ``DECODESCOPE_OPROJ_NORM=1``, issue #5), and the o_proj
+GEMV prefetching the MoE front's weight into L2 (:class:`.gemv_stream.GemvStreamPre`,
+``DECODESCOPE_OPROJ_PREFETCH``).
 
 CPU (CI): the kernel compiles for sm_90a at kimi-k3 TP8 / TP16 with the o_proj GEMV's tuned
 knobs (1 token) and at 2 / 4 tokens; its PTX adds to the plain o_proj GEMV one counter atomic,
@@ -36,7 +38,8 @@ ENV = orn.OPROJ_NORM_ENV
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for v in (ENV, "DECODESCOPE_GEMV_CFG", "DECODESCOPE_SKINNY_GEMV", "DECODESCOPE_FRONT_NORM"):
+    for v in (ENV, orn.OPROJ_PREFETCH_ENV, "DECODESCOPE_GEMV_CFG", "DECODESCOPE_SKINNY_GEMV",
+              "DECODESCOPE_FRONT_NORM"):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
 
 
@@ -159,6 +162,75 @@ def test_layer_wiring(monkeypatch):
     assert all("o_proj+residual_norm" not in n for ns in names2.values() for n in ns)
 
 
+def test_prefetch_plan(monkeypatch):
+    cfg = get_config("kimi-k3", 8)
+    wf = torch.empty(6016, 7168, dtype=torch.bfloat16, device="meta")
+    assert orn.prefetch_plan(cfg, "kda", 1, wf) is None  # off by default
+    monkeypatch.setenv(orn.OPROJ_PREFETCH_ENV, "512")
+    p = orn.prefetch_plan(cfg, "kda", 1, wf)
+    assert (p.pre_rows, p.pre_k, p.pre_slices, p.pre_bytes) == (6016, 7168, 8, 512)
+    assert orn.prefetch_plan(cfg, "kda", 8, wf) is None  # o_proj not on gemv_stream there
+    assert orn.prefetch_plan(cfg, "kda", 1, None) is None
+    monkeypatch.setenv(orn.OPROJ_PREFETCH_ENV, "500")
+    with pytest.raises(ValueError, match="DECODESCOPE_OPROJ_PREFETCH='500': expected one of"):
+        orn.prefetch_plan(cfg, "kda", 1, wf)
+    base, _ = _plans(8)
+    with pytest.raises(ValueError, match="needs 16-byte multiples within a slice"):
+        dataclasses.replace(base, pre_rows=16, pre_k=7168, pre_bytes=2048)
+    with pytest.raises(ValueError, match="needs a pre_bytes plan"):
+        gs.compile_pre_plan(base)
+
+
+def test_prefetch_ptx():
+    """The prefetch goes out before ``griddepcontrol.wait``, after the first weight loads; the
+    GEMV itself is unchanged (the same loads before the wait, registers no more than its own)."""
+    base, _ = _plans(8)
+    q = gs.pre_plan(base, 6016, 7168, 512)
+    ptx0 = itf.ptx_text(gs.GemvStream(base), *gs._fake_args(base))
+    ptx1 = itf.ptx_text(gs.GemvStreamPre(q), *gs._fake_pre_args(q))
+    w0, w1 = ptx0.find("griddepcontrol.wait"), ptx1.find("griddepcontrol.wait")
+    v4 = r"ld\.global[.\w:]*\.v4"
+    assert len(re.findall(v4, ptx1[:w1])) == len(re.findall(v4, ptx0[:w0])) > 0
+    pf = "cp.async.bulk.prefetch.L2"
+    assert ptx0.count(pf) == 0 and ptx1[:w1].count(pf) == ptx1.count(pf) == 1
+    assert ptx1.find(pf) > re.search(v4, ptx1).start()  # after the first weight loads
+    r0, r1 = _regs(ptx0), _regs(ptx1)
+    if r0 is not None:
+        assert r1 <= max(r0, 128), (r0, r1)
+    assert gs.compile_pre_plan(q) is not None
+
+
+def test_prefetch_wiring(monkeypatch):
+    """The step hands each MoE layer's front weight to its attention half; o_proj then runs as
+    GemvStreamPre in the same range (launch counts unchanged). The tiny preset's o_proj is not
+    a gemv_stream shape: the plan is stood in for (a synthetic object)."""
+    from types import SimpleNamespace
+
+    from decodescope import tracer
+    from decodescope.kernels.specialized import step as S
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(itf, "compiled", lambda key, build: lambda *a, **k: calls.append(
+        (tracer.current_path(), str(key[0]))))  # fmt: skip
+    seen = []
+
+    def fake_plan(cfg, kind, m, w_next):
+        seen.append(tuple(w_next.shape))
+        return SimpleNamespace(pre_bytes=512)
+
+    monkeypatch.setattr(orn, "prefetch_plan", fake_plan)
+    p = S.plan(preset="tiny", tp_shape=1, batch=1, tokens_per_seq=1, layers="dense,kda,mla",
+               seed=0, front_norm=0)  # fmt: skip
+    m = S.SpecializedModel(p.cfg, p.specs, 1, 1, seed=0, device="cpu", front_norm=False)
+    assert len(seen) == 2 and m.attn[0].pre_plan is None  # dense layer 0: no MoE front
+    assert all(a.pre_w is moe.w_front for a, moe in zip(m.attn[1:], m.moe[1:], strict=True))
+    with tracer.range("step"):
+        m.step()
+    pre = [c[0] for c in calls if c[1] == "gemv_stream_pre"]
+    assert pre == ["step/layer.1:kda/layer.1.attn.o_proj", "step/layer.2:mla/layer.2.attn.o_proj"]
+    assert m.launches() == p.launches()
+
+
 def _inputs(tp: int, m: int, seed: int):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -244,3 +316,19 @@ def test_graph_replays_gpu(tp):
         assert _rel(h, h2) < 4e-3 and torch.isfinite(h.float()).all()
         assert _rel(h, _ref(x, w, r, g, eps)[1]) < 2e-2
     assert int(gs.norm_counters(x.device)[gs.C_ARRIVE]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+def test_prefetch_gpu(tp):
+    """GemvStreamPre's output equals the plain GEMV's bit for bit (the prefetch is a hint)."""
+    base, _ = _plans(tp)
+    dev = torch.device("cuda")
+    wf = torch.randn(6016, 7168, device=dev).to(torch.bfloat16)
+    q = gs.pre_plan(base, *wf.shape, 512)
+    x, w, r, _ = _inputs(tp, 1, 3)
+    out, out2 = torch.full_like(r, float("nan")), torch.full_like(r, float("nan"))
+    gs.gemv_pre(q, x, w, out, r, wf)
+    gs.launch(base, x, [w], [out2], None, None, None, r)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and torch.isfinite(out.float()).all()

@@ -99,6 +99,28 @@ class SpecializedAttention:
         # o_proj + the post-attention RMSNorm as one launch (None: two launches; the tp_world 2
         # patches in tp2.py set it to None before they wrap ``stages``)
         self.norm_plan = _op.norm_fused_plan(cfg, spec.attn, N)
+        # o_proj prefetching the next kernels' weights into L2 (set_prefetch)
+        self.pre_plan = None
+        self.pre_w: torch.Tensor | None = None
+
+    def set_prefetch(self, w_next: torch.Tensor | None) -> None:
+        """o_proj prefetches the start of each K slice of ``w_next`` (the MoE front's packed
+        weight) into L2 before its PDL wait, while the decode kernel before it leaves HBM idle
+        (``DECODESCOPE_OPROJ_PREFETCH`` bytes per slice; unset: off). Not with the fused
+        o_proj + norm; the tp_world 2 patches replace o_proj altogether."""
+        self.pre_plan = None
+        self.pre_w = None
+        if self.norm_plan is None:
+            self.pre_plan = _op.prefetch_plan(self.cfg, self.spec.attn, self.N, w_next)
+            self.pre_w = w_next if self.pre_plan is not None else None
+
+    def _oproj(self, r_out) -> None:
+        if self.pre_plan is None:
+            _op.oproj_residual(self.cfg, self.w, self.o, self.r_mid, r_out)
+        else:
+            from decodescope.kernels.specialized.gemv_stream import gemv_pre
+
+            gemv_pre(self.pre_plan, self.o, self.w["o_proj"], r_out, self.r_mid, self.pre_w)
 
     def _r(self, op: str):
         return _range(f"layer.{self.i}.attn.{op}")
@@ -130,6 +152,10 @@ class SpecializedAttention:
             from decodescope.kernels.specialized.gemv_stream import compile_norm_plan
 
             compile_norm_plan(self.norm_plan)
+        if self.pre_plan is not None:
+            from decodescope.kernels.specialized.gemv_stream import compile_pre_plan
+
+            compile_pre_plan(self.pre_plan)
         if self.spec.attn == "kda":
             _kda.compile_plan(_kda.plan_for(cfg, self.B, self.T))
         else:
@@ -161,7 +187,7 @@ class SpecializedAttention:
                     cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj])),
                 (KDA_OPS[1], lambda: _kda.kda_decode(
                     cfg, w, self.proj, st["kda_state"], st["conv_state"], self.o, self.T)),
-                (KDA_OPS[2], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
+                (KDA_OPS[2], lambda: self._oproj(r_out)),
                 (KDA_OPS[3], lambda: _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)),
             ]  # fmt: skip
         outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
@@ -171,7 +197,7 @@ class SpecializedAttention:
             (MLA_OPS[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q)),
             (MLA_OPS[2], lambda: _mla.mla_decode(
                 cfg, w, self.a, self.q, self.g, st["kv_cache"], self.o, self.T)),
-            (MLA_OPS[3], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
+            (MLA_OPS[3], lambda: self._oproj(r_out)),
             (MLA_OPS[4], lambda: _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)),
         ]  # fmt: skip
 

@@ -170,6 +170,13 @@ class GemvPlan:
     # o_proj's post-attention RMSNorm in the epilogue (:class:`GemvStreamNorm`): one grid-wide
     # step (every CTA's sum of squares, a counter, then each CTA normalizes its own rows)
     norm_out: bool = False
+    # L2 prefetch of the next kernels' weights before the PDL wait (:class:`GemvStreamPre`): of
+    # a [pre_rows, pre_k] BF16 weight, the first ``pre_bytes`` of each of ``pre_slices`` equal
+    # slices of every row (where the next kernel's warps start their K walks)
+    pre_rows: int = 0
+    pre_k: int = 0
+    pre_slices: int = 8
+    pre_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not supports(self.m, self.k):
@@ -195,6 +202,15 @@ class GemvPlan:
             raise ValueError(
                 "gemv_stream: norm_out needs one segment with the residual epilogue and no "
                 "input norm"
+            )
+        if self.pre_bytes and (
+            self.pre_rows < 1 or self.pre_bytes % 16 or self.pre_k % self.pre_slices
+            or self.pre_bytes > self.pre_k * 2 // self.pre_slices or (self.pre_k * 2 // self.pre_slices) % 16
+        ):  # fmt: skip
+            raise ValueError(
+                f"gemv_stream: prefetch of {self.pre_bytes} B per slice of {self.pre_slices} "
+                f"slices of a [{self.pre_rows}, {self.pre_k}] weight: needs 16-byte multiples "
+                "within a slice"
             )
         for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
                             ("group", self.group, 32), ("depth", self.depth, 8)):  # fmt: skip
@@ -408,6 +424,8 @@ class GemvStream:
         # the first groups' weights go out before the PDL wait (never written by the
         # previous kernel), and so do the norm weights of this thread's prologue pieces
         bufs = self.issue_first(mW, rows, lane)
+        if cutlass.const_expr(p.pre_bytes > 0):
+            self.prefetch_next(post[0], bidx, warp * 32 + lane)
         nvec = p.k // PIECE
         per = -(-nvec // p.threads)
         tidx = warp * 32 + lane
@@ -443,6 +461,27 @@ class GemvStream:
                         if cutlass.const_expr(p.residual_epilogue):
                             tot = tot.to(BFloat16).to(Float32) + evs[r * p.m + m]
                         mO[m, row0 + r] = tot.to(BFloat16)
+
+    @cute.jit
+    def prefetch_next(self, mPre, bidx, tidx):
+        """``pre_bytes`` plans: one ``cp.async.bulk.prefetch.L2`` per (row, slice) of the next
+        kernels' weight, spread over every thread of the grid (before the PDL wait: nothing
+        here depends on the previous kernel)."""
+        p = self.p
+        items = p.pre_rows * p.pre_slices
+        nthr = p.grid * p.threads
+        step = p.pre_k // p.pre_slices
+        g = bidx * p.threads + tidx
+        for i in cutlass.range_constexpr(-(-items // nthr)):
+            it = g + i * nthr
+            if it < items:
+                row = it // p.pre_slices
+                sl = it - row * p.pre_slices
+                src = cute.local_tile(mPre[row, None], (step,), (sl,))
+                cute.arch.inline_ptx(
+                    "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                    read_only_args=[src.iterator, Int32(p.pre_bytes)],
+                )
 
     @cute.jit
     def store_norm(self, accs, evs, row0, n, mO, post, sRed, warp, lane):
@@ -693,6 +732,46 @@ class GemvStreamNorm(GemvStream):
                   warp, lane, post=(mG, mH, mCnt, sFlag))  # fmt: skip
 
 
+class GemvStreamPre(GemvStream):
+    """The streaming GEMV (one segment) that also prefetches part of the next kernels' weight
+    into L2 before its PDL wait (``pre_bytes`` plans; :meth:`GemvStream.prefetch_next`): o_proj
+    waits through the decode kernel before it, whose few CTAs leave HBM idle."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,
+        mR: cute.Tensor,
+        mRout: cute.Tensor,
+        mNW: cute.Tensor,
+        mW0: cute.Tensor,
+        mO0: cute.Tensor,
+        mE: cute.Tensor,
+        mPre: cute.Tensor,  # [pre_rows, pre_k] bf16: the next kernels' weight (read: address)
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        self.smem_cls = self.smem_struct()
+        self.kernel_pre(mX, mR, mRout, mNW, mW0, mO0, mE, mPre).launch(
+            grid=[p.grid, 1, 1],
+            block=[p.threads, 1, 1],
+            smem=self.smem_cls.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel_pre(self, mX, mR, mRout, mNW, mW0, mO0, mE, mPre):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        sX, sR, sRed, sRstd = self.smem_views()
+        self.body(mX, mR, mRout, mNW, mW0, mO0, mE, sX, sR, sRed, sRstd, bidx, p.segments[0],
+                  bidx, warp, lane, post=(mPre,))  # fmt: skip
+
+
 C_ARRIVE = 0  # GemvStreamNorm's counter: CTAs done
 
 
@@ -827,3 +906,37 @@ def gemv_norm(p: GemvPlan, x, w, out, residual, norm_weight, h_out) -> None:
     """``out = bf16(bf16(x @ w^T) + residual)`` (``out`` may alias ``residual``) and ``h_out =
     rmsnorm(out) * norm_weight`` in one launch of the ``norm_out`` plan ``p``."""
     compile_norm_plan(p)(x, w, out, residual, norm_weight, h_out, norm_counters(x.device))
+
+
+# -- the next kernels' weights into L2 (pre_bytes) ---------------------------------------------
+
+
+def pre_plan(gp: GemvPlan, rows: int, k: int, nbytes: int, slices: int = 8) -> GemvPlan | None:
+    """``gp`` prefetching the first ``nbytes`` of each of ``slices`` K slices of every row of a
+    ``[rows, k]`` BF16 weight (:class:`GemvStreamPre`), or None where ``gp`` has more than one
+    segment, a norm prologue or ``norm_out`` (those launch other classes) or ``nbytes`` is 0."""
+    import dataclasses
+
+    if nbytes <= 0 or len(gp.segments) != 1 or gp.norm or gp.norm_out:
+        return None
+    return dataclasses.replace(gp, pre_rows=rows, pre_k=k, pre_slices=slices, pre_bytes=nbytes)
+
+
+def _fake_pre_args(p: GemvPlan):
+    a = _fake_args(p)  # x, r, rout, nw, w0, o0, w1, o1, w2, o2, e, stream
+    return (*a[:6], a[10], itf.fake(torch.bfloat16, (p.pre_rows, p.pre_k)), a[11])
+
+
+def compile_pre_plan(p: GemvPlan):
+    """Compile (cached) :class:`GemvStreamPre` for a ``pre_bytes`` plan (works without a GPU)."""
+    if not p.pre_bytes:
+        raise ValueError("gemv_stream: compile_pre_plan needs a pre_bytes plan (pre_plan)")
+    return itf.compiled(("gemv_stream_pre", p), lambda: (GemvStreamPre(p), _fake_pre_args(p)))
+
+
+def gemv_pre(p: GemvPlan, x, w, out, epilogue_residual, pre_w) -> None:
+    """``out = x @ w^T (+ epilogue_residual)`` by the ``pre_bytes`` plan ``p``, prefetching its
+    share of ``pre_w`` (``[pre_rows, pre_k]`` BF16, contiguous) into L2 before the PDL wait."""
+    ph = itf.placeholder(x.device, sg._PLACEHOLDER)
+    e = epilogue_residual if epilogue_residual is not None else ph
+    compile_pre_plan(p)(x, ph, ph, ph[0], w, out, e, pre_w)

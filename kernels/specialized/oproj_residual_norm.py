@@ -60,6 +60,38 @@ def oproj_residual_norm(cfg, w: dict, plan, o, r, r_out, h_out) -> None:
     gs.gemv_norm(plan, o, w["o_proj"], r_out, r, w["mlp_norm"], h_out)
 
 
+OPROJ_PREFETCH_ENV = "DECODESCOPE_OPROJ_PREFETCH"
+PREFETCH_CHOICES = ("0", "128", "256", "384", "512", "768", "1024")
+
+
+def prefetch_bytes() -> int:
+    """``DECODESCOPE_OPROJ_PREFETCH``: bytes per K slice (of 8) of every row of the MoE front's
+    weight that the o_proj GEMV prefetches into L2 before its PDL wait (unset or 0: none)."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return int(env_knobs.read(OPROJ_PREFETCH_ENV, PREFETCH_CHOICES, "0"))
+
+
+def prefetch_plan(cfg, kind: str, m: int, w_next: torch.Tensor | None):
+    """The :class:`.gemv_stream.GemvStreamPre` plan of o_proj at ``m`` tokens prefetching the
+    first :func:`prefetch_bytes` of each eighth of every row of ``w_next`` (the MoE front's
+    packed weight: :class:`.front_mma.FrontMma`'s 8 warps start their K walks there), or None:
+    the knob off, no next weight, or o_proj not on :mod:`.gemv_stream`."""
+    from decodescope.kernels.specialized import gemv_stream as gs
+    from decodescope.kernels.specialized.skinny_gemm import GemmPlan
+
+    nb = prefetch_bytes()
+    if not nb or w_next is None or w_next.dim() != 2:
+        return None
+    p = plan_for(cfg, kind, m)
+    if not isinstance(p, GemmPlan) or not p.gemv:
+        return None
+    rows, k = (int(v) for v in w_next.shape)
+    if k % 8 or nb > k * 2 // 8:
+        return None
+    return gs.pre_plan(gs.from_gemm_plan(p), rows, k, nb)
+
+
 def oproj_residual(cfg, w: dict, o, r, r_out) -> None:
     """``r_out = bf16(o @ o_proj^T) + r`` (bf16). ``r_out`` may alias ``r``: each element is
     read and then written by the same thread."""

@@ -585,6 +585,10 @@ class SpecializedModel:
             else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
+        for ac, mc in zip(self.attn_c, self.moe_c, strict=True):
+            if mc is not None:  # o_proj's L2 prefetch of the MoE front (DECODESCOPE_OPROJ_PREFETCH)
+                for a, m in zip(ac, mc, strict=True):
+                    a.set_prefetch(m.w_front)
         self.attn = [a[0] for a in self.attn_c]
         self.moe = [m[0] if m is not None else None for m in self.moe_c]
         self.dense = [d[0] if d is not None else None for d in self.dense_c]

@@ -136,6 +136,7 @@ def install_nccl(model) -> None:
 
 def _nccl_attn(attn, _op, dist) -> None:
     attn.norm_plan = None  # o_proj and the RMSNorm stay two launches (the all-reduce between)
+    attn.pre_plan = None
     orig = attn.stages
     y = torch.empty_like(attn.r_mid)
     zero = torch.zeros_like(attn.r_mid)
@@ -234,6 +235,7 @@ def precompile(model) -> int:
 
 def _patch_attn(attn, ws, prefetch) -> None:
     attn.norm_plan = None  # the fused o_proj all-reduce kernel replaces o_proj alone
+    attn.pre_plan = None
     orig = attn.stages
 
     def stages(x_in, r_in, r_out, h_out):
