@@ -60,6 +60,9 @@ def oproj_residual_norm(cfg, w: dict, plan, o, r, r_out, h_out) -> None:
     gs.gemv_norm(plan, o, w["o_proj"], r_out, r, w["mlp_norm"], h_out)
 
 
+# off by default: H200 s17/r3 (TP8 batch 1, bench shares) 512 B per slice took the MoE front
+# 20.8 -> 19.7 us but the MLA decode running beside the prefetches 15.4 -> 18.1; step 10.59 ->
+# 10.64 ms
 OPROJ_PREFETCH_ENV = "DECODESCOPE_OPROJ_PREFETCH"
 PREFETCH_CHOICES = ("0", "128", "256", "384", "512", "768", "1024")
 
