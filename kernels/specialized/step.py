@@ -373,7 +373,24 @@ class Plan:
                 last = o.split(".")[-1]
                 key = "allreduce" if last.endswith("allreduce") else last
                 out[o] = NCCL_IMPL.get(key, CUTE) if nccl else CUTE
+                if self.tp_world == 1 and self._on_cublas(s, o):
+                    from decodescope.kernels.specialized.tile_gemm import CUBLAS_IMPL
+
+                    out[o] = CUBLAS_IMPL
         return out
+
+    def _on_cublas(self, spec, op: str) -> bool:
+        """Whether op ``op`` of ``spec``'s layer runs its GEMM on cuBLAS
+        (``DECODESCOPE_TILE_CUBLAS``, :func:`.tile_gemm.cublas_serves`)."""
+        from decodescope.kernels.specialized import tile_gemm as tg
+
+        n, cfg = self.chunk_tokens, self.cfg
+        if op == "attn.o_proj":
+            k = cfg.kda_dim if spec.attn == "kda" else cfg.mla_v_dim
+            return tg.cublas_serves(n, k, 1, False, False)
+        if op == "attn.input_residual_norm+qkv_proj+f_b_proj":
+            return tg.cublas_serves(n, cfg.hidden, 1, True, True)
+        return False
 
 
 def extra_launches(cfg, spec, n_tokens: int) -> int:

@@ -1136,13 +1136,63 @@ def gemm_plan(m: int, k: int, segments: tuple[int, ...], **flags):
     return sk.gemm_plan(m, k, segments, **flags)
 
 
+CUBLAS_ENV = "DECODESCOPE_TILE_CUBLAS"
+CUBLAS_CHOICES = ("0", "16", "32", "64")
+CUBLAS_IMPL = "torch:cublas + cute:decodescope"  # op_impl of a projection it serves
+
+
+def cublas_min_m() -> int:
+    """``DECODESCOPE_TILE_CUBLAS``: from this many tokens the single-weight tile projections
+    (o_proj with its residual epilogue, KDA's in_proj after its norm launch) run their GEMM on
+    cuBLAS (``torch.addmm`` / ``torch.mm``) instead; unset or 0: never. Opt-in: at 64 tokens the
+    tile kernel is 1.4-1.6x cuBLAS's time (H200 s12, s16/r5), not yet measured in the layer."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return int(env_knobs.read(CUBLAS_ENV, CUBLAS_CHOICES, "0"))
+
+
+def cublas_serves(m: int, k: int, n_weights: int, norm: bool, residual: bool) -> bool:
+    """Whether :func:`project` hands an ``m x k`` projection of ``n_weights`` weights to cuBLAS
+    (:func:`cublas_min_m`): one weight (two would need two launches), served by the tile kernel
+    at ``m`` (:func:`selected`), its norm (if any) not folded (a folded norm has no launch of its
+    own to keep)."""
+    mm = cublas_min_m()
+    return (
+        mm > 0
+        and m >= mm
+        and n_weights == 1
+        and selected(m, k, norm, residual)
+        and not folds(norm, residual, m)
+    )
+
+
+def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=None,
+                    epilogue_residual=None, eps=1e-5) -> None:  # fmt: skip
+    """The tile path's norm launch (if any), then ``out = a @ w^T (+ epilogue_residual)`` by
+    cuBLAS: ``bf16(acc + res)`` in one rounding (the tile kernel: ``bf16(bf16(acc) + res)``).
+    ``out`` may alias ``epilogue_residual`` (an in-place ``addmm_``)."""
+    a = x
+    if norm_weight is not None:
+        p = plan_of(x, [w], residual=residual, norm_weight=norm_weight, eps=eps)
+        a = norm_launch(p, x, norm_weight, residual, residual_out)
+    if epilogue_residual is None:
+        torch.mm(a, w.t(), out=out)
+    elif out.data_ptr() == epilogue_residual.data_ptr():
+        out.addmm_(a, w.t())
+    else:
+        torch.addmm(epilogue_residual, a, w.t(), out=out)
+
+
 def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], **kw) -> None:
     """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords). A
     folded norm (:func:`folds`) runs on :func:`folded_weight`'s derived weights (made on the
-    first call: call :func:`folded_weight` before graph capture)."""
+    first call: call :func:`folded_weight` before graph capture); :func:`cublas_serves` hands a
+    single-weight one to cuBLAS."""
     norm = kw.get("norm_weight") is not None
     res = kw.get("residual") is not None
-    if not selected(x.shape[0], x.shape[1], norm, res):
+    if cublas_serves(x.shape[0], x.shape[1], len(weights), norm, res):
+        _cublas_project(x, weights[0], outs[0], **kw)
+    elif not selected(x.shape[0], x.shape[1], norm, res):
         sk.project(x, weights, outs, **kw)
     elif folds(norm, res, x.shape[0]):
         g = kw.pop("norm_weight")
