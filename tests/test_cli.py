@@ -123,6 +123,20 @@ def test_compare(work):
     assert "42 -> 21 kernels" in text.stdout and "kernels present on one side only" in text.stdout
 
 
+def test_compare_dataset_runs(work, tmp_path):
+    """``DATASET@RUN_ID`` on the command line: the same comparison as of the run folders; a
+    bad id is a one-line error naming the dataset."""
+    ds = tmp_path / "ds"
+    assert cli("export", work / "hf", work / "vllm", "--to", ds).returncode == 0
+    a, b = tracer.load(work / "hf").run_id, tracer.load(work / "vllm").run_id
+    p = cli("compare", f"{ds}@{a}", f"{ds}@{b[:10]}", "--json")
+    assert p.returncode == 0, p.stderr
+    want = json.loads(cli("compare", work / "hf", work / "vllm", "--json").stdout)
+    assert json.loads(p.stdout)["verdict"] == want["verdict"]
+    line = one_line_error(cli("report", f"{ds}@nope"))
+    assert str(ds) in line and "no run 'nope'" in line
+
+
 def test_import_errors_leave_nothing(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"traceEvents": [')

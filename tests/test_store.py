@@ -206,3 +206,31 @@ def test_select_baseline():
     assert layout.select_baseline(rows, meta) == ["a"]
     assert layout.encode_value(None) == layout.NULL_PARTITION
     assert layout.decode_value(layout.encode_value("a/b=c%d")) == "a/b=c%d"
+
+
+def test_dataset_run_reference(tmp_path, runs):
+    """``DATASET@RUN_ID`` (or a unique prefix of the id) loads that run of a results dataset
+    wherever a run folder or trace is accepted; a bad reference is a one-line error naming the
+    dataset."""
+    d = tmp_path / "ds"
+    tds.append_runs(runs, d)
+    for run in runs:
+        _same_tables(run, tracer.load(f"{d}@{run.run_id}"))
+    rid = runs[1].run_id
+    prefix = next(rid[:n] for n in range(1, len(rid)) if
+                  sum(r.run_id.startswith(rid[:n]) for r in runs) == 1)  # fmt: skip
+    assert tracer.load(f"{d}@{prefix}").run_id == rid
+    assert tracer.dataset_ref(f"{d}@{rid}") == (d, rid)
+    assert tracer.dataset_ref(d) is None and tracer.dataset_ref(tmp_path / "x@y") is None
+    with pytest.raises(TraceError, match=r"no run 'nope' in this dataset \(3 runs\)"):
+        tracer.load(f"{d}@nope")
+    ids = [r.run_id for r in runs]
+    common = max((os.path.commonprefix([a, b]) for a in ids for b in ids if a != b), key=len)
+    assert common  # the two Kineto imports' ids share "kineto-"
+    n = sum(i.startswith(common) for i in ids)
+    with pytest.raises(TraceError, match=f"is ambiguous: {n} runs start with it"):
+        tracer.load(f"{d}@{common}")
+    with pytest.raises(TraceError, match="no run '' in this dataset"):
+        tracer.load(f"{d}@")
+    with pytest.raises(TraceError, match="no such file or directory"):
+        tracer.load(tmp_path / "missing@run")

@@ -1,7 +1,8 @@
 """Capture and import: everything that produces a run.
 
 ``load(path)`` reads a run folder, a Kineto / PyTorch-profiler JSON trace (``.json`` or
-``.json.gz``) or an Nsight Systems SQLite export, recognised by content, and returns a
+``.json.gz``) or an Nsight Systems SQLite export, recognised by content, or one run of a results
+dataset as ``DATASET@RUN_ID`` (a unique prefix of the id will do), and returns a
 :class:`~decodescope.analysis.schema.Run`. ``range(name)`` is the NVTX range API the workloads
 use; it imports without CUPTI or a GPU.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "Run",
     "TraceError",
     "current_path",
+    "dataset_ref",
     "detect",
     "load",
     "range",
@@ -63,13 +65,44 @@ def detect(path: str | os.PathLike[str]) -> str:
     )
 
 
+def dataset_ref(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """``(dataset, run id)`` where ``path`` names no file but reads ``DATASET@RUN`` with a
+    results dataset before the last ``@`` (``RUN``: a run id or a unique prefix of one);
+    otherwise None. A run it cannot resolve is a one-line :class:`TraceError`."""
+    text = os.fspath(path)
+    if "@" not in text or Path(text).exists():
+        return None
+    from decodescope.tracer import dataset as tds
+
+    root, want = text.rsplit("@", 1)
+    ds = Path(root)
+    if not tds.is_dataset(ds):
+        return None
+    ids = sorted(tds.run_ids(ds))
+    if want in ids:
+        return ds, want
+    hits = [i for i in ids if i.startswith(want)] if want else []
+    if len(hits) == 1:
+        return ds, hits[0]
+    if hits:
+        raise TraceError(ds, f"run {want!r} is ambiguous: {len(hits)} runs start with it "
+                             f"({', '.join(hits[:3])}{', ...' if len(hits) > 3 else ''})")  # fmt: skip
+    raise TraceError(ds, f"no run {want!r} in this dataset ({len(ids)} runs)")
+
+
 def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **options) -> Run:
-    """Load any supported trace or run folder as a :class:`Run` (format detected from content).
+    """Load any supported trace or run folder as a :class:`Run` (format detected from content),
+    or one run of a results dataset (``DATASET@RUN_ID``, :func:`dataset_ref`).
 
     Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`)
-    with ``scheme`` (default: ``analysis/naming.toml``); a run folder keeps the range paths
-    and steps it was written with, and gets layer, kind, block and op from them.
+    with ``scheme`` (default: ``analysis/naming.toml``); a run folder (or dataset run) keeps the
+    range paths and steps it was written with, and gets layer, kind, block and op from them.
     """
+    ref = dataset_ref(path)
+    if ref is not None:
+        from decodescope.tracer import dataset as tds
+
+        return attribute(tds.read_runs(ref[0], [ref[1]])[0], scheme)
     kind = detect(path)
     if kind == "run":
         # attribution fills only what is missing (a capture's range paths and steps are kept)

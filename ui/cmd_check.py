@@ -53,7 +53,7 @@ def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) ->
 
 @app.command("check")
 def check(
-    run: Path = typer.Argument(..., help="the run to check (run folder or trace)"),
+    run: Path = typer.Argument(..., help="the run to check (run folder, trace or DATASET@RUN_ID)"),
     baseline: Path = typer.Option(..., "--baseline", help="baseline run folder, trace or dataset"),
     max_regression: float = typer.Option(
         ..., "--max-regression", min=0, help="allowed increase in percent (span and kernels)"

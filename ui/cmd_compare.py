@@ -79,8 +79,8 @@ def compare_data(a: Run, b: Run) -> dict[str, Any]:
 
 @app.command("compare")
 def compare(
-    a: Path = typer.Argument(..., help="run A (run folder or trace)"),
-    b: Path = typer.Argument(..., help="run B (run folder or trace)"),
+    a: Path = typer.Argument(..., help="run A (run folder, trace or DATASET@RUN_ID)"),
+    b: Path = typer.Argument(..., help="run B (run folder, trace or DATASET@RUN_ID)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     top: int = typer.Option(20, "--top", min=0, help="rows of the one-side kernel list"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),

@@ -11,7 +11,9 @@ from decodescope.ui.cli import app, console
 
 @app.command("perfetto")
 def perfetto_cmd(
-    run: Path = typer.Argument(..., help="A run folder, Kineto JSON or nsys SQLite export."),
+    run: Path = typer.Argument(
+        ..., help="A run folder, Kineto JSON, nsys SQLite export or DATASET@RUN_ID."
+    ),
     out: Path = typer.Option(
         ..., "--out", "-o", help="Chrome-trace JSON to write (.json or .json.gz)."
     ),

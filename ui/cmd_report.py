@@ -164,7 +164,7 @@ def print_meta(summary: dict[str, Any], title: str = "run") -> None:
 @app.command("report")
 def report(
     source: Path = typer.Argument(
-        ..., help="run folder, Kineto JSON(.gz) or Nsight Systems SQLite"
+        ..., help="run folder, Kineto JSON(.gz), Nsight Systems SQLite or DATASET@RUN_ID"
     ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     top: int = typer.Option(15, "--top", min=0, help="how many kernels to list (by total time)"),
