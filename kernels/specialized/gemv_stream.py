@@ -359,16 +359,7 @@ class GemvStream:
             for r in rows:
                 if p.ld == "nc":
                     src = cute.local_tile(mW[r, None], (PIECE,), (i * 32 + lane,))
-                    v = cute.arch.inline_ptx(
-                        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 "
-                        "{{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                        write_only_types=[Int32, Int32, Int32, Int32],
-                        read_only_args=[src.iterator],
-                    )
-                    u = cute.make_rmem_tensor((4,), Int32)
-                    for e in range(4):
-                        u[e] = v[e]
-                    t = cute.recast_tensor(u, BFloat16)
+                    t = ld_vec8(src, "nc.L1::no_allocate.L2::256B")
                 else:
                     t = cute.make_rmem_tensor((PIECE,), BFloat16)
                     load_vec8(mW[r, None], (i * 32 + lane) * PIECE, t)
@@ -775,11 +766,12 @@ class GemvStreamPre(GemvStream):
 C_ARRIVE = 0  # GemvStreamNorm's counter: CTAs done
 
 
-def ld_cg_vec8(src: cute.Tensor) -> cute.Tensor:
-    """8 BF16 (16 bytes, aligned) from global memory at L2 (``ld.global.cg``: another CTA wrote
-    them) into a register tensor."""
+def ld_vec8(src: cute.Tensor, qual: str) -> cute.Tensor:
+    """8 BF16 (16 bytes, aligned) from global memory by ``ld.global.<qual>.v4.b32`` into a
+    register tensor: ``nc.L1::no_allocate.L2::256B`` (the streamed weights), ``cg`` (at L2:
+    another CTA wrote them)."""
     v = cute.arch.inline_ptx(
-        "ld.global.cg.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        f"ld.global.{qual}.v4.b32 {{{{$w0}}, {{$w1}}, {{$w2}}, {{$w3}}}}, [{{$r0}}];",
         write_only_types=[Int32, Int32, Int32, Int32],
         read_only_args=[src.iterator],
     )
@@ -787,6 +779,11 @@ def ld_cg_vec8(src: cute.Tensor) -> cute.Tensor:
     for e in range(4):
         u[e] = v[e]
     return cute.recast_tensor(u, BFloat16)
+
+
+def ld_cg_vec8(src: cute.Tensor) -> cute.Tensor:
+    """:func:`ld_vec8` at L2 (``ld.global.cg``)."""
+    return ld_vec8(src, "cg")
 
 
 # -- torch-facing --------------------------------------------------------------------------
