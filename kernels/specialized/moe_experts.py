@@ -948,7 +948,7 @@ def kernel_variant() -> tuple[str, int]:
     return v, int(st)
 
 
-# H200, 2026-11-30 15:15 (notes/gpu-logs/s4/moe_ab_tp8.log), TP8 expert kernel old vs pipe:
+# H200, 2026-11-30 15:15 (notes/gpu-logs/s4/moe_ab_tp8.log.xz), TP8 expert kernel old vs pipe:
 # 74.7 vs 63.4 us at 1 token, 397.1 vs 407.4 at 8, 1148.4 vs 1557.8 at 32, 1879.4 vs 2902.7 at 64
 PIPE_BELOW = 8
 
