@@ -1,5 +1,6 @@
 """``DECODESCOPE_TILE_CUBLAS``: the single-weight tile projections (o_proj with its residual
-epilogue, KDA's in_proj after its norm launch) on cuBLAS from N tokens (issue #5, opt-in).
+epilogue, KDA's in_proj after its norm launch) on cuBLAS from N tokens (issue #5; default 32,
+``0`` turns it off).
 
 CPU (CI): which projections it takes (one weight, no folded norm, the tile kernel's token
 range), the knob's parsing, the GEMM and residual epilogue by torch on the CPU (the output
@@ -28,7 +29,9 @@ def _clean_env(monkeypatch):
 def test_serves(monkeypatch):
     cfg = get_config("kimi-k3", 8)
     H = cfg.hidden
-    assert not tg.cublas_serves(64, cfg.kda_dim, 1, False, False)  # off by default
+    assert tg.cublas_min_m() == 32  # the default
+    monkeypatch.setenv(ENV, "0")
+    assert not tg.cublas_serves(64, cfg.kda_dim, 1, False, False)  # 0: off
     monkeypatch.setenv(ENV, "32")
     assert tg.cublas_min_m() == 32
     assert tg.cublas_serves(64, cfg.kda_dim, 1, False, False)  # o_proj
@@ -91,9 +94,13 @@ def test_op_impl(monkeypatch):
                    layers="dense,kda,mla", seed=0, front_norm=0)  # fmt: skip
         return p.op_impl()
 
+    monkeypatch.setenv(ENV, "0")
     assert set(impl(64).values()) == {S.CUTE}
     monkeypatch.setenv(ENV, "32")
-    got = impl(64)
+    forced = impl(64)
+    monkeypatch.delenv(ENV)
+    got = impl(64)  # the default: 32
+    assert got == forced
     assert (
         got["attn.o_proj"] == got["attn.input_residual_norm+qkv_proj+f_b_proj"] == (tg.CUBLAS_IMPL)
     )

@@ -1144,11 +1144,14 @@ CUBLAS_IMPL = "torch:cublas + cute:decodescope"  # op_impl of a projection it se
 def cublas_min_m() -> int:
     """``DECODESCOPE_TILE_CUBLAS``: from this many tokens the single-weight tile projections
     (o_proj with its residual epilogue, KDA's in_proj after its norm launch) run their GEMM on
-    cuBLAS (``torch.addmm`` / ``torch.mm``) instead; unset or 0: never. Opt-in: at 64 tokens the
-    tile kernel is 1.4-1.6x cuBLAS's time (H200 s12, s16/r5), not yet measured in the layer."""
+    cuBLAS (``torch.addmm`` / ``torch.mm``) instead; 0: never. Unset: 32, the default since
+    session 18 (H200, bench shares at 64 tokens: TP8 KDA layer -11.5 us, TP16 KDA -7.7 / MLA
+    -5.2; projected steps 0.7-1.2% shorter at every 32- and 64-token point measured; notes/
+    specialized.md "Session 18"). cuBLAS may pick a split-K GEMM with a reduce kernel of its own
+    (TP16 at 64 tokens: one launch more than :meth:`.step.Plan.launches` counts)."""
     from decodescope.kernels.specialized import env_knobs
 
-    return int(env_knobs.read(CUBLAS_ENV, CUBLAS_CHOICES, "0"))
+    return int(env_knobs.read(CUBLAS_ENV, CUBLAS_CHOICES, "32"))
 
 
 def cublas_serves(m: int, k: int, n_weights: int, norm: bool, residual: bool) -> bool:
