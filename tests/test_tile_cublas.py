@@ -108,6 +108,24 @@ def test_op_impl(monkeypatch):
     assert set(impl(8).values()) == {S.CUTE}
 
 
+@pytest.mark.parametrize("allreduce", ["fused", "nccl"])
+def test_op_impl_tp2(allreduce):
+    """tp_world 2 keeps the single-GPU input projection (cuBLAS from 32 tokens, the default) and,
+    with NCCL launches, the single-GPU o_proj too; the fused o_proj + all-reduce is CuTe."""
+    from decodescope.kernels.specialized import step as S
+
+    p = S.plan(preset="kimi-k3", tp_shape=8, batch=64, tokens_per_seq=1, layers="kda,mla",
+               seed=0, tp_world=2, allreduce=allreduce)  # fmt: skip
+    got = p.op_impl()
+    assert got["attn.input_residual_norm+qkv_proj+f_b_proj"] == tg.CUBLAS_IMPL
+    if allreduce == "nccl":
+        assert got["attn.o_proj"] == tg.CUBLAS_IMPL
+        assert got["attn.allreduce"] == "torch.distributed:nccl"
+    else:
+        assert "attn.o_proj" not in got
+        assert got["attn.o_proj+allreduce+residual"] == S.CUTE
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [32, 64])
 def test_vs_tile_gpu(m, monkeypatch):

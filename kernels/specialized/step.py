@@ -373,7 +373,7 @@ class Plan:
                 last = o.split(".")[-1]
                 key = "allreduce" if last.endswith("allreduce") else last
                 out[o] = NCCL_IMPL.get(key, CUTE) if nccl else CUTE
-                if self.tp_world == 1 and self._on_cublas(s, o):
+                if self._on_cublas(s, o):  # any tp_world: the tp2 patches keep these calls
                     from decodescope.kernels.specialized.tile_gemm import CUBLAS_IMPL
 
                     out[o] = CUBLAS_IMPL
@@ -381,7 +381,9 @@ class Plan:
 
     def _on_cublas(self, spec, op: str) -> bool:
         """Whether op ``op`` of ``spec``'s layer runs its GEMM on cuBLAS
-        (``DECODESCOPE_TILE_CUBLAS``, :func:`.tile_gemm.cublas_serves`)."""
+        (``DECODESCOPE_TILE_CUBLAS``, :func:`.tile_gemm.cublas_serves`). At tp_world 2 the input
+        projection stays as on one GPU, and so does ``attn.o_proj`` where the all-reduce is an
+        NCCL launch of its own; the fused ``o_proj+allreduce+residual`` is another op name."""
         from decodescope.kernels.specialized import tile_gemm as tg
 
         n, cfg = self.chunk_tokens, self.cfg
