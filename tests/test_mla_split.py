@@ -37,6 +37,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_UVFAST",
     "DECODESCOPE_MLA_SPLIT_TAIL",
     "DECODESCOPE_MLA_SPLIT_LL",
+    "DECODESCOPE_MLA_SPLIT_EARLYABS",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -136,6 +137,43 @@ def test_l2pre_ptx(batch, monkeypatch):
         res.append((pre.count("prefetch.global.L2"), ptx.count("prefetch"), pre.count("atom.")))
     assert res[0] == (0, 0, 0)
     assert res[1][0] >= 1 and res[1][0] == res[1][1] and res[1][2] == 0
+
+
+def test_earlyabs_plans():
+    """``DECODESCOPE_MLA_SPLIT_EARLYABS=1`` takes effect where the absorption has CTAs of its own
+    and the grid is one wave: TP8 at 1 and 2 sequences (65 / 106 CTAs, two per SM), TP16 at 1
+    and 8 (132 CTAs, one per SM); not at TP8 8x1 (184 CTAs) nor where the absorption is fused
+    into the attention CTAs (32 and 64 sequences)."""
+    for tp, batch, tokens, on in [(8, 1, 1, True), (8, 2, 1, True), (16, 1, 1, True),
+                                  (16, 8, 1, True), (8, 8, 1, False), (8, 32, 1, False),
+                                  (8, 64, 1, False), (16, 64, 1, False)]:  # fmt: skip
+        p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", tp), batch, tokens), earlyabs=1)
+        assert p.early_abs == on, (tp, batch, tokens)
+        assert not dataclasses.replace(p, earlyabs=0).early_abs
+        if on:
+            assert p.a_ctas and p.grid <= msp.NUM_SMS * p.ctas_per_sm
+
+
+@pytest.mark.parametrize("tp,batch", [(8, 1), (16, 8), (8, 32)])
+def test_earlyabs_ptx(tp, batch, monkeypatch):
+    """``EARLYABS=1``: the absorption CTAs' ``w_uk`` cp.async copies issued ahead of the PDL
+    wait, no atomic (ticket) before it; the ticket's atomic still there for the other CTAs.
+    Where it is not in effect (32x1: fused) the PTX is the default's."""
+    monkeypatch.delenv("DECODESCOPE_NO_PDL", raising=False)
+    out = []
+    for e in (0, 1):
+        p = dataclasses.replace(msp.plan_for(get_config("kimi-k3", tp), batch, 1), earlyabs=e)
+        ptx = itf.ptx_text(msp.MLADecodeSplit(p), *msp._fake_args(p))
+        w = ptx.find("griddepcontrol.wait")
+        assert w > 0 and ptx.count("griddepcontrol.wait") == 1
+        out.append((ptx, ptx[:w].count("cp.async"), ptx[:w].count("atom.")))
+    (ptx0, pre0, at0), (ptx1, pre1, at1) = out
+    assert pre0 == 0 and at0 == at1 == 0
+    if batch == 32:
+        assert ptx1 == ptx0
+    else:
+        assert pre1 > 0 and "atom.global" in ptx1[ptx1.find("griddepcontrol.wait") :]
+        assert msp.compile_plan(p) is not None  # through ptxas for sm_90a
 
 
 @pytest.mark.parametrize("tp,batch,tokens", [(8, 1, 1), (8, 8, 1), (8, 32, 1), (8, 1, 8),
@@ -293,6 +331,10 @@ def test_knob_errors(monkeypatch):
     with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_NBUF: 0, 1 or 2"):
         msp.plan_for(cfg, 8, 1)
     monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_NBUF")
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_EARLYABS", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_EARLYABS: 0 or 1, got 2"):
+        msp.plan_for(cfg, 8, 1)
+    monkeypatch.delenv("DECODESCOPE_MLA_SPLIT_EARLYABS")
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TRACE", "2")
     with pytest.raises(
         ValueError, match="SPLIT_TRACE / _DIAG / _L2PRE / _UVFAST / _TAIL / _LL: 0 or 1 "
@@ -395,10 +437,46 @@ def test_kernel_choice_env(monkeypatch):
      (8, 2, {"DECODESCOPE_MLA_SPLIT_LL": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TAIL": "1",
              "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
-     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}),
+     (8, 2, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}),
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     _gpu_check(tp, batch, 1, knobs, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{}, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}])
+def test_gpu_back_to_back(knobs, monkeypatch):
+    """The kernel following itself with nothing between (20 eager launches, then a graph of 8):
+    under programmatic dependent launch each launch starts while the one before runs, so
+    whatever a launch does before its wait must not touch what the one before still uses (a
+    ticket taken before the wait did, s14/r2). Same output every time, error word 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_mla_decode_tc import _inputs
+
+    for k, v in knobs.items():
+        monkeypatch.setenv(k, v)
+    cfg = get_config("kimi-k3", 8)
+    plan = msp.plan_for(cfg, 1, 1)
+    w, cache0, a, q, g = _inputs(cfg, 1, 1, 201)
+    ref, _ = mla.mla_decode_ref(cfg, w, a, q, g, cache0, 1)
+    cache, out = cache0.clone(), torch.full_like(ref, float("nan"))
+    for _ in range(20):
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out, 1)
+    torch.cuda.synchronize()
+    assert msp.error_word(plan, out.device) == 0 and rel_l2(out, ref) < 2e-2
+    out_g = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            msp.mla_decode_split(cfg, w, a, q, g, cache, out_g, 1)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert msp.error_word(plan, out.device) == 0 and rel_l2(out_g, out) < 1e-6
 
 
 @pytest.mark.gpu

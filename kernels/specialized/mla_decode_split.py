@@ -69,6 +69,14 @@ whatever the previous kernel is. H200 TP8 1x1 in the layer (s14/r3, bench shares
 the stages and took the ticket before the wait, s14/r2, saved 1.6 us of the decode's share at
 TP8 1x1 in the layer, but two launches of it back to back on one workspace share the ticket
 counter while the first runs: 5.4 ms per launch in the kernel-alone loop. Not kept.)
+``DECODESCOPE_MLA_SPLIT_EARLYABS=1`` (opt-in, session 18): the absorption CTAs are the grid's
+first ``n_abs`` blocks and take no ticket; each stages its ``w_uk`` slice into shared memory
+before the PDL wait (nothing before the kernel writes ``w_uk``), so after the wait the
+absorption starts at its ``q_nope`` loads. Nothing before the wait touches the counters (a
+launch following itself starts while the one before still uses them: what broke s14/r2's
+early ticket). Only where every CTA of the grid is resident at once (:attr:`MLASplitPlan.early_abs`:
+the absorption then needs no ticket order to be sure it runs beside the CTAs waiting for it):
+TP8 1-2 and TP16 1-8 sequences at one token.
 ``DECODESCOPE_MLA_SPLIT_UVFAST`` (default 1 since session 16; 0: the W_UV phase as before): the
 gate's sigmoid before the W_UV wait, the splits' merge in one round trip of L2 reads (one thread
 per row and column pair where that covers the item), two MMA chains. H200 s16 (kernel alone, us):
@@ -189,6 +197,11 @@ class MLASplitPlan:
     # checks the epochs and re-reads words not yet there. Only with ``uvfast`` where
     # ``uv_pairs`` holds (:attr:`ll_parts`); elsewhere ignored
     ll: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_LL", 0))
+    # 1: the absorption CTAs are the grid's first blocks (no ticket) and stage their ``w_uk``
+    # slice into shared memory before the PDL wait (a weight: nothing before it writes it), so
+    # the chain after the wait starts at the ``q_nope`` loads; only where :attr:`early_abs`
+    # holds, elsewhere ignored
+    earlyabs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_EARLYABS", 0))
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -218,6 +231,8 @@ class MLASplitPlan:
                 "(_UVFAST 2: four MMA chains; _TAIL auto), got "
                 + " / ".join("auto" if f == -1 else str(f) for f in flags)
             )
+        if self.earlyabs not in (0, 1):
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_EARLYABS: 0 or 1, got {self.earlyabs}")
         if self.tail == -1:  # auto: on only where it buys the extra split within one wave
             on = dataclasses.replace(self, tail=1).splits > dataclasses.replace(self, tail=0).splits
             object.__setattr__(self, "tail", int(on))
@@ -396,6 +411,14 @@ class MLASplitPlan:
     def grid(self) -> int:
         return self.a_ctas + self.n_att + self.n_uv
 
+    @property
+    def early_abs(self) -> bool:
+        """``earlyabs`` in effect: absorption CTAs of their own (not fused) and the whole grid
+        within one wave, so every absorption CTA is resident beside the CTAs that wait for it
+        whatever order the blocks start in (the ticket order, which guarantees that otherwise,
+        is given up for them: they take no ticket)."""
+        return bool(self.earlyabs and self.a_ctas and self.grid <= NUM_SMS * self.ctas_per_sm)
+
     # -- shared memory (one BF16 region, viewed per phase) ------------------------------------
     @property
     def buf_att(self) -> int:
@@ -492,12 +515,26 @@ class MLADecodeSplit(MLADecodeTC):
             bid, _, _ = cute.arch.block_idx()
             for mW in (mWuk, mWuv):
                 prefetch_range(mW, cute.size(mW.shape), bid, p.grid, NT)
+        A = p.a_ctas
+        if cutlass.const_expr(p.early_abs):
+            eb, _, _ = cute.arch.block_idx()
+            if eb < A:  # blocks [0, A) absorb: their w_uk slice staged while the wait lasts
+                self.stage_wuk(eb, mWuk, base, tidx)
         if cutlass.const_expr(p.pdl):
             pdl_begin()
         if tidx == 0:
-            sTk[0] = cute.arch.atomic_add(
-                mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
-            )
+            if cutlass.const_expr(p.early_abs):
+                tb, _, _ = cute.arch.block_idx()
+                if tb < A:
+                    sTk[0] = Int32(tb)
+                else:  # the other CTAs take tickets after them, in start order as before
+                    sTk[0] = A + cute.arch.atomic_add(
+                        mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
+                    )
+            else:
+                sTk[0] = cute.arch.atomic_add(
+                    mCnt.iterator + C_TICKET, Int32(1), sem="acq_rel", scope="gpu"
+                )
             if cutlass.const_expr(p.ll_parts):  # this launch's epoch (never 0: the buffers' init)
                 ep = cute.arch.load(mCnt.iterator + C_EPOCH, Int32, sem="relaxed", scope="gpu")
                 sTk[1] = ep + Int32(1)
@@ -510,12 +547,11 @@ class MLADecodeSplit(MLADecodeTC):
         ep = Int32(0)  # the launch's epoch: only ``ll_parts`` plans write and read it
         if cutlass.const_expr(p.ll_parts):
             ep = sTk[1]
-        A = p.a_ctas
         if cutlass.const_expr(p.fused):  # noqa: SIM102 (a trace-time condition)
             if tk < p.n_abs:  # absorb, publish, then attend (the shared memory reused)
                 self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, sTm, tidx)
         if tk < A:
-            self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, sTm, tidx)
+            self.absorb_item(tk, mQ, mWuk, mQl, mCnt, base, sTm, tidx, staged=p.early_abs)
         else:
             if tk < A + p.n_att:
                 self.attend_item(
@@ -625,7 +661,19 @@ class MLADecodeSplit(MLADecodeTC):
 
     # -- 1. absorption -----------------------------------------------------------------------
     @cute.jit
-    def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, sTm, tidx):
+    def stage_wuk(self, it, mWuk, base, tidx):
+        """cp.async of absorption item ``it``'s ``w_uk[h][:, chunk]`` into its shared rows, one
+        commit group (:meth:`absorb_item` waits for it)."""
+        p = self.p
+        CWP = p.cw + WPAD
+        self.stage_rows(mWuk[it // p.achunks, None, None], 0, (it % p.achunks) * p.cw, base,
+                        CWP, p.nope, p.cw, tidx)  # fmt: skip
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def absorb_item(self, it, mQ, mWuk, mQl, mCnt, base, sTm, tidx,
+                    staged: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """``staged``: :meth:`stage_wuk` ran before the PDL wait (``early_abs``)."""
         p = self.p
         CW, NOPE, M = p.cw, p.nope, p.m
         CWP = CW + WPAD
@@ -635,8 +683,9 @@ class MLADecodeSplit(MLADecodeTC):
         col0 = (it % p.achunks) * CW
         sW = cute.make_tensor(base, cute.make_layout((NOPE, CWP), stride=(CWP, 1)))
         sA = cute.make_tensor(base + NOPE * CWP, cute.make_layout((ROWS, AP), stride=(AP, 1)))
-        self.stage_rows(mWuk[h, None, None], 0, col0, sW.iterator, CWP, NOPE, CW, tidx)
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(not staged):
+            self.stage_rows(mWuk[h, None, None], 0, col0, sW.iterator, CWP, NOPE, CW, tidx)
+            cute.arch.cp_async_commit_group()
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
