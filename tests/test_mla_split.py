@@ -437,13 +437,21 @@ def test_kernel_choice_env(monkeypatch):
      (8, 2, {"DECODESCOPE_MLA_SPLIT_LL": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1"}),
      (8, 8, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TAIL": "1",
              "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
-     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"}),
-     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}), (16, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}),
-     (8, 2, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}), (16, 8, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1"}),
-     (8, 1, {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
+     (8, 1, {"DECODESCOPE_MLA_SPLIT_LL": "1", "DECODESCOPE_MLA_SPLIT_TRACE": "1"})],
 )  # fmt: skip
 def test_gpu_vs_reference(tp, batch, knobs, monkeypatch):
     _gpu_check(tp, batch, 1, knobs, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch,trace", [(8, 1, 0), (8, 2, 0), (16, 1, 0), (16, 8, 0),
+                                            (8, 1, 1)])  # fmt: skip
+def test_gpu_earlyabs(tp, batch, trace, monkeypatch):
+    """``EARLYABS=1`` (the absorption CTAs by block index, ``w_uk`` staged before the wait)
+    against the reference, eager and graph; with the trace, every CTA's row."""
+    knobs = {"DECODESCOPE_MLA_SPLIT_EARLYABS": "1", "DECODESCOPE_MLA_SPLIT_TRACE": str(trace)}
+    _gpu_check(tp, batch, 1, knobs, monkeypatch)
+    assert msp.plan_for(get_config("kimi-k3", tp), batch, 1).early_abs
 
 
 @pytest.mark.gpu
