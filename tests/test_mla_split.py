@@ -139,8 +139,8 @@ def test_l2pre_ptx(batch, monkeypatch):
     assert res[1][0] >= 1 and res[1][0] == res[1][1] and res[1][2] == 0
 
 
-def test_earlyabs_plans():
-    """``DECODESCOPE_MLA_SPLIT_EARLYABS=1`` takes effect where the absorption has CTAs of its own
+def test_earlyabs_plans(monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_EARLYABS`` (default 1) takes effect where the absorption has CTAs of its own
     and the grid is one wave: TP8 at 1 and 2 sequences (65 / 106 CTAs, two per SM), TP16 at 1
     and 8 (132 CTAs, one per SM); not at TP8 8x1 (184 CTAs) nor where the absorption is fused
     into the attention CTAs (32 and 64 sequences)."""
@@ -152,6 +152,12 @@ def test_earlyabs_plans():
         assert not dataclasses.replace(p, earlyabs=0).early_abs
         if on:
             assert p.a_ctas and p.grid <= msp.NUM_SMS * p.ctas_per_sm
+    cfg = get_config("kimi-k3", 16)
+    assert msp.plan_for(cfg, 8, 1).early_abs  # the default
+    # the residency test counts the GPU's own SMs: fewer than the grid needs, not in effect
+    assert not dataclasses.replace(msp.plan_for(cfg, 8, 1), sms=114).early_abs
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_EARLYABS", "0")
+    assert not msp.plan_for(cfg, 8, 1).early_abs
 
 
 @pytest.mark.parametrize("tp,batch", [(8, 1), (16, 8), (8, 32)])

@@ -69,14 +69,16 @@ whatever the previous kernel is. H200 TP8 1x1 in the layer (s14/r3, bench shares
 the stages and took the ticket before the wait, s14/r2, saved 1.6 us of the decode's share at
 TP8 1x1 in the layer, but two launches of it back to back on one workspace share the ticket
 counter while the first runs: 5.4 ms per launch in the kernel-alone loop. Not kept.)
-``DECODESCOPE_MLA_SPLIT_EARLYABS=1`` (opt-in, session 18): the absorption CTAs are the grid's
+``DECODESCOPE_MLA_SPLIT_EARLYABS`` (default 1 since session 18; 0: off): the absorption CTAs are the grid's
 first ``n_abs`` blocks and take no ticket; each stages its ``w_uk`` slice into shared memory
 before the PDL wait (nothing before the kernel writes ``w_uk``), so after the wait the
 absorption starts at its ``q_nope`` loads. Nothing before the wait touches the counters (a
 launch following itself starts while the one before still uses them: what broke s14/r2's
 early ticket). Only where every CTA of the grid is resident at once (:attr:`MLASplitPlan.early_abs`:
 the absorption then needs no ticket order to be sure it runs beside the CTAs waiting for it):
-TP8 1-2 and TP16 1-8 sequences at one token.
+TP8 1-2 and TP16 1-8 sequences at one token on an H200 (132 SMs; the real GPU's SM count is
+used). H200 s18/r6, TP8 batch 1 in the layer (bench shares, same call): the decode 15.4 -> 14.2
+us, the MLA layer 113.4 -> 112.4.
 ``DECODESCOPE_MLA_SPLIT_UVFAST`` (default 1 since session 16; 0: the W_UV phase as before): the
 gate's sigmoid before the W_UV wait, the splits' merge in one round trip of L2 reads (one thread
 per row and column pair where that covers the item), two MMA chains. H200 s16 (kernel alone, us):
@@ -100,6 +102,7 @@ the fence's 0.5. ``DECODESCOPE_MLA_SPLIT_UVFAST=2``: four MMA chains in the W_UV
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -154,6 +157,19 @@ TRACE_MARKS = {
 POLL_NS = 64  # nanosleep between polls
 
 
+def device_sms() -> int:
+    """SMs of the current CUDA device; :data:`NUM_SMS` (the H200's 132) without one (CPU
+    compiles)."""
+    if torch.cuda.is_available():
+        return _sms_of(torch.cuda.current_device())
+    return NUM_SMS
+
+
+@functools.cache
+def _sms_of(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @dataclass(frozen=True)
 class MLASplitPlan:
     batch: int
@@ -197,11 +213,14 @@ class MLASplitPlan:
     # checks the epochs and re-reads words not yet there. Only with ``uvfast`` where
     # ``uv_pairs`` holds (:attr:`ll_parts`); elsewhere ignored
     ll: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_LL", 0))
-    # 1: the absorption CTAs are the grid's first blocks (no ticket) and stage their ``w_uk``
-    # slice into shared memory before the PDL wait (a weight: nothing before it writes it), so
-    # the chain after the wait starts at the ``q_nope`` loads; only where :attr:`early_abs`
-    # holds, elsewhere ignored
-    earlyabs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_EARLYABS", 0))
+    # 1 (the default since session 18): the absorption CTAs are the grid's first blocks (no
+    # ticket) and stage their ``w_uk`` slice into shared memory before the PDL wait (a weight:
+    # nothing before it writes it), so the chain after the wait starts at the ``q_nope``
+    # loads; only where :attr:`early_abs` holds, elsewhere ignored. 0: off
+    earlyabs: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_EARLYABS", 1))
+    # SMs of the GPU the kernel runs on (:func:`device_sms`): :attr:`early_abs` needs the
+    # whole grid resident at once, so it counts the real GPU's SMs, not the H200's 132
+    sms: int = field(default_factory=lambda: device_sms())
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -417,7 +436,7 @@ class MLASplitPlan:
         within one wave, so every absorption CTA is resident beside the CTAs that wait for it
         whatever order the blocks start in (the ticket order, which guarantees that otherwise,
         is given up for them: they take no ticket)."""
-        return bool(self.earlyabs and self.a_ctas and self.grid <= NUM_SMS * self.ctas_per_sm)
+        return bool(self.earlyabs and self.a_ctas and self.grid <= self.sms * self.ctas_per_sm)
 
     # -- shared memory (one BF16 region, viewed per phase) ------------------------------------
     @property
