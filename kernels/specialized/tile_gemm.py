@@ -1146,9 +1146,9 @@ def cublas_min_m() -> int:
     (o_proj with its residual epilogue, KDA's in_proj after its norm launch) run their GEMM on
     cuBLAS (``torch.addmm`` / ``torch.mm``) instead; 0: never. Unset: 32, the default since
     session 18 (H200, bench shares at 64 tokens: TP8 KDA layer -11.5 us, TP16 KDA -7.7 / MLA
-    -5.2; projected steps 0.7-1.2% shorter at every 32- and 64-token point measured; notes/
+    -5.2; projected steps 0.2-1.2% shorter at the four 32- and 64-token points measured; notes/
     specialized.md "Session 18"). cuBLAS may pick a split-K GEMM with a reduce kernel of its own
-    (TP16 at 64 tokens: one launch more than :meth:`.step.Plan.launches` counts)."""
+    (TP16 from 32 tokens: one launch more than :meth:`.step.Plan.launches` counts)."""
     from decodescope.kernels.specialized import env_knobs
 
     return int(env_knobs.read(CUBLAS_ENV, CUBLAS_CHOICES, "32"))
