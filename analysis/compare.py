@@ -25,7 +25,7 @@ __all__ = [
     "verdicts",
 ]
 
-_LAYER_METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us")
+_LAYER_METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us", "share_us")
 _OP_METRICS = ("kernels", "span_us", "kernel_sum_us", "share_us")
 _NULL_KEY = "\x00"  # stands for a null key while joining (Arrow joins never match nulls)
 
@@ -231,7 +231,7 @@ def verdicts(kinds: pa.Table) -> list[str]:
         figures = (
             f"{_fmt_num(r['a_kernels'])} -> {_fmt_num(r['b_kernels'])} kernels, "
             f"{_fmt_num(r['a_span_us'])} -> {_fmt_num(r['b_span_us'])} us"
-        )
+        ) + _share_note(r)
         if ratio is None or (isinstance(ratio, float) and math.isnan(ratio)):
             out.append(f"{noun}: {figures}")
         elif ratio >= 1.005:
@@ -241,6 +241,17 @@ def verdicts(kinds: pa.Table) -> list[str]:
         else:
             out.append(f"B is as fast as A per {noun} (1.00x): {figures}")
     return out
+
+
+def _share_note(r: dict) -> str:
+    """ ", by share 113 -> 112 us (1.01x)" where a side's layers overlap the layer before them
+    (programmatic dependent launch: share below span by 1% or more), so the span, which counts
+    that overlap, and the share, which does not, can tell different stories; "" otherwise."""
+    sa, sb = r.get("a_share_us"), r.get("b_share_us")
+    pa_, pb = r.get("a_span_us"), r.get("b_span_us")
+    if not (sa and sb and pa_ and pb) or (sa >= 0.99 * pa_ and sb >= 0.99 * pb):
+        return ""
+    return f", by share {_fmt_num(sa)} -> {_fmt_num(sb)} us ({sa / sb:.2f}x)"
 
 
 def verdict(a_kernels: pa.Table, b_kernels: pa.Table) -> str:

@@ -191,3 +191,27 @@ def test_check_kernel_count_and_missing_kind(hf, vllm):
     assert not res3.ok and "missing from the run" in res3.reasons[0]
     with pytest.raises(ValueError):
         regress.check(hf, hf, max_regression_pct=-1)
+
+
+def test_knob_ab_on_real_h200_runs():
+    """A knob A/B from the committed H200 results (session 18, r6, TP8 batch 1, same call: the
+    default against ``DECODESCOPE_MLA_SPLIT_EARLYABS=1``): ``compare`` names the knob that
+    differs, and where the layers overlap under programmatic dependent launch the verdict gives
+    the share beside the span (the MLA layer: span 126 -> 125 us, share 113 -> 112)."""
+    from decodescope.ui.cmd_compare import compare_data
+
+    results = Path(__file__).resolve().parent.parent / "results"
+    a = tracer.load(f"{results}@specialized-20261202T071635")
+    b = tracer.load(f"{results}@specialized-20261202T071558")
+    data = compare_data(a, b)
+    assert data["knobs_differ"] == [
+        "knobs that differ: A DECODESCOPE_MLA_SPLIT_EARLYABS unset",
+        "                  B DECODESCOPE_MLA_SPLIT_EARLYABS=1",
+    ]
+    mla = [v for v in data["verdict"] if "MLA layer" in v][0]
+    assert mla.endswith("by share 113 -> 112 us (1.01x)"), mla
+    kinds = {r["layer_kind"]: r for r in data["kinds"].to_pylist()}
+    assert kinds["mla"]["share_us_delta"] < -0.8 and kinds["mla"]["span_us_delta"] > -0.8
+    # the dense layer has no overlap to speak of: span only
+    assert "by share" not in [v for v in data["verdict"] if "dense" in v][0]
+    assert compare_data(a, a)["knobs_differ"] == []

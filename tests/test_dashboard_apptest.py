@@ -272,6 +272,9 @@ def test_the_default_pair_is_standard_vs_specialized_of_one_setup():
     knob = knob.replace(meta=knob.meta.replace(config_json='{"knobs": {"DECODESCOPE_X": "1"}}'))
     assert dashboard.default_pair([*pairs, knob]) == (0, 1)
     assert dashboard.default_pair([run("standard", 1), knob]) == (0, 1)  # none of the defaults
+    # no standard run: A is the first run, B another specialized run (a knob A/B), never A again
+    assert dashboard.default_pair([run("specialized", 1), knob]) == (0, 1)
+    assert dashboard.default_pair([knob, run("specialized", 1)]) == (0, 1)
 
 
 REAL_TRACES = sorted(p.name for p in TRACES.iterdir() if p.name.startswith(("kineto_", "nsys_")))
@@ -330,3 +333,22 @@ def test_a_dataset_folder_is_walked_once_per_page_run(monkeypatch, tmp_path):
     os.utime(new / "part-0.parquet", (first + 10, first + 10))
     clock[0] += dashboard.STAMP_TTL_S + 0.1
     assert dashboard._stamp(f"{ds}#b") == first + 10 and len(walks) == 2
+
+
+def test_a_knob_ab_names_the_knob(monkeypatch, tmp_path):
+    """Two committed H200 runs of one call that differ by a kernel knob (session 18, TP8 batch 1:
+    the default against ``DECODESCOPE_MLA_SPLIT_EARLYABS=1``): the page says which knob differs,
+    and the verdict gives the layers' share beside their span."""
+    from decodescope import tracer
+    from decodescope.tracer.store import write_run
+
+    dirs = []
+    for name, rid in (("default", "specialized-20261202T071635"),
+                      ("earlyabs", "specialized-20261202T071558")):  # fmt: skip
+        dirs.append(write_run(tracer.load(f"{dashboard.RESULTS_DATA}@{rid}"), tmp_path / name))
+    at = run_app(monkeypatch, *dirs)
+    no_exception(at)
+    caption = " ".join(texts(at.caption))
+    assert "DECODESCOPE_MLA_SPLIT_EARLYABS unset" in caption
+    assert "DECODESCOPE_MLA_SPLIT_EARLYABS=1" in caption
+    assert any("MLA layer" in m and "by share 113 -> 112 us" in m for m in texts(at.markdown))

@@ -13,7 +13,7 @@ from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
-from decodescope.ui.cmd_report import HEADERS, run_summary
+from decodescope.ui.cmd_report import HEADERS, knobs_of, run_summary
 from decodescope.ui.render import arrow_table, dumps
 
 _SIDE = ["kernels", "span_us"]
@@ -52,6 +52,22 @@ def _skew_pair(ak, bk) -> pa.Table:
     )
 
 
+def knob_lines(a: Run, b: Run) -> list[str]:
+    """The kernel knobs (``DECODESCOPE_*`` set at capture) that differ between A and B, one line
+    per side ("(none)" for a side without them); [] where both sides have the same knobs."""
+    ka, kb = knobs_of(a.meta), knobs_of(b.meta)
+    if ka == kb:
+        return []
+    diff = sorted(k for k in set(ka) | set(kb) if ka.get(k) != kb.get(k))
+
+    def side(knobs: dict[str, str]) -> str:
+        set_ = [f"{k}={knobs[k]}" for k in diff if k in knobs]
+        unset = [k for k in diff if k not in knobs]
+        return ", ".join(set_ + [f"{k} unset" for k in unset]) or "(none)"
+
+    return [f"knobs that differ: A {side(ka)}", f"                  B {side(kb)}"]
+
+
 def compare_data(a: Run, b: Run) -> dict[str, Any]:
     ak, bk = a.kernels, b.kernels
     kinds = cmp.compare_kinds(ak, bk)
@@ -67,6 +83,7 @@ def compare_data(a: Run, b: Run) -> dict[str, Any]:
     return {
         "a": run_summary(a),
         "b": run_summary(b),
+        "knobs_differ": knob_lines(a, b),
         "verdict": cmp.verdicts(kinds),
         "kinds": kinds,
         "layers": cmp.compare_layers(ak, bk),
@@ -106,6 +123,8 @@ def print_compare(
     console.print(
         f"B: {b}  ({data['b']['run_id']}, {data['b']['kernels']} kernels)", highlight=False
     )
+    for line in knob_lines(run_a, run_b):
+        console.print(line, highlight=False, soft_wrap=True)
     if not data["verdict"]:
         console.print(
             "[yellow]no kernel is attributed to a layer on either side[/]: nothing to compare per "
@@ -119,7 +138,10 @@ def print_compare(
             arrow_table(
                 data["kinds"],
                 "per layer kind (ratio = A span / B span: speedup of B)",
-                _cols(["layer_kind", "a_layers", "b_layers"], [*_SIDE, "busy_us", "gaps_us"]),
+                _cols(
+                    ["layer_kind", "a_layers", "b_layers"],
+                    [*_SIDE, "share_us", "busy_us", "gaps_us"],
+                ),
                 HEADERS,
             )
         )

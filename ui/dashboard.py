@@ -295,7 +295,7 @@ def run_label(run: Run) -> str:
     name = Path(m.source_path).name if m.source_path else None
     bits.append(name if name and not m.workload else None)
     text = " · ".join(str(b) for b in bits if b)
-    return f"{text} [{m.run_id[:20]}]"
+    return f"{text} [{m.run_id}]"  # whole: two runs of one day differ after the date
 
 
 # what A (standard) and B (specialized) should share; the two backends are different workloads
@@ -306,9 +306,9 @@ def default_pair(runs: list[Run]) -> tuple[int, int]:
     """A = a standard run, B = the latest specialized run of the same setup (PAIR_KEYS). Among
     the standard runs that have such a partner, the reference's own figure comes first: batch 1,
     one token per sequence, one GPU, TP8 shapes, then the latest. Without any pair: the latest
-    standard run (else the first run) and any specialized run, else the next run, else A. Runs
-    come in order of creation; runs captured with kernel knobs (A/B runs of other kernels) only
-    where a backend has no run of the defaults."""
+    standard run (else the first run) and a specialized run other than it, else the next run,
+    else A. Runs come in order of creation; runs captured with kernel knobs (A/B runs of other
+    kernels) only where a backend has no run of the defaults."""
     from decodescope.ui.cmd_report import knobs_of
 
     backends = [r.meta.backend for r in runs]
@@ -338,8 +338,12 @@ def default_pair(runs: list[Run]) -> tuple[int, int]:
         a = min(paired, key=rank)
         return a, partners(a)[-1]
     a = std[-1] if std else 0
-    if spec:
-        return a, spec[-1]
+    # B: a specialized run other than A (A itself is one where no standard run was loaded),
+    # of the defaults first, else with knobs (two specialized runs of a knob A/B)
+    for pool in (spec, [i for i, b in enumerate(backends) if b == "specialized"]):
+        others = [i for i in pool if i != a]
+        if others:
+            return a, others[-1]
     return a, next((i for i in range(len(runs)) if i != a), a)
 
 
@@ -821,6 +825,12 @@ def page() -> None:
         st.subheader("No layers attributed: see the kernel table")
     elif not single:
         st.markdown("  \n".join(f"**Verdict:** {v}" for v in compare.verdicts(pair["kinds"])))
+    if not single:
+        from decodescope.ui.cmd_compare import knob_lines
+
+        knobs = knob_lines(run_a, run_b)
+        if knobs:  # an A/B of kernel knobs: say which
+            st.caption("  \n".join(line.strip() for line in knobs))
 
     # lazy tabs: only the open tab's content runs (and travels to the browser)
     tabs = st.tabs(VIEWS, key="view", on_change="rerun")
