@@ -54,7 +54,7 @@ def _skew_pair(ak, bk) -> pa.Table:
 
 def knob_lines(a: Run, b: Run) -> list[str]:
     """The kernel knobs (``DECODESCOPE_*`` set at capture) that differ between A and B, one line
-    per side ("(none)" for a side without them); [] where both sides have the same knobs."""
+    per side, each knob as ``K=V`` or ``K unset``; [] where both sides have the same knobs."""
     ka, kb = knobs_of(a.meta), knobs_of(b.meta)
     if ka == kb:
         return []
@@ -63,7 +63,7 @@ def knob_lines(a: Run, b: Run) -> list[str]:
     def side(knobs: dict[str, str]) -> str:
         set_ = [f"{k}={knobs[k]}" for k in diff if k in knobs]
         unset = [k for k in diff if k not in knobs]
-        return ", ".join(set_ + [f"{k} unset" for k in unset]) or "(none)"
+        return ", ".join(set_ + [f"{k} unset" for k in unset])
 
     return [f"knobs that differ: A {side(ka)}", f"                  B {side(kb)}"]
 
