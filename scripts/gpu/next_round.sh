@@ -11,6 +11,10 @@
 # the standard one where it is in effect (not yet run with it), the bench at TP8 / TP16 batch 1
 # and 8 at the default (knob-free rows for the README) and TP16 batch 1 / 8 with it off in the
 # same call (its effect there was never timed). Keep it where TP16 gains or holds.
+# Part 2: the verify step of 32 and 64 sequences (1+7 tokens) runs in chunks of 64 tokens, so
+# the DECODESCOPE_TILE_CUBLAS default (32, session 18) moves those points too; they were not
+# rerun in session 18 (the README rows are older): benched at the default with the 32 / 64
+# rows beside them.
 # Two GPUs (kind nvidia-h200-x2), if lent: notes/tp2_fused.md "Session 12" and notes/tp2.md.
 set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -22,8 +26,13 @@ part1=(
   "70:b16_1:decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1/bench.json"
   "70:b16_1x:DECODESCOPE_MLA_SPLIT_EARLYABS=0 decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1x/bench.json"
 )
-# one call (under the 600 s a call may run): next_round.sh 1
+part2=(
+  "240:v8:decodescope bench --tp-shape 8 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v8/bench.json"
+  "240:v16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v16/bench.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
-  *) echo "next_round.sh: part 1, got '$1'" >&2; exit 2 ;;
+  2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
+  *) echo "next_round.sh: part 1 or 2, got '$1'" >&2; exit 2 ;;
 esac
