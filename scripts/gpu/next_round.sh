@@ -22,9 +22,9 @@ R='$DECODESCOPE_RESULTS'
 part1=(
   "150:steps_ea:python scripts/gpu_steps.py --tp 8 --points 1x1 2x1 --layers dense,kda,mla"
   "150:steps_ea16:python scripts/gpu_steps.py --tp 16 --points 1x1 8x1 --layers dense,kda,mla"
-  "70:b8_1:decodescope bench --tp-shape 8 --batch 1,8 --out $R/ds --json $R/b8_1/bench.json"
-  "70:b16_1:decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1/bench.json"
-  "70:b16_1x:DECODESCOPE_MLA_SPLIT_EARLYABS=0 decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1x/bench.json"
+  "100:b8_1:decodescope bench --tp-shape 8 --batch 1,8 --out $R/ds --json $R/b8_1/bench.json"
+  "100:b16_1:decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1/bench.json"
+  "100:b16_1x:DECODESCOPE_MLA_SPLIT_EARLYABS=0 decodescope bench --tp-shape 16 --batch 1,8 --out $R/ds --json $R/b16_1x/bench.json"
 )
 part2=(
   "240:v8:decodescope bench --tp-shape 8 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v8/bench.json"
