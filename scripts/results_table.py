@@ -15,7 +15,7 @@ from pathlib import Path
 from decodescope.tracer.dataset import read_runs
 from decodescope.ui import cmd_bench
 from decodescope.ui.cmd_demo import _pairs
-from decodescope.ui.cmd_report import knobs_of
+from decodescope.ui.cmd_report import chunk_note, knobs_of
 
 KINDS = ("dense", "kda", "mla")
 DESCRIBE = {
@@ -96,6 +96,21 @@ def main(path: str = "results") -> None:
                 f"| {s_eff} | {p_eff} | {cell(s, 'share_us', '{:,.1f}')} "
                 f"| {cell(p, 'share_us', '{:,.1f}')} | {p_sh_eff} | {sh} | {commit} |"
             )
+    chunked = sorted(
+        {
+            (r.meta.tp_shape, _batch(r.meta.batch, r.meta.tokens_per_seq or 1), chunk_note(r.meta))
+            for r in shown
+            if chunk_note(r.meta)
+        },  # fmt: skip
+        key=lambda c: (c[0], c[2]),
+    )
+    if chunked:
+        print(
+            "\nThe specialized kernels take at most 64 tokens per launch; larger steps ran each "
+            "layer in sequence chunks, reading its weights once per chunk: "
+            + "; ".join(f"TP{tp} {b}: {note}" for tp, b, note in chunked)
+            + "."
+        )
     knobbed = sum(1 for r in runs if knobs_of(r.meta))
     if knobbed:
         print(

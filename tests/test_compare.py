@@ -215,3 +215,53 @@ def test_knob_ab_on_real_h200_runs():
     # the dense layer has no overlap to speak of: span only
     assert "by share" not in [v for v in data["verdict"] if "dense" in v][0]
     assert compare_data(a, a)["knobs_differ"] == []
+
+
+def test_chunked_verify_step_and_shape_lines_on_real_h200_runs():
+    """The first specialized runs of the verify step of 32 sequences x 8 tokens (session 19, r2,
+    TP8, 256 tokens: the kernels take 64, so each layer ran in 4 chunks and read its weights 4
+    times): ``compare`` says so for the chunked side, and warns where A and B ran different step
+    shapes (the standard run of 64 x 8 against it); bench and the README table say it too."""
+    from decodescope.ui.cmd_bench import chunk_lines as bench_chunks
+    from decodescope.ui.cmd_compare import compare_data
+    from decodescope.ui.cmd_report import chunk_note, run_summary
+
+    results = Path(__file__).resolve().parent.parent / "results"
+    spec = tracer.load(f"{results}@specialized-20261202T100146-ea1686")  # TP8 32x8
+    std = tracer.load(f"{results}@standard-20261202T100136")  # TP8 32x8, same call
+    std64 = tracer.load(f"{results}@standard-20261202T100215")  # TP8 64x8
+    one = tracer.load(f"{results}@specialized-20261202T100041")  # TP8 32x1: one chunk
+    note = "4 chunks of 8 sequences (256 tokens per step): launches and weight reads x4"
+    assert chunk_note(spec.meta) == note and run_summary(spec)["chunks"] == note
+    assert chunk_note(std.meta) is None and chunk_note(one.meta) is None
+    data = compare_data(std, spec)
+    assert data["chunked"] == [f"B ran in {note}"] and data["shapes_differ"] == []
+    # the chunked run's layers hold every chunk's launches: 40 per KDA layer, 4 x 10
+    kinds = {r["layer_kind"]: r for r in data["kinds"].to_pylist()}
+    assert kinds["kda"]["b_kernels"] == 40
+    assert compare_data(std64, spec)["shapes_differ"] == [
+        "different step shapes (ratios compare different work): A batch 64; B batch 32"
+    ]
+    assert compare_data(one, spec)["shapes_differ"] == [
+        "different step shapes (ratios compare different work): A tokens_per_seq 1; "
+        "B tokens_per_seq 8"
+    ]
+    assert bench_chunks([std, spec, one]) == [f"specialized 32x8: ran in {note}"]
+
+
+def test_chunk_note_without_a_record():
+    """Synthetic metas (the exact corners): no workload config (an imported trace), one chunk,
+    and a malformed record give no note."""
+    from types import SimpleNamespace
+
+    from decodescope.ui.cmd_report import chunk_note
+
+    def meta(cfg):
+        return SimpleNamespace(config=cfg, tokens_per_seq=8)
+
+    assert chunk_note(meta({})) is None
+    assert chunk_note(meta({"workload": {"chunks": {"sequences": 8, "chunks": 1}}})) is None
+    assert chunk_note(meta({"workload": {"chunks": {"chunks": "x"}}})) is None
+    assert chunk_note(meta({"workload": {"chunks": {"sequences": 8, "chunks": 8}}})) == (
+        "8 chunks of 8 sequences (512 tokens per step): launches and weight reads x8"
+    )

@@ -277,6 +277,22 @@ def impl_line(run) -> str | None:
     return line
 
 
+def chunk_lines(runs) -> list[str]:
+    """One line per run whose step ran in sequence chunks (:func:`.cmd_report.chunk_note`), so
+    that a point where the specialized path re-reads its weights per chunk says so beside the
+    tables: ``"specialized 32x8: 4 chunks of 8 sequences (256 tokens per step): ..."``."""
+    from decodescope.ui.cmd_report import chunk_note
+
+    out = []
+    for run in runs:
+        note = chunk_note(run.meta)
+        if note:
+            m = run.meta
+            point = f"{m.batch}x{m.tokens_per_seq}" if (m.tokens_per_seq or 1) > 1 else f"{m.batch}"
+            out.append(f"{m.backend} {point}: ran in {note}")
+    return out
+
+
 def _reference_table() -> Table:
     ref = proj.REFERENCE
     t = Table(title=f"Reference (published): {proj.REFERENCE_HARDWARE}", title_justify="left")
@@ -426,6 +442,8 @@ def bench_cmd(
         if prows:
             console.print(_projection_table(prows, meta_line))
             console.print(dense_line(prows, layers), highlight=False)
+        for line in chunk_lines(runs):
+            console.print(line, highlight=False, soft_wrap=True)
     else:
         prows = []
     console.print(_reference_table())
@@ -448,4 +466,4 @@ def bench_cmd(
         raise typer.Exit(1)
 
 
-__all__ = ["bench_cmd", "impl_line", "kind_rows", "projections"]
+__all__ = ["bench_cmd", "chunk_lines", "impl_line", "kind_rows", "projections"]

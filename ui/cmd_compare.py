@@ -13,7 +13,7 @@ from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
-from decodescope.ui.cmd_report import HEADERS, knobs_of, run_summary
+from decodescope.ui.cmd_report import HEADERS, chunk_note, knobs_of, run_summary
 from decodescope.ui.render import arrow_table, dumps
 
 _SIDE = ["kernels", "span_us"]
@@ -68,6 +68,40 @@ def knob_lines(a: Run, b: Run) -> list[str]:
     return [f"knobs that differ: A {side(ka)}", f"                  B {side(kb)}"]
 
 
+SHAPE_FIELDS = ("preset", "tp_shape", "tp_world", "batch", "tokens_per_seq")
+
+
+def shape_lines(a: Run, b: Run) -> list[str]:
+    """One line naming the step shapes where A and B were captured at different ones (preset,
+    tp_shape, tp_world, batch, tokens per sequence; fields a side does not record are left out):
+    their layers then do different work, and the ratios are not a speedup. [] where they agree."""
+    diff = [
+        f
+        for f in SHAPE_FIELDS
+        if getattr(a.meta, f, None) is not None
+        and getattr(b.meta, f, None) is not None
+        and getattr(a.meta, f) != getattr(b.meta, f)
+    ]
+    if not diff:
+        return []
+
+    def side(run: Run) -> str:
+        return ", ".join(f"{f} {getattr(run.meta, f)}" for f in diff)
+
+    return [f"different step shapes (ratios compare different work): A {side(a)}; B {side(b)}"]
+
+
+def chunk_lines(a: Run, b: Run) -> list[str]:
+    """A line per side whose step ran in sequence chunks (:func:`.cmd_report.chunk_note`): its
+    layers' spans then hold every chunk's launches, so a comparison with a one-pass run is a
+    comparison of 4-8 passes over the weights with one."""
+    return [
+        f"{side} ran in {note}"
+        for side, run in (("A", a), ("B", b))
+        if (note := chunk_note(run.meta))
+    ]
+
+
 def compare_data(a: Run, b: Run) -> dict[str, Any]:
     ak, bk = a.kernels, b.kernels
     kinds = cmp.compare_kinds(ak, bk)
@@ -84,6 +118,8 @@ def compare_data(a: Run, b: Run) -> dict[str, Any]:
         "a": run_summary(a),
         "b": run_summary(b),
         "knobs_differ": knob_lines(a, b),
+        "chunked": chunk_lines(a, b),
+        "shapes_differ": shape_lines(a, b),
         "verdict": cmp.verdicts(kinds),
         "kinds": kinds,
         "layers": cmp.compare_layers(ak, bk),
@@ -123,7 +159,9 @@ def print_compare(
     console.print(
         f"B: {b}  ({data['b']['run_id']}, {data['b']['kernels']} kernels)", highlight=False
     )
-    for line in knob_lines(run_a, run_b):
+    for line in shape_lines(run_a, run_b):
+        console.print(f"[yellow]{line}[/]", highlight=False, soft_wrap=True)
+    for line in knob_lines(run_a, run_b) + chunk_lines(run_a, run_b):
         console.print(line, highlight=False, soft_wrap=True)
     if not data["verdict"]:
         console.print(

@@ -95,6 +95,32 @@ def knobs_of(meta) -> dict[str, str]:
     }
 
 
+def chunk_note(meta) -> str | None:
+    """How a run's step was split where its workload ran the layers in sequence chunks (the
+    specialized kernels take at most ``MAX_STEP_TOKENS`` tokens per launch, so a larger step runs
+    each layer once per chunk, reading its weights each time), e.g. ``"4 chunks of 8 sequences
+    (256 tokens per step): launches and weight reads x4"``; None for one chunk, a trace or a
+    run that does not record it."""
+    try:
+        wl = meta.config.get("workload")
+    except ValueError:
+        return None
+    ch = wl.get("chunks") if isinstance(wl, dict) else None
+    if not isinstance(ch, dict):
+        return None
+    try:
+        n, per = int(ch["chunks"]), int(ch["sequences"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if n <= 1:
+        return None
+    tps = meta.tokens_per_seq or 1
+    return (
+        f"{n} chunks of {per} sequences ({n * per * tps} tokens per step): launches and weight "
+        f"reads x{n}"
+    )
+
+
 def run_summary(run: Run) -> dict[str, Any]:
     m = run.meta
     n, in_range, in_layer = attributed_counts(run)
@@ -122,6 +148,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "dropped_records": dropped_records(run),
         "ops": _ops_of(run),
         "knobs": ", ".join(f"{a}={b}" for a, b in knobs.items()) or None,
+        "chunks": chunk_note(m),
         "partial": m.partial,
         "overheads": overhead_summary(run),
     }

@@ -826,11 +826,16 @@ def page() -> None:
     elif not single:
         st.markdown("  \n".join(f"**Verdict:** {v}" for v in compare.verdicts(pair["kinds"])))
     if not single:
-        from decodescope.ui.cmd_compare import knob_lines
+        from decodescope.ui.cmd_compare import chunk_lines, knob_lines, shape_lines
 
+        for line in shape_lines(run_a, run_b):  # the pair ran different steps: say so first
+            st.warning(line)
         knobs = knob_lines(run_a, run_b)
         if knobs:  # an A/B of kernel knobs: say which
             st.caption("  \n".join(line.strip() for line in knobs))
+        chunked = chunk_lines(run_a, run_b)
+        if chunked:  # a side that re-read its weights per sequence chunk
+            st.caption("  \n".join(chunked))
 
     # lazy tabs: only the open tab's content runs (and travels to the browser)
     tabs = st.tabs(VIEWS, key="view", on_change="rerun")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Written at the end of session 18 (outcomes in notes/specialized.md "Session 18"). One H200 call
+# Written at the end of session 18; both parts ran in session 19 (outcomes in notes/specialized.md
+# "Session 19", logs notes/gpu-logs/s19/r1, r2): kept as the rerun of those points. One H200 call
 # of ~6 minutes after the staging; each stage has its own time limit and a failing stage does not
 # stop the rest. From the project root on the GPU machine, after `source .gpu/run/install.sh`:
 #     DS_STAGES_NAME=pending1 bash scripts/gpu/next_round.sh 1
