@@ -215,6 +215,22 @@ def test_check_names_differing_kernel_knobs(work, tmp_path):
     assert rep["run"]["knobs"] == "DECODESCOPE_DENSE_TILE=0"
 
 
+def test_check_says_when_the_baseline_ran_another_step_shape():
+    """The committed H200 runs of session 19 (TP8, same call): the 32 x 8 verify step against the
+    32 x 1 step as its baseline: the check decides on the figures (a regression: 4 chunks of
+    launches) and says the two ran different step shapes."""
+    results = Path(__file__).resolve().parent.parent / "results"
+    run, base = f"{results}@specialized-20261202T100146", f"{results}@specialized-20261202T100041"
+    p = cli("check", run, "--baseline", base, "--max-regression", "5")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "note: different step shapes (ratios compare different work): run tokens_per_seq 8; " \
+        "baseline tokens_per_seq 1" in " ".join(p.stdout.split())  # fmt: skip
+    js = json.loads(cli("check", run, "--baseline", base, "--max-regression", "5", "--json").stdout)
+    assert js["shape_note"].endswith("run tokens_per_seq 8; baseline tokens_per_seq 1")
+    same = cli("check", run, "--baseline", run, "--max-regression", "5", "--json").stdout
+    assert json.loads(same)["shape_note"] is None
+
+
 def test_check_against_dataset(work, tmp_path):
     ds = tmp_path / "ds"
     # the same real trace imported twice under two run ids: two baseline rows of one setup

@@ -17,9 +17,10 @@ from decodescope.ui.cmd_report import knobs_of
 from decodescope.ui.render import arrow_table, dumps
 
 
-def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dict]]:
-    """The baseline kernels tables, a description of where they came from, and the kernel knobs
-    of each baseline run."""
+def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dict], list[str]]:
+    """The baseline kernels tables, a description of where they came from, the kernel knobs of
+    each baseline run, and a line where a baseline run's step shape differs from the run's (a
+    dataset's baseline runs are chosen with the run's shape)."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
         ids = layout.select_baseline(runs, run.meta)
@@ -33,9 +34,15 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
             for r in runs
             if r.get("run_id") in idset
         ]
-        return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)", knobs
+        return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)", knobs, []
     base = load_with_progress(path, scheme)
-    return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)]
+    from decodescope.ui.cmd_compare import shape_lines
+
+    shape = [  # a baseline of another step shape (A = the run, B = the baseline): say so
+        ln.replace(": A ", ": run ", 1).replace("; B ", "; baseline ", 1)
+        for ln in shape_lines(run, base)
+    ]
+    return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)], shape
 
 
 def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) -> str | None:
@@ -66,7 +73,7 @@ def check(
 ) -> None:
     """Compare a run with a baseline per layer kind; exit 1 if span or kernel count regressed."""
     current = load_with_progress(run, scheme)
-    bases, origin, base_knobs = _baseline(baseline, current, scheme)
+    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme)
     result = regress.check(
         current, bases, max_regression, max_kernel_increase_pct=max_kernel_increase
     )
@@ -79,14 +86,15 @@ def check(
                     "reasons": result.reasons,
                     "baseline": origin,
                     "knobs_note": knob_note,
+                    "shape_note": shape_note[0] if shape_note else None,
                     "table": result.table,
                 }
             )
         )
     else:
         console.print(f"baseline: {origin}", highlight=False, soft_wrap=True)
-        if knob_note:
-            console.print(f"[yellow]note[/]: {knob_note}", highlight=False, soft_wrap=True)
+        for note in ([knob_note] if knob_note else []) + shape_note:
+            console.print(f"[yellow]note[/]: {note}", highlight=False, soft_wrap=True)
         console.print(arrow_table(result.table, "per layer kind: run vs baseline"))
         if result.ok:
             console.print(f"[green]ok[/]: no regression above {max_regression:g}%")
