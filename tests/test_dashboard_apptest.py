@@ -352,3 +352,25 @@ def test_a_knob_ab_names_the_knob(monkeypatch, tmp_path):
     assert "DECODESCOPE_MLA_SPLIT_EARLYABS unset" in caption
     assert "DECODESCOPE_MLA_SPLIT_EARLYABS=1" in caption
     assert any("MLA layer" in m and "by share 113 -> 112 us" in m for m in texts(at.markdown))
+
+
+def test_a_chunked_pair_and_other_shapes_say_so(monkeypatch, tmp_path):
+    """Session 19's TP8 runs (one call): the standard 32 x 8 verify step against the specialized
+    one, which ran in 4 chunks of 64 tokens: the page says the chunking; and the specialized
+    32 x 1 step against the standard 32 x 8 one: the page warns that the two ran different
+    step shapes."""
+    from decodescope import tracer
+    from decodescope.tracer.store import write_run
+
+    def folder(name, rid):
+        return write_run(tracer.load(f"{dashboard.RESULTS_DATA}@{rid}"), tmp_path / name)
+
+    std = folder("std", "standard-20261202T100136")
+    spec = folder("spec", "specialized-20261202T100146")
+    at = run_app(monkeypatch, std, spec)
+    no_exception(at)
+    assert "B ran in 4 chunks of 8 sequences (256 tokens per step)" in " ".join(texts(at.caption))
+    assert not at.warning
+    at = run_app(monkeypatch, std, folder("one", "specialized-20261202T100041"))
+    no_exception(at)
+    assert any("different step shapes" in w and "tokens_per_seq 8" in w for w in texts(at.warning))
