@@ -156,6 +156,8 @@ def fused_coverage(a_kernels: pa.Table, b_kernels: pa.Table) -> pa.Table:
         if not op or "+" not in op:
             continue
         parts = [p for p in op.split("+") if p]
+        if any(x["op"] == op for x in a_rows):  # A runs the same fused op (one name, one range)
+            parts = [op]
         covers, missing = [], []
         a_k = 0.0
         a_s = 0.0
@@ -244,14 +246,22 @@ def verdicts(kinds: pa.Table) -> list[str]:
 
 
 def _share_note(r: dict) -> str:
-    """ ", by share 113 -> 112 us (1.01x)" where a side's layers overlap the layer before them
+    """ ", by share 113 -> 112 us (1.01x faster)" where a side's layers overlap the layer before them
     (programmatic dependent launch: share below span by 1% or more), so the span, which counts
     that overlap, and the share, which does not, can tell different stories; "" otherwise."""
     sa, sb = r.get("a_share_us"), r.get("b_share_us")
     pa_, pb = r.get("a_span_us"), r.get("b_span_us")
     if not (sa and sb and pa_ and pb) or (sa >= 0.99 * pa_ and sb >= 0.99 * pb):
         return ""
-    return f", by share {_fmt_num(sa)} -> {_fmt_num(sb)} us ({sa / sb:.2f}x)"
+    r_ = sa / sb  # B's speedup by share, said in words: it may point the other way than the span
+    how = (
+        f"{r_:.2f}x faster"
+        if r_ >= 1.005
+        else f"{1 / r_:.2f}x slower"
+        if r_ <= 1 / 1.005
+        else "as fast, 1.00x"
+    )
+    return f", by share {_fmt_num(sa)} -> {_fmt_num(sb)} us ({how})"
 
 
 def verdict(a_kernels: pa.Table, b_kernels: pa.Table) -> str:

@@ -282,3 +282,39 @@ def test_usage_errors_are_one_line(args):
     """click's usage errors (raised from typer's vendored copy of click) get one line and exit 2."""
     line = one_line_error(cli(*args))
     assert line.startswith("error: ") and "--help" in line
+
+
+def test_check_against_the_results_dataset_takes_runs_of_the_same_kernel_knobs():
+    """``check RUN --baseline results/`` on the committed H200 runs: a run of the default kernels
+    is checked against the dataset's runs of the defaults only (its knob A/Bs measured other
+    kernels), a knob run (session 18, ``DECODESCOPE_MLA_SPLIT_EARLYABS=1``) against the runs of
+    the defaults, with the one knob that differs named."""
+    results = Path(__file__).resolve().parent.parent / "results"
+    default = json.loads(cli("check", f"{results}@specialized-20261202T094447", "--baseline",
+                             results, "--max-regression", "50", "--json").stdout)  # fmt: skip
+    assert "run(s) of the default kernels" in default["baseline"], default["baseline"]
+    assert default["knobs_note"] is None
+    knob = json.loads(cli("check", f"{results}@specialized-20261202T071558", "--baseline",
+                          results, "--max-regression", "50", "--json").stdout)  # fmt: skip
+    assert "run(s) of the default kernels" in knob["baseline"]
+    assert knob["knobs_note"] == (
+        "kernel knobs differ (DECODESCOPE_MLA_SPLIT_EARLYABS: run 1, baseline unset)"
+    )
+
+
+def test_check_and_demo_refuse_what_they_cannot_show(tmp_path):
+    """A trace whose kernels no layer range covers (the nsys RTX 3080 mock: kernels, no NVTX
+    layers) has nothing to check: one line, exit 2, not a "regression"; ``demo --results`` of a
+    path that is no dataset, and of a dataset of imported traces only (no bench pair): one line,
+    exit 2."""
+    trace = TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite"
+    p = cli("check", trace, "--baseline", trace, "--max-regression", "5")
+    assert p.returncode == 2 and "no per-layer figures" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    p = cli("demo", "--results", tmp_path / "nowhere")
+    assert p.returncode == 2 and "nowhere: does not exist" in p.stderr
+    run = tmp_path / "hf"
+    assert cli("import", HF_QWEN, "--out", run).returncode == 0
+    assert cli("export", run, "--to", tmp_path / "ds").returncode == 0
+    p = cli("demo", "--results", tmp_path / "ds")
+    assert p.returncode == 2 and "no runs of `decodescope bench`" in p.stderr

@@ -209,7 +209,7 @@ def test_knob_ab_on_real_h200_runs():
         "                  B DECODESCOPE_MLA_SPLIT_EARLYABS=1",
     ]
     mla = [v for v in data["verdict"] if "MLA layer" in v][0]
-    assert mla.endswith("by share 113 -> 112 us (1.01x)"), mla
+    assert mla.endswith("by share 113 -> 112 us (1.01x faster)"), mla
     kinds = {r["layer_kind"]: r for r in data["kinds"].to_pylist()}
     assert kinds["mla"]["share_us_delta"] < -0.8 and kinds["mla"]["span_us_delta"] > -0.8
     # the dense layer has no overlap to speak of: span only
@@ -265,3 +265,25 @@ def test_chunk_note_without_a_record():
     assert chunk_note(meta({"workload": {"chunks": {"sequences": 8, "chunks": 8}}})) == (
         "8 chunks of 8 sequences (512 tokens per step): launches and weight reads x8"
     )
+
+
+def test_fused_coverage_where_both_sides_run_the_same_fused_op():
+    """Session 19's TP8 64 x 8 pair: the standard path's verify step runs the KDA decode as one
+    op named like the specialized one (``conv1d+kda_recurrence+gated_norm``); the fused-coverage
+    table finds it on A under that name instead of reporting its three parts missing. The
+    verdict says in words which way the share points (it may disagree with the span)."""
+    results = Path(__file__).resolve().parent.parent / "results"
+    a = tracer.load(f"{results}@standard-20261202T100215")
+    b = tracer.load(f"{results}@specialized-20261202T100222")
+    rows = [r for r in compare.fused_coverage(a.kernels, b.kernels).to_pylist()
+            if r["layer_kind"] == "kda" and r["b_op"] == "conv1d+kda_recurrence+gated_norm"]  # fmt: skip
+    assert len(rows) == 1 and rows[0]["missing"] == [] and rows[0]["a_kernels"] == 1
+    assert rows[0]["covers"] == ["conv1d+kda_recurrence+gated_norm"]
+    tp2a = tracer.load(f"{results}@standard-tp2-20261130T232229")
+    tp2b = tracer.load(f"{results}@specialized-tp2-20261130T232237")
+    v = {x.split(" per ")[1].split(":")[0]: x for x in compare.verdicts(compare.compare_kinds(
+        tp2a.kernels, tp2b.kernels))}  # fmt: skip
+    assert v["KDA layer"].startswith("B is 1.03x slower") and v["KDA layer"].endswith(
+        "by share 413 -> 382 us (1.08x faster)"
+    )
+    assert v["MLA layer"].endswith("by share 400 -> 424 us (1.06x slower)")

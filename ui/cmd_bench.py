@@ -134,7 +134,11 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
     for kind, batch, tps in keys:
         s = keyed.get(("standard", kind, batch, tps))
         p = keyed.get(("specialized", kind, batch, tps))
-        floor = (s or p or {}).get("floor_us")
+        floor = (s or p or {}).get("floor_us")  # one floor per row: the standard run's
+
+        def per_floor(r, key, floor=floor):  # every ratio of the row on the row's one floor
+            return f"{r[key] / floor:.2f}" if (r and floor and r.get(key) is not None) else "-"
+
         t.add_row(
             kind,
             str(batch),
@@ -145,11 +149,11 @@ def _layer_table(rows: list[dict], meta_line: str) -> Table:
             _fmt(p and p["span_us"]),
             f"{s['span_us'] / p['span_us']:.2f}x" if (s and p) else "-",
             _fmt(floor),
-            f"{s['efficiency']:.2f}" if (s and s.get("efficiency")) else "-",
-            f"{p['efficiency']:.2f}" if (p and p.get("efficiency")) else "-",
+            per_floor(s, "span_us"),
+            per_floor(p, "span_us"),
             _fmt(s and s.get("share_us")),
             _fmt(p and p.get("share_us")),
-            f"{p['share_efficiency']:.2f}" if (p and p.get("share_efficiency")) else "-",
+            per_floor(p, "share_us"),
             f"{s['share_us'] / p['share_us']:.2f}x"
             if (s and p and s.get("share_us") and p.get("share_us"))
             else "-",
@@ -188,7 +192,10 @@ def projections(rows: list[dict], acceptance: float) -> list[dict]:
         groups.setdefault((r["backend"], r["batch"], r["tokens_per_seq"]), {})[r["layer_kind"]] = (
             r["span_us"] if v is None else v
         )
-    for (backend, batch, tps), spans in sorted(groups.items()):
+    for (backend, batch, tps), spans in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        if not batch:  # a run that does not record its batch (an imported trace): no step
+            continue
+        tps = tps or 1
         accepted = acceptance if tps > 1 else 1.0
         try:
             p = proj.project_step(spans, batch, tokens_per_seq=accepted)

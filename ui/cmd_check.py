@@ -27,14 +27,29 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
         if not ids:
             keys = ", ".join(f"{k}={getattr(run.meta, k)}" for k in layout.BASELINE_KEYS)
             raise UsageError(f"{path}: no baseline run with the same {keys}")
-        kernels = tds.read_table(path, "kernels", ids)
         idset = set(ids)
-        knobs = [
-            knobs_of(RunMeta(run_id=r["run_id"], source="", config_json=r.get("config_json")))
+        knobs = {
+            r["run_id"]: knobs_of(
+                RunMeta(run_id=r["run_id"], source="", config_json=r.get("config_json"))
+            )
             for r in runs
             if r.get("run_id") in idset
-        ]
-        return [kernels], f"dataset {path} ({len(ids)} run(s): median of their figures)", knobs, []
+        }
+        # the runs captured with the run's own kernel knobs (the defaults: none), where there are
+        # any: the dataset's knob A/Bs measured other kernels; else the runs of the defaults (a
+        # knob run against the defaults is that knob's A/B), else all; the note names the knobs
+        mine = knobs_of(run.meta)
+        same = [i for i in ids if knobs.get(i) == mine]
+        defaults = [i for i in ids if not knobs.get(i)]
+        chosen = same or defaults or ids
+        what = (
+            ("with the run's kernel knobs" if mine else "of the default kernels")
+            if same
+            else ("of the default kernels" if defaults else "with other kernel knobs")
+        )
+        kernels = tds.read_table(path, "kernels", chosen)
+        origin = f"dataset {path} ({len(chosen)} run(s) {what}: median of their figures)"
+        return [kernels], origin, [knobs[i] for i in chosen], []
     base = load_with_progress(path, scheme)
     from decodescope.ui.cmd_compare import shape_lines
 
@@ -74,6 +89,15 @@ def check(
     """Compare a run with a baseline per layer kind; exit 1 if span or kernel count regressed."""
     current = load_with_progress(run, scheme)
     bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme)
+    from decodescope.analysis import metrics
+
+    for what, kern in (("the baseline", bases[0]), ("the run", current.kernels)):
+        if metrics.kind_table(kern).num_rows == 0:  # nothing per layer: no check to make
+            where = baseline if what == "the baseline" else run
+            raise UsageError(
+                f"{where}: {what} has no per-layer figures (no kernel attributed to a layer): "
+                "nothing to check"
+            )
     result = regress.check(
         current, bases, max_regression, max_kernel_increase_pct=max_kernel_increase
     )

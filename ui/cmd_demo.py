@@ -2,9 +2,8 @@
 
 With the bundled results dataset (``results/``: runs of ``decodescope bench`` on the H200) it
 prints the reference-style table (standard vs specialized per layer kind, bytes floor,
-projection) and the layer-by-layer comparison of the batch-1 pair; it then checks the newest
-specialized run against the dataset as a CI job would. Without it, it reports the bundled
-H200 captures under ``data/runs/``.
+projection) and the layer-by-layer comparison of the batch-1 pair. Without it, it reports the
+bundled H200 captures under ``data/runs/``.
 """
 
 from __future__ import annotations
@@ -21,16 +20,17 @@ RUNS = REPO / "data" / "runs"
 
 
 def _pairs(runs) -> dict[tuple, dict[str, object]]:
-    """(preset, tp_shape, tp_world, batch, tokens_per_seq) -> {backend: run}, the newest run per
-    backend among the runs of the defaults (a run captured with kernel knobs, ``config_json
-    ["knobs"]``, measured other kernels: it stays in the dataset, out of these tables)."""
+    """(preset, tp_shape, tp_world, batch, tokens_per_seq) -> {backend: run}, the newest standard
+    and specialized run among the runs of the defaults (a run captured with kernel knobs,
+    ``config_json["knobs"]``, measured other kernels: it stays in the dataset, out of these
+    tables; imported traces of other tools have no pair)."""
     from decodescope.ui.cmd_report import knobs_of
 
     out: dict[tuple, dict[str, object]] = {}
     for r in sorted(runs, key=lambda r: str(r.meta.created_at)):
         m = r.meta
-        if knobs_of(m):
-            continue
+        if knobs_of(m) or m.backend not in ("standard", "specialized"):
+            continue  # imported traces of other tools (backend "other") have no pair to show
         key = (m.preset, m.tp_shape, m.tp_world or 1, m.batch, m.tokens_per_seq or 1)
         out.setdefault(key, {})[m.backend] = r
     return out
@@ -46,11 +46,31 @@ def demo(
     from decodescope.tracer.dataset import is_dataset, read_runs
     from decodescope.ui import cmd_bench
 
+    if results != RESULTS and not is_dataset(results):  # asked for by name: say what is wrong
+        from decodescope.ui.cli import UsageError
+
+        why = "does not exist" if not results.exists() else "is not a results dataset"
+        raise UsageError(
+            f"{results}: {why} (one made by `decodescope bench --out` or `decodescope export`)"
+        )
     if is_dataset(results):
-        all_runs = read_runs(results)
+        from decodescope.ui.cli import err_console
+        from decodescope.ui.render import progress
+
+        with progress(err_console, f"reading {results}"):
+            all_runs = read_runs(results)
         pairs = _pairs(all_runs)
+        title = "Bundled H200 results" if results == RESULTS else "Results"
         if pairs:
-            console.print(f"[bold]Bundled H200 results[/] ({results}, {len(all_runs)} runs)")
+            console.print(f"[bold]{title}[/] ({results}, {len(all_runs)} runs)")
+        elif results != RESULTS:
+            from decodescope.ui.cli import UsageError
+
+            raise UsageError(
+                f"{results}: no runs of `decodescope bench` (standard or specialized backend, "
+                f"without kernel knobs) among its {len(all_runs)} run(s); `decodescope report "
+                f"{results}@RUN_ID` shows any one of them"
+            )
         setups = sorted({k[:3] for k in pairs}, key=lambda s: (str(s[0]), s[1] or 0, s[2]))
         for preset, tp, tpw in setups:
             rows = []
