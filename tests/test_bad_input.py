@@ -550,3 +550,201 @@ def test_kineto_odd_values_on_every_kernel(where: str, value) -> None:
     assert run is not None
     skipped = sum(r["count"] for r in run.overheads.to_pylist() if r["kind"] == "skipped_events")
     assert run.kernels.num_rows + skipped >= 40
+
+
+# ---------------------------------------------------------------------------------------------
+# where the run goes: `decodescope import TRACE --out DIR [--overwrite]`
+
+HF_QWEN = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
+
+
+@pytest.fixture(scope="module")
+def qwen_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder of a real trace, the fast input for the CLI tests below."""
+    return tracer.write_run(tracer.load(HF_QWEN), tmp_path_factory.mktemp("qwen") / "run")
+
+
+def _one_error_line(code: int, err: str, names: Path) -> str:
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert str(names) in lines[0]
+    return lines[0]
+
+
+def _siblings(folder: Path) -> list[str]:
+    """The names in ``folder``, to see that no temporary run folder was left beside the target."""
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_import_overwrite_keeps_a_folder_that_is_not_a_run(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite on a folder of the user's files: refused with one line, every file kept."""
+    out = tmp_path / "P"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("x\n")
+    code, err = _run_main(["import", str(qwen_run_dir), "--out", str(out), "--overwrite"], capsys)
+    line = _one_error_line(code, err, out)
+    assert "not a decodescope run folder" in line and "--overwrite" in line
+    assert (out / "notes.txt").read_text() == "x\n" and (out / "sub").is_dir()
+    assert _siblings(tmp_path) == ["P"]
+
+
+def test_import_overwrite_keeps_a_folder_with_runs_parquet_and_subfolders(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Synthetic corner: a run folder's files plus a subfolder (no run has one) is not replaced."""
+    out = tmp_path / "P"
+    shutil.copytree(qwen_run_dir, out)
+    (out / "mine").mkdir()
+    code, err = _run_main(["import", str(qwen_run_dir), "--out", str(out), "--overwrite"], capsys)
+    assert "mine/" in _one_error_line(code, err, out)
+    assert (out / "mine").is_dir() and tracer.store.is_run_dir(out)
+
+
+def test_import_overwrite_refuses_a_file(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "file"
+    out.write_text("y\n")
+    code, err = _run_main(["import", str(qwen_run_dir), "--out", str(out), "--overwrite"], capsys)
+    assert "is a file" in _one_error_line(code, err, out)
+    assert out.read_text() == "y\n"
+    assert _siblings(tmp_path) == ["file"]
+    # a file where a parent folder should be
+    deeper = out / "sub" / "run"
+    code, err = _run_main(["import", str(qwen_run_dir), "--out", str(deeper)], capsys)
+    _one_error_line(code, err, deeper)
+    assert _siblings(tmp_path) == ["file"]
+
+
+def test_import_overwrite_replaces_a_run_folder_or_an_empty_folder(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from decodescope.ui.cli import main
+
+    run_out, empty = tmp_path / "run", tmp_path / "empty"
+    empty.mkdir()
+    main(["import", str(qwen_run_dir), "--out", str(run_out), "--notes", "first"])
+    (run_out / "capture-notes.txt").write_text("a capture writes this beside its tables\n")
+    for out in (run_out, empty):
+        main(["import", str(qwen_run_dir), "--out", str(out), "--overwrite", "--notes", "again"])
+        assert tracer.read_run(out).meta.notes == "again"
+    assert not (run_out / "capture-notes.txt").exists()
+    assert _siblings(tmp_path) == ["empty", "run"]
+    capsys.readouterr()
+
+
+def test_import_refusal_names_the_overwrite_flag(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    code, err = _run_main(["import", str(qwen_run_dir), "--out", str(out)], capsys)
+    assert "pass --overwrite" in _one_error_line(code, err, out)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_import_out_where_no_folder_can_be_made(
+    qwen_run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/proc takes no new folders (mkdir gives ENOENT there, even for root)."""
+    for out in (Path("/proc/decodescope_qa_run"), Path("/proc/self/decodescope_qa/run")):
+        code, err = _run_main(["import", str(qwen_run_dir), "--out", str(out)], capsys)
+        _one_error_line(code, err, out)
+        assert not out.exists()
+
+
+def test_write_run_into_a_folder_without_write_permission(
+    qwen_run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parent folder without write permission: chmod where that binds (not root), else a
+    synthetic PermissionError from mkdir in that folder. One TraceError naming --out."""
+    run = tracer.read_run(qwen_run_dir)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() != 0:
+        locked.chmod(0o500)
+    else:
+        real_mkdir = os.mkdir
+
+        def mkdir(path, *args, **kwargs):
+            if Path(path).parent == locked:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", mkdir)
+    try:
+        for out in (locked / "run", locked / "sub" / "run"):
+            with pytest.raises(TraceError) as info:
+                tracer.write_run(run, out)
+            _assert_clean(info.value, out)
+            assert "Permission denied" in str(info.value)
+    finally:
+        locked.chmod(0o700)
+    assert _siblings(locked) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_run_folder_mode_follows_the_umask(qwen_run_dir: Path, tmp_path: Path, umask: int) -> None:
+    run = tracer.read_run(qwen_run_dir)
+    old = os.umask(umask)
+    try:
+        out = tracer.write_run(run, tmp_path / "run")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_import_backend_must_be_one_of_the_listed(
+    qwen_run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from decodescope.ui.cli import main
+
+    out = tmp_path / "run"
+    code, err = _run_main(
+        ["import", str(qwen_run_dir), "--out", str(out), "--backend", "bogus"], capsys
+    )
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--backend" in lines[0] and "bogus" in lines[0], err
+    assert not out.exists()
+    main(["import", str(qwen_run_dir), "--out", str(out), "--backend", "Specialized"])
+    assert tracer.read_run(out).meta.backend == "specialized"
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------------
+# a UTF-8 byte order mark before the JSON (plain and inside the gzip data)
+
+
+def _differing_columns(a, b) -> set[tuple[str, str]]:
+    ta, tb = a.tables(), b.tables()
+    return {(t, c) for t in ta for c in ta[t].column_names if not ta[t][c].equals(tb[t][c])}
+
+
+def test_kineto_with_a_bom_loads_like_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from decodescope.ui.cli import main
+
+    text = gzip.decompress(HF_QWEN.read_bytes())
+    plain, bom = tmp_path / "plain.json", tmp_path / "bom.json"
+    plain.write_bytes(text)
+    bom.write_bytes(b"\xef\xbb\xbf" + text)
+    bom_gz = tmp_path / "bom.json.gz"
+    bom_gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + text))
+    base, base_gz = tracer.load(plain), tracer.load(HF_QWEN)
+    assert base.kernels.num_rows == 1465
+    # the same trace: only the path differs (and for gzip the id, a hash of the compressed bytes)
+    assert _differing_columns(base, tracer.load(bom)) == {("runs", "source_path")}
+    assert {c for t, c in _differing_columns(base_gz, tracer.load(bom_gz))} == {
+        "source_path",
+        "run_id",
+    }
+    assert load_kineto(bom).run_id == load_kineto(plain).run_id
+    main(["report", str(bom)])
+    main(["report", str(bom_gz)])
+    assert "Traceback" not in capsys.readouterr().err

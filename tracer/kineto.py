@@ -201,7 +201,10 @@ def load_kineto(
     """
     p = Path(path)
     data = _read_bytes(p)
-    rid = run_id or "kineto-" + hashlib.blake2b(data, digest_size=8).hexdigest()
+    # a UTF-8 byte order mark does not change the trace, so it does not change the id either
+    unmarked = memoryview(data)[3:] if data[:3] == _BOM else data
+    rid = run_id or "kineto-" + hashlib.blake2b(unmarked, digest_size=8).hexdigest()
+    del unmarked
     if data[:2] == b"\x1f\x8b":
         data = _gunzip(p, data)
     trace, events, skipped = _decode(p, data)
@@ -227,6 +230,7 @@ def _read_bytes(p: Path) -> bytes:
     return data
 
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, which some editors and tools write first
 _GUNZIP_CHUNK = 1 << 20
 _GUNZIP_MAX_RATIO = 200  # trust the size a gzip trailer states up to this many times the input
 
@@ -278,10 +282,13 @@ def _gunzip(p: Path, data: bytes) -> bytearray:
 
 
 def _decode(p: Path, data: bytes | bytearray) -> tuple[_Trace, list[_Event], Counter]:
-    """Decode ``data``: the typed fast path, else a generic decode converted event by event."""
-    if data[:3] == b"\xef\xbb\xbf":
+    """Decode ``data``: the typed fast path, else a generic decode converted event by event.
+
+    A leading UTF-8 byte order mark (plain or inside the gzip data) is skipped without a copy.
+    """
+    if data[:3] == _BOM:
         data = memoryview(data)[3:]
-    head = data[:4096].lstrip()
+    head = bytes(data[:4096]).lstrip()  # a memoryview has no lstrip
     if head[:1] not in (b"{", b"["):
         raise TraceError(p, "not a Kineto / Chrome trace: expected a JSON object ({...})")
     skipped: Counter = Counter()

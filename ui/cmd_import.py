@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -13,6 +14,14 @@ from decodescope.ui.cli import app, console, err_console
 from decodescope.ui.render import progress
 
 SCHEME_HELP = "naming scheme TOML (patterns from range names to layer/op; see analysis/naming.toml)"
+
+
+class Backend(StrEnum):
+    """The values ``runs.backend`` takes (analysis/schema.py); any other is refused, exit 2."""
+
+    standard = "standard"
+    specialized = "specialized"
+    other = "other"
 
 
 def load_with_progress(path: str | Path, scheme: Path | None = None, **options) -> Run:
@@ -42,12 +51,12 @@ def import_(
     out: Path = typer.Option(..., "--out", "-o", help="run folder to write"),
     run_id: str | None = typer.Option(None, help="run id (default: derived from the content)"),
     workload: str | None = typer.Option(None, help="record the workload name"),
-    backend: str | None = typer.Option(
-        None, help="record the backend: standard | specialized | other"
-    ),
+    backend: Backend | None = typer.Option(None, case_sensitive=False, help="record the backend"),
     preset: str | None = typer.Option(None, help="record the model preset"),
     notes: str | None = typer.Option(None, help="free-text notes kept with the run"),
-    overwrite: bool = typer.Option(False, help="replace --out if it exists"),
+    overwrite: bool = typer.Option(
+        False, help="replace --out if it is a run folder (or an empty folder)"
+    ),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Import a trace as a run folder (one Parquet file per table). Nothing is left on error."""
@@ -57,7 +66,7 @@ def import_(
         k: v
         for k, v in (
             ("workload", workload),
-            ("backend", backend),
+            ("backend", backend.value if backend is not None else None),
             ("preset", preset),
             ("notes", notes),
         )
