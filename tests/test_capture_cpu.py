@@ -558,6 +558,23 @@ def test_cli_capture_needs_a_workload_or_a_program(capsys):
     assert "either --workload NAME or a program after --" in capsys.readouterr().err
 
 
+def test_cli_capture_refuses_an_out_folder_it_would_have_to_replace(tmp_path, capsys):
+    """``capture --out`` at a folder of other files (synthetic: one file in a temp folder): one
+    line, exit 2, before any child runs (a capture of minutes is not lost at the end), and the
+    folder is left as it was."""
+    from decodescope.ui.cli import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--workload", "standard", "--out", str(mine)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "is a folder that is not a decodescope run folder" in err and len(err.splitlines()) == 1
+    assert (mine / "notes.txt").read_text() == "keep me" and len(list(mine.iterdir())) == 1
+
+
 class HybridCupti:
     """cupti-python's real enums and struct classes, with the CUPTI calls stubbed (no driver)."""
 

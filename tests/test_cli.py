@@ -318,3 +318,15 @@ def test_check_and_demo_refuse_what_they_cannot_show(tmp_path):
     assert cli("export", run, "--to", tmp_path / "ds").returncode == 0
     p = cli("demo", "--results", tmp_path / "ds")
     assert p.returncode == 2 and "no runs of `decodescope bench`" in p.stderr
+
+
+def test_report_of_a_dataset_names_the_run_syntax_and_shows_the_run_record():
+    """``report results`` (a dataset, not a run): one line that says how to name a run; a run's
+    report carries its commit, copy bandwidth, time and notes (session 19's TP8 batch-1 run)."""
+    results = Path(__file__).resolve().parent.parent / "results"
+    p = cli("report", results)
+    assert p.returncode == 2 and f"name one as {results}@RUN_ID" in p.stderr
+    rep = json.loads(cli("report", f"{results}@specialized-20261202T094447", "--json", "--top",
+                         "1").stdout)["run"]  # fmt: skip
+    assert rep["git_commit"].startswith("385c2e3") and 3.5 < rep["copy_bw_tbs"] < 5
+    assert rep["created_at"].startswith("2026-12-02 09:44") and "tp_world 1" in rep["notes"]

@@ -287,3 +287,19 @@ def test_fused_coverage_where_both_sides_run_the_same_fused_op():
         "by share 413 -> 382 us (1.08x faster)"
     )
     assert v["MLA layer"].endswith("by share 400 -> 424 us (1.06x slower)")
+
+
+def test_compare_names_different_gpus():
+    """Two real traces of different GPUs (H100 Qwen HF eager, B200 vLLM prefill): the comparison
+    says the ratios compare different hardware."""
+    from decodescope.ui.cmd_compare import compare_data
+
+    traces = Path(__file__).resolve().parent / "data" / "traces"
+    a = tracer.load(traces / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz")
+    b = tracer.load(traces / "kineto_b200_vllm_tp8_rank0_prefill_eager__TraceLens.json.gz")
+    lines = compare_data(a, b)["shapes_differ"]
+    assert any(
+        x.startswith("different GPUs (ratios compare different hardware): A ") for x in lines
+    )
+    assert a.meta.gpu in lines[-1] and b.meta.gpu in lines[-1]
+    assert compare_data(a, a)["shapes_differ"] == []

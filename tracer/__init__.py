@@ -44,6 +44,10 @@ def detect(path: str | os.PathLike[str]) -> str:
     if p.is_dir():
         if is_run_dir(p):
             return "run"
+        from decodescope.tracer.dataset import is_dataset
+
+        if is_dataset(p):  # a results dataset holds many runs: name one
+            raise TraceError(p, f"is a results dataset, not one run: name one as {p}@RUN_ID")
         raise TraceError(p, "is a directory but not a decodescope run folder (no runs.parquet)")
     try:
         with open(p, "rb") as f:

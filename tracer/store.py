@@ -36,7 +36,7 @@ def write_run(run: Run, out: str | os.PathLike[str], *, overwrite: bool = False)
     if os.path.lexists(dest):
         if not overwrite:
             raise TraceError(out, "already exists (pass --overwrite to replace it)")
-        why_not = _why_not_replaceable(dest)
+        why_not = why_not_replaceable(dest)
         if why_not:
             raise TraceError(
                 out, f"{why_not}; --overwrite only replaces a run folder or an empty folder"
@@ -60,7 +60,7 @@ def write_run(run: Run, out: str | os.PathLike[str], *, overwrite: bool = False)
     return out
 
 
-def _why_not_replaceable(p: Path) -> str | None:
+def why_not_replaceable(p: Path) -> str | None:
     """Why ``p`` must not be replaced by a run, or ``None`` for a run folder or an empty folder."""
     if p.is_symlink():
         return "is a symbolic link, not a run folder"

@@ -74,6 +74,12 @@ def capture_cmd(
         out = (
             Path("runs") / f"{workload or Path(command[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         )
+    if out.exists() or out.is_symlink():  # a capture replaces only a run (or an empty) folder:
+        from decodescope.tracer.store import why_not_replaceable  # say so before it runs
+
+        why = why_not_replaceable(out)
+        if why:
+            raise UsageError(f"{out}: {why}; --out replaces only a run folder or an empty folder")
     if tp_world > 1:
         from decodescope.tracer.distributed import run_distributed_capture
 

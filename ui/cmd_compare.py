@@ -74,7 +74,8 @@ SHAPE_FIELDS = ("preset", "tp_shape", "tp_world", "batch", "tokens_per_seq")
 def shape_lines(a: Run, b: Run) -> list[str]:
     """One line naming the step shapes where A and B were captured at different ones (preset,
     tp_shape, tp_world, batch, tokens per sequence; fields a side does not record are left out):
-    their layers then do different work, and the ratios are not a speedup. [] where they agree."""
+    their layers then do different work, and the ratios are not a speedup; and a line where they
+    ran on different GPUs. [] where they agree."""
     diff = [
         f
         for f in SHAPE_FIELDS
@@ -82,13 +83,20 @@ def shape_lines(a: Run, b: Run) -> list[str]:
         and getattr(b.meta, f, None) is not None
         and getattr(a.meta, f) != getattr(b.meta, f)
     ]
+    out = []
+    ga, gb = a.meta.gpu, b.meta.gpu
+    if ga and gb and ga != gb:
+        out.append(f"different GPUs (ratios compare different hardware): A {ga}; B {gb}")
     if not diff:
-        return []
+        return out
 
     def side(run: Run) -> str:
         return ", ".join(f"{f} {getattr(run.meta, f)}" for f in diff)
 
-    return [f"different step shapes (ratios compare different work): A {side(a)}; B {side(b)}"]
+    return [
+        f"different step shapes (ratios compare different work): A {side(a)}; B {side(b)}",
+        *out,
+    ]
 
 
 def chunk_lines(a: Run, b: Run) -> list[str]:

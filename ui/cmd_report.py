@@ -137,6 +137,9 @@ def run_summary(run: Run) -> dict[str, Any]:
         "tp_world": m.tp_world,
         "graph_mode": m.graph_mode,
         "gpu": m.gpu,
+        "copy_bw_tbs": m.copy_bw_tbs,
+        "git_commit": m.git_commit,
+        "created_at": str(m.created_at) if m.created_at else None,
         "cuda": m.cuda,
         "torch": m.torch,
         "kernels": n,
@@ -150,6 +153,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "knobs": ", ".join(f"{a}={b}" for a, b in knobs.items()) or None,
         "chunks": chunk_note(m),
         "partial": m.partial,
+        "notes": m.notes or None,
         "overheads": overhead_summary(run),
     }
 
