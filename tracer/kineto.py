@@ -195,18 +195,19 @@ def load_kineto(
 ) -> Run:
     """Read a Kineto / PyTorch-profiler trace (``.json`` or ``.json.gz``) as a raw :class:`Run`.
 
-    ``run_id`` defaults to a stable id derived from the file's content; ``rank`` defaults to the
+    ``run_id`` defaults to a stable id derived from the trace's content (the same for the
+    trace and its gzipped copy); ``rank`` defaults to the
     trace's ``distributedInfo.rank`` (0 when the trace has none).
     Raises :class:`TraceError` (one line naming the file) for anything that is not such a trace.
     """
     p = Path(path)
     data = _read_bytes(p)
-    # a UTF-8 byte order mark does not change the trace, so it does not change the id either
+    if data[:2] == b"\x1f\x8b":
+        data = _gunzip(p, data)
+    # the id hashes the trace itself: gzip and a UTF-8 byte order mark do not change it
     unmarked = memoryview(data)[3:] if data[:3] == _BOM else data
     rid = run_id or "kineto-" + hashlib.blake2b(unmarked, digest_size=8).hexdigest()
     del unmarked
-    if data[:2] == b"\x1f\x8b":
-        data = _gunzip(p, data)
     trace, events, skipped = _decode(p, data)
     del data
     return _Builder(p, trace, events, skipped, rid, rank).run()
