@@ -746,3 +746,13 @@ def test_kineto_with_a_bom_loads_like_without(
     main(["report", str(bom)])
     main(["report", str(bom_gz)])
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_perfetto_out_a_folder_fails_cleanly(tmp_path: Path) -> None:
+    """perfetto --out an existing folder: exit 2, one line naming it, no temporary file left."""
+    (tmp_path / "folder").mkdir()
+    proc = _cli("perfetto", str(KINETO_GZ), "--out", str(tmp_path / "folder"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(tmp_path / "folder") in lines[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]

@@ -12,6 +12,7 @@ import pytest
 from decodescope.analysis.schema import RunMeta
 from decodescope.tracer import cupti_records as cr
 from decodescope.tracer.chrome import chrome_trace, write_chrome_trace
+from decodescope.tracer.errors import TraceError
 
 TRACES = Path(__file__).parent / "data" / "traces"
 
@@ -92,3 +93,46 @@ def test_cli_perfetto(tmp_path):
     write_run(_graph_run(), tmp_path / "run")
     main(["perfetto", str(tmp_path / "run"), "--out", str(tmp_path / "trace.json")])
     assert_valid(json.loads((tmp_path / "trace.json").read_text()))
+
+
+def _perfetto_fails(out: Path, capsys) -> str:
+    """``decodescope perfetto RUN --out out`` with a bad ``out``: exit 2, one line, no traceback."""
+    from decodescope.ui.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["perfetto", str(TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"),
+              "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(out) in lines[0]
+    return lines[0]
+
+
+def test_cli_perfetto_bad_out_leaves_nothing(tmp_path, capsys, monkeypatch):
+    (tmp_path / "folder").mkdir()
+    assert "is a folder" in _perfetto_fails(tmp_path / "folder", capsys)
+    (tmp_path / "file").write_text("x")
+    line = _perfetto_fails(tmp_path / "file" / "sub" / "t.json", capsys)
+    assert f"{tmp_path / 'file'} is a file" in line
+    assert "cannot write" in _perfetto_fails(Path("/proc/decodescope-t.json"), capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+    assert list((tmp_path / "folder").iterdir()) == []
+
+    # a write that fails half way (disk full): no temporary file, no folder made for it
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("decodescope.tracer.chrome.os.replace", full)
+    assert "No space left" in _perfetto_fails(tmp_path / "new" / "deeper" / "t.json.gz", capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+    with pytest.raises(TraceError, match="No space left"):
+        write_chrome_trace(_graph_run(), tmp_path / "folder" / "t.json")
+    assert list((tmp_path / "folder").iterdir()) == []
+
+
+def test_write_chrome_trace_makes_missing_folders(tmp_path):
+    out = tmp_path / "a" / "b" / "t.json"
+    assert write_chrome_trace(_graph_run(), out) > 0
+    assert_valid(json.loads(out.read_text()))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["t.json"]

@@ -235,3 +235,88 @@ def test_op_shares_add_up_to_the_layer_share_on_pdl_runs(runs):
     std = _newest(runs, "standard", 8, 1)
     for r in op_table(std.kernels).to_pylist():
         assert 0 <= r["share_us"] <= r["span_us"] + 1e-6
+
+
+def _query(capsys, *args: str) -> tuple[int, str, str]:
+    """``decodescope query results ARGS`` in this process: (exit code, stdout, stderr)."""
+    from decodescope.ui.cli import console, main
+
+    console.width = 200
+    code = 0
+    try:
+        main(["query", str(RESULTS), *args])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_query_csv_writes_nested_columns_as_json(runs, capsys):
+    import csv
+    import io
+    import json
+
+    code, out, err = _query(capsys, "SELECT run_id, layer_bytes FROM runs ORDER BY run_id", "--csv")
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == len(runs)  # one CSV row per run: the MAP column stays in its cell
+    by_id = {r.run_id: r.meta.layer_bytes for r in runs}
+    for row in rows:
+        assert json.loads(row["layer_bytes"]) == by_id[row["run_id"]]
+    code, out, err = _query(capsys, "SELECT * FROM runs", "--csv")
+    assert code == 0 and "Traceback" not in err, err
+    assert len(list(csv.DictReader(io.StringIO(out)))) == len(runs)
+    sql = "SELECT [1, 2] AS l, {'a': 'x,\"y', 'b': [NULL]} AS s, NULL::INT[] AS n, 'z'::BLOB AS b"
+    code, out, err = _query(capsys, sql, "--csv")
+    assert code == 0, err
+    (row,) = list(csv.DictReader(io.StringIO(out)))
+    assert json.loads(row["l"]) == [1, 2] and json.loads(row["s"]) == {"a": 'x,"y', "b": [None]}
+    assert row["n"] == "" and row["b"] == "z"
+
+
+def test_query_table_header_is_the_column_name(capsys):
+    sql = "SELECT run_id, count(*), 1 AS a, 2 AS a FROM kernels GROUP BY run_id LIMIT 1"
+    code, out, err = _query(capsys, sql)
+    assert code == 0, err
+    header = next(ln for ln in out.splitlines() if "run_id" in ln)
+    assert [c.strip() for c in header.strip("┃│ ").split("┃")] == [
+        "run_id",
+        "count_star()",
+        "a",
+        "a",
+    ]
+
+
+def test_query_is_read_only(tmp_path, capsys):
+    inside = RESULTS / "decodescope-test-copy.csv"
+    try:
+        for sql in (
+            f"COPY (SELECT 1) TO '{tmp_path / 'x.csv'}'",
+            f"COPY (SELECT 1) TO '{inside}'",
+            f"SELECT 1; COPY (SELECT 1) TO '{inside}'",
+            f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{inside}'",
+            f"EXPLAIN /* */ ANALYZE COPY (SELECT 1) TO '{inside}'",
+            f"ATTACH '{tmp_path / 'x.db'}'",
+            "CREATE TABLE t AS SELECT 1",
+            "INSTALL httpfs",
+            "SET enable_external_access = true",
+            f"SELECT * FROM read_text('{__file__}')",
+        ):
+            code, out, err = _query(capsys, sql)
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert code == 2 and len(lines) == 1 and "Traceback" not in err, (sql, err)
+            assert "read-only" in lines[0] or "disabled by configuration" in lines[0], (sql, err)
+        assert not inside.exists() and list(tmp_path.iterdir()) == []
+    finally:
+        inside.unlink(missing_ok=True)
+    for sql in (
+        "DESCRIBE runs",
+        "SHOW TABLES",
+        "SUMMARIZE SELECT batch FROM runs",
+        "WITH k AS (SELECT * FROM kernels) SELECT count(*) FROM k",
+        "EXPLAIN SELECT count(*) FROM ranges",
+        "EXPLAIN ANALYZE SELECT count(*) FROM memops",
+        "FROM overheads LIMIT 1",
+    ):
+        code, out, err = _query(capsys, sql, "--json")
+        assert code == 0, (sql, err)

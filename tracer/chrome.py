@@ -14,6 +14,7 @@ importer drops improperly nested slices.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from decodescope.analysis.schema import Run
+from decodescope.tracer.errors import TraceError
 
 CPU_PID = 1
 GPU_PID0 = 100
@@ -222,14 +224,51 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_chrome_trace(run: Run, out: str | os.PathLike[str]) -> int:
-    """Write the Chrome-trace JSON of ``run`` (gzip when ``out`` ends in .gz); returns #events."""
-    doc = chrome_trace(run)
+    """Write the Chrome-trace JSON of ``run`` (gzip when ``out`` ends in .gz); returns #events.
+
+    The file appears complete or not at all: it is written to a temporary sibling and renamed.
+    A path that cannot be written raises a one-line :class:`TraceError` naming ``out``; the
+    temporary file, and any folders made for it, are removed on every failure."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = out.parent
+    try:
+        if out.is_dir():
+            raise TraceError(out, "is a folder; give a file name such as trace.json")
+        made = [d for d in (folder, *folder.parents) if not d.exists()]  # nearest first
+    except OSError as e:
+        raise TraceError(out, f"cannot write: {e.strerror or e}") from None
     tmp = out.with_name("." + out.name + ".tmp")
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    if out.suffix == ".gz":
-        data = gzip.compress(data, compresslevel=5)
-    tmp.write_bytes(data)
-    os.replace(tmp, out)
+    opened = False
+    try:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = f"{e.filename or folder}: {e.strerror or e}"
+            with contextlib.suppress(OSError):
+                chain = (folder, *folder.parents)
+                file = next((d for d in chain if d.exists() and not d.is_dir()), None)
+                if file is not None:
+                    why = f"{file} is a file"
+            raise TraceError(out, f"cannot create its folder ({why})") from None
+        doc = chrome_trace(run)
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        if out.suffix == ".gz":
+            data = gzip.compress(data, compresslevel=5)
+        try:
+            with open(tmp, "wb") as f:
+                opened = True  # ours now: removed below if anything fails
+                f.write(data)
+            os.replace(tmp, out)
+        except OSError as e:
+            raise TraceError(out, f"cannot write: {e.strerror or e}") from None
+    except BaseException:
+        if opened:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        for d in made:
+            try:
+                d.rmdir()  # only the empty folders made above
+            except OSError:
+                break
+        raise
     return sum(1 for e in doc["traceEvents"] if e["ph"] != "M")
