@@ -27,7 +27,7 @@ def fmt(value: Any, column: str = "") -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
-        if column in ("ratio", "efficiency"):
+        if column in ("ratio", "efficiency", "share_efficiency"):
             return f"{value:.2f}x"
         if column in ("share",) or column.endswith("_pct"):
             return f"{value * 100:.1f}%" if column == "share" else f"{value:+.1f}%"
