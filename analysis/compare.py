@@ -219,14 +219,15 @@ def verdicts(kinds: pa.Table) -> list[str]:
         kind = r["layer_kind"] or "(none)"
         label = kind.upper() if kind in ("kda", "mla") else kind
         noun = "layer" if label == "layer" else f"{label} layer"
+        plural = "layers" if label == "layer" else f"{label} layers"  # not "layer layers"
         if r["a_span_us"] is None:
             out.append(
-                f"{label} layers only in B ({_fmt_num(r['b_kernels'])} kernels, {_fmt_num(r['b_span_us'])} us)"
+                f"{plural} only in B ({_fmt_num(r['b_kernels'])} kernels, {_fmt_num(r['b_span_us'])} us)"
             )
             continue
         if r["b_span_us"] is None:
             out.append(
-                f"{label} layers only in A ({_fmt_num(r['a_kernels'])} kernels, {_fmt_num(r['a_span_us'])} us)"
+                f"{plural} only in A ({_fmt_num(r['a_kernels'])} kernels, {_fmt_num(r['a_span_us'])} us)"
             )
             continue
         ratio = r["ratio"]

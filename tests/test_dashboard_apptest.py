@@ -374,3 +374,44 @@ def test_a_chunked_pair_and_other_shapes_say_so(monkeypatch, tmp_path):
     at = run_app(monkeypatch, std, folder("one", "specialized-20261202T100041"))
     no_exception(at)
     assert any("different step shapes" in w and "tokens_per_seq 8" in w for w in texts(at.warning))
+
+
+def test_dataset_run_sources_and_labels(monkeypatch):
+    """``dashboard results@RUN_ID`` opens that one run of the committed dataset (as every command
+    takes it); an unknown id is one line on the page; run labels carry the setup that tells the
+    dataset's runs apart (TP shape, batch, tokens per sequence)."""
+    ref = f"{dashboard.RESULTS_DATA}@specialized-20261202T094447"
+    entries, problems = dashboard.expand(ref)
+    assert problems == [] and len(entries) == 1
+    assert entries[0].path.endswith("#specialized-20261202T094447-f05766")
+    none, why = dashboard.expand(f"{dashboard.RESULTS_DATA}@nope")
+    assert none == [] and "no run 'nope' in this dataset" in why[0]
+    at = run_app(monkeypatch, ref, f"{dashboard.RESULTS_DATA}@standard-20261202T094440")
+    no_exception(at)
+    run = tracer.load(ref)
+    assert dashboard.run_label(run).startswith(
+        "specialized · kimi-k3 · TP8 · batch 1 · NVIDIA H200"
+    )
+    v8 = tracer.load(f"{dashboard.RESULTS_DATA}@specialized-20261202T100146")
+    assert "· batch 32x8 ·" in dashboard.run_label(v8)
+
+
+def test_dashboard_port_is_checked_before_the_server_starts():
+    """A port out of range is refused by the option; a port in use is one line before anything
+    is printed or started (synthetic: a socket of this test holds the port)."""
+    import socket
+
+    from decodescope.ui.cli import UsageError
+    from decodescope.ui.cmd_dashboard import _check_port
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(UsageError, match=f"--port {port}: cannot listen on 127.0.0.1:{port}"):
+            _check_port("127.0.0.1", port)
+    from decodescope.ui.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["dashboard", "--port", "99999", "--print-command"])
+    assert e.value.code == 2

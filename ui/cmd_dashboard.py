@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from decodescope.tracer.errors import TraceError
-from decodescope.ui.cli import app, console
+from decodescope.ui.cli import UsageError, app, console
 
 APP = Path(__file__).with_name("dashboard.py")
 SOURCES_ENV = "DECODESCOPE_DASHBOARD_SOURCES"  # the same name as dashboard.SOURCES_ENV
@@ -83,6 +83,26 @@ def serve() -> None:
     sys.exit(stcli.main())
 
 
+def _check_port(address: str, port: int) -> None:
+    """A one-line error where ``address:port`` cannot be listened on (in use, not an address of
+    this machine), before the server starts and says it runs there."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UsageError(f"--address {address}: {e.strerror or e}") from None
+    fam, kind, proto, _, addr = infos[0]
+    with socket.socket(fam, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UsageError(
+                f"--port {port}: cannot listen on {address}:{port}: {e.strerror or e}"
+            ) from None
+
+
 @app.command("dashboard")
 def dashboard(
     sources: list[Path] | None = typer.Argument(
@@ -90,7 +110,7 @@ def dashboard(
         help="run folders, results datasets or traces (Kineto JSON, nsys SQLite); "
         "none: the bundled default runs",
     ),
-    port: int = typer.Option(8501, "--port", "-p", help="port to serve on"),
+    port: int = typer.Option(8501, "--port", "-p", min=1, max=65535, help="port to serve on"),
     address: str = typer.Option("localhost", help="address to listen on (0.0.0.0: all)"),
     open_browser: bool = typer.Option(False, "--open", help="open a browser tab"),
     print_command: bool = typer.Option(
@@ -98,10 +118,17 @@ def dashboard(
     ),
 ) -> None:
     """Compare runs side by side in the browser (Streamlit + plotly)."""
-    paths = [p.resolve() for p in sources or []]
-    for p in paths:
-        if not p.exists():
+    from decodescope import tracer
+
+    paths: list[Path | str] = []
+    for p in sources or []:
+        if tracer.dataset_ref(p) is not None:  # DATASET@RUN_ID (a run it cannot find: one line)
+            ds, rid = tracer.dataset_ref(p)
+            paths.append(f"{ds.resolve()}@{rid}")
+        elif not p.exists():
             raise TraceError(p, "no such file or directory")
+        else:
+            paths.append(p.resolve())
     env = dict(os.environ)
     env[SOURCES_ENV] = os.pathsep.join(str(p) for p in paths)
     cmd = streamlit_command(port, address, open_browser)
@@ -110,6 +137,7 @@ def dashboard(
             f"{SOURCES_ENV}={env[SOURCES_ENV]!r} " + " ".join(cmd), highlight=False, soft_wrap=True
         )
         return
+    _check_port(address, port)
     console.print(f"decodescope dashboard on http://{address}:{port} (Ctrl-C stops it)")
     sys.stdout.flush()
     os.execve(sys.executable, cmd, env)

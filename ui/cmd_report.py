@@ -214,11 +214,13 @@ def print_report(run: Run, *, top: int = 15) -> None:
     data = report_data(run, top)
     print_meta(data["run"])
     if data["layers"].num_rows == 0:
-        console.print(
-            "[yellow]no kernel is attributed to a layer[/]: the trace has no layer ranges that the "
-            "naming scheme (analysis/naming.toml) recognises; only the kernel table follows.",
-            soft_wrap=True,
+        why = (
+            "the run holds no kernel records (a partial capture, or a trace of CPU work only)"
+            if run.kernels.num_rows == 0
+            else "the trace has no layer ranges that the naming scheme (analysis/naming.toml) "
+            "recognises; only the kernel table follows"
         )
+        console.print(f"[yellow]no kernel is attributed to a layer[/]: {why}.", soft_wrap=True)
     else:
         per_rank = "skew" in data
         console.print(

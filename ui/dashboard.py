@@ -102,6 +102,12 @@ def expand(source: str) -> tuple[list[Entry], list[str]]:
     partitions, ``decodescope.tracer.dataset``) or a folder of run folders is each of them, in
     order of creation. Returns (entries, problems)."""
     p = Path(source)
+    try:  # DATASET@RUN_ID: one run of a results dataset, as every command takes it
+        ref = tracer.dataset_ref(source)
+    except TraceError as e:
+        return [], [str(e)]
+    if ref is not None:
+        return [Entry(source, f"{ref[0]}#{ref[1]}")], []
     if not p.exists():
         return [], [f"{source}: no such file or directory"]
     if p.is_file() or tracer.store.is_run_dir(p):
@@ -290,12 +296,28 @@ def png_export_works() -> bool:
 
 
 def run_label(run: Run) -> str:
+    """``specialized · kimi-k3 · TP8 · batch 1 · NVIDIA H200 [run id]``: the backend, the setup
+    that tells runs of one dataset apart (preset, tp_shape, tp_world above 1, batch and tokens per
+    sequence), the GPU, the workload where it is not the backend's name, the file of an imported
+    trace, then the whole run id (two runs of one day differ after the date)."""
     m = run.meta
-    bits = [m.backend or m.source, m.preset, m.gpu, m.workload]
+    tps = m.tokens_per_seq or 1
+    batch = (
+        None if m.batch is None else (f"batch {m.batch}x{tps}" if tps > 1 else f"batch {m.batch}")
+    )
+    bits = [
+        m.backend or m.source,
+        m.preset,
+        f"TP{m.tp_shape}" if m.tp_shape else None,
+        f"tp_world {m.tp_world}" if (m.tp_world or 1) > 1 else None,
+        batch,
+        m.gpu,
+        m.workload if m.workload != m.backend else None,
+    ]
     name = Path(m.source_path).name if m.source_path else None
     bits.append(name if name and not m.workload else None)
     text = " · ".join(str(b) for b in bits if b)
-    return f"{text} [{m.run_id}]"  # whole: two runs of one day differ after the date
+    return f"{text} [{m.run_id}]"
 
 
 # what A (standard) and B (specialized) should share; the two backends are different workloads
@@ -444,10 +466,14 @@ def view_side_by_side(pair: Tables, labels: tuple[str, str], single: bool) -> No
     if layers.num_rows == 0:
         st.warning(
             "No kernel of these runs is attributed to a layer: the trace has no layer ranges "
-            "that the naming scheme recognises. The kernel table still shows every kernel."
+            "that the naming scheme recognises, or no kernel records at all. The kernel table "
+            "shows every kernel there is."
         )
         return
-    st.markdown(f"**Per layer**: {labels[0]} vs {labels[1]}, Δ = B - A; medians over steps")
+    if single:
+        st.markdown(f"**Per layer**: {labels[0]}; medians over steps")
+    else:
+        st.markdown(f"**Per layer**: {labels[0]} vs {labels[1]}, Δ = B - A; medians over steps")
     kind_col = layers["layer_kind"].to_pylist()
     for kind in dict.fromkeys(kind_col):
         sub = layers.filter(pa.array([k == kind for k in kind_col]))
