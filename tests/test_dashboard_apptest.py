@@ -415,3 +415,14 @@ def test_dashboard_port_is_checked_before_the_server_starts():
     with pytest.raises(SystemExit) as e:
         main(["dashboard", "--port", "99999", "--print-command"])
     assert e.value.code == 2
+
+
+def test_charts_of_a_trace_without_layers_say_why(monkeypatch):
+    """The nsys RTX 3080 trace (real kernels, no layer ranges): the Charts view says there is
+    nothing per layer to draw and points to the Kernels and Timeline views, no empty axes."""
+    trace = Path(__file__).resolve().parent / "data" / "traces"
+    at = run_app(monkeypatch, trace / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite")
+    open_view(at, "Charts")
+    no_exception(at)
+    assert any("no per-layer or per-op charts" in t for t in texts(at.info))
+    assert not at.get("plotly_chart")

@@ -533,6 +533,14 @@ def view_floor(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: b
 def view_charts(
     sa: Tables, sb: Tables, pair: Tables, labels: tuple[str, str], single: bool
 ) -> None:
+    if sa["layers"].num_rows == 0 and (single or sb["layers"].num_rows == 0):
+        st.info(  # nothing per layer or per op to draw: say so rather than draw empty axes
+            "No kernel of these runs is attributed to a layer, so there are no per-layer or "
+            "per-op charts: the Kernels tab lists every kernel there is, the Timeline tab draws "
+            "them over the whole step."
+        )
+        view_ranks([sa] if single else [sa, sb], labels)
+        return
     fig = figures.layer_bars(sa["layers"], None if single else sb["layers"], labels)
     chart(fig, "layer_bars", "fig-layers")
     metric = st.radio(
