@@ -46,6 +46,7 @@ import pyarrow.ipc as ipc
 
 from decodescope.analysis.schema import Run, RunMeta
 from decodescope.tracer import cupti_records as cr
+from decodescope.tracer.errors import TraceError
 from decodescope.tracer.ranges import current_path
 
 SPEC_ENV = "DECODESCOPE_CAPTURE_SPEC"  # path of the child's spec JSON
@@ -737,8 +738,12 @@ def run_capture(
     with open(stderr_path, "wb") as errf:
         try:
             proc = subprocess.Popen(argv, env=child_env(extra), stderr=errf, start_new_session=True)
-        except OSError as e:
-            raise RuntimeError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        except OSError as e:  # one line, and no child folder left behind
+            import shutil
+
+            errf.close()
+            shutil.rmtree(child_dir, ignore_errors=True)
+            raise TraceError(argv[0], f"cannot start it: {e.strerror or e}") from None
         if on_start is not None:  # tracer/distributed.py: stops every rank when one fails
             on_start(proc)
         try:
@@ -866,6 +871,7 @@ NOT_KNOBS = frozenset(
         "DECODESCOPE_DASHBOARD_PROFILE",
         "DECODESCOPE_DASHBOARD_SOURCES",
         "DECODESCOPE_DIST_TIMEOUT",
+        "DECODESCOPE_SKIP_GPU_CHECK",  # ui/cmd_capture.require_cuda_driver
     }
 )
 

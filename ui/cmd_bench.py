@@ -7,11 +7,18 @@ tracer, append the run to a results dataset, then print the per-layer-kind table
 reference figures, each labelled with its hardware. The projection sums the measured dense span
 for the model's one dense layer; a run without a dense layer (``--layers kda,mla``, the first
 committed results/ runs) leaves it out and says so.
+
+Every option, --out, --json and --runs-dir are checked before the first capture, then that an
+NVIDIA driver is there (one line, exit 2). A job that fails (its capture, or appending its run to
+--out) is one ``failed:`` line at the end, after the tables of the jobs that succeeded, and the
+exit code is 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -22,15 +29,104 @@ from rich.table import Table
 from decodescope.analysis import projection as proj
 from decodescope.ui.cli import UsageError, app, console, err_console
 
+BACKENDS = ("standard", "specialized")  # the workloads bench runs and tables side by side
+
 
 def _ints(s: str, what: str) -> list[int]:
+    items = [x.strip() for x in s.split(",")]
+    if any(not x for x in items):
+        raise UsageError(f"{what} expects comma-separated integers, got {s!r} (an empty item)")
     try:
-        out = [int(x) for x in s.split(",") if x.strip()]
+        out = [int(x) for x in items]
     except ValueError:
         raise UsageError(f"{what} expects comma-separated integers, got {s!r}") from None
-    if not out or any(x <= 0 for x in out):
+    if any(x <= 0 for x in out):
         raise UsageError(f"{what} expects positive integers, got {s!r}")
     return out
+
+
+def _backends(s: str) -> list[str]:
+    items = [x.strip() for x in s.split(",")]
+    if any(not x for x in items):
+        raise UsageError(f"--backends expects comma-separated names, got {s!r} (an empty item)")
+    bad = [x for x in items if x not in BACKENDS]
+    if bad:
+        raise UsageError(f"--backends: unknown backend {bad[0]!r}; known: {', '.join(BACKENDS)}")
+    return list(dict.fromkeys(items))
+
+
+def _check_model(preset: str, tp_shape: int, layers: str, allreduce: str, spec_allreduce: str):
+    """--preset / --tp-shape through kernels.config.get_config, --layers through the standard
+    model's parse_layers, the all-reduce choices against the two paths' own lists."""
+    from decodescope.kernels.config import get_config
+
+    try:
+        cfg = get_config(preset, tp_shape)
+    except ValueError as e:
+        raise UsageError(f"--preset {preset} --tp-shape {tp_shape}: {e}") from None
+    from decodescope.kernels.specialized.step import ALLREDUCES
+    from decodescope.kernels.standard.comm import ALLREDUCE_IMPLS
+    from decodescope.kernels.standard.model import parse_layers
+
+    try:
+        parse_layers(cfg, layers)
+    except ValueError as e:
+        raise UsageError(f"--layers: {e}") from None
+    if allreduce not in ALLREDUCE_IMPLS:
+        raise UsageError(
+            f"--allreduce must be one of {', '.join(ALLREDUCE_IMPLS)}, got {allreduce!r}"
+        )
+    if spec_allreduce not in ALLREDUCES:
+        raise UsageError(
+            f"--spec-allreduce must be one of {', '.join(ALLREDUCES)}, got {spec_allreduce!r}"
+        )
+
+
+def _check_dataset(out: Path) -> None:
+    """--out: a results dataset, an empty folder or one that can be made (as append_run takes)."""
+    from decodescope.ui.cmd_capture import folder_problem
+
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder (a results dataset is a folder)")
+    if out.is_dir():
+        try:
+            entries = any(out.iterdir())
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot be listed ({e.strerror or e})") from None
+        if entries and not (out / "runs").is_dir():
+            raise UsageError(
+                f"--out {out}: a folder that is neither empty nor a results dataset (no runs/)"
+            )
+    why = folder_problem(out)
+    if why:
+        raise UsageError(f"--out {out}: {why}")
+
+
+def _check_json(path: Path) -> None:
+    from decodescope.ui.cmd_capture import folder_problem
+
+    if path.is_dir():
+        raise UsageError(f"--json {path}: is a folder, not a file")
+    if os.path.lexists(path) and not path.is_file():
+        raise UsageError(f"--json {path}: exists and is not a file")
+    why = folder_problem(path.absolute().parent)
+    if why:
+        raise UsageError(f"--json {path}: {why}")
+
+
+def _write_json(path: Path, payload: dict) -> str | None:
+    """Write ``payload`` to ``path`` whole (a temporary file beside it, then renamed); why not,
+    in one line, or None."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(payload, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return f"--json {path}: cannot write it ({e.strerror or e})"
+    return None
 
 
 def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
@@ -333,14 +429,20 @@ def bench_cmd(
         "dense,kda,mla",
         help="Layer kinds in the captured step (dense = K3's layer 0: attention + dense MLP).",
     ),
-    replays: int = typer.Option(30, help="Graph replays captured per run (medians over them)."),
-    warmup: int = typer.Option(5, help="Warm-up steps before capture."),
+    replays: int = typer.Option(
+        30, min=1, help="Graph replays captured per run (medians over them)."
+    ),
+    warmup: int = typer.Option(5, min=0, help="Warm-up steps before capture."),
     out: Path | None = typer.Option(None, "--out", help="Results dataset to append the runs to."),
     runs_dir: Path | None = typer.Option(None, "--runs-dir", help="Keep the run folders here."),
     timeout: float = typer.Option(900.0, help="Seconds allowed per capture."),
     json_out: Path | None = typer.Option(None, "--json", help="Write all tables as JSON here."),
     tp_world: int = typer.Option(
-        1, "--tp-world", help="GPUs that really run (one process per rank, real all-reduces)."
+        1,
+        "--tp-world",
+        min=1,
+        max=2,
+        help="GPUs that really run, 1 or 2 (one process per rank, real all-reduces).",
     ),
     allreduce: str = typer.Option(
         "nccl",
@@ -355,27 +457,47 @@ def bench_cmd(
         "memory) | nccl (explicit NCCL all-reduce launches around its single-GPU kernels).",
     ),
 ) -> None:
-    """Run both decode paths under CUDA graphs, capture, and print the reference-style table."""
+    """Run both decode paths under CUDA graphs, capture, and print the reference-style table.
+
+    Options and output paths are checked before the first capture, then that an NVIDIA driver
+    is there. Exit code 1 when any job failed (the tables of those that succeeded and one
+    ``failed:`` line per failure are printed first) or the --json file could not be written."""
     from decodescope import tracer
     from decodescope.tracer.capture import run_capture
+    from decodescope.ui.cmd_capture import require_cuda_driver
 
     batches = _ints(batch, "--batch")
-    bks = [b.strip() for b in backends.split(",") if b.strip()]
+    bks = _backends(backends)
     if spec_verify < 0 or spec_verify > 7:
         raise UsageError("--spec-verify takes 0..7 draft tokens")
-    if tp_world < 1:
-        raise UsageError(f"--tp-world must be >= 1, got {tp_world}")
+    if not acceptance > 0:
+        raise UsageError(f"--acceptance must be > 0 tokens per step, got {acceptance:g}")
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
+    _check_model(preset, tp_shape, layers, allreduce, spec_allreduce)
+    if out is not None:
+        _check_dataset(out)
     if json_out is not None:  # fail before the captures, not after them
-        try:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--json {json_out}: cannot create its folder ({e})") from e
+        _check_json(json_out)
+    if runs_dir is not None:
+        from decodescope.ui.cmd_capture import folder_problem
+
+        why = folder_problem(runs_dir)
+        if why:
+            raise UsageError(f"--runs-dir {runs_dir}: {why}")
+    if tp_world > 1:
+        from decodescope.tracer.distributed import run_distributed_capture
+
+        require_cuda_driver("bench", capture=run_distributed_capture)
+    else:
+        require_cuda_driver("bench", capture=run_capture)
     tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
     root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))
     rows: list[dict] = []
     failures: list[str] = []
     runs = []
+    appended = 0
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -431,7 +553,11 @@ def bench_cmd(
             if out is not None:  # each run as it completes: a later failure or timeout keeps it
                 from decodescope.tracer.dataset import append_run
 
-                append_run(run, out, replace=True)
+                try:
+                    append_run(run, out, replace=True)
+                    appended += 1
+                except Exception as e:  # the run stays in its folder; the bench goes on
+                    failures.append(f"{name}: not appended to {out}: {' '.join(str(e).split())}")
             rows.extend(kind_rows(run, backend, n, tps))
             progress.advance(task)
     meta = runs[0].meta if runs else None
@@ -461,15 +587,18 @@ def bench_cmd(
         if line is not None and key not in seen:
             seen.add(key)
             console.print(line, highlight=False, soft_wrap=True)
+    json_error = None
     if json_out is not None:
         payload = {"layers": rows, "projections": prows, "failures": failures, "meta": meta_line}
-        json_out.write_text(json.dumps(payload, indent=1, default=str))
+        json_error = _write_json(json_out, payload)
     for f in failures:
         err_console.print(f"[bold red]failed:[/] {f}", highlight=False, soft_wrap=True)
     console.print(f"run folders: {root}")
     if out is not None:
-        console.print(f"{len(runs)} run(s) appended to {out}")
-    if failures and not rows:
+        console.print(f"{appended} run(s) appended to {out}")
+    if json_error:
+        err_console.print(f"[bold red]error:[/] {json_error}", highlight=False, soft_wrap=True)
+    if failures or json_error:
         raise typer.Exit(1)
 
 

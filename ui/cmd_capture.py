@@ -1,12 +1,104 @@
-"""``decodescope capture``: profile a registered workload or any Python program under CUPTI."""
+"""``decodescope capture``: profile a registered workload or any Python program under CUPTI.
+
+Also the checks that ``capture`` and ``bench`` share, made before any capture child starts or
+any folder is written: :func:`require_cuda_driver` (an NVIDIA driver to capture on) and
+:func:`folder_problem` (a folder that can be made and written).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
 from decodescope.ui.cli import UsageError, app, console, err_console
+
+SKIP_GPU_CHECK_ENV = "DECODESCOPE_SKIP_GPU_CHECK"
+CUDA_DRIVER_LIB = "libcuda.so.1"
+
+
+def require_cuda_driver(command: str, capture: Callable | None = None) -> None:
+    """One line (:class:`UsageError`) where no NVIDIA driver can be loaded, before ``command``
+    (``capture``, ``bench``) starts any child or writes any folder: without it every capture
+    child fails the same way, after minutes of building. Cheap: loads ``libcuda.so.1`` with
+    ``ctypes`` (no ``cuInit``, no torch in the parent).
+
+    Skipped where ``DECODESCOPE_SKIP_GPU_CHECK=1`` (tests on CPU machines that drive the command
+    with fakes; a capture child that then finds no driver fails as before, run by run), and
+    where ``capture`` -- the capture function the command is about to call -- is not tracer's own
+    (a stand-in that serves recorded runs starts no child and needs no driver).
+    """
+    if os.environ.get(SKIP_GPU_CHECK_ENV) == "1":
+        return
+    if capture is not None and not getattr(capture, "__module__", "").startswith(
+        "decodescope.tracer."
+    ):
+        return
+    try:
+        ctypes.CDLL(CUDA_DRIVER_LIB)
+    except OSError as e:
+        why = " ".join(str(e).split()) or CUDA_DRIVER_LIB
+        raise UsageError(f"no CUDA driver found ({why}): {command} needs an NVIDIA GPU") from None
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` (there or to be made) cannot be made or written into, or None. Makes the
+    missing folders and a scratch folder inside, then removes all it made: nothing is left."""
+    made: list[Path] = []
+    d = Path(folder)
+    while not os.path.lexists(d) and d != d.parent:
+        made.append(d)
+        d = d.parent
+    if not d.is_dir():
+        return f"{d} is not a folder"
+    try:
+        for m in reversed(made):
+            try:
+                m.mkdir()
+            except OSError as e:
+                return f"cannot create the folder {m} ({e.strerror or e})"
+        os.rmdir(tempfile.mkdtemp(prefix=".decodescope-probe-", dir=folder))
+    except OSError as e:
+        return f"cannot write into {folder} ({e.strerror or e})"
+    finally:
+        for m in made:  # deepest first
+            with contextlib.suppress(OSError):
+                m.rmdir()
+    return None
+
+
+def program_problem(command: list[str]) -> str | None:
+    """Why the program of ``capture -- PROG ARGS`` cannot be started, or None: a path that is
+    no executable file, or a name that is not on PATH (``python`` is this interpreter)."""
+    prog = command[0]
+    if os.sep not in prog:
+        if prog in ("python", "python3") or shutil.which(prog):
+            return None
+        return f"program {prog!r} not found on PATH"
+    p = Path(prog)
+    if not p.exists():
+        return f"program {prog}: no such file"
+    if not p.is_file() or not os.access(p, os.X_OK):
+        return f"program {prog}: not an executable file"
+    return None
+
+
+def workload_problem(name: str) -> str | None:
+    """Why ``--workload NAME`` names no registered workload (with the registered names), or
+    None: the capture child's own lookup (tracer.child), made in the parent before it starts."""
+    from decodescope.tracer.child import _find_workload
+
+    try:
+        _find_workload(name)
+    except LookupError as e:
+        return str(e)
+    return None
 
 
 def _parse_opts(opts: list[str]) -> dict[str, object]:
@@ -17,6 +109,12 @@ def _parse_opts(opts: list[str]) -> dict[str, object]:
             raise UsageError(f"--opt expects key=value, got {o!r}")
         out[k] = int(v) if v.lstrip("-").isdigit() else v
     return out
+
+
+def _distributed_capture() -> Callable:
+    from decodescope.tracer.distributed import run_distributed_capture
+
+    return run_distributed_capture
 
 
 @app.command(
@@ -34,17 +132,21 @@ def capture_cmd(
     graph: bool = typer.Option(
         False, "--graph/--eager", help="Capture one CUDA graph and replay it."
     ),
-    steps: int = typer.Option(20, "--steps", help="Steps (eager) or replays (graph)."),
-    warmup: int = typer.Option(3, "--warmup", help="Warm-up steps, not recorded."),
+    steps: int = typer.Option(20, "--steps", min=1, help="Steps (eager) or replays (graph)."),
+    warmup: int = typer.Option(3, "--warmup", min=0, help="Warm-up steps, not recorded."),
     modules: bool = typer.Option(False, "--modules", help="Wrap nn.Module forwards in ranges."),
     tp_world: int = typer.Option(
         1,
         "--tp-world",
+        min=1,
         help="GPUs (ranks) that really run: one capture child per rank, merged into one run "
         "with a rank column (workloads only; option tp_world is set to it).",
     ),
 ) -> None:
-    """Capture a workload (--workload NAME) or a program (-- python prog.py args...)."""
+    """Capture a workload (--workload NAME) or a program (-- python prog.py args...).
+
+    Options, the program, the workload name and --out are checked first, then that an NVIDIA
+    driver is there (:func:`require_cuda_driver`), all before the capture child starts."""
     from decodescope.tracer.capture import run_capture
 
     command = list(ctx.args)
@@ -54,10 +156,10 @@ def capture_cmd(
         raise UsageError(
             "give either --workload NAME or a program after --, e.g. -- python prog.py"
         )
-    if tp_world < 1:
-        raise UsageError(f"--tp-world must be >= 1, got {tp_world}")
     if tp_world > 1 and not workload:
         raise UsageError("--tp-world > 1 captures a workload (--workload NAME), not a program")
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {timeout:g}")
     if workload:
         spec = {
             "workload": workload,
@@ -66,8 +168,14 @@ def capture_cmd(
             "steps": steps,
             "warmup": warmup,
         }
+        why = workload_problem(workload)
+        if why:
+            raise UsageError(f"--workload: {why}")
     else:
         spec = {"modules": modules, "program": True}
+        why = program_problem(command)
+        if why:
+            raise UsageError(why)
     if out is None:
         import time
 
@@ -80,10 +188,12 @@ def capture_cmd(
         why = why_not_replaceable(out)
         if why:
             raise UsageError(f"{out}: {why}; --out replaces only a run folder or an empty folder")
+    why = folder_problem(out.absolute().parent)  # the run is written beside it, then renamed
+    if why:
+        raise UsageError(f"--out {out}: {why}")
+    require_cuda_driver("capture", capture=run_capture if tp_world == 1 else _distributed_capture())
     if tp_world > 1:
-        from decodescope.tracer.distributed import run_distributed_capture
-
-        res = run_distributed_capture(spec, tp_world, out=out, timeout=timeout)
+        res = _distributed_capture()(spec, tp_world, out=out, timeout=timeout)
     else:
         res = run_capture(spec, out=out, timeout=timeout, command=command or None)
     run = res.run
