@@ -413,7 +413,15 @@ def _reference_table() -> Table:
     return t
 
 
-@app.command("bench")
+BENCH_HELP = (
+    "Run both decode paths under CUDA graphs, capture, and print the reference-style table.\n\n"
+    "Options and output paths are checked before the first capture, then that an NVIDIA driver "
+    "is there. Exit code 1 when any job failed (the tables of the jobs that succeeded and one "
+    "'failed:' line per failure are printed first) or the --json file could not be written."
+)
+
+
+@app.command("bench", help=BENCH_HELP)
 def bench_cmd(
     preset: str = typer.Option("kimi-k3", help="Model preset (kernels/config.py)."),
     tp_shape: int = typer.Option(8, "--tp-shape", help="Per-rank shapes of this TP size."),
@@ -457,11 +465,8 @@ def bench_cmd(
         "memory) | nccl (explicit NCCL all-reduce launches around its single-GPU kernels).",
     ),
 ) -> None:
-    """Run both decode paths under CUDA graphs, capture, and print the reference-style table.
-
-    Options and output paths are checked before the first capture, then that an NVIDIA driver
-    is there. Exit code 1 when any job failed (the tables of those that succeeded and one
-    ``failed:`` line per failure are printed first) or the --json file could not be written."""
+    """Run both decode paths under CUDA graphs, capture, and print the reference-style table
+    (``BENCH_HELP``, what ``--help`` shows)."""
     from decodescope import tracer
     from decodescope.tracer.capture import run_capture
     from decodescope.ui.cmd_capture import require_cuda_driver

@@ -117,8 +117,17 @@ def _distributed_capture() -> Callable:
     return run_distributed_capture
 
 
+CAPTURE_HELP = (
+    "Capture a workload (--workload NAME) or a program (-- python prog.py args...).\n\n"
+    "Options, the program, the workload name and --out are checked first, then that an NVIDIA "
+    "driver is there (DECODESCOPE_SKIP_GPU_CHECK=1 skips that check), all before the capture "
+    "child starts."
+)
+
+
 @app.command(
     "capture",
+    help=CAPTURE_HELP,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
 def capture_cmd(
@@ -144,9 +153,7 @@ def capture_cmd(
     ),
 ) -> None:
     """Capture a workload (--workload NAME) or a program (-- python prog.py args...).
-
-    Options, the program, the workload name and --out are checked first, then that an NVIDIA
-    driver is there (:func:`require_cuda_driver`), all before the capture child starts."""
+    (``CAPTURE_HELP``, what ``--help`` shows)."""
     from decodescope.tracer.capture import run_capture
 
     command = list(ctx.args)
