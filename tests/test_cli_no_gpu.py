@@ -288,3 +288,12 @@ def test_bench_json_that_cannot_be_written_at_the_end(captures, tmp_path, monkey
     assert p.returncode == 1 and "Traceback" not in p.stderr and "Per layer" in p.stdout
     assert f"error: --json {where / 'b.json'}: cannot write it" in p.stderr
     assert sorted(x.name for x in tmp_path.iterdir()) == ["j", "r"]
+
+
+def test_default_capture_folder_name_needs_no_quoting():
+    """The default ``runs/NAME-TIME`` folder of a program capture takes the program's name as a
+    shell takes it unquoted (``python -c "print(1)"`` used to give ``runs/print(1)-...``)."""
+    from decodescope.ui.cmd_capture import _folder_name
+
+    assert _folder_name("print(1)") == "print_1"
+    assert _folder_name("train.py") == "train.py" and _folder_name("()") == "capture"

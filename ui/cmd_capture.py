@@ -125,6 +125,13 @@ CAPTURE_HELP = (
 )
 
 
+def _folder_name(text: str) -> str:
+    """``text`` as a folder name a shell takes unquoted (``print(1)`` -> ``print_1``)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_.") or "capture"
+
+
 @app.command(
     "capture",
     help=CAPTURE_HELP,
@@ -187,7 +194,8 @@ def capture_cmd(
         import time
 
         out = (
-            Path("runs") / f"{workload or Path(command[-1]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            Path("runs") / f"{_folder_name(workload or Path(command[-1]).stem)}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}"
         )
     if out.exists() or out.is_symlink():  # a capture replaces only a run (or an empty) folder:
         from decodescope.tracer.store import why_not_replaceable  # say so before it runs
