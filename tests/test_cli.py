@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import dataclasses
 import io
 import json
 from pathlib import Path
@@ -12,34 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from cli_helpers import Result, cli
 
 from decodescope import tracer
 
 TRACES = Path(__file__).parent / "data" / "traces"
 HF_QWEN = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
 VLLM_B200 = TRACES / "kineto_b200_vllm_tp8_rank0_prefill_eager__TraceLens.json.gz"
-
-
-@dataclasses.dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def cli(*args: object) -> Result:
-    """Run the console script's entry point in this process (as ``decodescope ARGS``)."""
-    from decodescope.ui import cli as cli_mod
-
-    cli_mod.console.width = 200  # wide tables: rows stay on one line for the assertions
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli_mod.main([str(a) for a in args])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return Result(code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(p: Result) -> str:

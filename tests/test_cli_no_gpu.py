@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import io
 import tempfile
 from pathlib import Path
 
 import pytest
+from cli_helpers import Result, cli
 
 import decodescope.tracer.capture as cap
 from decodescope.tracer import write_run
@@ -23,28 +23,6 @@ from decodescope.ui.cli import UsageError
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 NO_DRIVER = "no CUDA driver found"
-
-
-@dataclasses.dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def cli(*args: object) -> Result:
-    """Run the console script's entry point in this process (as ``decodescope ARGS``)."""
-    from decodescope.ui import cli as cli_mod
-
-    cli_mod.console.width = 200
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli_mod.main([str(a) for a in args])
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return Result(code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(p: Result, *needles: str) -> str:

@@ -1,0 +1,29 @@
+"""Driving the command line in the test process, shared by the CLI test files."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+
+@dataclasses.dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: object) -> Result:
+    """Run the console script's entry point in this process (as ``decodescope ARGS``)."""
+    from decodescope.ui import cli as cli_mod
+
+    cli_mod.console.width = 200  # wide tables: rows stay on one line for the assertions
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_mod.main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return Result(code, out.getvalue(), err.getvalue())
