@@ -68,6 +68,7 @@ def captures(monkeypatch, h200_run) -> list[dict]:
         return cap.CaptureResult(run=h200_run, out=out, ok=True, message=None, returncode=0)
 
     monkeypatch.setattr(cap, "run_capture", fake_capture)
+    monkeypatch.setenv(cmd_capture.SKIP_GPU_CHECK_ENV, "1")  # stand-ins start no child
     return asked
 
 
@@ -90,15 +91,14 @@ def test_capture_without_a_driver_writes_no_run(no_driver, tmp_path, tmpdir_, mo
     assert not (tmp_path / "runs").exists() and list(tmpdir_.iterdir()) == []
 
 
-def test_driver_check_override_and_stand_in_captures(no_driver, monkeypatch):
-    """DECODESCOPE_SKIP_GPU_CHECK=1 skips the check, and so does a capture function that is not
-    tracer's own (a stand-in starts no child); tracer's own is checked."""
+def test_driver_check_override(no_driver, monkeypatch):
+    """DECODESCOPE_SKIP_GPU_CHECK=1 skips the check (CPU tests with stand-in captures), and is
+    never recorded as a kernel knob."""
     with pytest.raises(UsageError, match=NO_DRIVER):
-        cmd_capture.require_cuda_driver("bench", capture=cap.run_capture)
-    cmd_capture.require_cuda_driver("bench", capture=lambda *a, **k: None)
+        cmd_capture.require_cuda_driver("bench")
     monkeypatch.setenv(cmd_capture.SKIP_GPU_CHECK_ENV, "1")
-    cmd_capture.require_cuda_driver("bench", capture=cap.run_capture)
-    assert cmd_capture.SKIP_GPU_CHECK_ENV not in cap.kernel_knobs()  # never a recorded knob
+    cmd_capture.require_cuda_driver("bench")
+    assert cmd_capture.SKIP_GPU_CHECK_ENV not in cap.kernel_knobs()
 
 
 def test_driver_check_names_libcuda_where_it_is_missing(monkeypatch):

@@ -179,6 +179,7 @@ def test_bench_asks_for_the_dense_layer_and_says_when_a_run_lacks_it(runs, tmp_p
         return cap.CaptureResult(run=run, out=out, ok=True, message=None, returncode=0)
 
     monkeypatch.setattr(cap, "run_capture", fake_capture)
+    monkeypatch.setenv("DECODESCOPE_SKIP_GPU_CHECK", "1")  # the stand-in starts no child
     cli_mod.console.width = 250
     js = tmp_path / "new" / "bench.json"  # a folder that does not exist yet: bench makes it
     buf = io.StringIO()

@@ -490,12 +490,7 @@ def bench_cmd(
         why = folder_problem(runs_dir)
         if why:
             raise UsageError(f"--runs-dir {runs_dir}: {why}")
-    if tp_world > 1:
-        from decodescope.tracer.distributed import run_distributed_capture
-
-        require_cuda_driver("bench", capture=run_distributed_capture)
-    else:
-        require_cuda_driver("bench", capture=run_capture)
+    require_cuda_driver("bench")
     tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
     root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))

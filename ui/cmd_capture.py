@@ -12,7 +12,6 @@ import ctypes
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -23,22 +22,17 @@ SKIP_GPU_CHECK_ENV = "DECODESCOPE_SKIP_GPU_CHECK"
 CUDA_DRIVER_LIB = "libcuda.so.1"
 
 
-def require_cuda_driver(command: str, capture: Callable | None = None) -> None:
+def require_cuda_driver(command: str) -> None:
     """One line (:class:`UsageError`) where no NVIDIA driver can be loaded, before ``command``
     (``capture``, ``bench``) starts any child or writes any folder: without it every capture
     child fails the same way, after minutes of building. Cheap: loads ``libcuda.so.1`` with
     ``ctypes`` (no ``cuInit``, no torch in the parent).
 
     Skipped where ``DECODESCOPE_SKIP_GPU_CHECK=1`` (tests on CPU machines that drive the command
-    with fakes; a capture child that then finds no driver fails as before, run by run), and
-    where ``capture`` -- the capture function the command is about to call -- is not tracer's own
-    (a stand-in that serves recorded runs starts no child and needs no driver).
+    with stand-in captures; a real capture child that then finds no driver fails as before, run
+    by run).
     """
     if os.environ.get(SKIP_GPU_CHECK_ENV) == "1":
-        return
-    if capture is not None and not getattr(capture, "__module__", "").startswith(
-        "decodescope.tracer."
-    ):
         return
     try:
         ctypes.CDLL(CUDA_DRIVER_LIB)
@@ -109,12 +103,6 @@ def _parse_opts(opts: list[str]) -> dict[str, object]:
             raise UsageError(f"--opt expects key=value, got {o!r}")
         out[k] = int(v) if v.lstrip("-").isdigit() else v
     return out
-
-
-def _distributed_capture() -> Callable:
-    from decodescope.tracer.distributed import run_distributed_capture
-
-    return run_distributed_capture
 
 
 CAPTURE_HELP = (
@@ -206,9 +194,11 @@ def capture_cmd(
     why = folder_problem(out.absolute().parent)  # the run is written beside it, then renamed
     if why:
         raise UsageError(f"--out {out}: {why}")
-    require_cuda_driver("capture", capture=run_capture if tp_world == 1 else _distributed_capture())
+    require_cuda_driver("capture")
     if tp_world > 1:
-        res = _distributed_capture()(spec, tp_world, out=out, timeout=timeout)
+        from decodescope.tracer.distributed import run_distributed_capture
+
+        res = run_distributed_capture(spec, tp_world, out=out, timeout=timeout)
     else:
         res = run_capture(spec, out=out, timeout=timeout, command=command or None)
     run = res.run
