@@ -265,6 +265,11 @@ def test_chunk_note_without_a_record():
     assert chunk_note(meta({"workload": {"chunks": {"sequences": 8, "chunks": 8}}})) == (
         "8 chunks of 8 sequences (512 tokens per step): launches and weight reads x8"
     )
+    once = {"workload": {"chunks": {"sequences": 8, "chunks": 4, "experts": "once"}}}
+    assert chunk_note(meta(once)) == (
+        "4 chunks of 8 sequences (256 tokens per step): attention and MoE front/back launches "
+        "and their weight reads x4, the experts once over all tokens"
+    )
 
 
 def test_fused_coverage_where_both_sides_run_the_same_fused_op():

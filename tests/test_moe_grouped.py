@@ -351,3 +351,70 @@ def test_w2_stages_knob(monkeypatch):
             mg.w2_stages()
     with pytest.raises(ValueError, match="stages"):
         mg.GroupedW2(8, 32, 4, 128, 64, 128, 64, stages=0)
+
+
+@pytest.mark.parametrize("front", ["tile", "mma", "simt"])
+def test_block_chunked_front_back_experts_once(monkeypatch, front):
+    """A block over N rows with ``chunk`` < N (a chunked step with the experts once): the front
+    and back kernels launch once per row chunk on that chunk's row views, the grouped expert
+    kernels once over all N rows (zeroing ``acc`` themselves after a ``tile`` front), and the
+    result is the block's chained torch reference over all rows. CPU: each kernel function
+    replaced by its torch reference, recording the rows it was given."""
+    from decodescope.kernels.specialized import back_mma as bm
+    from decodescope.kernels.specialized import front_mma as fm
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import up_proj_shared_add as up
+
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    monkeypatch.setenv("DECODESCOPE_MOE_FRONT", front)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK", "mma")
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=4)
+    N, C = 6, 2
+    blk = mb.SpecializedMoE(cfg, w, N, chunk=C)
+    assert blk.chunks == 3 and blk.route_zeroes_acc() == (front == "tile")
+    E, L = cfg.moe.num_experts, cfg.expert_dim
+    calls: list[tuple[str, int]] = []
+
+    def front_ref(x, w_front, y, acc=None, done=None, **kw):
+        calls.append(("front", x.shape[0]))
+        assert y.shape[0] == x.shape[0] and (acc is None or acc.shape[0] == x.shape[0])
+        y.copy_(rt.front_gemv_ref(x, w_front))
+        if acc is not None:
+            acc.zero_()
+
+    def experts_ref(y, bias, w13, w2, shared_w2, h, acc, shared_out, ids, tw, bufs, *, top_k,
+                    scaling, beta, lbeta, zero_acc=False, **kw):  # fmt: skip
+        calls.append(("experts", y.shape[0]))
+        assert zero_acc == (front == "tile") and bufs.hs.shape[0] == N
+        i, t = rt.router_topk_ref(y[:, :E], bias, top_k, scaling)
+        a, s = mg.grouped_ref(y[:, E : E + L], y[:, E + L :], i, t, w13, w2, shared_w2, beta,
+                              lbeta)  # fmt: skip
+        acc.copy_(a)
+        shared_out.copy_(s)
+        ids.copy_(i)
+        tw.copy_(t)
+
+    def back_ref(acc, norm, w_up, shared_out, out, eps):
+        calls.append(("back", acc.shape[0]))
+        assert shared_out.shape[0] == out.shape[0] == acc.shape[0]
+        out.copy_(up.up_proj_shared_add_ref(acc, norm, w_up, shared_out, eps))
+
+    monkeypatch.setattr(fm, "front_tile", front_ref)
+    monkeypatch.setattr(fm, "front_mma", front_ref)
+    monkeypatch.setattr(rt, "front_gemv", front_ref)
+    monkeypatch.setattr(mg, "moe_grouped", experts_ref)
+    monkeypatch.setattr(bm, "back_mma", back_ref)
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(N, cfg.hidden, generator=gen).to(torch.bfloat16)
+    out = torch.full((N, cfg.hidden), float("nan"), dtype=torch.bfloat16)
+    blk.acc.fill_(float("nan"))  # a front that zeroes must zero every chunk's rows
+    if front == "tile":
+        blk.acc.zero_()  # the route kernel zeroes it (replaced here by the reference)
+    blk.forward(h, out)
+    assert calls == [("front", C)] * 3 + [("experts", N)] + [("back", C)] * 3
+    want, ids = mb.moe_block_ref(cfg, w, h)
+    assert torch.equal(torch.sort(blk.topk_ids.long(), 1).values, torch.sort(ids.long(), 1).values)
+    assert rel_l2(out, want) < 1e-2
+    with pytest.raises(ValueError, match="chunk 4 must divide n_tokens 6"):
+        mb.SpecializedMoE(cfg, w, N, chunk=4)

@@ -122,21 +122,49 @@ def test_unusable_message_names_preset_and_shape():
     assert "expert" in str(ei.value)
 
 
-def test_chunking():
+def test_chunking(monkeypatch):
     assert S.chunking(64, 1) == (64, 1) and S.chunking(8, 8) == (8, 1)
     assert S.chunking(32, 8) == (8, 4) and S.chunking(64, 8) == (8, 8)
     assert S.chunking(9, 8) == (3, 3) and S.chunking(13, 8) == (1, 13)  # equal chunks
+    monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, "chunk")  # the whole layer per chunk
     p = S.plan(preset="kimi-k3", tp_shape=8, batch=32, tokens_per_seq=8)
     one = S.plan(preset="kimi-k3", tp_shape=8, batch=8, tokens_per_seq=8)
-    assert p.chunk == (8, 4) and p.chunk_tokens == 64
+    assert p.chunk == (8, 4) and p.chunk_tokens == 64 and not p.experts_once
     # each chunk is the 8x8 step's launches; the ranges repeat per chunk, in order
     assert p.launches() == {k: 4 * v for k, v in one.launches().items()}
     assert p.range_names() == {k: v * 4 for k, v in one.range_names().items()}
     cfg = json.loads(p.meta["config_json"])
-    assert cfg["chunks"] == {"sequences": 8, "chunks": 4}
-    assert "4 chunks of 8 sequences" in p.meta["notes"] and "x4" in p.meta["notes"]
+    assert cfg["chunks"] == {"sequences": 8, "chunks": 4, "experts": "chunk"}
+    assert "each layer runs in 4 chunks of 8 sequences" in p.meta["notes"]
+    assert "x4" in p.meta["notes"]
     assert json.loads(one.meta["config_json"])["chunks"] == {"sequences": 8, "chunks": 1}
-    assert "chunks" not in one.meta["notes"]
+    assert "chunks" not in one.meta["notes"] and not one.experts_once
+
+
+@pytest.mark.parametrize("tp,batch,n", [(8, 32, 4), (16, 32, 4), (8, 64, 8), (16, 64, 8)])
+def test_chunking_experts_once(monkeypatch, tp, batch, n):
+    """The default for a chunked step: the attention ranges per chunk, then the MoE ranges
+    once; the front and back ranges hold a launch per chunk, the experts range the grouped
+    kernels' three launches over all tokens."""
+    monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
+    p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
+    one = S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8)
+    assert p.experts_once and p.chunk == (8, n)
+    for lay, ops in one.range_names().items():
+        attn = [o for o in ops if ".attn." in o]
+        moe = [o for o in ops if ".moe." in o]
+        assert attn + moe == ops and len(moe) == 3
+        assert p.range_names()[lay] == attn * n + moe
+        # one chunk: attention + front + 3 expert kernels + back; the attention, front and
+        # back launches n times, the expert kernels once
+        att = one.launches()[lay] - 5
+        assert p.launches()[lay] == n * (att + 2) + 3
+    cfg = json.loads(p.meta["config_json"])
+    assert cfg["chunks"] == {"sequences": 8, "chunks": n, "experts": "once"}
+    assert "experts once over all tokens" in p.meta["notes"]
+    monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DECODESCOPE_CHUNK_EXPERTS='sometimes'"):
+        S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
 
 
 def test_kimi_k2_moe_is_not_latent():
@@ -204,6 +232,44 @@ def test_dry_run_ranges_and_launches(monkeypatch, front_norm):
         )
     else:
         assert "step/layer.0:kda/layer.0.attn.residual_norm" in names
+
+
+@pytest.mark.parametrize("front_norm", [0, 1])
+@pytest.mark.parametrize("once", ["once", "chunk"])
+def test_dry_run_chunked_ranges_and_launches(monkeypatch, once, front_norm):
+    """A chunked step (tiny shapes, the token limit lowered to 8): every launch goes through
+    interface.compiled under the range the plan names, in order, and the launch counts of the
+    plan, the model and the trace agree, with the experts once over all 16 tokens or per
+    chunk (``DECODESCOPE_CHUNK_EXPERTS``)."""
+    from decodescope.kernels.specialized import interface as itf
+
+    calls: list[tuple[str, str]] = []
+
+    def fake_compiled(key, build):
+        return lambda *a, **k: calls.append((tracer.current_path(), str(key[0])))
+
+    monkeypatch.setattr(itf, "compiled", fake_compiled)
+    monkeypatch.setattr(S, "MAX_STEP_TOKENS", 8)
+    monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, once)
+    p, m = _model(batch=16, tokens=1, layers="kda,mla", front_norm=front_norm)
+    assert m.chunks == 2 and m.experts_once == p.experts_once == (once == "once")
+    with tracer.range("step"):
+        m.step()
+    paths = [c[0] for c in calls]
+    # a range per op (the plan's, in order); the experts range holds three launches, and with
+    # the experts once the front and back ranges one per chunk
+    uniq = [x for i, x in enumerate(paths) if i == 0 or x != paths[i - 1]]
+    assert uniq == [f"step/{lay}/{op}" for lay, ops in p.range_names().items() for op in ops]
+    per_layer: dict[str, int] = {}
+    for path in paths:
+        lay = path.split("/")[1]
+        per_layer[lay] = per_layer.get(lay, 0) + 1
+    assert per_layer == p.launches() == m.launches()
+    experts = [k for path, k in calls if "moe.grouped_topk" in path]
+    n_expert_runs = 1 if once == "once" else 2
+    assert experts == ["moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"] * (
+        2 * n_expert_runs
+    )  # two MoE layers
 
 
 def test_front_norm_option(monkeypatch):
@@ -276,27 +342,34 @@ def _rel(a, b, rows=None):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("once", [False, True])
 @pytest.mark.parametrize("front_norm", [0, 1])
 @pytest.mark.parametrize(
     "batch, tokens, max_tokens", [(3, 1, 64), (2, 3, 64), (4, 1, 2), (3, 2, 2), (2, 3, 3)]
 )
 def test_wiring_with_reference_halves_matches_standard(
-    monkeypatch, batch, tokens, max_tokens, front_norm
+    monkeypatch, batch, tokens, max_tokens, front_norm, once
 ):
     """Each half replaced by its chained torch reference (attention_ref, moe_block_ref): the
     step's wiring (buffers, residual stream, state in place, layer order; with front_norm, the
     attention half without its RMSNorm launch and the MoE half normalizing r_out; with a token
-    limit below the step's tokens, the sequence chunks: rows, state and cache views) must give
-    the standard model's step on the CPU."""
+    limit below the step's tokens, the sequence chunks: rows, state and cache views; ``once``:
+    the MoE half once over all rows after every chunk's attention half) must give the standard
+    model's step on the CPU."""
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import rmsnorm as rms
     from decodescope.kernels.standard.model import StandardModel
 
     monkeypatch.setattr(S, "MAX_STEP_TOKENS", max_tokens)  # chunks on the tiny shapes
+    monkeypatch.setattr(S, "experts_once", lambda cfg, b, t: once and S.chunking(b, t)[1] > 1)
     p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3, front_norm=front_norm)
     assert (m.per, m.chunks) == S.chunking(batch, tokens) == p.chunk
     assert (m.chunks > 1) == (batch * tokens > max_tokens)
+    assert m.experts_once == p.experts_once == (once and m.chunks > 1)
+    if m.experts_once:  # one block per layer over all rows, its front / back per chunk
+        n = batch * tokens
+        assert all(len(b) == 1 and (b[0].N, b[0].chunks) == (n, m.chunks) for b in m.moe_c)
     w_of = {
         id(b): w for blocks, w in zip(m.moe_c, m.weights, strict=True) for b in blocks
     }  # every chunk's block

@@ -99,8 +99,9 @@ def chunk_note(meta) -> str | None:
     """How a run's step was split where its workload ran the layers in sequence chunks (the
     specialized kernels take at most ``MAX_STEP_TOKENS`` tokens per launch, so a larger step runs
     each layer once per chunk, reading its weights each time), e.g. ``"4 chunks of 8 sequences
-    (256 tokens per step): launches and weight reads x4"``; None for one chunk, a trace or a
-    run that does not record it."""
+    (256 tokens per step): launches and weight reads x4"``, or where the experts ran once over
+    all tokens (``chunks.experts = "once"``) what ran per chunk and that the experts did not;
+    None for one chunk, a trace or a run that does not record it."""
     try:
         wl = meta.config.get("workload")
     except ValueError:
@@ -115,10 +116,13 @@ def chunk_note(meta) -> str | None:
     if n <= 1:
         return None
     tps = meta.tokens_per_seq or 1
-    return (
-        f"{n} chunks of {per} sequences ({n * per * tps} tokens per step): launches and weight "
-        f"reads x{n}"
-    )
+    head = f"{n} chunks of {per} sequences ({n * per * tps} tokens per step): "
+    if ch.get("experts") == "once":  # session 20 on: the MoE experts once over all tokens
+        return head + (
+            f"attention and MoE front/back launches and their weight reads x{n}, the experts "
+            "once over all tokens"
+        )
+    return head + f"launches and weight reads x{n}"
 
 
 def run_summary(run: Run) -> dict[str, Any]:

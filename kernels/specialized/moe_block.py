@@ -23,6 +23,11 @@ default auto); kernel 2 is
 (``DECODESCOPE_MOE_EXPERTS`` picks; ``grouped``: the three non-persistent tensor-core
 launches of ``moe_grouped`` instead, route / w13 + SiTU / w2 + weighted sum, in the same range).
 
+``chunk`` (tokens per front / back launch, a divisor of ``n_tokens``; default all of them):
+a chunked step's block over more tokens than those kernels take (64) runs kernel 1 and kernel 3
+once per row chunk (row views, same ranges) and the expert kernels (the grouped ones only) once
+over all rows, reading each selected expert's weights once.
+
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
 then drops its ``residual_norm`` launch.
@@ -33,6 +38,8 @@ Everything runs on torch's current stream, with fixed buffers, no host sync: one
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -76,11 +83,17 @@ class SpecializedMoE:
         n_tokens: int,
         layer: int = 0,
         device: torch.device | str | None = None,
+        chunk: int | None = None,
     ):
         _check_cfg(cfg)
         e = cfg.moe
         dev = torch.device(device) if device is not None else w["router"].device
         self.cfg, self.layer, self.N = cfg, layer, n_tokens
+        # tokens per launch of the front and back kernels (which take at most 64): with fewer
+        # than N they run once per row chunk, the expert kernels once over all N rows
+        self.Nc = n_tokens if chunk is None else int(chunk)
+        if not 1 <= self.Nc <= n_tokens or n_tokens % self.Nc:
+            raise ValueError(f"SpecializedMoE: chunk {chunk} must divide n_tokens {n_tokens}")
         N, H, E, k = n_tokens, cfg.hidden, e.num_experts, e.top_k
         L, Ie, S = cfg.expert_dim, cfg.expert_inter, cfg.shared_inter
         self.w_front = _rt.pack_front_weights(w).to(dev)
@@ -121,8 +134,18 @@ class SpecializedMoE:
         return self._front() == "tile"
 
     def _front(self) -> str:
-        """The front kernel of this call (:func:`front_mma.front_variant`)."""
-        return _fm.front_variant(self.N, self.cfg.hidden, self._grouped(), self.w_front.shape[0])
+        """The front kernel of this call (:func:`front_mma.front_variant`, at the tokens of one
+        launch)."""
+        return _fm.front_variant(self.Nc, self.cfg.hidden, self._grouped(), self.w_front.shape[0])
+
+    @property
+    def chunks(self) -> int:
+        """Launches of the front and of the back kernel (one per row chunk of ``Nc`` tokens)."""
+        return self.N // self.Nc
+
+    def _rows(self):
+        """The row slices of the front / back launches (one slice of all rows unchunked)."""
+        return [slice(c * self.Nc, (c + 1) * self.Nc) for c in range(self.chunks)]
 
     def front(self, h: torch.Tensor) -> None:
         """Kernel 1: ``front_mma.FrontMma`` (tensor cores) where the shapes allow, else
@@ -136,17 +159,21 @@ class SpecializedMoE:
                 "tokens the persistent ones run, and they need acc/done zeroed by the front)"
             )
         with self._r(OPS[0]):
-            if v == "tile":
-                _fm.front_tile(h, self.w_front, self.y_front)
-            elif v == "mma":
-                _fm.front_mma(h, self.w_front, self.y_front, self.acc, self.done)
-            else:
-                _rt.front_gemv(h, self.w_front, self.y_front, self.acc, self.done)
+            for rows in self._rows():
+                hc, y, acc = h[rows], self.y_front[rows], self.acc[rows]
+                if v == "tile":
+                    _fm.front_tile(hc, self.w_front, y)
+                elif v == "mma":
+                    _fm.front_mma(hc, self.w_front, y, acc, self.done)
+                else:
+                    _rt.front_gemv(hc, self.w_front, y, acc, self.done)
 
     def front_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor) -> None:
         """Front kernel with the residual-add + RMSNorm (``mlp_norm``) in its prologue."""
         if self.mlp_norm is None:
             raise ValueError("forward_residual needs the layer's mlp_norm weight")
+        if self.chunks > 1:
+            raise ValueError("forward_residual runs unchunked (chunk = n_tokens) only")
         with self._r(OP_FRONT_NORM):
             _rt.front_gemv(x, self.w_front, self.y_front, self.acc, self.done, residual=r_in,
                            norm_w=self.mlp_norm, residual_out=r_out, eps=self.cfg.eps)  # fmt: skip
@@ -158,13 +185,16 @@ class SpecializedMoE:
         with its norm prologue."""
         if self.mlp_norm is None:
             raise ValueError("forward_norm needs the layer's mlp_norm weight")
+        mma = self._front() == "mma" and self.Nc <= _fm.NORM_MAX_T
         with self._r(OP_FRONT_NORM):
-            if self._front() == "mma" and self.N <= _fm.NORM_MAX_T:
-                _fm.front_mma(r, self.w_front, self.y_front, self.acc, self.done,
-                              norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
-            else:
-                _rt.front_gemv(r, self.w_front, self.y_front, self.acc, self.done,
-                               norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+            for rows in self._rows():
+                rc, y, acc = r[rows], self.y_front[rows], self.acc[rows]
+                if mma:
+                    _fm.front_mma(rc, self.w_front, y, acc, self.done,
+                                  norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
+                else:
+                    _rt.front_gemv(rc, self.w_front, y, acc, self.done,
+                                   norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
 
     def experts(self) -> None:
         """Kernel 2 (``moe_experts``), or with ``DECODESCOPE_MOE_EXPERTS=grouped`` the three
@@ -181,6 +211,11 @@ class SpecializedMoE:
                     scaling=self.scaling, beta=self.beta, lbeta=self.lbeta, zero_acc=zero_acc,
                 )  # fmt: skip
                 return
+            if self.chunks > 1:
+                raise ValueError(
+                    f"the experts of {self.N} tokens in one pass need the grouped kernels "
+                    f"(DECODESCOPE_MOE_EXPERTS={os.environ.get('DECODESCOPE_MOE_EXPERTS', 'auto')})"
+                )
             if zero_acc:
                 raise ValueError(
                     "DECODESCOPE_MOE_FRONT=tile needs the grouped expert kernels: the "
@@ -209,15 +244,14 @@ class SpecializedMoE:
         where its shapes do not fit; ``back_tile.back_tile`` (the tile GEMM, one launch) with
         ``tile`` or from ``back_tile.TILE_FROM`` tokens
         (``DECODESCOPE_MOE_BACK=auto|mma|simt|tile``)."""
-        args = (self.acc, self.latent_norm, self.latent_up, self.shared_out, out, self.cfg.eps)
+        fn = {"mma": _bm.back_mma, "tile": _bt.back_tile}.get(
+            _bm.back_variant(self.Nc, self.cfg.expert_dim, self.cfg.hidden),
+            _up.up_proj_shared_add,
+        )
         with self._r(OPS[2]):
-            v = _bm.back_variant(self.N, self.cfg.expert_dim, self.cfg.hidden)
-            if v == "mma":
-                _bm.back_mma(*args)
-            elif v == "tile":
-                _bt.back_tile(*args)
-            else:
-                _up.up_proj_shared_add(*args)
+            for rows in self._rows():
+                fn(self.acc[rows], self.latent_norm, self.latent_up, self.shared_out[rows],
+                   out[rows], self.cfg.eps)  # fmt: skip
 
     def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""

@@ -32,9 +32,13 @@ More than 64 tokens per step (the kernels take at most ``MAX_STEP_TOKENS`` = 64 
 launch: the verify step of 32 or 64 sequences of 1+7 tokens): at tp_world 1 every layer runs
 in sequence chunks (:func:`chunking`: the largest divisor of the batch whose tokens fit), each
 chunk the same kernels on its sequences' rows, state and cache (views, no copies). The function
-is the same (tokens of different sequences never meet in attention; the MoE is per token);
-the launches and the weight reads are multiplied by the number of chunks, which the launch
-counts, the ranges (repeated per chunk) and the run's notes say.
+is the same (tokens of different sequences never meet in attention; the MoE is per token).
+By default (``DECODESCOPE_CHUNK_EXPERTS=once``, :func:`experts_once`) only the attention half
+and the MoE front and back kernels run per chunk; each MoE block's grouped expert kernels run
+once over all of the step's tokens, after every chunk's attention half, so the expert weights
+(most of a layer's bytes) are read once. ``chunk``: the whole layer per chunk (launches and
+every weight read multiplied by the chunks). The launch counts, the ranges and the run's notes
+and ``chunks`` record say which ran.
 
 Where a half cannot run a preset or shape (no all-reduce, an FP8 latent cache, MXFP4 experts,
 more than 64 tokens per step at tp_world 2, ...), :func:`check_usable` raises a
@@ -241,6 +245,23 @@ def chunking(batch: int, tokens: int) -> tuple[int, int]:
     return per, batch // per
 
 
+def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None) -> str:
+    """How a chunked step ran, for notes and reports (``once``: the experts once over all
+    tokens; None: not recorded, a run from before the choice existed, which ran per chunk)."""
+    head = (f"{n_tokens} tokens per step: the specialized kernels take at most "
+            f"{MAX_STEP_TOKENS} per launch, so ")  # fmt: skip
+    if once:
+        return head + (
+            f"the attention half and the MoE front and back run in {n_chunks} chunks of {per} "
+            f"sequences (their launches and weight reads x{n_chunks}), the routed and shared "
+            "experts once over all tokens"
+        )
+    return head + (
+        f"each layer runs in {n_chunks} chunks of {per} sequences (launches and weight reads "
+        f"x{n_chunks})"
+    )
+
+
 def check_usable(
     cfg, specs, batch: int, tokens: int, tp_world: int = 1, front_norm: bool = False
 ) -> None:
@@ -344,24 +365,43 @@ class Plan:
             return False
         return _op.norm_fused_plan(self.cfg, spec.attn, self.chunk_tokens) is not None
 
+    @property
+    def experts_once(self) -> bool:
+        """Chunked, with each MoE block's experts once over all tokens (:func:`experts_once`)."""
+        return experts_once(self.cfg, self.batch, self.tokens)
+
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``, in
-        the order the step opens them (repeated per sequence chunk)."""
+        the order the step opens them (repeated per sequence chunk; with the experts once over
+        all tokens, the attention ranges per chunk, then the MoE ranges once, their front and
+        back ranges holding a launch per chunk)."""
         n_chunks = self.chunk[1]
-        return {
-            f"layer.{s.index}:{s.kind}": [f"layer.{s.index}.{o}" for o in self.op_names(s)]
-            * n_chunks
-            for s in self.specs
-        }
+        once = self.experts_once
+        out = {}
+        for s in self.specs:
+            names = [f"layer.{s.index}.{o}" for o in self.op_names(s)]
+            if once and s.mlp == "moe":
+                attn = [n for n in names if ".attn." in n]
+                out[f"layer.{s.index}:{s.kind}"] = attn * n_chunks + names[len(attn) :]
+            else:
+                out[f"layer.{s.index}:{s.kind}"] = names * n_chunks
+        return out
 
     def launches(self) -> dict[str, int]:
         """Kernel launches per layer: one per range, plus the ranges that hold several kernels
-        (:func:`extra_launches`)."""
+        (:func:`extra_launches`; with the experts once over all tokens, the front and back
+        ranges hold a launch per chunk)."""
         n, n_chunks = self.chunk_tokens, self.chunk[1]
-        return {
-            lay: len(ops) + n_chunks * extra_launches(self.cfg, s, n)
-            for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True)
-        }
+        once = self.experts_once
+        out = {}
+        for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True):
+            if once and s.mlp == "moe":
+                out[lay] = (len(ops) + n_chunks * attn_extra_launches(self.cfg, s, n)
+                            + 2 * (n_chunks - 1) + moe_extra_launches(self.cfg, self.batch
+                                                                      * self.tokens))  # fmt: skip
+            else:
+                out[lay] = len(ops) + n_chunks * extra_launches(self.cfg, s, n)
+        return out
 
     def op_impl(self) -> dict[str, str]:
         from decodescope.kernels.specialized.tp2 import NCCL_IMPL
@@ -399,7 +439,13 @@ def extra_launches(cfg, spec, n_tokens: int) -> int:
     """Kernels beyond one per range in a layer, as the kernel selection of this process picks
     them: the tile GEMM's separate RMSNorm launch (``tile_gemm``, the input projection and
     MLA's q_b) and the grouped experts' three launches in the experts range (``moe_grouped``)."""
-    from decodescope.kernels.specialized import moe_grouped as mg
+    extra = attn_extra_launches(cfg, spec, n_tokens)
+    return extra + (moe_extra_launches(cfg, n_tokens) if spec.mlp != "dense" else 0)
+
+
+def attn_extra_launches(cfg, spec, n_tokens: int) -> int:
+    """The attention half's kernels beyond one per range: the tile GEMM's separate RMSNorm
+    launch (``tile_gemm``; the input projection and MLA's q_b)."""
     from decodescope.kernels.specialized import norm_qkv_proj as nqp
     from decodescope.kernels.specialized import oproj_residual_norm as op
     from decodescope.kernels.specialized import tile_gemm as tg
@@ -410,12 +456,41 @@ def extra_launches(cfg, spec, n_tokens: int) -> int:
     extra = norm_launch(nqp.plan_for(cfg, spec.attn, n_tokens))
     if spec.attn == "mla":
         extra += norm_launch(op.q_b_plan(cfg, n_tokens))
-    if spec.mlp != "dense":
-        e = cfg.moe
-        dims = (e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden,
-                cfg.shared_inter)  # fmt: skip
-        extra += 2 if mg.selected(n_tokens, dims) else 0
     return extra
+
+
+def _moe_dims(cfg) -> tuple:
+    e = cfg.moe
+    return (e.num_experts, e.top_k, cfg.expert_dim, cfg.expert_inter, cfg.hidden, cfg.shared_inter)
+
+
+def moe_extra_launches(cfg, n_tokens: int) -> int:
+    """The MoE block's kernels beyond one per range: the grouped experts' three launches in the
+    experts range (``moe_grouped``) where this process picks them for ``n_tokens``."""
+    from decodescope.kernels.specialized import moe_grouped as mg
+
+    return 2 if mg.selected(n_tokens, _moe_dims(cfg)) else 0
+
+
+CHUNK_EXPERTS_ENV = "DECODESCOPE_CHUNK_EXPERTS"
+CHUNK_EXPERTS = ("once", "chunk")
+
+
+def experts_once(cfg, batch: int, tokens: int) -> bool:
+    """Whether a chunked step (more than ``MAX_STEP_TOKENS`` tokens) runs each MoE layer's
+    routed and shared experts once over all of the step's tokens, with only the attention half
+    and the MoE front / back kernels (at most 64 tokens a launch) per sequence chunk:
+    ``DECODESCOPE_CHUNK_EXPERTS=once`` (the default) where the grouped expert kernels take the
+    step's tokens (:func:`.moe_grouped.selected`); ``chunk``: the whole layer per chunk, each
+    chunk reading the expert weights again (before session 20; the A/B). False for one chunk."""
+    if chunking(batch, tokens)[1] == 1:
+        return False
+    from decodescope.kernels.specialized import env_knobs as knob
+    from decodescope.kernels.specialized import moe_grouped as mg
+
+    if knob.read(CHUNK_EXPERTS_ENV, CHUNK_EXPERTS, "once") != "once":
+        return False
+    return mg.selected(batch * tokens, _moe_dims(cfg))
 
 
 def kernel_env() -> dict[str, str]:
@@ -516,8 +591,10 @@ def plan(
             "layer_bytes_from": "expected (uniform routing): no step has run",
             # kernel choices forced through the environment (DECODESCOPE_MOE_EXPERTS=... etc.)
             "kernel_env": kernel_env(),
-            # sequences per chunk and chunks (more than MAX_STEP_TOKENS tokens: chunked)
-            "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]},
+            # sequences per chunk and chunks (more than MAX_STEP_TOKENS tokens: chunked); where
+            # chunked, whether the MoE experts ran once over all tokens or per chunk
+            "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]}
+            | ({"experts": "once" if p.experts_once else "chunk"} if p.chunk[1] > 1 else {}),
         },
         default=str,
     )
@@ -530,11 +607,7 @@ def plan(
     )
     per, n_chunks = p.chunk
     if n_chunks > 1:
-        p.meta["notes"] += (
-            f"; {b * t} tokens per step: the specialized kernels take at most {MAX_STEP_TOKENS} "
-            f"per launch, so each layer runs in {n_chunks} chunks of {per} sequences (launches "
-            f"and weight reads x{n_chunks})"
-        )
+        p.meta["notes"] += f"; {chunk_text(b * t, n_chunks, per, p.experts_once)}"
     return p
 
 
@@ -591,11 +664,19 @@ class SpecializedModel:
             [SpecializedAttention(cfg, s, w, seqs(st, c), self.per, tokens_per_seq) for c in C]
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]
+        # chunked: the MoE blocks' experts once over all N tokens (one block per layer, its
+        # front and back kernels per chunk of rows) or everything per chunk (experts_once)
+        self.experts_once = experts_once(cfg, batch, tokens_per_seq)
+
+        def moe_blocks(s, w):
+            if self.experts_once:
+                return [SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device,
+                                       chunk=self.Nc)]  # fmt: skip
+            return [SpecializedMoE(cfg, w, self.Nc, layer=s.index, device=self.device) for c in C]
+
         # per layer: the MoE blocks, or None for a dense layer (its MLP is in self.dense_c)
         self.moe_c = [
-            [SpecializedMoE(cfg, w, self.Nc, layer=s.index, device=self.device) for c in C]
-            if s.mlp == "moe"
-            else None
+            moe_blocks(s, w) if s.mlp == "moe" else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
         self.dense_c = [
@@ -606,8 +687,8 @@ class SpecializedModel:
         ]
         for ac, mc in zip(self.attn_c, self.moe_c, strict=True):
             if mc is not None:  # o_proj's L2 prefetch of the MoE front (DECODESCOPE_OPROJ_PREFETCH)
-                for a, m in zip(ac, mc, strict=True):
-                    a.set_prefetch(m.w_front)
+                for c, a in enumerate(ac):
+                    a.set_prefetch(mc[min(c, len(mc) - 1)].w_front)
         self.attn = [a[0] for a in self.attn_c]
         self.moe = [m[0] if m is not None else None for m in self.moe_c]
         self.dense = [d[0] if d is not None else None for d in self.dense_c]
@@ -620,59 +701,58 @@ class SpecializedModel:
     def _layer(self, i: int, x, r, guarded: bool) -> None:
         spec = self.specs[i]
         h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
+        once = self.experts_once and spec.mlp == "moe"  # the MoE half over all rows, once
         with _range(f"layer.{spec.index}:{spec.kind}"):
             for c in range(self.chunks):  # one chunk unless more than MAX_STEP_TOKENS tokens
-                xc, rc, ro, hc, xo = x, r, r_out, h, x_out  # one chunk: the buffers themselves
+                bufs = (x, r, r_out, h, x_out)  # one chunk: the buffers themselves
                 if self.chunks > 1:
                     rows = slice(c * self.Nc, (c + 1) * self.Nc)
-                    xc, rc, ro, hc, xo = x[rows], r[rows], r_out[rows], h[rows], x_out[rows]
-                if guarded:
-                    self._guarded(i, c, xc, rc, ro, hc, xo)
-                else:
-                    self._chunk(i, c, xc, rc, ro, hc, xo)
+                    bufs = tuple(b[rows] for b in bufs)
+                halves = self._halves(i, c, *bufs)
+                self._run(i, c, halves[:1] if once else halves, guarded)
+            if once:
+                self._run(i, None, self._halves(i, 0, x, r, r_out, h, x_out)[1:], guarded)
 
-    def _chunk(self, i: int, c: int, x, r, r_out, h, x_out) -> None:
-        """Layer ``i`` on chunk ``c``'s rows (all of them with one chunk)."""
+    def _halves(self, i: int, c: int, x, r, r_out, h, x_out) -> list:
+        """Layer ``i``'s two halves on chunk ``c``'s rows (all of them with one chunk), as
+        ``(what, thunk)``: the attention half, then the MoE block or the dense MLP."""
         spec = self.specs[i]
+        attn = f"attention ({spec.attn})"
         if spec.mlp == "dense":
-            self._attn_no_norm(i, x, r, r_out, h, c)
-            self.dense_c[i][c].forward_norm(r_out, x_out)
-        elif self.front_norm:
-            self._attn_no_norm(i, x, r, r_out, h, c)
-            self._moe_front_norm(i, r_out, x_out, c)
-        else:
-            self.attn_c[i][c].forward(x, r, r_out, h)
-            self.moe_c[i][c].forward(h, x_out)
+            return [
+                (attn, lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
+                ("dense MLP", lambda: self.dense_c[i][c].forward_norm(r_out, x_out)),
+            ]
+        if self.front_norm:
+            return [
+                (attn, lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
+                ("MoE", lambda: self._moe_front_norm(i, r_out, x_out, c)),
+            ]
+        return [
+            (attn, lambda: self.attn_c[i][c].forward(x, r, r_out, h)),
+            ("MoE", lambda: self.moe_c[i][c].forward(h, x_out)),
+        ]
 
-    def _guarded(self, i: int, c: int, x, r, r_out, h, x_out) -> None:
-        """One layer (one chunk), each half checked (compiled, launched, synchronized): a
-        failure says which half of which layer, for which shape."""
+    def _run(self, i: int, c: int | None, halves: list, guarded: bool) -> None:
+        """Run ``halves``; ``guarded``: each checked (compiled, launched, synchronized), a
+        failure naming the half, the layer and the shape (``c``: the sequence chunk, None: all
+        of the step's rows)."""
         import torch
 
-        spec = self.specs[i]
-        attn = self.attn_c[i][c]
-        if spec.mlp == "dense":
-            halves = (
-                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
-                ("dense MLP", lambda: self.dense_c[i][c].forward_norm(r_out, x_out)),
-            )
-        elif self.front_norm:
-            halves = (
-                (f"attention ({spec.attn})", lambda: self._attn_no_norm(i, x, r, r_out, h, c)),
-                ("MoE", lambda: self._moe_front_norm(i, r_out, x_out, c)),
-            )
-        else:
-            halves = (
-                (f"attention ({spec.attn})", lambda: attn.forward(x, r, r_out, h)),
-                ("MoE", lambda: self.moe_c[i][c].forward(h, x_out)),
-            )
         for what, fn in halves:
+            if not guarded:
+                fn()
+                continue
             try:
                 fn()
                 if self.device.type == "cuda":  # a fault in this half surfaces here
                     torch.cuda.synchronize(self.device)
             except Exception as e:
-                part = f" (sequence chunk {c + 1}/{self.chunks})" if self.chunks > 1 else ""
+                spec = self.specs[i]
+                part = ""
+                if self.chunks > 1:
+                    part = (f" (sequence chunk {c + 1}/{self.chunks})" if c is not None
+                            else f" (all {self.N} tokens at once)")  # fmt: skip
                 raise ValueError(
                     f"specialized {what} of layer.{spec.index}:{spec.kind}{part} failed to "
                     f"compile or run (preset {self.cfg.preset or self.cfg.model.name!r} tp_shape "
@@ -692,7 +772,7 @@ class SpecializedModel:
         """The MoE block with ``h = rmsnorm(r_out) * mlp_norm`` in its front kernel's prologue."""
         self.moe_c[i][c].forward_norm(r_out, x_out)
 
-    def _run(self, guarded: bool) -> None:
+    def _steps(self, guarded: bool) -> None:
         x, r = self.x_in, self.r_in
         for i in range(len(self.specs)):
             self._layer(i, x, r, guarded)
@@ -700,11 +780,11 @@ class SpecializedModel:
 
     def step(self) -> None:
         """One decode step over every layer, on the current stream (capturable)."""
-        self._run(False)
+        self._steps(False)
 
     def warmup(self) -> None:
         """One eager step that compiles every kernel; a failure names the layer and half."""
-        self._run(True)
+        self._steps(True)
 
     def refresh(self, seed: int | None = None) -> None:
         """Fresh random inputs (same buffers, same draws as StandardModel.refresh)."""
@@ -731,12 +811,19 @@ class SpecializedModel:
         from decodescope.kernels.specialized import moe_block as mb
 
         out = {}
+        n = self.chunks
         for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
             lay = f"layer.{s.index}:{s.kind}"
-            out[lay] = a.launches_no_norm + d.launches if d is not None else (
-                (a.launches_no_norm if self.front_norm else a.launches) + len(mb.OPS))  # fmt: skip
-            out[lay] += extra_launches(self.cfg, s, self.Nc)
-            out[lay] *= self.chunks
+            if d is not None:
+                per = a.launches_no_norm + d.launches + attn_extra_launches(self.cfg, s, self.Nc)
+                out[lay] = per * n
+                continue
+            att = a.launches_no_norm if self.front_norm else a.launches
+            att += attn_extra_launches(self.cfg, s, self.Nc)
+            if self.experts_once:  # front and back per chunk, the experts once over all rows
+                out[lay] = att * n + 2 * n + 1 + moe_extra_launches(self.cfg, self.N)
+            else:
+                out[lay] = (att + len(mb.OPS) + moe_extra_launches(self.cfg, self.Nc)) * n
         return out
 
 
