@@ -106,8 +106,8 @@ def main(path: str = "results") -> None:
     )
     if chunked:
         print(
-            "\nThe specialized kernels take at most 64 tokens per launch; larger steps ran each "
-            "layer in sequence chunks, reading its weights once per chunk: "
+            "\nThe specialized kernels take at most 64 tokens per launch; larger steps ran in "
+            "sequence chunks, the kernels of each chunk reading their weights again: "
             + "; ".join(f"TP{tp} {b}: {note}" for tp, b, note in chunked)
             + "."
         )
