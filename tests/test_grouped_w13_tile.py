@@ -72,6 +72,26 @@ def test_compiles_sweep(tp, rows, bk, stages, rt, persist):
     assert itf.compile_only(op, *args) is not None
 
 
+@pytest.mark.parametrize(
+    "tp,T,cfg",
+    [
+        (8, 256, gt.TileConfig(mt=2)),
+        (8, 512, gt.TileConfig(mt=2, stages=2)),
+        (16, 256, gt.TileConfig(mt=2)),
+        (16, 512, gt.TileConfig(mt=4, stages=2)),
+        (8, 256, gt.TileConfig(mt=2, persist=2)),
+    ],
+)
+def test_compiles_token_tiles(tp, T, cfg):
+    """Several 8-token tiles per pass (``DECODESCOPE_MOE_W13T_MT``) at the chunked verify
+    steps' token counts (the experts once over 256 / 512 tokens)."""
+    _, (E, K, L, Ie, S) = _dims(tp)
+    op, args = mg._build_w13(T, E, K, L, Ie, S, 4.0, 25.0, True, "tile", 132, cfg)
+    assert op.MT == cfg.mt and op.TP == 8 * cfg.mt
+    assert op.cfg.smem_bytes == cfg.stages * (2 * 64 * 128 * 2 + 8 * cfg.mt * 128 * 4)
+    assert itf.compile_only(op, *args) is not None
+
+
 def test_geometry_tp8():
     """TP8 defaults: 64 gate + 64 up rows per CTA, 4 warps, 6 items per expert, 28 chunks of
     128 K, 108 KB of shared memory (2 CTAs per SM), 16 weight pieces + 2 z pieces per thread."""
@@ -92,17 +112,18 @@ def _coverage(op: gt.GroupedW13Tile, nact: int, slot_n: list[int]) -> Counter:
         for item in range(bid, nact * op.NRT, op.grid):
             a, rt = item // op.NRT, item % op.NRT
             n = slot_n[a]
-            for ps in range(-(-n // gt.TOK)):
-                nn = min(n - ps * gt.TOK, gt.TOK)
+            for ps in range(-(-n // op.TP)):
+                nn = min(n - ps * op.TP, op.TP)
                 for warp in range(op.NW):
                     for lane in range(32):
                         g, c = lane // 4, lane % 4
-                        for q in range(op.RT):
+                        for t, q in ((t, q) for t in range(op.MT) for q in range(op.RT)):
                             for hh in range(2):
                                 row = rt * op.R + warp * 16 * op.RT + q * 16 + g + 8 * hh
                                 for s in range(2):
-                                    if 2 * c + s < nn and (not op.partial or row < op.Ie):
-                                        out[(a, ps * gt.TOK + 2 * c + s, row)] += 1
+                                    col = 8 * t + 2 * c + s
+                                    if col < nn and (not op.partial or row < op.Ie):
+                                        out[(a, ps * op.TP + col, row)] += 1
     return out
 
 
@@ -112,11 +133,14 @@ def _coverage(op: gt.GroupedW13Tile, nact: int, slot_n: list[int]) -> Counter:
         (8, 8, 2, gt.TileConfig()),
         (8, 12, 3, gt.TileConfig(32, 128, 4, 1)),
         (16, 6, 2, gt.TileConfig(128, 64, 3, 2)),  # partial last item (192 = 128 + 64)
+        (8, 40, 3, gt.TileConfig(mt=2)),  # 16 tokens a pass: 40 on expert 5, three passes
+        (16, 21, 2, gt.TileConfig(128, 64, 2, 2, mt=4)),  # 32 a pass, partial item
     ],
 )
 def test_every_h_written_once(tp, T, nsm, cfg):
-    """Grids capped (few SMs: CTAs walk several items), an expert with more than 8 tokens
-    (two passes): every ``h`` element of every pair is stored exactly once."""
+    """Grids capped (few SMs: CTAs walk several items), an expert with more than a pass's
+    tokens (8 x mt: several passes): every ``h`` element of every pair is stored exactly once,
+    and the library's own replay (``coverage``) agrees."""
     _, (E, K, L, Ie, S) = _dims(tp)
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -126,6 +150,7 @@ def test_every_h_written_once(tp, T, nsm, cfg):
     assert op.grid < nact * op.NRT  # the item loop runs
     out = _coverage(op, nact, sn.tolist())
     assert len(out) == int(sn.sum()) * Ie and set(out.values()) == {1}
+    assert gt.coverage(op, nact, sn.tolist()) == out
 
 
 def _persist_trace(op: gt.GroupedW13Tile, bid: int, total: int, slot_n: list[int]):
@@ -146,7 +171,7 @@ def _persist_trace(op: gt.GroupedW13Tile, bid: int, total: int, slot_n: list[int
         l_kc += 1
         if l_kc == NCH:
             l_kc, l_ps = 0, l_ps + 1
-            if l_ps * gt.TOK >= n_of(l_item):
+            if l_ps * op.TP >= n_of(l_item):
                 l_ps, l_item = 0, l_item + op.grid
 
     for _ in range(S - 1):
@@ -162,23 +187,24 @@ def _persist_trace(op: gt.GroupedW13Tile, bid: int, total: int, slot_n: list[int
         if c_kc == NCH:
             epis.append((c_item, c_ps))
             c_kc, c_ps = 0, c_ps + 1
-            if c_ps * gt.TOK >= n_of(c_item):
+            if c_ps * op.TP >= n_of(c_item):
                 c_ps, c_item = 0, c_item + op.grid
     return loads, cons, epis, issued_at
 
 
 @pytest.mark.parametrize("cfg", [gt.TileConfig(persist=2), gt.TileConfig(64, 64, 4, 1, 3),
-                                 gt.TileConfig(32, 128, 2, 1, 1)])  # fmt: skip
+                                 gt.TileConfig(32, 128, 2, 1, 1),
+                                 gt.TileConfig(persist=2, mt=2)])  # fmt: skip
 def test_persist_pipeline_order(cfg):
     """Persistent CTAs (few SMs: several items each, one expert with 2 passes): the consumer
     multiplies exactly the chunks the loader issued, in the same order (so chunk g is in stage
     g % S and commit group g), the loader stays S - 1 chunks ahead until it runs out, and every
     (item, pass) of the CTA is stored once."""
     _, (E, K, L, Ie, S) = _dims(8)
-    T = 12
+    T = 12 * cfg.mt
     g = torch.Generator().manual_seed(3)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    ids[:, 0] = 7  # 12 tokens on expert 7: two passes
+    ids[:, 0] = 7  # 12 x mt tokens on expert 7: two passes
     se, so, sn, nact, pairs = mg.lists_from_ids(ids, E)
     op = gt.GroupedW13Tile(T, E, K, L, Ie, 4.0, 25.0, nsm=3, cfg=cfg)
     total = nact * op.NRT
@@ -190,15 +216,16 @@ def test_persist_pipeline_order(cfg):
         for gidx, n_issued in enumerate(issued_at):
             assert n_issued == min(gidx + op.S, len(loads))  # chunk gidx + S - 1 issued
         want = [(it, ps) for it in range(bid, total, op.grid)
-                for ps in range(-(-int(sn[it // op.NRT]) // gt.TOK))]  # fmt: skip
+                for ps in range(-(-int(sn[it // op.NRT]) // op.TP))]  # fmt: skip
         assert epis == want
         seen.update(epis)
-    assert sum(seen.values()) == sum(-(-int(sn[it // op.NRT]) // gt.TOK) for it in range(total))
+    assert sum(seen.values()) == sum(-(-int(sn[it // op.NRT]) // op.TP) for it in range(total))
     assert set(seen.values()) == {1}
 
 
 @pytest.mark.parametrize("cfg", [gt.TileConfig(), gt.TileConfig(64, 64, 4, 1),
-                                 gt.TileConfig(128, 64, 3, 2), gt.TileConfig(32, 256, 3, 1)])  # fmt: skip
+                                 gt.TileConfig(128, 64, 3, 2), gt.TileConfig(32, 256, 3, 1),
+                                 gt.TileConfig(mt=2), gt.TileConfig(64, 64, 2, 2, mt=4)])  # fmt: skip
 def test_stage_layout_matches_fragments(cfg):
     """The loader's thread -> (row, unit) map and the swizzles, replayed for one chunk: every
     (row, K unit) of the ``2R`` rows and every (token, FP32 unit) of z is written exactly once,
@@ -223,11 +250,11 @@ def test_stage_layout_matches_fragments(cfg):
         uz = tid % op.UZ
         for i in range(op.ZP):
             m = tid // op.UZ + i * (op.NT // op.UZ)
-            if m < gt.TOK:
+            if m < op.TP:
                 key = (m, gt.z_unit(uz, m))
                 assert key not in zst
                 zst[key] = uz
-    assert len(zst) == gt.TOK * op.UZ
+    assert len(zst) == op.TP * op.UZ
     for warp in range(op.NW):
         for lane in range(32):
             g, c = lane // 4, lane % 4
@@ -236,8 +263,9 @@ def test_stage_layout_matches_fragments(cfg):
                     rg = warp * 16 * op.RT + q * 16 + g
                     for r in (rg, rg + 8, R + rg, R + rg + 8):
                         assert stored[(r, gt.w_unit(4 * h + c, g))] == 4 * h + c  # 8 bf16
-                for v in range(2):
-                    assert zst[(g, gt.z_unit(8 * h + 2 * c + v, g))] == 8 * h + 2 * c + v
+                for t, v in ((t, v) for t in range(op.MT) for v in range(2)):
+                    m = 8 * t + g  # token tile t's slot of the lane's column
+                    assert zst[(m, gt.z_unit(8 * h + 2 * c + v, m))] == 8 * h + 2 * c + v
     # quarter-warp bank check of the weight reads: lanes 8j..8j+7 read 8 distinct 16-byte
     # bank groups (rows g, g + 1 at units c: the swizzle puts them in opposite halves)
     for j in range(4):
@@ -258,6 +286,9 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "4")
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_ROWS", "")  # empty: the default
     assert gt.tile_config() == gt.TileConfig(64, 64, 4, 1)
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "2")
+    assert gt.tile_config() == gt.TileConfig(64, 64, 4, 1, mt=2)
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "")
     for var, bad, msg in (
         ("DECODESCOPE_MOE_W13T_BK", "96", "bk=96"),
         ("DECODESCOPE_MOE_W13T_BK", "x", "DECODESCOPE_MOE_W13T_BK='x'"),
@@ -265,6 +296,7 @@ def test_knobs(monkeypatch):
         ("DECODESCOPE_MOE_W13T_RT", "3", "rt=3"),
         ("DECODESCOPE_MOE_W13T_STAGES", "9", "stages=9"),
         ("DECODESCOPE_MOE_W13T_PERSIST", "9", "persist=9"),
+        ("DECODESCOPE_MOE_W13T_MT", "3", "mt=3"),
     ):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
@@ -367,6 +399,30 @@ def test_w13_tile_gpu(gsm, tp, n_tokens, monkeypatch):
     for draw in range(2):
         ctx = {"preset": "kimi-k3", "tp": tp, "tokens": n_tokens, "draw": draw,
                "experts": "grouped_w13tile"}  # fmt: skip
+        gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=11 * n_tokens + draw, front_norm=False,
+                       fronts=False)  # fmt: skip
+    bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
+    assert not bad, bad
+    assert any(r.get("check") == "grouped_h_w13tile" for r in gsm.RESULTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,n_tokens,mt", [(8, 256, 2), (16, 512, 2), (8, 64, 4)])
+def test_w13_tile_token_tiles_gpu(gsm, tp, n_tokens, mt, monkeypatch):
+    """As :func:`test_w13_tile_gpu` with ``mt`` 8-token tiles per pass
+    (``DECODESCOPE_MOE_W13T_MT``) at the chunked verify steps' token counts."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    monkeypatch.setenv("DECODESCOPE_MOE_EXPERTS", "grouped")
+    monkeypatch.setenv("DECODESCOPE_MOE_GROUPED_W13", "tile")
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", str(mt))
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
+    blk = SpecializedMoE(cfg, w, n_tokens, chunk=min(n_tokens, 64))
+    gsm.RESULTS.clear()
+    for draw in range(2):
+        ctx = {"preset": "kimi-k3", "tp": tp, "tokens": n_tokens, "draw": draw,
+               "experts": f"grouped_w13tile_m{mt}"}  # fmt: skip
         gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=11 * n_tokens + draw, front_norm=False,
                        fronts=False)  # fmt: skip
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]

@@ -347,8 +347,8 @@ class W13T1(gwt.GroupedW13Tile):
                  cfg: gwt.TileConfig | None = None, shared: bool = True,
                  kw: int = 1, zt: bool = False):  # fmt: skip
         cfg = cfg or w13_config()
-        if cfg.persist:
-            raise ValueError("experts_t1: the w13 items run without persist")
+        if cfg.persist or cfg.mt != 1:
+            raise ValueError("experts_t1: the w13 items run without persist, 8 tokens a pass")
         super().__init__(T, E, K, L, Ie, beta, lbeta, pdl, nsm, cfg)
         self.TZ = gwt.TOK  # token slots of a z stage
         self._split_k(kw)

@@ -32,8 +32,10 @@ way Triton's tile and :mod:`tile_gemm` do:
   to BF16 in registers by each warp: 4 ``cvt`` per 32 K, cheaper than a second barrier).
 
 Knobs (module defaults, environment overrides read at each call, part of the compile key, for
-the H200 sweep): ``DECODESCOPE_MOE_W13T_ROWS`` (R), ``_BK``, ``_STAGES``, ``_RT``
-(:func:`tile_config`). Shared memory per CTA: ``stages * (2R * BK * 2 + 8 * BK * 4)`` bytes
+the H200 sweep): ``DECODESCOPE_MOE_W13T_ROWS`` (R), ``_BK``, ``_STAGES``, ``_RT``, ``_PERSIST``,
+``_MT`` (8-token tiles per pass, 1; each weight fragment read from shared memory once and
+multiplied against every tile) (:func:`tile_config`). Shared memory per CTA:
+``stages * (2R * BK * 2 + 8 * MT * BK * 4)`` bytes
 (108 KB at the defaults R 64, BK 128, 3 stages: two CTAs of 4 warps per SM, 92 registers;
 ``scripts/ptxas_w13_tile.py`` lists every sweep point).
 """
@@ -63,6 +65,12 @@ BK_DEFAULT = 128  # K columns per stage: 256-byte row runs, as Triton's BLOCK_K 
 STAGES_DEFAULT = 3  # as Triton's num_stages: 2 chunks (64 KB of weights) in flight per CTA
 RT_DEFAULT = 1  # gate/up tile pairs per warp (warps = R / (16 * RT))
 PERSIST_DEFAULT = 0  # 0: a CTA per item (grid cap CTAS_PER_SM); p > 0: p persistent CTAs per SM
+# 8-token tiles per pass (``DECODESCOPE_MOE_W13T_MT``): an expert's tokens 8 * mt at a time, each
+# weight fragment multiplied against mt token tiles once it is in registers. Above 64 tokens per
+# step (the experts once over a chunked step's 256-512 tokens) an expert holds 6-11 tokens on
+# average with the bench's routing, so a pass of 8 leaves many experts two or more passes, each
+# streaming the item's weights again
+MT_DEFAULT = 1
 
 ENV = {
     "rows": "DECODESCOPE_MOE_W13T_ROWS",
@@ -70,6 +78,7 @@ ENV = {
     "stages": "DECODESCOPE_MOE_W13T_STAGES",
     "rt": "DECODESCOPE_MOE_W13T_RT",
     "persist": "DECODESCOPE_MOE_W13T_PERSIST",
+    "mt": "DECODESCOPE_MOE_W13T_MT",
 }
 
 
@@ -86,8 +95,11 @@ class TileConfig:
     stages: int = STAGES_DEFAULT
     rt: int = RT_DEFAULT
     persist: int = PERSIST_DEFAULT
+    mt: int = MT_DEFAULT
 
     def __post_init__(self) -> None:
+        if self.mt not in (1, 2, 4):
+            raise ValueError(f"grouped_w13_tile: mt={self.mt}, expected 1, 2 or 4")
         if self.rt not in (1, 2):
             raise ValueError(f"grouped_w13_tile: rt={self.rt}, expected 1 or 2")
         if self.rows % (ROWS * self.rt) or self.rows // (ROWS * self.rt) not in (1, 2, 4, 8):
@@ -120,7 +132,7 @@ class TileConfig:
 
     @property
     def stage_z_bytes(self) -> int:
-        return TOK * self.bk * 4
+        return TOK * self.mt * self.bk * 4
 
     @property
     def smem_bytes(self) -> int:
@@ -169,6 +181,8 @@ class GroupedW13Tile:
         self.T, self.E, self.K, self.L, self.Ie = T, E, K, L, Ie
         self.beta, self.lbeta, self.pdl, self.cfg = beta, lbeta, pdl, cfg
         self.R, self.BK, self.S, self.RT = cfg.rows, cfg.bk, cfg.stages, cfg.rt
+        self.MT = cfg.mt
+        self.TP = TOK * cfg.mt  # tokens per pass
         self.NW = cfg.warps
         self.NT = cfg.threads
         self.NCH = L // cfg.bk
@@ -178,7 +192,7 @@ class GroupedW13Tile:
         self.WP = 2 * self.R * self.UPR // self.NT  # weight pieces per thread and chunk
         self.RS = self.NT // self.UPR  # row step between a thread's pieces
         self.UZ = self.BK // 4  # 16-byte units (4 FP32) per token and chunk
-        self.ZP = -(-TOK * self.UZ // self.NT)  # z pieces per thread and chunk
+        self.ZP = -(-self.TP * self.UZ // self.NT)  # z pieces per thread and chunk
         self.slots = n_slots(T, E, K)
         self.grid = min(self.slots * self.NRT, (cfg.persist or CTAS_PER_SM) * nsm)
 
@@ -190,7 +204,7 @@ class GroupedW13Tile:
         @cute.struct
         class Smem:
             w: cute.struct.Align[cute.struct.MemRange[BFloat16, S * 2 * R * BK], 128]
-            z: cute.struct.Align[cute.struct.MemRange[Float32, S * TOK * BK], 128]
+            z: cute.struct.Align[cute.struct.MemRange[Float32, S * self.TP * BK], 128]
 
         self.smem_cls = Smem
         self.kernel(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact).launch(
@@ -213,7 +227,8 @@ class GroupedW13Tile:
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
         sW = st.w.get_tensor(cute.make_layout((S, 2 * R, BK), stride=(2 * R * BK, BK, 1)))
-        sZ = st.z.get_tensor(cute.make_layout((S, TOK, BK), stride=(TOK * BK, BK, 1)))
+        TP = self.TP
+        sZ = st.z.get_tensor(cute.make_layout((S, TP, BK), stride=(TP * BK, BK, 1)))
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -232,22 +247,23 @@ class GroupedW13Tile:
             n = mSlotN[a]
             mW = _expert_mat(mW13, e, 2 * Ie, self.L)
             row0 = rt * R  # first gate row of the item (its up rows: Ie + row0 ..)
-            for ps in cutlass.range((n + TOK - 1) // TOK):
-                nn = cutlass.min(n - ps * TOK, TOK)  # real tokens of this pass
-                base = off + ps * TOK
+            for ps in cutlass.range((n + TP - 1) // TP):
+                nn = cutlass.min(n - ps * TP, TP)  # real tokens of this pass
+                base = off + ps * TP
                 # the tokens of this thread's z pieces (clamped: in bounds; only m < nn load)
                 ztok = []
                 for i in cutlass.range_constexpr(self.ZP):
                     m = tid // self.UZ + i * (self.NT // self.UZ)
                     ztok.append(mPairs[base + cutlass.min(m, nn - 1)] // K)
-                # the pairs of this lane's output columns (tokens 2c, 2c + 1)
-                pp = [mPairs[base + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
+                # the pairs of this lane's output columns (tokens 8t + 2c, 8t + 2c + 1)
+                pp = [mPairs[base + cutlass.min(8 * t + 2 * c + s, nn - 1)]
+                      for t in range(self.MT) for s in range(2)]  # fmt: skip
                 cute.arch.barrier()  # every warp is done with the stages of the last pass
                 for s in cutlass.range_constexpr(S - 1):
                     if const_expr(s < self.NCH):
                         self._load(mW, mY, sW, sZ, row0, ztok, nn, s, s, tid)
                     cute.arch.cp_async_commit_group()
-                accs = mc.zero_accs(2 * RT)
+                accs = mc.zero_accs(2 * RT * self.MT)
                 for i in cutlass.range(self.NCH, unroll=1):
                     cute.arch.cp_async_wait_group(S - 2)
                     cute.arch.barrier()  # chunk i landed for all; all past chunk i - 1
@@ -271,13 +287,15 @@ class GroupedW13Tile:
     def _pass(self, mPairs, off, n, ps, tid, c):
         """``(nn, ztok, pp)`` of pass ``ps`` of an expert's ``n`` pairs at ``off``: its real
         tokens, the tokens of the thread's z pieces, the pairs of the lane's output columns."""
-        nn = cutlass.min(n - ps * TOK, TOK)
-        base = off + ps * TOK
+        TP = self.TP
+        nn = cutlass.min(n - ps * TP, TP)
+        base = off + ps * TP
         ztok = []
         for i in cutlass.range_constexpr(self.ZP):
             m = tid // self.UZ + i * (self.NT // self.UZ)
             ztok.append(mPairs[base + cutlass.min(m, nn - 1)] // self.K)
-        pp = [mPairs[base + cutlass.min(2 * c + s, nn - 1)] for s in range(2)]
+        pp = [mPairs[base + cutlass.min(8 * t + 2 * c + s, nn - 1)]
+              for t in range(self.MT) for s in range(2)]  # fmt: skip
         return nn, ztok, pp
 
     @cute.jit
@@ -308,7 +326,7 @@ class GroupedW13Tile:
                 if l_kc == NCH:
                     l_kc = Int32(0)
                     l_ps = l_ps + 1
-                    if l_ps * TOK >= l_n:
+                    if l_ps * self.TP >= l_n:
                         l_ps = Int32(0)
                         l_item = l_item + grid
                         l_e, l_off, l_n, l_row0 = self._item(mSlotE, mSlotOff, mSlotN, l_item,
@@ -322,7 +340,7 @@ class GroupedW13Tile:
         c_g = Int32(0)  # chunks consumed
         _, c_off, c_n, c_row0 = self._item(mSlotE, mSlotOff, mSlotN, c_item, total)
         c_nn, _, c_pp = self._pass(mPairs, c_off, c_n, c_ps, tid, c)
-        accs = mc.zero_accs(2 * self.RT)
+        accs = mc.zero_accs(2 * self.RT * self.MT)
         while c_item < total:
             cute.arch.cp_async_wait_group(S - 2)
             cute.arch.barrier()  # chunk c_g landed for all; all past chunk c_g - 1
@@ -334,7 +352,7 @@ class GroupedW13Tile:
                 if l_kc == NCH:
                     l_kc = Int32(0)
                     l_ps = l_ps + 1
-                    if l_ps * TOK >= l_n:
+                    if l_ps * self.TP >= l_n:
                         l_ps = Int32(0)
                         l_item = l_item + grid
                         l_e, l_off, l_n, l_row0 = self._item(mSlotE, mSlotOff, mSlotN, l_item,
@@ -346,11 +364,11 @@ class GroupedW13Tile:
             c_kc = c_kc + 1
             if c_kc == NCH:  # the pass is complete: SiTU, store, next pass or item
                 self._epilogue(mH, accs, c_pp, c_nn, c_row0, warp, g, c)
-                for q in cutlass.range_constexpr(2 * self.RT):
+                for q in cutlass.range_constexpr(2 * self.RT * self.MT):
                     accs[q].fill(0.0)
                 c_kc = Int32(0)
                 c_ps = c_ps + 1
-                if c_ps * TOK >= c_n:
+                if c_ps * self.TP >= c_n:
                     c_ps = Int32(0)
                     c_item = c_item + grid
                     _, c_off, c_n, c_row0 = self._item(mSlotE, mSlotOff, mSlotN, c_item, total)
@@ -397,6 +415,9 @@ class GroupedW13Tile:
         ``zg``: the z slot to read instead of ``g`` (a subclass whose z stages hold fewer
         token slots clamps it; columns past the pass's tokens are never stored)."""
         R, RT = self.R, self.RT
+        if const_expr(self.MT > 1):
+            self._compute_mt(sW, sZ, stg, warp, g, c, accs, fa, fb, atom)
+            return
         zr = g if zg is None else zg
         for h in cutlass.range_constexpr(self.BK // 32):
             zf = cute.make_rmem_tensor((8,), Float32)
@@ -418,21 +439,51 @@ class GroupedW13Tile:
             mc.mma_k16(atom, accs, fa, fb, xb, tiles)
 
     @cute.jit
+    def _compute_mt(self, sW, sZ, stg, warp, g, c, accs, fa, fb, atom):
+        """:meth:`_compute` with ``MT`` token tiles per pass: each weight tile's fragments,
+        read from shared memory once, are multiplied against token tile ``t``'s z (slot
+        ``8t + g``) into accumulators ``accs[2 RT t + 2q (+1)]``."""
+        R, RT = self.R, self.RT
+        for h in cutlass.range_constexpr(self.BK // 32):
+            pu = w_unit(4 * h + c, g)
+            tiles = []
+            for q in cutlass.range_constexpr(RT):
+                rg = warp * (ROWS * RT) + q * ROWS + g
+                for half, r in ((0, rg), (1, R + rg)):
+                    lo = cute.make_rmem_tensor((8,), BFloat16)
+                    hi = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                    cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                    tiles.append((lo, hi, 2 * q + half))
+            for t in cutlass.range_constexpr(self.MT):
+                zr = 8 * t + g
+                zf = cute.make_rmem_tensor((8,), Float32)
+                for v in cutlass.range_constexpr(2):
+                    zu = cute.local_tile(sZ[stg, zr, None], (4,), (z_unit(8 * h + 2 * c + v, zr),))
+                    cute.autovec_copy(zu, cute.local_tile(zf, (4,), (v,)))
+                xb = cute.make_rmem_tensor((8,), BFloat16)
+                xb.store(zf.load().to(BFloat16))
+                mc.mma_k16(atom, accs, fa, fb, xb,
+                           [(lo, hi, 2 * RT * t + ai) for lo, hi, ai in tiles])  # fmt: skip
+
+    @cute.jit
     def _epilogue(self, mH, accs, pp, nn, row0, warp, g, c):
-        """``h[p, row] = bf16(SiTU(gate, up))`` for the lane's tokens ``2c + s < nn``."""
-        for q in cutlass.range_constexpr(self.RT):
-            ga = accs[2 * q]
-            ua = accs[2 * q + 1]
-            for hh in cutlass.range_constexpr(2):
-                row = row0 + warp * (ROWS * self.RT) + q * ROWS + g + 8 * hh
-                for s in cutlass.range_constexpr(2):
-                    if 2 * c + s < nn:
-                        hv = situ(ga[2 * hh + s], ua[2 * hh + s], self.beta, self.lbeta)
-                        if const_expr(self.partial):
-                            if row < self.Ie:
-                                mH[pp[s], row] = hv.to(BFloat16)
-                        else:
-                            mH[pp[s], row] = hv.to(BFloat16)
+        """``h[p, row] = bf16(SiTU(gate, up))`` for the lane's tokens ``8t + 2c + s < nn``
+        (``pp[2t + s]``: their pairs)."""
+        for t in cutlass.range_constexpr(self.MT):
+            for q in cutlass.range_constexpr(self.RT):
+                ga = accs[2 * self.RT * t + 2 * q]
+                ua = accs[2 * self.RT * t + 2 * q + 1]
+                for hh in cutlass.range_constexpr(2):
+                    row = row0 + warp * (ROWS * self.RT) + q * ROWS + g + 8 * hh
+                    for s in cutlass.range_constexpr(2):
+                        if 8 * t + 2 * c + s < nn:
+                            hv = situ(ga[2 * hh + s], ua[2 * hh + s], self.beta, self.lbeta)
+                            if const_expr(self.partial):
+                                if row < self.Ie:
+                                    mH[pp[2 * t + s], row] = hv.to(BFloat16)
+                            else:
+                                mH[pp[2 * t + s], row] = hv.to(BFloat16)
 
 
 # -- torch-facing --------------------------------------------------------------------------
@@ -467,17 +518,18 @@ def coverage(op: GroupedW13Tile, nact: int, slot_n: list[int]) -> dict:
         for item in range(bid, nact * op.NRT, op.grid):
             a, rt = item // op.NRT, item % op.NRT
             n = slot_n[a]
-            for ps in range(-(-n // TOK)):
-                nn = min(n - ps * TOK, TOK)
+            for ps in range(-(-n // op.TP)):
+                nn = min(n - ps * op.TP, op.TP)
                 for warp in range(op.NW):
                     for lane in range(32):
                         g, c = lane // 4, lane % 4
-                        for q in range(op.RT):
+                        for t, q in ((t, q) for t in range(op.MT) for q in range(op.RT)):
                             for hh in range(2):
                                 row = rt * op.R + warp * ROWS * op.RT + q * ROWS + g + 8 * hh
                                 for s in range(2):
-                                    if 2 * c + s < nn and row < op.Ie:
-                                        out[(a, ps * TOK + 2 * c + s, row)] += 1
+                                    col = 8 * t + 2 * c + s
+                                    if col < nn and row < op.Ie:
+                                        out[(a, ps * op.TP + col, row)] += 1
     return out
 
 
@@ -500,7 +552,7 @@ def smem_reads(op: GroupedW13Tile) -> dict:
         uz = tid % op.UZ
         for i in range(op.ZP):
             m = tid // op.UZ + i * (op.NT // op.UZ)
-            if m < TOK:
+            if m < op.TP:
                 key = (m, z_unit(uz, m))
                 assert key not in zw, key
                 zw[key] = (m, uz)

@@ -22,9 +22,29 @@ part2=(
   "200:v16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v16/bench.json"
   "120:v16c:DECODESCOPE_CHUNK_EXPERTS=chunk decodescope bench --tp-shape 16 --batch 32 --spec-verify 7 --out $R/ds --json $R/v16c/bench.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2
+# Part 3 (after parts 1-2 ran, notes/specialized.md "Session 20"): w13 with several 8-token
+# tiles per pass (DECODESCOPE_MOE_W13T_MT), checked at 256 / 512 tokens, then a same-call sweep
+# of the specialized path alone at TP8 32x8 (layers kda, mla; a dataset of its own, $R/sweep,
+# not merged into results/). Part 4: TP16 32 / 64 x 8 at the default against the sweep's pick.
+B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
+B16="decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
+part3=(
+  "200:w13mt:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_grouped_w13_tile.py -k token_tiles"
+  "80:m1:$B8 --json $R/m1.json"
+  "80:m2:DECODESCOPE_MOE_W13T_MT=2 $B8 --json $R/m2.json"
+  "80:m2w:DECODESCOPE_MOE_W13T_MT=2 DECODESCOPE_MOE_W2T_MT=2 $B8 --json $R/m2w.json"
+  "80:m2s2:DECODESCOPE_MOE_W13T_MT=2 DECODESCOPE_MOE_W13T_STAGES=2 $B8 --json $R/m2s2.json"
+  "80:m4s2:DECODESCOPE_MOE_W13T_MT=4 DECODESCOPE_MOE_W13T_STAGES=2 $B8 --json $R/m4s2.json"
+)
+part4=(
+  "150:t16m1:$B16 --json $R/t16m1.json"
+  "150:t16m2:DECODESCOPE_MOE_W13T_MT=2 $B16 --json $R/t16m2.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
-  *) echo "next_round.sh: part 1 or 2, got '$1'" >&2; exit 2 ;;
+  3) exec bash "$here/run_stages.sh" "${part3[@]}" ;;
+  4) exec bash "$here/run_stages.sh" "${part4[@]}" ;;
+  *) echo "next_round.sh: part 1, 2, 3 or 4, got '$1'" >&2; exit 2 ;;
 esac
