@@ -87,7 +87,7 @@ def test_compiles_token_tiles(tp, T, cfg):
     steps' token counts (the experts once over 256 / 512 tokens)."""
     _, (E, K, L, Ie, S) = _dims(tp)
     op, args = mg._build_w13(T, E, K, L, Ie, S, 4.0, 25.0, True, "tile", 132, cfg)
-    assert op.MT == cfg.mt and op.TP == 8 * cfg.mt
+    assert cfg.mt == op.MT and 8 * cfg.mt == op.TP
     assert op.cfg.smem_bytes == cfg.stages * (2 * 64 * 128 * 2 + 8 * cfg.mt * 128 * 4)
     assert itf.compile_only(op, *args) is not None
 
