@@ -143,9 +143,13 @@ class SpecializedMoE:
         """Launches of the front and of the back kernel (one per row chunk of ``Nc`` tokens)."""
         return self.N // self.Nc
 
-    def _rows(self):
-        """The row slices of the front / back launches (one slice of all rows unchunked)."""
-        return [slice(c * self.Nc, (c + 1) * self.Nc) for c in range(self.chunks)]
+    def _chunks(self, *ts):
+        """Per front / back launch, the row views of ``ts`` that it takes (unchunked: the
+        tensors themselves, one launch)."""
+        if self.chunks == 1:
+            return [ts]
+        rows = [slice(c * self.Nc, (c + 1) * self.Nc) for c in range(self.chunks)]
+        return [tuple(t[r] for t in ts) for r in rows]
 
     def front(self, h: torch.Tensor) -> None:
         """Kernel 1: ``front_mma.FrontMma`` (tensor cores) where the shapes allow, else
@@ -159,8 +163,7 @@ class SpecializedMoE:
                 "tokens the persistent ones run, and they need acc/done zeroed by the front)"
             )
         with self._r(OPS[0]):
-            for rows in self._rows():
-                hc, y, acc = h[rows], self.y_front[rows], self.acc[rows]
+            for hc, y, acc in self._chunks(h, self.y_front, self.acc):
                 if v == "tile":
                     _fm.front_tile(hc, self.w_front, y)
                 elif v == "mma":
@@ -187,8 +190,7 @@ class SpecializedMoE:
             raise ValueError("forward_norm needs the layer's mlp_norm weight")
         mma = self._front() == "mma" and self.Nc <= _fm.NORM_MAX_T
         with self._r(OP_FRONT_NORM):
-            for rows in self._rows():
-                rc, y, acc = r[rows], self.y_front[rows], self.acc[rows]
+            for rc, y, acc in self._chunks(r, self.y_front, self.acc):
                 if mma:
                     _fm.front_mma(rc, self.w_front, y, acc, self.done,
                                   norm_w=self.mlp_norm, eps=self.cfg.eps)  # fmt: skip
@@ -249,9 +251,8 @@ class SpecializedMoE:
             _up.up_proj_shared_add,
         )
         with self._r(OPS[2]):
-            for rows in self._rows():
-                fn(self.acc[rows], self.latent_norm, self.latent_up, self.shared_out[rows],
-                   out[rows], self.cfg.eps)  # fmt: skip
+            for acc, shared, o in self._chunks(self.acc, self.shared_out, out):
+                fn(acc, self.latent_norm, self.latent_up, shared, o, self.cfg.eps)
 
     def forward(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """``out [N, H] bf16`` = LatentMoE(``h [N, H] bf16``) (reference ``moe_ref``)."""
