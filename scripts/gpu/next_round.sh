@@ -30,9 +30,8 @@ B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --backends special
 B16="decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
 part3=(
   "120:w13mt:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_grouped_w13_tile.py -k token_tiles"
-  "75:m1:$B8 --json $R/m1.json"
-  "75:m2:DECODESCOPE_MOE_W13T_MT=2 $B8 --json $R/m2.json"
-  "75:m2w:DECODESCOPE_MOE_W13T_MT=2 DECODESCOPE_MOE_W2T_MT=2 $B8 --json $R/m2w.json"
+  "90:m1:$B8 --json $R/m1.json"
+  "90:m2:DECODESCOPE_MOE_W13T_MT=2 $B8 --json $R/m2.json"
 )
 part4=(
   "150:t16m1:$B16 --json $R/t16m1.json"
