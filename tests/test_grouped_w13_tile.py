@@ -289,6 +289,11 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "2")
     assert gt.tile_config() == gt.TileConfig(64, 64, 4, 1, mt=2)
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "")
+    # unset: 2 token tiles per pass above 64 tokens (the chunked steps' experts), else 1
+    assert gt.tile_config(64).mt == 1 and gt.tile_config(65).mt == gt.tile_config(512).mt == 2
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "1")
+    assert gt.tile_config(256).mt == 1  # the knob wins
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "")
     for var, bad, msg in (
         ("DECODESCOPE_MOE_W13T_BK", "96", "bk=96"),
         ("DECODESCOPE_MOE_W13T_BK", "x", "DECODESCOPE_MOE_W13T_BK='x'"),

@@ -33,8 +33,9 @@ way Triton's tile and :mod:`tile_gemm` do:
 
 Knobs (module defaults, environment overrides read at each call, part of the compile key, for
 the H200 sweep): ``DECODESCOPE_MOE_W13T_ROWS`` (R), ``_BK``, ``_STAGES``, ``_RT``, ``_PERSIST``,
-``_MT`` (8-token tiles per pass, 1; each weight fragment read from shared memory once and
-multiplied against every tile) (:func:`tile_config`). Shared memory per CTA:
+``_MT`` (8-token tiles per pass; unset: 1 up to 64 tokens, 2 above; each weight fragment
+read from shared memory once and multiplied against every tile) (:func:`tile_config`). Shared
+memory per CTA:
 ``stages * (2R * BK * 2 + 8 * MT * BK * 4)`` bytes
 (108 KB at the defaults R 64, BK 128, 3 stages: two CTAs of 4 warps per SM, 92 registers;
 ``scripts/ptxas_w13_tile.py`` lists every sweep point).
@@ -71,6 +72,12 @@ PERSIST_DEFAULT = 0  # 0: a CTA per item (grid cap CTAS_PER_SM); p > 0: p persis
 # average with the bench's routing, so a pass of 8 leaves many experts two or more passes, each
 # streaming the item's weights again
 MT_DEFAULT = 1
+# unset ``DECODESCOPE_MOE_W13T_MT`` above this many tokens per launch: ``MT_ABOVE_64`` tiles
+# (H200, session 20, same call, TP8 32x8 verify step, the experts once over 256 tokens: w13
+# 1102.6 -> 909.0 us, KDA layer share 2219.3 -> 2025.3, projected step 206.88 -> 188.74 ms;
+# at 32 tokens 2 tiles were slower, 403.5 -> 415.3 us; notes/gpu-logs/s20/r3)
+MT_AUTO_ABOVE = 64
+MT_ABOVE_64 = 2
 
 ENV = {
     "rows": "DECODESCOPE_MOE_W13T_ROWS",
@@ -139,10 +146,13 @@ class TileConfig:
         return self.stages * (self.stage_w_bytes + self.stage_z_bytes)
 
 
-def tile_config() -> TileConfig:
+def tile_config(T: int | None = None) -> TileConfig:
     """The tiling from the environment (``DECODESCOPE_MOE_W13T_*``, unset: the module
-    defaults); a bad value raises a one-line ``ValueError`` naming the variable."""
+    defaults; ``mt`` unset: ``MT_ABOVE_64`` where ``T``, the launch's tokens, is above
+    ``MT_AUTO_ABOVE``); a bad value raises a one-line ``ValueError`` naming the variable."""
     vals = {}
+    if T is not None and T > MT_AUTO_ABOVE:
+        vals["mt"] = MT_ABOVE_64
     for field, var in ENV.items():
         v = os.environ.get(var, "")
         if v == "":

@@ -683,7 +683,7 @@ def _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode="w4", nsm=132, tile=Non
     if mode == W13_TILE:  # same arguments; ``tile``: its TileConfig (None: the env's)
         from decodescope.kernels.specialized import grouped_w13_tile as gwt
 
-        return gwt.build(T, E, K, L, Ie, S, beta, lbeta, pdl, nsm, tile or gwt.tile_config())
+        return gwt.build(T, E, K, L, Ie, S, beta, lbeta, pdl, nsm, tile or gwt.tile_config(T))
     op = GroupedW13(T, E, K, L, Ie, beta, lbeta, pdl, mode, nsm)
     i32 = torch.int32
     sl = op.slots
@@ -874,7 +874,7 @@ def moe_grouped(
     if mode == W13_TILE:  # its tiling knobs (DECODESCOPE_MOE_W13T_*) are part of the key
         from decodescope.kernels.specialized import grouped_w13_tile as gwt
 
-        tile = gwt.tile_config()
+        tile = gwt.tile_config(T)
     w13k = itf.compiled(
         ("moe_grouped_w13", *dims, beta, lbeta, pdl, mode, nsm, tile),
         lambda: _build_w13(T, E, K, L, Ie, S, beta, lbeta, pdl, mode, nsm, tile),
