@@ -22,26 +22,32 @@ part2=(
   "200:v16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v16/bench.json"
   "120:v16c:DECODESCOPE_CHUNK_EXPERTS=chunk decodescope bench --tp-shape 16 --batch 32 --spec-verify 7 --out $R/ds --json $R/v16c/bench.json"
 )
-# Part 3 (after parts 1-2 ran, notes/specialized.md "Session 20"): w13 with several 8-token
-# tiles per pass (DECODESCOPE_MOE_W13T_MT), checked at 256 / 512 tokens, then a same-call sweep
-# of the specialized path alone at TP8 32x8 (layers kda, mla; a dataset of its own, $R/sweep,
-# not merged into results/). Part 4: TP16 32 / 64 x 8 at the default against the sweep's pick.
+# Part 3 ran in session 20 (r3: w13 with two 8-token tiles per pass, now the default above 64
+# tokens); its sweep datasets are in notes/gpu-logs/s20/r3, r4. Next:
+# Part 4: the README rows of the 32 / 64 x 8 verify steps at the new w13 default (both
+# backends: stage the vLLM parts too, scripts/gpu/README.md), TP8 then TP16, one call.
+# Part 5: w2 with two 8-token tiles per pass (DECODESCOPE_MOE_W2T_MT=2, never the default)
+# against the default at TP8 32x8, the specialized path alone, same call.
 B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
-B16="decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
 part3=(
   "120:w13mt:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_grouped_w13_tile.py -k token_tiles"
-  "90:m1:$B8 --json $R/m1.json"
+  "90:m1:DECODESCOPE_MOE_W13T_MT=1 $B8 --json $R/m1.json"
   "90:m2:DECODESCOPE_MOE_W13T_MT=2 $B8 --json $R/m2.json"
 )
 part4=(
-  "150:t16m1:$B16 --json $R/t16m1.json"
-  "150:t16m2:DECODESCOPE_MOE_W13T_MT=2 $B16 --json $R/t16m2.json"
+  "240:v8:decodescope bench --tp-shape 8 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v8/bench.json"
+  "240:v16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --out $R/ds --json $R/v16/bench.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4
+part5=(
+  "90:w2m1:$B8 --json $R/w2m1.json"
+  "90:w2m2:DECODESCOPE_MOE_W2T_MT=2 $B8 --json $R/w2m2.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4 | 5
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
   3) exec bash "$here/run_stages.sh" "${part3[@]}" ;;
   4) exec bash "$here/run_stages.sh" "${part4[@]}" ;;
-  *) echo "next_round.sh: part 1, 2, 3 or 4, got '$1'" >&2; exit 2 ;;
+  5) exec bash "$here/run_stages.sh" "${part5[@]}" ;;
+  *) echo "next_round.sh: part 1 to 5, got '$1'" >&2; exit 2 ;;
 esac
