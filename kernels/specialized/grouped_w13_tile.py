@@ -424,57 +424,52 @@ class GroupedW13Tile:
         each); accumulators ``accs[2q]`` (gate) and ``accs[2q + 1]`` (up) of pair ``q``.
         ``zg``: the z slot to read instead of ``g`` (a subclass whose z stages hold fewer
         token slots clamps it; columns past the pass's tokens are never stored)."""
-        R, RT = self.R, self.RT
         if const_expr(self.MT > 1):
             self._compute_mt(sW, sZ, stg, warp, g, c, accs, fa, fb, atom)
             return
         zr = g if zg is None else zg
         for h in cutlass.range_constexpr(self.BK // 32):
-            zf = cute.make_rmem_tensor((8,), Float32)
-            for v in cutlass.range_constexpr(2):
-                zu = cute.local_tile(sZ[stg, zr, None], (4,), (z_unit(8 * h + 2 * c + v, zr),))
-                cute.autovec_copy(zu, cute.local_tile(zf, (4,), (v,)))
-            xb = cute.make_rmem_tensor((8,), BFloat16)
-            xb.store(zf.load().to(BFloat16))
-            pu = w_unit(4 * h + c, g)  # rows g, g + 8, R + ... share g's parity
-            tiles = []
-            for q in cutlass.range_constexpr(RT):
-                rg = warp * (ROWS * RT) + q * ROWS + g
-                for half, r in ((0, rg), (1, R + rg)):
-                    lo = cute.make_rmem_tensor((8,), BFloat16)
-                    hi = cute.make_rmem_tensor((8,), BFloat16)
-                    cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
-                    cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
-                    tiles.append((lo, hi, 2 * q + half))
-            mc.mma_k16(atom, accs, fa, fb, xb, tiles)
+            xb = self._z_bf16(sZ, stg, zr, h, c)
+            mc.mma_k16(atom, accs, fa, fb, xb, self._w_tiles(sW, stg, warp, g, c, h))
 
     @cute.jit
     def _compute_mt(self, sW, sZ, stg, warp, g, c, accs, fa, fb, atom):
         """:meth:`_compute` with ``MT`` token tiles per pass: each weight tile's fragments,
         read from shared memory once, are multiplied against token tile ``t``'s z (slot
         ``8t + g``) into accumulators ``accs[2 RT t + 2q (+1)]``."""
-        R, RT = self.R, self.RT
         for h in cutlass.range_constexpr(self.BK // 32):
-            pu = w_unit(4 * h + c, g)
-            tiles = []
-            for q in cutlass.range_constexpr(RT):
-                rg = warp * (ROWS * RT) + q * ROWS + g
-                for half, r in ((0, rg), (1, R + rg)):
-                    lo = cute.make_rmem_tensor((8,), BFloat16)
-                    hi = cute.make_rmem_tensor((8,), BFloat16)
-                    cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
-                    cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
-                    tiles.append((lo, hi, 2 * q + half))
+            tiles = self._w_tiles(sW, stg, warp, g, c, h)
             for t in cutlass.range_constexpr(self.MT):
-                zr = 8 * t + g
-                zf = cute.make_rmem_tensor((8,), Float32)
-                for v in cutlass.range_constexpr(2):
-                    zu = cute.local_tile(sZ[stg, zr, None], (4,), (z_unit(8 * h + 2 * c + v, zr),))
-                    cute.autovec_copy(zu, cute.local_tile(zf, (4,), (v,)))
-                xb = cute.make_rmem_tensor((8,), BFloat16)
-                xb.store(zf.load().to(BFloat16))
+                xb = self._z_bf16(sZ, stg, 8 * t + g, h, c)
                 mc.mma_k16(atom, accs, fa, fb, xb,
-                           [(lo, hi, 2 * RT * t + ai) for lo, hi, ai in tiles])  # fmt: skip
+                           [(lo, hi, 2 * self.RT * t + ai) for lo, hi, ai in tiles])  # fmt: skip
+
+    def _z_bf16(self, sZ, stg, zr, h, c):
+        """Trace-time helper (plain Python loops, unrolled as the kernel is traced): the lane's 8 z values of token slot ``zr`` for 32-wide K block
+        ``h`` (two FP32 units from shared memory), as BF16 registers."""
+        zf = cute.make_rmem_tensor((8,), Float32)
+        for v in range(2):
+            zu = cute.local_tile(sZ[stg, zr, None], (4,), (z_unit(8 * h + 2 * c + v, zr),))
+            cute.autovec_copy(zu, cute.local_tile(zf, (4,), (v,)))
+        xb = cute.make_rmem_tensor((8,), BFloat16)
+        xb.store(zf.load().to(BFloat16))
+        return xb
+
+    def _w_tiles(self, sW, stg, warp, g, c, h):
+        """Trace-time helper: the warp's gate / up weight fragments of K block ``h`` (rows
+        ``g``, ``g + 8`` of each tile, one 16-byte read each) as ``(lo, hi, acc index)``."""
+        R, RT = self.R, self.RT
+        pu = w_unit(4 * h + c, g)  # rows g, g + 8, R + ... share g's parity
+        tiles = []
+        for q in range(RT):
+            rg = warp * (ROWS * RT) + q * ROWS + g
+            for half, r in ((0, rg), (1, R + rg)):
+                lo = cute.make_rmem_tensor((8,), BFloat16)
+                hi = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sW[stg, r, None], (8,), (pu,)), lo)
+                cute.autovec_copy(cute.local_tile(sW[stg, r + 8, None], (8,), (pu,)), hi)
+                tiles.append((lo, hi, 2 * q + half))
+        return tiles
 
     @cute.jit
     def _epilogue(self, mH, accs, pp, nn, row0, warp, g, c):
