@@ -270,6 +270,12 @@ def test_chunk_note_without_a_record():
         "4 chunks of 8 sequences (256 tokens per step): attention and MoE front/back launches "
         "and their weight reads x4, the experts once over all tokens"
     )
+    wide = {"workload": {"chunks": {"sequences": 8, "chunks": 4, "experts": "once",
+                                    "token_ops": "once"}}}  # fmt: skip
+    assert chunk_note(meta(wide)) == (
+        "4 chunks of 8 sequences (256 tokens per step): the decode kernels x4; the projections, "
+        "the MoE front/back and the experts once over all tokens"
+    )
 
 
 def test_fused_coverage_where_both_sides_run_the_same_fused_op():

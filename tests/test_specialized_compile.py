@@ -266,3 +266,24 @@ def test_placeholder_is_shared_and_cached():
     assert a is itf.placeholder("cpu", (16, 16)) and a.dtype == torch.bfloat16
     assert not a.any() and tuple(a.shape) == (16, 16)
     assert itf.placeholder("cpu", (4,), torch.float32) is not a
+
+
+@pytest.mark.parametrize("tp,m", [(8, 256), (16, 512)])
+def test_rmsnorm_wide_variants_compile_and_ref(tp, m):
+    """A chunked step's token-parallel ops over all rows (``step.tokens_once``): the RMSNorm over
+    256 / 512 rows with a residual (the input projections), of the strided ``q_a`` slice (q_b),
+    and of the FP32 latent sum (the MoE back: ``bf16(x * rstd * w)``, one rounding), compiled
+    for sm_90a; the FP32 reference against float64."""
+    cfg = get_config("kimi-k3", tp)
+    assert rms.compile_plan(rms.NormPlan(m, cfg.hidden, cfg.eps, residual=True)) is not None
+    q = cfg.mla.q_lora_rank
+    assert rms.compile_plan(rms.NormPlan(m, q, cfg.eps), cfg.mla_qkv_a_out) is not None
+    assert rms.compile_plan(rms.NormPlan(m, cfg.expert_dim, cfg.eps, x_f32=True)) is not None
+    with pytest.raises(ValueError, match="FP32 input takes no residual"):
+        rms.RMSNorm(rms.NormPlan(m, 256, residual=True, x_f32=True))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=g) * torch.tensor([[0.1], [1.0], [10.0], [3.0]])
+    w = (1 + 0.1 * torch.randn(256, generator=g)).bfloat16()
+    y = rms.rmsnorm_ref(x, w, 1e-5)
+    assert y.dtype == torch.bfloat16
+    assert R.rel_l2(y, R.rmsnorm_ref(x.double(), w.double(), 1e-5)) < 4e-3

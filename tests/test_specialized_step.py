@@ -648,3 +648,169 @@ def test_gpu_steps_run_case_plumbing_on_cpu(monkeypatch):
     assert "| PASS |" in t and "1/1 PASS" in t
     bad = g.run_case("tiny", 1, 3, 9, "kda,mla", seed=0, draws=1)
     assert bad["status"] == "UNUSABLE" and "tokens_per_seq" in bad["error"]
+
+
+# -- the token-parallel ops once over all rows (DECODESCOPE_CHUNK_TOKEN_OPS=once) ---------------
+
+
+def _wide(monkeypatch, limit: int = 8) -> None:
+    """Tiny shapes with the token limit of every kernel (the step's chunks and the tile GEMM's
+    rows) lowered to ``limit``, the token-parallel ops once over all rows."""
+    from decodescope.kernels.specialized import tile_gemm as tg
+
+    monkeypatch.setattr(S, "MAX_STEP_TOKENS", limit)
+    monkeypatch.setattr(tg, "TILE_MAX_M", limit)
+    monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, "once")
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "once")
+
+
+@pytest.mark.parametrize("tp,batch,n", [(8, 32, 4), (16, 64, 8)])
+def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
+    """Every range once per layer, the decode range holding a launch per chunk; the projections
+    and the MoE front / back on cuBLAS; the record and the notes say so."""
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "once")
+    p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
+    one = S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8, layers="kda,mla")
+    assert p.experts_once and p.tokens_once
+    for i, kind in ((1, "kda"), (2, "mla")):
+        ops = [o.split(".", 2)[2] for o in p.range_names()[f"layer.{i}:{kind}"]]
+        assert ops == [o.split(".", 2)[2] for o in one.range_names()[f"layer.{i - 1}:{kind}"]]
+    # KDA: norm + in_proj, n decodes, o_proj, norm; front, 3 experts, back's norm + GEMM + add
+    assert p.launches()["layer.1:kda"] == 4 + n + 7
+    assert p.launches()["layer.2:mla"] == 3 + 2 + n + 2 + 7  # MLA: qkv_a and g_proj, q_b
+    cfg = json.loads(p.meta["config_json"])
+    assert cfg["chunks"] == {"sequences": 8, "chunks": n, "experts": "once", "token_ops": "once"}
+    impl = cfg["op_impl"]
+    for op in S.WIDE_CUBLAS_OPS:
+        if op in impl:
+            assert impl[op].startswith("torch:cublas"), op
+    assert impl["attn.conv1d+kda_recurrence+gated_norm"] == S.CUTE
+    assert "the decode kernels (KDA recurrence, MLA decode) run in" in p.meta["notes"]
+    # the dense layer keeps its halves per chunk
+    assert p.range_names()["layer.0:dense"] == one_dense(tp) * n
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "always")
+    with pytest.raises(ValueError, match="DECODESCOPE_CHUNK_TOKEN_OPS='always'"):
+        S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "once")
+    monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, "chunk")  # needs the experts once
+    assert not S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8).tokens_once
+    monkeypatch.delenv(S.CHUNK_EXPERTS_ENV)
+    assert not S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8).tokens_once
+
+
+def one_dense(tp):
+    return S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8,
+                  layers="dense").range_names()["layer.0:dense"]  # fmt: skip
+
+
+def test_dry_run_token_ops_once(monkeypatch):
+    """Every launch (CuTe kernels through interface.compiled, the cuBLAS GEMMs and the back's
+    add through their module functions) under the range the plan names, in order; the plan's,
+    the model's and the trace's launch counts agree."""
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import tile_gemm as tg
+
+    calls: list[tuple[str, str]] = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((tracer.current_path(), name))
+
+    monkeypatch.setattr(itf, "compiled", lambda key, build: rec(str(key[0])))
+    monkeypatch.setattr(tg, "_cublas_gemm", rec("cublas"))
+    monkeypatch.setattr(tg, "mm_f32", rec("cublas_f32"))
+    monkeypatch.setattr(mb, "add_round", rec("add"))
+    _wide(monkeypatch)
+    p, m = _model(batch=16, tokens=1, layers="kda,mla")
+    assert m.chunks == 2 and m.tokens_once and p.tokens_once
+    with tracer.range("step"):
+        m.step()
+    paths = [c[0] for c in calls]
+    uniq = [x for i, x in enumerate(paths) if i == 0 or x != paths[i - 1]]
+    assert uniq == [f"step/{lay}/{op}" for lay, ops in p.range_names().items() for op in ops]
+    per_layer: dict[str, int] = {}
+    for path in paths:
+        lay = path.split("/")[1]
+        per_layer[lay] = per_layer.get(lay, 0) + 1
+    assert per_layer == p.launches() == m.launches() == {"layer.0:kda": 13, "layer.1:mla": 16}
+    kinds = [k for path, k in calls if path.startswith("step/layer.0:kda/layer.0.attn.")]
+    assert kinds == ["rmsnorm", "cublas", "kda_decode", "kda_decode", "cublas", "rmsnorm"]
+    moe = [k for path, k in calls if "layer.1.moe." in path]
+    assert moe == ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2",
+                   "rmsnorm", "cublas_f32", "add"]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch, tokens", [(16, 1), (4, 3), (6, 2)])
+def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, batch, tokens):
+    """The all-rows path itself (the cuBLAS projections as torch matmuls on the CPU), with each
+    CuTe kernel replaced by its torch reference (the RMSNorm launches, the KDA recurrence and
+    MLA decode per chunk on row and state views, the grouped experts from the front's FP32
+    output): the step equals the standard model's on the CPU."""
+    from decodescope.kernels.specialized import attention_layers as al
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import moe_experts as me
+    from decodescope.kernels.specialized import rmsnorm as rms
+    from decodescope.kernels.specialized import router_topk as rt
+    from decodescope.kernels.standard.model import StandardModel
+
+    _wide(monkeypatch, limit=4)
+    decodes = []
+
+    def norm(x, w, y, eps, residual=None, residual_out=None):
+        if residual is not None:
+            residual_out.copy_((x.float() + residual.float()).to(torch.bfloat16))
+        y.copy_(rms.rmsnorm_ref(x, w, eps, residual=residual))
+
+    def kda(cfg, w, proj, s, c, out, T):
+        decodes.append(proj.shape[0])
+        o, s2, c2 = al._kda.kda_decode_ref(cfg, w, proj, s, c, T)
+        out.copy_(o)
+        s.copy_(s2)
+        c.copy_(c2)
+
+    def mla(cfg, w, a, q, g, cache, out, T):
+        decodes.append(a.shape[0])
+        o, cache2 = al._mla.mla_decode_ref(cfg, w, a, q, g, cache, T)
+        out.copy_(o)
+        cache.copy_(cache2)
+
+    def experts(self):
+        E, L = self.cfg.moe.num_experts, self.cfg.expert_dim
+        y = self.y_front
+        ids, tw = rt.router_topk_ref(y[:, :E], self.bias, self.top_k, self.scaling)
+        acc, sh = me.moe_experts_ref(y[:, E : E + L], y[:, E + L :], ids, tw, self.w13, self.w2,
+                                     self.shared_w2, self.beta, self.lbeta)  # fmt: skip
+        self.acc.copy_(acc)
+        self.shared_out.copy_(sh)
+        self.topk_ids.copy_(ids)
+
+    monkeypatch.setattr(rms, "rmsnorm", norm)
+    monkeypatch.setattr(al._kda, "kda_decode", kda)
+    monkeypatch.setattr(al._mla, "mla_decode", mla)
+    monkeypatch.setattr(mb.SpecializedMoE, "experts", experts)
+    p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3)
+    assert m.tokens_once and m.chunks > 1 and all(a is not None for a in m.attn_all)
+    assert all(b[0].wide for b in m.moe_c)
+    std = StandardModel(p.cfg, p.specs, batch, tokens, seed=3, device="cpu")
+    m.step()
+    std.step()
+    assert decodes == [m.per * tokens] * (3 * m.chunks)  # each decode kernel per chunk
+    ok = torch.ones(batch * tokens, dtype=torch.bool)
+    sel = m.selected_experts()
+    for i, lay in enumerate(std.layers):
+        a = torch.sort(sel[m.specs[i].index].long(), 1).values
+        b = torch.sort(lay.topk_ids.long(), 1).values
+        ok &= (a == b).all(1)
+    ok = ok.view(batch, tokens).all(1)
+    assert ok.float().mean() >= 0.5, "routing differs in most sequences"
+    rows = ok.repeat_interleave(tokens)
+    assert _rel(m.x_out, std.x_out, rows) < 3e-2
+    assert _rel(m.r_out, std.r_out, rows) < 3e-2
+    ctx = p.cfg.context_len
+    for i, (a, b) in enumerate(zip(m.states, std.states, strict=True)):
+        tol = 2e-2 if i == 0 else 1.5e-1
+        for k in a:
+            ga, gb = a[k][ok], b[k][ok]
+            if k == "kv_cache":
+                ga, gb = ga[:, ctx:], gb[:, ctx:]
+            assert _rel(ga, gb) < tol, (i, k)

@@ -210,6 +210,109 @@ class SpecializedAttention:
                 fn()
 
 
+class AttentionAllTokens:
+    """One layer's attention half over all ``batch x tokens`` rows of a chunked step (more
+    tokens than the decode kernels take in one launch; ``step.tokens_once``): the input
+    projections, o_proj and the RMSNorm after it once over every row (:func:`.tile_gemm.
+    project_wide`: the norm as one :mod:`.rmsnorm` launch, each weight one cuBLAS GEMM), the
+    decode kernel (KDA recurrence, MLA decode) once per chunk of ``per`` sequences on row and
+    state views. Same ranges as :class:`SpecializedAttention` (:func:`attn_ops`, never the fused
+    o_proj + norm); the decode range holds a launch per chunk.
+
+    Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``
+    (:meth:`launches`)."""
+
+    def __init__(self, cfg: Config, spec: LayerSpec, w: dict[str, torch.Tensor],
+                 state: dict[str, torch.Tensor], batch: int, tokens: int, per: int):  # fmt: skip
+        if per < 1 or batch % per:
+            raise ValueError(f"AttentionAllTokens: {per} sequences per chunk must divide {batch}")
+        self.cfg, self.spec, self.w, self.state = cfg, spec, w, state
+        self.B, self.T, self.N, self.per = batch, tokens, batch * tokens, per
+        self.chunks = batch // per
+        self.i = spec.index
+        dev = w["attn_norm"].device
+        N, H = self.N, cfg.hidden
+
+        def buf(*shape):
+            return torch.empty(shape, dtype=BF16, device=dev)
+
+        self.r_mid = buf(N, H)
+        if spec.attn == "kda":
+            self.proj = buf(N, cfg.kda_in_proj_out)
+            self.o = buf(N, cfg.kda_dim)
+        else:
+            self.a = buf(N, cfg.mla_qkv_a_out)
+            self.g = buf(N, cfg.mla_v_dim)
+            self.q = buf(N, cfg.mla_q_b_out)
+            self.o = buf(N, cfg.mla_v_dim)
+        nc = per * tokens  # rows per decode launch
+        self.rows = [slice(c * nc, (c + 1) * nc) for c in range(self.chunks)]
+        self.state_c = [{k: v[c * per : (c + 1) * per] for k, v in state.items()}
+                        for c in range(self.chunks)]  # fmt: skip
+
+    def _r(self, op: str):
+        return _range(f"layer.{self.i}.attn.{op}")
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return attn_ops(self.spec.attn)
+
+    @property
+    def launches(self) -> int:
+        return all_tokens_launches(self.cfg, self.spec.attn, self.chunks)
+
+    def warmup(self) -> None:
+        """Compile the decode kernel of one chunk (the projections are cuBLAS GEMMs and
+        :mod:`.rmsnorm` launches, compiled at their first call)."""
+        if self.spec.attn == "kda":
+            _kda.compile_plan(_kda.plan_for(self.cfg, self.per, self.T))
+        else:
+            _mla.compile_for(self.cfg, self.per, self.T)
+
+    def _decode(self) -> None:
+        cfg, w, T = self.cfg, self.w, self.T
+        for rows, st in zip(self.rows, self.state_c, strict=True):
+            if self.spec.attn == "kda":
+                _kda.kda_decode(cfg, w, self.proj[rows], st["kda_state"], st["conv_state"],
+                                self.o[rows], T)  # fmt: skip
+            else:
+                _mla.mla_decode(cfg, w, self.a[rows], self.q[rows], self.g[rows], st["kv_cache"],
+                                self.o[rows], T)  # fmt: skip
+
+    def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
+        """The launches in order as ``(op name, thunk)``; ``forward`` runs them."""
+        cfg, w = self.cfg, self.w
+        ops = attn_ops(self.spec.attn)
+        if self.spec.attn == "kda":
+            first = [(ops[0], lambda: _nqp.norm_qkv_proj(
+                cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj]))]  # fmt: skip
+        else:
+            outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
+            first = [
+                (ops[0], lambda: _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid, outs)),
+                (ops[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q)),
+            ]
+        return first + [
+            (ops[-3], self._decode),
+            (ops[-2], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
+            (ops[-1], lambda: _rms.rmsnorm(r_out, w["mlp_norm"], h_out, cfg.eps)),
+        ]
+
+    def forward(self, x_in, r_in, r_out, h_out) -> None:
+        """As :meth:`SpecializedAttention.forward`, over all rows."""
+        for op, fn in self.stages(x_in, r_in, r_out, h_out):
+            with self._r(op):
+                fn()
+
+
+def all_tokens_launches(cfg: Config, kind: str, chunks: int) -> int:
+    """Launches of :class:`AttentionAllTokens`: the norm and one GEMM per input projection, (MLA)
+    q_b's norm and GEMM, the decode kernel per chunk, o_proj, the RMSNorm."""
+    if kind == "kda":
+        return 2 + chunks + 2
+    return 1 + (2 if cfg.mla.output_gate else 1) + 2 + chunks + 2
+
+
 def attention_ref(cfg: Config, spec: LayerSpec, w, state, x_in, r_in, tokens: int):
     """The kernels' torch references chained (FP32 math, the kernels' BF16 rounding points).
 

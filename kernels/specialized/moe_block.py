@@ -28,6 +28,13 @@ a chunked step's block over more tokens than those kernels take (64) runs kernel
 once per row chunk (row views, same ranges) and the expert kernels (the grouped ones only) once
 over all rows, reading each selected expert's weights once.
 
+``wide`` (a chunked step's token-parallel ops once over all rows, ``step.tokens_once``): the
+front is one cuBLAS GEMM over all rows into the FP32 ``y_front`` (:func:`.tile_gemm.mm_f32`; like
+the ``tile`` front it zeroes nothing, the grouped route kernel zeroes ``acc``) and the back three
+launches over all rows: the latent RMSNorm of the FP32 sum (:mod:`.rmsnorm`), the up-projection
+(cuBLAS, FP32 out), the shared-expert add rounded once to BF16 (``torch.add``). With the
+grouped experts: 7 launches for any number of rows.
+
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
 then drops its ``residual_norm`` launch.
@@ -50,6 +57,7 @@ from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
 from decodescope.kernels.specialized import moe_grouped as _mg
 from decodescope.kernels.specialized import router_topk as _rt
+from decodescope.kernels.specialized import tile_gemm as _tg
 from decodescope.kernels.specialized import up_proj_shared_add as _up
 from decodescope.tracer import range as _range
 
@@ -84,6 +92,7 @@ class SpecializedMoE:
         layer: int = 0,
         device: torch.device | str | None = None,
         chunk: int | None = None,
+        wide: bool = False,
     ):
         _check_cfg(cfg)
         e = cfg.moe
@@ -117,6 +126,11 @@ class SpecializedMoE:
         self.top_k = k
         self.scaling = float(e.routed_scaling)
         self.beta, self.lbeta = float(cfg.model.situ_beta), float(cfg.model.situ_linear_beta)
+        # front and back once over all N rows on cuBLAS (chunk is then moot)
+        self.wide = bool(wide)
+        if self.wide:
+            self.Nc = N
+            self.y_up = torch.empty(N, H, dtype=F32, device=dev)  # the up-projection, FP32
 
     def _r(self, op: str):
         return _range(f"layer.{self.layer}.moe.{op}")
@@ -130,8 +144,9 @@ class SpecializedMoE:
 
     def route_zeroes_acc(self) -> bool:
         """Whether the front leaves ``acc`` to the grouped route kernel (the ``tile`` front,
-        which zeroes nothing); read from the environment at each call, like the front's choice."""
-        return self._front() == "tile"
+        which zeroes nothing, or the ``wide`` cuBLAS front); read from the environment at each
+        call, like the front's choice."""
+        return self.wide or self._front() == "tile"
 
     def _front(self) -> str:
         """The front kernel of this call (:func:`front_mma.front_variant`, at the tokens of one
@@ -155,7 +170,15 @@ class SpecializedMoE:
         """Kernel 1: ``front_mma.FrontMma`` (tensor cores) where the shapes allow, else
         ``router_topk.FrontGemv`` (``DECODESCOPE_MOE_FRONT`` overrides: ``mma`` / ``simt`` /
         ``tile``: the tile GEMM with FP32 output, no zeroing; only with the grouped experts,
-        whose route kernel then zeroes ``acc``; ``done`` is theirs to ignore)."""
+        whose route kernel then zeroes ``acc``; ``done`` is theirs to ignore). ``wide``: one
+        cuBLAS GEMM over all rows (FP32 out)."""
+        if self.wide:
+            if not self._grouped():
+                raise ValueError(f"the wide MoE front needs the grouped expert kernels ({self.N} "
+                                 "tokens)")  # fmt: skip
+            with self._r(OPS[0]):
+                _tg.mm_f32(h, self.w_front, self.y_front)
+            return
         v = self._front()
         if v == "tile" and not self._grouped():
             raise ValueError(
@@ -245,7 +268,14 @@ class SpecializedMoE:
         """Kernel 3: ``back_mma.BackMma`` (tensor cores) from 1 token on, ``up_proj_shared_add``
         where its shapes do not fit; ``back_tile.back_tile`` (the tile GEMM, one launch) with
         ``tile`` or from ``back_tile.TILE_FROM`` tokens
-        (``DECODESCOPE_MOE_BACK=auto|mma|simt|tile``)."""
+        (``DECODESCOPE_MOE_BACK=auto|mma|simt|tile``). ``wide``: the norm, cuBLAS and the add
+        over all rows."""
+        if self.wide:
+            with self._r(OPS[2]):
+                a = _tg.wide_norm(self.acc, self.latent_norm, eps=self.cfg.eps)
+                _tg.mm_f32(a, self.latent_up, self.y_up)
+                add_round(self.y_up, self.shared_out, out)
+            return
         fn = {"mma": _bm.back_mma, "tile": _bt.back_tile}.get(
             _bm.back_variant(self.Nc, self.cfg.expert_dim, self.cfg.hidden),
             _up.up_proj_shared_add,
@@ -277,6 +307,11 @@ class SpecializedMoE:
         self.front_residual(x, r_in, r_out)
         self.experts()
         self.back(out)
+
+
+def add_round(y: torch.Tensor, shared: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = bf16(y + shared)`` (FP32 operands, one rounding): the wide back's last launch."""
+    torch.add(y, shared, out=out)
 
 
 def moe_block_ref(

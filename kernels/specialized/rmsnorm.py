@@ -38,12 +38,17 @@ class NormPlan:
     eps: float = 1e-5
     pdl: bool = field(default_factory=pdl_enabled)
     residual: bool = False  # r = x + r_in first (written to r_out), then the norm of r
+    # FP32 input (the MoE latent sum of a chunked step's all-tokens back end): the output is
+    # ``bf16(x * rstd * w)``, one rounding, as ``up_proj_shared_add_ref`` normalizes
+    x_f32: bool = False
 
 
 class RMSNorm:
     def __init__(self, plan: NormPlan):
         if plan.n % 8:
             raise ValueError("n must be a multiple of 8")
+        if plan.x_f32 and plan.residual:
+            raise ValueError("rmsnorm: an FP32 input takes no residual add")
         self.p = plan
 
     @cute.jit
@@ -80,7 +85,8 @@ class RMSNorm:
         sRed = st.red.get_tensor(cute.make_layout(8))
         nvec = p.n // 8
         per = (nvec + THREADS - 1) // THREADS
-        rx = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), BFloat16)
+        xdt = Float32 if cutlass.const_expr(p.x_f32) else BFloat16
+        rx = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), xdt)
         rw = cute.make_rmem_tensor(cute.make_layout((per, 8), stride=(8, 1)), BFloat16)
         ss = Float32(0.0)
         for i in cutlass.range_constexpr(per):
@@ -104,25 +110,41 @@ class RMSNorm:
             if v < nvec:
                 yv = cute.make_rmem_tensor((8,), BFloat16)
                 for e in cutlass.range_constexpr(8):
-                    t = (rx[i, e].to(Float32) * rstd).to(BFloat16).to(Float32)
-                    yv[e] = (t * rw[i, e].to(Float32)).to(BFloat16)
+                    if cutlass.const_expr(p.x_f32):
+                        yv[e] = (rx[i, e] * rstd * rw[i, e].to(Float32)).to(BFloat16)
+                    else:
+                        t = (rx[i, e].to(Float32) * rstd).to(BFloat16).to(Float32)
+                        yv[e] = (t * rw[i, e].to(Float32)).to(BFloat16)
                 store_vec8(yv, mY[m, None], v * 8)
 
 
 _PH = (16, 16)
 
 
-def compile_plan(p: NormPlan):
+def compile_plan(p: NormPlan, ldx: int | None = None):
+    """Compile (cached) ``p``'s kernel; ``ldx``: the input's row stride where it is a column
+    slice of a wider tensor (MLA's ``q_a``), else contiguous rows."""
     bf = torch.bfloat16
     mn = (p.m, p.n) if p.residual else _PH
-    return itf.compiled(
-        ("rmsnorm", p),
-        lambda: (
-            RMSNorm(p),
-            (itf.fake(bf, (p.m, p.n)), itf.fake(bf, mn), itf.fake(bf, mn), itf.fake(bf, (p.n,)),
-             itf.fake(bf, (p.m, p.n)), itf.env_stream()),
-        ),
-    )  # fmt: skip
+    xdt = torch.float32 if p.x_f32 else bf
+
+    def build():
+        x = (
+            itf.fake(xdt, (p.m, p.n))
+            if ldx in (None, p.n)
+            else itf.fake_strided(xdt, (p.m, p.n), (ldx, 1))
+        )
+        return RMSNorm(p), (
+            x,
+            itf.fake(bf, mn),
+            itf.fake(bf, mn),
+            itf.fake(bf, (p.n,)),
+            itf.fake(bf, (p.m, p.n)),
+            itf.env_stream(),
+        )
+
+    key = ("rmsnorm", p) if ldx in (None, p.n) else ("rmsnorm", p, ldx)
+    return itf.compiled(key, build)  # fmt: skip
 
 
 _PH_CACHE: dict[str, torch.Tensor] = {}
@@ -138,20 +160,26 @@ def rmsnorm(
 ) -> None:
     """``y = rmsnorm(x (+ residual)) * w``; with ``residual``, ``residual_out = x + residual``
     (may alias ``residual``: each element is read and written by the same thread)."""
-    plan = NormPlan(int(x.shape[0]), int(x.shape[1]), float(eps), residual=residual is not None)
+    plan = NormPlan(int(x.shape[0]), int(x.shape[1]), float(eps), residual=residual is not None,
+                    x_f32=x.dtype == torch.float32)  # fmt: skip
+    if x.stride(1) != 1:
+        raise ValueError(f"rmsnorm: x must have unit column stride, got {tuple(x.stride())}")
     if residual is None:
         ph = _PH_CACHE.get(str(x.device))
         if ph is None:
-            ph = _PH_CACHE[str(x.device)] = torch.zeros(_PH, dtype=x.dtype, device=x.device)
+            ph = _PH_CACHE[str(x.device)] = torch.zeros(_PH, dtype=y.dtype, device=x.device)
         residual = residual_out = ph
-    compile_plan(plan)(x, residual, residual_out, w, y)
+    compile_plan(plan, int(x.stride(0)))(x, residual, residual_out, w, y)
 
 
 def rmsnorm_ref(
     x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``rmsnorm(x (+ residual)) * w`` with the kernel's rounding points (the residual sum is
-    ``bf16(x + residual)``)."""
+    ``bf16(x + residual)``; an FP32 ``x`` is rounded once, after the weight)."""
+    if x.dtype == torch.float32 and residual is None:
+        xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return (xn * w.float()).to(torch.bfloat16)
     if residual is not None:
         x = (x.float() + residual.float()).to(torch.bfloat16)
     xf = x.float()

@@ -245,11 +245,19 @@ def chunking(batch: int, tokens: int) -> tuple[int, int]:
     return per, batch // per
 
 
-def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None) -> str:
+def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None,
+               token_ops: bool = False) -> str:  # fmt: skip
     """How a chunked step ran, for notes and reports (``once``: the experts once over all
-    tokens; None: not recorded, a run from before the choice existed, which ran per chunk)."""
+    tokens; None: not recorded, a run from before the choice existed, which ran per chunk;
+    ``token_ops``: only the decode kernels per chunk, :func:`tokens_once`)."""
     head = (f"{n_tokens} tokens per step: the specialized kernels take at most "
             f"{MAX_STEP_TOKENS} per launch, so ")  # fmt: skip
+    if once and token_ops:
+        return head + (
+            f"the decode kernels (KDA recurrence, MLA decode) run in {n_chunks} chunks of {per} "
+            "sequences; the projections, the MoE front and back (cuBLAS) and the experts once "
+            "over all tokens (a dense layer's halves per chunk)"
+        )
     if once:
         return head + (
             f"the attention half and the MoE front and back run in {n_chunks} chunks of {per} "
@@ -361,7 +369,7 @@ class Plan:
         normalize in their own first kernel)."""
         from decodescope.kernels.specialized import oproj_residual_norm as _op
 
-        if self.tp_world != 1 or self.front_norm or spec.mlp == "dense":
+        if self.tp_world != 1 or self.front_norm or spec.mlp == "dense" or self.tokens_once:
             return False
         return _op.norm_fused_plan(self.cfg, spec.attn, self.chunk_tokens) is not None
 
@@ -370,17 +378,25 @@ class Plan:
         """Chunked, with each MoE block's experts once over all tokens (:func:`experts_once`)."""
         return experts_once(self.cfg, self.batch, self.tokens)
 
+    @property
+    def tokens_once(self) -> bool:
+        """Chunked, with only the decode kernels per chunk (:func:`tokens_once`)."""
+        return tokens_once(self.cfg, self.batch, self.tokens, self.front_norm)
+
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``, in
         the order the step opens them (repeated per sequence chunk; with the experts once over
         all tokens, the attention ranges per chunk, then the MoE ranges once, their front and
-        back ranges holding a launch per chunk)."""
+        back ranges holding a launch per chunk; with the token-parallel ops once too, every range
+        once, the decode range holding a launch per chunk)."""
         n_chunks = self.chunk[1]
         once = self.experts_once
         out = {}
         for s in self.specs:
             names = [f"layer.{s.index}.{o}" for o in self.op_names(s)]
-            if once and s.mlp == "moe":
+            if self.tokens_once and s.mlp == "moe":
+                out[f"layer.{s.index}:{s.kind}"] = names
+            elif once and s.mlp == "moe":
                 attn = [n for n in names if ".attn." in n]
                 out[f"layer.{s.index}:{s.kind}"] = attn * n_chunks + names[len(attn) :]
             else:
@@ -395,7 +411,9 @@ class Plan:
         once = self.experts_once
         out = {}
         for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True):
-            if once and s.mlp == "moe":
+            if self.tokens_once and s.mlp == "moe":
+                out[lay] = tokens_once_launches(self.cfg, s, self.batch * self.tokens, n_chunks)
+            elif once and s.mlp == "moe":
                 out[lay] = (len(ops) + n_chunks * attn_extra_launches(self.cfg, s, n)
                             + 2 * (n_chunks - 1) + moe_extra_launches(self.cfg, self.batch
                                                                       * self.tokens))  # fmt: skip
@@ -427,12 +445,33 @@ class Plan:
         from decodescope.kernels.specialized import tile_gemm as tg
 
         n, cfg = self.chunk_tokens, self.cfg
+        if self.tokens_once and spec.mlp == "moe":
+            return op in WIDE_CUBLAS_OPS
         if op == "attn.o_proj":
             k = cfg.kda_dim if spec.attn == "kda" else cfg.mla_v_dim
             return tg.cublas_serves(n, k, 1, False, False)
         if op == "attn.input_residual_norm+qkv_proj+f_b_proj":
             return tg.cublas_serves(n, cfg.hidden, 1, True, True)
         return False
+
+
+# the ops of a MoE layer that run cuBLAS GEMMs where the token-parallel ops run once over all
+# tokens (tokens_once)
+WIDE_CUBLAS_OPS = frozenset({
+    "attn.input_residual_norm+qkv_proj+f_b_proj", "attn.input_residual_norm+fused_qkv_a_proj+g_proj",
+    "attn.q_kv_norm+q_b_proj", "attn.o_proj", "moe.router+latent_down+shared_experts",
+    "moe.latent_norm+latent_up+add",
+})  # fmt: skip
+
+
+def tokens_once_launches(cfg, spec, n_tokens: int, n_chunks: int) -> int:
+    """Launches of a MoE layer whose token-parallel ops run once over all ``n_tokens``
+    (:func:`tokens_once`): the attention half (:func:`.attention_layers.all_tokens_launches`),
+    the cuBLAS front, the experts range, the back's norm, GEMM and add."""
+    from decodescope.kernels.specialized.attention_layers import all_tokens_launches
+
+    return all_tokens_launches(cfg, spec.attn, n_chunks) + 1 + 1 + moe_extra_launches(
+        cfg, n_tokens) + 3  # fmt: skip
 
 
 def extra_launches(cfg, spec, n_tokens: int) -> int:
@@ -491,6 +530,25 @@ def experts_once(cfg, batch: int, tokens: int) -> bool:
     if knob.read(CHUNK_EXPERTS_ENV, CHUNK_EXPERTS, "once") != "once":
         return False
     return mg.selected(batch * tokens, _moe_dims(cfg))
+
+
+CHUNK_TOKEN_OPS_ENV = "DECODESCOPE_CHUNK_TOKEN_OPS"
+CHUNK_TOKEN_OPS = ("chunk", "once")
+
+
+def tokens_once(cfg, batch: int, tokens: int, front_norm: bool = False) -> bool:
+    """Whether a chunked step with the experts once (:func:`experts_once`) also runs each MoE
+    layer's other token-parallel ops once over all of its tokens: the attention input
+    projections, o_proj, the RMSNorm after it (:class:`.attention_layers.AttentionAllTokens`) and
+    the MoE front and back (``SpecializedMoE(wide=True)``), on cuBLAS GEMMs and :mod:`.rmsnorm`
+    launches, so that only the decode kernels (KDA recurrence, MLA decode: per-sequence state)
+    run per chunk: ``DECODESCOPE_CHUNK_TOKEN_OPS=once``; ``chunk`` (the default): those ops per
+    chunk on the specialized kernels (session 20). Not with ``front_norm``."""
+    if front_norm or not experts_once(cfg, batch, tokens):
+        return False
+    from decodescope.kernels.specialized import env_knobs as knob
+
+    return knob.read(CHUNK_TOKEN_OPS_ENV, CHUNK_TOKEN_OPS, "chunk") == "once"
 
 
 def kernel_env() -> dict[str, str]:
@@ -594,7 +652,8 @@ def plan(
             # sequences per chunk and chunks (more than MAX_STEP_TOKENS tokens: chunked); where
             # chunked, whether the MoE experts ran once over all tokens or per chunk
             "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]}
-            | ({"experts": "once" if p.experts_once else "chunk"} if p.chunk[1] > 1 else {}),
+            | ({"experts": "once" if p.experts_once else "chunk"} if p.chunk[1] > 1 else {})
+            | ({"token_ops": "once"} if p.tokens_once else {}),
         },
         default=str,
     )
@@ -607,7 +666,8 @@ def plan(
     )
     per, n_chunks = p.chunk
     if n_chunks > 1:
-        p.meta["notes"] += f"; {chunk_text(b * t, n_chunks, per, p.experts_once)}"
+        text = chunk_text(b * t, n_chunks, per, p.experts_once, p.tokens_once)
+        p.meta["notes"] += f"; {text}"
     return p
 
 
@@ -633,7 +693,10 @@ class SpecializedModel:
     ) -> None:
         import torch
 
-        from decodescope.kernels.specialized.attention_layers import SpecializedAttention
+        from decodescope.kernels.specialized.attention_layers import (
+            AttentionAllTokens,
+            SpecializedAttention,
+        )
         from decodescope.kernels.specialized.dense_mlp import SpecializedDenseMLP
         from decodescope.kernels.specialized.moe_block import SpecializedMoE
         from decodescope.kernels.weights import make_inputs, make_layer_weights, make_state
@@ -667,8 +730,19 @@ class SpecializedModel:
         # chunked: the MoE blocks' experts once over all N tokens (one block per layer, its
         # front and back kernels per chunk of rows) or everything per chunk (experts_once)
         self.experts_once = experts_once(cfg, batch, tokens_per_seq)
+        # chunked: the token-parallel ops of each MoE layer once over all N rows too, only the
+        # decode kernels per chunk (tokens_once)
+        self.tokens_once = tokens_once(cfg, batch, tokens_per_seq, front_norm)
+        self.attn_all = [
+            AttentionAllTokens(cfg, s, w, st, batch, tokens_per_seq, self.per)
+            if self.tokens_once and s.mlp == "moe" else None
+            for s, w, st in zip(specs, self.weights, self.states, strict=True)
+        ]  # fmt: skip
 
         def moe_blocks(s, w):
+            if self.tokens_once:
+                return [SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device,
+                                       wide=True)]  # fmt: skip
             if self.experts_once:
                 return [SpecializedMoE(cfg, w, self.N, layer=s.index, device=self.device,
                                        chunk=self.Nc)]  # fmt: skip
@@ -702,7 +776,14 @@ class SpecializedModel:
         spec = self.specs[i]
         h, x_out, r_out = self.hs[i], self.xs[i % 2], self.rs[i % 2]
         once = self.experts_once and spec.mlp == "moe"  # the MoE half over all rows, once
+        wide = self.attn_all[i]  # every token-parallel op over all rows, the decode per chunk
         with _range(f"layer.{spec.index}:{spec.kind}"):
+            if wide is not None:
+                self._run(i, None, [
+                    (f"attention ({spec.attn})", lambda: wide.forward(x, r, r_out, h)),
+                    ("MoE", lambda: self.moe_c[i][0].forward(h, x_out)),
+                ], guarded)  # fmt: skip
+                return
             for c in range(self.chunks):  # one chunk unless more than MAX_STEP_TOKENS tokens
                 bufs = (x, r, r_out, h, x_out)  # one chunk: the buffers themselves
                 if self.chunks > 1:
@@ -820,7 +901,9 @@ class SpecializedModel:
                 continue
             att = a.launches_no_norm if self.front_norm else a.launches
             att += attn_extra_launches(self.cfg, s, self.Nc)
-            if self.experts_once:  # front and back per chunk, the experts once over all rows
+            if self.tokens_once:
+                out[lay] = tokens_once_launches(self.cfg, s, self.N, n)
+            elif self.experts_once:  # front and back per chunk, the experts once over all rows
                 out[lay] = att * n + 2 * n + 1 + moe_extra_launches(self.cfg, self.N)
             else:
                 out[lay] = (att + len(mb.OPS) + moe_extra_launches(self.cfg, self.Nc)) * n

@@ -1178,6 +1178,10 @@ def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=
     if norm_weight is not None:
         p = plan_of(x, [w], residual=residual, norm_weight=norm_weight, eps=eps)
         a = norm_launch(p, x, norm_weight, residual, residual_out)
+    _cublas_gemm(a, w, out, epilogue_residual)
+
+
+def _cublas_gemm(a, w, out, epilogue_residual=None) -> None:
     if epilogue_residual is None:
         torch.mm(a, w.t(), out=out)
     elif out.data_ptr() == epilogue_residual.data_ptr():
@@ -1186,11 +1190,54 @@ def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=
         torch.addmm(epilogue_residual, a, w.t(), out=out)
 
 
+def mm_f32(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out [M, N] fp32 = a @ w^T`` from BF16 operands, FP32 accumulation, no BF16 rounding:
+    one cuBLAS GEMM (``out_dtype``); on a CPU (tests), torch's FP32 matmul."""
+    if a.is_cuda:
+        torch.mm(a, w.t(), out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), w.float().t(), out=out)
+
+
+TILE_MAX_M = 64  # rows the tile, skinny and split-K kernels take (TilePlan)
+
+
+def wide_norm(x, norm_weight, residual=None, residual_out=None, eps=1e-5) -> torch.Tensor:
+    """The RMSNorm launch of a projection over more than ``TILE_MAX_M`` rows
+    (:func:`project_wide`): :mod:`.rmsnorm` on ``x``'s row stride (``q_a`` is a column slice),
+    into a cached ``[M, K]`` buffer (returned); ``residual_out = x + residual`` with a residual."""
+    m, k = int(x.shape[0]), int(x.shape[1])
+    key = (m, k, str(x.device))
+    a = _BUF.get(key)
+    if a is None:
+        a = _BUF[key] = torch.empty(m, k, dtype=torch.bfloat16, device=x.device)
+    rms.rmsnorm(x, norm_weight, a, eps, residual, residual_out)
+    return a
+
+
+def project_wide(x, weights, outs, *, residual=None, residual_out=None, norm_weight=None,
+                 epilogue_residual=None, eps=1e-5) -> None:  # fmt: skip
+    """A projection over more than ``TILE_MAX_M`` rows (a chunked verify step's projections
+    once over all of its tokens, ``step.tokens_once``): the norm (if any) as one
+    :func:`wide_norm` launch, then one cuBLAS GEMM per weight (``epilogue_residual``: one
+    weight, ``bf16(acc + res)`` in one rounding)."""
+    if epilogue_residual is not None and len(weights) != 1:
+        raise ValueError("project_wide: a residual epilogue takes one weight")
+    a = x
+    if norm_weight is not None:
+        a = wide_norm(x, norm_weight, residual, residual_out, eps)
+    for w, o in zip(weights, outs, strict=True):
+        _cublas_gemm(a, w, o, epilogue_residual)
+
+
 def project(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], **kw) -> None:
     """One projection by the kernel :func:`gemm_plan` picks (``skinny_gemm``'s keywords). A
     folded norm (:func:`folds`) runs on :func:`folded_weight`'s derived weights (made on the
     first call: call :func:`folded_weight` before graph capture); :func:`cublas_serves` hands a
     single-weight one to cuBLAS."""
+    if x.shape[0] > TILE_MAX_M:  # no tile kernel takes these rows
+        project_wide(x, weights, outs, **kw)
+        return
     norm = kw.get("norm_weight") is not None
     res = kw.get("residual") is not None
     if cublas_serves(x.shape[0], x.shape[1], len(weights), norm, res):
