@@ -147,9 +147,10 @@ def test_chunking_experts_once(monkeypatch, tp, batch, n):
     once; the front and back ranges hold a launch per chunk, the experts range the grouped
     kernels' three launches over all tokens."""
     monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "chunk")  # session 20's layout (the A/B)
     p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
     one = S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8)
-    assert p.experts_once and p.chunk == (8, n)
+    assert p.experts_once and not p.tokens_once and p.chunk == (8, n)
     for lay, ops in one.range_names().items():
         attn = [o for o in ops if ".attn." in o]
         moe = [o for o in ops if ".moe." in o]
@@ -251,6 +252,7 @@ def test_dry_run_chunked_ranges_and_launches(monkeypatch, once, front_norm):
     monkeypatch.setattr(itf, "compiled", fake_compiled)
     monkeypatch.setattr(S, "MAX_STEP_TOKENS", 8)
     monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, once)
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "chunk")  # the front / back per chunk
     p, m = _model(batch=16, tokens=1, layers="kda,mla", front_norm=front_norm)
     assert m.chunks == 2 and m.experts_once == p.experts_once == (once == "once")
     with tracer.range("step"):
@@ -363,6 +365,7 @@ def test_wiring_with_reference_halves_matches_standard(
 
     monkeypatch.setattr(S, "MAX_STEP_TOKENS", max_tokens)  # chunks on the tiny shapes
     monkeypatch.setattr(S, "experts_once", lambda cfg, b, t: once and S.chunking(b, t)[1] > 1)
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "chunk")  # the halves replaced here are per chunk
     p, m = _model(batch=batch, tokens=tokens, layers="kda,mla,kda", seed=3, front_norm=front_norm)
     assert (m.per, m.chunks) == S.chunking(batch, tokens) == p.chunk
     assert (m.chunks > 1) == (batch * tokens > max_tokens)
@@ -478,6 +481,7 @@ def test_gpu_steps_compare_on_cpu(monkeypatch, batch, tokens, max_tokens):
     from decodescope.kernels.standard.model import StandardModel
 
     monkeypatch.setattr(S, "MAX_STEP_TOKENS", max_tokens)  # < batch x tokens: sequence chunks
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "chunk")  # the halves replaced below
     g = _gpu_steps()
     p, m = _model(batch=batch, tokens=tokens, layers="kda,mla", seed=11)
     assert m.chunks == S.chunking(batch, tokens)[1]
@@ -666,9 +670,11 @@ def _wide(monkeypatch, limit: int = 8) -> None:
 
 @pytest.mark.parametrize("tp,batch,n", [(8, 32, 4), (16, 64, 8)])
 def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
-    """Every range once per layer, the decode range holding a launch per chunk; the projections
-    and the MoE front / back on cuBLAS; the record and the notes say so."""
-    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "once")
+    """The default for a chunked step: every range once per layer, the decode range holding a
+    launch per chunk; the projections and the MoE front / back on cuBLAS; the record and the
+    notes say so."""
+    monkeypatch.delenv(S.CHUNK_TOKEN_OPS_ENV, raising=False)
+    monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
     p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
     one = S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8, layers="kda,mla")
     assert p.experts_once and p.tokens_once

@@ -542,13 +542,14 @@ def tokens_once(cfg, batch: int, tokens: int, front_norm: bool = False) -> bool:
     projections, o_proj, the RMSNorm after it (:class:`.attention_layers.AttentionAllTokens`) and
     the MoE front and back (``SpecializedMoE(wide=True)``), on cuBLAS GEMMs and :mod:`.rmsnorm`
     launches, so that only the decode kernels (KDA recurrence, MLA decode: per-sequence state)
-    run per chunk: ``DECODESCOPE_CHUNK_TOKEN_OPS=once``; ``chunk`` (the default): those ops per
-    chunk on the specialized kernels (session 20). Not with ``front_norm``."""
+    run per chunk: ``DECODESCOPE_CHUNK_TOKEN_OPS=once`` (the default since session 21);
+    ``chunk``: those ops per chunk on the specialized kernels (session 20, the A/B). Not with
+    ``front_norm``."""
     if front_norm or not experts_once(cfg, batch, tokens):
         return False
     from decodescope.kernels.specialized import env_knobs as knob
 
-    return knob.read(CHUNK_TOKEN_OPS_ENV, CHUNK_TOKEN_OPS, "chunk") == "once"
+    return knob.read(CHUNK_TOKEN_OPS_ENV, CHUNK_TOKEN_OPS, "once") == "once"
 
 
 def kernel_env() -> dict[str, str]:
