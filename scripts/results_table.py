@@ -107,7 +107,8 @@ def main(path: str = "results") -> None:
     if chunked:
         print(
             "\nThe specialized kernels take at most 64 tokens per launch; larger steps ran in "
-            "sequence chunks, the kernels of each chunk reading their weights again: "
+            "sequence chunks, the kernels that ran per chunk reading their weights once per "
+            "chunk: "
             + "; ".join(f"TP{tp} {b}: {note}" for tp, b, note in chunked)
             + "."
         )

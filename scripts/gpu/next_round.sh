@@ -24,10 +24,12 @@ part2=(
 )
 # Part 3 ran in session 20 (r3: w13 with two 8-token tiles per pass, now the default above 64
 # tokens); its sweep datasets are in notes/gpu-logs/s20/r3, r4. Next:
-# Part 4: the README rows of the 32 / 64 x 8 verify steps at the new w13 default (both
-# backends: stage the vLLM parts too, scripts/gpu/README.md), TP8 then TP16, one call.
-# Part 5: w2 with two 8-token tiles per pass (DECODESCOPE_MOE_W2T_MT=2, never the default)
-# against the default at TP8 32x8, the specialized path alone, same call.
+# Part 4: the README rows of the 32 / 64 x 8 verify steps (both backends: stage the vLLM parts
+# too, scripts/gpu/README.md), TP8 then TP16. Session 21 ran them at 37de9f4 (the token-parallel
+# ops once, DECODESCOPE_CHUNK_TOKEN_OPS; notes/gpu-logs/s21/w2, w3): rerun after a change there.
+# Part 5: w2 with two 8-token tiles per pass (DECODESCOPE_MOE_W2T_MT=2) against the default at
+# TP8 32x8, the specialized path alone, same call. Session 21 (r1): 187.82 against 188.68 ms,
+# within the spread: not the default.
 B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
 part3=(
   "120:w13mt:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_grouped_w13_tile.py -k token_tiles"
