@@ -289,11 +289,20 @@ def test_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "2")
     assert gt.tile_config() == gt.TileConfig(64, 64, 4, 1, mt=2)
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "")
-    # unset: 2 token tiles per pass above 64 tokens (the chunked steps' experts), else 1
-    assert gt.tile_config(64).mt == 1 and gt.tile_config(65).mt == gt.tile_config(512).mt == 2
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_BK", "")
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "")
+    # unset, by the launch's tokens (the chunked steps' experts above 64): up to 64 the module
+    # defaults; 65-256 two token tiles per pass and 4 stages; above 256 four tiles, 3 stages
+    assert gt.tile_config(64) == gt.TileConfig()
+    assert gt.tile_config(65) == gt.tile_config(256) == gt.TileConfig(mt=2, stages=4)
+    assert gt.tile_config(257) == gt.tile_config(512) == gt.TileConfig(mt=4)
+    assert gt.TileConfig(mt=4, stages=4).smem_bytes <= gt.SMEM_MAX  # a knob on top still fits
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "1")
-    assert gt.tile_config(256).mt == 1  # the knob wins
+    assert gt.tile_config(256) == gt.TileConfig(mt=1, stages=4)  # the knob wins, per field
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "3")
+    assert gt.tile_config(256) == gt.TileConfig(mt=1)
     monkeypatch.setenv("DECODESCOPE_MOE_W13T_MT", "")
+    monkeypatch.setenv("DECODESCOPE_MOE_W13T_STAGES", "")
     for var, bad, msg in (
         ("DECODESCOPE_MOE_W13T_BK", "96", "bk=96"),
         ("DECODESCOPE_MOE_W13T_BK", "x", "DECODESCOPE_MOE_W13T_BK='x'"),

@@ -128,6 +128,13 @@ def test_knobs_env(monkeypatch):
     for v in gt._ENV.values():
         monkeypatch.delenv(v[0], raising=False)
     assert gt.knobs() == gt.TileKnobs()
+    # unset mt, by the launch's tokens: two token tiles per pass above 256 (the 64x8 verify
+    # step's experts), one up to it
+    assert gt.knobs(256) == gt.knobs(64) == gt.TileKnobs()
+    assert gt.knobs(257) == gt.knobs(512) == gt.TileKnobs(mt=2)
+    monkeypatch.setenv("DECODESCOPE_MOE_W2T_MT", "1")
+    assert gt.knobs(512) == gt.TileKnobs()  # the knob wins
+    monkeypatch.delenv("DECODESCOPE_MOE_W2T_MT")
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_RT", "2")
     monkeypatch.setenv("DECODESCOPE_MOE_W2T_STAGES", "3")
     assert gt.knobs() == gt.TileKnobs(rt=2, stages=3)

@@ -78,6 +78,13 @@ MT_DEFAULT = 1
 # at 32 tokens 2 tiles were slower, 403.5 -> 415.3 us; notes/gpu-logs/s20/r3)
 MT_AUTO_ABOVE = 64
 MT_ABOVE_64 = 2
+# Above 64 tokens, where the knobs are unset (H200, session 21, scripts/gpu_grouped_sweep.py on
+# the verify step's own routing, route + w13 + w2 medians, same call; notes/gpu-logs/s21/g1,
+# g2): up to 256 tokens 4 stages (TP8 1457.6 -> 1428.0 us, TP16 743.7 -> 728.0 at 256), above
+# 256 four 8-token tiles per pass, 3 stages (TP8 1917.6 -> 1779.8, TP16 1045.9 -> 963.1 at 512,
+# where an expert holds ~11 pairs; at 256 four tiles gained nothing: 1455.2 / 755.2)
+STAGES_64_256 = 4
+MT4_ABOVE = 256
 
 ENV = {
     "rows": "DECODESCOPE_MOE_W13T_ROWS",
@@ -148,11 +155,15 @@ class TileConfig:
 
 def tile_config(T: int | None = None) -> TileConfig:
     """The tiling from the environment (``DECODESCOPE_MOE_W13T_*``, unset: the module
-    defaults; ``mt`` unset: ``MT_ABOVE_64`` where ``T``, the launch's tokens, is above
-    ``MT_AUTO_ABOVE``); a bad value raises a one-line ``ValueError`` naming the variable."""
+    defaults; where ``T``, the launch's tokens, is above ``MT_AUTO_ABOVE``: ``mt``
+    ``MT_ABOVE_64`` and ``STAGES_64_256`` stages up to ``MT4_ABOVE`` tokens, ``mt`` 4 above,
+    each where its variable is unset); a bad value raises a one-line ``ValueError`` naming the
+    variable."""
     vals = {}
-    if T is not None and T > MT_AUTO_ABOVE:
-        vals["mt"] = MT_ABOVE_64
+    if T is not None and T > MT4_ABOVE:
+        vals["mt"] = 4
+    elif T is not None and T > MT_AUTO_ABOVE:
+        vals |= {"mt": MT_ABOVE_64, "stages": STAGES_64_256}
     for field, var in ENV.items():
         v = os.environ.get(var, "")
         if v == "":

@@ -161,10 +161,20 @@ _ENV = {  # knob -> (environment variable, allowed values)
 }
 
 
-def knobs() -> TileKnobs:
+# Two 8-token tiles per pass above this many tokens per launch where DECODESCOPE_MOE_W2T_MT is
+# unset (H200, session 21, scripts/gpu_grouped_sweep.py, route + w13 + w2 medians, same call:
+# 512 tokens TP8 1917.6 -> 1877.3 us, TP16 1045.9 -> 1022.8; at 256 nothing, 1454.3 / 745.3
+# against 1457.6 / 743.7)
+MT2_ABOVE = 256
+
+
+def knobs(T: int | None = None) -> TileKnobs:
     """:class:`TileKnobs` from the environment (``DECODESCOPE_MOE_W2T_*``), read at each call;
-    a bad value raises a one-line ``ValueError`` naming the variable."""
+    ``mt`` unset: 2 where ``T``, the launch's tokens, is above ``MT2_ABOVE``; a bad value
+    raises a one-line ``ValueError`` naming the variable."""
     vals = {name: knob.read(var, allowed) for name, (var, allowed) in _ENV.items()}
+    if vals.get("mt") is None and T is not None and T > MT2_ABOVE:
+        vals["mt"] = 2
     return TileKnobs(**{name: v for name, v in vals.items() if v is not None})
 
 

@@ -706,7 +706,7 @@ def _build_w2(T, E, K, L, Ie, H, S, pdl, nsm=132, mode="regs", stages=W2_RING_ST
     if mode == W2_TILE:  # same arguments; ``tile``: its TileKnobs (None: the env's)
         from decodescope.kernels.specialized import grouped_w2_tile as gw2
 
-        return gw2.build(T, E, K, L, Ie, H, S, pdl, nsm, tile or gw2.knobs())
+        return gw2.build(T, E, K, L, Ie, H, S, pdl, nsm, tile or gw2.knobs(T))
     op = GroupedW2(T, E, K, L, Ie, H, S, pdl, nsm, mode, stages)
     return op, w2_fake_args(T, E, K, L, Ie, H, S, op.slots)
 
@@ -883,7 +883,7 @@ def moe_grouped(
     if m2 == W2_TILE:  # its knobs (DECODESCOPE_MOE_W2T_*) are part of the key
         from decodescope.kernels.specialized import grouped_w2_tile as gw2
 
-        tile2 = gw2.knobs()
+        tile2 = gw2.knobs(T)
     w2k = itf.compiled(
         ("moe_grouped_w2", *dims, pdl, nsm, m2, s2, tile2),
         lambda: _build_w2(T, E, K, L, Ie, H, S, pdl, nsm, m2, s2, tile2),

@@ -26,7 +26,10 @@ part2=(
 # tokens); its sweep datasets are in notes/gpu-logs/s20/r3, r4. Next:
 # Part 4: the README rows of the 32 / 64 x 8 verify steps (both backends: stage the vLLM parts
 # too, scripts/gpu/README.md), TP8 then TP16. Session 21 ran them at 37de9f4 (the token-parallel
-# ops once, DECODESCOPE_CHUNK_TOKEN_OPS; notes/gpu-logs/s21/w2, w3): rerun after a change there.
+# ops once, DECODESCOPE_CHUNK_TOKEN_OPS; notes/gpu-logs/s21/w2, w3); since then the grouped
+# experts' defaults above 64 / 256 tokens changed (the session-21 sweep): run part 6, then 4.
+# Part 6: the whole step at those defaults against the standard one (gpu_steps, TP8 64x8 and
+# TP16 32x8: w13 with four token tiles at 512, four stages at 256), one call.
 # Part 5: w2 with two 8-token tiles per pass (DECODESCOPE_MOE_W2T_MT=2) against the default at
 # TP8 32x8, the specialized path alone, same call. Session 21 (r1): 187.82 against 188.68 ms,
 # within the spread: not the default.
@@ -44,12 +47,17 @@ part5=(
   "90:w2m1:$B8 --json $R/w2m1.json"
   "90:w2m2:DECODESCOPE_MOE_W2T_MT=2 $B8 --json $R/w2m2.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4 | 5
+part6=(
+  "220:steps8:python scripts/gpu_steps.py --tp 8 --points 64x8 --layers kda,mla --out $R/steps8"
+  "220:steps16:python scripts/gpu_steps.py --tp 16 --points 32x8 --layers kda,mla --out $R/steps16"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4 | 5 | 6
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
   3) exec bash "$here/run_stages.sh" "${part3[@]}" ;;
   4) exec bash "$here/run_stages.sh" "${part4[@]}" ;;
   5) exec bash "$here/run_stages.sh" "${part5[@]}" ;;
-  *) echo "next_round.sh: part 1 to 5, got '$1'" >&2; exit 2 ;;
+  6) exec bash "$here/run_stages.sh" "${part6[@]}" ;;
+  *) echo "next_round.sh: part 1 to 6, got '$1'" >&2; exit 2 ;;
 esac
