@@ -2,7 +2,8 @@
 
 The specialized decode step equals the standard step (same seed: same weights, state and inputs)
 within bf16 tolerances, on fresh random inputs with poisoned outputs, eager and replayed from one
-CUDA graph, at kimi-k3 TP8 batch 1 and 8, layers "kda,mla". The comparison is
+CUDA graph, at kimi-k3 TP8 batch 1 and 8 and the chunked verify step of 16 x (1+7) tokens,
+layers "kda,mla". The comparison is
 ``scripts/gpu_steps.py``'s (routing near-ties allowed, rows compared where the routing agrees);
 the same script runs every TP shape and batch in one go.
 """
@@ -63,6 +64,18 @@ def test_front_norm_step_equals_standard(g):
     rec = g.run_case("kimi-k3", 8, 8, 1, "kda,mla", seed=0, draws=2, graph=True, front_norm="1")
     assert rec["status"] == "PASS", _failures(rec)
     assert rec["launches"] == {"layer.0:kda": 6, "layer.1:mla": 7}
+
+
+@pytest.mark.parametrize("token_ops", ["once", "chunk"])
+def test_chunked_verify_step_equals_standard(g, monkeypatch, token_ops):
+    """16 sequences of 1+7 tokens (128 tokens: two chunks of 64): the token-parallel ops once
+    over all tokens, only the decode kernels per chunk (the default since session 21), and
+    session 20's layout (``DECODESCOPE_CHUNK_TOKEN_OPS=chunk``)."""
+    monkeypatch.setenv("DECODESCOPE_CHUNK_TOKEN_OPS", token_ops)
+    rec = g.run_case("kimi-k3", 8, 16, 8, "kda,mla", seed=0, draws=1, graph=True)
+    assert rec["status"] == "PASS", _failures(rec)
+    if token_ops == "once":  # KDA: 4 + 2 decodes + 7 MoE; MLA: 5 + 2 + 2 + 7
+        assert rec["launches"] == {"layer.0:kda": 13, "layer.1:mla": 16}
 
 
 def test_workload_meta_on_gpu():
