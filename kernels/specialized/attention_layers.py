@@ -220,7 +220,8 @@ class AttentionAllTokens:
     o_proj + norm); the decode range holds a launch per chunk.
 
     Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``
-    (:meth:`launches`)."""
+    (:func:`all_tokens_launches`); every kernel compiles at its first call (the model's
+    guarded warm-up step)."""
 
     def __init__(self, cfg: Config, spec: LayerSpec, w: dict[str, torch.Tensor],
                  state: dict[str, torch.Tensor], batch: int, tokens: int, per: int):  # fmt: skip
@@ -252,22 +253,6 @@ class AttentionAllTokens:
 
     def _r(self, op: str):
         return _range(f"layer.{self.i}.attn.{op}")
-
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return attn_ops(self.spec.attn)
-
-    @property
-    def launches(self) -> int:
-        return all_tokens_launches(self.cfg, self.spec.attn, self.chunks)
-
-    def warmup(self) -> None:
-        """Compile the decode kernel of one chunk (the projections are cuBLAS GEMMs and
-        :mod:`.rmsnorm` launches, compiled at their first call)."""
-        if self.spec.attn == "kda":
-            _kda.compile_plan(_kda.plan_for(self.cfg, self.per, self.T))
-        else:
-            _mla.compile_for(self.cfg, self.per, self.T)
 
     def _decode(self) -> None:
         cfg, w, T = self.cfg, self.w, self.T
