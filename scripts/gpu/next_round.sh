@@ -51,7 +51,14 @@ part6=(
   "220:steps8:python scripts/gpu_steps.py --tp 8 --points 64x8 --layers kda,mla --out $R/steps8"
   "220:steps16:python scripts/gpu_steps.py --tp 16 --points 32x8 --layers kda,mla --out $R/steps16"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | 3 | 4 | 5 | 6
+# Part 7: the GPU tests written in session 21 and not yet run: the wide ops against their
+# references, the chunked verify step of 16 x (1+7) tokens against the standard one (vLLM parts
+# staged: the standard path runs).
+part7=(
+  "240:wide:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_wide_ops_gpu.py"
+  "240:chunked:python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_step_gpu.py -k chunked"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 7
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -59,5 +66,6 @@ case "${1:-1}" in
   4) exec bash "$here/run_stages.sh" "${part4[@]}" ;;
   5) exec bash "$here/run_stages.sh" "${part5[@]}" ;;
   6) exec bash "$here/run_stages.sh" "${part6[@]}" ;;
-  *) echo "next_round.sh: part 1 to 6, got '$1'" >&2; exit 2 ;;
+  7) exec bash "$here/run_stages.sh" "${part7[@]}" ;;
+  *) echo "next_round.sh: part 1 to 7, got '$1'" >&2; exit 2 ;;
 esac
