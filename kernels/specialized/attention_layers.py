@@ -66,6 +66,25 @@ def attn_ops(kind: str, fused_norm: bool = False) -> tuple[str, ...]:
     return (*ops[:-2], OP_OPROJ_NORM) if fused_norm else ops
 
 
+def _alloc_buffers(obj, cfg: Config, kind: str, n: int, dev) -> None:
+    """The attention half's BF16 buffers for ``n`` rows, as attributes of ``obj``: ``r_mid``
+    (the residual after the input add, launch 1 writes it), KDA ``proj`` and ``o``, MLA ``a``,
+    ``g``, ``q`` and ``o``."""
+
+    def buf(*shape):
+        return torch.empty(shape, dtype=BF16, device=dev)
+
+    obj.r_mid = buf(n, cfg.hidden)
+    if kind == "kda":
+        obj.proj = buf(n, cfg.kda_in_proj_out)
+        obj.o = buf(n, cfg.kda_dim)
+    else:
+        obj.a = buf(n, cfg.mla_qkv_a_out)
+        obj.g = buf(n, cfg.mla_v_dim)
+        obj.q = buf(n, cfg.mla_q_b_out)
+        obj.o = buf(n, cfg.mla_v_dim)
+
+
 class SpecializedAttention:
     """One layer's attention half for ``batch`` sequences of ``tokens`` tokens each."""
 
@@ -81,24 +100,10 @@ class SpecializedAttention:
         self.cfg, self.spec, self.w, self.state = cfg, spec, w, state
         self.B, self.T, self.N = batch, tokens, batch * tokens
         self.i = spec.index
-        dev = w["attn_norm"].device
-        N, H = self.N, cfg.hidden
-
-        def buf(*shape):
-            return torch.empty(shape, dtype=BF16, device=dev)
-
-        self.r_mid = buf(N, H)  # residual after the input add (launch 1 writes it)
-        if spec.attn == "kda":
-            self.proj = buf(N, cfg.kda_in_proj_out)
-            self.o = buf(N, cfg.kda_dim)
-        else:
-            self.a = buf(N, cfg.mla_qkv_a_out)
-            self.g = buf(N, cfg.mla_v_dim)
-            self.q = buf(N, cfg.mla_q_b_out)
-            self.o = buf(N, cfg.mla_v_dim)
+        _alloc_buffers(self, cfg, spec.attn, self.N, w["attn_norm"].device)
         # o_proj + the post-attention RMSNorm as one launch (None: two launches; the tp_world 2
         # patches in tp2.py set it to None before they wrap ``stages``)
-        self.norm_plan = _op.norm_fused_plan(cfg, spec.attn, N)
+        self.norm_plan = _op.norm_fused_plan(cfg, spec.attn, self.N)
         # o_proj prefetching the next kernels' weights into L2 (set_prefetch)
         self.pre_plan = None
         self.pre_w: torch.Tensor | None = None
@@ -231,21 +236,7 @@ class AttentionAllTokens:
         self.B, self.T, self.N, self.per = batch, tokens, batch * tokens, per
         self.chunks = batch // per
         self.i = spec.index
-        dev = w["attn_norm"].device
-        N, H = self.N, cfg.hidden
-
-        def buf(*shape):
-            return torch.empty(shape, dtype=BF16, device=dev)
-
-        self.r_mid = buf(N, H)
-        if spec.attn == "kda":
-            self.proj = buf(N, cfg.kda_in_proj_out)
-            self.o = buf(N, cfg.kda_dim)
-        else:
-            self.a = buf(N, cfg.mla_qkv_a_out)
-            self.g = buf(N, cfg.mla_v_dim)
-            self.q = buf(N, cfg.mla_q_b_out)
-            self.o = buf(N, cfg.mla_v_dim)
+        _alloc_buffers(self, cfg, spec.attn, self.N, w["attn_norm"].device)
         nc = per * tokens  # rows per decode launch
         self.rows = [slice(c * nc, (c + 1) * nc) for c in range(self.chunks)]
         self.state_c = [{k: v[c * per : (c + 1) * per] for k, v in state.items()}
