@@ -132,6 +132,7 @@ def test_driver_check_names_libcuda_where_it_is_missing(monkeypatch):
         (["--batch", "1,,2"], "--batch"),
         (["--batch", "0"], "--batch expects positive integers"),
         (["--spec-verify", "9"], "--spec-verify"),
+        (["--verify-only"], "--verify-only needs --spec-verify K"),
     ],
 )
 def test_bench_bad_options_are_one_line_before_the_driver_check(no_driver, args, needle):
@@ -202,6 +203,20 @@ def test_bench_out_is_checked_before_the_first_capture(captures, tmp_path):
     one_line_error(cli("bench", "--out", f / "ds"), f"{f} is not a folder")
     one_line_error(cli("bench", "--out", "/proc/nope/ds"), "cannot create the folder /proc/nope")
     assert captures == [] and f.read_text() == "keep" and len(list(other.iterdir())) == 1
+
+
+def test_bench_verify_only_runs_the_verify_step_alone(captures, tmp_path):
+    """--spec-verify 7 --verify-only: every job is the 1+7-token step (both backends, each
+    batch); without --verify-only the one-token steps run too."""
+    p = cli("bench", "--batch", "2,4", "--spec-verify", "7", "--verify-only",
+            "--runs-dir", tmp_path / "r1")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    asked = [(s["workload"], s["opts"]["batch"], s["opts"]["tokens_per_seq"]) for s in captures]
+    assert sorted(asked) == sorted((b, n, 8) for b in ("standard", "specialized") for n in (2, 4))
+    captures.clear()
+    p = cli("bench", "--batch", "2", "--spec-verify", "7", "--runs-dir", tmp_path / "r2")
+    assert p.returncode == 0, p.stderr
+    assert sorted(s["opts"]["tokens_per_seq"] for s in captures) == [1, 1, 8, 8]
 
 
 def test_bench_json_is_checked_before_the_first_capture(captures, tmp_path):

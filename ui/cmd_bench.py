@@ -432,6 +432,11 @@ def bench_cmd(
     acceptance: float = typer.Option(
         6.0, help="Synthetic acceptance length for --spec-verify (tokens accepted per step)."
     ),
+    verify_only: bool = typer.Option(
+        False,
+        "--verify-only",
+        help="With --spec-verify: run the verify step only (no one-token rows).",
+    ),
     backends: str = typer.Option("standard,specialized", help="Backends to run."),
     layers: str = typer.Option(
         "dense,kda,mla",
@@ -475,6 +480,8 @@ def bench_cmd(
     bks = _backends(backends)
     if spec_verify < 0 or spec_verify > 7:
         raise UsageError("--spec-verify takes 0..7 draft tokens")
+    if verify_only and not spec_verify:
+        raise UsageError("--verify-only needs --spec-verify K (the verify step's draft tokens)")
     if not acceptance > 0:
         raise UsageError(f"--acceptance must be > 0 tokens per step, got {acceptance:g}")
     if not timeout > 0:
@@ -491,7 +498,7 @@ def bench_cmd(
         if why:
             raise UsageError(f"--runs-dir {runs_dir}: {why}")
     require_cuda_driver("bench")
-    tps_list = [1] + ([1 + spec_verify] if spec_verify else [])
+    tps_list = ([] if verify_only else [1]) + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
     root = Path(runs_dir) if runs_dir else Path(tempfile.mkdtemp(prefix="decodescope-bench-"))
     rows: list[dict] = []

@@ -33,7 +33,7 @@ part2=(
 # Part 5: w2 with two 8-token tiles per pass (DECODESCOPE_MOE_W2T_MT=2) against the default at
 # TP8 32x8, the specialized path alone, same call. Session 21 (r1): 187.82 against 188.68 ms,
 # within the spread: not the default.
-B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --backends specialized --layers kda,mla --out $R/sweep"
+B8="decodescope bench --tp-shape 8 --batch 32 --spec-verify 7 --verify-only --backends specialized --layers kda,mla --out $R/sweep"
 part3=(
   "120:w13mt:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_grouped_w13_tile.py -k token_tiles"
   "90:m1:DECODESCOPE_MOE_W13T_MT=1 $B8 --json $R/m1.json"
