@@ -287,3 +287,28 @@ def test_rmsnorm_wide_variants_compile_and_ref(tp, m):
     y = rms.rmsnorm_ref(x, w, 1e-5)
     assert y.dtype == torch.bfloat16
     assert R.rel_l2(y, R.rmsnorm_ref(x.double(), w.double(), 1e-5)) < 4e-3
+
+
+@pytest.mark.parametrize("tp,m", [(8, 256), (16, 512), (8, 512)])
+def test_situ_mul_compiles_and_ref(tp, m):
+    """The dense MLP's activation over all rows of a chunked step (``dense_mlp.
+    DenseMLPAllTokens``): :mod:`.situ_mul` compiled for sm_90a at the kimi-k3 dense shapes;
+    its reference (one BF16 rounding after FP32 math) against the float64 SiTU, and the plan's
+    checks."""
+    from decodescope.kernels.specialized import situ_mul as sm
+
+    cfg = get_config("kimi-k3", tp)
+    betas = (float(cfg.model.situ_beta), float(cfg.model.situ_linear_beta))
+    p = sm.SituPlan(m, cfg.dense_inter, *betas)
+    assert p.col_blocks * sm.THREADS * sm.VEC >= cfg.dense_inter
+    assert sm.compile_plan(p) is not None
+    g = torch.Generator().manual_seed(tp + m)
+    gu = (torch.randn(6, 2 * 64, generator=g) * 3).bfloat16()
+    y = sm.situ_mul_ref(gu, betas)
+    assert y.dtype == torch.bfloat16 and tuple(y.shape) == (6, 64)
+    want = R.situ_ref(gu[:, :64].double(), gu[:, 64:].double(), *betas)
+    assert R.rel_l2(y, want) < 4e-3
+    with pytest.raises(ValueError, match="multiple of 8"):
+        sm.SituPlan(4, 12, *betas)
+    with pytest.raises(ValueError, match=r"must be \[M, 2 \* Dn\]"):
+        sm.situ_mul(gu[:, :100].contiguous(), torch.empty(6, 64, dtype=torch.bfloat16), betas)

@@ -696,15 +696,25 @@ def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
     assert p.launches()["layer.1:kda"] == 4 + n + 7
     assert p.launches()["layer.2:mla"] == 3 + 2 + n + 2 + 7  # MLA: qkv_a and g_proj, q_b
     cfg = json.loads(p.meta["config_json"])
-    assert cfg["chunks"] == {"sequences": 8, "chunks": n, "experts": "once", "token_ops": "once"}
+    assert cfg["chunks"] == {"sequences": 8, "chunks": n, "experts": "once", "token_ops": "once",
+                             "dense": "once"}  # fmt: skip
     impl = cfg["op_impl"]
     for op in S.WIDE_CUBLAS_OPS:
         if op in impl:
             assert impl[op].startswith("torch:cublas"), op
     assert impl["attn.conv1d+kda_recurrence+gated_norm"] == S.CUTE
     assert "the decode kernels (KDA recurrence, MLA decode) run in" in p.meta["notes"]
-    # the dense layer keeps its halves per chunk
-    assert p.range_names()["layer.0:dense"] == one_dense(tp) * n
+    assert "the dense MLP and the experts once over all tokens" in p.meta["notes"]
+    # the dense layer (since session 22): its attention as a KDA layer's, then gate_up (cuBLAS),
+    # the SiTU launch and down (cuBLAS), every range once
+    kda = [o.replace("layer.1.", "layer.0.") for o in p.range_names()["layer.1:kda"][:4]]
+    dense = [f"layer.0.mlp.{o}" for o in ("gate_up", "act", "down")]
+    assert p.range_names()["layer.0:dense"] == kda + dense
+    assert p.launches()["layer.0:dense"] == 4 + n + 3
+    assert cfg["chunks"]["dense"] == "once" and cfg["launches"]["layer.0:dense"] == 7 + n
+    assert impl["mlp.gate_up"].startswith("torch:cublas") and impl["mlp.act"] == S.CUTE
+    assert impl["mlp.down"].startswith("torch:cublas")
+    assert one_dense(tp) != kda + dense  # at 64 tokens the fused dense kernels as before
     monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "always")
     with pytest.raises(ValueError, match="DECODESCOPE_CHUNK_TOKEN_OPS='always'"):
         S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
@@ -749,6 +759,101 @@ def test_dry_run_token_ops_once(monkeypatch):
     moe = [k for path, k in calls if "layer.1.moe." in path]
     assert moe == ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2",
                    "rmsnorm", "cublas_f32", "add"]  # fmt: skip
+
+
+def test_dry_run_token_ops_once_dense(monkeypatch):
+    """A dense layer in a chunked step: its attention as a KDA layer's over all rows (the
+    decode per chunk), then gate_up (cuBLAS), the SiTU launch and down (cuBLAS), each under its
+    range; plan, model and trace agree."""
+    from decodescope.kernels.specialized import interface as itf
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import tile_gemm as tg
+
+    calls: list[tuple[str, str]] = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((tracer.current_path(), name))
+
+    monkeypatch.setattr(itf, "compiled", lambda key, build: rec(str(key[0])))
+    monkeypatch.setattr(tg, "_cublas_gemm", rec("cublas"))
+    monkeypatch.setattr(tg, "mm_f32", rec("cublas_f32"))
+    monkeypatch.setattr(mb, "add_round", rec("add"))
+    _wide(monkeypatch)
+    p, m = _model(batch=16, tokens=1, layers="dense,kda")
+    assert m.chunks == 2 and m.tokens_once and m.attn_all[0] is not None
+    with tracer.range("step"):
+        m.step()
+    per_layer = _launches_by_range(p, [c[0] for c in calls])
+    assert per_layer == p.launches() == m.launches()
+    assert per_layer["layer.0:dense"] == 9
+    dense = [k for path, k in calls if path.startswith("step/layer.0:dense/")]
+    assert dense == ["rmsnorm", "cublas", "kda_decode", "kda_decode", "cublas", "rmsnorm",
+                     "cublas", "situ_mul", "cublas"]  # fmt: skip
+
+
+def test_token_ops_once_dense_with_reference_kernels_matches_standard(monkeypatch):
+    """The dense layer's all-rows path (cuBLAS GEMMs as torch matmuls on the CPU, the RMSNorm,
+    the KDA recurrence per chunk and the SiTU launch as their references) equals the standard
+    model's dense layer, then a KDA layer on top (reference experts)."""
+    from decodescope.kernels.specialized import attention_layers as al
+    from decodescope.kernels.specialized import dense_mlp as dm
+    from decodescope.kernels.specialized import moe_block as mb
+    from decodescope.kernels.specialized import rmsnorm as rms
+    from decodescope.kernels.specialized import situ_mul as sm
+    from decodescope.kernels.standard.model import StandardModel
+
+    _wide(monkeypatch, limit=4)
+    acts = []
+
+    def norm(x, w, y, eps, residual=None, residual_out=None):
+        if residual is not None:
+            residual_out.copy_((x.float() + residual.float()).to(torch.bfloat16))
+        y.copy_(rms.rmsnorm_ref(x, w, eps, residual=residual))
+
+    def kda(cfg, w, proj, s, c, out, T):
+        o, s2, c2 = al._kda.kda_decode_ref(cfg, w, proj, s, c, T)
+        out.copy_(o)
+        s.copy_(s2)
+        c.copy_(c2)
+
+    def situ(gu, act, betas):
+        acts.append(tuple(act.shape))
+        act.copy_(sm.situ_mul_ref(gu, betas))
+
+    w_of = {}
+
+    def moe_forward(self, h, out):
+        o, ids = mb.moe_block_ref(self.cfg, w_of[id(self)], h)
+        out.copy_(o)
+        self.topk_ids.copy_(ids)
+
+    monkeypatch.setattr(rms, "rmsnorm", norm)
+    monkeypatch.setattr(al._kda, "kda_decode", kda)
+    monkeypatch.setattr(sm, "situ_mul", situ)
+    monkeypatch.setattr(mb.SpecializedMoE, "forward", moe_forward)
+    batch, tokens = 8, 1
+    p, m = _model(batch=batch, tokens=tokens, layers="dense,kda", seed=6)
+    assert m.tokens_once and m.chunks == 2 and isinstance(m.dense[0], dm.DenseMLPAllTokens)
+    w_of.update({id(b[0]): w for b, w in zip(m.moe_c, m.weights, strict=True) if b is not None})
+    std = StandardModel(p.cfg, p.specs, batch, tokens, seed=6, device="cpu")
+    m.step()
+    std.step()
+    assert acts == [(batch * tokens, p.cfg.dense_inter)]  # one activation launch, all rows
+    # layer 0 alone (no routing yet): its state, then the whole step on rows routed alike
+    for k in m.states[0]:
+        assert _rel(m.states[0][k], std.states[0][k]) < 2e-2, k
+    a = torch.sort(m.moe[1].topk_ids.long(), 1).values
+    b = torch.sort(std.layers[1].topk_ids.long(), 1).values
+    ok = (a == b).all(1)
+    assert ok.float().mean() >= 0.5, "routing differs in most rows"
+    assert _rel(m.x_out, std.x_out, ok) < 3e-2
+    assert _rel(m.r_out, std.r_out, ok) < 3e-2
+    # the wide MLP alone against its chained references, on the layer's own h
+    w0 = m.weights[0]
+    h = m.hs[0]
+    out = torch.empty_like(h)
+    m.dense[0].forward(h, out)
+    assert _rel(out, dm.dense_mlp_wide_ref(p.cfg, w0, h)) < 1e-2
 
 
 @pytest.mark.parametrize("batch, tokens", [(16, 1), (4, 3), (6, 2)])

@@ -78,6 +78,14 @@ def test_chunked_verify_step_equals_standard(g, monkeypatch, token_ops):
         assert rec["launches"] == {"layer.0:kda": 13, "layer.1:mla": 16}
 
 
+def test_chunked_verify_step_with_dense_layer_equals_standard(g):
+    """16 x (1+7) tokens with the dense layer 0 first (session 22): its attention over all rows
+    with the KDA recurrence per chunk, its MLP as cuBLAS gate_up, the SiTU launch, cuBLAS down."""
+    rec = g.run_case("kimi-k3", 8, 16, 8, "dense,kda", seed=0, draws=1, graph=True)
+    assert rec["status"] == "PASS", _failures(rec)
+    assert rec["launches"] == {"layer.0:dense": 9, "layer.1:kda": 13}
+
+
 def test_workload_meta_on_gpu():
     """The factory's meta after the first (compiling) step: real routing in layer_bytes."""
     from decodescope.kernels import bytes as kbytes

@@ -119,3 +119,32 @@ def test_wide_moe_block_equals_ref(tp, m):
         torch.cuda.synchronize()
     ref, _ = mb.moe_block_ref(cfg, w, h, topk_ids=blk.topk_ids)
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("m", [256, 512])
+def test_wide_dense_mlp_equals_ref(tp, m):
+    """The dense MLP over all rows (session 22): :mod:`.situ_mul` alone against its reference,
+    then ``DenseMLPAllTokens`` (cuBLAS gate_up, SiTU, cuBLAS down) against the chained
+    references, outputs poisoned."""
+    from decodescope.kernels.config import LayerSpec, get_config
+    from decodescope.kernels.specialized import dense_mlp as dm
+    from decodescope.kernels.specialized import situ_mul as sm
+    from decodescope.kernels.weights import make_layer_weights
+
+    cfg = get_config("kimi-k3", tp)
+    g = _gen(100 + m + tp)
+    betas = (float(cfg.model.situ_beta), float(cfg.model.situ_linear_beta))
+    gu = _randn(g, m, 2 * cfg.dense_inter, std=3.0)
+    act = torch.full((m, cfg.dense_inter), float("nan"), dtype=BF16, device="cuda")
+    sm.situ_mul(gu, act, betas)
+    torch.cuda.synchronize()
+    assert _rel(act, sm.situ_mul_ref(gu, betas)) < 2e-3
+    w = make_layer_weights(cfg, LayerSpec(0, "kda", "dense"), seed=tp, device="cuda")
+    mlp = dm.DenseMLPAllTokens(cfg, w, m, layer=0, device="cuda")
+    h = _randn(g, m, cfg.hidden)
+    out = torch.full((m, cfg.hidden), float("nan"), dtype=BF16, device="cuda")
+    mlp.act.fill_(float("nan"))
+    mlp.forward(h, out)
+    torch.cuda.synchronize()
+    assert _rel(out, dm.dense_mlp_wide_ref(cfg, w, h)) < 1e-2

@@ -101,7 +101,8 @@ def chunk_note(meta) -> str | None:
     each layer once per chunk, reading its weights each time), e.g. ``"4 chunks of 8 sequences
     (256 tokens per step): launches and weight reads x4"``, or where the experts ran once over
     all tokens (``chunks.experts = "once"``) what ran per chunk and that the experts did not
-    (with ``chunks.token_ops = "once"``: only the decode kernels per chunk);
+    (with ``chunks.token_ops = "once"``: only the decode kernels per chunk; ``chunks.dense =
+    "once"``: a dense layer's MLP once over all tokens too);
     None for one chunk, a trace or a run that does not record it."""
     try:
         wl = meta.config.get("workload")
@@ -119,9 +120,10 @@ def chunk_note(meta) -> str | None:
     tps = meta.tokens_per_seq or 1
     head = f"{n} chunks of {per} sequences ({n * per * tps} tokens per step): "
     if ch.get("experts") == "once" and ch.get("token_ops") == "once":  # session 21 on
+        dense = ", the dense MLP" if ch.get("dense") == "once" else ""  # session 22 on
         return head + (
-            f"the decode kernels x{n}; the projections, the MoE front/back and the experts once "
-            "over all tokens"
+            f"the decode kernels x{n}; the projections, the MoE front/back{dense} and the "
+            "experts once over all tokens"
         )
     if ch.get("experts") == "once":  # session 20 on: the MoE experts once over all tokens
         return head + (

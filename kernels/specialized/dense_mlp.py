@@ -260,3 +260,55 @@ class SpecializedDenseMLP:
         for op, fn in self.stages(r, x_out):
             with _range(f"layer.{self.i}.{BLOCK}.{op}"):
                 fn()
+
+
+WIDE_OPS = ("gate_up", "act", "down")  # block "mlp", over all rows of a chunked step
+
+
+class DenseMLPAllTokens:
+    """The dense MLP over all ``n_tokens`` rows of a chunked step (more tokens than the tile
+    and skinny kernels take; ``step.tokens_once``), after
+    :class:`.attention_layers.AttentionAllTokens`, whose last launch wrote the normalized ``h``:
+    ``gate_up`` (one cuBLAS GEMM, ``gu = bf16(h @ dense_w13^T)``), ``act``
+    (:func:`.situ_mul.situ_mul`), ``down`` (one cuBLAS GEMM). Three launches, the weights read
+    once per step instead of once per chunk; the rounding points of :func:`gate_up_act_ref`
+    (``bf16(situ(bf16(g), bf16(u)))``) and of the standard path, whose MLP is the same three
+    ops with its own activation kernel."""
+
+    def __init__(self, cfg, w: dict[str, torch.Tensor], n_tokens: int, layer: int = 0,
+                 device=None) -> None:  # fmt: skip
+        for k in ("dense_w13", "dense_w2"):
+            if k not in w:
+                raise ValueError(f"dense MLP of layer {layer}: weight {k!r} is missing")
+        self.cfg, self.w, self.N, self.i = cfg, w, n_tokens, layer
+        self.betas = _betas(cfg)
+        dev = device if device is not None else w["dense_w13"].device
+        self.gu = torch.empty(n_tokens, 2 * cfg.dense_inter, dtype=BF16, device=dev)
+        self.act = torch.empty(n_tokens, cfg.dense_inter, dtype=BF16, device=dev)
+        self.ops = WIDE_OPS
+
+    @property
+    def launches(self) -> int:
+        return len(self.ops)
+
+    def stages(self, h: torch.Tensor, x_out: torch.Tensor):
+        """``(op name, thunk)`` per launch, in order."""
+        from decodescope.kernels.specialized import situ_mul as _sm
+
+        w = self.w
+        return [
+            (WIDE_OPS[0], lambda: _tg._cublas_gemm(h, w["dense_w13"], self.gu)),
+            (WIDE_OPS[1], lambda: _sm.situ_mul(self.gu, self.act, self.betas)),
+            (WIDE_OPS[2], lambda: _tg._cublas_gemm(self.act, w["dense_w2"], x_out)),
+        ]
+
+    def forward(self, h: torch.Tensor, x_out: torch.Tensor) -> None:
+        """``x_out`` = the dense MLP of the normalized ``h`` (``rmsnorm(r) * mlp_norm``)."""
+        for op, fn in self.stages(h, x_out):
+            with _range(f"layer.{self.i}.{BLOCK}.{op}"):
+                fn()
+
+
+def dense_mlp_wide_ref(cfg, w: dict, h: torch.Tensor) -> torch.Tensor:
+    """:class:`DenseMLPAllTokens`'s launches' references chained, from the normalized ``h``."""
+    return down_proj_ref(cfg, w, gate_up_act_ref(cfg, w, h, norm=False))

@@ -37,8 +37,12 @@ By default (``DECODESCOPE_CHUNK_EXPERTS=once``, :func:`experts_once`) only the a
 and the MoE front and back kernels run per chunk; each MoE block's grouped expert kernels run
 once over all of the step's tokens, after every chunk's attention half, so the expert weights
 (most of a layer's bytes) are read once. ``chunk``: the whole layer per chunk (launches and
-every weight read multiplied by the chunks). The launch counts, the ranges and the run's notes
-and ``chunks`` record say which ran.
+every weight read multiplied by the chunks). Since session 21 (``DECODESCOPE_CHUNK_TOKEN_OPS=
+once``, :func:`tokens_once`) every token-parallel op runs once over all tokens too, on cuBLAS
+GEMMs and :mod:`.rmsnorm` launches, with only the decode kernels (KDA recurrence, MLA decode)
+per chunk; since session 22 that includes a dense layer's MLP
+(:class:`.dense_mlp.DenseMLPAllTokens`: gate_up, :mod:`.situ_mul`, down). The launch counts,
+the ranges and the run's notes and ``chunks`` record say which ran.
 
 Where a half cannot run a preset or shape (no all-reduce, an FP8 latent cache, MXFP4 experts,
 more than 64 tokens per step at tp_world 2, ...), :func:`check_usable` raises a
@@ -246,17 +250,19 @@ def chunking(batch: int, tokens: int) -> tuple[int, int]:
 
 
 def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None,
-               token_ops: bool = False) -> str:  # fmt: skip
+               token_ops: bool = False, dense: bool = False) -> str:  # fmt: skip
     """How a chunked step ran, for notes and reports (``once``: the experts once over all
     tokens; None: not recorded, a run from before the choice existed, which ran per chunk;
-    ``token_ops``: only the decode kernels per chunk, :func:`tokens_once`)."""
+    ``token_ops``: only the decode kernels per chunk, :func:`tokens_once`; ``dense``: the step
+    has a dense layer, whose MLP then runs once over all tokens too)."""
     head = (f"{n_tokens} tokens per step: the specialized kernels take at most "
             f"{MAX_STEP_TOKENS} per launch, so ")  # fmt: skip
     if once and token_ops:
         return head + (
             f"the decode kernels (KDA recurrence, MLA decode) run in {n_chunks} chunks of {per} "
-            "sequences; the projections, the MoE front and back (cuBLAS) and the experts once "
-            "over all tokens (a dense layer's halves per chunk)"
+            "sequences; the projections, the MoE front and back (cuBLAS)"
+            + (", the dense MLP" if dense else "")
+            + " and the experts once over all tokens"
         )
     if once:
         return head + (
@@ -338,7 +344,11 @@ class Plan:
     def op_names(self, spec) -> list[str]:
         """``block.op`` names of one chunk's launches of one layer, in launch order."""
         attn = _attn_ops(spec.attn)
-        if spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
+        if spec.mlp == "dense" and self.tokens_once:  # the attention half's norm writes h
+            from decodescope.kernels.specialized.dense_mlp import WIDE_OPS
+
+            names = [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in WIDE_OPS]
+        elif spec.mlp == "dense":  # the dense MLP's first kernel normalizes in its prologue
             attn = tuple(o for o in attn if o != FRONT_NORM_DROPS)
             dense = _dense_ops(self.chunk_tokens)
             names = [f"attn.{o}" for o in attn] + [f"mlp.{o}" for o in dense]
@@ -394,7 +404,7 @@ class Plan:
         out = {}
         for s in self.specs:
             names = [f"layer.{s.index}.{o}" for o in self.op_names(s)]
-            if self.tokens_once and s.mlp == "moe":
+            if self.tokens_once:
                 out[f"layer.{s.index}:{s.kind}"] = names
             elif once and s.mlp == "moe":
                 attn = [n for n in names if ".attn." in n]
@@ -411,7 +421,7 @@ class Plan:
         once = self.experts_once
         out = {}
         for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True):
-            if self.tokens_once and s.mlp == "moe":
+            if self.tokens_once:
                 out[lay] = tokens_once_launches(self.cfg, s, self.batch * self.tokens, n_chunks)
             elif once and s.mlp == "moe":
                 out[lay] = (len(ops) + n_chunks * attn_extra_launches(self.cfg, s, n)
@@ -445,7 +455,7 @@ class Plan:
         from decodescope.kernels.specialized import tile_gemm as tg
 
         n, cfg = self.chunk_tokens, self.cfg
-        if self.tokens_once and spec.mlp == "moe":
+        if self.tokens_once:
             return op in WIDE_CUBLAS_OPS
         if op == "attn.o_proj":
             k = cfg.kda_dim if spec.attn == "kda" else cfg.mla_v_dim
@@ -455,21 +465,26 @@ class Plan:
         return False
 
 
-# the ops of a MoE layer that run cuBLAS GEMMs where the token-parallel ops run once over all
+# the ops of a layer that run cuBLAS GEMMs where the token-parallel ops run once over all
 # tokens (tokens_once)
 WIDE_CUBLAS_OPS = frozenset({
     "attn.input_residual_norm+qkv_proj+f_b_proj", "attn.input_residual_norm+fused_qkv_a_proj+g_proj",
     "attn.q_kv_norm+q_b_proj", "attn.o_proj", "moe.router+latent_down+shared_experts",
-    "moe.latent_norm+latent_up+add",
+    "moe.latent_norm+latent_up+add", "mlp.gate_up", "mlp.down",
 })  # fmt: skip
 
 
 def tokens_once_launches(cfg, spec, n_tokens: int, n_chunks: int) -> int:
-    """Launches of a MoE layer whose token-parallel ops run once over all ``n_tokens``
+    """Launches of a layer whose token-parallel ops run once over all ``n_tokens``
     (:func:`tokens_once`): the attention half (:func:`.attention_layers.all_tokens_launches`),
-    the cuBLAS front, the experts range, the back's norm, GEMM and add."""
+    then for a MoE layer the cuBLAS front, the experts range, the back's norm, GEMM and add, for
+    a dense layer gate_up, the activation and down."""
     from decodescope.kernels.specialized.attention_layers import all_tokens_launches
 
+    if spec.mlp == "dense":
+        from decodescope.kernels.specialized.dense_mlp import WIDE_OPS
+
+        return all_tokens_launches(cfg, spec.attn, n_chunks) + len(WIDE_OPS)
     return all_tokens_launches(cfg, spec.attn, n_chunks) + 1 + 1 + moe_extra_launches(
         cfg, n_tokens) + 3  # fmt: skip
 
@@ -537,11 +552,12 @@ CHUNK_TOKEN_OPS = ("chunk", "once")
 
 
 def tokens_once(cfg, batch: int, tokens: int, front_norm: bool = False) -> bool:
-    """Whether a chunked step with the experts once (:func:`experts_once`) also runs each MoE
+    """Whether a chunked step with the experts once (:func:`experts_once`) also runs each
     layer's other token-parallel ops once over all of its tokens: the attention input
-    projections, o_proj, the RMSNorm after it (:class:`.attention_layers.AttentionAllTokens`) and
-    the MoE front and back (``SpecializedMoE(wide=True)``), on cuBLAS GEMMs and :mod:`.rmsnorm`
-    launches, so that only the decode kernels (KDA recurrence, MLA decode: per-sequence state)
+    projections, o_proj, the RMSNorm after it (:class:`.attention_layers.AttentionAllTokens`),
+    the MoE front and back (``SpecializedMoE(wide=True)``) and a dense layer's MLP
+    (:class:`.dense_mlp.DenseMLPAllTokens`, since session 22), on cuBLAS GEMMs and
+    :mod:`.rmsnorm` / :mod:`.situ_mul` launches, so that only the decode kernels (KDA recurrence, MLA decode: per-sequence state)
     run per chunk: ``DECODESCOPE_CHUNK_TOKEN_OPS=once`` (the default since session 21);
     ``chunk``: those ops per chunk on the specialized kernels (session 20, the A/B). Not with
     ``front_norm``."""
@@ -654,7 +670,11 @@ def plan(
             # chunked, whether the MoE experts ran once over all tokens or per chunk
             "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]}
             | ({"experts": "once" if p.experts_once else "chunk"} if p.chunk[1] > 1 else {})
-            | ({"token_ops": "once"} if p.tokens_once else {}),
+            | ({"token_ops": "once"} if p.tokens_once else {})
+            # since session 22 a dense layer's MLP runs once over all tokens with them
+            | (
+                {"dense": "once"} if p.tokens_once and any(x.mlp == "dense" for x in specs) else {}
+            ),  # fmt: skip
         },
         default=str,
     )
@@ -667,7 +687,8 @@ def plan(
     )
     per, n_chunks = p.chunk
     if n_chunks > 1:
-        text = chunk_text(b * t, n_chunks, per, p.experts_once, p.tokens_once)
+        text = chunk_text(b * t, n_chunks, per, p.experts_once, p.tokens_once,
+                          any(x.mlp == "dense" for x in specs))  # fmt: skip
         p.meta["notes"] += f"; {text}"
     return p
 
@@ -698,7 +719,7 @@ class SpecializedModel:
             AttentionAllTokens,
             SpecializedAttention,
         )
-        from decodescope.kernels.specialized.dense_mlp import SpecializedDenseMLP
+        from decodescope.kernels.specialized.dense_mlp import DenseMLPAllTokens, SpecializedDenseMLP
         from decodescope.kernels.specialized.moe_block import SpecializedMoE
         from decodescope.kernels.weights import make_inputs, make_layer_weights, make_state
 
@@ -731,12 +752,12 @@ class SpecializedModel:
         # chunked: the MoE blocks' experts once over all N tokens (one block per layer, its
         # front and back kernels per chunk of rows) or everything per chunk (experts_once)
         self.experts_once = experts_once(cfg, batch, tokens_per_seq)
-        # chunked: the token-parallel ops of each MoE layer once over all N rows too, only the
+        # chunked: the token-parallel ops of each layer once over all N rows too, only the
         # decode kernels per chunk (tokens_once)
         self.tokens_once = tokens_once(cfg, batch, tokens_per_seq, front_norm)
         self.attn_all = [
             AttentionAllTokens(cfg, s, w, st, batch, tokens_per_seq, self.per)
-            if self.tokens_once and s.mlp == "moe" else None
+            if self.tokens_once else None
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]  # fmt: skip
 
@@ -754,10 +775,15 @@ class SpecializedModel:
             moe_blocks(s, w) if s.mlp == "moe" else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
+
+        def dense_mlps(s, w):
+            if self.tokens_once:
+                return [DenseMLPAllTokens(cfg, w, self.N, layer=s.index, device=self.device)]
+            return [SpecializedDenseMLP(cfg, w, self.Nc, layer=s.index, device=self.device)
+                    for c in C]  # fmt: skip
+
         self.dense_c = [
-            [SpecializedDenseMLP(cfg, w, self.Nc, layer=s.index, device=self.device) for c in C]
-            if s.mlp == "dense"
-            else None
+            dense_mlps(s, w) if s.mlp == "dense" else None
             for s, w in zip(specs, self.weights, strict=True)
         ]
         for ac, mc in zip(self.attn_c, self.moe_c, strict=True):
@@ -780,9 +806,12 @@ class SpecializedModel:
         wide = self.attn_all[i]  # every token-parallel op over all rows, the decode per chunk
         with _range(f"layer.{spec.index}:{spec.kind}"):
             if wide is not None:
+                second = (("dense MLP", lambda: self.dense_c[i][0].forward(h, x_out))
+                          if spec.mlp == "dense"
+                          else ("MoE", lambda: self.moe_c[i][0].forward(h, x_out)))  # fmt: skip
                 self._run(i, None, [
                     (f"attention ({spec.attn})", lambda: wide.forward(x, r, r_out, h)),
-                    ("MoE", lambda: self.moe_c[i][0].forward(h, x_out)),
+                    second,
                 ], guarded)  # fmt: skip
                 return
             for c in range(self.chunks):  # one chunk unless more than MAX_STEP_TOKENS tokens
@@ -896,6 +925,9 @@ class SpecializedModel:
         n = self.chunks
         for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
             lay = f"layer.{s.index}:{s.kind}"
+            if self.tokens_once:
+                out[lay] = tokens_once_launches(self.cfg, s, self.N, n)
+                continue
             if d is not None:
                 per = a.launches_no_norm + d.launches + attn_extra_launches(self.cfg, s, self.Nc)
                 out[lay] = per * n
