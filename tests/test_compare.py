@@ -276,6 +276,14 @@ def test_chunk_note_without_a_record():
         "4 chunks of 8 sequences (256 tokens per step): the decode kernels x4; the projections, "
         "the MoE front/back and the experts once over all tokens"
     )
+    wide["workload"]["chunks"]["dense"] = "once"  # session 22: a dense layer's MLP too
+    assert "the MoE front/back, the dense MLP and the experts once" in chunk_note(meta(wide))
+    wide["workload"]["chunks"]["decode"] = "once"  # DECODESCOPE_CHUNK_DECODE=once
+    assert chunk_note(meta(wide)) == (
+        "4 chunks of 8 sequences (256 tokens per step): every kernel once over all tokens (the "
+        "decode kernels too, over all 32 sequences; the projections, the MoE front/back, the "
+        "dense MLP, the experts)"
+    )
 
 
 def test_fused_coverage_where_both_sides_run_the_same_fused_op():

@@ -312,3 +312,16 @@ def test_situ_mul_compiles_and_ref(tp, m):
         sm.SituPlan(4, 12, *betas)
     with pytest.raises(ValueError, match=r"must be \[M, 2 \* Dn\]"):
         sm.situ_mul(gu[:, :100].contiguous(), torch.empty(6, 64, dtype=torch.bfloat16), betas)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_decode_kernels_compile_over_all_sequences(tp):
+    """``DECODESCOPE_CHUNK_DECODE=once`` (``step.decode_once``): the KDA recurrence and the MLA
+    decode (the split kernel's head groups) over all 64 sequences of a 64 x (1+7) verify step,
+    compiled for sm_90a."""
+    from decodescope.kernels.specialized import mla_decode as mla
+
+    cfg = get_config("kimi-k3", tp)
+    assert kda.compile_plan(kda.plan_for(cfg, 64, 8)) is not None
+    assert mla.kernel_choice(torch.bfloat16, "", 64, 8, cfg) == "split"
+    assert mla.compile_for(cfg, 64, 8) is not None

@@ -725,6 +725,33 @@ def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
     assert not S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8).tokens_once
 
 
+@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64)])
+def test_chunk_decode_once_plan(monkeypatch, tp, batch):
+    """DECODESCOPE_CHUNK_DECODE=once: the decode kernels in one launch over every sequence,
+    so every range of a layer holds one launch but the experts'; the record and the notes say
+    so; the knob is validated and needs the token-parallel ops once."""
+    monkeypatch.delenv(S.CHUNK_TOKEN_OPS_ENV, raising=False)
+    monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "once")
+    p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
+    assert p.tokens_once and p.decode_once and p.decode_launches == 1
+    assert p.launches() == {"layer.0:dense": 4 + 1 + 3, "layer.1:kda": 4 + 1 + 7,
+                            "layer.2:mla": 3 + 2 + 1 + 2 + 7}  # fmt: skip
+    cfg = json.loads(p.meta["config_json"])
+    assert cfg["chunks"]["decode"] == "once" and cfg["kernel_env"][S.CHUNK_DECODE_ENV] == "once"
+    assert "every kernel runs once over all tokens" in p.meta["notes"]
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "chunk")
+    q = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="kda")
+    assert not q.decode_once and q.decode_launches == batch // 8
+    assert "decode" not in json.loads(q.meta["config_json"])["chunks"]
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "all")
+    with pytest.raises(ValueError, match="DECODESCOPE_CHUNK_DECODE='all'"):
+        S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8)
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "once")
+    monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "chunk")  # needs the token-parallel ops once
+    assert not S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8).decode_once
+
+
 def one_dense(tp):
     return S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8,
                   layers="dense").range_names()["layer.0:dense"]  # fmt: skip
@@ -856,8 +883,10 @@ def test_token_ops_once_dense_with_reference_kernels_matches_standard(monkeypatc
     assert _rel(out, dm.dense_mlp_wide_ref(p.cfg, w0, h)) < 1e-2
 
 
+@pytest.mark.parametrize("decode", ["chunk", "once"])
 @pytest.mark.parametrize("batch, tokens", [(16, 1), (4, 3), (6, 2)])
-def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, batch, tokens):
+def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, batch, tokens,
+                                                                decode):  # fmt: skip
     """The all-rows path itself (the cuBLAS projections as torch matmuls on the CPU), with each
     CuTe kernel replaced by its torch reference (the RMSNorm launches, the KDA recurrence and
     MLA decode per chunk on row and state views, the grouped experts from the front's FP32
@@ -870,6 +899,7 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     from decodescope.kernels.standard.model import StandardModel
 
     _wide(monkeypatch, limit=4)
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, decode)  # once: the decode kernels over all rows
     decodes = []
 
     def norm(x, w, y, eps, residual=None, residual_out=None):
@@ -910,5 +940,8 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     std = StandardModel(p.cfg, p.specs, batch, tokens, seed=3, device="cpu")
     m.step()
     std.step()
-    assert decodes == [m.per * tokens] * (3 * m.chunks)  # each decode kernel per chunk
+    if decode == "once":
+        assert m.decode_once and decodes == [batch * tokens] * 3
+    else:  # each decode kernel per chunk
+        assert not m.decode_once and decodes == [m.per * tokens] * (3 * m.chunks)
     _assert_step_matches(p, m, std, batch, tokens)

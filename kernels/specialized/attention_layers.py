@@ -224,12 +224,19 @@ class AttentionAllTokens:
     state views. Same ranges as :class:`SpecializedAttention` (:func:`attn_ops`, never the fused
     o_proj + norm); the decode range holds a launch per chunk.
 
-    Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``
-    (:func:`all_tokens_launches`); every kernel compiles at its first call (the model's
-    guarded warm-up step)."""
+    ``decode_once`` (``step.decode_once``, ``DECODESCOPE_CHUNK_DECODE=once``): the decode kernel
+    too in one launch over every sequence (the kernels' grids are per sequence and head; no
+    64-token limit of theirs), ``per`` then ignored.
+
+    Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``, ``chunks`` 1
+    with ``decode_once`` (:func:`all_tokens_launches`); every kernel compiles at its first call
+    (the model's guarded warm-up step)."""
 
     def __init__(self, cfg: Config, spec: LayerSpec, w: dict[str, torch.Tensor],
-                 state: dict[str, torch.Tensor], batch: int, tokens: int, per: int):  # fmt: skip
+                 state: dict[str, torch.Tensor], batch: int, tokens: int, per: int,
+                 decode_once: bool = False):  # fmt: skip
+        if decode_once:
+            per = batch
         if per < 1 or batch % per:
             raise ValueError(f"AttentionAllTokens: {per} sequences per chunk must divide {batch}")
         self.cfg, self.spec, self.w, self.state = cfg, spec, w, state

@@ -196,6 +196,20 @@ def _attn_problems(cfg, kind: str, batch: int, tokens: int) -> list[str]:
     return out
 
 
+def _decode_problems(cfg, kinds, batch: int, tokens: int) -> list[str]:
+    """The decode kernels over all ``batch`` sequences at once (:func:`decode_once`)."""
+    from decodescope.kernels.specialized import kda_decode as kda
+    from decodescope.kernels.specialized import mla_decode as mla
+
+    out: list[str] = []
+    where = f"{CHUNK_DECODE_ENV}=once: the decode kernel over all {batch} sequences"
+    if "kda" in kinds:
+        _try(out, f"{where} (KDA)", lambda: kda.make_op(kda.plan_for(cfg, batch, tokens)))
+    if "mla" in kinds:
+        _try(out, f"{where} (MLA)", lambda: mla.MLADecode(mla.plan_for(cfg, batch, tokens)))
+    return out
+
+
 def _moe_problems(cfg, n_tokens: int) -> list[str]:
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import moe_experts as me
@@ -250,13 +264,22 @@ def chunking(batch: int, tokens: int) -> tuple[int, int]:
 
 
 def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None,
-               token_ops: bool = False, dense: bool = False) -> str:  # fmt: skip
+               token_ops: bool = False, dense: bool = False,
+               decode: bool = False) -> str:  # fmt: skip
     """How a chunked step ran, for notes and reports (``once``: the experts once over all
     tokens; None: not recorded, a run from before the choice existed, which ran per chunk;
     ``token_ops``: only the decode kernels per chunk, :func:`tokens_once`; ``dense``: the step
-    has a dense layer, whose MLP then runs once over all tokens too)."""
+    has a dense layer, whose MLP then runs once over all tokens too; ``decode``: the decode
+    kernels once over all sequences too, :func:`decode_once`)."""
     head = (f"{n_tokens} tokens per step: the specialized kernels take at most "
             f"{MAX_STEP_TOKENS} per launch, so ")  # fmt: skip
+    if once and token_ops and decode:
+        return head + (
+            "every kernel runs once over all tokens: the decode kernels (KDA recurrence, MLA "
+            "decode) over all sequences, the projections, the MoE front and back (cuBLAS)"
+            + (", the dense MLP" if dense else "")
+            + " and the experts"
+        )
     if once and token_ops:
         return head + (
             f"the decode kernels (KDA recurrence, MLA decode) run in {n_chunks} chunks of {per} "
@@ -307,6 +330,8 @@ def check_usable(
             problems += _attn_problems(cfg, s.attn, nb, tokens)
     if any(s.mlp == "moe" for s in specs):
         problems += _moe_problems(cfg, nb * tokens)
+    if tp_world == 1 and decode_once(cfg, batch, tokens, front_norm):
+        problems += _decode_problems(cfg, {s.attn for s in specs}, batch, tokens)
     if problems:
         head = (
             f"workload 'specialized' cannot run preset {cfg.preset or cfg.model.name!r} "
@@ -393,6 +418,16 @@ class Plan:
         """Chunked, with only the decode kernels per chunk (:func:`tokens_once`)."""
         return tokens_once(self.cfg, self.batch, self.tokens, self.front_norm)
 
+    @property
+    def decode_once(self) -> bool:
+        """Chunked, with the decode kernels once over all sequences too (:func:`decode_once`)."""
+        return decode_once(self.cfg, self.batch, self.tokens, self.front_norm)
+
+    @property
+    def decode_launches(self) -> int:
+        """Launches of a decode kernel per layer: 1 with :attr:`decode_once`, else per chunk."""
+        return 1 if self.decode_once else self.chunk[1]
+
     def range_names(self) -> dict[str, list[str]]:
         """``{"layer.{i}:{kind}": ["layer.{i}.attn.<ops>", ..., "layer.{i}.moe.<ops>"]}``, in
         the order the step opens them (repeated per sequence chunk; with the experts once over
@@ -422,7 +457,8 @@ class Plan:
         out = {}
         for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True):
             if self.tokens_once:
-                out[lay] = tokens_once_launches(self.cfg, s, self.batch * self.tokens, n_chunks)
+                out[lay] = tokens_once_launches(self.cfg, s, self.batch * self.tokens,
+                                                self.decode_launches)  # fmt: skip
             elif once and s.mlp == "moe":
                 out[lay] = (len(ops) + n_chunks * attn_extra_launches(self.cfg, s, n)
                             + 2 * (n_chunks - 1) + moe_extra_launches(self.cfg, self.batch
@@ -545,6 +581,22 @@ def experts_once(cfg, batch: int, tokens: int) -> bool:
     if knob.read(CHUNK_EXPERTS_ENV, CHUNK_EXPERTS, "once") != "once":
         return False
     return mg.selected(batch * tokens, _moe_dims(cfg))
+
+
+CHUNK_DECODE_ENV = "DECODESCOPE_CHUNK_DECODE"
+CHUNK_DECODE = ("chunk", "once")
+
+
+def decode_once(cfg, batch: int, tokens: int, front_norm: bool = False) -> bool:
+    """Whether a step with the token-parallel ops once (:func:`tokens_once`) runs the decode
+    kernels (KDA recurrence, MLA decode) once over every sequence too, so that every kernel of
+    the step sees all of its tokens: ``DECODESCOPE_CHUNK_DECODE=once``; ``chunk`` (the default):
+    one launch per sequence chunk, each on its chunk's rows, state and cache (views)."""
+    if not tokens_once(cfg, batch, tokens, front_norm):
+        return False
+    from decodescope.kernels.specialized import env_knobs as knob
+
+    return knob.read(CHUNK_DECODE_ENV, CHUNK_DECODE, "chunk") == "once"
 
 
 CHUNK_TOKEN_OPS_ENV = "DECODESCOPE_CHUNK_TOKEN_OPS"
@@ -671,6 +723,7 @@ def plan(
             "chunks": {"sequences": p.chunk[0], "chunks": p.chunk[1]}
             | ({"experts": "once" if p.experts_once else "chunk"} if p.chunk[1] > 1 else {})
             | ({"token_ops": "once"} if p.tokens_once else {})
+            | ({"decode": "once"} if p.decode_once else {})
             # since session 22 a dense layer's MLP runs once over all tokens with them
             | (
                 {"dense": "once"} if p.tokens_once and any(x.mlp == "dense" for x in specs) else {}
@@ -688,7 +741,7 @@ def plan(
     per, n_chunks = p.chunk
     if n_chunks > 1:
         text = chunk_text(b * t, n_chunks, per, p.experts_once, p.tokens_once,
-                          any(x.mlp == "dense" for x in specs))  # fmt: skip
+                          any(x.mlp == "dense" for x in specs), p.decode_once)  # fmt: skip
         p.meta["notes"] += f"; {text}"
     return p
 
@@ -755,8 +808,10 @@ class SpecializedModel:
         # chunked: the token-parallel ops of each layer once over all N rows too, only the
         # decode kernels per chunk (tokens_once)
         self.tokens_once = tokens_once(cfg, batch, tokens_per_seq, front_norm)
+        # and the decode kernels once over all sequences (decode_once)
+        self.decode_once = decode_once(cfg, batch, tokens_per_seq, front_norm)
         self.attn_all = [
-            AttentionAllTokens(cfg, s, w, st, batch, tokens_per_seq, self.per)
+            AttentionAllTokens(cfg, s, w, st, batch, tokens_per_seq, self.per, self.decode_once)
             if self.tokens_once else None
             for s, w, st in zip(specs, self.weights, self.states, strict=True)
         ]  # fmt: skip
@@ -926,7 +981,8 @@ class SpecializedModel:
         for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
             lay = f"layer.{s.index}:{s.kind}"
             if self.tokens_once:
-                out[lay] = tokens_once_launches(self.cfg, s, self.N, n)
+                out[lay] = tokens_once_launches(self.cfg, s, self.N,
+                                                1 if self.decode_once else n)  # fmt: skip
                 continue
             if d is not None:
                 per = a.launches_no_norm + d.launches + attn_extra_launches(self.cfg, s, self.Nc)
@@ -934,9 +990,7 @@ class SpecializedModel:
                 continue
             att = a.launches_no_norm if self.front_norm else a.launches
             att += attn_extra_launches(self.cfg, s, self.Nc)
-            if self.tokens_once:
-                out[lay] = tokens_once_launches(self.cfg, s, self.N, n)
-            elif self.experts_once:  # front and back per chunk, the experts once over all rows
+            if self.experts_once:  # front and back per chunk, the experts once over all rows
                 out[lay] = att * n + 2 * n + 1 + moe_extra_launches(self.cfg, self.N)
             else:
                 out[lay] = (att + len(mb.OPS) + moe_extra_launches(self.cfg, self.Nc)) * n
