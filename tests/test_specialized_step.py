@@ -668,24 +668,27 @@ def test_gpu_steps_run_case_plumbing_on_cpu(monkeypatch):
 # -- the token-parallel ops once over all rows (DECODESCOPE_CHUNK_TOKEN_OPS=once) ---------------
 
 
-def _wide(monkeypatch, limit: int = 8) -> None:
+def _wide(monkeypatch, limit: int = 8, decode: str = "chunk") -> None:
     """Tiny shapes with the token limit of every kernel (the step's chunks and the tile GEMM's
-    rows) lowered to ``limit``, the token-parallel ops once over all rows."""
+    rows) lowered to ``limit``, the token-parallel ops once over all rows, the decode kernels
+    per chunk (``decode``: ``DECODESCOPE_CHUNK_DECODE``)."""
     from decodescope.kernels.specialized import tile_gemm as tg
 
     monkeypatch.setattr(S, "MAX_STEP_TOKENS", limit)
     monkeypatch.setattr(tg, "TILE_MAX_M", limit)
     monkeypatch.setenv(S.CHUNK_EXPERTS_ENV, "once")
     monkeypatch.setenv(S.CHUNK_TOKEN_OPS_ENV, "once")
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, decode)
 
 
 @pytest.mark.parametrize("tp,batch,n", [(8, 32, 4), (16, 64, 8)])
 def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
-    """The default for a chunked step: every range once per layer, the decode range holding a
-    launch per chunk; the projections and the MoE front / back on cuBLAS; the record and the
-    notes say so."""
+    """Session 21's default for a chunked step (``DECODESCOPE_CHUNK_DECODE=chunk`` since
+    session 22): every range once per layer, the decode range holding a launch per chunk; the
+    projections and the MoE front / back on cuBLAS; the record and the notes say so."""
     monkeypatch.delenv(S.CHUNK_TOKEN_OPS_ENV, raising=False)
     monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
+    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "chunk")
     p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
     one = S.plan(preset="kimi-k3", tp_shape=tp, batch=8, tokens_per_seq=8, layers="kda,mla")
     assert p.experts_once and p.tokens_once
@@ -727,18 +730,19 @@ def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
 
 @pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64)])
 def test_chunk_decode_once_plan(monkeypatch, tp, batch):
-    """DECODESCOPE_CHUNK_DECODE=once: the decode kernels in one launch over every sequence,
-    so every range of a layer holds one launch but the experts'; the record and the notes say
-    so; the knob is validated and needs the token-parallel ops once."""
+    """The default since session 22 (DECODESCOPE_CHUNK_DECODE unset or ``once``): the decode
+    kernels in one launch over every sequence, so every range of a layer holds one launch but
+    the experts'; the record and the notes say so; the knob is validated and needs the
+    token-parallel ops once."""
     monkeypatch.delenv(S.CHUNK_TOKEN_OPS_ENV, raising=False)
     monkeypatch.delenv(S.CHUNK_EXPERTS_ENV, raising=False)
-    monkeypatch.setenv(S.CHUNK_DECODE_ENV, "once")
+    monkeypatch.delenv(S.CHUNK_DECODE_ENV, raising=False)
     p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
     assert p.tokens_once and p.decode_once and p.decode_launches == 1
     assert p.launches() == {"layer.0:dense": 4 + 1 + 3, "layer.1:kda": 4 + 1 + 7,
                             "layer.2:mla": 3 + 2 + 1 + 2 + 7}  # fmt: skip
     cfg = json.loads(p.meta["config_json"])
-    assert cfg["chunks"]["decode"] == "once" and cfg["kernel_env"][S.CHUNK_DECODE_ENV] == "once"
+    assert cfg["chunks"]["decode"] == "once" and S.CHUNK_DECODE_ENV not in cfg["kernel_env"]
     assert "every kernel runs once over all tokens" in p.meta["notes"]
     monkeypatch.setenv(S.CHUNK_DECODE_ENV, "chunk")
     q = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="kda")

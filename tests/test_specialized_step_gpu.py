@@ -66,24 +66,28 @@ def test_front_norm_step_equals_standard(g):
     assert rec["launches"] == {"layer.0:kda": 6, "layer.1:mla": 7}
 
 
-@pytest.mark.parametrize("token_ops", ["once", "chunk"])
-def test_chunked_verify_step_equals_standard(g, monkeypatch, token_ops):
-    """16 sequences of 1+7 tokens (128 tokens: two chunks of 64): the token-parallel ops once
-    over all tokens, only the decode kernels per chunk (the default since session 21), and
-    session 20's layout (``DECODESCOPE_CHUNK_TOKEN_OPS=chunk``)."""
+@pytest.mark.parametrize("token_ops,decode", [("once", "once"), ("once", "chunk"),
+                                             ("chunk", "chunk")])  # fmt: skip
+def test_chunked_verify_step_equals_standard(g, monkeypatch, token_ops, decode):
+    """16 sequences of 1+7 tokens (128 tokens: two chunks of 64): every kernel once over all
+    tokens (the default since session 22), the decode kernels per chunk (session 21's,
+    ``DECODESCOPE_CHUNK_DECODE=chunk``), and session 20's layout
+    (``DECODESCOPE_CHUNK_TOKEN_OPS=chunk``)."""
     monkeypatch.setenv("DECODESCOPE_CHUNK_TOKEN_OPS", token_ops)
+    monkeypatch.setenv("DECODESCOPE_CHUNK_DECODE", decode)
     rec = g.run_case("kimi-k3", 8, 16, 8, "kda,mla", seed=0, draws=1, graph=True)
     assert rec["status"] == "PASS", _failures(rec)
-    if token_ops == "once":  # KDA: 4 + 2 decodes + 7 MoE; MLA: 5 + 2 + 2 + 7
-        assert rec["launches"] == {"layer.0:kda": 13, "layer.1:mla": 16}
+    n = 1 if decode == "once" else 2  # decode launches
+    if token_ops == "once":  # KDA: 4 + n decodes + 7 MoE; MLA: 5 + n + 2 + 7
+        assert rec["launches"] == {"layer.0:kda": 11 + n, "layer.1:mla": 14 + n}
 
 
 def test_chunked_verify_step_with_dense_layer_equals_standard(g):
-    """16 x (1+7) tokens with the dense layer 0 first (session 22): its attention over all rows
-    with the KDA recurrence per chunk, its MLP as cuBLAS gate_up, the SiTU launch, cuBLAS down."""
+    """16 x (1+7) tokens with the dense layer 0 first (session 22): its attention over all rows,
+    its MLP as cuBLAS gate_up, the SiTU launch, cuBLAS down."""
     rec = g.run_case("kimi-k3", 8, 16, 8, "dense,kda", seed=0, draws=1, graph=True)
     assert rec["status"] == "PASS", _failures(rec)
-    assert rec["launches"] == {"layer.0:dense": 9, "layer.1:kda": 13}
+    assert rec["launches"] == {"layer.0:dense": 8, "layer.1:kda": 12}  # one decode launch each
 
 
 def test_workload_meta_on_gpu():
