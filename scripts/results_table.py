@@ -106,9 +106,9 @@ def main(path: str = "results") -> None:
     )
     if chunked:
         print(
-            "\nThe specialized kernels take at most 64 tokens per launch; larger steps ran in "
-            "sequence chunks, the kernels that ran per chunk reading their weights once per "
-            "chunk: " + "; ".join(f"TP{tp} {b}: {note}" for tp, b, note in chunked) + "."
+            "\nThe specialized fused kernels take at most 64 tokens per launch; how the larger "
+            "steps ran (kernels that ran per sequence chunk read their weights once per "
+            "chunk): " + "; ".join(f"TP{tp} {b}: {note}" for tp, b, note in chunked) + "."
         )
     knobbed = sum(1 for r in runs if knobs_of(r.meta))
     if knobbed:

@@ -122,9 +122,10 @@ def chunk_note(meta) -> str | None:
     if ch.get("experts") == "once" and ch.get("token_ops") == "once":  # session 21 on
         dense = ", the dense MLP" if ch.get("dense") == "once" else ""  # session 22 on
         if ch.get("decode") == "once":  # DECODESCOPE_CHUNK_DECODE=once (session 22 on)
-            return head + (
-                f"every kernel once over all tokens (the decode kernels too, over all "
-                f"{n * per} sequences; the projections, the MoE front/back{dense}, the experts)"
+            return (
+                f"{n * per * tps} tokens per step: every kernel once over all tokens, none per "
+                f"chunk (the decode kernels over all {n * per} sequences; the projections, the "
+                f"MoE front/back{dense}, the experts)"
             )
         return head + (
             f"the decode kernels x{n}; the projections, the MoE front/back{dense} and the "

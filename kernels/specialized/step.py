@@ -276,9 +276,10 @@ def chunk_text(n_tokens: int, n_chunks: int, per: int, once: bool | None,
     head = (f"{n_tokens} tokens per step: the specialized kernels take at most "
             f"{MAX_STEP_TOKENS} per launch, so ")  # fmt: skip
     if once and token_ops and decode:
-        return head + (
-            "every kernel runs once over all tokens: the decode kernels (KDA recurrence, MLA "
-            "decode) over all sequences, the projections, the MoE front and back (cuBLAS)"
+        return (
+            f"{n_tokens} tokens per step: every kernel runs once over all tokens (none per "
+            "sequence chunk): the decode kernels (KDA recurrence, MLA decode) over all "
+            "sequences, the projections, the MoE front and back (cuBLAS)"
             + (", the dense MLP" if dense else "")
             + " and the experts"
         )
