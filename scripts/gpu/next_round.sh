@@ -51,14 +51,21 @@ part6=(
   "220:steps8:python scripts/gpu_steps.py --tp 8 --points 64x8 --layers kda,mla --out $R/steps8"
   "220:steps16:python scripts/gpu_steps.py --tp 16 --points 32x8 --layers kda,mla --out $R/steps16"
 )
-# Part 7: the GPU tests written in session 21 and not yet run: the wide ops against their
-# references, the chunked verify step of 16 x (1+7) tokens against the standard one (vLLM parts
-# staged: the standard path runs).
+# Part 7: the GPU tests written in session 21: the wide ops against their references, the
+# chunked verify step of 16 x (1+7) tokens against the standard one (vLLM parts staged: the
+# standard path runs). Parts 4, 6 and 7 ran in session 22 (notes/gpu-logs/s22/p4, p67), and
+# the verify steps' rows again after the dense layer and the decode kernels went once over all
+# tokens (d1, o1, f1; notes/specialized.md "Session 22"). Part 8: the rows of the verify steps
+# of 32 / 64 sequences, both backends, verify step only (half a part 4's device time).
 part7=(
   "240:wide:python -m pytest -q -x -p no:cacheprovider -m gpu tests/test_wide_ops_gpu.py"
   "240:chunked:python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_step_gpu.py -k chunked"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 7
+part8=(
+  "130:b8:decodescope bench --tp-shape 8 --batch 32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/b8/bench.json"
+  "120:b16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/b16/bench.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 8
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -67,5 +74,6 @@ case "${1:-1}" in
   5) exec bash "$here/run_stages.sh" "${part5[@]}" ;;
   6) exec bash "$here/run_stages.sh" "${part6[@]}" ;;
   7) exec bash "$here/run_stages.sh" "${part7[@]}" ;;
-  *) echo "next_round.sh: part 1 to 7, got '$1'" >&2; exit 2 ;;
+  8) exec bash "$here/run_stages.sh" "${part8[@]}" ;;
+  *) echo "next_round.sh: part 1 to 8, got '$1'" >&2; exit 2 ;;
 esac
