@@ -280,9 +280,9 @@ def test_chunk_note_without_a_record():
     assert "the MoE front/back, the dense MLP and the experts once" in chunk_note(meta(wide))
     wide["workload"]["chunks"]["decode"] = "once"  # DECODESCOPE_CHUNK_DECODE=once
     assert chunk_note(meta(wide)) == (
-        "256 tokens per step: every kernel once over all tokens, none per chunk (the decode "
-        "kernels over all 32 sequences; the projections, the MoE front/back, the dense MLP, the "
-        "experts)"
+        "one pass over the step's 256 tokens: every kernel once over all of them, none per "
+        "sequence chunk (the decode kernels over all 32 sequences; the projections, the MoE "
+        "front/back, the dense MLP, the experts)"
     )
 
 

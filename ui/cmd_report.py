@@ -123,9 +123,9 @@ def chunk_note(meta) -> str | None:
         dense = ", the dense MLP" if ch.get("dense") == "once" else ""  # session 22 on
         if ch.get("decode") == "once":  # DECODESCOPE_CHUNK_DECODE=once (session 22 on)
             return (
-                f"{n * per * tps} tokens per step: every kernel once over all tokens, none per "
-                f"chunk (the decode kernels over all {n * per} sequences; the projections, the "
-                f"MoE front/back{dense}, the experts)"
+                f"one pass over the step's {n * per * tps} tokens: every kernel once over all of "
+                f"them, none per sequence chunk (the decode kernels over all {n * per} sequences; "
+                f"the projections, the MoE front/back{dense}, the experts)"
             )
         return head + (
             f"the decode kernels x{n}; the projections, the MoE front/back{dense} and the "
