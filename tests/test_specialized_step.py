@@ -761,10 +761,10 @@ def one_dense(tp):
                   layers="dense").range_names()["layer.0:dense"]  # fmt: skip
 
 
-def test_dry_run_token_ops_once(monkeypatch):
-    """Every launch (CuTe kernels through interface.compiled, the cuBLAS GEMMs and the back's
-    add through their module functions) under the range the plan names, in order; the plan's,
-    the model's and the trace's launch counts agree."""
+def _record_launches(monkeypatch) -> list[tuple[str, str]]:
+    """Every launch of a step recorded as ``(range path, kind)`` instead of run: the CuTe
+    kernels through ``interface.compiled`` (their key's name), the cuBLAS GEMMs and the MoE
+    back's add through their module functions."""
     from decodescope.kernels.specialized import interface as itf
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import tile_gemm as tg
@@ -778,6 +778,14 @@ def test_dry_run_token_ops_once(monkeypatch):
     monkeypatch.setattr(tg, "_cublas_gemm", rec("cublas"))
     monkeypatch.setattr(tg, "mm_f32", rec("cublas_f32"))
     monkeypatch.setattr(mb, "add_round", rec("add"))
+    return calls
+
+
+def test_dry_run_token_ops_once(monkeypatch):
+    """Every launch (CuTe kernels through interface.compiled, the cuBLAS GEMMs and the back's
+    add through their module functions) under the range the plan names, in order; the plan's,
+    the model's and the trace's launch counts agree."""
+    calls = _record_launches(monkeypatch)
     _wide(monkeypatch)
     p, m = _model(batch=16, tokens=1, layers="kda,mla")
     assert m.chunks == 2 and m.tokens_once and p.tokens_once
@@ -792,34 +800,24 @@ def test_dry_run_token_ops_once(monkeypatch):
                    "rmsnorm", "cublas_f32", "add"]  # fmt: skip
 
 
-def test_dry_run_token_ops_once_dense(monkeypatch):
+@pytest.mark.parametrize("decode", ["chunk", "once"])
+def test_dry_run_token_ops_once_dense(monkeypatch, decode):
     """A dense layer in a chunked step: its attention as a KDA layer's over all rows (the
-    decode per chunk), then gate_up (cuBLAS), the SiTU launch and down (cuBLAS), each under its
-    range; plan, model and trace agree."""
-    from decodescope.kernels.specialized import interface as itf
-    from decodescope.kernels.specialized import moe_block as mb
-    from decodescope.kernels.specialized import tile_gemm as tg
-
-    calls: list[tuple[str, str]] = []
-
-    def rec(name):
-        return lambda *a, **k: calls.append((tracer.current_path(), name))
-
-    monkeypatch.setattr(itf, "compiled", lambda key, build: rec(str(key[0])))
-    monkeypatch.setattr(tg, "_cublas_gemm", rec("cublas"))
-    monkeypatch.setattr(tg, "mm_f32", rec("cublas_f32"))
-    monkeypatch.setattr(mb, "add_round", rec("add"))
-    _wide(monkeypatch)
+    decode per chunk, or once over all sequences), then gate_up (cuBLAS), the SiTU launch and
+    down (cuBLAS), each under its range; plan, model and trace agree."""
+    calls = _record_launches(monkeypatch)
+    _wide(monkeypatch, decode=decode)
     p, m = _model(batch=16, tokens=1, layers="dense,kda")
     assert m.chunks == 2 and m.tokens_once and m.attn_all[0] is not None
     with tracer.range("step"):
         m.step()
     per_layer = _launches_by_range(p, [c[0] for c in calls])
     assert per_layer == p.launches() == m.launches()
-    assert per_layer["layer.0:dense"] == 9
+    decodes = ["kda_decode"] * (1 if decode == "once" else 2)
+    assert per_layer["layer.0:dense"] == 7 + len(decodes)
     dense = [k for path, k in calls if path.startswith("step/layer.0:dense/")]
-    assert dense == ["rmsnorm", "cublas", "kda_decode", "kda_decode", "cublas", "rmsnorm",
-                     "cublas", "situ_mul", "cublas"]  # fmt: skip
+    assert dense == ["rmsnorm", "cublas", *decodes, "cublas", "rmsnorm", "cublas", "situ_mul",
+                     "cublas"]  # fmt: skip
 
 
 def test_token_ops_once_dense_with_reference_kernels_matches_standard(monkeypatch):
