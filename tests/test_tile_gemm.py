@@ -4,7 +4,8 @@ CPU: it compiles for sm_90a at the kimi-k3 TP8 attention projections (in_proj wi
 launch, MLA qkv_a + g_proj, the strided q_b input, o_proj's residual epilogue) at 8 and 64
 tokens; the plan's split choice and errors; ``DECODESCOPE_ATTN_GEMM`` routes the layers'
 projections to it and leaves the default alone. GPU (``-m gpu``): every shape vs the torch
-reference with NaN-poisoned outputs, including forced split counts, stage and warp counts.
+reference with NaN-poisoned outputs, including forced split counts, stage and warp counts, each
+with the warpgroup MMAs (``wgmma``) too; CPU: the wgmma path compiles at every plan kind.
 """
 
 from __future__ import annotations
@@ -38,6 +39,43 @@ def test_compiles(name, m):
     assert p.row_ctas * p.splits >= tg.NUM_SMS
     assert p.smem_bytes <= 114 * 1024  # two CTAs per SM
     assert tg.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize(
+    "name,m", [("in_proj", 64), ("qkv_a_g", 33), ("q_b", 64), ("o_proj", 8), ("front", 64)],
+)  # fmt: skip
+def test_compiles_wgmma(name, m):
+    """The warpgroup-MMA path compiles for sm_90a at every plan kind (norm launch, residual
+    epilogue, rms_fold, FP32 out), the buffers still leave two CTAs per SM."""
+    kw = dict(cases(CFG))
+    kw["front"] = dict(k=CFG.hidden, segments=(5248,), out_f32=True)
+    p = tg.TilePlan(m=m, wgmma=True, **kw[name])
+    assert p.wgmma and p.smem_bytes <= 114 * 1024
+    assert tg.compile_plan(p) is not None
+
+
+def test_wgmma_plan_and_ptx(monkeypatch):
+    """``DECODESCOPE_TILE_WGMMA`` resolves into the plan (part of its key); the chunk's PTX has
+    RT x 4 MMAs of the padded token count, K steps 32 bytes apart, M blocks 8 KB apart."""
+    monkeypatch.delenv(tg.WGMMA_ENV, raising=False)
+    base = dict(m=64, **cases(CFG)["q_b"])
+    assert tg.TilePlan(**base).wgmma == (tg.WGMMA_MIN_M is not None and tg.WGMMA_MIN_M <= 64)
+    monkeypatch.setenv(tg.WGMMA_ENV, "1")
+    assert tg.TilePlan(**base).wgmma
+    assert not tg.TilePlan(**dict(base, warps=2)).wgmma  # not a warpgroup: the mma.sync path
+    with pytest.raises(ValueError, match="warps=4"):
+        tg.TilePlan(**dict(base, warps=2, wgmma=True))
+    monkeypatch.setenv(tg.WGMMA_ENV, "0")
+    assert not tg.TilePlan(**base).wgmma
+    monkeypatch.setenv(tg.WGMMA_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_TILE_WGMMA"):
+        tg.TilePlan(**base)
+    ptx = tg.wgmma_chunk_ptx(40, 2, 64)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16") == 8
+    assert "add.s64 da, {$r0}, 514;" in ptx and "add.s64 db, {$r1}, 6;" in ptx
+    assert "{$w39}" in ptx and "{$w40}" not in ptx and "{$r41}" in ptx
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tg.wgmma_chunk_ptx(36, 2, 64)
 
 
 def test_plan_choice_and_errors():
@@ -143,8 +181,9 @@ def check_tile(cfg, name, m, dev, seed=0, **force):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["in_proj", "qkv_a_g", "q_b", "o_proj"])
 @pytest.mark.parametrize("m", [1, 8, 33, 64])
-def test_tile_gemm_gpu(name, m):
-    assert check_tile(CFG, name, m, "cuda", seed=m) < 2e-2
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_tile_gemm_gpu(name, m, wgmma):
+    assert check_tile(CFG, name, m, "cuda", seed=m, wgmma=wgmma) < 2e-2
 
 
 @pytest.mark.gpu
@@ -156,3 +195,6 @@ def test_tile_gemm_gpu(name, m):
 def test_tile_gemm_variants_gpu(force):
     assert check_tile(CFG, "in_proj", 64, "cuda", seed=1, **force) < 2e-2
     assert check_tile(CFG, "o_proj", 17, "cuda", seed=2, **force) < 2e-2
+    if force.get("warps", 4) == 4:  # the warpgroup path with the same tilings
+        assert check_tile(CFG, "in_proj", 64, "cuda", seed=3, wgmma=True, **force) < 2e-2
+        assert check_tile(CFG, "o_proj", 17, "cuda", seed=4, wgmma=True, **force) < 2e-2

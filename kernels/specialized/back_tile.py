@@ -143,7 +143,7 @@ class BackPlan:
             return self.stages
         fixed = self._fixed_bytes(tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=False,
                                               splits_force=self.splits, warps=self.warps,
-                                              ldsm=False))  # fmt: skip
+                                              ldsm=False, wgmma=False))  # fmt: skip
         for s in (4, 3):
             if _two_per_sm(s * self._stage_bytes() + fixed):
                 return s
@@ -162,7 +162,8 @@ class BackPlan:
             warps=self.warps,
             stages=self.nstages,
             ldsm=False,
-        )  # fmt: skip  (this kernel's own fragments: self.ldsm)
+            wgmma=False,
+        )  # fmt: skip  (this kernel's own fragments: self.ldsm; the mma.sync path)
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
         # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer

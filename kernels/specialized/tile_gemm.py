@@ -90,7 +90,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
@@ -111,6 +111,24 @@ MODES = ("default", "tile", "auto")
 AUTO_MIN_M = 8
 EPI_BATCH = 4  # epilogue steps whose partial loads are issued together
 SMEM_2CTA = 113 * 1024  # shared memory per CTA that leaves room for two CTAs per SM
+SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 bytes)
+
+
+# warpgroup MMAs (TilePlan.wgmma) from this many tokens by default; None: off unless
+# DECODESCOPE_TILE_WGMMA=1
+WGMMA_MIN_M: int | None = None
+WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
+
+
+def wgmma_default(m: int) -> bool:
+    """``DECODESCOPE_TILE_WGMMA``: ``1`` warpgroup MMAs in every 4-warp tile plan, ``0`` in
+    none, unset: from ``WGMMA_MIN_M`` tokens. Read when a plan is built (part of its key)."""
+    env = os.environ.get(WGMMA_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{WGMMA_ENV}: 0 or 1, got {env!r}")
+    if env:
+        return env == "1"
+    return WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
 
 
 def mode() -> str:
@@ -189,6 +207,10 @@ class TilePlan:
     # the plan is built (so a plan key says which it is): DECODESCOPE_TILE_LDSM=1 / 0 everywhere
     # / nowhere, unset: residual-epilogue plans (o_proj) from LDSM_EPI_MIN_M tokens, others off
     ldsm: bool | None = None
+    # warpgroup MMAs (``wgmma.mma_async`` m64nNk16, both operands from the swizzled shared
+    # memory by descriptors) instead of the warps' ``mma.sync``; None: resolved when the plan is
+    # built (:func:`wgmma_default`, ``DECODESCOPE_TILE_WGMMA``). Needs the 4-warp tile.
+    wgmma: bool | None = None
     # the norm prologue launch (not part of the GEMM kernel; see norm_plan)
     norm: bool = False
     add_residual: bool = False
@@ -217,6 +239,10 @@ class TilePlan:
             env = os.environ.get("DECODESCOPE_TILE_LDSM", "")
             on = self.residual_epilogue and self.m >= LDSM_EPI_MIN_M
             object.__setattr__(self, "ldsm", env == "1" if env in ("0", "1") else on)
+        if self.wgmma is None:
+            object.__setattr__(self, "wgmma", self.warps == 4 and wgmma_default(self.m))
+        if self.wgmma and self.warps != 4:
+            raise ValueError(f"tile GEMM: wgmma needs warps=4 (one warpgroup), got {self.warps}")
         if self.stages == 0:
             st = 4
             if self.rms_fold and self.add_residual and self._smem(4) > SMEM_2CTA:
@@ -312,7 +338,8 @@ class TilePlan:
     def _smem(self, stages: int) -> int:
         xs = 2 if self.rms_fold and self.add_residual and not self.res_regs else 1  # + r
         extra = self.mp * 4 + 16 if self.rms_fold else 0
-        return stages * (self.cta_rows + xs * self.mp) * BK * 2 + 16 + extra
+        pad = 2 * SW128_ALIGN if self.wgmma else 0  # worst-case alignment of w and x
+        return stages * (self.cta_rows + xs * self.mp) * BK * 2 + 16 + extra + pad
 
     @property
     def smem_bytes(self) -> int:
@@ -348,16 +375,18 @@ class TileGemm:
     ):
         p = self.p
 
+        al = SW128_ALIGN if p.wgmma else 128  # the 128-byte swizzle's 8-row atoms
+
         @cute.struct
         class Smem:
-            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
-            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], al]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], al]
             last: cute.struct.MemRange[Int32, 1]
 
         @cute.struct
         class SmemFold:  # rms_fold: each token's rstd (or its sum of squares at one split)
-            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
-            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], al]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], al]
             last: cute.struct.MemRange[Int32, 1]
             rs: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
 
@@ -478,6 +507,10 @@ class TileGemm:
                             self.load_r_regs(res[0], rR, kc0 + i + 1, tidx)
                 else:
                     self.squares(sX, i % p.stages, ssq, tidx)
+            if cutlass.const_expr(p.wgmma):
+                # this thread's cp.async (and add_residual) writes, visible to the async proxy
+                # that wgmma reads shared memory through; the barrier then covers all threads
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             # the stage refilled now was read in iteration i - 1: every thread is past it
             nxt = i + (p.stages - 1)
@@ -488,7 +521,9 @@ class TileGemm:
                 if cutlass.const_expr(res is not None and not p.res_regs):
                     self.load_x(res[0], res[2], kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(p.ldsm):
+            if cutlass.const_expr(p.wgmma):
+                self.compute_wgmma(sW, sX, i % p.stages, accs)
+            elif cutlass.const_expr(p.ldsm):
                 self.compute_ldsm(sW, sX, i % p.stages, warp, lane, accs, fa, fb, atom)
             else:
                 self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
@@ -617,9 +652,43 @@ class TileGemm:
 
     def swz(self, u, r):
         """Shared-memory unit of 16-byte unit ``u`` of row ``r`` (trace-time helper)."""
-        if self.p.ldsm:
+        if self.p.ldsm or self.p.wgmma:  # wgmma: the 128-byte swizzle of its descriptors
             return u ^ (r % 8)
         return (u + 4 * (r % 2)) % 8
+
+    def tile_row(self, warp, q):
+        """First CTA row of accumulator tile ``q`` of ``warp`` (trace-time helper): the warp's
+        own 32 rows for ``mma.sync``; with ``wgmma`` M block ``q`` (64 rows) of the warpgroup,
+        whose warp ``w`` holds rows ``16 w ..``, in the same per-lane order as ``mma.sync``'s
+        16 x 8 tiles (registers ``4 j .. 4 j + 3``: rows g / g + 8, columns 8 j + 2 c + {0, 1})."""
+        if self.p.wgmma:
+            return q * 64 + warp * 16
+        return warp * WARP_ROWS + q * 16
+
+    @cute.jit
+    def compute_wgmma(self, sW, sX, stg, accs):
+        """``wgmma``: the MMAs of one 64-wide chunk as ``RT x 4`` warpgroup MMAs (M block of 64
+        weight rows, N = the padded tokens, K 16), operands by shared-memory descriptors (128-byte
+        swizzle: unit ``u`` of row ``r`` at ``u ^ (r % 8)``, as stored), the accumulators in
+        registers; committed and waited for inside the chunk, so the next chunk's loads never
+        overwrite a stage a running MMA reads."""
+        p = self.p
+        a_addr = sW.iterator.toint() + stg * (p.cta_rows * BK * 2)
+        b_addr = sX.iterator.toint() + stg * (p.mp * BK * 2)
+        flat = []
+        for q in cutlass.range_constexpr(RT):
+            for j in cutlass.range_constexpr(p.ntiles):
+                for e in cutlass.range_constexpr(4):
+                    flat.append(accs[q * p.ntiles + j][e])
+        outs = cute.arch.inline_ptx(
+            wgmma_chunk_ptx(p.mp, RT, BK),
+            write_only_types=[Float32] * len(flat),
+            read_only_args=[smem_desc(a_addr), smem_desc(b_addr), *flat],
+        )
+        for q in cutlass.range_constexpr(RT):
+            for j in cutlass.range_constexpr(p.ntiles):
+                for e in cutlass.range_constexpr(4):
+                    accs[q * p.ntiles + j][e] = outs[(q * p.ntiles + j) * 4 + e]
 
     @cute.jit
     def compute_ldsm(self, sW, sX, stg, warp, lane, accs, fa, fb, atom):
@@ -688,7 +757,7 @@ class TileGemm:
         p = self.p
         for q in cutlass.range_constexpr(RT):
             for hh in cutlass.range_constexpr(2):
-                nn = row0 + warp * WARP_ROWS + q * 16 + g + 8 * hh
+                nn = row0 + self.tile_row(warp, q) + g + 8 * hh
                 if nn < n:
                     for j in cutlass.range_constexpr(p.ntiles):
                         for e in cutlass.range_constexpr(2):
@@ -713,7 +782,7 @@ class TileGemm:
         p = self.p
         for q in cutlass.range_constexpr(RT):
             for hh in cutlass.range_constexpr(2):
-                arow = bx * p.cta_rows + warp * WARP_ROWS + q * 16 + g + 8 * hh
+                arow = bx * p.cta_rows + self.tile_row(warp, q) + g + 8 * hh
                 for j in cutlass.range_constexpr(p.ntiles):
                     for e in cutlass.range_constexpr(2):
                         m = j * 8 + 2 * c + e
@@ -815,10 +884,12 @@ class TileGemmFoldRes(TileGemm):
 
         rsz = 8 if p.res_regs else p.stages * p.mp * BK  # res_regs: r in registers
 
+        al = SW128_ALIGN if p.wgmma else 128
+
         @cute.struct
         class SmemFoldRes:
-            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
-            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], 128]
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], al]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.mp * BK], al]
             r: cute.struct.Align[cute.struct.MemRange[BFloat16, rsz], 128]
             last: cute.struct.MemRange[Int32, 1]
             rs: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
@@ -856,6 +927,45 @@ class TileGemmFoldRes(TileGemm):
                 self.body(mX, weights[s], outs[s], None, mWs, mCnt, sW, sX, sLast, sRs, bx,
                           bx - t0, p.segments[s], sp, tidx, res=(mR, mRout, sR))  # fmt: skip
             t0 += nc
+
+
+# wgmma shared-memory descriptor (PTX ISA, "matrix descriptor"): start address >> 4 in bits
+# 0-13, leading byte offset >> 4 in 16-29 (unused by K-major swizzled operands: 1), stride byte
+# offset >> 4 in 32-45 (8 rows of 128 bytes: 1024), swizzle in 62-63 (1: 128 bytes)
+DESC_HI = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
+
+
+def smem_desc(addr):
+    """The descriptor of a K-major, 128-byte-swizzled operand at shared address ``addr``
+    (Int32, 1024-byte aligned). Trace-time helper."""
+    return Int64((addr >> 4) & 0x3FFF) | Int64(DESC_HI)
+
+
+def wgmma_chunk_ptx(n: int, mblocks: int, bk: int) -> str:
+    """PTX of one K chunk (``bk`` columns) of warpgroup MMAs: ``mblocks`` M blocks of 64 rows
+    (A: ``{$r0}`` + 8 KB each) against N = ``n`` tokens (B: ``{$r1}``), K steps of 16 (32 bytes
+    further in both descriptors), accumulating into ``mblocks * n / 2`` FP32 registers per
+    thread (read-only inputs ``{$r2}..``, copied to the outputs ``{$w..}`` first). Fenced,
+    committed and waited for in the block."""
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma: N must be a multiple of 8 in 8..256, got {n}")
+    per = n // 2
+    # scale-d: a predicate set in the block (1: accumulate into d)
+    lines = ["{", ".reg .b64 da, db;", ".reg .b32 one;", ".reg .pred p;", "mov.b32 one, 1;",
+             "setp.ne.b32 p, one, 0;"]  # fmt: skip
+    lines += [f"mov.f32 {{$w{i}}}, {{$r{2 + i}}};" for i in range(mblocks * per)]
+    lines.append("wgmma.fence.sync.aligned;")
+    for ks in range(bk // 16):
+        lines.append(f"add.s64 db, {{$r1}}, {ks * 32 >> 4};")
+        for q in range(mblocks):
+            lines.append(f"add.s64 da, {{$r0}}, {(q * 64 * bk * 2 + ks * 32) >> 4};")
+            regs = ", ".join(f"{{$w{q * per + i}}}" for i in range(per))
+            lines.append(
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, da, db, p, "
+                "1, 1, 0, 0;"
+            )
+    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    return "\n".join(lines)
 
 
 def ldsm_x4(ptr):
@@ -1026,12 +1136,14 @@ def plan_of(
     epi_batch: int | None = None,
     epi_hoist: bool | None = None,
     res_regs: bool = False,
+    wgmma: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
     extra: dict = {} if pdl is None else {"pdl": pdl}
-    for k, v in (("ldsm", ldsm), ("epi_batch", epi_batch), ("epi_hoist", epi_hoist)):
+    for k, v in (("ldsm", ldsm), ("epi_batch", epi_batch), ("epi_hoist", epi_hoist),
+                 ("wgmma", wgmma)):  # fmt: skip
         if v is not None:
             extra[k] = v
     return TilePlan(
@@ -1072,6 +1184,7 @@ def tile_gemm(
     epi_batch: int | None = None,
     epi_hoist: bool | None = None,
     res_regs: bool = False,
+    wgmma: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
@@ -1081,7 +1194,7 @@ def tile_gemm(
     staged in the GEMM and written to ``residual_out``. ``splits`` / ``warps`` / ``stages``
     force the tiling (sweeps; ``stages`` 0: the plan's choice). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
-    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist``: the plan's flags (default
+    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma``: the plan's flags (default
     :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
@@ -1094,7 +1207,7 @@ def tile_gemm(
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
                 ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist,
-                res_regs=res_regs)  # fmt: skip
+                res_regs=res_regs, wgmma=wgmma)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
