@@ -111,6 +111,27 @@ def test_back_tile_ldsm_tiny_compiles():
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
 
 
+@pytest.mark.parametrize("T,k,n", [(64, 3584, 7168), (33, 3584, 7168), (8, 3584, 7168),
+                                   (5, 128, 256)])  # fmt: skip
+def test_back_tile_wgmma_compiles(T, k, n):
+    """The warpgroup-MMA path (ldsm layouts, the BF16 double buffer as B) compiles for sm_90a;
+    two CTAs per SM still fit at 64 tokens."""
+    bp = bt.BackPlan(m=T, k=k, n=n, eps=1e-5, act="regs", ldsm=True, wgmma=True)
+    assert bp.tile.wgmma
+    assert T < 64 or 2 * (bp.smem_bytes + 1024) <= bt.SM_SMEM
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+def test_back_tile_wgmma_plan(monkeypatch):
+    monkeypatch.setenv("DECODESCOPE_TILE_WGMMA", "1")
+    assert bt.plan_for(64, 3584, 7168, 1e-5).wgmma  # ldsm + regs above 32 tokens
+    assert not bt.plan_for(16, 3584, 7168, 1e-5).wgmma  # k16 fragments there
+    with pytest.raises(ValueError, match="wgmma needs ldsm"):
+        bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, act="smem", wgmma=True)
+    monkeypatch.setenv("DECODESCOPE_TILE_WGMMA", "0")
+    assert not bt.plan_for(64, 3584, 7168, 1e-5).wgmma
+
+
 def test_back_tile_knobs_env(monkeypatch):
     assert bt.knobs() == {
         "stages": 0, "splits": 0, "warps": 4, "act": "smem", "lean": False, "ldsm": False,
@@ -479,7 +500,8 @@ def test_b_reads_are_bank_conflict_free():
 
 GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
                "lean": {"lean": True}, "ldsm": {"act": "regs", "ldsm": True},
-               "ldsm_smem": {"act": "smem", "ldsm": True}}  # fmt: skip
+               "ldsm_smem": {"act": "smem", "ldsm": True},
+               "wgmma": {"act": "regs", "ldsm": True, "wgmma": True}}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -115,8 +115,16 @@ class BackPlan:
     act: str = "smem"
     lean: bool = False  # hoisted copy addresses, compute_lean instead of compute_b (A/B knob)
     ldsm: bool = False  # ldmatrix fragments, XOR-8 swizzles (needs act="regs"; implies lean)
+    # warpgroup MMAs on the ldsm layouts (tile_gemm.TilePlan.wgmma; needs ldsm, act="regs", 4
+    # warps); None: resolved when the plan is built (DECODESCOPE_TILE_WGMMA, tile_gemm's rule)
+    wgmma: bool | None = None
 
     def __post_init__(self) -> None:
+        fit = self.ldsm and self.act == "regs" and self.warps == 4
+        if self.wgmma is None:
+            object.__setattr__(self, "wgmma", fit and tg.wgmma_default(self.m))
+        if self.wgmma and not fit:
+            raise ValueError("back_tile: wgmma needs ldsm, act='regs' and 4 warps")
         if self.ldsm and self.n % (self.warps * tg.WARP_ROWS):
             raise ValueError(f"back_tile: ldsm needs H={self.n} a multiple of the CTA's rows")
         if self.act not in ACTS:
@@ -162,8 +170,8 @@ class BackPlan:
             warps=self.warps,
             stages=self.nstages,
             ldsm=False,
-            wgmma=False,
-        )  # fmt: skip  (this kernel's own fragments: self.ldsm; the mma.sync path)
+            wgmma=self.wgmma,
+        )  # fmt: skip  (this kernel's own fragments: self.ldsm; wgmma: the accumulator rows)
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
         # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer
@@ -178,7 +186,8 @@ class BackPlan:
     @property
     def smem_bytes(self) -> int:
         t = self.tile
-        return self.nstages * self._stage_bytes() + self._fixed_bytes(t) + 128
+        pad = 2 * tg.SW128_ALIGN if self.wgmma else 0  # the wgmma buffers' alignment
+        return self.nstages * self._stage_bytes() + self._fixed_bytes(t) + 128 + pad
 
     @property
     def ws_shape(self) -> tuple[int, int]:
@@ -214,10 +223,12 @@ class BackTile(tg.TileGemm):
     ):
         p = self.p
 
+        al = tg.SW128_ALIGN if self.bp.wgmma else 128  # the 128-byte swizzle's 8-row atoms
+
         @cute.struct
         class Smem:
-            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], 128]
-            x: cute.struct.Align[cute.struct.MemRange[Float32, self.bp.x_floats], 128]
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, p.stages * p.cta_rows * BK], al]
+            x: cute.struct.Align[cute.struct.MemRange[Float32, self.bp.x_floats], al]
             nw: cute.struct.Align[cute.struct.MemRange[BFloat16, p.chunks * BK], 16]
             rstd: cute.struct.Align[cute.struct.MemRange[Float32, p.mp], 16]
             last: cute.struct.MemRange[Int32, 1]
@@ -340,6 +351,9 @@ class BackTile(tg.TileGemm):
                     self.convert_packed(sX, sXb, sNW, stg, i, ssq, tidx)
                 else:
                     self.convert(sX, sXb, sNW, stg, i, ssq, tidx)
+            if cutlass.const_expr(self.bp.wgmma):
+                # the converted chunk and the landed weights, visible to wgmma's async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
             # the converted chunk is visible to all; every thread is past chunk i - 1's MMAs,
             # so its stage may be refilled
             cute.arch.sync_threads()
@@ -355,7 +369,9 @@ class BackTile(tg.TileGemm):
                     if cutlass.const_expr(not regs):
                         self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.bp.ldsm):
+            if cutlass.const_expr(self.bp.wgmma):
+                self.compute_wgmma(sW, sXb, stg, accs, xs=xs)
+            elif cutlass.const_expr(self.bp.ldsm):
                 self.compute_ldsm(sW, sXb, stg, xs, warp, lane, accs, fa, fb, atom)
             elif cutlass.const_expr(self.bp.lean):
                 self.compute_lean(sW, sXb, stg, xs, warp, g, c, accs, atom)

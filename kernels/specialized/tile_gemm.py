@@ -666,15 +666,16 @@ class TileGemm:
         return warp * WARP_ROWS + q * 16
 
     @cute.jit
-    def compute_wgmma(self, sW, sX, stg, accs):
+    def compute_wgmma(self, sW, sX, stg, accs, xs=None):
         """``wgmma``: the MMAs of one 64-wide chunk as ``RT x 4`` warpgroup MMAs (M block of 64
         weight rows, N = the padded tokens, K 16), operands by shared-memory descriptors (128-byte
         swizzle: unit ``u`` of row ``r`` at ``u ^ (r % 8)``, as stored), the accumulators in
         registers; committed and waited for inside the chunk, so the next chunk's loads never
-        overwrite a stage a running MMA reads."""
+        overwrite a stage a running MMA reads. ``xs``: the activations' slot when it is not
+        ``stg`` (:class:`.back_tile.BackTile`'s BF16 double buffer)."""
         p = self.p
         a_addr = sW.iterator.toint() + stg * (p.cta_rows * BK * 2)
-        b_addr = sX.iterator.toint() + stg * (p.mp * BK * 2)
+        b_addr = sX.iterator.toint() + (stg if xs is None else xs) * (p.mp * BK * 2)
         flat = []
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(p.ntiles):
