@@ -5,7 +5,9 @@ checks first, then timings (issue #5).
 
 Cases (one rank's shapes): the LatentMoE front (router + latent down + shared gate/up, FP32 out,
 ``front_mma.front_tile``'s plan), MLA qkv_a + g_proj (after its RMSNorm launch), q_b with the
-norm folded (``rms_fold``), o_proj (residual epilogue), KDA in_proj (norm launch + GEMM).
+norm folded (``rms_fold``), o_proj (residual epilogue), KDA in_proj (norm launch + GEMM), and
+the LatentMoE back (``back_tile``: latent RMSNorm + latent up + shared add, its ``ldsm`` plan
+from 33 tokens; at fewer tokens its plan has no wgmma variant and the case is skipped).
 
 - checks: fresh random inputs, outputs poisoned with NaN, both paths vs the torch reference with
   the kernel's rounding points (max |err| / max |ref| under 2e-2; the FP32 front under 1e-3),
@@ -31,7 +33,7 @@ from pathlib import Path
 L2_BYTES = 50 * 2**20
 TOL = 2e-2
 TOL_F32 = 1e-3
-CASES = ("front", "qkv_a_g", "q_b", "o_proj", "in_proj")
+CASES = ("front", "back", "qkv_a_g", "q_b", "o_proj", "in_proj")
 
 
 def main() -> int:
@@ -71,6 +73,60 @@ def main() -> int:
     def rnd(*shape, std=1.0):
         return (torch.randn(*shape, device=dev) * std).to(torch.bfloat16)
 
+    def back_case(tp: int, cfg) -> None:
+        from decodescope.kernels.specialized import back_tile as bt
+
+        L, H = cfg.expert_dim, cfg.hidden
+
+        def inputs(m: int):
+            acc = torch.randn(m, L, device=dev)
+            nw = (1 + 0.1 * torch.randn(L, device=dev)).to(torch.bfloat16)
+            sh = torch.randn(m, H, device=dev)
+            return acc, nw, sh, torch.empty(m, H, dtype=torch.bfloat16, device=dev)
+
+        ms = [m for m in sorted({33, *a.ms}) if m > bt.LDSM_ABOVE]
+        for m in ms:
+            for wg in (False, True):
+                try:
+                    acc, nw, sh, o = inputs(m)
+                    up = rnd(H, L, std=L**-0.5)
+                    o.fill_(float("nan"))
+                    bt.back_tile(acc, nw, up, sh, o, cfg.eps, wgmma=wg)
+                    torch.cuda.synchronize()
+                    sp = bt.plan_for(m, L, H, cfg.eps).tile.splits
+                    ref = bt.back_tile_ref(acc, nw, up, sh, cfg.eps, splits=sp).float()
+                    err = math.inf if not torch.isfinite(o).all() else (
+                        (o.float() - ref).norm() / ref.norm()).item()  # fmt: skip
+                    rec(what="check", tp=tp, case="back", m=m, wgmma=wg, err=f"{err:.2e}",
+                        status="PASS" if err < 2e-3 else "FAIL")  # fmt: skip
+                except Exception as ex:  # noqa: BLE001
+                    rec(what="check", tp=tp, case="back", m=m, wgmma=wg, status="error",
+                        error=f"{type(ex).__name__}: {ex}"[:300], trace=traceback.format_exc())  # fmt: skip
+                    torch.cuda.synchronize()
+        wbytes = H * L * 2
+        copies = max(1, math.ceil(3 * L2_BYTES / wbytes))
+        ups = [rnd(H, L, std=L**-0.5) for _ in range(copies)]
+        for m in [m for m in a.ms if m > bt.LDSM_ABOVE]:
+            acc, nw, sh, o = inputs(m)
+            floor = (wbytes + m * L * 4 + m * H * 6) / (bw * 1e12) * 1e6
+            row = dict(
+                what="time", tp=tp, case="back", m=m, copies=copies, floor_us=round(floor, 2)
+            )
+            for wg in (False, True):
+                fns = [lambda u=u, wg=wg, acc=acc, nw=nw, sh=sh, o=o: bt.back_tile(
+                    acc, nw, u, sh, o, cfg.eps, wgmma=wg) for u in ups]  # fmt: skip
+                try:
+                    row["wgmma_us" if wg else "mma_us"] = round(graph_time_us(fns, a.replays)[0], 2)
+                except Exception as ex:  # noqa: BLE001
+                    row["wgmma_us" if wg else "mma_us"] = f"error: {type(ex).__name__}: {ex}"[:200]
+                    torch.cuda.synchronize()
+            xa = acc.to(torch.bfloat16)
+            cb = [lambda u=u, xa=xa: torch.mm(xa, u.T) for u in ups]
+            row["cublas_us"] = round(graph_time_us(cb, a.replays)[0], 2)
+            rec(**row)
+        del ups
+        torch.cuda.empty_cache()
+
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
         cases = tg.attention_cases(cfg)
@@ -78,6 +134,9 @@ def main() -> int:
         cases["front"] = dict(k=cfg.hidden, segments=(e.num_experts + cfg.expert_dim
                                                       + 2 * cfg.shared_inter,), out_f32=True)  # fmt: skip
         for name in a.cases:
+            if name == "back":
+                back_case(tp, cfg)
+                continue
             kw = cases[name]
             K, segs = kw["k"], kw["segments"]
             fold = name == "q_b"
