@@ -62,12 +62,10 @@ def main() -> int:
         print(" ".join(f"{k}={v}" for k, v in r.items() if k != "trace"), flush=True)
         (out / "results.json").write_text(json.dumps(rows, indent=1))
 
-    # copy bandwidth in this process (the floor's denominator)
-    src = torch.empty(2**30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t_copy, _, _ = graph_time_us([lambda d=dst, s=src: d.copy_(s)], 20)
-    bw = 2 * src.numel() / (t_copy * 1e-6) / 1e12  # TB/s (read + write)
-    del src, dst
+    # copy bandwidth in this process (the floor's denominator; DESIGN.md section 7)
+    from decodescope.kernels.bandwidth import copy_bandwidth_tbs
+
+    bw = copy_bandwidth_tbs()
     rec(what="copy_bw", tbs=f"{bw:.2f}")
 
     def rnd(*shape, std=1.0):

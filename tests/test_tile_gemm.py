@@ -60,8 +60,11 @@ def test_wgmma_plan_and_ptx(monkeypatch):
     monkeypatch.delenv(tg.WGMMA_ENV, raising=False)
     base = dict(m=64, **cases(CFG)["q_b"])
     assert tg.TilePlan(**base).wgmma == (tg.WGMMA_MIN_M is not None and tg.WGMMA_MIN_M <= 64)
+    assert not tg.TilePlan(**dict(base, m=32)).wgmma  # from WGMMA_MIN_M (64) tokens
+    fold = dict(base, norm=False, rms_fold=True)
+    assert not tg.TilePlan(**fold).wgmma  # the folded norm lost on the H200: not by default
     monkeypatch.setenv(tg.WGMMA_ENV, "1")
-    assert tg.TilePlan(**base).wgmma
+    assert tg.TilePlan(**base).wgmma and tg.TilePlan(**fold).wgmma
     assert not tg.TilePlan(**dict(base, warps=2)).wgmma  # not a warpgroup: the mma.sync path
     with pytest.raises(ValueError, match="warps=4"):
         tg.TilePlan(**dict(base, warps=2, wgmma=True))

@@ -116,13 +116,14 @@ class BackPlan:
     lean: bool = False  # hoisted copy addresses, compute_lean instead of compute_b (A/B knob)
     ldsm: bool = False  # ldmatrix fragments, XOR-8 swizzles (needs act="regs"; implies lean)
     # warpgroup MMAs on the ldsm layouts (tile_gemm.TilePlan.wgmma; needs ldsm, act="regs", 4
-    # warps); None: resolved when the plan is built (DECODESCOPE_TILE_WGMMA, tile_gemm's rule)
+    # warps); None: resolved when the plan is built: only with DECODESCOPE_TILE_WGMMA=1 (H200
+    # s23/w1, 64 tokens, alone: 30.4 -> 30.4 us at TP16, 30.6 -> 30.5 at TP8: no gain)
     wgmma: bool | None = None
 
     def __post_init__(self) -> None:
         fit = self.ldsm and self.act == "regs" and self.warps == 4
         if self.wgmma is None:
-            object.__setattr__(self, "wgmma", fit and tg.wgmma_default(self.m))
+            object.__setattr__(self, "wgmma", fit and tg.wgmma_default(self.m, auto=False))
         if self.wgmma and not fit:
             raise ValueError("back_tile: wgmma needs ldsm, act='regs' and 4 warps")
         if self.ldsm and self.n % (self.warps * tg.WARP_ROWS):

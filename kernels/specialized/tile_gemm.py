@@ -114,21 +114,26 @@ SMEM_2CTA = 113 * 1024  # shared memory per CTA that leaves room for two CTAs pe
 SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 bytes)
 
 
-# warpgroup MMAs (TilePlan.wgmma) from this many tokens by default; None: off unless
-# DECODESCOPE_TILE_WGMMA=1
-WGMMA_MIN_M: int | None = None
+# warpgroup MMAs (TilePlan.wgmma) from this many tokens by default (None: off unless
+# DECODESCOPE_TILE_WGMMA=1), in plans without the folded norm. H200 s23/w1, GEMM alone, graph
+# medians, mma.sync -> wgmma (notes/gpu-logs/s23/w1): at 64 tokens the MoE front TP16 36.7 ->
+# 30.1 us, TP8 37.7 -> 32.0; qkv_a + g_proj 30.8 -> 24.7 / 31.1 -> 28.1; in_proj 30.2 -> 25.8 /
+# 45.1 -> 38.4; o_proj 10.6 -> 10.2 / 13.0 -> 12.8; at 8 / 32 tokens within -2 .. +4%; q_b with
+# the folded norm slower (TP16 9.1 -> 12.8 at 32, 13.8 -> 14.4 at 64): left out by default
+WGMMA_MIN_M: int | None = 64
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
 
 
-def wgmma_default(m: int) -> bool:
-    """``DECODESCOPE_TILE_WGMMA``: ``1`` warpgroup MMAs in every 4-warp tile plan, ``0`` in
-    none, unset: from ``WGMMA_MIN_M`` tokens. Read when a plan is built (part of its key)."""
+def wgmma_default(m: int, fold: bool = False, auto: bool = True) -> bool:
+    """``DECODESCOPE_TILE_WGMMA``: ``1`` warpgroup MMAs in every plan that can take them, ``0``
+    in none, unset: where ``auto``, from ``WGMMA_MIN_M`` tokens in plans without the folded
+    norm (``fold``). Read when a plan is built (part of its key)."""
     env = os.environ.get(WGMMA_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{WGMMA_ENV}: 0 or 1, got {env!r}")
     if env:
         return env == "1"
-    return WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
+    return auto and not fold and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
 
 
 def mode() -> str:
@@ -240,7 +245,9 @@ class TilePlan:
             on = self.residual_epilogue and self.m >= LDSM_EPI_MIN_M
             object.__setattr__(self, "ldsm", env == "1" if env in ("0", "1") else on)
         if self.wgmma is None:
-            object.__setattr__(self, "wgmma", self.warps == 4 and wgmma_default(self.m))
+            object.__setattr__(
+                self, "wgmma", self.warps == 4 and wgmma_default(self.m, fold=self.rms_fold)
+            )
         if self.wgmma and self.warps != 4:
             raise ValueError(f"tile GEMM: wgmma needs warps=4 (one warpgroup), got {self.warps}")
         if self.stages == 0:
