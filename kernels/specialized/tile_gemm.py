@@ -74,6 +74,16 @@ tokens, 8 at 32, 2 at 8). H200 s10/r2, o_proj alone at 64 / 32 tokens: 17.9 / 11
 hoist 15.0 / 10.5, hoist + ldsm 13.0 at 64 (cuBLAS 9.0 / 8.7). ``DECODESCOPE_TILE_EPI_BATCH=N``
 (``epi_batch``, default 4): steps whose loads go out together.
 
+Warpgroup MMAs (``TilePlan.wgmma``; :func:`wgmma_default`, ``DECODESCOPE_TILE_WGMMA``; the
+default from ``WGMMA_MIN_M`` = 64 tokens in plans without the folded norm): the same cp.async
+stages, stored with the ``ldsm`` placement (which is the 128-byte swizzle), 1024-byte aligned,
+read by ``wgmma.mma_async.m64nNk16`` through shared-memory descriptors (:func:`smem_desc`), one
+PTX block per chunk (:func:`wgmma_chunk_ptx`: 2 M blocks x 4 K steps, committed and waited for),
+a ``fence.proxy.async`` before the chunk's barrier. A 64-row block's accumulators hold, per warp,
+its 16 rows in ``mma.sync``'s 16 x 8 fragment order, so every epilogue is shared
+(:meth:`TileGemm.tile_row` maps the rows). About 10 instructions per thread and chunk instead
+of ~650-870 per warp; H200 numbers beside ``WGMMA_MIN_M``.
+
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
 attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
 tokens on, q_b only with its norm folded, :func:`folds`: from 16 tokens by default),
