@@ -65,7 +65,16 @@ part8=(
   "130:b8:decodescope bench --tp-shape 8 --batch 32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/b8/bench.json"
   "120:b16:decodescope bench --tp-shape 16 --batch 32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/b16/bench.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 8
+# Part 9 (session 23, first in the next session): the dense layer 0 at 64 tokens with the tile
+# GEMMs on warpgroup MMAs (its down projection is a plain tile plan: wgmma by default from 64
+# tokens since session 23) in the whole step against the standard one; its run in session 23
+# was lost to a machine that stopped answering. Then the back tile's and q_b's wgmma checks
+# in the layer (knob set: not defaults).
+part9=(
+  "200:steps_dense:python scripts/gpu_steps.py --tp 16 8 --points 64x1 8x8 --layers dense,kda --out $R/steps_dense"
+  "200:steps_knob:DECODESCOPE_TILE_WGMMA=1 python scripts/gpu_steps.py --tp 16 --points 64x1 --layers dense,kda,mla --out $R/steps_knob"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 9
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -75,5 +84,6 @@ case "${1:-1}" in
   6) exec bash "$here/run_stages.sh" "${part6[@]}" ;;
   7) exec bash "$here/run_stages.sh" "${part7[@]}" ;;
   8) exec bash "$here/run_stages.sh" "${part8[@]}" ;;
-  *) echo "next_round.sh: part 1 to 8, got '$1'" >&2; exit 2 ;;
+  9) exec bash "$here/run_stages.sh" "${part9[@]}" ;;
+  *) echo "next_round.sh: part 1 to 9, got '$1'" >&2; exit 2 ;;
 esac
