@@ -36,14 +36,17 @@ TOL_F32 = 1e-3
 CASES = ("front", "back", "qkv_a_g", "q_b", "o_proj", "in_proj")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/wgmma_gemm")
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--ms", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--replays", type=int, default=30)
-    a = ap.parse_args()
+    ap.add_argument(
+        "--device", default="cuda", help="cpu: the CPU test's dry run (kernels patched)"
+    )
+    a = ap.parse_args(argv)
 
     import torch
 
@@ -52,7 +55,16 @@ def main() -> int:
     from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref
     from decodescope.kernels.timing import graph_time_us
 
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def empty_cache() -> None:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -90,7 +102,7 @@ def main() -> int:
                     up = rnd(H, L, std=L**-0.5)
                     o.fill_(float("nan"))
                     bt.back_tile(acc, nw, up, sh, o, cfg.eps, wgmma=wg)
-                    torch.cuda.synchronize()
+                    sync()
                     sp = bt.plan_for(m, L, H, cfg.eps).tile.splits
                     ref = bt.back_tile_ref(acc, nw, up, sh, cfg.eps, splits=sp).float()
                     err = math.inf if not torch.isfinite(o).all() else (
@@ -100,7 +112,7 @@ def main() -> int:
                 except Exception as ex:  # noqa: BLE001
                     rec(what="check", tp=tp, case="back", m=m, wgmma=wg, status="error",
                         error=f"{type(ex).__name__}: {ex}"[:300], trace=traceback.format_exc())  # fmt: skip
-                    torch.cuda.synchronize()
+                    sync()
         wbytes = H * L * 2
         copies = max(1, math.ceil(3 * L2_BYTES / wbytes))
         ups = [rnd(H, L, std=L**-0.5) for _ in range(copies)]
@@ -117,13 +129,13 @@ def main() -> int:
                     row["wgmma_us" if wg else "mma_us"] = round(graph_time_us(fns, a.replays)[0], 2)
                 except Exception as ex:  # noqa: BLE001
                     row["wgmma_us" if wg else "mma_us"] = f"error: {type(ex).__name__}: {ex}"[:200]
-                    torch.cuda.synchronize()
+                    sync()
             xa = acc.to(torch.bfloat16)
             cb = [lambda u=u, xa=xa: torch.mm(xa, u.T) for u in ups]
             row["cublas_us"] = round(graph_time_us(cb, a.replays)[0], 2)
             rec(**row)
         del ups
-        torch.cuda.empty_cache()
+        empty_cache()
 
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
@@ -171,7 +183,7 @@ def main() -> int:
                 for t in outs + ([args["residual_out"]] if "residual_out" in args else []):
                     t.fill_(float("nan"))
                 launch(x, ws, outs, args, folded, wg)
-                torch.cuda.synchronize()
+                sync()
                 refs, rref = skinny_gemm_ref(x, ws, **{k: v for k, v in args.items()
                                                        if k != "residual_out"})  # fmt: skip
                 f32 = outs[0].dtype == torch.float32
@@ -197,7 +209,7 @@ def main() -> int:
                     except Exception as ex:  # noqa: BLE001 (recorded; the others go on)
                         rec(what="check", tp=tp, case=name, m=m, wgmma=wg, status="error",
                             error=f"{type(ex).__name__}: {ex}"[:300], trace=traceback.format_exc())  # fmt: skip
-                        torch.cuda.synchronize()
+                        sync()
 
             wbytes = sum(n * K * 2 for n in segs)
             copies = max(1, math.ceil(3 * L2_BYTES / wbytes))
@@ -219,13 +231,13 @@ def main() -> int:
                         row["wgmma_us" if wg else "mma_us"] = f"error: {type(ex).__name__}: {ex}"[
                             :200
                         ]
-                        torch.cuda.synchronize()
+                        sync()
                 xa = x.contiguous()
                 cb = [lambda ws=ws, xa=xa: [torch.mm(xa, w.T) for w in ws] for ws in wsets]
                 row["cublas_us"] = round(graph_time_us(cb, a.replays)[0], 2)
                 rec(**row)
             del wsets
-            torch.cuda.empty_cache()
+            empty_cache()
 
     lines = ["| tp | case | m | mma.sync us | wgmma us | cuBLAS us (GEMM alone) | floor us |",
              "|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
