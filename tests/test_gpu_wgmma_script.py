@@ -16,8 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from decodescope.kernels import bandwidth  # noqa: E402
-from decodescope.kernels import timing  # noqa: E402
+from decodescope.kernels import bandwidth, timing  # noqa: E402
 from decodescope.kernels.specialized import back_tile as bt  # noqa: E402
 from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
 from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa: E402
