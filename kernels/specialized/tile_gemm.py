@@ -128,8 +128,9 @@ SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 byte
 # DECODESCOPE_TILE_WGMMA=1), in plans without the folded norm. H200 s23/w1, GEMM alone, graph
 # medians, mma.sync -> wgmma (notes/gpu-logs/s23/w1): at 64 tokens the MoE front TP16 36.7 ->
 # 30.1 us, TP8 37.7 -> 32.0; qkv_a + g_proj 30.8 -> 24.7 / 31.1 -> 28.1; in_proj 30.2 -> 25.8 /
-# 45.1 -> 38.4; o_proj 10.6 -> 10.2 / 13.0 -> 12.8; at 8 / 32 tokens within -2 .. +4%; q_b with
-# the folded norm slower (TP16 9.1 -> 12.8 at 32, 13.8 -> 14.4 at 64): left out by default
+# 45.1 -> 38.4; o_proj 10.6 -> 10.2 / 13.0 -> 12.8; at 8 / 32 tokens -3.7 .. +1.7% (q_b
+# aside); q_b with the folded norm slower (TP16 9.1 -> 12.8 at 32, 13.8 -> 14.4 at 64): left
+# out by default
 WGMMA_MIN_M: int | None = 64
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
 
