@@ -152,7 +152,7 @@ class BackPlan:
             return self.stages
         fixed = self._fixed_bytes(tg.TilePlan(m=self.m, k=self.k, segments=(self.n,), pdl=False,
                                               splits_force=self.splits, warps=self.warps,
-                                              ldsm=False, wgmma=False))  # fmt: skip
+                                              ldsm=False, wgmma=False, cluster=False))  # fmt: skip
         for s in (4, 3):
             if _two_per_sm(s * self._stage_bytes() + fixed):
                 return s
@@ -172,7 +172,8 @@ class BackPlan:
             stages=self.nstages,
             ldsm=False,
             wgmma=self.wgmma,
-        )  # fmt: skip  (this kernel's own fragments: self.ldsm; wgmma: the accumulator rows)
+            cluster=False,
+        )  # fmt: skip  (this kernel's own fragments: self.ldsm; wgmma: the accumulator rows; its own split-K epilogue)
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
         # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer

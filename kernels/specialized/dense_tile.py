@@ -74,6 +74,7 @@ def plan(m: int, k: int, dn: int, **kw) -> tg.TilePlan:
     if kw.get("ldsm") is None:  # ldmatrix fragments unless DECODESCOPE_TILE_LDSM=0
         kw["ldsm"] = os.environ.get("DECODESCOPE_TILE_LDSM", "") != "0"
     kw.setdefault("wgmma", False)  # its own fragments and row map: the mma.sync path
+    kw.setdefault("cluster", False)  # its own split-K epilogue
     p = tg.TilePlan(m=m, k=k, segments=(2 * dn,), **kw)
     if p.residual_epilogue or p.out_f32 or p.norm or p.add_residual:
         raise ValueError("dense tile: no residual epilogue, FP32 output, norm launch or residual")

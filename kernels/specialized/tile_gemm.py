@@ -84,6 +84,18 @@ its 16 rows in ``mma.sync``'s 16 x 8 fragment order, so every epilogue is shared
 (:meth:`TileGemm.tile_row` maps the rows). About 10 instructions per thread and chunk instead
 of ~650-870 per warp; H200 numbers beside ``WGMMA_MIN_M``.
 
+Split-K through a thread-block cluster (``TilePlan.cluster``; :func:`cluster_default`,
+``DECODESCOPE_TILE_CLUSTER``): the ``splits`` CTAs of a row tile form one cluster ``(1, splits,
+1)`` (2..8 CTAs). After the K loop each CTA leaves its FP32 partial tile ``[token, row]`` (row
+stride ``cta_rows + 4``: the accumulator stores hit 32 distinct banks) and, with ``rms_fold``,
+its tokens' sums of squares in its own shared memory, in the stage buffers it no longer needs;
+one cluster barrier publishes them, and CTA ``s`` of the cluster reduces the tokens ``t`` with
+``t % splits == s`` over all the splits (``ld.shared::cluster``, split order: the same sums as
+the workspace path) and runs the epilogue for them. A second barrier, waited for before exit,
+keeps every CTA's shared memory alive while the others read it. No workspace round trip through
+L2, no counter, and the epilogue spread over the cluster's CTAs instead of the last CTA alone
+(at 64 tokens it reads ``splits x 32 KB`` of partials there).
+
 Selection (:func:`selected`): ``DECODESCOPE_ATTN_GEMM`` = ``tile`` (this kernel for every
 attention projection at 1..64 tokens), ``auto`` (the default since the H200 A/B: from 8
 tokens on, q_b only with its norm folded, :func:`folds`: from 16 tokens by default),
@@ -106,6 +118,7 @@ from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import rmsnorm as rms
 from decodescope.kernels.specialized import splitk_gemm as sk
+from decodescope.kernels.specialized.mla_decode_tc import ld_cluster_f32, ld_cluster_v4f32, mapa
 from decodescope.kernels.specialized.utils import pdl_begin, pdl_enabled
 
 BK = 64  # K columns per chunk (128-byte rows in shared memory)
@@ -133,6 +146,12 @@ SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 byte
 # out by default
 WGMMA_MIN_M: int | None = 64
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
+# split-K through a thread-block cluster (TilePlan.cluster) from this many tokens by default
+# (None: off unless DECODESCOPE_TILE_CLUSTER=1); not measured on a GPU yet
+CLUSTER_MIN_M: int | None = None
+CLUSTER_ENV = "DECODESCOPE_TILE_CLUSTER"
+CLUSTER_MAX = 8  # portable cluster size: the splits of one row tile in one cluster
+PART_PAD = 4  # floats past each token row of a cluster partial tile (bank spread)
 
 
 def wgmma_default(m: int, fold: bool = False, auto: bool = True) -> bool:
@@ -145,6 +164,17 @@ def wgmma_default(m: int, fold: bool = False, auto: bool = True) -> bool:
     if env:
         return env == "1"
     return auto and not fold and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
+
+
+def cluster_default(m: int) -> bool:
+    """``DECODESCOPE_TILE_CLUSTER``: ``1`` the cluster split-K wherever a plan can take it
+    (:class:`TilePlan` checks: 2..``CLUSTER_MAX`` splits, the partial tile in the stages; its
+    splits are then chosen among those), ``0`` nowhere, unset: from ``CLUSTER_MIN_M`` tokens
+    (off while that is None)."""
+    env = os.environ.get(CLUSTER_ENV, "")
+    if env in ("0", "1"):
+        return env == "1"
+    return CLUSTER_MIN_M is not None and m >= CLUSTER_MIN_M
 
 
 def mode() -> str:
@@ -227,6 +257,10 @@ class TilePlan:
     # memory by descriptors) instead of the warps' ``mma.sync``; None: resolved when the plan is
     # built (:func:`wgmma_default`, ``DECODESCOPE_TILE_WGMMA``). Needs the 4-warp tile.
     wgmma: bool | None = None
+    # split-K through a thread-block cluster of the row tile's splits, partials reduced over
+    # distributed shared memory (module docstring); None: resolved when the plan is built
+    # (:func:`cluster_default`, ``DECODESCOPE_TILE_CLUSTER``)
+    cluster: bool | None = None
     # the norm prologue launch (not part of the GEMM kernel; see norm_plan)
     norm: bool = False
     add_residual: bool = False
@@ -288,6 +322,18 @@ class TilePlan:
             raise ValueError(f"tile GEMM: splits={self.splits_force} does not divide {self.nch}")
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"tile GEMM: {self.smem_bytes} bytes of shared memory > 227 KB")
+        explicit = self.cluster is not None
+        if not explicit:  # the splits' rule depends on it: set first, then checked
+            object.__setattr__(self, "cluster", cluster_default(self.m))
+        fits = self.part_bytes <= self.stages * self.cta_rows * BK * 2
+        ok = 2 <= self.splits <= CLUSTER_MAX and fits
+        if self.cluster and not ok and not explicit:
+            object.__setattr__(self, "cluster", False)
+        if self.cluster and not ok:
+            raise ValueError(
+                f"tile GEMM: cluster needs 2..{CLUSTER_MAX} splits and its partial tile "
+                f"({self.part_bytes} B) in the weight stages: splits {self.splits}, {self}"
+            )
 
     @property
     def mp(self) -> int:
@@ -320,10 +366,12 @@ class TilePlan:
     def splits(self) -> int:
         if self.splits_force:
             return self.splits_force
-        for d in range(1, self.nch + 1):
-            if self.nch % d == 0 and self.row_ctas * d >= NUM_SMS:
+        top = min(self.nch, CLUSTER_MAX) if self.cluster else self.nch
+        divs = [d for d in range(1, top + 1) if self.nch % d == 0]
+        for d in divs:
+            if self.row_ctas * d >= NUM_SMS:
                 return d
-        return self.nch
+        return divs[-1]  # cluster: at most CLUSTER_MAX splits (a cluster), fewer CTAs
 
     @property
     def chunks(self) -> int:
@@ -338,13 +386,25 @@ class TilePlan:
     def ws_rows(self) -> int:
         """Rows of the FP32 workspace ``[splits * mp (+ ssq_rows), acc_rows]`` (token-major
         partials; with ``rms_fold`` the sums of squares after them)."""
-        return self.splits * self.mp + self.ssq_rows if self.splits > 1 else 8
+        return self.splits * self.mp + self.ssq_rows if self.uses_ws else 8
+
+    @property
+    def uses_ws(self) -> bool:
+        """Split-K through the global workspace and counters (not at one split, not with
+        ``cluster``)."""
+        return self.splits > 1 and not self.cluster
+
+    @property
+    def part_bytes(self) -> int:
+        """Shared memory of a cluster CTA's partial tile ``[mp, cta_rows + PART_PAD]`` FP32
+        and its ``mp`` sums of squares (inside the weight stages)."""
+        return (self.mp * (self.cta_rows + PART_PAD) + self.mp) * 4
 
     @property
     def ssq_rows(self) -> int:
         """Workspace rows holding the ``rms_fold`` sums of squares ``[row_ctas, splits, mp]``
         (flat, after the partials) where ``splits > 1``."""
-        if not self.rms_fold or self.splits == 1:
+        if not self.rms_fold or not self.uses_ws:
             return 0
         return -(-self.splits * self.mp // self.cta_rows)
 
@@ -416,6 +476,7 @@ class TileGemm:
             smem=Smem.size_in_bytes(),
             stream=stream,
             use_pdl=p.pdl,
+            **cluster_launch(p),
         )
 
     @cute.kernel
@@ -546,6 +607,9 @@ class TileGemm:
             else:
                 self.compute(sW, sX, i % p.stages, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(p.cluster):
+            self.reduce_cluster(mO, mE, sW, accs, ssq, cta, n, sp, tidx)
+            return
         if cutlass.const_expr(p.rms_fold):
             self.store_ssq(mWs, sRs, ssq, bx, sp, tidx)
 
@@ -770,6 +834,86 @@ class TileGemm:
                 )
 
     @cute.jit
+    def reduce_cluster(self, mO, mE, sW, accs, ssq, cta, n, sp, tidx):
+        """``cluster``: this CTA's partial tile (and sums of squares) into its own shared memory
+        (the weight stages, free after the loop), one cluster barrier, then the tokens ``t``
+        with ``t % splits == sp`` summed over the cluster's CTAs in split order
+        (``ld.shared::cluster``, 4 rows of one token per thread and step, as
+        :meth:`epilogue_partial`) and stored through the epilogue; a second barrier, waited for
+        last, keeps this CTA's shared memory alive while the others read it."""
+        p = self.p
+        S = p.splits
+        rs_ = p.cta_rows + PART_PAD
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        cute.arch.sync_threads()  # every warp past its last reads of the stages
+        fbase = cute.recast_ptr(sW.iterator, dtype=Float32)
+        sP = cute.make_tensor(fbase, cute.make_layout((p.mp, rs_), stride=(rs_, 1)))
+        sQ = cute.make_tensor(fbase + p.mp * rs_, cute.make_layout(p.mp))
+        for q in cutlass.range_constexpr(RT):
+            for hh in cutlass.range_constexpr(2):
+                row = self.tile_row(warp, q) + g + 8 * hh
+                for j in cutlass.range_constexpr(p.ntiles):
+                    for e in cutlass.range_constexpr(2):
+                        sP[j * 8 + 2 * c + e, row] = accs[q * p.ntiles + j][2 * hh + e]
+        if cutlass.const_expr(p.rms_fold):  # this split's sums of squares per token
+            for q in cutlass.range_constexpr(p.x_slots):
+                s = ssq[q]
+                for o in cutlass.range_constexpr(3):
+                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+                r = (tidx + q * p.threads) // 8
+                if tidx % 8 == 0 and r < p.m:
+                    sQ[r] = s
+        cute.arch.cluster_arrive()  # release: this split's partials are in place
+        cute.arch.cluster_wait()
+
+        quads = p.cta_rows // 4
+        per = -(-p.m // S)  # tokens per CTA of the cluster, at most
+        total = per * quads
+        items = []
+        for t in cutlass.range_constexpr(-(-total // p.threads)):
+            it = tidx + t * p.threads
+            m = sp + S * (it // quads)
+            ok = m < p.m  # past the last item m >= splits * per >= p.m
+            mc_ = cutlass.min(m, p.mp - 1)  # clamped: every read stays in the tile
+            r4 = (it % quads) * 4
+            vals = [ld_cluster_v4f32(mapa(sP.iterator + (mc_ * rs_ + r4), r)) for r in range(S)]
+            rs = None
+            if cutlass.const_expr(p.rms_fold):
+                ss = Float32(0.0)
+                for r in cutlass.range_constexpr(S):
+                    ss = ss + ld_cluster_f32(mapa(sQ.iterator + mc_, r))
+                rs = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
+            ev = None
+            if cutlass.const_expr(p.residual_epilogue):  # clamped: in bounds
+                nnc = cutlass.min(cta * p.cta_rows + r4, n - 4)
+                ev = cute.make_rmem_tensor((4,), BFloat16)
+                me = cutlass.min(m, p.m - 1)
+                cute.autovec_copy(cute.local_tile(mE[me, None], (4,), (nnc // 4,)), ev)
+            items.append((ok, m, r4, vals, rs, ev))
+        cute.arch.cluster_arrive()  # this CTA reads no other's shared memory after this
+        for ok, m, r4, vals, rs, ev in items:
+            nn = cta * p.cta_rows + r4
+            if ok and nn < n:
+                ov = cute.make_rmem_tensor((4,), Float32 if p.out_f32 else BFloat16)
+                for e in cutlass.range_constexpr(4):
+                    val = vals[0][e]
+                    for src in cutlass.range_constexpr(1, S):
+                        val = val + vals[src][e]
+                    if cutlass.const_expr(p.rms_fold):
+                        val = val * rs
+                    if cutlass.const_expr(p.residual_epilogue):
+                        val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
+                    if cutlass.const_expr(p.out_f32):
+                        ov[e] = val
+                    else:
+                        ov[e] = val.to(BFloat16)
+                cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
+        cute.arch.cluster_wait()  # nobody exits while another still reads its partials
+
+    @cute.jit
     def store_direct(self, mO, mE, sRs, accs, row0, n, warp, g, c):
         """lane (g, c), tile (q, j): rows g / g + 8 of tile q, tokens 8j + 2c + {0, 1}
         (``rms_fold``: ``sRs`` holds each token's sum of squares over all of K)."""
@@ -954,6 +1098,11 @@ class TileGemmFoldRes(TileGemm):
 DESC_HI = (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
 
 
+def cluster_launch(p: TilePlan) -> dict:
+    """The launch's cluster argument: the splits of a row tile in one cluster (``cluster``)."""
+    return {"cluster": [1, p.splits, 1]} if p.cluster else {}
+
+
 def smem_desc(addr):
     """The descriptor of a K-major, 128-byte-swizzled operand at shared address ``addr``
     (Int32, 1024-byte aligned). Trace-time helper."""
@@ -1033,7 +1182,7 @@ def _fake_args(p: TilePlan):
         else:
             segs += [ph, ph]
     e = itf.fake(bf, (M, p.segments[0])) if p.residual_epilogue else ph
-    ws = itf.fake(torch.float32, (p.ws_rows, p.acc_rows if p.splits > 1 else 8))
+    ws = itf.fake(torch.float32, (p.ws_rows, p.acc_rows if p.uses_ws else 8))
     cnt = itf.fake(torch.int32, (p.row_ctas,), align=4)
     return (x, *segs, e, ws, cnt, itf.env_stream())
 
@@ -1085,7 +1234,7 @@ def _workspace(p: TilePlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     if ws is None:
         ws = _WS[key] = (
             torch.zeros(
-                p.ws_rows, p.acc_rows if p.splits > 1 else 8, dtype=torch.float32, device=device
+                p.ws_rows, p.acc_rows if p.uses_ws else 8, dtype=torch.float32, device=device
             ),
             torch.zeros(p.row_ctas, dtype=torch.int32, device=device),
         )
@@ -1156,13 +1305,14 @@ def plan_of(
     epi_hoist: bool | None = None,
     res_regs: bool = False,
     wgmma: bool | None = None,
+    cluster: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
     extra: dict = {} if pdl is None else {"pdl": pdl}
     for k, v in (("ldsm", ldsm), ("epi_batch", epi_batch), ("epi_hoist", epi_hoist),
-                 ("wgmma", wgmma)):  # fmt: skip
+                 ("wgmma", wgmma), ("cluster", cluster)):  # fmt: skip
         if v is not None:
             extra[k] = v
     return TilePlan(
@@ -1204,6 +1354,7 @@ def tile_gemm(
     epi_hoist: bool | None = None,
     res_regs: bool = False,
     wgmma: bool | None = None,
+    cluster: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
@@ -1213,7 +1364,7 @@ def tile_gemm(
     staged in the GEMM and written to ``residual_out``. ``splits`` / ``warps`` / ``stages``
     force the tiling (sweeps; ``stages`` 0: the plan's choice). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
-    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma``: the plan's flags (default
+    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma`` / ``cluster``: the plan's flags (default
     :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
@@ -1226,7 +1377,7 @@ def tile_gemm(
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
                 ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist,
-                res_regs=res_regs, wgmma=wgmma)  # fmt: skip
+                res_regs=res_regs, wgmma=wgmma, cluster=cluster)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)
