@@ -81,6 +81,73 @@ def test_wgmma_plan_and_ptx(monkeypatch):
         tg.wgmma_chunk_ptx(36, 2, 64)
 
 
+def test_cluster_plan(monkeypatch):
+    """``DECODESCOPE_TILE_CLUSTER`` resolves into the plan: off by default (``CLUSTER_MIN_M``
+    None), and with ``1`` the splits of a row tile form one cluster, at most ``CLUSTER_MAX``
+    of them (q_b's 24 at 64 tokens become 8), no workspace; plans that cannot take it fall back
+    unless asked for explicitly."""
+    monkeypatch.delenv(tg.CLUSTER_ENV, raising=False)
+    c = cases(CFG)
+    front = dict(k=CFG.hidden, segments=(6016,), out_f32=True)
+    assert tg.TilePlan(m=64, **front).cluster != (tg.CLUSTER_MIN_M is None)
+    monkeypatch.setenv(tg.CLUSTER_ENV, "1")
+    p = tg.TilePlan(m=64, **front)
+    assert p.cluster and p.splits == 4 and not p.uses_ws and p.ws_rows == 8
+    assert tg.cluster_launch(p) == {"cluster": [1, 4, 1]}
+    qb16 = dict(c["q_b"], segments=(1152,), norm=False, rms_fold=True)  # TP16: 9 row tiles
+    qb = tg.TilePlan(m=64, **qb16)
+    assert qb.cluster and qb.splits == 8 and qb.ssq_rows == 0
+    assert qb.part_bytes <= qb.stages * qb.cta_rows * tg.BK * 2
+    monkeypatch.setenv(tg.CLUSTER_ENV, "0")
+    qb0 = tg.TilePlan(m=64, **qb16)
+    assert not qb0.cluster and qb0.splits == 24 and qb0.uses_ws and qb0.ssq_rows > 0
+    assert tg.cluster_launch(qb0) == {}
+    monkeypatch.setenv(tg.CLUSTER_ENV, "1")
+    # 16 splits forced: no cluster (falls back), or an error where the plan asks for it
+    assert not tg.TilePlan(m=64, splits_force=16, **c["in_proj"]).cluster
+    assert not tg.TilePlan(m=64, splits_force=1, **c["in_proj"]).cluster
+    with pytest.raises(ValueError, match="cluster needs"):
+        tg.TilePlan(m=64, splits_force=16, cluster=True, **c["in_proj"])
+    with pytest.raises(ValueError, match="cluster needs"):  # the partial tile: 2 stages, 1 warp
+        tg.TilePlan(m=64, k=7168, segments=(32,), warps=1, stages=2, cluster=True)
+    monkeypatch.setenv(tg.CLUSTER_ENV, "on")
+    with pytest.raises(ValueError, match=tg.CLUSTER_ENV):
+        tg.TilePlan(m=64, **c["in_proj"])
+
+
+@pytest.mark.parametrize(
+    "name,m,wgmma", [("front", 64, True), ("qkv_a_g", 33, False), ("q_b_fold", 64, False),
+                     ("o_proj", 64, True), ("in_proj", 8, False), ("fold_res", 32, False)],
+)  # fmt: skip
+def test_compiles_cluster(name, m, wgmma):
+    """The cluster split-K compiles for sm_90a at every plan kind (FP32 out, two segments,
+    the folded norm, the residual epilogue, the folded norm with its residual add): the PTX
+    reads the partials through ``mapa`` + ``ld.shared::cluster`` between cluster barriers,
+    with no counter atomics and no workspace stores of partials."""
+    from decodescope.kernels.specialized import interface as itf
+
+    kw = dict(cases(CFG))
+    kw["front"] = dict(k=CFG.hidden, segments=(6016,), out_f32=True)
+    kw["q_b_fold"] = dict(kw["q_b"], norm=False, rms_fold=True)
+    kw["fold_res"] = dict(k=CFG.hidden, segments=(1024,), rms_fold=True, add_residual=True)
+    p = tg.TilePlan(m=m, wgmma=wgmma, cluster=True, **kw[name])
+    res = p.add_residual
+    op_ = tg.TileGemmFoldRes(p) if res else tg.TileGemm(p)
+    ptx = itf.ptx_text(op_, *(tg._fake_args_res(p) if res else tg._fake_args(p)))
+    per = -(-m // p.splits) * (p.cta_rows // 4)  # items of one CTA of the cluster
+    loads = -(-per // p.threads) * p.splits * len(p.segments)
+    if p.rms_fold:
+        loads *= 2  # and the sums of squares
+    assert ptx.count("ld.shared::cluster") == ptx.count("mapa.shared::cluster") == loads
+    assert (
+        ptx.count("barrier.cluster.arrive")
+        == ptx.count("barrier.cluster.wait")
+        == 2 * len(p.segments)
+    )
+    assert "atom." not in ptx
+    assert tg.compile_plan(p) is not None
+
+
 def test_plan_choice_and_errors():
     c = cases(CFG)
     p = tg.TilePlan(m=64, **c["in_proj"])
@@ -187,6 +254,46 @@ def check_tile(cfg, name, m, dev, seed=0, **force):
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_tile_gemm_gpu(name, m, wgmma):
     assert check_tile(CFG, name, m, "cuda", seed=m, wgmma=wgmma) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["in_proj", "qkv_a_g", "q_b", "o_proj"])
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_tile_gemm_cluster_gpu(name, m, wgmma):
+    """The cluster split-K against the reference, three launches in a row on fresh inputs
+    (no counter to reset: each launch stands alone); q_b also with its norm folded."""
+    for rep in range(3):
+        assert (
+            check_tile(CFG, name, m, "cuda", seed=100 * rep + m, wgmma=wgmma, cluster=True) < 2e-2
+        )
+    if name == "q_b":
+        assert check_fold(CFG, m, "cuda", seed=m, wgmma=wgmma, cluster=True) < 2e-2
+
+
+def check_fold(cfg, m, dev, seed=0, **force):
+    """q_b with its RMSNorm folded (``rms_fold``) into NaN-poisoned outputs against the norm
+    + GEMM reference; returns the max relative error."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    x, ws, args = _inputs(cfg, "q_b", m, dev, gen)
+    g = args["norm_weight"]
+    out = torch.full((m, ws[0].shape[0]), float("nan"), dtype=torch.bfloat16, device=dev)
+    tg.tile_gemm(x, [tg.fold_norm_weight(ws[0], g)], [out], rms_fold=True, eps=args["eps"],
+                 **force)  # fmt: skip
+    torch.cuda.synchronize()
+    (ref,), _ = skinny_gemm_ref(x, ws, **args)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("force", [dict(splits=2), dict(splits=8), dict(stages=3), dict(warps=2)])
+def test_tile_gemm_cluster_variants_gpu(force):
+    assert check_tile(CFG, "in_proj", 64, "cuda", seed=5, cluster=True, **force) < 2e-2
+    assert check_tile(CFG, "o_proj", 17, "cuda", seed=6, cluster=True, **force) < 2e-2
 
 
 @pytest.mark.gpu

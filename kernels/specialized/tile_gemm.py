@@ -172,7 +172,9 @@ def cluster_default(m: int) -> bool:
     splits are then chosen among those), ``0`` nowhere, unset: from ``CLUSTER_MIN_M`` tokens
     (off while that is None)."""
     env = os.environ.get(CLUSTER_ENV, "")
-    if env in ("0", "1"):
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{CLUSTER_ENV}: 0 or 1, got {env!r}")
+    if env:
         return env == "1"
     return CLUSTER_MIN_M is not None and m >= CLUSTER_MIN_M
 
