@@ -22,6 +22,7 @@ from decodescope.kernels.specialized import back_mma as bm  # noqa: E402
 from decodescope.kernels.specialized import back_tile as bt  # noqa: E402
 from decodescope.kernels.specialized import interface as itf  # noqa: E402
 from decodescope.kernels.specialized import moe_block as mb  # noqa: E402
+from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
 from decodescope.kernels.specialized.up_proj_shared_add import up_proj_shared_add_ref  # noqa: E402
 from decodescope.kernels.weights import make_layer_weights  # noqa: E402
 
@@ -109,6 +110,35 @@ def test_back_tile_regs_compiles(T, frag):
 def test_back_tile_ldsm_tiny_compiles():
     bp = bt.BackPlan(m=5, k=128, n=256, eps=1e-5, act="regs", ldsm=True)
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+@pytest.mark.parametrize("T,kw", [(64, {}), (33, {"act": "regs", "ldsm": True, "wgmma": True}),
+                                  (13, {"act": "smem"}), (8, {"act": "regs"})])  # fmt: skip
+def test_back_tile_cluster_compiles(T, kw):
+    """The cluster split-K (``tile_gemm.TilePlan.cluster``) in the back tile: the splits'
+    partials and sums of squares read over distributed shared memory between two cluster
+    barriers, no counter atomics, at both activation paths and with wgmma."""
+    bp = bt.BackPlan(m=T, k=3584, n=7168, eps=1e-5, cluster=True, **kw)
+    t = bp.tile
+    assert bp.cluster and t.cluster and 2 <= t.splits <= tg.CLUSTER_MAX
+    ptx = itf.ptx_text(bt.BackTile(bp), *bt._fake_args(bp))
+    per = -(-T // t.splits) * (t.cta_rows // 4)
+    assert ptx.count("ld.shared::cluster") == 2 * -(-per // t.threads) * t.splits
+    assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == 2
+    assert "atom." not in ptx
+    assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+def test_back_tile_cluster_plan(monkeypatch):
+    monkeypatch.delenv(tg.CLUSTER_ENV, raising=False)
+    assert bt.plan_for(64, 3584, 7168, 1e-5).cluster == (tg.CLUSTER_MIN_M is not None)
+    monkeypatch.setenv(tg.CLUSTER_ENV, "1")
+    assert bt.plan_for(64, 3584, 7168, 1e-5).cluster
+    assert not bt.plan_for(64, 3584, 7168, 1e-5, splits=14).cluster  # 14 > a cluster's 8
+    with pytest.raises(ValueError, match="cluster needs"):
+        bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, splits=14, cluster=True)
+    monkeypatch.setenv(tg.CLUSTER_ENV, "0")
+    assert not bt.plan_for(64, 3584, 7168, 1e-5).cluster
 
 
 @pytest.mark.parametrize("T,k,n", [(64, 3584, 7168), (33, 3584, 7168), (8, 3584, 7168),
@@ -503,7 +533,9 @@ def test_b_reads_are_bank_conflict_free():
 GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
                "lean": {"lean": True}, "ldsm": {"act": "regs", "ldsm": True},
                "ldsm_smem": {"act": "smem", "ldsm": True},
-               "wgmma": {"act": "regs", "ldsm": True, "wgmma": True}}  # fmt: skip
+               "wgmma": {"act": "regs", "ldsm": True, "wgmma": True},
+               "cluster": {"cluster": True}, "cluster_smem": {"act": "smem", "cluster": True},
+               "cluster_wgmma": {"act": "regs", "ldsm": True, "wgmma": True, "cluster": True}}  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -119,6 +119,10 @@ class BackPlan:
     # warps); None: resolved when the plan is built: only with DECODESCOPE_TILE_WGMMA=1 (H200
     # s23/w1, 64 tokens, alone: 30.4 -> 30.4 us at TP16, 30.6 -> 30.5 at TP8: no gain)
     wgmma: bool | None = None
+    # split-K through a thread-block cluster (tile_gemm.TilePlan.cluster: the splits' partials
+    # and sums of squares reduced over distributed shared memory, no workspace or counter);
+    # None: resolved when the plan is built (DECODESCOPE_TILE_CLUSTER, as the tile GEMM's)
+    cluster: bool | None = None
 
     def __post_init__(self) -> None:
         fit = self.ldsm and self.act == "regs" and self.warps == 4
@@ -134,7 +138,9 @@ class BackPlan:
             raise ValueError(f"back_tile: warps must be 2, 4 or 8, got {self.warps}")
         if self.stages and not 2 <= self.stages <= 8:
             raise ValueError(f"back_tile: stages must be 0 (auto) or 2..8, got {self.stages}")
-        # self.tile runs the tile GEMM's own checks (tokens, K multiple of 64, N of 16, splits)
+        # self.tile runs the tile GEMM's own checks (tokens, K multiple of 64, N of 16, splits,
+        # the cluster's splits and partial tile) and resolves the cluster from the environment
+        object.__setattr__(self, "cluster", self.tile.cluster)
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"back_tile: {self.smem_bytes} bytes of shared memory > 227 KB")
 
@@ -172,8 +178,8 @@ class BackPlan:
             stages=self.nstages,
             ldsm=False,
             wgmma=self.wgmma,
-            cluster=False,
-        )  # fmt: skip  (this kernel's own fragments: self.ldsm; wgmma: the accumulator rows; its own split-K epilogue)
+            cluster=self.cluster,
+        )  # fmt: skip  (this kernel's own fragments: self.ldsm; wgmma: the accumulator rows)
 
     def _fixed_bytes(self, t: tg.TilePlan) -> int:
         # norm weights, rstd, last flag (+ alignment); with act="regs" the BF16 double buffer
@@ -242,6 +248,7 @@ class BackTile(tg.TileGemm):
             smem=Smem.size_in_bytes(),
             stream=stream,
             use_pdl=p.pdl,
+            **tg.cluster_launch(p),
         )
 
     @cute.kernel
@@ -380,6 +387,9 @@ class BackTile(tg.TileGemm):
             else:
                 self.compute_b(sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(p.cluster):
+            self.reduce_cluster(mOut, mSh, sW, accs, ssq, bx, n, sp, tidx)
+            return
 
         self.store_partial(mWs, accs, bx, sp, warp, g, c)
         self.store_ssq(mSsq, ssq, bx, sp, tidx)
@@ -696,6 +706,37 @@ class BackTile(tg.TileGemm):
                     for q in cutlass.range_constexpr(tg.RT):
                         acc = accs[q * p.ntiles + j]
                         cute.gemm(atom, acc, fas[q][k], fbs[j][k], acc)
+
+    # the cluster epilogue (tile_gemm.TileGemm.reduce_cluster): rstd * sum + shared_out
+    def cl_norm(self) -> bool:
+        return True
+
+    def cl_eps(self) -> float:
+        return self.bp.eps
+
+    def cl_out_type(self):
+        return BFloat16
+
+    def cl_load_epi(self, mSh, m, nn):
+        sh = cute.make_rmem_tensor((4,), Float32)
+        cute.autovec_copy(cute.local_tile(mSh[m, None], (4,), (nn // 4,)), sh)
+        return sh
+
+    def cl_value(self, val, rs, sh, e):
+        return (val * rs + sh[e]).to(BFloat16)
+
+    @cute.jit
+    def cl_publish_ssq(self, ssq, sQ, tidx):
+        """Each token row's sum of squares over this split (:meth:`store_ssq`'s butterfly over
+        the 16 threads of a row) into this CTA's ``sQ``."""
+        p = self.p
+        for q in cutlass.range_constexpr(self.slots):
+            s = ssq[q]
+            for o in cutlass.range_constexpr(4):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            idx = tidx + q * p.threads
+            if tidx % UNITS == 0 and idx < p.mp * UNITS:
+                sQ[idx // UNITS] = s
 
     @cute.jit
     def store_ssq(self, mSsq, ssq, bx, sp, tidx):

@@ -860,14 +860,8 @@ class TileGemm:
                 for j in cutlass.range_constexpr(p.ntiles):
                     for e in cutlass.range_constexpr(2):
                         sP[j * 8 + 2 * c + e, row] = accs[q * p.ntiles + j][2 * hh + e]
-        if cutlass.const_expr(p.rms_fold):  # this split's sums of squares per token
-            for q in cutlass.range_constexpr(p.x_slots):
-                s = ssq[q]
-                for o in cutlass.range_constexpr(3):
-                    s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
-                r = (tidx + q * p.threads) // 8
-                if tidx % 8 == 0 and r < p.m:
-                    sQ[r] = s
+        if cutlass.const_expr(self.cl_norm()):  # this split's sums of squares per token
+            self.cl_publish_ssq(ssq, sQ, tidx)
         cute.arch.cluster_arrive()  # release: this split's partials are in place
         cute.arch.cluster_wait()
 
@@ -883,37 +877,71 @@ class TileGemm:
             r4 = (it % quads) * 4
             vals = [ld_cluster_v4f32(mapa(sP.iterator + (mc_ * rs_ + r4), r)) for r in range(S)]
             rs = None
-            if cutlass.const_expr(p.rms_fold):
+            if cutlass.const_expr(self.cl_norm()):
                 ss = Float32(0.0)
                 for r in cutlass.range_constexpr(S):
                     ss = ss + ld_cluster_f32(mapa(sQ.iterator + mc_, r))
-                rs = cute.math.rsqrt(ss / Float32(p.k) + Float32(p.eps))
-            ev = None
-            if cutlass.const_expr(p.residual_epilogue):  # clamped: in bounds
-                nnc = cutlass.min(cta * p.cta_rows + r4, n - 4)
-                ev = cute.make_rmem_tensor((4,), BFloat16)
-                me = cutlass.min(m, p.m - 1)
-                cute.autovec_copy(cute.local_tile(mE[me, None], (4,), (nnc // 4,)), ev)
+                rs = cute.math.rsqrt(ss / Float32(p.k) + Float32(self.cl_eps()))
+            # clamped: in bounds
+            ev = self.cl_load_epi(
+                mE, cutlass.min(m, p.m - 1), cutlass.min(cta * p.cta_rows + r4, n - 4)
+            )
             items.append((ok, m, r4, vals, rs, ev))
         cute.arch.cluster_arrive()  # this CTA reads no other's shared memory after this
         for ok, m, r4, vals, rs, ev in items:
             nn = cta * p.cta_rows + r4
             if ok and nn < n:
-                ov = cute.make_rmem_tensor((4,), Float32 if p.out_f32 else BFloat16)
+                ov = cute.make_rmem_tensor((4,), self.cl_out_type())
                 for e in cutlass.range_constexpr(4):
                     val = vals[0][e]
                     for src in cutlass.range_constexpr(1, S):
                         val = val + vals[src][e]
-                    if cutlass.const_expr(p.rms_fold):
-                        val = val * rs
-                    if cutlass.const_expr(p.residual_epilogue):
-                        val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
-                    if cutlass.const_expr(p.out_f32):
-                        ov[e] = val
-                    else:
-                        ov[e] = val.to(BFloat16)
+                    ov[e] = self.cl_value(val, rs, ev, e)
                 cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
         cute.arch.cluster_wait()  # nobody exits while another still reads its partials
+
+    # the cluster epilogue's parts that differ by kernel (trace-time; .back_tile overrides them)
+    def cl_norm(self) -> bool:
+        """Whether a norm's rstd (from the splits' sums of squares) scales the sums."""
+        return self.p.rms_fold
+
+    def cl_eps(self) -> float:
+        return self.p.eps
+
+    def cl_out_type(self):
+        return Float32 if self.p.out_f32 else BFloat16
+
+    def cl_load_epi(self, mE, m, nn):
+        """The epilogue's own input for 4 rows ``nn ..`` of token ``m`` (clamped in bounds),
+        loaded before the partials are summed: the residual, or None."""
+        if not self.p.residual_epilogue:
+            return None
+        ev = cute.make_rmem_tensor((4,), BFloat16)
+        cute.autovec_copy(cute.local_tile(mE[m, None], (4,), (nn // 4,)), ev)
+        return ev
+
+    def cl_value(self, val, rs, ev, e):
+        """Output element ``e`` of 4 from the summed partial ``val`` (``rs``: the token's
+        rstd; ``ev``: :meth:`cl_load_epi`'s values)."""
+        p = self.p
+        if p.rms_fold:
+            val = val * rs
+        if p.residual_epilogue:
+            val = val.to(BFloat16).to(Float32) + ev[e].to(Float32)
+        return val if p.out_f32 else val.to(BFloat16)
+
+    @cute.jit
+    def cl_publish_ssq(self, ssq, sQ, tidx):
+        """``rms_fold``: each token's sum of squares over this split (:meth:`store_ssq`'s
+        butterfly over the 8 threads of a row) into this CTA's ``sQ``."""
+        p = self.p
+        for q in cutlass.range_constexpr(p.x_slots):
+            s = ssq[q]
+            for o in cutlass.range_constexpr(3):
+                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            r = (tidx + q * p.threads) // 8
+            if tidx % 8 == 0 and r < p.m:
+                sQ[r] = s
 
     @cute.jit
     def store_direct(self, mO, mE, sRs, accs, row0, n, warp, g, c):
