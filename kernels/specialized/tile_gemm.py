@@ -148,7 +148,7 @@ WGMMA_MIN_M: int | None = 64
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
 # split-K through a thread-block cluster (TilePlan.cluster) from this many tokens by default
 # (None: off unless DECODESCOPE_TILE_CLUSTER=1); not measured on a GPU yet
-CLUSTER_MIN_M: int | None = None
+CLUSTER_MIN_M: int | None = 1
 CLUSTER_ENV = "DECODESCOPE_TILE_CLUSTER"
 CLUSTER_MAX = 8  # portable cluster size: the splits of one row tile in one cluster
 PART_PAD = 4  # floats past each token row of a cluster partial tile (bank spread)
