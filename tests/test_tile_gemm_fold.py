@@ -28,7 +28,7 @@ CFG16 = get_config("kimi-k3", 16)
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for v in ("DECODESCOPE_TILE_NORM", "DECODESCOPE_ATTN_GEMM", "DECODESCOPE_TILE_LDSM",
-              "DECODESCOPE_TILE_EPI_HOIST", "DECODESCOPE_TILE_EPI_BATCH"):  # fmt: skip
+              "DECODESCOPE_TILE_EPI_HOIST", "DECODESCOPE_TILE_EPI_BATCH", tg.CLUSTER_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
 
 
@@ -42,8 +42,12 @@ def _qb(cfg, m, **force) -> tg.TilePlan:
 @pytest.mark.parametrize("m", [8, 32, 64])
 def test_fold_compiles(tp, m):
     p = _qb(CFG8 if tp == 8 else CFG16, m)
-    assert p.splits > 1 and p.row_ctas * p.splits >= tg.NUM_SMS
-    assert tg.compile_plan(p) is not None
+    # the splits of a row tile in one cluster by default (at most 8: TP16's 9 row tiles then
+    # make 72 CTAs), else enough CTAs for every SM
+    assert p.cluster and 1 < p.splits <= tg.CLUSTER_MAX
+    q = _qb(CFG8 if tp == 8 else CFG16, m, cluster=False)
+    assert q.splits > 1 and q.row_ctas * q.splits >= tg.NUM_SMS
+    assert tg.compile_plan(p) is not None and tg.compile_plan(q) is not None
 
 
 @pytest.mark.parametrize("force", [dict(splits_force=1), dict(ldsm=True, warps=2)])
@@ -52,7 +56,9 @@ def test_fold_variants_compile(force):
 
 
 def test_fold_plan():
-    p = _qb(CFG8, 64)
+    c = _qb(CFG8, 64)  # the default: the splits' sums of squares meet in the cluster
+    assert c.cluster and c.splits == 8 and c.ssq_rows == 0 and c.ws_rows == 8
+    p = _qb(CFG8, 64, cluster=False)  # the workspace path
     assert (p.row_ctas, p.splits, p.chunks, p.x_slots) == (18, 8, 3, 4)
     # sums of squares [row tiles, splits, mp] after the partials, in whole rows
     assert p.ssq_rows * p.acc_rows >= p.row_ctas * p.splits * p.mp

@@ -85,7 +85,7 @@ its 16 rows in ``mma.sync``'s 16 x 8 fragment order, so every epilogue is shared
 of ~650-870 per warp; H200 numbers beside ``WGMMA_MIN_M``.
 
 Split-K through a thread-block cluster (``TilePlan.cluster``; :func:`cluster_default`,
-``DECODESCOPE_TILE_CLUSTER``): the ``splits`` CTAs of a row tile form one cluster ``(1, splits,
+``DECODESCOPE_TILE_CLUSTER``; the default since the H200 A/B beside ``CLUSTER_MIN_M``): the ``splits`` CTAs of a row tile form one cluster ``(1, splits,
 1)`` (2..8 CTAs). After the K loop each CTA leaves its FP32 partial tile ``[token, row]`` (row
 stride ``cta_rows + 4``: the accumulator stores hit 32 distinct banks) and, with ``rms_fold``,
 its tokens' sums of squares in its own shared memory, in the stage buffers it no longer needs;
@@ -147,7 +147,11 @@ SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 byte
 WGMMA_MIN_M: int | None = 64
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
 # split-K through a thread-block cluster (TilePlan.cluster) from this many tokens by default
-# (None: off unless DECODESCOPE_TILE_CLUSTER=1); not measured on a GPU yet
+# (None: off unless DECODESCOPE_TILE_CLUSTER=1). H200 s24/n1, GEMM alone, graph medians, knob
+# 0 -> 1 (notes/gpu-logs/s24): TP16 64 tokens (wgmma) the MoE front 28.8 -> 25.4 us, qkv_a + g
+# 24.9 -> 22.8, o_proj 10.3 -> 6.6, in_proj 26.2 -> 23.6, q_b folded 13.7 -> 5.3, the back tile
+# 30.4 -> 22.6; every case at 8 / 32 tokens gained 0.15-5 us; in the layers (n3, same call)
+# TP16 batch 64 KDA 581.2 -> 568.5, MLA 611.4 -> 580.2, every point of batch 8 / 32 / 64 gained
 CLUSTER_MIN_M: int | None = 1
 CLUSTER_ENV = "DECODESCOPE_TILE_CLUSTER"
 CLUSTER_MAX = 8  # portable cluster size: the splits of one row tile in one cluster
