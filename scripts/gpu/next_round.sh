@@ -74,7 +74,26 @@ part9=(
   "200:steps_dense:python scripts/gpu_steps.py --tp 16 8 --points 64x1 8x8 --layers dense,kda --out $R/steps_dense"
   "200:steps_knob:DECODESCOPE_TILE_WGMMA=1 python scripts/gpu_steps.py --tp 16 --points 64x1 --layers dense,kda,mla --out $R/steps_knob"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 9
+# Part 9's dense check ran in session 24 with the cluster split-K (gpu_steps PASS at TP16 / TP8,
+# 64x1 and 8x8, layers dense,kda,mla; notes/gpu-logs/s24/n2), now the default with wgmma at 64.
+# Part 10 (session 24, next): the warpgroup MMAs everywhere (from 32 tokens, the folded q_b, the
+# back tile: with the cluster split-K they win alone there, notes/specialized.md "Session 24")
+# checked in the step, then a same-call layer A/B against the default, specialized alone.
+# Part 11: the README's verify-step rows (1x8, 8x8) at the cluster default, both backends
+# (stage the vLLM parts).
+BW="decodescope bench --batch 32,64 --backends specialized --out $R/ab"
+part10=(
+  "150:steps_wg:DECODESCOPE_TILE_WGMMA=1 python scripts/gpu_steps.py --tp 16 8 --points 32x1 64x1 --layers dense,kda,mla --out $R/steps_wg"
+  "105:t16d:$BW --tp-shape 16 --json $R/t16d.json"
+  "105:t16w:DECODESCOPE_TILE_WGMMA=1 $BW --tp-shape 16 --json $R/t16w.json"
+  "105:t8d:$BW --tp-shape 8 --json $R/t8d.json"
+  "105:t8w:DECODESCOPE_TILE_WGMMA=1 $BW --tp-shape 8 --json $R/t8w.json"
+)
+part11=(
+  "150:v16:decodescope bench --tp-shape 16 --batch 1,8 --spec-verify 7 --verify-only --out $R/ds --json $R/v16.json"
+  "150:v8:decodescope bench --tp-shape 8 --batch 1,8 --spec-verify 7 --verify-only --out $R/ds --json $R/v8.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 11
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -85,5 +104,7 @@ case "${1:-1}" in
   7) exec bash "$here/run_stages.sh" "${part7[@]}" ;;
   8) exec bash "$here/run_stages.sh" "${part8[@]}" ;;
   9) exec bash "$here/run_stages.sh" "${part9[@]}" ;;
-  *) echo "next_round.sh: part 1 to 9, got '$1'" >&2; exit 2 ;;
+  10) exec bash "$here/run_stages.sh" "${part10[@]}" ;;
+  11) exec bash "$here/run_stages.sh" "${part11[@]}" ;;
+  *) echo "next_round.sh: part 1 to 11, got '$1'" >&2; exit 2 ;;
 esac
