@@ -46,6 +46,50 @@ def test_compiles_variants(tp, m, kw):
     assert dt.compile_plan(p, *dm._betas(cfg)) is not None
 
 
+@pytest.mark.parametrize(
+    "tp,m,kw", [(16, 64, {"cluster": True, "wgmma": True, "rms_fold": True}), (8, 64, {"cluster": True}),
+                (16, 8, {"cluster": True, "rms_fold": True}), (8, 33, {"wgmma": True}),
+                (16, 32, {"wgmma": True, "splits_force": 1})],
+)  # fmt: skip
+def test_cluster_and_wgmma_compile(tp, m, kw):
+    """The opt-in warpgroup MMAs and cluster split-K (:func:`.dense_tile.plan`'s knobs):
+    with the cluster the gate / up quads of the splits are read over distributed shared memory
+    between two cluster barriers (no counter atomics); with wgmma the one-split epilogue maps
+    the accumulators through ``tile_row``."""
+    import re
+
+    from decodescope.kernels.specialized import interface as itf
+
+    cfg = CFGS[tp]
+    p = dt.plan(m, cfg.hidden, cfg.dense_inter, eps=cfg.eps, **kw)
+    assert (p.cluster, p.wgmma) == (kw.get("cluster", False), kw.get("wgmma", False))
+    ptx = itf.ptx_text(dt.DenseTileGemm(p, *dm._betas(cfg)), *dt._fake_args(p))
+    assert ptx.count("wgmma.mma_async") == (8 if p.wgmma else 0)
+    if p.cluster:
+        per = -(-m // p.splits) * (p.cta_rows // 8)  # gate / up pairs of one CTA's tokens
+        loads = -(-per // p.threads) * p.splits * 2 + (
+            -(-per // p.threads) * p.splits if p.rms_fold else 0
+        )
+        assert ptx.count("ld.shared::cluster") == loads
+        assert len(re.findall(r"barrier\.cluster\.arrive", ptx)) == 2 and "atom." not in ptx
+    assert dt.compile_plan(p, *dm._betas(cfg)) is not None
+
+
+def test_cluster_and_wgmma_knobs(monkeypatch):
+    cfg = CFGS[8]
+    for v in (dt.WGMMA_ENV, dt.CLUSTER_ENV):
+        monkeypatch.delenv(v, raising=False)
+    p = dt.plan(64, cfg.hidden, cfg.dense_inter)
+    assert not p.cluster and not p.wgmma  # opt-in: not measured for this kernel yet
+    monkeypatch.setenv(dt.CLUSTER_ENV, "1")
+    monkeypatch.setenv(dt.WGMMA_ENV, "1")
+    p = dt.plan(64, cfg.hidden, cfg.dense_inter)
+    assert p.cluster and p.wgmma and not p.uses_ws
+    monkeypatch.setenv(dt.CLUSTER_ENV, "yes")
+    with pytest.raises(ValueError, match=dt.CLUSTER_ENV):
+        dt.plan(64, cfg.hidden, cfg.dense_inter)
+
+
 def test_plan_numbers_and_errors(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_TILE_LDSM", raising=False)
     p8, p16 = dm.tile_plan(CFGS[8], 8), dm.tile_plan(CFGS[16], 64)
@@ -205,7 +249,10 @@ def _gpu_weights(cfg, seed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tp", [8, 16])
 @pytest.mark.parametrize("m", [8, 32, 33, 64])
-@pytest.mark.parametrize("kw", [{}, {"splits_force": 1}, {"rms_fold": True}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"splits_force": 1}, {"rms_fold": True}, {"cluster": True}, {"wgmma": True},
+           {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1}],
+)  # fmt: skip
 def test_dense_tile_gpu(tp, m, kw):
     cfg = CFGS[tp]
     w, randn = _gpu_weights(cfg, 10 * tp + m)

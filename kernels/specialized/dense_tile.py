@@ -19,6 +19,12 @@ same ``cp.async`` pipeline, same MMAs and split-K) with three methods replaced:
   local row order) and a thread takes 4 gate rows ``16t + 4h ..`` and their 4 up rows ``16t + 8
   + 4h ..`` of one token (two 16-byte loads per split), writing 4 ``act`` columns (8 bytes).
 
+Opt-in (``DECODESCOPE_DENSE_TILE_WGMMA=1`` / ``DECODESCOPE_DENSE_TILE_CLUSTER=1``; not yet
+measured on a GPU for this kernel): the tile GEMM's warpgroup MMAs (the one-split epilogue takes
+the tile of its rows from ``tile_row``: ``4 q + warp`` there) and its cluster split-K
+(:meth:`DenseTileGemm.cl_gather`: the gate and up quads of a token read from every split's
+partial tile in distributed shared memory, then SiTU as above).
+
 The RMSNorm before it: its own launch (:mod:`.rmsnorm`; the dense MLP's ``residual_norm``) or
 folded (``rms_fold``: ``mlp_norm`` folded into a derived ``w13``, :func:`.tile_gemm.folded_weight`,
 each token's rstd applied to the FP32 sums before the bf16 rounding of gate and up). Selection in
@@ -41,11 +47,22 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32
 
+from decodescope.kernels.specialized import env_knobs
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import tile_gemm as tg
+from decodescope.kernels.specialized.mla_decode_tc import ld_cluster_v4f32, mapa
 from decodescope.kernels.specialized.moe_common import situ
 
 COLS = 8  # output columns per 16-row MMA tile (8 gate rows, their 8 up rows)
+
+
+WGMMA_ENV = "DECODESCOPE_DENSE_TILE_WGMMA"
+CLUSTER_ENV = "DECODESCOPE_DENSE_TILE_CLUSTER"
+
+
+def _knob(var: str) -> bool:
+    """An opt-in switch: unset or ``0`` off, ``1`` on, anything else a one-line error."""
+    return env_knobs.read(var, ("0", "1"), "0") == "1"
 
 
 def supports(m: int, k: int, dn: int) -> bool:
@@ -73,8 +90,10 @@ def plan(m: int, k: int, dn: int, **kw) -> tg.TilePlan:
         raise ValueError(f"dense tile: m {m} in 1..64, K {k} % {tg.BK}, Dn {dn} % {COLS}")
     if kw.get("ldsm") is None:  # ldmatrix fragments unless DECODESCOPE_TILE_LDSM=0
         kw["ldsm"] = os.environ.get("DECODESCOPE_TILE_LDSM", "") != "0"
-    kw.setdefault("wgmma", False)  # its own fragments and row map: the mma.sync path
-    kw.setdefault("cluster", False)  # its own split-K epilogue
+    # warpgroup MMAs and the cluster split-K: opt-in here (not yet measured on a GPU for this
+    # kernel), DECODESCOPE_DENSE_TILE_WGMMA / DECODESCOPE_DENSE_TILE_CLUSTER = 1
+    kw.setdefault("wgmma", _knob(WGMMA_ENV) and kw.get("warps", 4) == 4)  # a warpgroup
+    kw.setdefault("cluster", _knob(CLUSTER_ENV))
     p = tg.TilePlan(m=m, k=k, segments=(2 * dn,), **kw)
     if p.residual_epilogue or p.out_f32 or p.norm or p.add_residual:
         raise ValueError("dense tile: no residual epilogue, FP32 output, norm launch or residual")
@@ -116,7 +135,8 @@ class DenseTileGemm(tg.TileGemm):
         p = self.p
         dn = n // 2
         for q in cutlass.range_constexpr(tg.RT):
-            d = row0 // 2 + (warp * tg.RT + q) * COLS + g
+            # 16-row MMA tile t of the CTA (mma.sync: 2 warp + q; wgmma: 4 q + warp)
+            d = row0 // 2 + (self.tile_row(warp, q) // 16) * COLS + g
             if d < dn:
                 for j in cutlass.range_constexpr(p.ntiles):
                     for e in cutlass.range_constexpr(2):
@@ -184,6 +204,52 @@ class DenseTileGemm(tg.TileGemm):
         if tidx == 0:
             mCnt[bx] = cutlass.Int32(0)
 
+    @cute.jit
+    def cl_gather(self, mO, mE, sP, sQ, cta, n, sp, tidx):
+        """``cluster`` (:meth:`.tile_gemm.TileGemm.reduce_cluster`): CTA ``sp`` of the cluster
+        takes the tokens ``t % splits == sp``; per step a thread sums 4 gate rows and their 4
+        up rows of one token over the splits' partial tiles (``ld.shared::cluster``, split
+        order), then rounds, applies SiTU and writes 4 ``act`` columns, as
+        :meth:`epilogue_partial`."""
+        p = self.p
+        S = p.splits
+        rs_ = p.cta_rows + tg.PART_PAD
+        dn = n // 2
+        pairs = p.cta_rows // 8  # (tile, half) pairs per token
+        per = -(-p.m // S)
+        total = per * pairs
+        items = []
+        for t in cutlass.range_constexpr(-(-total // p.threads)):
+            it = tidx + t * p.threads
+            m = sp + S * (it // pairs)
+            ok = m < p.m  # past the last item m >= splits * per >= p.m
+            mc_ = cutlass.min(m, p.mp - 1)
+            pr = it % pairs
+            lr = (pr // 2) * 16 + (pr % 2) * 4  # the gate quad's local row
+            gs = [ld_cluster_v4f32(mapa(sP.iterator + (mc_ * rs_ + lr), r)) for r in range(S)]
+            us = [ld_cluster_v4f32(mapa(sP.iterator + (mc_ * rs_ + lr + 8), r)) for r in range(S)]
+            rs = self.cl_rstd(sQ, mc_) if p.rms_fold else None
+            items.append((ok, m, pr, gs, us, rs))
+        cute.arch.cluster_arrive()  # this CTA reads no other's shared memory after this
+        for ok, m, pr, gs, us, rs in items:
+            d = cta * (p.cta_rows // 2) + (pr // 2) * COLS + (pr % 2) * 4
+            if ok and d < dn:
+                ov = cute.make_rmem_tensor((4,), BFloat16)
+                for e in cutlass.range_constexpr(4):
+                    gv = gs[0][e]
+                    uv = us[0][e]
+                    for src in cutlass.range_constexpr(1, S):
+                        gv = gv + gs[src][e]
+                        uv = uv + us[src][e]
+                    if cutlass.const_expr(p.rms_fold):
+                        gv = gv * rs
+                        uv = uv * rs
+                    gv = gv.to(BFloat16).to(Float32)
+                    uv = uv.to(BFloat16).to(Float32)
+                    ov[e] = situ(gv, uv, self.beta, self.lbeta).to(BFloat16)
+                cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (d // 4,)))
+        cute.arch.cluster_wait()  # nobody exits while another still reads its partials
+
 
 def ld_v4(ptr):
     """Four FP32 partials (16 bytes, L2: other CTAs wrote them)."""
@@ -214,7 +280,7 @@ def _workspace(p: tg.TilePlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (p, str(device))
     ws = _WS.get(key)
     if ws is None:
-        cols = p.acc_rows if p.splits > 1 else 8
+        cols = p.acc_rows if p.uses_ws else 8
         ws = _WS[key] = (
             torch.zeros(p.ws_rows, cols, dtype=torch.float32, device=device),
             torch.zeros(p.row_ctas, dtype=torch.int32, device=device),

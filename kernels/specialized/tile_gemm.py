@@ -847,17 +847,30 @@ class TileGemm:
         (``ld.shared::cluster``, 4 rows of one token per thread and step, as
         :meth:`epilogue_partial`) and stored through the epilogue; a second barrier, waited for
         last, keeps this CTA's shared memory alive while the others read it."""
+        sP, sQ = self.cl_tiles(sW)
+        self.cl_publish(sP, sQ, accs, ssq, tidx)
+        self.cl_gather(mO, mE, sP, sQ, cta, n, sp, tidx)
+
+    def cl_tiles(self, sW):
+        """The partial tile ``[mp, cta_rows + PART_PAD]`` FP32 and the ``mp`` sums of squares
+        after it, in the weight stages (trace-time helper)."""
         p = self.p
-        S = p.splits
         rs_ = p.cta_rows + PART_PAD
+        fbase = cute.recast_ptr(sW.iterator, dtype=Float32)
+        sP = cute.make_tensor(fbase, cute.make_layout((p.mp, rs_), stride=(rs_, 1)))
+        sQ = cute.make_tensor(fbase + p.mp * rs_, cute.make_layout(p.mp))
+        return sP, sQ
+
+    @cute.jit
+    def cl_publish(self, sP, sQ, accs, ssq, tidx):
+        """This CTA's accumulators (local row order, :meth:`tile_row`) and sums of squares into
+        ``sP`` / ``sQ``, then the cluster barrier that publishes them."""
+        p = self.p
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
         cute.arch.sync_threads()  # every warp past its last reads of the stages
-        fbase = cute.recast_ptr(sW.iterator, dtype=Float32)
-        sP = cute.make_tensor(fbase, cute.make_layout((p.mp, rs_), stride=(rs_, 1)))
-        sQ = cute.make_tensor(fbase + p.mp * rs_, cute.make_layout(p.mp))
         for q in cutlass.range_constexpr(RT):
             for hh in cutlass.range_constexpr(2):
                 row = self.tile_row(warp, q) + g + 8 * hh
@@ -869,6 +882,13 @@ class TileGemm:
         cute.arch.cluster_arrive()  # release: this split's partials are in place
         cute.arch.cluster_wait()
 
+    @cute.jit
+    def cl_gather(self, mO, mE, sP, sQ, cta, n, sp, tidx):
+        """CTA ``sp`` of the cluster: its tokens' 4-row quads summed over the splits (split
+        order), through :meth:`cl_value` into ``mO``."""
+        p = self.p
+        S = p.splits
+        rs_ = p.cta_rows + PART_PAD
         quads = p.cta_rows // 4
         per = -(-p.m // S)  # tokens per CTA of the cluster, at most
         total = per * quads
@@ -880,12 +900,7 @@ class TileGemm:
             mc_ = cutlass.min(m, p.mp - 1)  # clamped: every read stays in the tile
             r4 = (it % quads) * 4
             vals = [ld_cluster_v4f32(mapa(sP.iterator + (mc_ * rs_ + r4), r)) for r in range(S)]
-            rs = None
-            if cutlass.const_expr(self.cl_norm()):
-                ss = Float32(0.0)
-                for r in cutlass.range_constexpr(S):
-                    ss = ss + ld_cluster_f32(mapa(sQ.iterator + mc_, r))
-                rs = cute.math.rsqrt(ss / Float32(p.k) + Float32(self.cl_eps()))
+            rs = self.cl_rstd(sQ, mc_) if self.cl_norm() else None
             # clamped: in bounds
             ev = self.cl_load_epi(
                 mE, cutlass.min(m, p.m - 1), cutlass.min(cta * p.cta_rows + r4, n - 4)
@@ -903,6 +918,14 @@ class TileGemm:
                     ov[e] = self.cl_value(val, rs, ev, e)
                 cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (nn // 4,)))
         cute.arch.cluster_wait()  # nobody exits while another still reads its partials
+
+    def cl_rstd(self, sQ, m):
+        """Token ``m``'s ``rsqrt(ss / K + eps)`` from the cluster's sums of squares, in split
+        order (trace-time helper)."""
+        ss = Float32(0.0)
+        for r in range(self.p.splits):
+            ss = ss + ld_cluster_f32(mapa(sQ.iterator + m, r))
+        return cute.math.rsqrt(ss / Float32(self.p.k) + Float32(self.cl_eps()))
 
     # the cluster epilogue's parts that differ by kernel (trace-time; .back_tile overrides them)
     def cl_norm(self) -> bool:

@@ -93,7 +93,19 @@ part11=(
   "150:v16:decodescope bench --tp-shape 16 --batch 1,8 --spec-verify 7 --verify-only --out $R/ds --json $R/v16.json"
   "150:v8:decodescope bench --tp-shape 8 --batch 1,8 --spec-verify 7 --verify-only --out $R/ds --json $R/v8.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 11
+# Part 12: the dense layer 0's gate_up + SiTU tile (1.88x its floor at TP16 batch 64, 30 of its
+# 92 us) with the warpgroup MMAs and the cluster split-K (opt-in knobs, session 24, not yet
+# run): its GPU tests, the kernel alone with and without, the dense layer A/B (specialized).
+DK="DECODESCOPE_DENSE_TILE_CLUSTER=1 DECODESCOPE_DENSE_TILE_WGMMA=1"
+BD="decodescope bench --layers dense --batch 8,32,64 --backends specialized --out $R/ab"
+part12=(
+  "150:dtests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_tile.py"
+  "110:d0:python scripts/gpu_dense_tile.py --out $R/d0 --tp 16 --ms 8 32 64"
+  "110:d1:$DK python scripts/gpu_dense_tile.py --out $R/d1 --tp 16 --ms 8 32 64"
+  "80:bd0:$BD --tp-shape 16 --json $R/bd0.json"
+  "80:bd1:$DK $BD --tp-shape 16 --json $R/bd1.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 12
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -106,5 +118,6 @@ case "${1:-1}" in
   9) exec bash "$here/run_stages.sh" "${part9[@]}" ;;
   10) exec bash "$here/run_stages.sh" "${part10[@]}" ;;
   11) exec bash "$here/run_stages.sh" "${part11[@]}" ;;
-  *) echo "next_round.sh: part 1 to 11, got '$1'" >&2; exit 2 ;;
+  12) exec bash "$here/run_stages.sh" "${part12[@]}" ;;
+  *) echo "next_round.sh: part 1 to 12, got '$1'" >&2; exit 2 ;;
 esac
