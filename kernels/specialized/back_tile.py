@@ -737,12 +737,18 @@ class BackTile(tg.TileGemm):
         the 16 threads of a row) into this CTA's ``sQ``."""
         p = self.p
         for q in cutlass.range_constexpr(self.slots):
-            s = ssq[q]
-            for o in cutlass.range_constexpr(4):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            s = self.row_ssq(ssq, q)
             idx = tidx + q * p.threads
             if tidx % UNITS == 0 and idx < p.mp * UNITS:
                 sQ[idx // UNITS] = s
+
+    def row_ssq(self, ssq, q):
+        """Slot ``q``'s token row sum of squares over this split: a butterfly over the row's 16
+        threads (16 consecutive lanes; trace-time helper)."""
+        s = ssq[q]
+        for o in range(4):
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+        return s
 
     @cute.jit
     def store_ssq(self, mSsq, ssq, bx, sp, tidx):
@@ -750,9 +756,7 @@ class BackTile(tg.TileGemm):
         16 consecutive lanes: butterfly over them) to ``ssq[bx, sp, row]``."""
         p = self.p
         for q in cutlass.range_constexpr(self.slots):
-            s = ssq[q]
-            for o in cutlass.range_constexpr(4):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            s = self.row_ssq(ssq, q)
             idx = tidx + q * p.threads
             if tidx % UNITS == 0 and idx < p.mp * UNITS:
                 r = idx // UNITS

@@ -184,25 +184,32 @@ class DenseTileGemm(tg.TileGemm):
             for ok, m, it, gs, us in parts:
                 d = cta * (p.cta_rows // 2) + (it // 2) * COLS + (it % 2) * 4
                 if ok and d < dn:
-                    ov = cute.make_rmem_tensor((4,), BFloat16)
                     rs = None
                     if cutlass.const_expr(p.rms_fold):
                         rs = sRs[m]
-                    for e in cutlass.range_constexpr(4):
-                        gv = gs[0][e]
-                        uv = us[0][e]
-                        for s in cutlass.range_constexpr(1, p.splits):
-                            gv = gv + gs[s][e]
-                            uv = uv + us[s][e]
-                        if cutlass.const_expr(p.rms_fold):
-                            gv = gv * rs
-                            uv = uv * rs
-                        gv = gv.to(BFloat16).to(Float32)
-                        uv = uv.to(BFloat16).to(Float32)
-                        ov[e] = situ(gv, uv, self.beta, self.lbeta).to(BFloat16)
+                    ov = self.situ4(gs, us, rs)
                     cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (d // 4,)))
         if tidx == 0:
             mCnt[bx] = cutlass.Int32(0)
+
+    def situ4(self, gs, us, rs):
+        """4 ``act`` values from the splits' 4 gate sums ``gs`` and 4 up sums ``us`` (split
+        order; ``rs``: the token's rstd with ``rms_fold``): each rounded to bf16, then SiTU
+        (trace-time helper of both split-K epilogues)."""
+        ov = cute.make_rmem_tensor((4,), BFloat16)
+        for e in range(4):
+            gv = gs[0][e]
+            uv = us[0][e]
+            for s in range(1, len(gs)):
+                gv = gv + gs[s][e]
+                uv = uv + us[s][e]
+            if self.p.rms_fold:
+                gv = gv * rs
+                uv = uv * rs
+            gv = gv.to(BFloat16).to(Float32)
+            uv = uv.to(BFloat16).to(Float32)
+            ov[e] = situ(gv, uv, self.beta, self.lbeta).to(BFloat16)
+        return ov
 
     @cute.jit
     def cl_gather(self, mO, mE, sP, sQ, cta, n, sp, tidx):
@@ -234,19 +241,7 @@ class DenseTileGemm(tg.TileGemm):
         for ok, m, pr, gs, us, rs in items:
             d = cta * (p.cta_rows // 2) + (pr // 2) * COLS + (pr % 2) * 4
             if ok and d < dn:
-                ov = cute.make_rmem_tensor((4,), BFloat16)
-                for e in cutlass.range_constexpr(4):
-                    gv = gs[0][e]
-                    uv = us[0][e]
-                    for src in cutlass.range_constexpr(1, S):
-                        gv = gv + gs[src][e]
-                        uv = uv + us[src][e]
-                    if cutlass.const_expr(p.rms_fold):
-                        gv = gv * rs
-                        uv = uv * rs
-                    gv = gv.to(BFloat16).to(Float32)
-                    uv = uv.to(BFloat16).to(Float32)
-                    ov[e] = situ(gv, uv, self.beta, self.lbeta).to(BFloat16)
+                ov = self.situ4(gs, us, rs)
                 cute.autovec_copy(ov, cute.local_tile(mO[m, None], (4,), (d // 4,)))
         cute.arch.cluster_wait()  # nobody exits while another still reads its partials
 

@@ -708,9 +708,7 @@ class TileGemm:
         p = self.p
         base = p.splits * p.mp * p.acc_rows
         for q in cutlass.range_constexpr(p.x_slots):
-            s = ssq[q]
-            for o in cutlass.range_constexpr(3):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            s = self.row_ssq(ssq, q)
             idx = tidx + q * p.threads
             r = idx // 8
             if tidx % 8 == 0 and r < p.m:
@@ -963,12 +961,18 @@ class TileGemm:
         butterfly over the 8 threads of a row) into this CTA's ``sQ``."""
         p = self.p
         for q in cutlass.range_constexpr(p.x_slots):
-            s = ssq[q]
-            for o in cutlass.range_constexpr(3):
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+            s = self.row_ssq(ssq, q)
             r = (tidx + q * p.threads) // 8
             if tidx % 8 == 0 and r < p.m:
                 sQ[r] = s
+
+    def row_ssq(self, ssq, q):
+        """Slot ``q``'s token row sum of squares over this split: a butterfly over the row's 8
+        threads (8 consecutive lanes; trace-time helper)."""
+        s = ssq[q]
+        for o in range(3):
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
+        return s
 
     @cute.jit
     def store_direct(self, mO, mE, sRs, accs, row0, n, warp, g, c):
