@@ -218,6 +218,8 @@ class BackTile(tg.TileGemm):
     """:class:`.tile_gemm.TileGemm`'s weight loads and split-K partial stores, with the FP32
     activation stage, the in-place conversion and the RMSNorm epilogue of this module."""
 
+    ROW_LANES = UNITS  # threads that stage one token row of a chunk (16 x 16 bytes: 64 FP32)
+
     def __init__(self, bp: BackPlan):
         super().__init__(bp.tile)
         self.bp = bp
@@ -741,14 +743,6 @@ class BackTile(tg.TileGemm):
             idx = tidx + q * p.threads
             if tidx % UNITS == 0 and idx < p.mp * UNITS:
                 sQ[idx // UNITS] = s
-
-    def row_ssq(self, ssq, q):
-        """Slot ``q``'s token row sum of squares over this split: a butterfly over the row's 16
-        threads (16 consecutive lanes; trace-time helper)."""
-        s = ssq[q]
-        for o in range(4):
-            s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
-        return s
 
     @cute.jit
     def store_ssq(self, mSsq, ssq, bx, sp, tidx):

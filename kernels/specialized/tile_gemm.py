@@ -439,6 +439,8 @@ class TilePlan:
 
 
 class TileGemm:
+    ROW_LANES = 8  # threads that stage one token row of a chunk (8 x 16 bytes: 64 BF16)
+
     def __init__(self, plan: TilePlan):
         self.p = plan
 
@@ -967,10 +969,10 @@ class TileGemm:
                 sQ[r] = s
 
     def row_ssq(self, ssq, q):
-        """Slot ``q``'s token row sum of squares over this split: a butterfly over the row's 8
-        threads (8 consecutive lanes; trace-time helper)."""
+        """Slot ``q``'s token row sum of squares over this split: a butterfly over the
+        ``ROW_LANES`` threads that staged the row (consecutive lanes; trace-time helper)."""
         s = ssq[q]
-        for o in range(3):
+        for o in range(self.ROW_LANES.bit_length() - 1):
             s = s + cute.arch.shuffle_sync_bfly(s, offset=1 << o)
         return s
 
