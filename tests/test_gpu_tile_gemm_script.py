@@ -8,52 +8,19 @@ Python (names, the job lists, the lambdas' bound arguments, the table); not the 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from tile_fakes import fake_tile_gemm, load_script  # noqa: E402
+
 from decodescope.kernels import specialized  # noqa: E402,F401  (sets CUTE_DSL_ARCH first)
 from decodescope.kernels.specialized import splitk_gemm as sk  # noqa: E402
 from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
-from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_tile_gemm.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_tile_gemm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _fake_tile_gemm(x, ws, outs, *, residual=None, residual_out=None, norm_weight=None,
-                    epilogue_residual=None, eps=1e-5, rms_fold=False, **force):  # fmt: skip
-    """The kernel's contract in torch (the plan is still built: bad variants raise)."""
-    tg.plan_of(x, ws, residual=residual, norm_weight=norm_weight,
-               epilogue_residual=epilogue_residual, eps=eps, rms_fold=rms_fold,
-               **force)  # fmt: skip
-    if rms_fold:
-        if residual is not None:
-            x = (x.float() + residual.float()).to(torch.bfloat16)
-            residual_out.copy_(x)
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        for o, w in zip(outs, ws, strict=True):
-            o.copy_(((xf @ w.float().T) * rstd).to(torch.bfloat16))
-        return
-    refs, rout = skinny_gemm_ref(x, ws, residual=residual, norm_weight=norm_weight,
-                                 epilogue_residual=epilogue_residual, eps=eps)  # fmt: skip
-    for o, r in zip(outs, refs, strict=True):
-        o.copy_(r)
-    if residual_out is not None:
-        residual_out.copy_(rout)
 
 
 class _Barrier:
@@ -66,8 +33,8 @@ class _Barrier:
 
 @pytest.mark.parametrize("name", ["q_b", "o_proj", "qkv_a_g"])
 def test_child_checks_and_timing_on_cpu(monkeypatch, tmp_path, name):
-    mod = _script()
-    monkeypatch.setattr(tg, "tile_gemm", _fake_tile_gemm)
+    mod = load_script("gpu_tile_gemm")
+    monkeypatch.setattr(tg, "tile_gemm", fake_tile_gemm)
     monkeypatch.setattr(tg, "norm_launch", lambda *a, **k: None)
     monkeypatch.setattr(sk, "project", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)

@@ -8,48 +8,17 @@ exit code); not the kernels, which the H200 runs check (notes/gpu-logs/s23/w1).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from tile_fakes import fake_tile_gemm, load_script  # noqa: E402
+
 from decodescope.kernels import bandwidth, timing  # noqa: E402
 from decodescope.kernels.specialized import back_tile as bt  # noqa: E402
 from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
-from decodescope.kernels.specialized.skinny_gemm import skinny_gemm_ref  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_wgmma_gemm.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_wgmma_gemm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def fake_tile_gemm(x, ws, outs, *, residual=None, residual_out=None, norm_weight=None,
-                   epilogue_residual=None, eps=1e-5, rms_fold=False, wgmma=None, **_):  # fmt: skip
-    """The tile GEMM's math in torch (both paths compute the same function)."""
-    if rms_fold:  # weights carry the norm weight: bf16(rstd * x @ W'^T)
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        for o, w in zip(outs, ws, strict=True):
-            o.copy_(((h @ w.float().T) * rstd).to(o.dtype))
-        return
-    if outs[0].dtype == torch.float32:
-        for o, w in zip(outs, ws, strict=True):
-            o.copy_(x.float() @ w.float().T)
-        return
-    refs, rref = skinny_gemm_ref(x, ws, residual=residual, norm_weight=norm_weight,
-                                 epilogue_residual=epilogue_residual, eps=eps)  # fmt: skip
-    for o, r in zip(outs, refs, strict=True):
-        o.copy_(r)
-    if residual_out is not None:
-        residual_out.copy_(rref)
 
 
 def fake_back_tile(acc, nw, up, sh, out, eps, **kw):
@@ -58,7 +27,7 @@ def fake_back_tile(acc, nw, up, sh, out, eps, **kw):
 
 
 def test_dry_run(tmp_path, monkeypatch):
-    mod = _script()
+    mod = load_script("gpu_wgmma_gemm")
     monkeypatch.setattr(mod, "L2_BYTES", 2**20)  # few weight copies on the CPU
     monkeypatch.setattr(tg, "tile_gemm", fake_tile_gemm)
     monkeypatch.setattr(bt, "back_tile", fake_back_tile)
