@@ -154,7 +154,10 @@ def test_back_tile_wgmma_compiles(T, k, n):
 
 def test_back_tile_wgmma_plan(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_TILE_WGMMA", raising=False)
-    assert not bt.plan_for(64, 3584, 7168, 1e-5).wgmma  # no gain on the H200: only by the knob
+    assert bt.plan_for(64, 3584, 7168, 1e-5).wgmma  # the tile GEMM's rule: from 32 tokens
+    assert not bt.plan_for(32, 3584, 7168, 1e-5).wgmma  # k16 fragments at 32 (LDSM_ABOVE)
+    monkeypatch.setenv("DECODESCOPE_TILE_WGMMA", "0")
+    assert not bt.plan_for(64, 3584, 7168, 1e-5).wgmma
     monkeypatch.setenv("DECODESCOPE_TILE_WGMMA", "1")
     assert bt.plan_for(64, 3584, 7168, 1e-5).wgmma  # ldsm + regs above 32 tokens
     assert not bt.plan_for(16, 3584, 7168, 1e-5).wgmma  # k16 fragments there

@@ -47,12 +47,13 @@ def test_compiles_variants(tp, m, kw):
 
 
 @pytest.mark.parametrize(
-    "tp,m,kw", [(16, 64, {"cluster": True, "wgmma": True, "rms_fold": True}), (8, 64, {"cluster": True}),
-                (16, 8, {"cluster": True, "rms_fold": True}), (8, 33, {"wgmma": True}),
-                (16, 32, {"wgmma": True, "splits_force": 1})],
+    "tp,m,kw", [(16, 64, {"cluster": True, "wgmma": True, "rms_fold": True}),
+                (8, 64, {"cluster": True, "wgmma": False}),
+                (16, 8, {"cluster": True, "wgmma": False, "rms_fold": True}),
+                (8, 33, {"wgmma": True, "cluster": False}), (16, 32, {"wgmma": True, "splits_force": 1})],
 )  # fmt: skip
 def test_cluster_and_wgmma_compile(tp, m, kw):
-    """The opt-in warpgroup MMAs and cluster split-K (:func:`.dense_tile.plan`'s knobs):
+    """The warpgroup MMAs and the cluster split-K (the defaults since session 25), each way:
     with the cluster the gate / up quads of the splits are read over distributed shared memory
     between two cluster barriers (no counter atomics); with wgmma the one-split epilogue maps
     the accumulators through ``tile_row``."""
@@ -75,18 +76,24 @@ def test_cluster_and_wgmma_compile(tp, m, kw):
     assert dt.compile_plan(p, *dm._betas(cfg)) is not None
 
 
-def test_cluster_and_wgmma_knobs(monkeypatch):
+def test_cluster_and_wgmma_defaults(monkeypatch):
+    """Warpgroup MMAs at every token count (``DECODESCOPE_DENSE_TILE_WGMMA=0`` turns them off);
+    the cluster split-K by the tile GEMM's rule: on wherever a plan has 2..8 splits, off at one
+    split (no error: the rule resolves it)."""
     cfg = CFGS[8]
-    for v in (dt.WGMMA_ENV, dt.CLUSTER_ENV):
+    for v in (dt.WGMMA_ENV, tg.CLUSTER_ENV):
         monkeypatch.delenv(v, raising=False)
+    for m in (8, 32, 64):
+        p = dt.plan(m, cfg.hidden, cfg.dense_inter)
+        assert p.wgmma and p.cluster and not p.uses_ws
+    p1 = dt.plan(8, cfg.hidden, cfg.dense_inter, splits_force=1)
+    assert p1.splits == 1 and not p1.cluster
+    monkeypatch.setenv(tg.CLUSTER_ENV, "0")
+    monkeypatch.setenv(dt.WGMMA_ENV, "0")
     p = dt.plan(64, cfg.hidden, cfg.dense_inter)
-    assert not p.cluster and not p.wgmma  # opt-in: not measured for this kernel yet
-    monkeypatch.setenv(dt.CLUSTER_ENV, "1")
-    monkeypatch.setenv(dt.WGMMA_ENV, "1")
-    p = dt.plan(64, cfg.hidden, cfg.dense_inter)
-    assert p.cluster and p.wgmma and not p.uses_ws
-    monkeypatch.setenv(dt.CLUSTER_ENV, "yes")
-    with pytest.raises(ValueError, match=dt.CLUSTER_ENV):
+    assert not p.cluster and not p.wgmma and p.uses_ws
+    monkeypatch.setenv(dt.WGMMA_ENV, "yes")
+    with pytest.raises(ValueError, match=dt.WGMMA_ENV):
         dt.plan(64, cfg.hidden, cfg.dense_inter)
 
 
@@ -251,12 +258,17 @@ def _gpu_weights(cfg, seed):
 @pytest.mark.parametrize("m", [8, 32, 33, 64])
 @pytest.mark.parametrize(
     "kw", [{}, {"splits_force": 1}, {"rms_fold": True}, {"cluster": True}, {"wgmma": True},
-           {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1}],
+           {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1},
+           {"rms_fold": True, "sq_mma": False}, {"rms_fold": True, "wgmma": False, "cluster": False}],
 )  # fmt: skip
 def test_dense_tile_gpu(tp, m, kw):
+    """Each variant against the references; the tokens' rows scaled 0.2x..3x, so that a folded
+    norm's sum of squares taken from another token's row shows."""
     cfg = CFGS[tp]
     w, randn = _gpu_weights(cfg, 10 * tp + m)
-    r = randn(m, cfg.hidden)
+    r = (
+        randn(m, cfg.hidden).float() * torch.linspace(0.2, 3.0, m, device="cuda")[:, None]
+    ).bfloat16()
     act = torch.full((m, cfg.dense_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
     ref = dm.gate_up_act_ref(cfg, w, r)  # norm + GEMM + SiTU, the skinny kernel's reference
     if kw.get("rms_fold"):  # the raw residual on bf16(w13 * g); one rounding fewer

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("decodescope.kernels.specialized.interface")
 
 from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.specialized import interface as itf  # noqa: E402
 from decodescope.kernels.specialized import norm_qkv_proj as nqp  # noqa: E402
 from decodescope.kernels.specialized import oproj_residual_norm as op  # noqa: E402
 from decodescope.kernels.specialized import splitk_gemm as sk  # noqa: E402
@@ -59,10 +60,12 @@ def test_wgmma_plan_and_ptx(monkeypatch):
     RT x 4 MMAs of the padded token count, K steps 32 bytes apart, M blocks 8 KB apart."""
     monkeypatch.delenv(tg.WGMMA_ENV, raising=False)
     base = dict(m=64, **cases(CFG)["q_b"])
-    assert tg.TilePlan(**base).wgmma == (tg.WGMMA_MIN_M is not None and tg.WGMMA_MIN_M <= 64)
-    assert not tg.TilePlan(**dict(base, m=32)).wgmma  # from WGMMA_MIN_M (64) tokens
+    assert tg.WGMMA_MIN_M == 32
+    assert tg.TilePlan(**base).wgmma and tg.TilePlan(**dict(base, m=32)).wgmma
+    assert not tg.TilePlan(**dict(base, m=31)).wgmma  # from WGMMA_MIN_M (32) tokens
     fold = dict(base, norm=False, rms_fold=True)
-    assert not tg.TilePlan(**fold).wgmma  # the folded norm lost on the H200: not by default
+    assert tg.TilePlan(**fold).wgmma  # the folded norm too (with the cluster split-K, s25)
+    assert not tg.TilePlan(**dict(fold, m=8)).wgmma
     monkeypatch.setenv(tg.WGMMA_ENV, "1")
     assert tg.TilePlan(**base).wgmma and tg.TilePlan(**fold).wgmma
     assert not tg.TilePlan(**dict(base, warps=2)).wgmma  # not a warpgroup: the mma.sync path
@@ -79,6 +82,36 @@ def test_wgmma_plan_and_ptx(monkeypatch):
     assert "{$w39}" in ptx and "{$w40}" not in ptx and "{$r41}" in ptx
     with pytest.raises(ValueError, match="multiple of 8"):
         tg.wgmma_chunk_ptx(36, 2, 64)
+
+
+def test_squares_in_the_wgmma_block(monkeypatch):
+    """``TilePlan.sq_in_mma``: a folded norm on wgmma without a residual sums each chunk's
+    squares inside the chunk's MMA block, between the commit and the wait (one 16-byte load and
+    8 FMAs per activation slot, elements in order: low half first); ``DECODESCOPE_TILE_SQ_MMA=0``
+    puts them back before the chunk's barrier."""
+    ptx = tg.wgmma_chunk_ptx(64, 2, 64, squares=2)
+    body = ptx[ptx.index("wgmma.commit_group") : ptx.index("wgmma.wait_group")]
+    assert body.count("ld.shared.v4.b32") == 2 and body.count("fma.rn.f32") == 16
+    assert "mov.f32 {$w64}, {$r66};" in body and "[{$r68}]" in body and "[{$r69}]" in body
+    assert body.index("shl.b32 sb, sx0, 16;") < body.index("and.b32 sb, sx0, 0xffff0000;")
+    assert "ld.shared" not in tg.wgmma_chunk_ptx(64, 2, 64)
+    monkeypatch.delenv(tg.SQ_MMA_ENV, raising=False)
+    qb = dict(m=64, **cases(CFG)["q_b"], wgmma=True)
+    fold = tg.TilePlan(**dict(qb, norm=False, rms_fold=True))
+    assert fold.sq_in_mma and not tg.TilePlan(**qb).sq_in_mma
+    assert not tg.TilePlan(**dict(qb, norm=False, rms_fold=True, wgmma=False)).sq_in_mma
+    ptx = itf.ptx_text(tg.TileGemm(fold), *tg._fake_args(fold))
+    i = ptx.index("wgmma.commit_group")
+    assert "ld.shared.v4.b32" in ptx[i : ptx.index("wgmma.wait_group", i)]
+    monkeypatch.setenv(tg.SQ_MMA_ENV, "0")
+    off = tg.TilePlan(**dict(qb, norm=False, rms_fold=True))
+    assert not off.sq_in_mma and off != fold  # part of the plan's key
+    ptx = itf.ptx_text(tg.TileGemm(off), *tg._fake_args(off))
+    i = ptx.index("wgmma.commit_group")
+    assert "ld.shared.v4.b32" not in ptx[i : ptx.index("wgmma.wait_group", i)]
+    monkeypatch.setenv(tg.SQ_MMA_ENV, "yes")
+    with pytest.raises(ValueError, match=tg.SQ_MMA_ENV):
+        tg.TilePlan(**qb)
 
 
 def test_cluster_plan(monkeypatch):
@@ -270,13 +303,22 @@ def test_tile_gemm_cluster_gpu(name, m, wgmma):
         )
     if name == "q_b":
         assert check_fold(CFG, m, "cuda", seed=m, wgmma=wgmma, cluster=True) < 2e-2
+        if wgmma:  # the squares before the chunk's barrier instead of inside the MMA block
+            assert check_fold(CFG, m, "cuda", seed=m, wgmma=True, cluster=True, sq_mma=False) < 2e-2
+            assert check_fold(CFG, m, "cuda", seed=m, wgmma=True, cluster=False) < 2e-2
 
 
 def check_fold(cfg, m, dev, seed=0, **force):
     """q_b with its RMSNorm folded (``rms_fold``) into NaN-poisoned outputs against the norm
-    + GEMM reference; returns the max relative error."""
+    + GEMM reference; returns the max relative error. The tokens' rows are scaled 0.2x..3x, so
+    a sum of squares taken from another token's row shows in the error."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     x, ws, args = _inputs(cfg, "q_b", m, dev, gen)
+    x.mul_(
+        torch.linspace(0.2, 3.0, m, device=dev)[torch.randperm(m, generator=gen, device=dev)][
+            :, None
+        ].to(x.dtype)
+    )
     g = args["norm_weight"]
     out = torch.full((m, ws[0].shape[0]), float("nan"), dtype=torch.bfloat16, device=dev)
     tg.tile_gemm(x, [tg.fold_norm_weight(ws[0], g)], [out], rms_fold=True, eps=args["eps"],

@@ -122,8 +122,9 @@ class BackPlan:
     lean: bool = False  # hoisted copy addresses, compute_lean instead of compute_b (A/B knob)
     ldsm: bool = False  # ldmatrix fragments, XOR-8 swizzles (needs act="regs"; implies lean)
     # warpgroup MMAs on the ldsm layouts (tile_gemm.TilePlan.wgmma; needs ldsm, act="regs", 4
-    # warps); None: resolved when the plan is built: only with DECODESCOPE_TILE_WGMMA=1 (H200
-    # s23/w1, 64 tokens, alone: 30.4 -> 30.4 us at TP16, 30.6 -> 30.5 at TP8: no gain)
+    # warps); None: resolved when the plan is built, by the tile GEMM's rule (wgmma_default,
+    # DECODESCOPE_TILE_WGMMA: from 32 tokens since s25). H200 64 tokens alone: s23/w1 with the
+    # workspace split-K 30.4 -> 30.4 us at TP16; s24/n1 with the cluster 22.6 -> 21.7
     wgmma: bool | None = None
     # split-K through a thread-block cluster (tile_gemm.TilePlan.cluster: the splits' partials
     # and sums of squares reduced over distributed shared memory, no workspace or counter);
@@ -133,7 +134,7 @@ class BackPlan:
     def __post_init__(self) -> None:
         fit = self.ldsm and self.act == "regs" and self.warps == 4
         if self.wgmma is None:
-            object.__setattr__(self, "wgmma", fit and tg.wgmma_default(self.m, auto=False))
+            object.__setattr__(self, "wgmma", fit and tg.wgmma_default(self.m))
         if self.wgmma and not fit:
             raise ValueError("back_tile: wgmma needs ldsm, act='regs' and 4 warps")
         if self.ldsm and self.n % (self.warps * tg.WARP_ROWS):

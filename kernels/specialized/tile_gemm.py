@@ -75,7 +75,7 @@ hoist 15.0 / 10.5, hoist + ldsm 13.0 at 64 (cuBLAS 9.0 / 8.7). ``DECODESCOPE_TIL
 (``epi_batch``, default 4): steps whose loads go out together.
 
 Warpgroup MMAs (``TilePlan.wgmma``; :func:`wgmma_default`, ``DECODESCOPE_TILE_WGMMA``; the
-default from ``WGMMA_MIN_M`` = 64 tokens in plans without the folded norm): the same cp.async
+default from ``WGMMA_MIN_M`` = 32 tokens, the folded norm included): the same cp.async
 stages, stored with the ``ldsm`` placement (which is the 128-byte swizzle), 1024-byte aligned,
 read by ``wgmma.mma_async.m64nNk16`` through shared-memory descriptors (:func:`smem_desc`), one
 PTX block per chunk (:func:`wgmma_chunk_ptx`: 2 M blocks x 4 K steps, committed and waited for),
@@ -138,13 +138,17 @@ SW128_ALIGN = 1024  # alignment of the wgmma operand buffers (8 rows of 128 byte
 
 
 # warpgroup MMAs (TilePlan.wgmma) from this many tokens by default (None: off unless
-# DECODESCOPE_TILE_WGMMA=1), in plans without the folded norm. H200 s23/w1, GEMM alone, graph
-# medians, mma.sync -> wgmma (notes/gpu-logs/s23/w1): at 64 tokens the MoE front TP16 36.7 ->
-# 30.1 us, TP8 37.7 -> 32.0; qkv_a + g_proj 30.8 -> 24.7 / 31.1 -> 28.1; in_proj 30.2 -> 25.8 /
-# 45.1 -> 38.4; o_proj 10.6 -> 10.2 / 13.0 -> 12.8; at 8 / 32 tokens -3.7 .. +1.7% (q_b
-# aside); q_b with the folded norm slower (TP16 9.1 -> 12.8 at 32, 13.8 -> 14.4 at 64): left
-# out by default
-WGMMA_MIN_M: int | None = 64
+# DECODESCOPE_TILE_WGMMA=1), every plan kind (the folded norm and the back tile included).
+# H200 s23/w1, GEMM alone, graph medians, mma.sync -> wgmma (notes/gpu-logs/s23/w1): at 64
+# tokens the MoE front TP16 36.7 -> 30.1 us, TP8 37.7 -> 32.0; qkv_a + g_proj 30.8 -> 24.7 /
+# 31.1 -> 28.1; in_proj 30.2 -> 25.8 / 45.1 -> 38.4; o_proj 10.6 -> 10.2 / 13.0 -> 12.8; q_b
+# with the folded norm then slower (workspace split-K, 24 splits). With the cluster split-K
+# (s24/n1) wgmma won alone at 32 tokens and for q_b and the back tile at 64 too; in the layers
+# (s25/n1, same call, specialized alone, DECODESCOPE_TILE_WGMMA unset -> 1, i.e. 64 -> every
+# plan from 32): TP16 batch 32 KDA 398.7 -> 398.0 us, MLA 409.6 -> 406.7, dense 77.6 -> 76.6;
+# batch 64 KDA 561.2 -> 559.3, MLA 570.8 -> 564.6; TP8 batch 32 KDA 737.3 -> 736.6, MLA 712.5
+# -> 711.4; batch 64 KDA 1068.5 -> 1065.9, MLA 1009.3 -> 1003.6 (dense 148.2 -> 148.5)
+WGMMA_MIN_M: int | None = 32
 WGMMA_ENV = "DECODESCOPE_TILE_WGMMA"
 # split-K through a thread-block cluster (TilePlan.cluster) from this many tokens by default
 # (None: off unless DECODESCOPE_TILE_CLUSTER=1). H200 s24/n1, GEMM alone, graph medians, knob
@@ -158,16 +162,16 @@ CLUSTER_MAX = 8  # portable cluster size: the splits of one row tile in one clus
 PART_PAD = 4  # floats past each token row of a cluster partial tile (bank spread)
 
 
-def wgmma_default(m: int, fold: bool = False, auto: bool = True) -> bool:
+def wgmma_default(m: int, auto: bool = True) -> bool:
     """``DECODESCOPE_TILE_WGMMA``: ``1`` warpgroup MMAs in every plan that can take them, ``0``
-    in none, unset: where ``auto``, from ``WGMMA_MIN_M`` tokens in plans without the folded
-    norm (``fold``). Read when a plan is built (part of its key)."""
+    in none, unset: where ``auto``, from ``WGMMA_MIN_M`` tokens. Read when a plan is built (part
+    of its key)."""
     env = os.environ.get(WGMMA_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{WGMMA_ENV}: 0 or 1, got {env!r}")
     if env:
         return env == "1"
-    return auto and not fold and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
+    return auto and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
 
 
 def cluster_default(m: int) -> bool:
@@ -181,6 +185,18 @@ def cluster_default(m: int) -> bool:
     if env:
         return env == "1"
     return CLUSTER_MIN_M is not None and m >= CLUSTER_MIN_M
+
+
+SQ_MMA_ENV = "DECODESCOPE_TILE_SQ_MMA"
+
+
+def _sq_mma_env() -> bool:
+    """``DECODESCOPE_TILE_SQ_MMA``: unset or ``1`` the folded norm's squares inside the wgmma
+    block (:attr:`TilePlan.sq_in_mma`), ``0`` before the chunk's barrier."""
+    env = os.environ.get(SQ_MMA_ENV, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{SQ_MMA_ENV}: 0 or 1, got {env!r}")
+    return env != "0"
 
 
 def mode() -> str:
@@ -278,6 +294,11 @@ class TilePlan:
     # rms_fold + add_residual: the residual's chunk read into registers one chunk ahead instead
     # of its own cp.async stages (shared memory of a plain plan: 4 stages at 64 tokens)
     res_regs: bool = False
+    # rms_fold on wgmma without a residual: each chunk's squares summed inside the chunk's MMA
+    # block, between the commit and the wait (the warpgroup's otherwise idle time), instead of
+    # before the chunk's barrier (DECODESCOPE_TILE_SQ_MMA=0: before the barrier; read when a
+    # plan is built). See sq_in_mma.
+    sq_mma: bool = field(default_factory=lambda: _sq_mma_env())
     # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
     # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
     # loads issued with the partials' instead of inside each step's store branch
@@ -296,9 +317,7 @@ class TilePlan:
             on = self.residual_epilogue and self.m >= LDSM_EPI_MIN_M
             object.__setattr__(self, "ldsm", env == "1" if env in ("0", "1") else on)
         if self.wgmma is None:
-            object.__setattr__(
-                self, "wgmma", self.warps == 4 and wgmma_default(self.m, fold=self.rms_fold)
-            )
+            object.__setattr__(self, "wgmma", self.warps == 4 and wgmma_default(self.m))
         if self.wgmma and self.warps != 4:
             raise ValueError(f"tile GEMM: wgmma needs warps=4 (one warpgroup), got {self.warps}")
         if self.stages == 0:
@@ -340,6 +359,13 @@ class TilePlan:
                 f"tile GEMM: cluster needs 2..{CLUSTER_MAX} splits and its partial tile "
                 f"({self.part_bytes} B) in the weight stages: splits {self.splits}, {self}"
             )
+
+    @property
+    def sq_in_mma(self) -> bool:
+        """The folded norm's sums of squares computed inside each chunk's wgmma block (while
+        the MMAs run) rather than on the chunk's critical path: ``rms_fold`` and ``wgmma``
+        without a residual (that path writes ``x + r`` before the MMAs read it), ``sq_mma``."""
+        return self.sq_mma and self.rms_fold and self.wgmma and not self.add_residual
 
     @property
     def mp(self) -> int:
@@ -592,7 +618,7 @@ class TileGemm:
                     if cutlass.const_expr(p.res_regs):  # noqa: SIM102 (compile-time, then run-time)
                         if i + 1 < p.chunks:  # the next chunk's residual, during this one
                             self.load_r_regs(res[0], rR, kc0 + i + 1, tidx)
-                else:
+                elif cutlass.const_expr(not p.sq_in_mma):
                     self.squares(sX, i % p.stages, ssq, tidx)
             if cutlass.const_expr(p.wgmma):
                 # this thread's cp.async (and add_residual) writes, visible to the async proxy
@@ -608,7 +634,9 @@ class TileGemm:
                 if cutlass.const_expr(res is not None and not p.res_regs):
                     self.load_x(res[0], res[2], kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(p.wgmma):
+            if cutlass.const_expr(p.sq_in_mma):
+                self.compute_wgmma(sW, sX, i % p.stages, accs, sq=(ssq, tidx))
+            elif cutlass.const_expr(p.wgmma):
                 self.compute_wgmma(sW, sX, i % p.stages, accs)
             elif cutlass.const_expr(p.ldsm):
                 self.compute_ldsm(sW, sX, i % p.stages, warp, lane, accs, fa, fb, atom)
@@ -754,30 +782,46 @@ class TileGemm:
         return warp * WARP_ROWS + q * 16
 
     @cute.jit
-    def compute_wgmma(self, sW, sX, stg, accs, xs=None):
+    def compute_wgmma(self, sW, sX, stg, accs, xs=None, sq=None):
         """``wgmma``: the MMAs of one 64-wide chunk as ``RT x 4`` warpgroup MMAs (M block of 64
         weight rows, N = the padded tokens, K 16), operands by shared-memory descriptors (128-byte
         swizzle: unit ``u`` of row ``r`` at ``u ^ (r % 8)``, as stored), the accumulators in
         registers; committed and waited for inside the chunk, so the next chunk's loads never
         overwrite a stage a running MMA reads. ``xs``: the activations' slot when it is not
-        ``stg`` (:class:`.back_tile.BackTile`'s BF16 double buffer)."""
+        ``stg`` (:class:`.back_tile.BackTile`'s BF16 double buffer). ``sq = (ssq, tidx)``
+        (:attr:`TilePlan.sq_in_mma`): this thread's own activation units of the stage (as
+        :meth:`squares` reads them) squared into ``ssq`` between the commit and the wait."""
         p = self.p
         a_addr = sW.iterator.toint() + stg * (p.cta_rows * BK * 2)
-        b_addr = sX.iterator.toint() + (stg if xs is None else xs) * (p.mp * BK * 2)
+        x_base = sX.iterator.toint() + (stg if xs is None else xs) * (p.mp * BK * 2)
         flat = []
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(p.ntiles):
                 for e in cutlass.range_constexpr(4):
                     flat.append(accs[q * p.ntiles + j][e])
+        nsq = 0
+        extra = []
+        if cutlass.const_expr(sq is not None):
+            ssq, tidx = sq
+            nsq = p.x_slots
+            u = tidx % 8
+            for q in cutlass.range_constexpr(nsq):
+                extra.append(ssq[q])
+            for q in cutlass.range_constexpr(nsq):  # this thread's unit of row r (squares())
+                r = cutlass.min((tidx + q * p.threads) // 8, p.mp - 1)
+                extra.append(x_base + (r * BK + self.swz(u, r) * 8) * 2)
         outs = cute.arch.inline_ptx(
-            wgmma_chunk_ptx(p.mp, RT, BK),
-            write_only_types=[Float32] * len(flat),
-            read_only_args=[smem_desc(a_addr), smem_desc(b_addr), *flat],
+            wgmma_chunk_ptx(p.mp, RT, BK, squares=nsq),
+            write_only_types=[Float32] * (len(flat) + nsq),
+            read_only_args=[smem_desc(a_addr), smem_desc(x_base), *flat, *extra],
         )
         for q in cutlass.range_constexpr(RT):
             for j in cutlass.range_constexpr(p.ntiles):
                 for e in cutlass.range_constexpr(4):
                     accs[q * p.ntiles + j][e] = outs[(q * p.ntiles + j) * 4 + e]
+        if cutlass.const_expr(sq is not None):
+            for q in cutlass.range_constexpr(nsq):
+                sq[0][q] = outs[len(flat) + q]
 
     @cute.jit
     def compute_ldsm(self, sW, sX, stg, warp, lane, accs, fa, fb, atom):
@@ -1172,15 +1216,19 @@ def smem_desc(addr):
     return Int64((addr >> 4) & 0x3FFF) | Int64(DESC_HI)
 
 
-def wgmma_chunk_ptx(n: int, mblocks: int, bk: int) -> str:
+def wgmma_chunk_ptx(n: int, mblocks: int, bk: int, squares: int = 0) -> str:
     """PTX of one K chunk (``bk`` columns) of warpgroup MMAs: ``mblocks`` M blocks of 64 rows
     (A: ``{$r0}`` + 8 KB each) against N = ``n`` tokens (B: ``{$r1}``), K steps of 16 (32 bytes
     further in both descriptors), accumulating into ``mblocks * n / 2`` FP32 registers per
     thread (read-only inputs ``{$r2}..``, copied to the outputs ``{$w..}`` first). Fenced,
-    committed and waited for in the block."""
+    committed and waited for in the block. ``squares``: that many sums of squares too (inputs
+    after the accumulators, then as many 32-bit shared addresses of 16-byte BF16 units; outputs
+    after the accumulators'), each unit's 8 squares added in element order between the commit
+    and the wait, while the MMAs run."""
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma: N must be a multiple of 8 in 8..256, got {n}")
     per = n // 2
+    nacc = mblocks * per
     # scale-d: a predicate set in the block (1: accumulate into d)
     lines = ["{", ".reg .b64 da, db;", ".reg .b32 one;", ".reg .pred p;", "mov.b32 one, 1;",
              "setp.ne.b32 p, one, 0;"]  # fmt: skip
@@ -1195,7 +1243,23 @@ def wgmma_chunk_ptx(n: int, mblocks: int, bk: int) -> str:
                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, da, db, p, "
                 "1, 1, 0, 0;"
             )
-    lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+    lines.append("wgmma.commit_group.sync.aligned;")
+    if squares:
+        lines[1:1] = [".reg .b32 sx<4>, sb;", ".reg .f32 sf;"]
+    for q in range(squares):
+        s_out, s_in, addr = (
+            f"{{$w{nacc + q}}}",
+            f"{{$r{2 + nacc + q}}}",
+            f"{{$r{2 + nacc + squares + q}}}",
+        )
+        lines += [
+            f"mov.f32 {s_out}, {s_in};",
+            f"ld.shared.v4.b32 {{sx0, sx1, sx2, sx3}}, [{addr}];",
+        ]
+        for w in range(4):  # element 2w: the low half, 2w + 1: the high half (little endian)
+            for op in (f"shl.b32 sb, sx{w}, 16;", f"and.b32 sb, sx{w}, 0xffff0000;"):
+                lines += [op, "mov.b32 sf, sb;", f"fma.rn.f32 {s_out}, sf, sf, {s_out};"]
+    lines += ["wgmma.wait_group.sync.aligned 0;", "}"]
     return "\n".join(lines)
 
 
@@ -1369,13 +1433,14 @@ def plan_of(
     res_regs: bool = False,
     wgmma: bool | None = None,
     cluster: bool | None = None,
+    sq_mma: bool | None = None,
 ) -> TilePlan:
     M, K = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"tile_gemm: x must have unit column stride, got {tuple(x.stride())}")
     extra: dict = {} if pdl is None else {"pdl": pdl}
     for k, v in (("ldsm", ldsm), ("epi_batch", epi_batch), ("epi_hoist", epi_hoist),
-                 ("wgmma", wgmma), ("cluster", cluster)):  # fmt: skip
+                 ("wgmma", wgmma), ("cluster", cluster), ("sq_mma", sq_mma)):  # fmt: skip
         if v is not None:
             extra[k] = v
     return TilePlan(
@@ -1418,6 +1483,7 @@ def tile_gemm(
     res_regs: bool = False,
     wgmma: bool | None = None,
     cluster: bool | None = None,
+    sq_mma: bool | None = None,
 ) -> None:
     """Same contract as :func:`.skinny_gemm.skinny_gemm` (rounding of its reference): with
     ``norm_weight`` one RMSNorm launch (``residual`` added first, ``residual_out`` written)
@@ -1427,7 +1493,8 @@ def tile_gemm(
     staged in the GEMM and written to ``residual_out``. ``splits`` / ``warps`` / ``stages``
     force the tiling (sweeps; ``stages`` 0: the plan's choice). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
-    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma`` / ``cluster``: the plan's flags (default
+    ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma`` / ``cluster`` / ``sq_mma``: the
+    plan's flags (default
     :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
@@ -1440,7 +1507,7 @@ def tile_gemm(
                 epilogue_residual=epilogue_residual, eps=eps, splits=splits, warps=warps,
                 stages=stages, out_f32=out_f32, pdl=pdl, rms_fold=rms_fold,
                 ldsm=ldsm, epi_batch=epi_batch, epi_hoist=epi_hoist,
-                res_regs=res_regs, wgmma=wgmma, cluster=cluster)  # fmt: skip
+                res_regs=res_regs, wgmma=wgmma, cluster=cluster, sq_mma=sq_mma)  # fmt: skip
     fn = compile_plan(p)
     dev = x.device
     ph = _placeholder(dev)

@@ -105,7 +105,24 @@ part12=(
   "80:bd0:$BD --tp-shape 16 --json $R/bd0.json"
   "80:bd1:$DK $BD --tp-shape 16 --json $R/bd1.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 12
+# Part 13 (session 25): the new defaults (warpgroup MMAs from 32 tokens in every tile plan, the
+# dense tile's wgmma + cluster split-K, the folded norm's squares inside the wgmma block) checked
+# in the step and by the GPU tests, then the dense tile alone with the squares before the barrier
+# (DECODESCOPE_TILE_SQ_MMA=0) and inside the MMA block (default). Part 14: the README's
+# specialized rows (batch 8 / 32 / 64) at the new defaults, and the dense layer with SQ_MMA=0.
+BS="decodescope bench --backends specialized --out $R/ds"
+part13=(
+  "170:steps:python scripts/gpu_steps.py --tp 16 8 --points 8x1 32x1 8x8 --layers dense,kda,mla --out $R/steps"
+  "150:tests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_tile.py tests/test_tile_gemm.py -k 'dense_tile_gpu or (cluster_gpu and q_b)'"
+  "60:sq0:DECODESCOPE_TILE_SQ_MMA=0 python scripts/gpu_dense_tile.py --out $R/sq0 --tp 16 --ms 32 64"
+  "60:sq1:python scripts/gpu_dense_tile.py --out $R/sq1 --tp 16 --ms 32 64"
+)
+part14=(
+  "130:s16:$BS --tp-shape 16 --batch 8,32,64 --json $R/s16.json"
+  "130:s8:$BS --tp-shape 8 --batch 8,32,64 --json $R/s8.json"
+  "70:bsq0:DECODESCOPE_TILE_SQ_MMA=0 decodescope bench --layers dense --batch 8,32,64 --backends specialized --out $R/ab --tp-shape 16 --json $R/bsq0.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 14
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -119,5 +136,7 @@ case "${1:-1}" in
   10) exec bash "$here/run_stages.sh" "${part10[@]}" ;;
   11) exec bash "$here/run_stages.sh" "${part11[@]}" ;;
   12) exec bash "$here/run_stages.sh" "${part12[@]}" ;;
-  *) echo "next_round.sh: part 1 to 12, got '$1'" >&2; exit 2 ;;
+  13) exec bash "$here/run_stages.sh" "${part13[@]}" ;;
+  14) exec bash "$here/run_stages.sh" "${part14[@]}" ;;
+  *) echo "next_round.sh: part 1 to 14, got '$1'" >&2; exit 2 ;;
 esac
