@@ -196,7 +196,7 @@ def _sq_mma_env() -> bool:
     env = os.environ.get(SQ_MMA_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{SQ_MMA_ENV}: 0 or 1, got {env!r}")
-    return env != "0"
+    return env == "1"
 
 
 def mode() -> str:

@@ -120,7 +120,6 @@ part13=(
 part14=(
   "130:s16:$BS --tp-shape 16 --batch 8,32,64 --json $R/s16.json"
   "130:s8:$BS --tp-shape 8 --batch 8,32,64 --json $R/s8.json"
-  "70:bsq0:DECODESCOPE_TILE_SQ_MMA=0 decodescope bench --layers dense --batch 8,32,64 --backends specialized --out $R/ab --tp-shape 16 --json $R/bsq0.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 14
 case "${1:-1}" in
