@@ -259,7 +259,7 @@ def _gpu_weights(cfg, seed):
 @pytest.mark.parametrize(
     "kw", [{}, {"splits_force": 1}, {"rms_fold": True}, {"cluster": True}, {"wgmma": True},
            {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1},
-           {"rms_fold": True, "sq_mma": False}, {"rms_fold": True, "wgmma": False, "cluster": False}],
+           {"rms_fold": True, "sq_mma": True}, {"rms_fold": True, "wgmma": False, "cluster": False}],
 )  # fmt: skip
 def test_dense_tile_gpu(tp, m, kw):
     """Each variant against the references; the tokens' rows scaled 0.2x..3x, so that a folded

@@ -85,10 +85,10 @@ def test_wgmma_plan_and_ptx(monkeypatch):
 
 
 def test_squares_in_the_wgmma_block(monkeypatch):
-    """``TilePlan.sq_in_mma``: a folded norm on wgmma without a residual sums each chunk's
-    squares inside the chunk's MMA block, between the commit and the wait (one 16-byte load and
-    8 FMAs per activation slot, elements in order: low half first); ``DECODESCOPE_TILE_SQ_MMA=0``
-    puts them back before the chunk's barrier."""
+    """``TilePlan.sq_in_mma`` (``DECODESCOPE_TILE_SQ_MMA=1``; off by default: no gain on the
+    H200): a folded norm on wgmma without a residual sums each chunk's squares inside the chunk's
+    MMA block, between the commit and the wait (one 16-byte load and 8 FMAs per activation slot,
+    elements in order: low half first); unset or ``0``, before the chunk's barrier."""
     ptx = tg.wgmma_chunk_ptx(64, 2, 64, squares=2)
     body = ptx[ptx.index("wgmma.commit_group") : ptx.index("wgmma.wait_group")]
     assert body.count("ld.shared.v4.b32") == 2 and body.count("fma.rn.f32") == 16
@@ -97,6 +97,8 @@ def test_squares_in_the_wgmma_block(monkeypatch):
     assert "ld.shared" not in tg.wgmma_chunk_ptx(64, 2, 64)
     monkeypatch.delenv(tg.SQ_MMA_ENV, raising=False)
     qb = dict(m=64, **cases(CFG)["q_b"], wgmma=True)
+    assert not tg.TilePlan(**dict(qb, norm=False, rms_fold=True)).sq_in_mma  # off by default
+    monkeypatch.setenv(tg.SQ_MMA_ENV, "1")
     fold = tg.TilePlan(**dict(qb, norm=False, rms_fold=True))
     assert fold.sq_in_mma and not tg.TilePlan(**qb).sq_in_mma
     assert not tg.TilePlan(**dict(qb, norm=False, rms_fold=True, wgmma=False)).sq_in_mma
@@ -303,8 +305,8 @@ def test_tile_gemm_cluster_gpu(name, m, wgmma):
         )
     if name == "q_b":
         assert check_fold(CFG, m, "cuda", seed=m, wgmma=wgmma, cluster=True) < 2e-2
-        if wgmma:  # the squares before the chunk's barrier instead of inside the MMA block
-            assert check_fold(CFG, m, "cuda", seed=m, wgmma=True, cluster=True, sq_mma=False) < 2e-2
+        if wgmma:  # the squares inside the MMA block (DECODESCOPE_TILE_SQ_MMA=1); no cluster
+            assert check_fold(CFG, m, "cuda", seed=m, wgmma=True, cluster=True, sq_mma=True) < 2e-2
             assert check_fold(CFG, m, "cuda", seed=m, wgmma=True, cluster=False) < 2e-2
 
 

@@ -191,8 +191,10 @@ SQ_MMA_ENV = "DECODESCOPE_TILE_SQ_MMA"
 
 
 def _sq_mma_env() -> bool:
-    """``DECODESCOPE_TILE_SQ_MMA``: unset or ``1`` the folded norm's squares inside the wgmma
-    block (:attr:`TilePlan.sq_in_mma`), ``0`` before the chunk's barrier."""
+    """``DECODESCOPE_TILE_SQ_MMA``: ``1`` the folded norm's squares inside the wgmma block
+    (:attr:`TilePlan.sq_in_mma`), unset or ``0`` before the chunk's barrier (H200 s25/n4, the
+    dense tile's fold alone at TP16, 0 -> 1: 21.2 -> 21.2 us at 32 tokens, 26.5 -> 26.8 at 64:
+    no gain, so off by default)."""
     env = os.environ.get(SQ_MMA_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{SQ_MMA_ENV}: 0 or 1, got {env!r}")
@@ -296,8 +298,8 @@ class TilePlan:
     res_regs: bool = False
     # rms_fold on wgmma without a residual: each chunk's squares summed inside the chunk's MMA
     # block, between the commit and the wait (the warpgroup's otherwise idle time), instead of
-    # before the chunk's barrier (DECODESCOPE_TILE_SQ_MMA=0: before the barrier; read when a
-    # plan is built). See sq_in_mma.
+    # before the chunk's barrier; an A/B variant (DECODESCOPE_TILE_SQ_MMA=1; read when a plan is
+    # built; no gain on the H200: _sq_mma_env). See sq_in_mma.
     sq_mma: bool = field(default_factory=lambda: _sq_mma_env())
     # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
     # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
