@@ -162,16 +162,15 @@ CLUSTER_MAX = 8  # portable cluster size: the splits of one row tile in one clus
 PART_PAD = 4  # floats past each token row of a cluster partial tile (bank spread)
 
 
-def wgmma_default(m: int, auto: bool = True) -> bool:
+def wgmma_default(m: int) -> bool:
     """``DECODESCOPE_TILE_WGMMA``: ``1`` warpgroup MMAs in every plan that can take them, ``0``
-    in none, unset: where ``auto``, from ``WGMMA_MIN_M`` tokens. Read when a plan is built (part
-    of its key)."""
+    in none, unset: from ``WGMMA_MIN_M`` tokens. Read when a plan is built (part of its key)."""
     env = os.environ.get(WGMMA_ENV, "")
     if env not in ("", "0", "1"):
         raise ValueError(f"{WGMMA_ENV}: 0 or 1, got {env!r}")
     if env:
         return env == "1"
-    return auto and WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
+    return WGMMA_MIN_M is not None and m >= WGMMA_MIN_M
 
 
 def cluster_default(m: int) -> bool:
@@ -300,7 +299,7 @@ class TilePlan:
     # block, between the commit and the wait (the warpgroup's otherwise idle time), instead of
     # before the chunk's barrier; an A/B variant (DECODESCOPE_TILE_SQ_MMA=1; read when a plan is
     # built; no gain on the H200: _sq_mma_env). See sq_in_mma.
-    sq_mma: bool = field(default_factory=lambda: _sq_mma_env())
+    sq_mma: bool = field(default_factory=_sq_mma_env)
     # the split-K epilogue (A/B knobs, read when a plan is built): steps whose loads are issued
     # together (DECODESCOPE_TILE_EPI_BATCH, default EPI_BATCH), and the residual epilogue's
     # loads issued with the partials' instead of inside each step's store branch
@@ -1496,8 +1495,7 @@ def tile_gemm(
     force the tiling (sweeps; ``stages`` 0: the plan's choice). FP32
     ``outs`` (all of them, compact ``[M, N]``) get the unrounded FP32 sums (``out_f32``).
     ``pdl`` / ``ldsm`` / ``epi_batch`` / ``epi_hoist`` / ``wgmma`` / ``cluster`` / ``sq_mma``: the
-    plan's flags (default
-    :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
+    plan's flags (default :func:`.utils.pdl_enabled` / the ``DECODESCOPE_TILE_*`` variables)."""
     out_f32 = outs[0].dtype == torch.float32
     if out_f32:
         for i, (o, w) in enumerate(zip(outs, weights, strict=True)):
