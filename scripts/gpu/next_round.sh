@@ -121,7 +121,21 @@ part14=(
   "130:s16:$BS --tp-shape 16 --batch 8,32,64 --json $R/s16.json"
   "130:s8:$BS --tp-shape 8 --batch 8,32,64 --json $R/s8.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 14
+# Part 15 (session 25, next): where the dense tile's folded norm loses 2.8-3.2 us at 64 tokens on
+# wgmma + cluster (s25/n2, n4; not the squares: DECODESCOPE_TILE_SQ_MMA=1 gained nothing):
+# Nsight Compute of the dense layer at TP16 batch 64, fold (default) against the norm launch +
+# unfolded tile (DECODESCOPE_DENSE_TILE=launch): the gate_up kernel's stall reasons, issue
+# activity and L2 / DRAM bytes side by side. Part 16: the README's standard rows on the same
+# machine as its specialized ones (batch 8 / 32 / 64, both backends; stage the vLLM parts).
+part15=(
+  "200:ncu_fold:bash scripts/gpu/ncu_profile.sh $R/ncu fold --backend specialized --tp 16 --batch 64 --layers dense"
+  "200:ncu_launch:DECODESCOPE_DENSE_TILE=launch bash scripts/gpu/ncu_profile.sh $R/ncu launch --backend specialized --tp 16 --batch 64 --layers dense"
+)
+part16=(
+  "260:r16:decodescope bench --tp-shape 16 --batch 8,32,64 --out $R/ds --json $R/r16.json"
+  "280:r8:decodescope bench --tp-shape 8 --batch 8,32,64 --out $R/ds --json $R/r8.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 16
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -137,5 +151,7 @@ case "${1:-1}" in
   12) exec bash "$here/run_stages.sh" "${part12[@]}" ;;
   13) exec bash "$here/run_stages.sh" "${part13[@]}" ;;
   14) exec bash "$here/run_stages.sh" "${part14[@]}" ;;
-  *) echo "next_round.sh: part 1 to 14, got '$1'" >&2; exit 2 ;;
+  15) exec bash "$here/run_stages.sh" "${part15[@]}" ;;
+  16) exec bash "$here/run_stages.sh" "${part16[@]}" ;;
+  *) echo "next_round.sh: part 1 to 16, got '$1'" >&2; exit 2 ;;
 esac
