@@ -194,10 +194,9 @@ def _sq_mma_env() -> bool:
     (:attr:`TilePlan.sq_in_mma`), unset or ``0`` before the chunk's barrier (H200 s25/n4, the
     dense tile's fold alone at TP16, 0 -> 1: 21.2 -> 21.2 us at 32 tokens, 26.5 -> 26.8 at 64:
     no gain, so off by default)."""
-    env = os.environ.get(SQ_MMA_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{SQ_MMA_ENV}: 0 or 1, got {env!r}")
-    return env == "1"
+    from decodescope.kernels.specialized import env_knobs
+
+    return env_knobs.read(SQ_MMA_ENV, ("0", "1"), "0") == "1"
 
 
 def mode() -> str:
