@@ -598,14 +598,48 @@ GEMV_SWEEP = ["auto", "auton", "autox", "w8r2g2d2", "w8r3g1d4", "w8r3g2d2", "w8r
 GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
 
 
-def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=None) -> None:
+def shape_cfgs(cfgs: list[str] | None, name: str) -> list[str]:
+    """The knob sets swept on projection ``name``: entries ``cfg`` (every shape) and
+    ``name:cfg`` (that shape only), in order; None: ``GEMV_SWEEP``."""
+    if not cfgs:
+        return list(GEMV_SWEEP)
+    out = []
+    for c in cfgs:
+        shape, _, v = c.rpartition(":")
+        if shape and shape not in GEMV_SHAPES:
+            raise ValueError(f"--gemv-cfgs {c!r}: unknown projection {shape!r} "
+                             f"(expected one of {GEMV_SHAPES})")  # fmt: skip
+        try:  # a bad knob string: its one-line error before any GPU work
+            gs.parse_cfg(v)
+        except ValueError:
+            raise ValueError(f"--gemv-cfgs {c!r}: expected [PROJECTION:]auto or wWrRgGdD, "
+                             "optional suffixes n / x") from None  # fmt: skip
+        if shape in ("", name):
+            out.append(v)
+    return out
+
+
+def cfg_str(cf: tuple[int, int, int, int]) -> str:
+    return "w{}r{}g{}d{}".format(*cf)
+
+
+def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=None,
+               write_tuned: str | None = None) -> None:  # fmt: skip
     """The attention projections at 1..4 tokens, each alone (weights rotated past L2): the
     skinny GEMM (registers; the default before s10), the streaming GEMV per knob set ("auto":
     gemv_stream.tuned_cfg, the default at 1 token), the GEMV and the
     skinny kernel with the whole-slice L2 prefetch (o_proj, q_b: back to back there is no light
     kernel in front, so this is the prefetch's cost, not its gain), cuBLAS (no norm/epilogue,
-    one torch.mm per segment); each checked (NaN-poisoned outputs) before it is timed."""
+    one torch.mm per segment); each checked (NaN-poisoned outputs) before it is timed.
+    ``write_tuned``: the fastest plain knob set per (projection, M) into that JSON file (the
+    format ``DECODESCOPE_GEMV_TUNED`` reads), rewritten after every shape; entries of other
+    shapes already in the file are kept (one file for several TP shapes' sweeps)."""
     cases = tg.attention_cases(cfg)
+    for name in GEMV_SHAPES:
+        shape_cfgs(cfgs, name)  # every entry checked before the first kernel runs
+    tuned: list[dict] = []
+    if write_tuned and Path(write_tuned).exists():
+        tuned = json.loads(Path(write_tuned).read_text())
     for name in GEMV_SHAPES:
         kw = cases[name]
         K, segs = kw["k"], kw["segments"]
@@ -616,8 +650,21 @@ def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=Non
             if not gs.supports(M, K):
                 continue
             ctx = {"preset": cfg.preset, "tp": tp, "kind": f"gemv:{name}", "point": f"M{M}"}
-            guarded(f"gemv {name}", ctx, lambda M=M, ctx=ctx, kw=kw, ws=ws, name=name:
-                    gemv_point(name, kw, M, ws, ctx, bw_tbs, replays, cfgs))  # fmt: skip
+            got = guarded(f"gemv {name}", ctx, lambda M=M, ctx=ctx, kw=kw, ws=ws, name=name:
+                          gemv_point(name, kw, M, ws, ctx, bw_tbs, replays,
+                                     shape_cfgs(cfgs, name)))  # fmt: skip
+            if got:
+                best = min(got, key=lambda t: t[0])
+                default = cfg_str(gs.tuned_cfg(M, K, segs))
+                tuned = [e for e in tuned
+                         if (e["m"], e["k"], list(e["segments"])) != (M, K, list(segs))]  # fmt: skip
+                tuned.append({"m": M, "k": K, "segments": list(segs), "cfg": best[1],
+                              "us": round(best[0], 2), "projection": name, "tp": tp,
+                              "default_cfg": default,
+                              "default_us": next((round(u, 2) for u, c in got if c == default),
+                                                 None)})  # fmt: skip
+                if write_tuned:
+                    Path(write_tuned).write_text(json.dumps(tuned, indent=1) + "\n")
         del ws
         torch.cuda.empty_cache()
 
@@ -641,7 +688,7 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
     nbytes += M * sum(segs) * 2 * (1 + bool(kw.get("residual_epilogue")))
     floor = nbytes / (bw * 1e6)
 
-    def run(tag: str, one) -> None:
+    def run(tag: str, one) -> float | None:
         poison(*outs[0], rout)
         one(0)
         torch.cuda.synchronize()
@@ -650,11 +697,12 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
         if ref_r is not None and tag != "cuBLAS":
             ok = check(f"gemv {name} {tag} r_out", ctx, rout, ref_r, 1e-6) and ok
         if not ok:
-            return
+            return None
         med, lo, hi = graph_time_us([(lambda i=i: one(i)) for i in range(n)], replays)
         record(time=f"{name} {tag}", **ctx, kernels=1, us=f"{med:.1f}", us_min=f"{lo:.1f}",
                us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}", eff=f"{med / floor:.2f}",
                tbs=f"{nbytes / med / 1e6:.2f}", status="time")  # fmt: skip
+        return med
 
     small = sum(segs) * K * 2 <= sg.L2_PREFETCH_MAX_MB * 2**20
     guarded(f"gemv {name} skinny", ctx, lambda: run("skinny regs (old default)", lambda i: sg.skinny_gemm(
@@ -663,10 +711,16 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
         guarded(f"gemv {name} skinny l2pf", ctx, lambda: run("skinny regs + L2 prefetch",
                 lambda i: sg.skinny_gemm(x, ws[i], outs[i], load="regs", gemv=False,
                                          l2_all=True, **rkw, **f)))  # fmt: skip
+    got = []  # (us, knob set) of the plain sets that passed: what --write-tuned picks from
     for c in (cfgs or GEMV_SWEEP)[: (None if M == 1 else 2)]:
         cf, ld, xl = gs.parse_cfg(c), gs.parse_ld(c), gs.parse_xload(c)
-        guarded(f"gemv {name} {c}", ctx, lambda c=c, cf=cf, ld=ld, xl=xl: run(f"gemv {c}",
-                lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld, xload=xl, **rkw, **f)))  # fmt: skip
+        plain = ld == "plain" and xl == "async"
+        label = c if cf else f"{c} ({cfg_str(gs.tuned_cfg(M, K, tuple(segs)))})"
+        us = guarded(f"gemv {name} {c}", ctx, lambda c=c, cf=cf, ld=ld, xl=xl, label=label: run(
+            f"gemv {label}", lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld, xload=xl,
+                                               **rkw, **f)))  # fmt: skip
+        if us is not None and plain:
+            got.append((us, cfg_str(cf or gs.tuned_cfg(M, K, tuple(segs)))))
         if small and c == GEMV_SWEEP[0]:
             guarded(f"gemv {name} {c} l2pf", ctx, lambda c=c, cf=cf, ld=ld: run(
                 f"gemv {c} + L2 prefetch", lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld,
@@ -686,6 +740,7 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
     record(time=f"{name} cuBLAS (no norm/epilogue, {len(segs)} mm)", **ctx, kernels=len(segs),
            us=f"{med:.1f}", us_min=f"{lo:.1f}", us_max=f"{hi:.1f}", floor_us=f"{floor:.1f}",
            eff=f"{med / floor:.2f}", tbs=f"{nbytes / med / 1e6:.2f}", status="time")  # fmt: skip
+    return got
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -760,13 +815,24 @@ def main() -> int:
         "--gemv-cfgs",
         nargs="+",
         default=None,
-        help=f"GEMV knob sets wWrRgGdD (default {' '.join(GEMV_SWEEP)})",
+        help=f"GEMV knob sets wWrRgGdD, or PROJECTION:wWrRgGdD for one of {GEMV_SHAPES} "
+        f"(default {' '.join(GEMV_SWEEP)})",
     )
+    ap.add_argument("--write-tuned", default=None, metavar="PATH",
+                    help="with --gemv-only: the fastest plain knob set per projection and M into "
+                         "this JSON file (what DECODESCOPE_GEMV_TUNED reads)")  # fmt: skip
     ap.add_argument("--sweep-ms", type=int, nargs="+", default=[1, 8, 32, 64],
                     help="token counts of the GEMM sweep")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540,
                     help="seconds: later points / the sweep are skipped (and listed) past it")  # fmt: skip
     a = ap.parse_args()
+    try:
+        for name in GEMV_SHAPES:
+            shape_cfgs(a.gemv_cfgs, name)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.write_tuned and not a.gemv_only:
+        ap.error("--write-tuned needs --gemv-only")
     TIMING.update(on=not a.no_timing, replays=a.replays)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -778,7 +844,8 @@ def main() -> int:
         cfg = get_config("kimi-k3", a.tp[0])
         ms = tuple(m for m in a.sweep_ms if m <= gs.MAX_M) or (1,)
         guarded("gemv_sweep", {"tp": a.tp[0]},
-                lambda: gemv_sweep(cfg, a.tp[0], bw, a.replays, ms, a.gemv_cfgs))  # fmt: skip
+                lambda: gemv_sweep(cfg, a.tp[0], bw, a.replays, ms, a.gemv_cfgs,
+                                   a.write_tuned))  # fmt: skip
         table = table_md()
         (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
         (out / "table.md").write_text(table + "\n")

@@ -204,6 +204,69 @@ def test_selection_knobs(monkeypatch):
     assert gs.auto_cfg((6288,)) == (8, 3, 1, 2) and gs.auto_cfg((7168,)) == (8, 4, 1, 2)
 
 
+def test_tuned_file(monkeypatch, tmp_path):
+    """``DECODESCOPE_GEMV_TUNED``: a file of measured knob sets (the sweep's ``--write-tuned``)
+    overrides and extends the built-in ``TUNED``; ``0`` drops every measured set (auto_cfg: the
+    A/B); unset / ``1`` the built-in table. The file here is a small synthetic one."""
+    import json
+
+    c16 = get_config("kimi-k3", 16)
+    qkv16 = nqp.plan_for(c16, "mla", 1)
+    in8 = nqp.plan_for(get_config("kimi-k3", 8), "kda", 1)
+    for v in (gs.CFG_ENV, gs.TUNED_ENV):
+        monkeypatch.delenv(v, raising=False)
+    want_auto = gs.auto_cfg(qkv16.segments)
+    assert gs.tuned_cfg(1, qkv16.k, qkv16.segments) == want_auto
+    f = tmp_path / "tuned.json"
+    f.write_text(json.dumps([
+        {"m": 1, "k": qkv16.k, "segments": list(qkv16.segments), "cfg": "w22r1g4d2", "us": 1.0},
+        {"m": 1, "k": in8.k, "segments": list(in8.segments), "cfg": "w12r4g1d2"},
+    ]))  # fmt: skip
+    monkeypatch.setenv(gs.TUNED_ENV, str(f))
+    gp = gs.from_gemm_plan(qkv16)
+    assert (gp.warps, gp.rows, gp.group, gp.depth) == (22, 1, 4, 2) and gp.grid == 96 + 35
+    assert gs.tuned_cfg(1, in8.k, in8.segments) == (12, 4, 1, 2)  # overrides the built-in
+    assert gs.tuned_cfg(1, 1536, (2304,)) == gs.TUNED[(1, 1536, (2304,))]  # the rest kept
+    monkeypatch.setenv(gs.TUNED_ENV, "0")
+    assert gs.tuned_cfg(1, in8.k, in8.segments) == gs.auto_cfg(in8.segments)
+    monkeypatch.setenv(gs.TUNED_ENV, "1")
+    assert gs.tuned_cfg(1, in8.k, in8.segments) == gs.TUNED[(1, in8.k, in8.segments)]
+    # bad files: one line naming the variable and the file
+    monkeypatch.setenv(gs.TUNED_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"DECODESCOPE_GEMV_TUNED=.*missing\.json.*cannot read"):
+        gs.tuned_cfg(1, 256, (16,))
+    for text, msg in (("{", "not a JSON file"), ('{"m": 1}', "expected a JSON list"),
+                      ('[{"m": 1, "k": 256}]', "entry 0"),
+                      ('[{"m": 1, "k": 256, "segments": [16], "cfg": "w8r2"}]', "entry 0"),
+                      ('[{"m": 1, "k": 256, "segments": [16], "cfg": "auton"}]', "wWrRgGdD")):  # fmt: skip
+        bad = tmp_path / f"bad{len(text)}.json"
+        bad.write_text(text)
+        monkeypatch.setenv(gs.TUNED_ENV, str(bad))
+        with pytest.raises(ValueError, match=msg) as e:
+            gs.tuned_cfg(1, 256, (16,))
+        assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sweep_cfgs_per_projection():
+    """``scripts/gpu_specialized_attn.py --gemv-cfgs``: ``cfg`` for every projection,
+    ``PROJECTION:cfg`` for one; bad entries a one-line error before any GPU work."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_specialized_attn.py"
+    spec = importlib.util.spec_from_file_location("gpu_specialized_attn_cfgs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfgs = ["auto", "qkv_a_g:w22r1g4d2", "q_b:w9r1g6d1", "w16r1g4d2"]
+    assert mod.shape_cfgs(cfgs, "qkv_a_g") == ["auto", "w22r1g4d2", "w16r1g4d2"]
+    assert mod.shape_cfgs(cfgs, "in_proj") == ["auto", "w16r1g4d2"]
+    assert mod.shape_cfgs(None, "o_proj") == mod.GEMV_SWEEP
+    assert mod.cfg_str((8, 2, 2, 4)) == "w8r2g2d4"
+    for bad in ("foo:w8r2g2d2", "q_b:w8r2"):
+        with pytest.raises(ValueError, match="--gemv-cfgs"):
+            mod.shape_cfgs([bad], "q_b")
+
+
 def test_bad_knobs(monkeypatch):
     monkeypatch.setenv(sg.GEMV_ENV, "9")
     with pytest.raises(ValueError, match="DECODESCOPE_SKINNY_GEMV"):

@@ -37,7 +37,10 @@ Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, default 1: one-toke
 the plans it supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
 (``w8r2g2d2``; unset or ``auto``: :func:`tuned_cfg`, the measured set or :func:`auto_cfg`; suffix ``n``: the weights by
 ``ld.global.nc.L1::no_allocate.L2::256B``; suffix ``x``: the prologue's x / r by register
-loads instead of ``cp.async``) or the sweep's explicit values. Compile key: the plan (every shape static).
+loads instead of ``cp.async``) or the sweep's explicit values. ``DECODESCOPE_GEMV_TUNED``: a
+file of measured sets that overrides and extends the built-in ``TUNED`` (what the sweep's
+``--write-tuned`` writes: tune on your own GPU), ``0`` for none (the A/B against
+:func:`auto_cfg`). Compile key: the plan (every shape static).
 """
 
 # no `from __future__ import annotations`: the Smem struct reads its field annotations
@@ -126,9 +129,60 @@ TUNED: dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]] = {
 }
 
 
+TUNED_ENV = "DECODESCOPE_GEMV_TUNED"
+_TUNED_FILES: dict[tuple[str, int], dict] = {}
+
+
+def load_tuned(path: str) -> dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]]:
+    """A file of measured knob sets, as ``scripts/gpu_specialized_attn.py --gemv-only
+    --write-tuned`` writes it: a JSON list of ``{"m", "k", "segments", "cfg": "wWrRgGdD"}``
+    (other keys ignored). A missing or malformed file: a one-line ``ValueError`` naming the
+    variable, the file and the problem. Cached per (path, modification time)."""
+    where = f"{TUNED_ENV}={path!r}"
+    try:
+        key = (path, os.stat(path).st_mtime_ns)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read the file ({e.strerror})") from None
+    if key in _TUNED_FILES:
+        return _TUNED_FILES[key]
+    import json
+    from pathlib import Path
+
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a JSON file ({e})") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{where}: expected a JSON list of {{m, k, segments, cfg}} entries")
+    out = {}
+    for i, r in enumerate(rows):
+        try:
+            shape = (int(r["m"]), int(r["k"]), tuple(int(n) for n in r["segments"]))
+            cfg = parse_cfg(str(r["cfg"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: entry {i}: {e}") from None
+        if cfg is None or _match(str(r["cfg"])).group(5):
+            raise ValueError(f"{where}: entry {i}: cfg {r['cfg']!r} must be wWrRgGdD")
+        out[shape] = cfg
+    _TUNED_FILES[key] = out
+    return out
+
+
+def tuned_table() -> dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]]:
+    """The measured knob sets in force: ``TUNED`` (``DECODESCOPE_GEMV_TUNED`` unset or ``1``),
+    none (``0``: :func:`auto_cfg` everywhere, the A/B), or ``TUNED`` overridden and extended by
+    a file of them (any other value: its path, :func:`load_tuned`; measure your own GPU's)."""
+    v = os.environ.get(TUNED_ENV, "")
+    if v in ("", "1"):
+        return TUNED
+    if v == "0":
+        return {}
+    return {**TUNED, **load_tuned(v)}
+
+
 def tuned_cfg(m: int, k: int, segments: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """``TUNED`` where the shape was measured, else :func:`auto_cfg`."""
-    return TUNED.get((m, k, tuple(segments))) or auto_cfg(segments, m)
+    """:func:`tuned_table` where the shape was measured, else :func:`auto_cfg`."""
+    return tuned_table().get((m, k, tuple(segments))) or auto_cfg(segments, m)
 
 
 def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]:

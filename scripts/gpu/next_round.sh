@@ -135,7 +135,36 @@ part16=(
   "260:r16:decodescope bench --tp-shape 16 --batch 8,32,64 --out $R/ds --json $R/r16.json"
   "280:r8:decodescope bench --tp-shape 8 --batch 8,32,64 --out $R/ds --json $R/r8.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 16
+# Part 17 (session 26): the streaming GEMV's knob sets at one token on the TP16 shapes (never
+# swept: TUNED held TP8's only; the TP16 MLA qkv_a + g front is 1.56x its bytes by share against
+# TP8's 1.09x) and the TP8 shapes again with single-wave grids; the fastest plain set per shape
+# into /tmp/gemv_tuned.json (kept while the machine is warm; a copy in $R). Part 18: the layers
+# with that file against the built-in table (DECODESCOPE_GEMV_TUNED), specialized, batch 1, same
+# call, and the whole step with it. Part 19: the README's batch-1 rows (specialized; the
+# standard path is unchanged since 385c2e3, whose rows the README keeps).
+GA="scripts/gpu_specialized_attn.py --gemv-only --sweep-ms 1 --write-tuned /tmp/gemv_tuned.json --gemv-cfgs auto w16r1g4d2 w8r2g2d4"
+G16="qkv_a_g:w11r2g2d4 qkv_a_g:w22r1g4d2 qkv_a_g:w22r1g4d3 qkv_a_g:w11r2g4d3 qkv_a_g:w11r2g2d6 qkv_a_g:w8r1g4d2 in_proj:w25r1g4d2 in_proj:w13r2g2d4 in_proj:w13r2g4d3 in_proj:w13r2g2d6 in_proj:w8r3g1d4 in_proj:w8r3g2d2 in_proj:w8r1g4d2 o_proj:w4r4g2d2 o_proj:w4r4g3d1 o_proj:w8r4g3d1 o_proj:w14r4g3d1 o_proj:w7r4g3d1 o_proj:w16r2g3d1 q_b:w9r1g6d1 q_b:w8r1g6d1 q_b:w4r2g6d1 q_b:w4r1g6d1 q_b:w9r1g3d2 q_b:w12r1g6d1"
+G8="qkv_a_g:w14r2g2d4 qkv_a_g:w14r2g4d2 qkv_a_g:w28r1g4d2 qkv_a_g:w14r2g4d3 qkv_a_g:w7r4g2d2 in_proj:w12r4g1d2 in_proj:w24r2g2d2 in_proj:w16r3g1d2 in_proj:w12r4g2d2 in_proj:w8r3g2d2 o_proj:w4r4g3d1 o_proj:w7r4g2d2 o_proj:w14r4g2d2 o_proj:w4r4g6d1 q_b:w9r2g2d4 q_b:w9r2g3d2 q_b:w6r3g2d2 q_b:w18r1g6d1 q_b:w8r2g6d1"
+part17=(
+  "5:clean:rm -f /tmp/gemv_tuned.json"
+  "260:g16:python $GA $G16 --tp 16 --out $R/g16"
+  "260:g8:python $GA $G8 --tp 8 --out $R/g8"
+  "5:keep:cp /tmp/gemv_tuned.json $R/gemv_tuned.json && cat /tmp/gemv_tuned.json"
+)
+TF=${DECODESCOPE_TUNED_FILE:-/tmp/gemv_tuned.json}
+B1="decodescope bench --batch 1 --backends specialized --out $R/ab"
+part18=(
+  "75:t16d:DECODESCOPE_GEMV_TUNED=1 $B1 --tp-shape 16 --json $R/t16d.json"
+  "75:t16f:DECODESCOPE_GEMV_TUNED=$TF $B1 --tp-shape 16 --json $R/t16f.json"
+  "75:t8d:DECODESCOPE_GEMV_TUNED=1 $B1 --tp-shape 8 --json $R/t8d.json"
+  "75:t8f:DECODESCOPE_GEMV_TUNED=$TF $B1 --tp-shape 8 --json $R/t8f.json"
+  "150:steps:DECODESCOPE_GEMV_TUNED=$TF python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/steps"
+)
+part19=(
+  "90:s16:decodescope bench --tp-shape 16 --batch 1 --backends specialized --out $R/ds --json $R/s16.json"
+  "90:s8:decodescope bench --tp-shape 8 --batch 1 --backends specialized --out $R/ds --json $R/s8.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 19
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -153,5 +182,8 @@ case "${1:-1}" in
   14) exec bash "$here/run_stages.sh" "${part14[@]}" ;;
   15) exec bash "$here/run_stages.sh" "${part15[@]}" ;;
   16) exec bash "$here/run_stages.sh" "${part16[@]}" ;;
-  *) echo "next_round.sh: part 1 to 16, got '$1'" >&2; exit 2 ;;
+  17) exec bash "$here/run_stages.sh" "${part17[@]}" ;;
+  18) exec bash "$here/run_stages.sh" "${part18[@]}" ;;
+  19) exec bash "$here/run_stages.sh" "${part19[@]}" ;;
+  *) echo "next_round.sh: part 1 to 19, got '$1'" >&2; exit 2 ;;
 esac
