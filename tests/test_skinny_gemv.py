@@ -201,6 +201,8 @@ def test_selection_knobs(monkeypatch):
     c16 = get_config("kimi-k3", 16)
     gp = gs.from_gemm_plan(nqp.plan_for(c16, "kda", 1))
     assert (gp.warps, gp.rows, gp.group, gp.depth) == (8, 2, 2, 2) and gp.grid == 201
+    gp = gs.from_gemm_plan(nqp.plan_for(c16, "mla", 1))  # measured at TP16 (s26)
+    assert (gp.warps, gp.rows, gp.group, gp.depth) == (22, 1, 4, 3) and gp.grid == 131
     assert gs.auto_cfg((6288,)) == (8, 3, 1, 2) and gs.auto_cfg((7168,)) == (8, 4, 1, 2)
 
 
@@ -211,7 +213,7 @@ def test_tuned_file(monkeypatch, tmp_path):
     import json
 
     c16 = get_config("kimi-k3", 16)
-    qkv16 = nqp.plan_for(c16, "mla", 1)
+    qkv16 = nqp.plan_for(c16, "kda", 1)  # TP16 in_proj: not in the built-in table
     in8 = nqp.plan_for(get_config("kimi-k3", 8), "kda", 1)
     for v in (gs.CFG_ENV, gs.TUNED_ENV):
         monkeypatch.delenv(v, raising=False)
@@ -224,7 +226,7 @@ def test_tuned_file(monkeypatch, tmp_path):
     ]))  # fmt: skip
     monkeypatch.setenv(gs.TUNED_ENV, str(f))
     gp = gs.from_gemm_plan(qkv16)
-    assert (gp.warps, gp.rows, gp.group, gp.depth) == (22, 1, 4, 2) and gp.grid == 96 + 35
+    assert (gp.warps, gp.rows, gp.group, gp.depth) == (22, 1, 4, 2) and gp.grid == 147
     assert gs.tuned_cfg(1, in8.k, in8.segments) == (12, 4, 1, 2)  # overrides the built-in
     assert gs.tuned_cfg(1, 1536, (2304,)) == gs.TUNED[(1, 1536, (2304,))]  # the rest kept
     monkeypatch.setenv(gs.TUNED_ENV, "0")
