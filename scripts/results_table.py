@@ -152,5 +152,23 @@ def main(path: str = "results") -> None:
             )
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python scripts/results_table.py [DATASET]``; a path that is not a results dataset: a
+    one-line error naming it, exit 2."""
+    import argparse
+
+    from decodescope.tracer.errors import TraceError
+
+    ap = argparse.ArgumentParser(description="Print the README's results section (markdown).")
+    ap.add_argument("dataset", nargs="?", default="results", help="results dataset folder")
+    a = ap.parse_args(argv)
+    try:
+        main(a.dataset)
+    except TraceError as e:
+        print(f"results_table.py: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(cli())

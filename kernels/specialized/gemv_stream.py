@@ -126,10 +126,12 @@ TUNED: dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]] = {
     (1, 7168, (2112, 1536)): (16, 1, 4, 2),  # MLA qkv_a + g: 14.5 (auto 16.6)
     (1, 1536, (7168,)): (4, 4, 2, 2),  # o_proj: 6.6 (auto w8r4g1d2 7.6)
     (1, 1536, (2304,)): (8, 2, 2, 4),  # MLA q_b: 3.1 (auto 3.4)
-    # TP16 (s26/n1-n2, notes/gpu-logs/s26): alone qkv_a + g 13.0 -> 12.4 us, o_proj 4.3 -> 3.9;
-    # in the layer (bench, batch 1) the MLA front's share 15.0 -> 11.1 us. The TP16 in_proj and
-    # q_b keep auto_cfg: their fastest sets alone (w13r2g2d6, w8r2g2d4) lost in the layer (the
-    # KDA decode after the 1-CTA-per-SM in_proj +5.2 us; q_b's 72 CTAs +0.9)
+    # TP16 (s26, notes/gpu-logs/s26): alone qkv_a + g 13.0 -> 12.4 us, o_proj 4.3 -> 3.9; in
+    # the layer (bench, batch 1, same call) the MLA front's share 15.4 -> 10.9 us, the MLA span
+    # 106.9 -> 93.5 (one CTA per SM: not resident early beside the previous latent up); o_proj
+    # neutral there. The TP16 in_proj and q_b keep auto_cfg: their fastest sets alone
+    # (w13r2g2d6, w8r2g2d4) lost in the layer (the KDA decode after the one-CTA-per-SM in_proj
+    # +5.2 us, no longer resident early beside it; q_b's 72 CTAs +0.9)
     (1, 7168, (2112, 768)): (22, 1, 4, 3),  # MLA qkv_a + g
     (1, 768, (7168,)): (16, 2, 3, 1),  # o_proj (KDA and MLA)
 }
