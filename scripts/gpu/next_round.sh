@@ -164,7 +164,29 @@ part19=(
   "90:s16:decodescope bench --tp-shape 16 --batch 1 --backends specialized --out $R/ds --json $R/s16.json"
   "90:s8:decodescope bench --tp-shape 8 --batch 1 --backends specialized --out $R/ds --json $R/s8.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 19
+# Part 20 (session 26, next): the one-token GEMV sets in the layer around the new TP16 MLA front
+# (w22r1g4d3: 22 warps x 80 registers = 56,320 of an SM's 65,536, one CTA per SM). q_b after it
+# lost 2.0 -> 2.9 us of share when it could no longer become resident beside the front; sets
+# that fit the 9,216 registers left (w2r4g6d1: 2 warps x 128, every weight load before the PDL
+# wait; w4r2g6d1; w4r1g6d1; w2r2g6d1) against the default (w8r1g4d2, 12,288), TP16 batch 1,
+# specialized, same call; TP8 q_b likewise (beside w16r1g4d2 fronts, 2 per SM on 96 SMs); and
+# the TP16 KDA in_proj's next-fastest sets alone (w16r1g4d2 / w8r2g2d4 13.9 / 14.0 us against
+# 14.4; the fastest, w13r2g2d6, lost in the layer: notes/specialized.md "Session 26").
+TA=scripts/gpu/tuned_ab
+part20=(
+  "60:q16d:$B1 --tp-shape 16 --json $R/q16d.json"
+  "60:q16a:DECODESCOPE_GEMV_TUNED=$TA/tp16_qb_w2r4g6d1.json $B1 --tp-shape 16 --json $R/q16a.json"
+  "60:q16b:DECODESCOPE_GEMV_TUNED=$TA/tp16_qb_w4r2g6d1.json $B1 --tp-shape 16 --json $R/q16b.json"
+  "60:q16c:DECODESCOPE_GEMV_TUNED=$TA/tp16_qb_w4r1g6d1.json $B1 --tp-shape 16 --json $R/q16c.json"
+  "60:q16e:DECODESCOPE_GEMV_TUNED=$TA/tp16_qb_w2r2g6d1.json $B1 --tp-shape 16 --json $R/q16e.json"
+  "60:q8d:$B1 --tp-shape 8 --json $R/q8d.json"
+  "60:q8a:DECODESCOPE_GEMV_TUNED=$TA/tp8_qb_w2r4g6d1.json $B1 --tp-shape 8 --json $R/q8a.json"
+  "60:q8b:DECODESCOPE_GEMV_TUNED=$TA/tp8_qb_w4r2g6d1.json $B1 --tp-shape 8 --json $R/q8b.json"
+  "60:i16a:DECODESCOPE_GEMV_TUNED=$TA/tp16_in_w16r1g4d2.json $B1 --tp-shape 16 --json $R/i16a.json"
+  "60:i16b:DECODESCOPE_GEMV_TUNED=$TA/tp16_in_w8r2g2d4.json $B1 --tp-shape 16 --json $R/i16b.json"
+  "60:i16d:$B1 --tp-shape 16 --json $R/i16d.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 20
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -185,5 +207,6 @@ case "${1:-1}" in
   17) exec bash "$here/run_stages.sh" "${part17[@]}" ;;
   18) exec bash "$here/run_stages.sh" "${part18[@]}" ;;
   19) exec bash "$here/run_stages.sh" "${part19[@]}" ;;
-  *) echo "next_round.sh: part 1 to 19, got '$1'" >&2; exit 2 ;;
+  20) exec bash "$here/run_stages.sh" "${part20[@]}" ;;
+  *) echo "next_round.sh: part 1 to 20, got '$1'" >&2; exit 2 ;;
 esac
