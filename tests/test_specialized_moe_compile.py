@@ -4,6 +4,8 @@ float64 reference of the math (``kernels/reference.py``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,15 +125,18 @@ def test_front_mma_compiles(preset, tp):
         assert itf.compile_only(op, *args) is not None
 
 
-@pytest.mark.parametrize("tp,T,load", [(8, 1, "ring"), (8, 8, "ring"), (16, 16, "regs")])
-def test_front_mma_norm_compiles(tp, T, load):
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("tp,T,load", [(8, 1, "ring"), (16, 1, "ring"), (8, 8, "ring"),
+                                       (16, 16, "regs"), (8, 4, "regs")])  # fmt: skip
+def test_front_mma_norm_compiles(tp, T, load, fold):
     """FrontMmaNorm (the front with the post-attention RMSNorm in it, for the step's
-    ``front_norm``): compiles for sm_90a, the norm weights one more argument; past
-    ``NORM_MAX_T`` tokens a one-line error."""
+    ``front_norm``), the prologue form and the folded one: compiles for sm_90a, the norm weights
+    one more argument; past ``NORM_MAX_T`` tokens a one-line error."""
     _, d = _dims("kimi-k3", tp)
     NF = d["E"] + d["L"] + 2 * d["S"]
-    op, args = fm._build(T, d["H"], NF, T * d["L"], d["E"], True, load, norm_eps=1e-5)
-    assert isinstance(op, fm.FrontMmaNorm) and op.norm and len(args) == 7
+    op, args = fm._build(T, d["H"], NF, T * d["L"], d["E"], True, load, norm_eps=1e-5,
+                         fold=fold)  # fmt: skip
+    assert isinstance(op, fm.FrontMmaNorm) and op.norm and op.fold == fold and len(args) == 7
     assert itf.compile_only(op, *args) is not None
     with pytest.raises(ValueError, match="1..16 tokens, got 17"):
         fm.FrontMmaNorm(17, d["H"], NF, 8, 8)
@@ -359,3 +364,36 @@ def test_back_post_norm_rounding_matches_reference():
     post = ((xb @ up.float().T) * rstd + sh).to(torch.bfloat16).float()
     rel = ((post - ref).norm() / ref.norm()).item()
     assert rel < 4e-3, rel
+
+
+def test_front_norm_fold_ptx():
+    """The folded front: no row reduction before the MMAs (the prologue form's rstd precedes
+    its first ``mma.sync``; the folded one's follows it), two butterfly steps for the squares
+    (the prologue form's block reduction has five), one rsqrt either way."""
+    import glob
+    import tempfile
+
+    import cutlass.cute as cute
+
+    _, d = _dims("kimi-k3", 16)
+    NF = d["E"] + d["L"] + 2 * d["S"]
+    for fold, before in ((False, True), (True, False)):
+        op, args = fm._build(1, d["H"], NF, d["L"], d["E"], True, "ring", norm_eps=1e-5,
+                             fold=fold)  # fmt: skip
+        out = tempfile.mkdtemp()
+        cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={out}")
+        (path,) = glob.glob(f"{out}/**/*.ptx", recursive=True)
+        ptx = Path(path).read_text()
+        assert ptx.count("rsqrt") == 1
+        assert (ptx.index("rsqrt") < ptx.index("mma.sync")) == before
+        assert ptx.count("shfl.sync.bfly") == (2 if fold else 5)
+
+
+def test_front_norm_fold_knob(monkeypatch):
+    monkeypatch.delenv(fm.FOLD_ENV, raising=False)
+    assert not fm.fold_enabled()
+    monkeypatch.setenv(fm.FOLD_ENV, "1")
+    assert fm.fold_enabled()
+    monkeypatch.setenv(fm.FOLD_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_FRONT_NORM_FOLD='yes'"):
+        fm.fold_enabled()

@@ -50,3 +50,51 @@ def test_specialized_moe_block(gsm, preset, tp, n_tokens, variant, monkeypatch):
         gsm.run_checks(cfg, w, blk, n_tokens, ctx, seed=7 * n_tokens + draw)
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("fold", ["0", "1"])
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("n_tokens", [1, 4, 16])
+def test_front_norm_fold(gsm, tp, n_tokens, fold, monkeypatch):
+    """The front with the post-attention RMSNorm in it (``front_norm``), the prologue form and
+    the folded one (``DECODESCOPE_FRONT_NORM_FOLD=1``: squares beside the MMAs, rstd in the
+    epilogue) against vLLM's RMSNorm then the GEMM; each token's row scaled 0.2x-3x so that an
+    rstd taken from the wrong row shows; ``y`` poisoned; then a CUDA-graph replay on new rows."""
+    from decodescope.kernels.config import LayerSpec, get_config
+    from decodescope.kernels.specialized import router_topk as rt
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+    from decodescope.kernels.weights import make_layer_weights
+
+    monkeypatch.setenv("DECODESCOPE_FRONT_NORM_FOLD", fold)
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=n_tokens, device="cuda")
+    blk = SpecializedMoE(cfg, w, n_tokens)
+    g = torch.Generator(device="cuda").manual_seed(100 * tp + n_tokens)
+    scale = torch.linspace(0.2, 3.0, n_tokens, device="cuda")[:, None]
+
+    def rows():
+        return (torch.randn(n_tokens, cfg.hidden, device="cuda", generator=g) * scale).to(
+            torch.bfloat16
+        )
+
+    def check(r):
+        h_ref, _ = rt.residual_norm_ref(r, torch.zeros_like(r), w["mlp_norm"], cfg.eps)
+        ref = rt.front_gemv_ref(h_ref, blk.w_front)
+        err = (blk.y_front - ref).norm(dim=1) / ref.norm(dim=1)
+        assert torch.isfinite(blk.y_front).all()
+        assert float(err.max()) < 5e-3, err
+
+    r = rows()
+    blk.y_front.fill_(float("nan"))
+    blk.front_norm(r)
+    torch.cuda.synchronize()
+    check(r)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blk.front_norm(r)
+    for _ in range(2):
+        r.copy_(rows())
+        blk.y_front.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(r)

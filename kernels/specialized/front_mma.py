@@ -22,6 +22,16 @@ activation fragment is normalized as it is loaded, beside its 8 norm weights. It
 attention half drop its ``residual_norm`` launch (``SpecializedMoE.forward_norm``, the step's
 ``front_norm`` option); ``forward_residual`` (with the residual add) keeps the SIMT kernel.
 
+``DECODESCOPE_FRONT_NORM_FOLD=1`` (opt-in; session 26): :class:`FrontMmaNorm` with ``fold``:
+no rstd before the MMAs. Each activation fragment is multiplied by its norm weights as it is
+loaded (``bf16(r * w)``), each lane sums the squares of the very activations it loads (every
+element of the token's row exactly once per CTA, across its 4 lanes and the 8 warps' K slices),
+and the epilogue scales the FP32 sums by the token's ``rstd`` (the squares summed in a fixed
+order: every CTA computes the same rstd). RMSNorm is linear in ``r`` once ``rstd`` is known, so
+``y = rstd * ((r * w) @ W^T)`` up to BF16 rounding (``bf16(r * w)`` here, vLLM's
+``bf16(bf16(r * rstd) * w)`` in the reference): the prologue's row reduction after the PDL wait
+(3 us in the layer, s15) leaves the critical path.
+
 ``front_tile`` (the default from ``TILE_FROM`` = 32 tokens with the grouped experts, or
 ``DECODESCOPE_MOE_FRONT=tile``; issue #5): the same ``y`` through
 :mod:`.tile_gemm` with FP32 outputs (its cp.async pipeline stages weights and activations in
@@ -60,6 +70,7 @@ class FrontMma:
     """Compile-time facts: T tokens, K, NF packed rows, sizes of ``acc`` / ``done``."""
 
     norm = False  # FrontMmaNorm: the activations normalized as they are loaded
+    fold = False  # FrontMmaNorm(fold=True): r * w loaded, rstd applied in the epilogue
     eps = 1e-5
 
     def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
@@ -151,12 +162,20 @@ class FrontMma:
 
         rstd = []  # FrontMmaNorm: per token tile, the rstd of this lane's token
 
+        ssq = None  # fold: per token tile, this lane's sum of squares of what it loaded
+        if const_expr(self.fold):
+            ssq = cute.make_rmem_tensor((NJ,), Float32)
+            for j in cutlass.range_constexpr(NJ):
+                ssq[j] = Float32(0.0)
+
         def act(k0):
             """The B fragments' loader at column ``k0``: ``j -> 8 activations of toks[j]``."""
             if const_expr(not self.norm):
                 return lambda j: mc.load_row8(mX, toks[j], k0)
             gw = cute.make_rmem_tensor((8,), BFloat16)
             cute.autovec_copy(cute.local_tile(mNorm, (8,), (k0 // 8,)), gw)
+            if const_expr(self.fold):
+                return lambda j: fold_row8(mc.load_row8(mX, toks[j], k0), gw, ssq, j)
             return lambda j: norm_row8(mc.load_row8(mX, toks[j], k0), gw, rstd[j])
 
         def consume(v, slot):
@@ -173,7 +192,7 @@ class FrontMma:
             mDone[i] = Int32(0)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        if const_expr(self.norm):
+        if const_expr(self.norm and not self.fold):
             # every token's rstd (r is the previous kernel's output: after the wait)
             sNs = smem.allocate_tensor(Float32, cute.make_layout(NW + MP), byte_alignment=16)
             nv = self.K // 8
@@ -203,6 +222,29 @@ class FrontMma:
                     act,
                 )  # fmt: skip
 
+        sRs = None
+        if const_expr(self.fold):
+            # lane (g, c) loaded token toks[j]'s columns 8c..8c+7 of every chunk of its warp's K
+            # slice: the 4 lanes of group g together hold the slice's sum of squares (a butterfly
+            # over c), the 8 warps' slices meet in shared memory in warp order (the same order,
+            # so the same rstd, in every CTA); slot 8j + g holds token toks[j]
+            sSq = smem.allocate_tensor(Float32, cute.make_layout((NW, MP), stride=(MP, 1)),
+                                       byte_alignment=16)  # fmt: skip
+            sRs = smem.allocate_tensor(Float32, cute.make_layout(MP), byte_alignment=16)
+            for j in cutlass.range_constexpr(NJ):
+                v = ssq[j]
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
+                if c == 0:
+                    sSq[warp, j * 8 + g] = v
+            cute.arch.barrier()
+            if tid < T:
+                tot = Float32(0.0)
+                for w in cutlass.range_constexpr(NW):
+                    tot = tot + sSq[w, tid]
+                sRs[tid] = cute.math.rsqrt(tot / Float32(self.K) + Float32(self.eps))
+            cute.arch.barrier()
+
         # lane (g, c), token tile j: (row g, tokens 8j + 2c + {0, 1}) and (row g + 8, same);
         # the warps' K slices are summed through shared memory, one row tile at a time
         for q in cutlass.range_constexpr(RT):
@@ -219,6 +261,8 @@ class FrontMma:
                         val = Float32(0.0)
                         for w in cutlass.range_constexpr(NW):
                             val = val + sRed[w, r, m]
+                        if const_expr(self.fold):
+                            val = val * sRs[m]
                         mY[m, t * ROWS + r] = val
             cute.arch.barrier()
 
@@ -230,11 +274,11 @@ class FrontMmaNorm(FrontMma):
     norm = True
 
     def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
-                 load: str = "regs", eps: float = 1e-5):  # fmt: skip
+                 load: str = "regs", eps: float = 1e-5, fold: bool = False):  # fmt: skip
         super().__init__(T, K, NF, n_acc, n_done, pdl, load)
         if T > NORM_MAX_T:
             raise ValueError(f"front_mma with norm_w: 1..{NORM_MAX_T} tokens, got {T}")
-        self.eps = eps
+        self.eps, self.fold = eps, fold
 
     @cute.jit
     def __call__(
@@ -274,12 +318,37 @@ def norm_row8(xb, gw, rstd):
     return out
 
 
-def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None):
-    """``norm_eps``: :class:`FrontMmaNorm` with that eps (the norm weights an extra argument)."""
+@cute.jit
+def fold_row8(xb, gw, ssq, j: cutlass.Constexpr):
+    """``bf16(x * g)`` of 8 activations; their squares (FP32) added to ``ssq[j]``."""
+    out = cute.make_rmem_tensor((8,), BFloat16)
+    s = ssq[j]
+    for e in cutlass.range_constexpr(8):
+        xf = xb[e].to(Float32)
+        s = s + xf * xf
+        out[e] = (xf * gw[e].to(Float32)).to(BFloat16)
+    ssq[j] = s
+    return out
+
+
+FOLD_ENV = "DECODESCOPE_FRONT_NORM_FOLD"
+
+
+def fold_enabled() -> bool:
+    """``DECODESCOPE_FRONT_NORM_FOLD``: ``1`` runs :class:`FrontMmaNorm` with ``fold`` (the
+    squares summed beside the MMAs, rstd in the epilogue); ``0`` / unset the prologue norm."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return env_knobs.read(FOLD_ENV, ("0", "1"), "0") == "1"
+
+
+def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=False):
+    """``norm_eps``: :class:`FrontMmaNorm` with that eps (the norm weights an extra argument),
+    ``fold`` its folded form."""
     if norm_eps is None:
         op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
     else:
-        op = FrontMmaNorm(T, K, NF, n_acc, n_done, pdl, load, norm_eps)
+        op = FrontMmaNorm(T, K, NF, n_acc, n_done, pdl, load, norm_eps, fold)
     args = (
         itf.fake(torch.bfloat16, (T, K)),
         itf.fake(torch.bfloat16, (NF, K)),
@@ -344,9 +413,13 @@ def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5) -> None:
     load = mma_load("front", T)
     if norm_w is not None:
         itf.check(norm_w, "norm_w", (K,), torch.bfloat16)
-        key = ("moe_front_mma_norm", T, K, NF, acc.numel(), done.numel(), pdl, load, eps)
+        fold = fold_enabled()
+        key = ("moe_front_mma_norm", T, K, NF, acc.numel(), done.numel(), pdl, load, fold, eps)
         fn = itf.compiled(
-            key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load, norm_eps=eps)
+            key,
+            lambda: _build(
+                T, K, NF, acc.numel(), done.numel(), pdl, load, norm_eps=eps, fold=fold
+            ),  # fmt: skip
         )
         fn(x, w_front, y, acc.view(-1), done.view(-1), norm_w)
         return

@@ -195,7 +195,21 @@ part21=(
   "60:e16k:DECODESCOPE_MOE_T1_KW=4 DECODESCOPE_MOE_T1_STAGES=8 $B1 --tp-shape 16 --json $R/e16k.json"
   "60:e16d2:$B1 --tp-shape 16 --json $R/e16d2.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 21
+# Part 22: the post-attention RMSNorm folded into the MoE front at one token (front_norm with
+# DECODESCOPE_FRONT_NORM_FOLD=1: squares beside the MMAs, rstd in the epilogue; session 26, not
+# yet run): its GPU test, then the layers, default (a residual_norm launch) / fold / s15's
+# prologue form, TP16 and TP8 batch 1, specialized, same call; then the whole step with it.
+FF="DECODESCOPE_FRONT_NORM=1 DECODESCOPE_FRONT_NORM_FOLD=1"
+part22=(
+  "150:ftest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k front_norm_fold"
+  "60:f16d:$B1 --tp-shape 16 --json $R/f16d.json"
+  "60:f16f:$FF $B1 --tp-shape 16 --json $R/f16f.json"
+  "60:f16p:DECODESCOPE_FRONT_NORM=1 $B1 --tp-shape 16 --json $R/f16p.json"
+  "60:f8d:$B1 --tp-shape 8 --json $R/f8d.json"
+  "60:f8f:$FF $B1 --tp-shape 8 --json $R/f8f.json"
+  "120:fsteps:$FF python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/fsteps"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 22
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -218,5 +232,6 @@ case "${1:-1}" in
   19) exec bash "$here/run_stages.sh" "${part19[@]}" ;;
   20) exec bash "$here/run_stages.sh" "${part20[@]}" ;;
   21) exec bash "$here/run_stages.sh" "${part21[@]}" ;;
-  *) echo "next_round.sh: part 1 to 21, got '$1'" >&2; exit 2 ;;
+  22) exec bash "$here/run_stages.sh" "${part22[@]}" ;;
+  *) echo "next_round.sh: part 1 to 22, got '$1'" >&2; exit 2 ;;
 esac
