@@ -202,12 +202,7 @@ class BackMma:
         if const_expr(post):
             # each token's sum of squares: this lane's columns, its quad (the 4 lanes of token
             # g hold 8 columns each of every chunk), then the warps' K slices in the epilogue
-            for j in cutlass.range_constexpr(NJ):
-                s = ssq[j]
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
-                s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
-                if c == 0:
-                    sSsq[warp, j * 8 + g] = s
+            mc.stash_quad_sums(ssq, sSsq, warp, g, c, NJ)
             cute.arch.barrier()
             for m in cutlass.range(tid, MP, NT, unroll=1):
                 ss = Float32(0.0)

@@ -231,12 +231,7 @@ class FrontMma:
             sSq = smem.allocate_tensor(Float32, cute.make_layout((NW, MP), stride=(MP, 1)),
                                        byte_alignment=16)  # fmt: skip
             sRs = smem.allocate_tensor(Float32, cute.make_layout(MP), byte_alignment=16)
-            for j in cutlass.range_constexpr(NJ):
-                v = ssq[j]
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=1)
-                v = v + cute.arch.shuffle_sync_bfly(v, offset=2)
-                if c == 0:
-                    sSq[warp, j * 8 + g] = v
+            mc.stash_quad_sums(ssq, sSq, warp, g, c, NJ)
             cute.arch.barrier()
             if tid < T:
                 tot = Float32(0.0)

@@ -64,6 +64,20 @@ def mma_k16(atom, accs, fa, fb, xb, tiles) -> None:
             cute.gemm(atom, acc, fa, fb, acc)
 
 
+@cute.jit
+def stash_quad_sums(vals, sDst, warp, g, c, nj: cutlass.Constexpr) -> None:
+    """Token tile ``j``'s per-lane FP32 value ``vals[j]`` summed over the lane's quad (the 4
+    lanes ``c`` of group ``g``: a butterfly over lane bits 0-1), stored by lane ``c == 0`` at
+    ``sDst[warp, 8 j + g]`` (the swapped-operand GEMMs' per-token sums of squares: lane (g, c)
+    loads token g's columns 8c .. 8c + 7 of every chunk). No barrier."""
+    for j in cutlass.range_constexpr(nj):
+        s = vals[j]
+        s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+        s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+        if c == 0:
+            sDst[warp, j * 8 + g] = s
+
+
 def stash_acc(sRed, warp, g, c, j: int, acc) -> None:
     """Write accumulator ``acc`` of token tile ``j`` to ``sRed[warp, row, token]``."""
     n0 = j * 8 + 2 * c
