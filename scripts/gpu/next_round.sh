@@ -171,7 +171,8 @@ part19=(
 # wait; w4r2g6d1; w4r1g6d1; w2r2g6d1) against the default (w8r1g4d2, 12,288), TP16 batch 1,
 # specialized, same call; TP8 q_b likewise (beside w16r1g4d2 fronts, 2 per SM on 96 SMs); and
 # the TP16 KDA in_proj's next-fastest sets alone (w16r1g4d2 / w8r2g2d4 13.9 / 14.0 us against
-# 14.4; the fastest, w13r2g2d6, lost in the layer: notes/specialized.md "Session 26").
+# 14.4; the fastest, w13r2g2d6, lost in the layer: notes/specialized.md "Session 26"); and the
+# TP8 MLA front on w28r1g4d2 again (s26/n4: MLA span 126.8 -> 117.5 us, share 113.8 -> 114.5).
 TA=scripts/gpu/tuned_ab
 part20=(
   "60:q16d:$B1 --tp-shape 16 --json $R/q16d.json"
@@ -185,6 +186,8 @@ part20=(
   "60:i16a:DECODESCOPE_GEMV_TUNED=$TA/tp16_in_w16r1g4d2.json $B1 --tp-shape 16 --json $R/i16a.json"
   "60:i16b:DECODESCOPE_GEMV_TUNED=$TA/tp16_in_w8r2g2d4.json $B1 --tp-shape 16 --json $R/i16b.json"
   "60:i16d:$B1 --tp-shape 16 --json $R/i16d.json"
+  "60:w8a:DECODESCOPE_GEMV_TUNED=$TA/tp8_qkv_w28r1g4d2.json $B1 --tp-shape 8 --json $R/w8a.json"
+  "60:w8d:$B1 --tp-shape 8 --json $R/w8d.json"
 )
 # Part 21: W13T1 (the routed experts' w13 at one token) on the TP16 shapes with 4 warps per item
 # and 8 stages (DECODESCOPE_MOE_T1_KW=4 DECODESCOPE_MOE_T1_STAGES=8: 2 CTAs per SM, enough for
