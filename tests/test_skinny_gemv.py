@@ -240,7 +240,9 @@ def test_tuned_file(monkeypatch, tmp_path):
     for text, msg in (("{", "not a JSON file"), ('{"m": 1}', "expected a JSON list"),
                       ('[{"m": 1, "k": 256}]', "entry 0"),
                       ('[{"m": 1, "k": 256, "segments": [16], "cfg": "w8r2"}]', "entry 0"),
-                      ('[{"m": 1, "k": 256, "segments": [16], "cfg": "auton"}]', "wWrRgGdD")):  # fmt: skip
+                      ('[{"m": 1, "k": 256, "segments": [16], "cfg": "auton"}]', "wWrRgGdD"),
+                      ('[{"m": 1, "k": 256, "segments": [16], "cfg": "w40r1g1d1"}]',
+                       "warps=40 outside 1..32")):  # fmt: skip
         bad = tmp_path / f"bad{len(text)}.json"
         bad.write_text(text)
         monkeypatch.setenv(gs.TUNED_ENV, str(bad))

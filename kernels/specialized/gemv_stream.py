@@ -64,6 +64,7 @@ KSTEP = 32 * PIECE  # K columns covered by one warp-wide load (512 bytes)
 MAX_M = 4
 CFG_ENV = "DECODESCOPE_GEMV_CFG"
 DEFAULT_CFG = (8, 2, 2, 2)  # warps, rows per warp, pieces per group, groups in flight
+CFG_MAX = (32, 8, 32, 8)  # the largest warps, rows, group, depth a plan takes
 AUTO_CTAS_PER_SM = 2  # "auto": rows per warp so that the grid fits this many CTAs per SM
 AUTO_LOADS = 4  # "auto": rows x group, loads per lane in one group
 NUM_SMS = 132  # H200
@@ -171,6 +172,9 @@ def load_tuned(path: str) -> dict[tuple[int, int, tuple[int, ...]], tuple[int, i
             raise ValueError(f"{where}: entry {i}: {e}") from None
         if cfg is None or _match(str(r["cfg"])).group(5):
             raise ValueError(f"{where}: entry {i}: cfg {r['cfg']!r} must be wWrRgGdD")
+        for name, v, hi in zip(("warps", "rows", "group", "depth"), cfg, CFG_MAX, strict=True):
+            if not 1 <= v <= hi:
+                raise ValueError(f"{where}: entry {i}: {name}={v} outside 1..{hi}")
         out[shape] = cfg
     _TUNED_FILES[key] = out
     return out
@@ -274,8 +278,9 @@ class GemvPlan:
                 f"slices of a [{self.pre_rows}, {self.pre_k}] weight: needs 16-byte multiples "
                 "within a slice"
             )
-        for name, v, hi in (("warps", self.warps, 32), ("rows", self.rows, 8),
-                            ("group", self.group, 32), ("depth", self.depth, 8)):  # fmt: skip
+        for name, v, hi in zip(("warps", "rows", "group", "depth"),
+                               (self.warps, self.rows, self.group, self.depth), CFG_MAX,
+                               strict=True):  # fmt: skip
             if not 1 <= v <= hi:
                 raise ValueError(f"gemv_stream: {name}={v} outside 1..{hi}")
 
