@@ -61,6 +61,7 @@ def test_front_norm_fold(gsm, tp, n_tokens, fold, monkeypatch):
     epilogue) against vLLM's RMSNorm then the GEMM; each token's row scaled 0.2x-3x so that an
     rstd taken from the wrong row shows; ``y`` poisoned; then a CUDA-graph replay on new rows."""
     from decodescope.kernels.config import LayerSpec, get_config
+    from decodescope.kernels.specialized import front_mma as fm
     from decodescope.kernels.specialized import router_topk as rt
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
     from decodescope.kernels.weights import make_layer_weights
@@ -77,12 +78,15 @@ def test_front_norm_fold(gsm, tp, n_tokens, fold, monkeypatch):
             torch.bfloat16
         )
 
+    def rel(ref):
+        return float(((blk.y_front - ref).norm(dim=1) / ref.norm(dim=1)).max())
+
     def check(r):
         h_ref, _ = rt.residual_norm_ref(r, torch.zeros_like(r), w["mlp_norm"], cfg.eps)
-        ref = rt.front_gemv_ref(h_ref, blk.w_front)
-        err = (blk.y_front - ref).norm(dim=1) / ref.norm(dim=1)
         assert torch.isfinite(blk.y_front).all()
-        assert float(err.max()) < 5e-3, err
+        assert rel(rt.front_gemv_ref(h_ref, blk.w_front)) < 5e-3  # vLLM's roundings
+        if fold == "1":  # its own rounding points: only the FP32 summation order differs
+            assert rel(fm.front_fold_ref(r, w["mlp_norm"], blk.w_front, cfg.eps)) < 1e-4
 
     r = rows()
     blk.y_front.fill_(float("nan"))

@@ -326,6 +326,17 @@ def fold_row8(xb, gw, ssq, j: cutlass.Constexpr):
     return out
 
 
+def front_fold_ref(r: torch.Tensor, norm_w: torch.Tensor, w_front: torch.Tensor,
+                   eps: float = 1e-5) -> torch.Tensor:  # fmt: skip
+    """Torch reference of the folded front's math: ``rstd(r) * (bf16(r * norm_w) @ w_front^T)``
+    in FP32 (its rounding points; vLLM's RMSNorm then the GEMM differs from it by BF16
+    rounding, ~3e-3 relative on the kimi-k3 shapes)."""
+    rf = r.float()
+    rstd = torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+    a = (rf * norm_w.float()).to(torch.bfloat16)
+    return (a.float() @ w_front.float().T) * rstd
+
+
 FOLD_ENV = "DECODESCOPE_FRONT_NORM_FOLD"
 
 
