@@ -70,7 +70,8 @@ def test_compiles_ab_forms(w2sh, pre, clean_env):
     assert itf.compile_only(op3, *args3) is not None
 
 
-@pytest.mark.parametrize("tp,kw,bk,stages", [(8, 2, 128, 6), (16, 2, 128, 6), (8, 4, 64, 8)])
+@pytest.mark.parametrize("tp,kw,bk,stages", [(8, 2, 128, 6), (16, 2, 128, 6), (8, 4, 64, 8),
+                                              (16, 4, 128, 8)])  # fmt: skip
 def test_compiles_split_k(tp, kw, bk, stages, clean_env):
     """W13T1 with ``kw`` warps splitting each item's K chunks (``DECODESCOPE_MOE_T1_KW``): the
     same grid and shared memory, ``kw`` times the threads, the loads spread over all of them."""
@@ -131,6 +132,49 @@ def test_split_k_default(preset, tp, kw, clean_env):
     chunks are too few to split (tiny: one chunk); the block compiles W13T1 with it."""
     d = _dims(preset, tp)
     assert t1.w13_kw_for(1, d[1:], t1.w13_config(), True) == kw
+
+
+@pytest.mark.parametrize("preset,tp,nsm,stages,kw", [
+    ("kimi-k3", 16, 132, 8, 4),  # 192 CTAs: 2 per SM on an H200
+    ("kimi-k3", 16, 96, 8, 4),   # 192 = 2 x 96
+    ("kimi-k3", 16, 95, 6, 2),   # one CTA too many for 2 per SM
+    ("kimi-k3", 8, 132, 6, 2),   # 384 CTAs need 3 per SM: the 6-stage form
+    ("tiny", 1, 132, 6, 1),      # one K chunk: neither split nor wide
+])  # fmt: skip
+def test_wide_default(preset, tp, nsm, stages, kw, clean_env):
+    """Unset ``DECODESCOPE_MOE_T1_STAGES`` and ``_KW``: 8 stages and 4 warps per item where the
+    w13 grid fits at 2 CTAs per SM (:func:`experts_t1.w13_plan`), else the 6-stage form with
+    :func:`experts_t1.w13_kw_for`; what :func:`experts_t1.fits` and the launch use."""
+    d = _dims(preset, tp)
+    cfg, k = t1.w13_plan(1, d[1:], nsm, True)
+    assert (cfg.stages, k) == (stages, kw)
+    op = t1.W13T1(*d, 4.0, 25.0, nsm=nsm, cfg=cfg, kw=k)
+    if stages == t1.WIDE_STAGES:
+        assert op.grid <= 2 * nsm and 2 * (op.smem_total + 1024) <= t1.SMEM_SM
+        assert op.NW == 4 and t1.fits(1, d[1:])
+
+
+@pytest.mark.parametrize("var,val", [("DECODESCOPE_MOE_T1_STAGES", "6"),
+                                     ("DECODESCOPE_MOE_T1_KW", "2")])  # fmt: skip
+def test_wide_default_explicit(var, val, clean_env):
+    """Either knob set explicitly turns the wide default off (the A/B's old form: both set)."""
+    d = _dims("kimi-k3", 16)
+    clean_env.setenv(var, val)
+    cfg, k = t1.w13_plan(1, d[1:], 132, True)
+    assert (cfg.stages, k) == (6, 2)
+    clean_env.setenv("DECODESCOPE_MOE_T1_STAGES", "8")
+    clean_env.setenv("DECODESCOPE_MOE_T1_KW", "4")
+    cfg, k = t1.w13_plan(1, d[1:], 132, True)
+    assert (cfg.stages, k) == (8, 4)
+
+
+def test_smem_total_matches_struct(clean_env):
+    """``W13T1.smem_total`` is the size of the ``Smem`` struct the kernel allocates."""
+    d = _dims("kimi-k3", 16)
+    cfg, k = t1.w13_plan(1, d[1:], 132, True)
+    op, args = t1.build_w13(*d, 4.0, 25.0, True, 132, cfg, True, k)
+    assert itf.compile_only(op, *args) is not None
+    assert op.smem_cls.size_in_bytes() == op.smem_total
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -391,6 +435,8 @@ def gsm():
                                            ("kimi-k3", 16, "grouped_t1_rt1"),
                                            ("kimi-k3", 8, "grouped_t1_kw2"),
                                            ("kimi-k3", 16, "grouped_t1_kw2"),
+                                           ("kimi-k3", 16, "grouped_t1_s6_kw2"),
+                                           ("kimi-k3", 16, "grouped_t1_s8_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_s8_zt"),
                                            ("kimi-k3", 16, "grouped_t1_s8_zt"),

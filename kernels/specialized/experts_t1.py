@@ -101,6 +101,14 @@ KW_ENV = "DECODESCOPE_MOE_T1_KW"  # warps splitting an item's K chunks (W13T1.kw
 # 80.8; TP16 w13 20.3 -> 17.4, experts 31.5 -> 25.9, block 69.5 -> 63.6), else 1
 KW_DEFAULT = 2
 KW_CHOICES = (1, 2, 4)
+# Where neither DECODESCOPE_MOE_T1_STAGES nor _KW is set and the w13 grid fits at WIDE_PER_SM
+# CTAs per SM (every CTA resident at once, as the pre-wait shared down needs): WIDE_STAGES
+# stages and WIDE_KW warps per item (H200 s27/n3, TP16 batch 1, bench, specialized, same call:
+# experts share per MoE layer 27.8 / 27.7 -> 25.7 (KDA), 27.7 / 28.0 -> 26.5 (MLA), projected
+# step 7.87 / 7.91 -> 7.81 ms against the default on both sides). TP16's 192 CTAs fit on
+# 132 SMs; TP8's 384 do not, and keep STAGES_DEFAULT / KW_DEFAULT.
+WIDE_STAGES, WIDE_KW, WIDE_PER_SM = 8, 4, 2
+SMEM_SM = 228 * 1024  # shared memory of a Hopper SM (each resident CTA also reserves 1 KB)
 ZT_ENV = "DECODESCOPE_MOE_T1_ZT"  # 1: W13T1's z stages sized for the pass's tokens (opt-in)
 
 
@@ -126,9 +134,8 @@ def fits(T: int, dims: tuple) -> bool:
     E, K, L, Ie, H, S = dims
     sh13 = shared_where() == "w13"
     try:
-        cfg = w13_config()
-        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13,
-              kw=w13_kw_for(T, dims, cfg, sh13), zt=w13_zt())  # fmt: skip
+        cfg, kw = w13_plan(T, dims, mg.num_sms(), sh13)
+        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13, kw=kw, zt=w13_zt())
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -220,6 +227,28 @@ def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
     except ValueError:
         return 1
     return kw
+
+
+def w13_plan(T: int, dims: tuple, nsm: int, shared: bool) -> tuple[gwt.TileConfig, int]:
+    """The tiling and K split :class:`W13T1` runs with at these shapes ``dims = (E, K, L, Ie,
+    H, S)`` on ``nsm`` SMs: with ``DECODESCOPE_MOE_T1_STAGES`` and ``_KW`` both unset, the wide
+    form (``WIDE_STAGES`` stages, ``WIDE_KW`` warps per item) where it builds and its grid and
+    shared memory fit at ``WIDE_PER_SM`` CTAs per SM; else :func:`w13_config` and
+    :func:`w13_kw_for`. A bad knob raises its one-line ``ValueError``."""
+    import dataclasses
+
+    cfg = w13_config()
+    if not (os.environ.get(ENV["stages"], "") or os.environ.get(KW_ENV, "")):
+        try:
+            wide = dataclasses.replace(cfg, stages=WIDE_STAGES)
+            op = W13T1(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, shared=shared, kw=WIDE_KW,
+                       zt=w13_zt())  # fmt: skip
+        except ValueError:
+            op = None
+        if (op is not None and op.grid <= WIDE_PER_SM * nsm
+                and WIDE_PER_SM * (op.smem_total + 1024) <= SMEM_SM):  # fmt: skip
+            return wide, WIDE_KW
+    return cfg, w13_kw_for(T, dims, cfg, shared)
 
 
 def shared_where() -> str:
@@ -373,6 +402,14 @@ class W13T1(gwt.GroupedW13Tile):
         if zt:  # the fewest slots >= T that still hold the shared gate/up and the partials
             need = max(T * 2 * S if shared else 0, self.NW * 2 * self.RT * 4 * 32)
             self.TZ = max(T, min(gwt.TOK, -(-need // (self.S * self.BK))))
+
+    @property
+    def smem_total(self) -> int:
+        """Bytes of the kernel's ``Smem`` struct: the weight and z stages (128-byte aligned)
+        and the shared expert's ``hs`` rows."""
+        w = self.S * 2 * self.R * self.BK * 2
+        z = self.S * self.TZ * self.BK * 4
+        return -(-(w + z) // 128) * 128 + self.T * self.SI * 2
 
     def _split_k(self, kw: int) -> None:
         """``kw`` warps per row group (``DECODESCOPE_MOE_T1_KW``): the CTA's ``NWR`` row warps
@@ -776,8 +813,8 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     T = y_front.shape[0]
     K = top_k
     dims = (T, E, K, L, Ie, H, S)
-    cfg = w13_config()
     sh13 = shared_where() == "w13"
+    cfg, kw = w13_plan(T, dims[1:], nsm, sh13)
     if route_where() == "t1":
         if T != 1 or not sh13 or router_bias is None or topk_ids is None:
             raise ValueError("DECODESCOPE_MOE_T1_ROUTE=t1 needs 1 token and "
@@ -795,7 +832,6 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
     kn = w2_knobs()
     pre = w2_pre()
-    kw = w13_kw_for(T, dims[1:], cfg, sh13)
     zt = w13_zt()
     w13k = itf.compiled(
         ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)

@@ -212,7 +212,27 @@ part22=(
   "60:f8f:$FF $B1 --tp-shape 8 --json $R/f8f.json"
   "120:fsteps:$FF python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/fsteps"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 22
+# Part 23 (session 27): W13T1's wide form (8 stages, 4 warps per item where the w13 grid fits at
+# 2 CTAs per SM: TP16) as the default (experts_t1.w13_plan; s27/n3: projected TP16 batch-1 step
+# 7.87 / 7.91 -> 7.81 ms): its GPU tests at TP16 (the new default, and the old form explicit);
+# the layer A/B again, new / old / new / old, TP16 batch 1, specialized, same call; TP8's
+# 4-warp form on 64-column chunks (8 stages of 6 KB) against its default, d / k / d; the whole
+# step at TP16 1x1; the README's TP16 batch-1 rows, both backends (stage the vLLM parts).
+OLD16="DECODESCOPE_MOE_T1_KW=2 DECODESCOPE_MOE_T1_STAGES=6"
+K8="DECODESCOPE_MOE_T1_KW=4 DECODESCOPE_MOE_T1_STAGES=8 DECODESCOPE_MOE_T1_BK=64"
+part23=(
+  "150:t1test:python -m pytest -q -p no:cacheprovider -m gpu tests/test_experts_t1.py -k kimi-k3-16"
+  "60:w16n:$B1 --tp-shape 16 --json $R/w16n.json"
+  "60:w16o:$OLD16 $B1 --tp-shape 16 --json $R/w16o.json"
+  "60:w16n2:$B1 --tp-shape 16 --json $R/w16n2.json"
+  "60:w16o2:$OLD16 $B1 --tp-shape 16 --json $R/w16o2.json"
+  "60:k8d:$B1 --tp-shape 8 --json $R/k8d.json"
+  "60:k8k:$K8 $B1 --tp-shape 8 --json $R/k8k.json"
+  "60:k8d2:$B1 --tp-shape 8 --json $R/k8d2.json"
+  "120:steps:python scripts/gpu_steps.py --tp 16 --points 1x1 --layers dense,kda,mla --out $R/steps"
+  "120:r16:decodescope bench --tp-shape 16 --batch 1 --out $R/ds --json $R/r16.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 23
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -236,5 +256,6 @@ case "${1:-1}" in
   20) exec bash "$here/run_stages.sh" "${part20[@]}" ;;
   21) exec bash "$here/run_stages.sh" "${part21[@]}" ;;
   22) exec bash "$here/run_stages.sh" "${part22[@]}" ;;
-  *) echo "next_round.sh: part 1 to 22, got '$1'" >&2; exit 2 ;;
+  23) exec bash "$here/run_stages.sh" "${part23[@]}" ;;
+  *) echo "next_round.sh: part 1 to 23, got '$1'" >&2; exit 2 ;;
 esac
