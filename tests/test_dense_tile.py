@@ -46,6 +46,20 @@ def test_compiles_variants(tp, m, kw):
     assert dt.compile_plan(p, *dm._betas(cfg)) is not None
 
 
+@pytest.mark.parametrize("tp,splits", [(16, 8), (8, 4), (16, 7)])
+def test_splits_knob(tp, splits, monkeypatch):
+    """``DECODESCOPE_DENSE_TILE_SPLITS``: the split-K count forced (2 CTAs per SM at 64 tokens
+    with 8 at TP16), the cluster split-K kept up to 8; a bad value is a one-line error."""
+    cfg = CFGS[tp]
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE_SPLITS", str(splits))
+    p = dm.tile_plan(cfg, 64, True)
+    assert p.splits == splits and p.cluster and p.chunks * splits == cfg.hidden // 64
+    assert dt.compile_plan(p, *dm._betas(cfg)) is not None
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE_SPLITS", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_DENSE_TILE_SPLITS='x'"):
+        dm.tile_plan(cfg, 64, True)
+
+
 @pytest.mark.parametrize(
     "tp,m,kw", [(16, 64, {"cluster": True, "wgmma": True, "rms_fold": True}),
                 (8, 64, {"cluster": True, "wgmma": False}),
@@ -259,7 +273,8 @@ def _gpu_weights(cfg, seed):
 @pytest.mark.parametrize(
     "kw", [{}, {"splits_force": 1}, {"rms_fold": True}, {"cluster": True}, {"wgmma": True},
            {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1},
-           {"rms_fold": True, "sq_mma": True}, {"rms_fold": True, "wgmma": False, "cluster": False}],
+           {"rms_fold": True, "sq_mma": True}, {"rms_fold": True, "wgmma": False, "cluster": False},
+           {"rms_fold": True, "splits_force": 8}],
 )  # fmt: skip
 def test_dense_tile_gpu(tp, m, kw):
     """Each variant against the references; the tokens' rows scaled 0.2x..3x, so that a folded

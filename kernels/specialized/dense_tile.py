@@ -61,6 +61,9 @@ COLS = 8  # output columns per 16-row MMA tile (8 gate rows, their 8 up rows)
 
 
 WGMMA_ENV = "DECODESCOPE_DENSE_TILE_WGMMA"
+# the split-K count, forced (unset: the tile GEMM's rule, the fewest splits giving a CTA per SM:
+# 2 at TP8, 4 at TP16 with 64 tokens); must divide the 64-wide K chunks (112 at hidden 7168)
+SPLITS_ENV = "DECODESCOPE_DENSE_TILE_SPLITS"
 
 
 def wgmma_default() -> bool:
@@ -97,6 +100,8 @@ def plan(m: int, k: int, dn: int, **kw) -> tg.TilePlan:
     # warpgroup MMAs at every token count (DECODESCOPE_DENSE_TILE_WGMMA, a warpgroup: 4 warps);
     # the cluster split-K by the tile GEMM's rule (TilePlan.cluster left None)
     kw.setdefault("wgmma", wgmma_default() and kw.get("warps", 4) == 4)
+    if not kw.get("splits_force"):
+        kw["splits_force"] = env_knobs.read(SPLITS_ENV, tuple(range(1, 17))) or 0
     p = tg.TilePlan(m=m, k=k, segments=(2 * dn,), **kw)
     if p.residual_epilogue or p.out_f32 or p.norm or p.add_residual:
         raise ValueError("dense tile: no residual epilogue, FP32 output, norm launch or residual")

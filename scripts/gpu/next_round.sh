@@ -232,7 +232,19 @@ part23=(
   "120:steps:python scripts/gpu_steps.py --tp 16 --points 1x1 --layers dense,kda,mla --out $R/steps"
   "120:r16:decodescope bench --tp-shape 16 --batch 1 --out $R/ds --json $R/r16.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 23
+# Part 24 (session 27): the dense gate_up tile at 64 tokens with 8 splits (DECODESCOPE_DENSE_TILE_
+# SPLITS=8: 264 CTAs, 2 per SM, twice the bytes in flight; ncu s27/n5: 132 CTAs of one
+# warpgroup, 2.33 TB/s, SMs active 69% of the kernel); its GPU test, then the dense layer at TP16
+# batch 64, specialized, d / k / d / k, same call.
+BD="decodescope bench --batch 64 --layers dense --backends specialized --out $R/ab"
+part24=(
+  "120:dtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_tile.py -k kw9"
+  "45:d16d:$BD --tp-shape 16 --json $R/d16d.json"
+  "45:d16k:DECODESCOPE_DENSE_TILE_SPLITS=8 $BD --tp-shape 16 --json $R/d16k.json"
+  "45:d16d2:$BD --tp-shape 16 --json $R/d16d2.json"
+  "45:d16k2:DECODESCOPE_DENSE_TILE_SPLITS=8 $BD --tp-shape 16 --json $R/d16k2.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 24
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -257,5 +269,6 @@ case "${1:-1}" in
   21) exec bash "$here/run_stages.sh" "${part21[@]}" ;;
   22) exec bash "$here/run_stages.sh" "${part22[@]}" ;;
   23) exec bash "$here/run_stages.sh" "${part23[@]}" ;;
-  *) echo "next_round.sh: part 1 to 23, got '$1'" >&2; exit 2 ;;
+  24) exec bash "$here/run_stages.sh" "${part24[@]}" ;;
+  *) echo "next_round.sh: part 1 to 24, got '$1'" >&2; exit 2 ;;
 esac
