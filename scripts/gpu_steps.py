@@ -516,7 +516,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (defaults read from the environment when called)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("DECODESCOPE_RESULTS", "out") + "/steps")
     ap.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
@@ -527,7 +528,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draws", type=int, default=2, help="fresh input draws per mode")
     ap.add_argument("--no-graph", action="store_true")
-    ap.add_argument("--front-norm", default="0", help="specialized option front_norm: 0|1|auto")
+    ap.add_argument(
+        "--front-norm",
+        default=os.environ.get("DECODESCOPE_FRONT_NORM", "") or "0",
+        help="specialized option front_norm: 0|1|auto (default: DECODESCOPE_FRONT_NORM, else 0)",
+    )
     ap.add_argument("--tie", type=float, default=TIE)
     ap.add_argument("--min-rows", type=float, default=MIN_ROWS)
     ap.add_argument("--isolate", choices=["group", "case", "none"], default="group")
@@ -539,7 +544,11 @@ def main() -> int:
         help="stop after this many seconds (0: none), skip the rest, print the table",
     )
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    a = parser().parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if a._child is not None:
         run_child_cases(json.loads(a._child), a)

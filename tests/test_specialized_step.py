@@ -947,3 +947,14 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     else:  # each decode kernel per chunk
         assert not m.decode_once and decodes == [m.per * tokens] * (3 * m.chunks)
     _assert_step_matches(p, m, std, batch, tokens)
+
+
+@pytest.mark.parametrize("env,want", [(None, "0"), ("1", "1"), ("auto", "auto")])
+def test_gpu_steps_front_norm_default(monkeypatch, env, want):
+    """``scripts/gpu_steps.py --front-norm`` defaults to ``DECODESCOPE_FRONT_NORM`` (else 0), so
+    a run with the variable set checks the step it names (session 27's part 22 ran with ``0``)."""
+    if env is None:
+        monkeypatch.delenv("DECODESCOPE_FRONT_NORM", raising=False)
+    else:
+        monkeypatch.setenv("DECODESCOPE_FRONT_NORM", env)
+    assert _gpu_steps().parser().parse_args([]).front_norm == want

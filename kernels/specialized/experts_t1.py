@@ -43,7 +43,9 @@ module removes or hides, keeping the same three launches and the same outputs:
    warp ``wk`` multiplying the chunks ``i % kw == wk``, the partial sums added through shared
    memory before the SiTU epilogue. Same grid and shared memory, so twice the warps per SM: at
    1 token one warp per item was issue-bound (H200 ncu s13/r1: 4.7 cycles per instruction, 3.0
-   TB/s); s13/r2: TP8 w13 alone 30.5 -> 27.5 us, TP16 20.3 -> 17.4.
+   TB/s); s13/r2: TP8 w13 alone 30.5 -> 27.5 us, TP16 20.3 -> 17.4. Where the grid fits at 2
+   CTAs per SM (TP16: 192 CTAs) and neither knob is set, 4 warps per item on 8 stages
+   (:func:`w13_plan`, session 27).
 
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
@@ -105,8 +107,10 @@ KW_CHOICES = (1, 2, 4)
 # CTAs per SM (every CTA resident at once, as the pre-wait shared down needs): WIDE_STAGES
 # stages and WIDE_KW warps per item (H200 s27/n3, TP16 batch 1, bench, specialized, same call:
 # experts share per MoE layer 27.8 / 27.7 -> 25.7 (KDA), 27.7 / 28.0 -> 26.5 (MLA), projected
-# step 7.87 / 7.91 -> 7.81 ms against the default on both sides). TP16's 192 CTAs fit on
-# 132 SMs; TP8's 384 do not, and keep STAGES_DEFAULT / KW_DEFAULT.
+# step 7.87 / 7.91 -> 7.81 ms against the default on both sides; s27/n4 repeated as the default:
+# 7.80 / 7.82 against 7.89 / 7.87 with the old form set explicitly). TP16's 192 CTAs fit on
+# 132 SMs; TP8's 384 do not, and keep STAGES_DEFAULT / KW_DEFAULT (TP8's 4-warp form on 64-wide
+# chunks, 8 stages: 10.62 against 10.60 / 10.59 ms, s27/n4).
 WIDE_STAGES, WIDE_KW, WIDE_PER_SM = 8, 4, 2
 SMEM_SM = 228 * 1024  # shared memory of a Hopper SM (each resident CTA also reserves 1 KB)
 ZT_ENV = "DECODESCOPE_MOE_T1_ZT"  # 1: W13T1's z stages sized for the pass's tokens (opt-in)

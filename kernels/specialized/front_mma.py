@@ -30,7 +30,11 @@ and the epilogue scales the FP32 sums by the token's ``rstd`` (the squares summe
 order: every CTA computes the same rstd). RMSNorm is linear in ``r`` once ``rstd`` is known, so
 ``y = rstd * ((r * w) @ W^T)`` up to BF16 rounding (``bf16(r * w)`` here, vLLM's
 ``bf16(bf16(r * rstd) * w)`` in the reference): the prologue's row reduction after the PDL wait
-(3 us in the layer, s15) leaves the critical path.
+(3 us in the layer, s15) leaves the critical path. H200 s27/n1 (batch 1, bench, specialized,
+same call): correct (its GPU test passed, the whole step too) but slower than the default's
+``residual_norm`` launch + unnormalized front: TP16 KDA / MLA layer shares 81.9 / 90.5 -> 84.7 /
+93.2 us, TP8 112.1 / 113.6 -> 118.9 / 115.6 (the folded front alone 22.0 us of share at TP16
+against 2.9 + 18.0 for the two launches); so it stays off.
 
 ``front_tile`` (the default from ``TILE_FROM`` = 32 tokens with the grouped experts, or
 ``DECODESCOPE_MOE_FRONT=tile``; issue #5): the same ``y`` through
