@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 
-__all__ = ["CheckResult", "check", "baseline_kinds"]
+__all__ = ["CheckResult", "check", "baseline_kinds", "noun"]
 
 DEFAULT_METRICS = ("span_us", "kernels")
 
@@ -93,7 +93,7 @@ def check(
             rows.append(_row(kind, None, c, ms, None, "new"))
             continue
         if c is None:
-            reasons.append(f"{_noun(kind)}s: in the baseline, missing from the run")
+            reasons.append(f"{noun(kind)}s: in the baseline, missing from the run")
             rows.append(_row(kind, b, None, ms, None, "missing"))
             continue
         status = "ok"
@@ -108,7 +108,7 @@ def check(
             if cv > limit + 1e-9:
                 pct = (cv / bv - 1) * 100 if bv else math.inf
                 reasons.append(
-                    f"{_noun(kind)} {_label(m)}: {_fmt(cv)} vs baseline {_fmt(bv)} "
+                    f"{noun(kind)} {_label(m)}: {_fmt(cv)} vs baseline {_fmt(bv)} "
                     f"(+{pct:.1f}%, limit +{limit_pct:g}%)"
                 )
                 status = "regression"
@@ -127,7 +127,7 @@ def _kind_metrics(kernels: pa.Table, ms: Sequence[str]) -> pa.Table:
     return metrics.kind_table(kernels).select(["layer_kind", *ms])
 
 
-def _noun(kind: str) -> str:
+def noun(kind: str) -> str:
     """ "KDA layer", "layer" (for runs whose layers have no kind)."""
     if kind in ("layer", "(none)"):
         return "layer"
@@ -135,7 +135,8 @@ def _noun(kind: str) -> str:
 
 
 def _label(m: str) -> str:
-    return {"span_us": "span (us)", "kernels": "kernels", "busy_us": "busy (us)"}.get(m, m)
+    return {"span_us": "span (us)", "kernels": "kernels", "busy_us": "busy (us)",
+            "share_us": "share (us)"}.get(m, m)  # fmt: skip
 
 
 def _fmt(x: float) -> str:

@@ -279,6 +279,29 @@ def test_check_against_the_results_dataset_takes_runs_of_the_same_kernel_knobs()
     )
 
 
+def test_check_by_share():
+    """The committed H200 runs of the TP16 batch-1 specialized step before and after session 27's
+    W13T1 default (e2fb8c8): the MLA layer's span grew 11.5% (its first kernel now overlaps the
+    KDA layer before it) while its share of the step fell 1.2%. ``--metric span`` (the default)
+    fails and says so in a note; ``--metric share`` passes; ``both`` fails; a bad value is a
+    one-line usage error."""
+    results = Path(__file__).resolve().parent.parent / "results"
+    run = f"{results}@specialized-20261203T154926-8e01fd"
+    base = ["--baseline", f"{results}@specialized-20261203T131727-6b708c", "--max-regression", "5"]
+    span = cli("check", run, *base)
+    assert span.returncode == 1, span.stdout + span.stderr
+    flat = " ".join(span.stdout.split())
+    assert "MLA layer span (us): 103.89 vs baseline 93.18 (+11.5%, limit +5%)" in flat
+    assert "note: MLA layer: span +11.5% but share -1.2% (90.5 -> 89.4 us)" in flat
+    share = cli("check", run, *base, "--metric", "share", "--json")
+    assert share.returncode == 0, share.stdout + share.stderr
+    js = json.loads(share.stdout)
+    assert js["ok"] and js["share_notes"] == [] and "run_share_us" in js["table"][0]
+    both = json.loads(cli("check", run, *base, "--metric", "both", "--json").stdout)
+    assert not both["ok"] and [r for r in both["reasons"] if "span" in r]
+    assert "--metric 'x'" in one_line_error(cli("check", run, *base, "--metric", "x"))
+
+
 def test_check_and_demo_refuse_what_they_cannot_show(tmp_path):
     """A trace whose kernels no layer range covers (the nsys RTX 3080 mock: kernels, no NVTX
     layers) has nothing to check: one line, exit 2, not a "regression"; ``demo --results`` of a

@@ -73,20 +73,56 @@ def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) ->
     return "kernel knobs differ (" + "; ".join(diffs) + ")" if diffs else None
 
 
+def share_lines(by_span: regress.CheckResult, by_share: regress.CheckResult) -> list[str]:
+    """A line per layer kind whose span regressed while its share of the step did not: under
+    programmatic dependent launch a layer's first kernel can become resident (and wait) before
+    the previous layer ends, which its span counts and the step does not pay."""
+    share = {r["layer_kind"]: r for r in by_share.table.to_pylist()}
+    out = []
+    for r in by_span.table.to_pylist():
+        s = share.get(r["layer_kind"])
+        if r["status"] != "regression" or s is None or s["status"] != "ok":
+            continue
+        if r["span_us_change_pct"] is None or s["share_us_change_pct"] is None:
+            continue
+        if r["span_us_change_pct"] <= 0:  # the kernel count regressed, not the span
+            continue
+        out.append(
+            f"{regress.noun(r['layer_kind'])}: span {r['span_us_change_pct']:+.1f}% but share "
+            f"{s['share_us_change_pct']:+.1f}% ({s['baseline_share_us']:.1f} -> "
+            f"{s['run_share_us']:.1f} us): the span counts the time its first kernel overlaps "
+            "the previous layer; `--metric share` checks what the step pays"
+        )
+    return out
+
+
+CHECK_METRICS = {"span": ("span_us",), "share": ("share_us",), "both": ("span_us", "share_us")}
+
+
 @app.command("check")
 def check(
     run: Path = typer.Argument(..., help="the run to check (run folder, trace or DATASET@RUN_ID)"),
     baseline: Path = typer.Option(..., "--baseline", help="baseline run folder, trace or dataset"),
     max_regression: float = typer.Option(
-        ..., "--max-regression", min=0, help="allowed increase in percent (span and kernels)"
+        ..., "--max-regression", min=0, help="allowed increase in percent (time and kernels)"
     ),
     max_kernel_increase: float | None = typer.Option(
         None, "--max-kernel-increase", min=0, help="allowed kernel-count increase in percent"
     ),
+    metric: str = typer.Option(
+        "span",
+        "--metric",
+        help="the time figure checked beside the kernel count: span (DESIGN's layer span), share "
+        "(the layer's share of the step: a path under programmatic dependent launch starts a "
+        "layer's first kernel before the previous layer ends, which its span counts) or both",
+    ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
-    """Compare a run with a baseline per layer kind; exit 1 if span or kernel count regressed."""
+    """Compare a run with a baseline per layer kind; exit 1 if span (or share) or kernel count
+    regressed."""
+    if metric not in CHECK_METRICS:
+        raise UsageError(f"--metric {metric!r}: expected one of {tuple(CHECK_METRICS)}")
     current = load_with_progress(run, scheme)
     bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme)
     from decodescope.analysis import metrics
@@ -99,9 +135,18 @@ def check(
                 "nothing to check"
             )
     result = regress.check(
-        current, bases, max_regression, max_kernel_increase_pct=max_kernel_increase
+        current,
+        bases,
+        max_regression,
+        (*CHECK_METRICS[metric], "kernels"),
+        max_kernel_increase_pct=max_kernel_increase,
     )
     knob_note = knob_difference(knobs_of(current.meta), base_knobs)
+    share_notes = (
+        share_lines(result, regress.check(current, bases, max_regression, ("share_us",)))
+        if metric == "span"
+        else []
+    )
     if json_out:
         typer.echo(
             dumps(
@@ -111,13 +156,14 @@ def check(
                     "baseline": origin,
                     "knobs_note": knob_note,
                     "shape_note": shape_note[0] if shape_note else None,
+                    "share_notes": share_notes,
                     "table": result.table,
                 }
             )
         )
     else:
         console.print(f"baseline: {origin}", highlight=False, soft_wrap=True)
-        for note in ([knob_note] if knob_note else []) + shape_note:
+        for note in ([knob_note] if knob_note else []) + shape_note + share_notes:
             console.print(f"[yellow]note[/]: {note}", highlight=False, soft_wrap=True)
         console.print(arrow_table(result.table, "per layer kind: run vs baseline"))
         if result.ok:
