@@ -46,6 +46,25 @@ def test_compiles_variants(tp, m, kw):
     assert dt.compile_plan(p, *dm._betas(cfg)) is not None
 
 
+@pytest.mark.parametrize("tp,stages", [(16, 6), (8, 8), (16, 2)])
+def test_stages_knob(tp, stages, monkeypatch):
+    """``DECODESCOPE_DENSE_TILE_STAGES``: the cp.async stages forced (more chunks in flight per
+    CTA: the plans run one CTA per SM at 64 tokens); the split-K rule unchanged (the workspace
+    split-K where the stages cannot hold the cluster's partial tile); a value outside 2..8 is a
+    one-line error."""
+    cfg = CFGS[tp]
+    base = dm.tile_plan(cfg, 64, True)
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE_STAGES", str(stages))
+    p = dm.tile_plan(cfg, 64, True)
+    assert p.stages == stages and p.splits == base.splits
+    assert p.cluster == (stages >= 3)  # 2 stages cannot hold the cluster's partial tile
+    assert p.smem_bytes <= 227 * 1024
+    assert dt.compile_plan(p, *dm._betas(cfg)) is not None
+    monkeypatch.setenv("DECODESCOPE_DENSE_TILE_STAGES", "9")
+    with pytest.raises(ValueError, match="DECODESCOPE_DENSE_TILE_STAGES='9'"):
+        dm.tile_plan(cfg, 64, True)
+
+
 @pytest.mark.parametrize("tp,splits", [(16, 8), (8, 4), (16, 7)])
 def test_splits_knob(tp, splits, monkeypatch):
     """``DECODESCOPE_DENSE_TILE_SPLITS``: the split-K count forced (2 CTAs per SM at 64 tokens
@@ -274,7 +293,7 @@ def _gpu_weights(cfg, seed):
     "kw", [{}, {"splits_force": 1}, {"rms_fold": True}, {"cluster": True}, {"wgmma": True},
            {"cluster": True, "wgmma": True, "rms_fold": True}, {"wgmma": True, "splits_force": 1},
            {"rms_fold": True, "sq_mma": True}, {"rms_fold": True, "wgmma": False, "cluster": False},
-           {"rms_fold": True, "splits_force": 8}],
+           {"rms_fold": True, "splits_force": 8}, {"rms_fold": True, "stages": 7}],
 )  # fmt: skip
 def test_dense_tile_gpu(tp, m, kw):
     """Each variant against the references; the tokens' rows scaled 0.2x..3x, so that a folded

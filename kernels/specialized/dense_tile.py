@@ -66,6 +66,12 @@ WGMMA_ENV = "DECODESCOPE_DENSE_TILE_WGMMA"
 # H200 s27/n6, TP16 batch 64, dense layer, same call: 8 splits (264 CTAs, 2 per SM) 98.8 / 99.0
 # us against the rule's 4, 92.1 / 92.4: kept for other GPUs' A/Bs, not a default
 SPLITS_ENV = "DECODESCOPE_DENSE_TILE_SPLITS"
+# the cp.async stages, forced (2..8; unset: the tile GEMM's 4). At 64 tokens a stage is 16 KB of
+# weights + 8 KB of activations, and the plans run one CTA per SM (132 CTAs), so up to 8 stages
+# fit; ncu s27/n5 (TP16, 64 tokens, folded): 2.33 TB/s, stalls per issue barrier 1.08, wait
+# 0.89, long scoreboard 0.78: three chunks (48 KB of weights) in flight per SM are about what
+# Little's law asks at ~30 GB/s per SM and ~1.5-2 us of loaded latency
+STAGES_ENV = "DECODESCOPE_DENSE_TILE_STAGES"
 
 
 def wgmma_default() -> bool:
@@ -104,6 +110,8 @@ def plan(m: int, k: int, dn: int, **kw) -> tg.TilePlan:
     kw.setdefault("wgmma", wgmma_default() and kw.get("warps", 4) == 4)
     if not kw.get("splits_force"):
         kw["splits_force"] = env_knobs.read(SPLITS_ENV, tuple(range(1, 17))) or 0
+    if not kw.get("stages"):
+        kw["stages"] = env_knobs.read(STAGES_ENV, tuple(range(2, 9))) or 0
     p = tg.TilePlan(m=m, k=k, segments=(2 * dn,), **kw)
     if p.residual_epilogue or p.out_f32 or p.norm or p.add_residual:
         raise ValueError("dense tile: no residual epilogue, FP32 output, norm launch or residual")

@@ -244,7 +244,26 @@ part24=(
   "45:d16d2:$BD --tp-shape 16 --json $R/d16d2.json"
   "45:d16k2:DECODESCOPE_DENSE_TILE_SPLITS=8 $BD --tp-shape 16 --json $R/d16k2.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 24
+# Part 25 (session 27, next): the dense gate_up tile with more cp.async stages (DECODESCOPE_DENSE_
+# TILE_STAGES=6 / 8: 5 / 7 chunks of 16 KB in flight per SM instead of 3; the plans run one CTA
+# per SM, so the shared memory is free; ncu s27/n5: 2.33 TB/s, barrier / wait / long-scoreboard
+# stalls): its GPU test, then the dense layer at batch 32 and 64, TP16 and TP8, specialized,
+# d / st6 / st8 / d, same call. Prediction: TP16 batch 64 dense 92.2 -> 85-88 us with 6 or 8
+# stages; wrong if under 2 us: then the chunk's barrier and proxy fence, not the bytes in
+# flight, bound it (next: a producer warp with TMA and mbarriers).
+BDD="decodescope bench --batch 32,64 --layers dense --backends specialized --out $R/ab"
+part25=(
+  "120:dtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_dense_tile.py -k kw10"
+  "50:s16d:$BDD --tp-shape 16 --json $R/s16d.json"
+  "50:s16a:DECODESCOPE_DENSE_TILE_STAGES=6 $BDD --tp-shape 16 --json $R/s16a.json"
+  "50:s16b:DECODESCOPE_DENSE_TILE_STAGES=8 $BDD --tp-shape 16 --json $R/s16b.json"
+  "50:s16d2:$BDD --tp-shape 16 --json $R/s16d2.json"
+  "50:s8d:$BDD --tp-shape 8 --json $R/s8d.json"
+  "50:s8a:DECODESCOPE_DENSE_TILE_STAGES=6 $BDD --tp-shape 8 --json $R/s8a.json"
+  "50:s8b:DECODESCOPE_DENSE_TILE_STAGES=8 $BDD --tp-shape 8 --json $R/s8b.json"
+  "50:s8d2:$BDD --tp-shape 8 --json $R/s8d2.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 25
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -270,5 +289,6 @@ case "${1:-1}" in
   22) exec bash "$here/run_stages.sh" "${part22[@]}" ;;
   23) exec bash "$here/run_stages.sh" "${part23[@]}" ;;
   24) exec bash "$here/run_stages.sh" "${part24[@]}" ;;
-  *) echo "next_round.sh: part 1 to 24, got '$1'" >&2; exit 2 ;;
+  25) exec bash "$here/run_stages.sh" "${part25[@]}" ;;
+  *) echo "next_round.sh: part 1 to 25, got '$1'" >&2; exit 2 ;;
 esac
