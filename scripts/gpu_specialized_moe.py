@@ -350,12 +350,17 @@ def _route_thresh_identical(blk, y: torch.Tensor, E: int, ctx: dict) -> None:
     yz = yq.clone()
     yz[0, :E] = 0.0
     b0 = torch.zeros_like(blk.bias)
+    from decodescope.kernels.specialized import experts_t1 as et1
+
+    # DECODESCOPE_MOE_T1_ROUTE=w13: the w13 kernel (part 1) ranks the token, no route kernel
+    rparts = (0, 1) if blk.N == 1 and et1.route_where() == "w13" else (0,)
     for name, yin, bias in (("logits", y, blk.bias), ("quantized", yq, b0), ("row0_tied", yz, b0)):
         got = {}
         for mode in ("split", "thresh"):
             # split: the grouped route kernel's rounds even where DECODESCOPE_MOE_T1_ROUTE=t1
-            # (experts_t1.RouteT1) runs the thresh side
+            # (experts_t1.RouteT1) or w13 (experts_t1.W13T1Route) runs the thresh side
             t1r = {"DECODESCOPE_MOE_T1_ROUTE": ""} if mode == "split" else {}
+            parts = (0,) if mode == "split" else rparts
             with env(DECODESCOPE_MOE_GROUPED_ROUTE=mode, **t1r):
                 gb = mg.GroupedBuffers(blk.N, E, k, blk.cfg.shared_inter, DEV)
                 ids = torch.full((blk.N, k), -1, dtype=torch.int32, device=DEV)
@@ -363,13 +368,13 @@ def _route_thresh_identical(blk, y: torch.Tensor, E: int, ctx: dict) -> None:
                 mg.moe_grouped(
                     yin, bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
                     blk.shared_out, ids, tw, gb, top_k=k, scaling=blk.scaling, beta=blk.beta,
-                    lbeta=blk.lbeta, parts=(0,),
+                    lbeta=blk.lbeta, parts=parts,
                 )  # fmt: skip
                 for _ in range(2):  # again: the arrival counter must have reset itself
                     mg.moe_grouped(
                         yin, bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
                         blk.shared_out, ids, tw, gb, top_k=k, scaling=blk.scaling,
-                        beta=blk.beta, lbeta=blk.lbeta, parts=(0,),
+                        beta=blk.beta, lbeta=blk.lbeta, parts=parts,
                     )  # fmt: skip
                 torch.cuda.synchronize()
                 got[mode] = (ids.cpu(), tw.cpu(), gb)
@@ -935,7 +940,7 @@ T1_RE = re.compile(
     r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_kw(\d+))?(?:_(zt))?(?:_w2w(\d+))?"
     r"(?:_(w2sh))?"
     r"(?:_(nopre))?"
-    r"(?:_(rt1|rtg))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
+    r"(?:_(rt1|rtg|rtw))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
 )
 
 
@@ -959,7 +964,9 @@ def t1_env(var: str) -> dict:
     env["DECODESCOPE_MOE_T1_W2P_WARPS"] = pw or ""
     env["DECODESCOPE_MOE_T1_W2P_STAGES"] = ps or ""
     env["DECODESCOPE_MOE_T1_W2P_PERSM"] = pm or ""
-    env["DECODESCOPE_MOE_T1_ROUTE"] = {"rt1": "t1", "rtg": "grouped"}.get(rt1 or "", "")
+    env["DECODESCOPE_MOE_T1_ROUTE"] = {"rt1": "t1", "rtg": "grouped", "rtw": "w13"}.get(
+        rt1 or "", ""
+    )
     return {**env, "DECODESCOPE_MOE_T1": "t1", "DECODESCOPE_MOE_T1_ROWS": r or "",
             "DECODESCOPE_MOE_T1_STAGES": s or "", "DECODESCOPE_MOE_T1_BK": k or "",
             "DECODESCOPE_MOE_T1_SHARED": "w2" if w2sh else "",

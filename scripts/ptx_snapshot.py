@@ -188,6 +188,26 @@ def _cases() -> dict:
             cfg.shared_inter)  # fmt: skip
     cases["tp8_w2t1_t1"] = ("build", lambda d=dims: et1.build_w2(*d))
     cases["tp8_w2t1_persist_t1"] = ("build", lambda d=dims: w2p.build(*d))
+    for tp in (8, 16):  # W13T1 as experts_t1.w13_plan picks it, and the one-warp route
+        c = get_config("kimi-k3", tp)
+        d = (1, c.moe.num_experts, c.moe.top_k, c.expert_dim, c.expert_inter, c.hidden,
+             c.shared_inter)  # fmt: skip
+
+        def w13(d=d):
+            t1cfg, kw = et1.w13_plan(1, d[1:], 132, True)
+            return et1.build_w13(*d, 4.0, 25.0, True, 132, t1cfg, True, kw)
+
+        cases[f"tp{tp}_w13t1_t1"] = ("build", w13)
+
+        def w13_route(d=d):
+            t1cfg, kw = et1.w13_plan(1, d[1:], 132, True, route=True)
+            return et1.build_w13_route(*d, 4.0, 25.0, True, 132, t1cfg, kw)
+
+        cases[f"tp{tp}_w13t1route_t1"] = ("build", w13_route)
+        cases[f"tp{tp}_routet1_t1"] = (
+            "build",
+            lambda d=d, c=c: et1.build_route(d[1], d[2], d[3], d[1] + d[3] + 2 * d[6], 1.0),
+        )
     cases["tp16_front_mma_t64"] = (
         "build",
         lambda c=get_config("kimi-k3", 16): fm._build(

@@ -177,6 +177,77 @@ def test_smem_total_matches_struct(clean_env):
     assert op.smem_cls.size_in_bytes() == op.smem_total
 
 
+@pytest.mark.parametrize("tp", [8, 16])
+def test_w13_route_compiles(tp, clean_env):
+    """``DECODESCOPE_MOE_T1_ROUTE=w13`` (:class:`W13T1Route`): W13T1 at the plan's tiling with
+    the router bias, ids and weights as extra arguments, its shared memory the struct plus the
+    route's lists (``smem_total``), 2 CTAs per SM on 8 stages at TP16 as the default form; the
+    PTX: the bias loads and the shared rows' ``cp.async`` before the PDL wait, the ranking
+    (ballots) after it, the dependents triggered twice (other blocks right after the wait,
+    block 0 after its list stores and a GPU-scope fence)."""
+    d = _dims("kimi-k3", tp)
+    cfg, kw = t1.w13_plan(1, d[1:], 132, True, route=True)
+    assert (cfg.stages, kw) == ((8, 4) if tp == 16 else (6, 2))
+    op, args = t1.build_w13_route(*d, 4.0, 25.0, True, 132, cfg, kw, False, 1.0)
+    assert op.grid == 16 * d[4] // 16 and op.NRB == 1
+    assert op._smem_struct().size_in_bytes() + op.route_smem == op.smem_total
+    if tp == 16:
+        assert 2 * (op.smem_total + 1024) <= t1.SMEM_SM
+    ptx = itf.ptx_text(op, *args)
+    w = ptx.find("griddepcontrol.wait")
+    assert w > 0 and ptx.count("griddepcontrol.wait") == 1
+    assert ptx[:w].count("cp.async.cg") >= 1 and ptx[:w].count("ld.global") >= d[1] // 32
+    assert "vote.sync.ballot" not in ptx[:w] and "vote.sync.ballot" in ptx[w:]
+    trig = [i for i in range(len(ptx)) if ptx.startswith("griddepcontrol.launch_dependents", i)]
+    fence = ptx.find("fence.acq_rel.gpu")
+    assert len(trig) == 2 and w < trig[0] < fence < trig[1]
+    assert itf.compile_only(op, *args) is not None
+
+
+def test_w13_route_selection(clean_env):
+    """``DECODESCOPE_MOE_T1_ROUTE=w13`` at 1 token: :func:`fits` takes the kimi-k3 shapes with
+    the shared down in w13, refuses it in w2 and above one token; the block launches W13T1Route
+    and the w2 kernel, no route kernel (CPU: launches recorded, builds run, nothing compiled);
+    a front that leaves ``acc`` to the route (``zero_acc``) is refused in one line."""
+    from decodescope.kernels.specialized import moe_grouped as mg
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    mp = clean_env
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    assert t1.route_where() == "w13"
+    for tp in (8, 16):
+        assert t1.fits(1, _dims("kimi-k3", tp)[1:])
+    assert not t1.fits(2, _dims("kimi-k3", 8, T=2)[1:])
+    mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")
+    assert not t1.fits(1, _dims("kimi-k3", 8)[1:])
+    mp.delenv("DECODESCOPE_MOE_T1_SHARED")
+    calls, built = [], []
+
+    def fake_compiled(key, build):
+        op, _ = build()
+        built.append(op)
+        return lambda *a, key=key: calls.append((key[0], len(a)))
+
+    mp.setattr(itf, "compiled", fake_compiled)
+    cfg = get_config("kimi-k3", 16)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    blk = SpecializedMoE(cfg, w, 1)
+    blk.experts()
+    assert [c[0] for c in calls] == ["moe_t1_w13_route", "moe_t1_w2"]  # W2T1 at TP16
+    assert calls[0][1] == 13  # W13T1's ten tensors, the bias, the ids, the weights
+    assert isinstance(built[0], t1.W13T1Route) and built[0].KW == 4
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_ROUTE=w13 needs 1 token"):
+        mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
+                       blk.shared_out, blk.topk_ids, blk.topk_weights,
+                       mg.buffers_for(blk, 1, cfg.moe.num_experts, 16, cfg.shared_inter,
+                                      blk.acc.device),
+                       top_k=16, scaling=1.0, beta=blk.beta, lbeta=blk.lbeta,
+                       zero_acc=True)  # fmt: skip
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "x")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_ROUTE='x'"):
+        t1.route_where()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiles_tiny(tp, clean_env):
     """The tiny preset (one K chunk, rows past Ie at TP 2 none: Ie 32 = 2 x 16)."""
@@ -437,6 +508,8 @@ def gsm():
                                            ("kimi-k3", 16, "grouped_t1_kw2"),
                                            ("kimi-k3", 16, "grouped_t1_s6_kw2"),
                                            ("kimi-k3", 16, "grouped_t1_s8_kw4"),
+                                           ("kimi-k3", 8, "grouped_t1_rtw"),
+                                           ("kimi-k3", 16, "grouped_t1_rtw"),
                                            ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_s8_zt"),
                                            ("kimi-k3", 16, "grouped_t1_s8_zt"),

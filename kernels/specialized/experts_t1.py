@@ -90,7 +90,7 @@ ROWS_DEFAULT = 16  # gate rows per w13 item: 24 items per expert at TP8, 12 at T
 STAGES_DEFAULT = 6  # 6 x 12 KB: 3 CTAs per SM, 5 chunks (40 KB of weights) in flight per CTA
 BK_DEFAULT = 128  # 256-byte row runs (the w13 tile's A/B at 8 / 64 tokens: 128 beat 64)
 SHARED_WHERE = ("w13", "w2")  # DECODESCOPE_MOE_T1_SHARED
-ROUTES = ("grouped", "t1")  # DECODESCOPE_MOE_T1_ROUTE
+ROUTES = ("grouped", "t1", "w13")  # DECODESCOPE_MOE_T1_ROUTE
 
 ENV = {
     "rows": "DECODESCOPE_MOE_T1_ROWS",
@@ -137,9 +137,15 @@ def fits(T: int, dims: tuple) -> bool:
     ``dims = (E, K, L, Ie, H, S)`` (their constructors' checks; nothing is compiled)."""
     E, K, L, Ie, H, S = dims
     sh13 = shared_where() == "w13"
+    rw = route_where()
     try:
-        cfg, kw = w13_plan(T, dims, mg.num_sms(), sh13)
-        W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13, kw=kw, zt=w13_zt())
+        cfg, kw = w13_plan(T, dims, mg.num_sms(), sh13, route=rw == "w13")
+        if rw == "w13":
+            if T != 1 or not sh13:
+                return False
+            W13T1Route(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, kw=kw, zt=w13_zt())
+        else:
+            W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13, kw=kw, zt=w13_zt())
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -148,7 +154,7 @@ def fits(T: int, dims: tuple) -> bool:
             wp.W2T1Persist(T, E, K, L, Ie, H, S)
         else:
             W2T1(T, E, K, L, Ie, H, S, kn=w2_knobs(), shared=not sh13, pre=w2_pre())
-        if route_where() == "t1":
+        if rw == "t1":
             if T != 1 or not sh13:
                 return False
             RouteT1(E, K, L, 1.0)
@@ -233,20 +239,25 @@ def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
     return kw
 
 
-def w13_plan(T: int, dims: tuple, nsm: int, shared: bool) -> tuple[gwt.TileConfig, int]:
-    """The tiling and K split :class:`W13T1` runs with at these shapes ``dims = (E, K, L, Ie,
-    H, S)`` on ``nsm`` SMs: with ``DECODESCOPE_MOE_T1_STAGES`` and ``_KW`` both unset, the wide
-    form (``WIDE_STAGES`` stages, ``WIDE_KW`` warps per item) where it builds and its grid and
-    shared memory fit at ``WIDE_PER_SM`` CTAs per SM; else :func:`w13_config` and
-    :func:`w13_kw_for`. A bad knob raises its one-line ``ValueError``."""
+def w13_plan(T: int, dims: tuple, nsm: int, shared: bool,
+             route: bool = False) -> tuple[gwt.TileConfig, int]:  # fmt: skip
+    """The tiling and K split :class:`W13T1` (``route``: :class:`W13T1Route`) runs with at
+    these shapes ``dims = (E, K, L, Ie, H, S)`` on ``nsm`` SMs: with
+    ``DECODESCOPE_MOE_T1_STAGES`` and ``_KW`` both unset, the wide form (``WIDE_STAGES`` stages,
+    ``WIDE_KW`` warps per item) where it builds and its grid and shared memory fit at
+    ``WIDE_PER_SM`` CTAs per SM; else :func:`w13_config` and :func:`w13_kw_for`. A bad knob
+    raises its one-line ``ValueError``."""
     import dataclasses
 
     cfg = w13_config()
     if not (os.environ.get(ENV["stages"], "") or os.environ.get(KW_ENV, "")):
         try:
             wide = dataclasses.replace(cfg, stages=WIDE_STAGES)
-            op = W13T1(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, shared=shared, kw=WIDE_KW,
-                       zt=w13_zt())  # fmt: skip
+            if route:
+                op = W13T1Route(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, kw=WIDE_KW, zt=w13_zt())
+            else:
+                op = W13T1(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, shared=shared, kw=WIDE_KW,
+                           zt=w13_zt())  # fmt: skip
         except ValueError:
             op = None
         if (op is not None and op.grid <= WIDE_PER_SM * nsm
@@ -285,16 +296,46 @@ def w2_pre() -> bool:
 
 def route_where() -> str:
     """``DECODESCOPE_MOE_T1_ROUTE``: ``t1`` (:class:`RouteT1`: one warp, 1 token, no
-    expert-wide count / scan; it writes no ``hs``, so only with the shared down in w13) or
-    ``grouped`` (:class:`moe_grouped.GroupedRoute`). Unset: ``t1`` where the shared down runs in
-    w13 (the default; H200 s10/r2, TP8: experts 45.0 -> 44.0 us, route alone 6.2 -> 4.8), else
-    ``grouped``."""
+    expert-wide count / scan; it writes no ``hs``, so only with the shared down in w13),
+    ``grouped`` (:class:`moe_grouped.GroupedRoute`) or ``w13`` (:class:`W13T1Route`: no route
+    kernel, the w13 kernel ranks the token after its wait; opt-in, session 27). Unset: ``t1``
+    where the shared down runs in w13 (the default; H200 s10/r2, TP8: experts 45.0 -> 44.0 us,
+    route alone 6.2 -> 4.8), else ``grouped``."""
     v = os.environ.get("DECODESCOPE_MOE_T1_ROUTE", "")
     if v == "":
         return "t1" if shared_where() == "w13" else "grouped"
     if v not in ROUTES:
         raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE={v!r}: expected one of {ROUTES}")
     return v
+
+
+@cute.jit
+def _rank_one(mY, mBias, bias, lane, sIds, sTw, sCnt, sM, sV, sI, sS, E: cutlass.Constexpr[int],
+              K: cutlass.Constexpr[int], scaling: cutlass.Constexpr[float],
+              CAP: cutlass.Constexpr[int], mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN,
+              mNact):  # fmt: skip
+    """One warp ranks the one token (:func:`route_topk.thresh_topk`) and writes the ids,
+    weights and the grouped lists (slot ``r`` = the pick of rank ``r`` by expert index): the
+    work of :class:`RouteT1`, and of :class:`W13T1Route`'s warp 0 (into shared memory copies of
+    the lists, and in block 0 the global ones too)."""
+    for i in cutlass.range_constexpr(E // 32):  # thresh_topk counts its picks here
+        sCnt[lane + 32 * i] = Int32(0)
+    cute.arch.sync_warp()
+    rtk.thresh_topk(mY, mBias, bias, 0, lane, 0, sIds, sTw, sCnt, sM, sV, sI, sS, E, K,
+                    scaling, CAP)  # fmt: skip
+    if lane < K:  # thresh_topk ends with a warp sync: the picks are final
+        e = sIds[lane]
+        r = Int32(0)
+        for i in cutlass.range_constexpr(K):
+            r = r + cutlass.select_(sIds[i] < e, Int32(1), Int32(0))
+        mIds[lane] = e
+        mTw[lane] = sTw[lane]
+        mSlotE[r] = e
+        mSlotOff[r] = r
+        mSlotN[r] = Int32(1)
+        mPairs[r] = lane
+    if lane == 0:
+        mNact[0] = Int32(K)
 
 
 def _ld(m, i, ty=Int32):
@@ -345,24 +386,8 @@ class RouteT1:
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        for i in cutlass.range_constexpr(E // 32):  # thresh_topk counts its picks here
-            sCnt[lane + 32 * i] = Int32(0)
-        cute.arch.sync_warp()
-        rtk.thresh_topk(mY, mBias, bias, 0, lane, 0, sIds, sTw, sCnt, sM, sV, sI, sS, E, K,
-                        self.scaling, CAP)  # fmt: skip
-        if lane < K:  # thresh_topk ends with a warp sync: the picks are final
-            e = sIds[lane]
-            r = Int32(0)
-            for i in cutlass.range_constexpr(K):
-                r = r + cutlass.select_(sIds[i] < e, Int32(1), Int32(0))
-            mIds[lane] = e
-            mTw[lane] = sTw[lane]
-            mSlotE[r] = e
-            mSlotOff[r] = r
-            mSlotN[r] = Int32(1)
-            mPairs[r] = lane
-        if lane == 0:
-            mNact[0] = Int32(K)
+        _rank_one(mY, mBias, bias, lane, sIds, sTw, sCnt, sM, sV, sI, sS, E, K, self.scaling,
+                  CAP, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact)  # fmt: skip
         if const_expr(self.zero_acc):  # acc [L] FP32, 16-byte stores
             zv = cute.make_rmem_tensor((4,), Float32)
             for q in cutlass.range_constexpr(4):
@@ -444,9 +469,8 @@ class W13T1(gwt.GroupedW13Tile):
         if self.NW * 2 * self.RT * 4 * 32 > self.S * self.TZ * self.BK:
             raise ValueError(f"experts_t1: kw={kw}: the z stages cannot hold the partial sums")
 
-    @cute.jit
-    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
-                 stream: cuda.CUstream):  # fmt: skip
+    def _smem_struct(self):
+        """The kernel's ``Smem`` struct: the weight and z stages, the shared expert's ``hs``."""
         S, R, BK = self.S, self.R, self.BK
         HS = self.T * self.SI
 
@@ -456,6 +480,12 @@ class W13T1(gwt.GroupedW13Tile):
             z: cute.struct.Align[cute.struct.MemRange[Float32, S * self.TZ * BK], 128]
             hs: cute.struct.Align[cute.struct.MemRange[BFloat16, HS], 16]
 
+        return Smem
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                 stream: cuda.CUstream):  # fmt: skip
+        Smem = self._smem_struct()
         self.smem_cls = Smem
         self.kernel(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared).launch(
             grid=[self.grid, 1, 1],
@@ -467,6 +497,12 @@ class W13T1(gwt.GroupedW13Tile):
 
     @cute.kernel
     def kernel(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared):
+        self._body(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, None)
+
+    @cute.jit
+    def _body(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, rt):
+        """The kernel (traced inline); ``rt``: :class:`W13T1Route`'s ``(mBias, mIds, mTw)``, the
+        routing done here after the wait instead of by a route kernel before."""
         S, R, BK, NRT, Ie, K = self.S, self.R, self.BK, self.NRT, self.Ie, self.K
         TOK = gwt.TOK
         tid, _, _ = cute.arch.thread_idx()
@@ -484,10 +520,27 @@ class W13T1(gwt.GroupedW13Tile):
             sWf = st.w.get_tensor(cute.make_layout(S * 2 * R * BK))
             sZf = st.z.get_tensor(cute.make_layout(S * TZ * BK))
             sHs = st.hs.get_tensor(cute.make_layout((self.T, self.SI), stride=(self.SI, 1)))
-            self._shared_down(mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
-        if const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(rt is None):
+                self._shared_down(mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane)
+            else:  # the rows (weights) before the wait; gate/up, hs and the dots after it
+                self._shared_rows(mWs2, sWf, tid, bid)
+        if const_expr(rt is None):
+            if const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+        else:
+            lists = self._route(mY, rt, smem, sZf if const_expr(self.shared) else None, tid,
+                                bid, warp, lane, mPairs, mSlotE, mSlotOff, mSlotN,
+                                mNact)  # fmt: skip
+            mPairs, mSlotE, mSlotOff, mSlotN, mNact = lists  # this CTA's copies from now on
+            if const_expr(self.shared):
+                cute.arch.cp_async_wait_group(0)  # the rows and the gate/up values
+                cute.arch.barrier()
+                self._shared_hs(sZf, sHs, tid)
+                cute.arch.barrier()
+                r0 = bid * self.RPC
+                nr = cutlass.max(cutlass.min(self.H - r0, self.RPC), 0)
+                self._shared_dots(mShared, sWf, sHs, r0, nr, warp, lane)
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
         # one item per CTA (the grid is every (slot, row block) item, checked in __init__): the
@@ -588,16 +641,9 @@ class W13T1(gwt.GroupedW13Tile):
         by ``cp.async.cg`` (L2: the front kernel's output is complete, this grid's wait not yet
         passed), ``hs = bf16(SiTU)`` while the rows land, then a warp per row (lanes on 16-byte
         units, a butterfly sum), plain FP32 stores. Leaves no ``cp.async`` group open."""
-        T, E, L, SI, H, US, NT, NW = (self.T, self.E, self.L, self.SI, self.H, self.US, self.NT,
-                                      self.NW)  # fmt: skip
+        H, US, NT = self.H, self.US, self.NT
         RB = self.RB
-        UY = 2 * SI // 4  # 16-byte units of a token's gate + up (FP32)
-        for i in cutlass.range(tid, T * UY, NT):
-            t = i // UY
-            u = i % UY
-            src = cute.local_tile(mY[t, None], (4,), ((E + L) // 4 + u,))
-            mc.cp_async16(cute.local_tile(sZf, (4,), (i,)), src)
-        cute.arch.cp_async_commit_group()
+        self._shared_gate_up(mY, sZf, tid)
         r0 = bid * self.RPC
         nr = cutlass.max(cutlass.min(H - r0, self.RPC), 0)  # this CTA's rows (0 past H)
         for rb in cutlass.range_constexpr(self.NRB):
@@ -612,38 +658,186 @@ class W13T1(gwt.GroupedW13Tile):
             if const_expr(rb == 0):  # hs from the gate/up values, while the rows land
                 cute.arch.cp_async_wait_group(1)
                 cute.arch.barrier()
-                for i in cutlass.range(tid, T * SI, NT):
-                    t = i // SI
-                    s = i % SI
-                    hv = situ(sZf[t * 2 * SI + s], sZf[t * 2 * SI + SI + s], self.beta,
-                              self.lbeta)  # fmt: skip
-                    sHs[t, s] = hv.to(BFloat16)
+                self._shared_hs(sZf, sHs, tid)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()  # rows and hs visible to every warp
-            for rr in cutlass.range(warp, n_r, NW):
-                acc = cute.make_rmem_tensor((T,), Float32)
-                acc.fill(0.0)
-                for u in cutlass.range(lane, US, 32):
-                    wv = cute.make_rmem_tensor((8,), BFloat16)
-                    cute.autovec_copy(cute.local_tile(sWf, (8,), (rr * US + u,)), wv)
-                    wf = cute.make_rmem_tensor((8,), Float32)
-                    wf.store(wv.load().to(Float32))
-                    for t in cutlass.range_constexpr(T):
-                        hb = cute.make_rmem_tensor((8,), BFloat16)
-                        cute.autovec_copy(cute.local_tile(sHs[t, None], (8,), (u,)), hb)
-                        hf = cute.make_rmem_tensor((8,), Float32)
-                        hf.store(hb.load().to(Float32))
-                        s_ = acc[t]
-                        for q in cutlass.range_constexpr(8):
-                            s_ = s_ + wf[q] * hf[q]
-                        acc[t] = s_
-                for t in cutlass.range_constexpr(T):
-                    v = acc[t]
-                    for o in cutlass.range_constexpr(5):
-                        v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> o)
-                    if lane == 0:
-                        mShared[t, r0 + lo + rr] = v
+            self._shared_dots(mShared, sWf, sHs, r0 + lo, n_r, warp, lane)
             cute.arch.barrier()  # every warp done with the stages before they are refilled
+
+    @cute.jit
+    def _shared_rows(self, mWs2, sWf, tid, bid):
+        """``cp.async.cg`` of this CTA's ``shared_w2`` rows (one round: ``NRB == 1``) into the
+        weight stages; one commit group. Weights: before the PDL wait."""
+        H, US, NT = self.H, self.US, self.NT
+        r0 = bid * self.RPC
+        nr = cutlass.max(cutlass.min(H - r0, self.RPC), 0)
+        for i in cutlass.range(tid, nr * US, NT):
+            rr = i // US
+            u = i % US
+            src = cute.local_tile(mWs2[r0 + rr, None], (8,), (u,))
+            mc.cp_async16(cute.local_tile(sWf, (8,), (i,)), src)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _route(self, mY, rt, smem, sZf, tid, bid, warp, lane, mPairs, mSlotE, mSlotOff, mSlotN,
+               mNact):  # fmt: skip
+        """:class:`W13T1Route`: the router biases before the PDL wait; after it (the front
+        complete) the shared gate/up copies issued, warp 0 ranks the token into shared-memory
+        lists (:func:`_rank_one`, the same in every CTA) and block 0 copies them to the global
+        lists (for the w2 kernel, which reads them before its own wait: block 0 triggers the
+        dependents only after them and a GPU-scope fence; the other blocks right after the
+        wait). Returns the shared-memory ``(pairs, slot_e, slot_off, slot_n, nact)``."""
+        E, K, CAP = self.E, self.K, rtk.CAP
+        mBias, mIds, mTw = rt
+
+        def vec(ty, n):
+            return smem.allocate_tensor(ty, cute.make_layout(n), byte_alignment=16)
+
+        sIds, sTw, sCnt, sM = vec(Int32, 32), vec(Float32, 32), vec(Int32, E), vec(Float32, 32)
+        sV, sI, sS = vec(Float32, CAP + 4), vec(Int32, CAP + 4), vec(Float32, CAP + 4)
+        qIds, qTw, qPairs = vec(Int32, 32), vec(Float32, 32), vec(Int32, 32)
+        qSlotE, qSlotOff, qSlotN, qNact = (
+            vec(Int32, 32),
+            vec(Int32, 32),
+            vec(Int32, 32),
+            vec(Int32, 4),
+        )
+        bias = rtk.load_bias(mBias, lane, E)  # a weight: before the PDL wait
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            if bid != 0:
+                cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.shared):
+            self._shared_gate_up(mY, sZf, tid)  # the front's output: after the wait
+        if warp == 0:
+            _rank_one(mY, mBias, bias, lane, sIds, sTw, sCnt, sM, sV, sI, sS, E, K, self.scaling,
+                      CAP, qIds, qTw, qPairs, qSlotE, qSlotOff, qSlotN, qNact)  # fmt: skip
+            cute.arch.sync_warp()
+            if bid == 0:
+                if lane < K:
+                    mIds[lane] = qIds[lane]
+                    mTw[lane] = qTw[lane]
+                    mPairs[lane] = qPairs[lane]
+                    mSlotE[lane] = qSlotE[lane]
+                    mSlotOff[lane] = qSlotOff[lane]
+                    mSlotN[lane] = qSlotN[lane]
+                if lane == 0:
+                    mNact[0] = qNact[0]
+                cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()  # the lists in shared memory for every warp
+        if const_expr(self.pdl):  # noqa: SIM102 (compile-time, then run-time)
+            if bid == 0:
+                cute.arch.griddepcontrol_launch_dependents()
+        return qPairs, qSlotE, qSlotOff, qSlotN, qNact
+
+    @cute.jit
+    def _shared_gate_up(self, mY, sZf, tid):
+        """``cp.async.cg`` of the tokens' shared gate/up (FP32, the front's output) into the z
+        stages; one commit group."""
+        T, E, L, SI, NT = self.T, self.E, self.L, self.SI, self.NT
+        UY = 2 * SI // 4  # 16-byte units of a token's gate + up (FP32)
+        for i in cutlass.range(tid, T * UY, NT):
+            t = i // UY
+            u = i % UY
+            src = cute.local_tile(mY[t, None], (4,), ((E + L) // 4 + u,))
+            mc.cp_async16(cute.local_tile(sZf, (4,), (i,)), src)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _shared_hs(self, sZf, sHs, tid):
+        """``hs = bf16(SiTU(gate, up))`` of the staged shared gate/up values."""
+        T, SI, NT = self.T, self.SI, self.NT
+        for i in cutlass.range(tid, T * SI, NT):
+            t = i // SI
+            s = i % SI
+            hv = situ(sZf[t * 2 * SI + s], sZf[t * 2 * SI + SI + s], self.beta,
+                      self.lbeta)  # fmt: skip
+            sHs[t, s] = hv.to(BFloat16)
+
+    @cute.jit
+    def _shared_dots(self, mShared, sWf, sHs, r0, n_r, warp, lane):
+        """Rows ``r0 .. r0 + n_r`` of ``shared_out``: a warp per staged row (lanes on 16-byte
+        units, a butterfly sum), plain FP32 stores."""
+        T, US, NW = self.T, self.US, self.NW
+        for rr in cutlass.range(warp, n_r, NW):
+            acc = cute.make_rmem_tensor((T,), Float32)
+            acc.fill(0.0)
+            for u in cutlass.range(lane, US, 32):
+                wv = cute.make_rmem_tensor((8,), BFloat16)
+                cute.autovec_copy(cute.local_tile(sWf, (8,), (rr * US + u,)), wv)
+                wf = cute.make_rmem_tensor((8,), Float32)
+                wf.store(wv.load().to(Float32))
+                for t in cutlass.range_constexpr(T):
+                    hb = cute.make_rmem_tensor((8,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(sHs[t, None], (8,), (u,)), hb)
+                    hf = cute.make_rmem_tensor((8,), Float32)
+                    hf.store(hb.load().to(Float32))
+                    s_ = acc[t]
+                    for q in cutlass.range_constexpr(8):
+                        s_ = s_ + wf[q] * hf[q]
+                    acc[t] = s_
+            for t in cutlass.range_constexpr(T):
+                v = acc[t]
+                for o in cutlass.range_constexpr(5):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> o)
+                if lane == 0:
+                    mShared[t, r0 + rr] = v
+
+
+class W13T1Route(W13T1):
+    """:class:`W13T1` that routes for itself (``DECODESCOPE_MOE_T1_ROUTE=w13``; one token): no
+    route kernel between the front and w13. Every CTA stages its ``shared_w2`` rows before the
+    PDL wait (the front's output is not complete then: this grid follows the front directly),
+    and after it warp 0 ranks the token (:func:`_rank_one`, :class:`RouteT1`'s work, the same
+    picks in every CTA: one deterministic computation on the same logits) into shared-memory
+    lists; block 0 also writes the global ids, weights and lists for the w2 kernel and triggers
+    the dependents only after them; then the shared down (``hs``, the dots), then the routed
+    item as before. The front must zero ``acc`` (the mma front does; :class:`RouteT1`'s
+    ``zero_acc`` has no counterpart here)."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
+                 cfg: gwt.TileConfig | None = None, kw: int = 1, zt: bool = False,
+                 scaling: float = 1.0):  # fmt: skip
+        super().__init__(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, True, kw, zt)
+        if T != 1:
+            raise ValueError(f"experts_t1: the w13 route ranks one token, got {T}")
+        if E % 32 or K > 32:
+            raise ValueError(f"experts_t1: route needs num_experts {E} % 32 == 0, top_k {K} <= 32")
+        if self.NRB != 1:
+            raise ValueError(f"experts_t1: the w13 route stages its {self.RPC} shared rows in "
+                             f"one round ({self.RB} fit)")  # fmt: skip
+        self.scaling = float(scaling)
+
+    @property
+    def route_smem(self) -> int:
+        """Bytes of :meth:`W13T1._route`'s shared-memory tensors (16-byte aligned each)."""
+        cap = rtk.CAP + 4
+        sizes = [32, 32, self.E, 32, cap, cap, cap] + [32] * 6 + [4]
+        return sum(-(-4 * n // 16) * 16 for n in sizes)
+
+    @property
+    def smem_total(self) -> int:
+        return super().smem_total + self.route_smem
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                 mBias, mIds, mTw, stream: cuda.CUstream):  # fmt: skip
+        Smem = self._smem_struct()
+        self.smem_cls = Smem
+        self.kernel_route(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                          mBias, mIds, mTw).launch(
+            grid=[self.grid, 1, 1],
+            block=[self.NT, 1, 1],
+            smem=Smem.size_in_bytes() + self.route_smem,
+            stream=stream,
+            use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_route(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                     mBias, mIds, mTw):  # fmt: skip
+        self._body(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                   (mBias, mIds, mTw))  # fmt: skip
 
 
 class W2T1(gw2.GroupedW2Tile):
@@ -782,6 +976,17 @@ def build_w2(T, E, K, L, Ie, H, S, pdl=True, nsm=132, kn=None, shared=False, pre
     return op, args
 
 
+def build_w13_route(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, kw=1,
+                    zt=False, scaling=1.0):  # fmt: skip
+    """``(op, fake args)`` of :class:`W13T1Route`: :func:`build_w13`'s and the router bias,
+    the top-k ids and weights."""
+    op = W13T1Route(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, kw, zt, scaling)
+    _, args = build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, True, kw, zt)
+    i32, f32 = torch.int32, torch.float32
+    extra = (itf.fake(f32, (E,)), itf.fake(i32, (K,)), itf.fake(f32, (K,)))
+    return op, args[:-1] + extra + args[-1:]
+
+
 def build_route(E, K, L, NF, scaling, pdl=True, zero_acc=False):
     """``(op, fake args)`` of :class:`RouteT1` (``NF``: the front output's width)."""
     op = RouteT1(E, K, L, scaling, pdl, zero_acc)
@@ -818,8 +1023,18 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     K = top_k
     dims = (T, E, K, L, Ie, H, S)
     sh13 = shared_where() == "w13"
-    cfg, kw = w13_plan(T, dims[1:], nsm, sh13)
-    if route_where() == "t1":
+    rw = route_where()
+    cfg, kw = w13_plan(T, dims[1:], nsm, sh13, route=rw == "w13")
+    if rw == "w13":
+        if T != 1 or not sh13 or router_bias is None or topk_ids is None or zero_acc:
+            raise ValueError("DECODESCOPE_MOE_T1_ROUTE=w13 needs 1 token, "
+                             "DECODESCOPE_MOE_T1_SHARED=w13 and a front that zeroes acc "
+                             "(DECODESCOPE_MOE_FRONT mma)")  # fmt: skip
+
+        def route():  # the w13 kernel ranks the token itself
+            return None
+
+    elif rw == "t1":
         if T != 1 or not sh13 or router_bias is None or topk_ids is None:
             raise ValueError("DECODESCOPE_MOE_T1_ROUTE=t1 needs 1 token and "
                              "DECODESCOPE_MOE_T1_SHARED=w13")  # fmt: skip
@@ -837,12 +1052,25 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     kn = w2_knobs()
     pre = w2_pre()
     zt = w13_zt()
-    w13k = itf.compiled(
-        ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)
-        + ((("kw", kw),) if kw > 1 else ())
-        + ((("zt", 1),) if zt else ()),
-        lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt),
-    )
+    if rw == "w13":
+        w13r = itf.compiled(
+            ("moe_t1_w13_route", *dims, beta, lbeta, pdl, nsm, cfg, kw, zt, scaling),
+            lambda: build_w13_route(
+                T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, kw, zt, scaling
+            ),  # fmt: skip
+        )
+        ids_r, tw_r = topk_ids.view(-1), topk_w.view(-1)
+
+        def w13k(*a):
+            w13r(*a, router_bias, ids_r, tw_r)
+
+    else:
+        w13k = itf.compiled(
+            ("moe_t1_w13", *dims, beta, lbeta, pdl, nsm, cfg, sh13)
+            + ((("kw", kw),) if kw > 1 else ())
+            + ((("zt", 1),) if zt else ()),
+            lambda: build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt),
+        )
     if w2_persist(Ie):  # DECODESCOPE_MOE_T1_W2=persist: the same arguments, another kernel
         from decodescope.kernels.specialized import w2_t1_persist as wp
 

@@ -263,7 +263,26 @@ part25=(
   "50:s8b:DECODESCOPE_DENSE_TILE_STAGES=8 $BDD --tp-shape 8 --json $R/s8b.json"
   "50:s8d2:$BDD --tp-shape 8 --json $R/s8d2.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 25
+# Part 26 (session 27, next): the one-token experts without a route kernel (DECODESCOPE_MOE_T1_
+# ROUTE=w13: W13T1Route ranks the token after its wait, block 0 writes the lists for w2; built
+# and CPU-tested, never run): its GPU tests (TP8 / TP16: lists, h, routed sum, shared output,
+# the block, poisoned outputs), the layers d / rtw / d / rtw at TP16 and TP8 batch 1,
+# specialized, same call, then the whole step with it (stage the vLLM parts). Prediction (s27/n4
+# trace: the route ends 4.3 us after the front): each MoE layer's share -2 to -3 us, one kernel
+# fewer per layer (KDA 8, MLA 9), projected TP16 batch-1 step 7.82 -> 7.55-7.65 ms; wrong if
+# under 1 us per layer (then W13T1's own wait, not the route, is the chain's link).
+RW="DECODESCOPE_MOE_T1_ROUTE=w13"
+part26=(
+  "150:rtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_experts_t1.py -k rtw"
+  "60:r16d:$B1 --tp-shape 16 --json $R/r16d.json"
+  "60:r16w:$RW $B1 --tp-shape 16 --json $R/r16w.json"
+  "60:r16d2:$B1 --tp-shape 16 --json $R/r16d2.json"
+  "60:r16w2:$RW $B1 --tp-shape 16 --json $R/r16w2.json"
+  "60:r8d:$B1 --tp-shape 8 --json $R/r8d.json"
+  "60:r8w:$RW $B1 --tp-shape 8 --json $R/r8w.json"
+  "120:rsteps:$RW python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/rsteps"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 26
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -290,5 +309,6 @@ case "${1:-1}" in
   23) exec bash "$here/run_stages.sh" "${part23[@]}" ;;
   24) exec bash "$here/run_stages.sh" "${part24[@]}" ;;
   25) exec bash "$here/run_stages.sh" "${part25[@]}" ;;
-  *) echo "next_round.sh: part 1 to 25, got '$1'" >&2; exit 2 ;;
+  26) exec bash "$here/run_stages.sh" "${part26[@]}" ;;
+  *) echo "next_round.sh: part 1 to 26, got '$1'" >&2; exit 2 ;;
 esac
