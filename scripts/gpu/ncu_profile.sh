@@ -9,7 +9,7 @@ NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 "$NCU" --profile-from-start off --clock-control none \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
   --section LaunchStats --section WarpStateStats --section SchedulerStats \
-  --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,gpu__time_duration.sum \
+  --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,gpu__time_duration.sum,sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg \
   -f -o "$dir/$name" python3 scripts/gpu_ncu.py "$@"
 rc=$?
 "$NCU" --import "$dir/$name.ncu-rep" --page details > "$dir/$name.txt" 2>&1

@@ -282,7 +282,15 @@ part26=(
   "60:r8w:$RW $B1 --tp-shape 8 --json $R/r8w.json"
   "120:rsteps:$RW python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/rsteps"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 26
+# Part 27 (session 27, next): Nsight Compute of the TP16 batch-1 KDA layer (specialized): is the
+# one-token w13 (192 CTAs of 229 KB on 132 SMs: 60 SMs hold two, 72 one) bound by that
+# imbalance? (s27/n4 trace: the routed w13 stream 14.9 us for 44 MB, 10.7 at 4.1 TB/s; two
+# phases, all SMs then the 60, predict ~15 us.) ncu_profile.sh now records sm__cycles_active
+# min / max / avg per kernel: the imbalance reads max / avg.
+part27=(
+  "200:ncu_b1:bash scripts/gpu/ncu_profile.sh $R/ncu b1kda --backend specialized --tp 16 --batch 1 --layers kda"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 27
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -310,5 +318,6 @@ case "${1:-1}" in
   24) exec bash "$here/run_stages.sh" "${part24[@]}" ;;
   25) exec bash "$here/run_stages.sh" "${part25[@]}" ;;
   26) exec bash "$here/run_stages.sh" "${part26[@]}" ;;
-  *) echo "next_round.sh: part 1 to 26, got '$1'" >&2; exit 2 ;;
+  27) exec bash "$here/run_stages.sh" "${part27[@]}" ;;
+  *) echo "next_round.sh: part 1 to 27, got '$1'" >&2; exit 2 ;;
 esac
