@@ -937,7 +937,8 @@ VARIANTS = ["pipe", "old", "grouped", "grouped_split", "grouped_w8", "grouped_ri
 # (persist since session 12, W2T1 with _w2sh).
 # grouped_t1base: the grouped kernels' own defaults at 1 token (DECODESCOPE_MOE_T1=grouped).
 T1_RE = re.compile(
-    r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_kw(\d+))?(?:_(zt))?(?:_w2w(\d+))?"
+    r"grouped_t1(?:_r(\d+))?(?:_s(\d+))?(?:_k(\d+))?(?:_kw(\d+))?(?:_ks(\d+))?(?:_(zt))?"
+    r"(?:_w2w(\d+))?"
     r"(?:_(w2sh))?"
     r"(?:_(nopre))?"
     r"(?:_(rt1|rtg|rtw))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
@@ -956,8 +957,9 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, kw, zt, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
+    r, s, k, kw, ks, zt, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
     env["DECODESCOPE_MOE_T1_KW"] = kw or ""
+    env["DECODESCOPE_MOE_T1_KSPLIT"] = ks or ""
     env["DECODESCOPE_MOE_T1_ZT"] = "1" if zt else ""
     env["DECODESCOPE_MOE_W2T_WARPS"] = w2w or ""
     env["DECODESCOPE_MOE_T1_W2"] = {"w2p": "persist", "w2t": "tile"}.get(w2p or "", "")

@@ -204,6 +204,12 @@ def _cases() -> dict:
             return et1.build_w13_route(*d, 4.0, 25.0, True, 132, t1cfg, kw)
 
         cases[f"tp{tp}_w13t1route_t1"] = ("build", w13_route)
+
+        def w13_ks(d=d):
+            t1cfg, kw = et1.w13_plan(1, d[1:], 132, True, ks=2)
+            return et1.build_w13_ks(*d, 4.0, 25.0, True, 132, t1cfg, True, kw, False, 2)
+
+        cases[f"tp{tp}_w13t1ks2_t1"] = ("build", w13_ks)
         cases[f"tp{tp}_routet1_t1"] = (
             "build",
             lambda d=d, c=c: et1.build_route(d[1], d[2], d[3], d[1] + d[3] + 2 * d[6], 1.0),

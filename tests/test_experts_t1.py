@@ -23,7 +23,7 @@ from decodescope.kernels.weights import make_layer_weights
 _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
          "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW",
-         "DECODESCOPE_MOE_T1_ZT")  # fmt: skip
+         "DECODESCOPE_MOE_T1_ZT", "DECODESCOPE_MOE_T1_KSPLIT")  # fmt: skip
 
 
 @pytest.fixture
@@ -175,6 +175,75 @@ def test_smem_total_matches_struct(clean_env):
     op, args = t1.build_w13(*d, 4.0, 25.0, True, 132, cfg, True, k)
     assert itf.compile_only(op, *args) is not None
     assert op.smem_cls.size_in_bytes() == op.smem_total
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_ksplit(tp, clean_env):
+    """``DECODESCOPE_MOE_T1_KSPLIT=2`` (:class:`W13T1KS`): two CTAs per item, each on 14 of its
+    28 K chunks (the 6-stage, 2-warp form: the wide one's 4 warps do not divide 14), the grid
+    doubled (TP16 384 CTAs: 3 per SM on 120 SMs and 2 on 12 instead of 2 on 60 and 1 on 72),
+    every (item, half) one CTA; the PTX: one acq_rel atomic (the arrival, GPU scope), relaxed
+    GPU-scope loads of the other half, the fence before the atomic; the workspace sized from
+    the op and kept on the buffers."""
+    d = _dims("kimi-k3", tp)
+    clean_env.setenv("DECODESCOPE_MOE_T1_KSPLIT", "2")
+    assert t1.w13_ks() == 2 and t1.fits(1, d[1:])
+    cfg, kw = t1.w13_plan(1, d[1:], 132, True, ks=t1.w13_ks())
+    assert (cfg.stages, kw) == (6, 2)
+    op, args = t1.build_w13_ks(*d, 4.0, 25.0, True, 132, cfg, True, kw, False, 2)
+    assert op.grid == 2 * op.items == 2 * 16 * d[4] // 16 and op.NCHC * 2 == op.NCH
+    assert sorted((b // 2, b % 2) for b in range(op.grid)) == [
+        (i, h) for i in range(op.items) for h in range(2)
+    ]
+    assert op._smem_struct().size_in_bytes() == op.smem_total
+    assert 3 * (op.smem_total + 1024) <= t1.SMEM_SM  # 3 per SM
+    ptx = itf.ptx_text(op, *args)
+    atom = ptx.find("atom.global.acq_rel.add")  # GPU scope: PTX's default
+    assert atom > 0 and ptx.count("atom.") == 1
+    assert 0 < ptx.find("fence.acq_rel.gpu") < atom
+    assert ptx.count("ld.relaxed.gpu") >= 2 * op.RT * 4
+    assert itf.compile_only(op, *args) is not None
+
+    class Bufs:
+        pass
+
+    b = Bufs()
+    ws, cnt = t1.ks_buffers(b, op, torch.device("cpu"))
+    assert ws.numel() == op.items * 2 * op.ks_floats and int(cnt.abs().sum()) == 0
+    assert t1.ks_buffers(b, op, torch.device("cpu"))[0] is ws  # kept
+
+
+def test_ksplit_selection(clean_env):
+    """The block's launches with ``KSPLIT=2``: the route, W13T1KS with the workspace and the
+    counters (12 tensors), w2; with the w13 route: not taken by default (the pipe, as any
+    combination the t1 kernels refuse), a one-line error with ``DECODESCOPE_MOE_T1=t1``; a bad
+    value, one line."""
+    mp = clean_env
+    calls, built = [], []
+
+    def fake_compiled(key, build):
+        op, _ = build()
+        built.append(op)
+        return lambda *a, key=key: calls.append((key[0], len(a)))
+
+    mp.setattr(itf, "compiled", fake_compiled)
+    cfg = get_config("kimi-k3", 16)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    blk = SpecializedMoE(cfg, w, 1)
+    mp.setenv("DECODESCOPE_MOE_T1_KSPLIT", "2")
+    blk.experts()
+    assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_ks", "moe_t1_w2"]
+    assert calls[1][1] == 12 and isinstance(built[1], t1.W13T1KS) and built[1].KS == 2
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    assert not t1.fits(1, _dims("kimi-k3", 16)[1:])  # unset DECODESCOPE_MOE_T1: the pipe
+    mp.setenv("DECODESCOPE_MOE_T1", "t1")  # set: the refusal is the launch's one-line error
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_ROUTE=w13 runs one CTA per item"):
+        blk.experts()
+    mp.setenv("DECODESCOPE_MOE_T1_KSPLIT", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_KSPLIT='3'"):
+        t1.w13_ks()
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -481,6 +550,8 @@ def test_script_variants():
     assert gs.variant_env("grouped_t1")["DECODESCOPE_MOE_T1_KW"] == ""
     env = gs.variant_env("grouped_t1_s8_zt")
     assert (env["DECODESCOPE_MOE_T1_STAGES"], env["DECODESCOPE_MOE_T1_ZT"]) == ("8", "1")
+    assert gs.variant_env("grouped_t1_ks2")["DECODESCOPE_MOE_T1_KSPLIT"] == "2"
+    assert gs.variant_env("grouped_t1_rtw")["DECODESCOPE_MOE_T1_ROUTE"] == "w13"
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_experts_t1.py) -------------------------
@@ -509,6 +580,8 @@ def gsm():
                                            ("kimi-k3", 16, "grouped_t1_s6_kw2"),
                                            ("kimi-k3", 16, "grouped_t1_s8_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_rtw"),
+                                           ("kimi-k3", 8, "grouped_t1_ks2"),
+                                           ("kimi-k3", 16, "grouped_t1_ks2"),
                                            ("kimi-k3", 16, "grouped_t1_rtw"),
                                            ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_s8_zt"),

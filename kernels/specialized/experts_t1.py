@@ -103,6 +103,8 @@ KW_ENV = "DECODESCOPE_MOE_T1_KW"  # warps splitting an item's K chunks (W13T1.kw
 # 80.8; TP16 w13 20.3 -> 17.4, experts 31.5 -> 25.9, block 69.5 -> 63.6), else 1
 KW_DEFAULT = 2
 KW_CHOICES = (1, 2, 4)
+KS_ENV = "DECODESCOPE_MOE_T1_KSPLIT"  # CTAs per W13T1 item, each on a part of K (W13T1.KS)
+KS_CHOICES = (1, 2)
 # Where neither DECODESCOPE_MOE_T1_STAGES nor _KW is set and the w13 grid fits at WIDE_PER_SM
 # CTAs per SM (every CTA resident at once, as the pre-wait shared down needs): WIDE_STAGES
 # stages and WIDE_KW warps per item (H200 s27/n3, TP16 batch 1, bench, specialized, same call:
@@ -139,13 +141,15 @@ def fits(T: int, dims: tuple) -> bool:
     sh13 = shared_where() == "w13"
     rw = route_where()
     try:
-        cfg, kw = w13_plan(T, dims, mg.num_sms(), sh13, route=rw == "w13")
+        ks = w13_ks()
+        cfg, kw = w13_plan(T, dims, mg.num_sms(), sh13, route=rw == "w13", ks=ks)
         if rw == "w13":
-            if T != 1 or not sh13:
+            if T != 1 or not sh13 or ks > 1:
                 return False
             W13T1Route(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, kw=kw, zt=w13_zt())
         else:
-            W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13, kw=kw, zt=w13_zt())
+            W13T1(T, E, K, L, Ie, H, S, 1.0, 1.0, cfg=cfg, shared=sh13, kw=kw, zt=w13_zt(),
+                  ks=ks)  # fmt: skip
         if w2_persist(Ie):
             if not sh13:
                 return False
@@ -214,6 +218,18 @@ def w13_kw() -> int:
     return int(v)
 
 
+def w13_ks() -> int:
+    """``DECODESCOPE_MOE_T1_KSPLIT``: CTAs per :class:`W13T1` item, each on a part of its K
+    (``1``, unset: one CTA per item; ``2``: :class:`W13T1KS`, opt-in). A bad value raises a
+    one-line ``ValueError``."""
+    v = os.environ.get(KS_ENV, "")
+    if v == "":
+        return 1
+    if not v.isdigit() or int(v) not in KS_CHOICES:
+        raise ValueError(f"{KS_ENV}={v!r}: expected one of {KS_CHOICES}")
+    return int(v)
+
+
 def w13_zt() -> bool:
     """``DECODESCOPE_MOE_T1_ZT``: ``1`` sizes :class:`W13T1`'s z stages for the step's tokens
     (and what the pre-wait shared down and the K split's partial sums need) instead of 8 token
@@ -224,7 +240,7 @@ def w13_zt() -> bool:
     return v == "1"
 
 
-def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
+def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool, ks: int = 1) -> int:
     """The K split :class:`W13T1` runs with at these shapes ``dims = (E, K, L, Ie, H, S)`` and
     tiling: :func:`w13_kw`; unset, 1 where the default split does not fit (too few stages or K
     chunks: the tiny preset, ``DECODESCOPE_MOE_T1_STAGES=5``). A value set explicitly is kept
@@ -233,14 +249,14 @@ def w13_kw_for(T: int, dims: tuple, cfg: gwt.TileConfig, shared: bool) -> int:
     if kw == 1 or os.environ.get(KW_ENV, ""):
         return kw
     try:
-        W13T1(T, *dims, 1.0, 1.0, cfg=cfg, shared=shared, kw=kw, zt=w13_zt())
+        W13T1(T, *dims, 1.0, 1.0, cfg=cfg, shared=shared, kw=kw, zt=w13_zt(), ks=ks)
     except ValueError:
         return 1
     return kw
 
 
-def w13_plan(T: int, dims: tuple, nsm: int, shared: bool,
-             route: bool = False) -> tuple[gwt.TileConfig, int]:  # fmt: skip
+def w13_plan(T: int, dims: tuple, nsm: int, shared: bool, route: bool = False,
+             ks: int = 1) -> tuple[gwt.TileConfig, int]:  # fmt: skip
     """The tiling and K split :class:`W13T1` (``route``: :class:`W13T1Route`) runs with at
     these shapes ``dims = (E, K, L, Ie, H, S)`` on ``nsm`` SMs: with
     ``DECODESCOPE_MOE_T1_STAGES`` and ``_KW`` both unset, the wide form (``WIDE_STAGES`` stages,
@@ -257,13 +273,13 @@ def w13_plan(T: int, dims: tuple, nsm: int, shared: bool,
                 op = W13T1Route(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, kw=WIDE_KW, zt=w13_zt())
             else:
                 op = W13T1(T, *dims, 1.0, 1.0, nsm=nsm, cfg=wide, shared=shared, kw=WIDE_KW,
-                           zt=w13_zt())  # fmt: skip
+                           zt=w13_zt(), ks=ks)  # fmt: skip
         except ValueError:
             op = None
         if (op is not None and op.grid <= WIDE_PER_SM * nsm
                 and WIDE_PER_SM * (op.smem_total + 1024) <= SMEM_SM):  # fmt: skip
             return wide, WIDE_KW
-    return cfg, w13_kw_for(T, dims, cfg, shared)
+    return cfg, w13_kw_for(T, dims, cfg, shared, ks)
 
 
 def shared_where() -> str:
@@ -403,7 +419,7 @@ class W13T1(gwt.GroupedW13Tile):
 
     def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
                  cfg: gwt.TileConfig | None = None, shared: bool = True,
-                 kw: int = 1, zt: bool = False):  # fmt: skip
+                 kw: int = 1, zt: bool = False, ks: int = 1):  # fmt: skip
         cfg = cfg or w13_config()
         if cfg.persist or cfg.mt != 1:
             raise ValueError("experts_t1: the w13 items run without persist, 8 tokens a pass")
@@ -417,15 +433,16 @@ class W13T1(gwt.GroupedW13Tile):
                              f"{E + L} (multiple of 4)")  # fmt: skip
         self.H, self.SI, self.shared = H, S, shared
         self.US = S // 8  # 16-byte units of a shared_w2 row
+        if self.grid != self.slots * self.NRT:
+            raise ValueError(f"experts_t1: w13 needs one item per CTA ({self.slots * self.NRT} "
+                             f"items, grid {self.grid})")  # fmt: skip
+        self._split_items(ks)
         self.RPC = -(-H // self.grid)  # shared_w2 rows per CTA (contiguous)
         cap = (self.S * 2 * self.R * self.BK) // S  # rows the weight stages hold
         if shared and cap < 1:
             raise ValueError(f"experts_t1: a shared_w2 row ({S} x 2 B) exceeds the stages")
         self.RB = min(self.RPC, cap)  # rows per round
         self.NRB = -(-self.RPC // self.RB)
-        if self.grid != self.slots * self.NRT:
-            raise ValueError(f"experts_t1: w13 needs one item per CTA ({self.slots * self.NRT} "
-                             f"items, grid {self.grid})")  # fmt: skip
         if shared and T * 2 * S > self.S * gwt.TOK * self.BK:
             raise ValueError(f"experts_t1: {T} tokens' shared gate/up exceed the z stages")
         if zt:  # the fewest slots >= T that still hold the shared gate/up and the partials
@@ -434,11 +451,36 @@ class W13T1(gwt.GroupedW13Tile):
 
     @property
     def smem_total(self) -> int:
-        """Bytes of the kernel's ``Smem`` struct: the weight and z stages (128-byte aligned)
-        and the shared expert's ``hs`` rows."""
+        """Bytes of the kernel's ``Smem`` struct: the weight and z stages (128-byte aligned),
+        the shared expert's ``hs`` rows and with ``KS > 1`` the arrival flag."""
         w = self.S * 2 * self.R * self.BK * 2
         z = self.S * self.TZ * self.BK * 4
-        return -(-(w + z) // 128) * 128 + self.T * self.SI * 2
+        n = -(-(w + z) // 128) * 128 + self.T * self.SI * 2
+        if self.KS > 1:  # the arrival flag
+            n = -(-n // 16) * 16 + 16
+        return -(-n // 128) * 128  # the struct's size: a multiple of its 128-byte alignment
+
+    def _split_items(self, ks: int) -> None:
+        """``ks`` CTAs per item (``DECODESCOPE_MOE_T1_KSPLIT``), each on ``NCH / ks`` of its K
+        chunks (``NCHC``): ``ks`` times the CTAs, so the grid spreads evenly over the SMs where
+        whole items cannot (TP16: 192 items on 132 SMs, 60 SMs with two); the halves' FP32
+        partials meet in a workspace, the second to arrive (a per-item counter) adds them and
+        runs the SiTU epilogue (:meth:`_ks_finish`). ``ks = 1``: the kernel as before."""
+        if ks not in KS_CHOICES:
+            raise ValueError(f"experts_t1: ks={ks}, expected one of {KS_CHOICES}")
+        self.KS, self.NCHC = ks, self.NCH
+        if ks == 1:
+            return
+        self.NCHC = self.NCH // ks
+        if self.NCH % ks or self.NCHC % self.KW:
+            raise ValueError(f"experts_t1: ks={ks} with kw={self.KW}: {self.NCH} K chunks do not "
+                             f"split evenly")  # fmt: skip
+        self.grid = self.slots * self.NRT * ks
+
+    @property
+    def ks_floats(self) -> int:
+        """FP32 words of one item half's partial accumulators in the workspace."""
+        return self.NWR * 2 * self.RT * 4 * 32
 
     def _split_k(self, kw: int) -> None:
         """``kw`` warps per row group (``DECODESCOPE_MOE_T1_KW``): the CTA's ``NWR`` row warps
@@ -480,7 +522,17 @@ class W13T1(gwt.GroupedW13Tile):
             z: cute.struct.Align[cute.struct.MemRange[Float32, S * self.TZ * BK], 128]
             hs: cute.struct.Align[cute.struct.MemRange[BFloat16, HS], 16]
 
-        return Smem
+        if self.KS == 1:
+            return Smem
+
+        @cute.struct
+        class SmemKS:  # the K halves' arrival flag after the stages
+            w: cute.struct.Align[cute.struct.MemRange[BFloat16, S * 2 * R * BK], 128]
+            z: cute.struct.Align[cute.struct.MemRange[Float32, S * self.TZ * BK], 128]
+            hs: cute.struct.Align[cute.struct.MemRange[BFloat16, HS], 16]
+            flag: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
+
+        return SmemKS
 
     @cute.jit
     def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
@@ -500,9 +552,11 @@ class W13T1(gwt.GroupedW13Tile):
         self._body(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, None)
 
     @cute.jit
-    def _body(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, rt):
+    def _body(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, rt,
+              kb=None):  # fmt: skip
         """The kernel (traced inline); ``rt``: :class:`W13T1Route`'s ``(mBias, mIds, mTw)``, the
-        routing done here after the wait instead of by a route kernel before."""
+        routing done here after the wait instead of by a route kernel before; ``kb``:
+        :class:`W13T1KS`'s ``(workspace, counters)`` (``KS > 1``)."""
         S, R, BK, NRT, Ie, K = self.S, self.R, self.BK, self.NRT, self.Ie, self.K
         TOK = gwt.TOK
         tid, _, _ = cute.arch.thread_idx()
@@ -544,14 +598,22 @@ class W13T1(gwt.GroupedW13Tile):
         atom = mc.mma_atom()
         fa, fb = mc.fragments()
         # one item per CTA (the grid is every (slot, row block) item, checked in __init__): the
-        # slot's lists read beside nact (the slot exists; used only when it is active)
-        a = bid // NRT
-        row0 = (bid % NRT) * R
+        # slot's lists read beside nact (the slot exists; used only when it is active); with
+        # KS > 1, KS CTAs per item, CTA kh of them on K chunks kc0 .. kc0 + NCHC
+        it = bid
+        kh = 0
+        kc0 = 0
+        if const_expr(self.KS > 1):
+            it = bid // self.KS
+            kh = bid % self.KS
+            kc0 = kh * self.NCHC
+        a = it // NRT
+        row0 = (it % NRT) * R
         nact = mNact[0]
         e = mSlotE[a]
         off = mSlotOff[a]
         n = mSlotN[a]
-        if bid < nact * NRT:
+        if it < nact * NRT:
             mW = mg._expert_mat(mW13, e, 2 * Ie, self.L)
             nn = cutlass.min(n, TOK)  # one pass: n <= T <= 8
             ztok = []
@@ -565,23 +627,27 @@ class W13T1(gwt.GroupedW13Tile):
             cute.arch.barrier()  # every warp is done with the stages (shared down, last item)
             if const_expr(self.KW == 1):
                 for s in cutlass.range_constexpr(S - 1):
-                    if const_expr(s < self.NCH):
-                        self._load(mW, mY, sW, sZ, row0, ztok, nn, s, s, tid)
+                    if const_expr(s < self.NCHC):
+                        self._load(mW, mY, sW, sZ, row0, ztok, nn, kc0 + s, s, tid)
                     cute.arch.cp_async_commit_group()
                 accs = mc.zero_accs(2 * self.RT)
-                for i in cutlass.range(self.NCH, unroll=1):
+                for i in cutlass.range(self.NCHC, unroll=1):
                     cute.arch.cp_async_wait_group(S - 2)
                     cute.arch.barrier()  # chunk i landed for all; all past chunk i - 1
                     nxt = i + (S - 1)
-                    if nxt < self.NCH:
-                        self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt, nxt % S, tid)
+                    if nxt < self.NCHC:
+                        self._load(mW, mY, sW, sZ, row0, ztok, nn, kc0 + nxt, nxt % S, tid)
                     cute.arch.cp_async_commit_group()
                     self._compute(sW, sZ, i % S, warp, g, c, accs, fa, fb, atom, self._zg(g))
                 cute.arch.cp_async_wait_group(0)
-                self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
+                if const_expr(self.KS > 1):
+                    self._ks_finish(mH, kb, st, accs, pp, nn, row0, warp, g, c, it, kh, tid, lane,
+                                    True)  # fmt: skip
+                else:
+                    self._epilogue(mH, accs, pp, nn, row0, warp, g, c)
             else:
                 self._split_k_item(mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane,
-                                   g, c, atom, fa, fb)  # fmt: skip
+                                   g, c, atom, fa, fb, kc0, kb, it, kh)  # fmt: skip
 
     def _zg(self, g):
         """The z slot lane group ``g`` reads: ``g`` (None) with 8 slots, else clamped to the
@@ -590,7 +656,7 @@ class W13T1(gwt.GroupedW13Tile):
 
     @cute.jit
     def _split_k_item(self, mW, mY, mH, sW, sZ, st, row0, ztok, pp, nn, tid, warp, lane, g, c,
-                      atom, fa, fb):  # fmt: skip
+                      atom, fa, fb, kc0=0, kb=None, it=None, kh=None):  # fmt: skip
         """The item with ``KW`` warps per row group (:meth:`_split_k`): pipeline steps of ``KW``
         chunks (chunk ``j KW + w`` in stage ``(j % SG) KW + w``, ``SG = S / KW`` steps in the
         ring, one commit group per step), warp ``wk`` multiplies chunk ``j KW + wk``; then the
@@ -598,13 +664,14 @@ class W13T1(gwt.GroupedW13Tile):
         stores ``h``."""
         S, KW, NWR, RT = self.S, self.KW, self.NWR, self.RT
         SG = S // KW
-        NG = self.NCH // KW
+        NG = self.NCHC // KW
         wr = warp % NWR
         wk = warp // NWR
         for s in cutlass.range_constexpr(SG - 1):
             if const_expr(s < NG):
                 for w in cutlass.range_constexpr(KW):
-                    self._load(mW, mY, sW, sZ, row0, ztok, nn, s * KW + w, s * KW + w, tid)
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, kc0 + s * KW + w, s * KW + w,
+                               tid)  # fmt: skip
             cute.arch.cp_async_commit_group()
         accs = mc.zero_accs(2 * RT)
         for j in cutlass.range(NG, unroll=1):
@@ -613,7 +680,7 @@ class W13T1(gwt.GroupedW13Tile):
             nxt = j + (SG - 1)
             if nxt < NG:
                 for w in cutlass.range_constexpr(KW):
-                    self._load(mW, mY, sW, sZ, row0, ztok, nn, nxt * KW + w,
+                    self._load(mW, mY, sW, sZ, row0, ztok, nn, kc0 + nxt * KW + w,
                                (nxt % SG) * KW + w, tid)  # fmt: skip
             cute.arch.cp_async_commit_group()
             self._compute(sW, sZ, (j % SG) * KW + wk, wr, g, c, accs, fa, fb, atom,
@@ -632,7 +699,45 @@ class W13T1(gwt.GroupedW13Tile):
                 for a in cutlass.range_constexpr(2 * RT):
                     for e in cutlass.range_constexpr(4):
                         accs[a][e] = accs[a][e] + sP[kk * NWR + wr, a * 4 + e, lane]
-            self._epilogue(mH, accs, pp, nn, row0, wr, g, c)
+            if const_expr(self.KS == 1):
+                self._epilogue(mH, accs, pp, nn, row0, wr, g, c)
+        if const_expr(self.KS > 1):
+            self._ks_finish(mH, kb, st, accs, pp, nn, row0, wr, g, c, it, kh, tid, lane,
+                            wk == 0)  # fmt: skip
+
+    @cute.jit
+    def _ks_finish(self, mH, kb, st, accs, pp, nn, row0, wr, g, c, it, kh, tid, lane, holds):
+        """``KS = 2``: the item's two K halves meet. The warps that ``holds`` the CTA's final
+        accumulators store them to the workspace (``[item, half, row warp, register, lane]``,
+        FP32); a GPU-scope fence, then thread 0 counts this half in (acq_rel); the second half
+        to arrive reads the other's partial (relaxed GPU-scope loads: L2), adds it (two
+        operands: the same sum in either order), runs the SiTU epilogue and zeroes the counter
+        (graph-replay safe)."""
+        mWs, mCnt = kb
+        NA = 2 * self.RT * 4
+        per = self.ks_floats
+        sFlag = st.flag.get_tensor(cute.make_layout(4))
+        if holds:
+            base = (it * 2 + kh) * per + wr * NA * 32 + lane
+            for a in cutlass.range_constexpr(2 * self.RT):
+                for e in cutlass.range_constexpr(4):
+                    mWs[base + (a * 4 + e) * 32] = accs[a][e]
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tid == 0:
+            sFlag[0] = cute.arch.atomic_add(mCnt.iterator + it, Int32(1), sem="acq_rel",
+                                            scope="gpu")  # fmt: skip
+        cute.arch.barrier()
+        if sFlag[0] == 1:  # the other half is in the workspace
+            cute.arch.fence_acq_rel_gpu()
+            if holds:
+                ob = (it * 2 + 1 - kh) * per + wr * NA * 32 + lane
+                for a in cutlass.range_constexpr(2 * self.RT):
+                    for e in cutlass.range_constexpr(4):
+                        accs[a][e] = accs[a][e] + _ld(mWs, ob + (a * 4 + e) * 32, Float32)
+                self._epilogue(mH, accs, pp, nn, row0, wr, g, c)
+            if tid == 0:
+                mCnt[it] = Int32(0)
 
     @cute.jit
     def _shared_down(self, mY, mWs2, mShared, sWf, sZf, sHs, tid, bid, warp, lane):
@@ -782,6 +887,44 @@ class W13T1(gwt.GroupedW13Tile):
                     v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> o)
                 if lane == 0:
                     mShared[t, r0 + rr] = v
+
+
+class W13T1KS(W13T1):
+    """:class:`W13T1` with ``ks`` (2) CTAs per item, each on a part of its K chunks
+    (``DECODESCOPE_MOE_T1_KSPLIT=2``, :meth:`W13T1._split_items`): the launch takes the FP32
+    workspace (``items x ks x ks_floats``) and the per-item counters (zero at allocation, reset
+    by each item's last half)."""
+
+    def __init__(self, T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm: int = 132,
+                 cfg: gwt.TileConfig | None = None, shared: bool = True, kw: int = 1,
+                 zt: bool = False, ks: int = 2):  # fmt: skip
+        if ks < 2:
+            raise ValueError(f"experts_t1: W13T1KS needs ks >= 2, got {ks}")
+        super().__init__(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt, ks)
+
+    @property
+    def items(self) -> int:
+        return self.slots * self.NRT
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                 mWs, mCnt, stream: cuda.CUstream):  # fmt: skip
+        Smem = self._smem_struct()
+        self.smem_cls = Smem
+        self.kernel_ks(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, mWs,
+                       mCnt).launch(
+            grid=[self.grid, 1, 1],
+            block=[self.NT, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_ks(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, mWs,
+                  mCnt):  # fmt: skip
+        self._body(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, None,
+                   (mWs, mCnt))  # fmt: skip
 
 
 class W13T1Route(W13T1):
@@ -976,6 +1119,29 @@ def build_w2(T, E, K, L, Ie, H, S, pdl=True, nsm=132, kn=None, shared=False, pre
     return op, args
 
 
+def build_w13_ks(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
+                 kw=1, zt=False, ks=2):  # fmt: skip
+    """``(op, fake args)`` of :class:`W13T1KS`: :func:`build_w13`'s and the workspace and the
+    counters."""
+    op = W13T1KS(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt, ks)
+    _, args = build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt)
+    extra = (itf.fake(torch.float32, (op.items * ks * op.ks_floats,)),
+             itf.fake(torch.int32, (op.items,)))  # fmt: skip
+    return op, args[:-1] + extra + args[-1:]
+
+
+def ks_buffers(bufs, op: W13T1KS, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`W13T1KS`'s workspace and counters, kept on the block's grouped buffers (made on
+    first use: the warm-up, before graph capture; the counters zero, reset by the kernel)."""
+    n = op.items * op.KS * op.ks_floats
+    have = getattr(bufs, "_t1_ks", None)
+    if have is None or have[0].numel() < n or have[1].numel() < op.items:
+        have = (torch.empty(n, dtype=torch.float32, device=device),
+                torch.zeros(op.items, dtype=torch.int32, device=device))  # fmt: skip
+        bufs._t1_ks = have
+    return have
+
+
 def build_w13_route(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, kw=1,
                     zt=False, scaling=1.0):  # fmt: skip
     """``(op, fake args)`` of :class:`W13T1Route`: :func:`build_w13`'s and the router bias,
@@ -1024,8 +1190,12 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     dims = (T, E, K, L, Ie, H, S)
     sh13 = shared_where() == "w13"
     rw = route_where()
-    cfg, kw = w13_plan(T, dims[1:], nsm, sh13, route=rw == "w13")
+    ks = w13_ks()
+    cfg, kw = w13_plan(T, dims[1:], nsm, sh13, route=rw == "w13", ks=ks)
     if rw == "w13":
+        if ks > 1:
+            raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE=w13 runs one CTA per item, not "
+                             f"{KS_ENV}={ks}")  # fmt: skip
         if T != 1 or not sh13 or router_bias is None or topk_ids is None or zero_acc:
             raise ValueError("DECODESCOPE_MOE_T1_ROUTE=w13 needs 1 token, "
                              "DECODESCOPE_MOE_T1_SHARED=w13 and a front that zeroes acc "
@@ -1063,6 +1233,19 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
         def w13k(*a):
             w13r(*a, router_bias, ids_r, tw_r)
+
+    elif ks > 1:
+        w13s = itf.compiled(
+            ("moe_t1_w13_ks", *dims, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt, ks),
+            lambda: build_w13_ks(
+                T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt, ks
+            ),  # fmt: skip
+        )
+        kop = W13T1KS(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt, ks)
+        ws, cnt = ks_buffers(bufs, kop, y_front.device)
+
+        def w13k(*a):
+            w13s(*a, ws, cnt)
 
     else:
         w13k = itf.compiled(

@@ -290,7 +290,25 @@ part26=(
 part27=(
   "200:ncu_b1:bash scripts/gpu/ncu_profile.sh $R/ncu b1kda --backend specialized --tp 16 --batch 1 --layers kda"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 27
+# Part 28 (session 27, next; after part 27 has said whether the imbalance is there): W13T1 with
+# two CTAs per item, each on half of K (DECODESCOPE_MOE_T1_KSPLIT=2: 384 CTAs at TP16, 3 per SM,
+# the halves' partials added by the second to arrive; built and CPU-tested, never run): its GPU
+# tests, the layers d / ks2 / d / ks2 at TP16 and d / ks2 at TP8 batch 1, specialized, same
+# call, the whole step with it. Prediction (notes/specialized.md "Session 27"): TP16 expert
+# kernels' share -2 to -3.5 us per MoE layer, projected step 7.82 -> 7.55-7.65 ms; TP8 within
+# +-1 us (its grid is already even: ks2 there adds the partials' round trip for nothing).
+KS2="DECODESCOPE_MOE_T1_KSPLIT=2"
+part28=(
+  "150:ktest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_experts_t1.py -k ks2"
+  "60:k16d:$B1 --tp-shape 16 --json $R/k16d.json"
+  "60:k16s:$KS2 $B1 --tp-shape 16 --json $R/k16s.json"
+  "60:k16d2:$B1 --tp-shape 16 --json $R/k16d2.json"
+  "60:k16s2:$KS2 $B1 --tp-shape 16 --json $R/k16s2.json"
+  "60:k8dd:$B1 --tp-shape 8 --json $R/k8dd.json"
+  "60:k8s:$KS2 $B1 --tp-shape 8 --json $R/k8s.json"
+  "120:ksteps:$KS2 python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/ksteps"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 28
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -319,5 +337,6 @@ case "${1:-1}" in
   25) exec bash "$here/run_stages.sh" "${part25[@]}" ;;
   26) exec bash "$here/run_stages.sh" "${part26[@]}" ;;
   27) exec bash "$here/run_stages.sh" "${part27[@]}" ;;
-  *) echo "next_round.sh: part 1 to 27, got '$1'" >&2; exit 2 ;;
+  28) exec bash "$here/run_stages.sh" "${part28[@]}" ;;
+  *) echo "next_round.sh: part 1 to 28, got '$1'" >&2; exit 2 ;;
 esac
