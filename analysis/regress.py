@@ -18,9 +18,13 @@ import pyarrow.compute as pc
 from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 
-__all__ = ["CheckResult", "check", "baseline_kinds", "noun"]
+__all__ = ["CheckResult", "check", "baseline_kinds", "noun", "TIME_METRICS"]
 
 DEFAULT_METRICS = ("span_us", "kernels")
+# the time figures a check can judge beside the kernel count (``check --metric``, the dashboard's
+# history): the layer span (DESIGN's), its share of the step (what a layer adds where a path
+# starts its first kernel early under programmatic dependent launch), or both
+TIME_METRICS = {"span": ("span_us",), "share": ("share_us",), "both": ("span_us", "share_us")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -234,6 +234,12 @@ def test_a_results_dataset_shows_history_with_baseline_and_regression(monkeypatc
     warnings = texts(at.warning)
     assert any("1 run(s) regressed" in w for w in warnings), warnings
     assert any("`slower`" in m for m in texts(at.markdown)), texts(at.markdown)
+    # judged by share (one stream, no early starts: share = span here): the same finding
+    assert at.selectbox(key="h-check").value == "span"
+    at.selectbox(key="h-check").set_value("share").run()
+    no_exception(at)
+    assert any("1 run(s) regressed" in w for w in texts(at.warning)), texts(at.warning)
+    assert any("share (us)" in m for m in texts(at.markdown)), texts(at.markdown)
 
 
 def test_the_command_passes_its_sources_and_port(capsys):

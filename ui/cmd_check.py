@@ -96,7 +96,7 @@ def share_lines(by_span: regress.CheckResult, by_share: regress.CheckResult) -> 
     return out
 
 
-CHECK_METRICS = {"span": ("span_us",), "share": ("share_us",), "both": ("span_us", "share_us")}
+CHECK_METRICS = regress.TIME_METRICS
 
 
 @app.command("check")

@@ -704,7 +704,7 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
     if points.num_rows == 0:
         st.warning("No run of this dataset has kernels attributed to a layer: no history to draw.")
         return
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c4, c5 = st.columns(5)
     metric = c1.selectbox(
         "Metric", list(figures.METRICS), index=1, format_func=figures.METRICS.get, key="h-metric"
     )
@@ -715,13 +715,20 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
         "Baseline", ordered, key="h-base", format_func=lambda r: run_label(by_id[r])
     )
     pct = c4.number_input("Max regression %", 0.0, 1000.0, 5.0, step=1.0, key="h-pct")
+    judged = c5.selectbox(
+        "Check by",
+        list(regress.TIME_METRICS),
+        key="h-check",
+        help="the time figure the regression check judges beside the kernel count, as "
+        "`decodescope check --metric`: span, the layer's share of the step, or both",
+    )
     regressed, reasons = [], {}
     base = by_id[baseline]
     for rid, run in by_id.items():
         if rid == baseline or not same_setup(vars_of(run), vars_of(base)):
             continue
         try:
-            res = regress.check(run, base, pct, metrics=("span_us", "kernels"))
+            res = regress.check(run, base, pct, metrics=(*regress.TIME_METRICS[judged], "kernels"))
         except ValueError as e:
             reasons[rid] = [str(e)]
             continue
