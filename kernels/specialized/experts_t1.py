@@ -47,6 +47,15 @@ module removes or hides, keeping the same three launches and the same outputs:
    CTAs per SM (TP16: 192 CTAs) and neither knob is set, 4 warps per item on 8 stages
    (:func:`w13_plan`, session 27).
 
+7. **No route kernel** (opt-in, ``DECODESCOPE_MOE_T1_ROUTE=w13``, session 27, not yet run on a
+   GPU): :class:`W13T1Route` ranks the token itself after its wait (every CTA the same picks),
+   block 0 writes the lists for w2 and triggers it only after them.
+
+8. **Two CTAs per item** (opt-in, ``DECODESCOPE_MOE_T1_KSPLIT=2``, session 27, not yet run on a
+   GPU): :class:`W13T1KS`, each CTA on half of the item's K, the second to arrive adding the
+   partials (a workspace and a counter per item) before the SiTU epilogue: TP16's 192 items sit
+   2 on 60 SMs and 1 on 72; 384 half-items sit 3 on 120 and 2 on 12.
+
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
 files untouched): :class:`W13T1` adds the pre-wait shared down, :class:`W2T1` the pre-wait weight
