@@ -177,6 +177,24 @@ def test_smem_total_matches_struct(clean_env):
     assert op.smem_cls.size_in_bytes() == op.smem_total
 
 
+def _recorded_block(mp):
+    """A TP16 one-token :class:`SpecializedMoE` whose launches are recorded (``(name, number of
+    arguments)``) and whose ops are built, not compiled (``itf.compiled`` replaced)."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    calls, built = [], []
+
+    def fake_compiled(key, build):
+        op, _ = build()
+        built.append(op)
+        return lambda *a, key=key: calls.append((key[0], len(a)))
+
+    mp.setattr(itf, "compiled", fake_compiled)
+    cfg = get_config("kimi-k3", 16)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    return SpecializedMoE(cfg, w, 1), calls, built
+
+
 @pytest.mark.parametrize("tp", [8, 16])
 def test_ksplit(tp, clean_env):
     """``DECODESCOPE_MOE_T1_KSPLIT=2`` (:class:`W13T1KS`): two CTAs per item, each on 14 of its
@@ -219,19 +237,7 @@ def test_ksplit_selection(clean_env):
     combination the t1 kernels refuse), a one-line error with ``DECODESCOPE_MOE_T1=t1``; a bad
     value, one line."""
     mp = clean_env
-    calls, built = [], []
-
-    def fake_compiled(key, build):
-        op, _ = build()
-        built.append(op)
-        return lambda *a, key=key: calls.append((key[0], len(a)))
-
-    mp.setattr(itf, "compiled", fake_compiled)
-    cfg = get_config("kimi-k3", 16)
-    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
-    from decodescope.kernels.specialized.moe_block import SpecializedMoE
-
-    blk = SpecializedMoE(cfg, w, 1)
+    blk, calls, built = _recorded_block(mp)
     mp.setenv("DECODESCOPE_MOE_T1_KSPLIT", "2")
     blk.experts()
     assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_ks", "moe_t1_w2"]
@@ -279,7 +285,6 @@ def test_w13_route_selection(clean_env):
     and the w2 kernel, no route kernel (CPU: launches recorded, builds run, nothing compiled);
     a front that leaves ``acc`` to the route (``zero_acc``) is refused in one line."""
     from decodescope.kernels.specialized import moe_grouped as mg
-    from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     mp = clean_env
     mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
@@ -290,17 +295,8 @@ def test_w13_route_selection(clean_env):
     mp.setenv("DECODESCOPE_MOE_T1_SHARED", "w2")
     assert not t1.fits(1, _dims("kimi-k3", 8)[1:])
     mp.delenv("DECODESCOPE_MOE_T1_SHARED")
-    calls, built = [], []
-
-    def fake_compiled(key, build):
-        op, _ = build()
-        built.append(op)
-        return lambda *a, key=key: calls.append((key[0], len(a)))
-
-    mp.setattr(itf, "compiled", fake_compiled)
-    cfg = get_config("kimi-k3", 16)
-    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
-    blk = SpecializedMoE(cfg, w, 1)
+    blk, calls, built = _recorded_block(mp)
+    cfg = blk.cfg
     blk.experts()
     assert [c[0] for c in calls] == ["moe_t1_w13_route", "moe_t1_w2"]  # W2T1 at TP16
     assert calls[0][1] == 13  # W13T1's ten tensors, the bias, the ids, the weights
