@@ -122,6 +122,24 @@ def test_unusable_message_names_preset_and_shape():
     assert "expert" in str(ei.value)
 
 
+@pytest.mark.parametrize("tp", [8, 16])
+def test_launches_without_route_kernel(monkeypatch, tp):
+    """The declared launches follow DECODESCOPE_MOE_T1_ROUTE: with ``w13`` the one-token
+    experts run two kernels (no route launch), as the H200 traces of session 28 counted
+    (notes/gpu-logs/s28/n3: KDA 9 -> 8, MLA 10 -> 9 kernels at TP16 batch 1)."""
+
+    def launches(batch):
+        return S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=1,
+                      layers="dense,kda,mla").launches()  # fmt: skip
+
+    monkeypatch.delenv("DECODESCOPE_MOE_T1_ROUTE", raising=False)
+    base, eight = launches(1), launches(8)
+    assert base == {"layer.0:dense": 5, "layer.1:kda": 9, "layer.2:mla": 10}
+    monkeypatch.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    assert launches(1) == {k: v - (":dense" not in k) for k, v in base.items()}
+    assert launches(8) == eight  # more than one token: the grouped experts' three launches
+
+
 def test_chunking(monkeypatch):
     assert S.chunking(64, 1) == (64, 1) and S.chunking(8, 8) == (8, 1)
     assert S.chunking(32, 8) == (8, 4) and S.chunking(64, 8) == (8, 8)

@@ -559,10 +559,16 @@ def _moe_dims(cfg) -> tuple:
 
 def moe_extra_launches(cfg, n_tokens: int) -> int:
     """The MoE block's kernels beyond one per range: the grouped experts' three launches in the
-    experts range (``moe_grouped``) where this process picks them for ``n_tokens``."""
+    experts range (``moe_grouped``) where this process picks them for ``n_tokens``; two where
+    the one-token experts rank the token in their w13 kernel (``DECODESCOPE_MOE_T1_ROUTE=w13``:
+    no route launch)."""
+    from decodescope.kernels.specialized import experts_t1 as t1
     from decodescope.kernels.specialized import moe_grouped as mg
 
-    return 2 if mg.selected(n_tokens, _moe_dims(cfg)) else 0
+    dims = _moe_dims(cfg)
+    if not mg.selected(n_tokens, dims):
+        return 0
+    return 1 if t1.use_t1(n_tokens, dims) and t1.route_where() == "w13" else 2
 
 
 CHUNK_EXPERTS_ENV = "DECODESCOPE_CHUNK_EXPERTS"

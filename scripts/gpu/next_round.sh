@@ -308,7 +308,25 @@ part28=(
   "60:k8s:$KS2 $B1 --tp-shape 8 --json $R/k8s.json"
   "120:ksteps:$KS2 python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/ksteps"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 28
+# Part 29 (session 28): s28/n1's Nsight Compute of the TP16 batch-1 KDA layer refuted the
+# imbalance (W13T1's sm__cycles_active max / avg 1.06, not ~1.45) and showed the kernel issue-
+# bound: 1.45 active warps per scheduler, 0.16 issued per cycle, 43% of its stall cycles waiting on
+# shared-memory loads (its dot products), 2.72 TB/s. More warps per SM, same bytes: two CTAs per
+# item (KSPLIT=2) of 4 warps on 64-wide chunks, 8 stages (384 CTAs of 50 KB, 3 per SM: 8-12 warps
+# on every SM against 4-8). Knobs only (compiles on the CPU; KSPLIT=2 alone, the 2-warp form, was
+# even in s28/n2). Prediction: TP16 expert share -1.5 to -3 us per MoE layer; wrong if under
+# 0.5. Then the whole-step check with it, and the default step at every point of the issue
+# (batch 1, 8, 32, 64, 1x8, 8x8; TP8, TP16; dense, KDA, MLA) at this commit (vLLM parts staged).
+K4="DECODESCOPE_MOE_T1_KSPLIT=2 DECODESCOPE_MOE_T1_KW=4 DECODESCOPE_MOE_T1_BK=64 DECODESCOPE_MOE_T1_STAGES=8"
+part29=(
+  "60:q16d:$B1 --tp-shape 16 --json $R/q16d.json"
+  "60:q16k:$K4 $B1 --tp-shape 16 --json $R/q16k.json"
+  "60:q16d2:$B1 --tp-shape 16 --json $R/q16d2.json"
+  "60:q16k2:$K4 $B1 --tp-shape 16 --json $R/q16k2.json"
+  "90:qsteps:$K4 python scripts/gpu_steps.py --tp 16 --points 1x1 --layers dense,kda,mla --out $R/qsteps"
+  "330:allsteps:python scripts/gpu_steps.py --tp 16 8 --points 1x1 8x1 32x1 64x1 1x8 8x8 --layers dense,kda,mla --budget 280 --out $R/allsteps"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 29
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -338,5 +356,6 @@ case "${1:-1}" in
   26) exec bash "$here/run_stages.sh" "${part26[@]}" ;;
   27) exec bash "$here/run_stages.sh" "${part27[@]}" ;;
   28) exec bash "$here/run_stages.sh" "${part28[@]}" ;;
+  29) exec bash "$here/run_stages.sh" "${part29[@]}" ;;
   *) echo "next_round.sh: part 1 to 28, got '$1'" >&2; exit 2 ;;
 esac
