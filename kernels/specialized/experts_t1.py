@@ -47,14 +47,18 @@ module removes or hides, keeping the same three launches and the same outputs:
    CTAs per SM (TP16: 192 CTAs) and neither knob is set, 4 warps per item on 8 stages
    (:func:`w13_plan`, session 27).
 
-7. **No route kernel** (opt-in, ``DECODESCOPE_MOE_T1_ROUTE=w13``, session 27, not yet run on a
-   GPU): :class:`W13T1Route` ranks the token itself after its wait (every CTA the same picks),
-   block 0 writes the lists for w2 and triggers it only after them.
+7. **No route kernel** (opt-in, ``DECODESCOPE_MOE_T1_ROUTE=w13``, session 27):
+   :class:`W13T1Route` ranks the token itself after its wait (every CTA the same picks), block 0
+   writes the lists for w2 and triggers it only after them. H200 s28/n3 (correct: GPU tests and
+   the whole step): one kernel fewer per MoE layer at equal time at TP16 (layer shares within
+   0.2 us), TP8 +12 us (its lists push the 6-stage form past 3 CTAs per SM).
 
-8. **Two CTAs per item** (opt-in, ``DECODESCOPE_MOE_T1_KSPLIT=2``, session 27, not yet run on a
-   GPU): :class:`W13T1KS`, each CTA on half of the item's K, the second to arrive adding the
-   partials (a workspace and a counter per item) before the SiTU epilogue: TP16's 192 items sit
-   2 on 60 SMs and 1 on 72; 384 half-items sit 3 on 120 and 2 on 12.
+8. **Two CTAs per item** (opt-in, ``DECODESCOPE_MOE_T1_KSPLIT=2``, session 27): :class:`W13T1KS`,
+   each CTA on half of the item's K, the second to arrive adding the partials (a workspace and a
+   counter per item) before the SiTU epilogue. Built for a load imbalance (TP16's 192 items sit
+   2 on 60 SMs and 1 on 72) that Nsight Compute did not find (s28/n1: ``sm__cycles_active`` max /
+   avg 1.06); H200 s28/n2, n5: TP16 +0.4 us per MoE layer (also on 4 warps, 64-wide chunks),
+   TP8 +4.6.
 
 The kernels are subclasses of :class:`grouped_w13_tile.GroupedW13Tile` and
 :class:`grouped_w2_tile.GroupedW2Tile` (their loaders, fragments and epilogues unchanged; their
