@@ -146,7 +146,7 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
     blk.front(h)
     torch.cuda.synchronize()
     yref = rt.front_gemv_ref(h, blk.w_front)
-    check("front_gemv", ctx, rel_l2(blk.y_front, yref), 1e-4)
+    check("front_gemv", ctx, rel_l2(front_logits(blk), yref), 1e-4)
     if blk.route_zeroes_acc():  # the tile front (auto from 32 tokens with grouped experts)
         record(check="front_zeroes_acc_done", **ctx, status="info",
                note="tile front: acc zeroed by the route kernel (the *_front_tile checks)")  # fmt: skip
@@ -179,6 +179,21 @@ def run_checks(cfg, w, blk: mb.SpecializedMoE, N: int, ctx: dict, seed: int,
         blk.front(h)  # back to the plain path for the checks below
         torch.cuda.synchronize()
     _expert_checks(cfg, w, blk, h, N, ctx, fronts)
+
+
+def front_logits(blk) -> torch.Tensor:
+    """The front's output as the checks compare it: ``y_front``, and where the front ran the
+    one-token route early (``DECODESCOPE_MOE_T1_EARLY``: router logits in K parts, summed by the
+    route kernel, which has not run yet) a copy with the parts added in the route's order."""
+    early = getattr(blk, "_early_now", None)
+    if early is None:
+        return blk.y_front
+    rks, part, _ = early
+    y = blk.y_front.clone()
+    E = part.numel() // (rks - 1)
+    for p in part.view(rks - 1, E):
+        y[0, :E] += p
+    return y
 
 
 def _tile_chain_checks(cfg, w, blk, h, ctx) -> None:
@@ -235,7 +250,7 @@ def _expert_checks(cfg, w, blk, h, N, ctx, fronts: bool = True) -> None:
     e = cfg.moe
     E, k = e.num_experts, e.top_k
     # 2. experts (routing in its prologue)
-    y = blk.y_front.clone()
+    y = front_logits(blk).clone()
     blk.h.fill_(float("nan"))
     blk.shared_out.fill_(float("nan"))
     blk.topk_ids.fill_(-1)
@@ -942,6 +957,7 @@ T1_RE = re.compile(
     r"(?:_(w2sh))?"
     r"(?:_(nopre))?"
     r"(?:_(rt1|rtg|rtw))?(?:_(w2p|w2t)(?:_pw(\d+))?(?:_ps(\d+))?(?:_pm(\d+))?)?"
+    r"(?:_e(\d))?"
 )
 
 
@@ -957,7 +973,10 @@ def t1_env(var: str) -> dict:
     env.update({v: "" for v, _ in gw2._ENV.values()})
     if var == "grouped_t1base":
         return {**env, "DECODESCOPE_MOE_T1": "grouped"}
-    r, s, k, kw, ks, zt, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm = T1_RE.fullmatch(var).groups()
+    r, s, k, kw, ks, zt, w2w, w2sh, nopre, rt1, w2p, pw, ps, pm, early = T1_RE.fullmatch(
+        var
+    ).groups()
+    env["DECODESCOPE_MOE_T1_EARLY"] = early or ""
     env["DECODESCOPE_MOE_T1_KW"] = kw or ""
     env["DECODESCOPE_MOE_T1_KSPLIT"] = ks or ""
     env["DECODESCOPE_MOE_T1_ZT"] = "1" if zt else ""

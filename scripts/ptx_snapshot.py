@@ -214,6 +214,25 @@ def _cases() -> dict:
             "build",
             lambda d=d, c=c: et1.build_route(d[1], d[2], d[3], d[1] + d[3] + 2 * d[6], 1.0),
         )
+    for tp in (8, 16):  # the one-token front as it runs (ring), and its early-route form
+        c = get_config("kimi-k3", tp)
+        E, NF = c.moe.num_experts, c.moe.num_experts + c.expert_dim + 2 * c.shared_inter
+        cases[f"tp{tp}_front_mma_ring_t1"] = (
+            "build",
+            lambda c=c, E=E, NF=NF: fm._build(1, c.hidden, NF, c.expert_dim, E, True, "ring"),
+        )
+        cases[f"tp{tp}_front_mma_early4_t1"] = (
+            "build",
+            lambda c=c, E=E, NF=NF: fm._build(
+                1, c.hidden, NF, c.expert_dim, E, True, "ring", early=(4, E)
+            ),
+        )
+        cases[f"tp{tp}_routet1early4_t1"] = (
+            "build",
+            lambda c=c, E=E, NF=NF: et1.build_route_early(
+                E, c.moe.top_k, c.expert_dim, NF, 1.0, True, 4
+            ),
+        )
     cases["tp16_front_mma_t64"] = (
         "build",
         lambda c=get_config("kimi-k3", 16): fm._build(

@@ -23,7 +23,8 @@ from decodescope.kernels.weights import make_layer_weights
 _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_STAGES",
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
          "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW",
-         "DECODESCOPE_MOE_T1_ZT", "DECODESCOPE_MOE_T1_KSPLIT")  # fmt: skip
+         "DECODESCOPE_MOE_T1_ZT", "DECODESCOPE_MOE_T1_KSPLIT", "DECODESCOPE_MOE_T1_EARLY",
+         "DECODESCOPE_FRONT_NORM_FOLD", "DECODESCOPE_MOE_FRONT")  # fmt: skip
 
 
 @pytest.fixture
@@ -548,6 +549,8 @@ def test_script_variants():
     assert (env["DECODESCOPE_MOE_T1_STAGES"], env["DECODESCOPE_MOE_T1_ZT"]) == ("8", "1")
     assert gs.variant_env("grouped_t1_ks2")["DECODESCOPE_MOE_T1_KSPLIT"] == "2"
     assert gs.variant_env("grouped_t1_rtw")["DECODESCOPE_MOE_T1_ROUTE"] == "w13"
+    assert gs.variant_env("grouped_t1_e4")["DECODESCOPE_MOE_T1_EARLY"] == "4"
+    assert gs.variant_env("grouped_t1_kw2")["DECODESCOPE_MOE_T1_EARLY"] == ""
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_experts_t1.py) -------------------------
@@ -579,6 +582,8 @@ def gsm():
                                            ("kimi-k3", 8, "grouped_t1_ks2"),
                                            ("kimi-k3", 16, "grouped_t1_ks2"),
                                            ("kimi-k3", 16, "grouped_t1_rtw"),
+                                           ("kimi-k3", 16, "grouped_t1_e4"),
+                                           ("kimi-k3", 8, "grouped_t1_e2"),
                                            ("kimi-k3", 8, "grouped_t1_s8_k64_kw4"),
                                            ("kimi-k3", 8, "grouped_t1_s8_zt"),
                                            ("kimi-k3", 16, "grouped_t1_s8_zt"),
@@ -604,3 +609,94 @@ def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
     assert not bad, bad
     assert any(r.get("check") == "shared_out" for r in gsm.RESULTS)
+
+
+def test_early_plan(clean_env):
+    """``DECODESCOPE_MOE_T1_EARLY``: off unless set; at one token with RouteT1 and the
+    tensor-core front (which zeroes ``acc``) the router split it names; off with the w13 route,
+    the K split, more tokens or a front that leaves ``acc`` to the route; a bad value, one line."""
+    d = _dims("kimi-k3", 16)[1:]
+    assert t1.early_split() == 1 and t1.early_plan(1, d, False) == 1
+    clean_env.setenv("DECODESCOPE_MOE_T1_EARLY", "4")
+    assert t1.early_plan(1, d, False) == 4
+    assert t1.early_plan(1, d, True) == 1 and t1.early_plan(8, d, False) == 1
+    clean_env.setenv("DECODESCOPE_MOE_T1_KSPLIT", "2")
+    assert t1.early_plan(1, d, False) == 1
+    clean_env.delenv("DECODESCOPE_MOE_T1_KSPLIT")
+    clean_env.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    assert t1.early_plan(1, d, False) == 1
+    clean_env.setenv("DECODESCOPE_MOE_T1_EARLY", "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_EARLY='3'"):
+        t1.early_split()
+
+
+@pytest.mark.parametrize("tp,rks", [(16, 4), (8, 2)])
+def test_front_early_compiles(tp, rks):
+    """:class:`.front_mma.FrontMmaEarly`: each of the 56 router row tiles as ``rks`` CTAs on
+    ``1 / rks`` of K (the grid grows by ``56 (rks - 1)``), the other tiles one CTA each; the
+    PTX: one GPU-scope fence before the one acq_rel atomic (the router CTAs counting in)."""
+    from decodescope.kernels.specialized import front_mma as fm
+
+    cfg = get_config("kimi-k3", tp)
+    E = cfg.moe.num_experts
+    NF = E + cfg.expert_dim + 2 * cfg.shared_inter
+    op, args = fm._build(1, cfg.hidden, NF, cfg.expert_dim, E, True, "ring", early=(rks, E))
+    base = fm.FrontMma(1, cfg.hidden, NF, cfg.expert_dim, E, True, "ring")
+    assert rks * E // 16 == op.NSIG and op.grid == base.grid + (rks - 1) * E // 16
+    assert op.CPWR * rks == op.CPW == base.CPW
+    ptx = itf.ptx_text(op, *args)
+    atom = ptx.find("atom.global.acq_rel")
+    assert ptx.count("atom.") == 1 and 0 < ptx.find("fence.acq_rel.gpu") < atom
+    assert itf.compile_only(op, *args) is not None
+    with pytest.raises(ValueError, match="router split 3"):
+        fm.FrontMmaEarly(1, cfg.hidden, NF, cfg.expert_dim, E, True, "ring", 3, E)
+
+
+def test_route_early_compiles():
+    """:class:`RouteT1Early`: the arrival counter acquired (with ``nanosleep`` between reads and
+    the global timer's cap) and the lists stored before the PDL wait, the dependents
+    triggered after it (W13T1's pre-wait shared down reads the front's output)."""
+    cfg = get_config("kimi-k3", 16)
+    e = cfg.moe
+    NF = e.num_experts + cfg.expert_dim + 2 * cfg.shared_inter
+    op, args = t1.build_route_early(e.num_experts, e.top_k, cfg.expert_dim, NF, 2.5, True, 4)
+    assert 4 * e.num_experts // 16 == op.NSIG
+    ptx = itf.ptx_text(op, *args)
+    acq, wait = ptx.find("ld.acquire.gpu"), ptx.find("griddepcontrol.wait")
+    assert 0 < acq < ptx.find("st.global") < wait < ptx.find("griddepcontrol.launch_dependents")
+    assert "nanosleep" in ptx and "globaltimer" in ptx
+    assert ptx.rfind("st.global") < wait  # every list store before the wait
+    assert itf.compile_only(op, *args) is not None
+
+
+def test_early_selection(clean_env):
+    """The block with ``DECODESCOPE_MOE_T1_EARLY=4``: the front as FrontMmaEarly (the partial
+    logits and the counter: 7 tensors), then RouteT1Early on the same buffers, W13T1, w2; an
+    expert step with no front of its own before it (timing one part) runs the usual route, as
+    does the w13 route's block; a bad value is the front's one-line error."""
+    from decodescope.kernels.specialized import front_mma as fm
+
+    mp = clean_env
+    blk, calls, built = _recorded_block(mp)
+    mp.setenv("DECODESCOPE_MOE_T1_EARLY", "4")
+    h = torch.zeros(1, blk.cfg.hidden, dtype=torch.bfloat16)
+    blk.front(h)
+    blk.experts()
+    names = [c[0] for c in calls]
+    assert names == ["moe_front_mma_early", "moe_t1_route_early", "moe_t1_w13", "moe_t1_w2"]
+    assert calls[0][1] == 7 and calls[1][1] == 11
+    assert isinstance(built[0], fm.FrontMmaEarly) and isinstance(built[1], t1.RouteT1Early)
+    assert built[0].NSIG == built[1].NSIG == 224
+    part, sig = blk._t1_early
+    assert part.numel() == 3 * 896 and int(sig.item()) == 0
+    calls.clear()
+    blk.experts()  # no front before it: the usual route
+    assert [c[0] for c in calls][0] == "moe_t1_route"
+    calls.clear()
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    mp.setenv("DECODESCOPE_MOE_T1", "t1")
+    blk.front(h)
+    assert calls[0][0] == "moe_front_mma"
+    mp.setenv("DECODESCOPE_MOE_T1_EARLY", "8")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_EARLY='8'"):
+        blk.front(h)

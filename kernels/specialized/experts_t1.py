@@ -425,6 +425,122 @@ class RouteT1:
                 cute.autovec_copy(zv, cute.local_tile(mAcc, (4,), (lane + 32 * i,)))
 
 
+EARLY_ENV = "DECODESCOPE_MOE_T1_EARLY"  # router K parts of FrontMmaEarly (RouteT1Early)
+EARLY_SPIN_NS = 2_000_000_000  # RouteT1Early's cap on its wait for the front's router CTAs
+
+
+def early_split() -> int:
+    """``DECODESCOPE_MOE_T1_EARLY``: ``2`` or ``4`` runs the one-token route early (the front's
+    router rows as that many K parts per row tile, :class:`.front_mma.FrontMmaEarly`, and
+    :class:`RouteT1Early` ranking while the front still streams; opt-in, session 28); ``0`` /
+    unset: off (returned as 1)."""
+    from decodescope.kernels.specialized import front_mma as fm
+
+    v = os.environ.get(EARLY_ENV, "") or "0"
+    choices = ("0", *(str(r) for r in fm.EARLY_SPLITS))
+    if v not in choices:
+        raise ValueError(f"{EARLY_ENV}={v!r}: expected one of {choices}")
+    return max(1, int(v))
+
+
+def early_plan(T: int, dims: tuple, zero_acc: bool) -> int:
+    """The router split the block runs its front and route with (1: the usual launches): with
+    ``DECODESCOPE_MOE_T1_EARLY`` set, at one token where these kernels run with
+    :class:`RouteT1` (``route_where() == "t1"``) after the tensor-core front (``zero_acc``
+    False: it zeroes ``acc``), no K split of W13T1; ``dims = (E, K, L, Ie, H, S)``."""
+    rks = early_split()
+    if rks == 1 or T != 1 or zero_acc or not use_t1(T, dims):
+        return 1
+    if route_where() != "t1" or w13_ks() > 1 or dims[0] % 16:
+        return 1
+    return rks
+
+
+def early_buffers(owner, rks: int, E: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The early route's partial logits (FP32 ``[(rks - 1) * E]``, one token) and arrival
+    counter (zero; :class:`RouteT1Early` resets it), kept on ``owner`` (the MoE block; made on
+    first use: the warm-up, before graph capture)."""
+    have = getattr(owner, "_t1_early", None)
+    if have is None or have[0].numel() != (rks - 1) * E:
+        have = (torch.zeros((rks - 1) * E, dtype=torch.float32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+        owner._t1_early = have
+    return have
+
+
+class RouteT1Early(RouteT1):
+    """:class:`RouteT1` that ranks before its PDL wait (``DECODESCOPE_MOE_T1_EARLY``): resident
+    beside :class:`.front_mma.FrontMmaEarly` (which triggers its dependents right after its own
+    wait), every lane acquires the front's arrival counter until its ``NSIG`` router CTAs are in
+    (capped at ``EARLY_SPIN_NS``: a front that never counts costs 2 s and wrong picks, never a
+    hang), the warp adds the ``RKS - 1`` partial logits into ``y``'s router columns (part 0),
+    lane 0 resets the counter, and the token is ranked and the lists written while the front
+    still streams its latent and shared rows. Only then the wait (the front complete) and the
+    trigger: :class:`W13T1`'s pre-wait shared down reads ``y``'s shared columns, so it must not
+    become resident before the front is done. Nothing that ran before the front reads the lists
+    (PDL's waits chain: every earlier kernel is complete once the front passed its wait, and this
+    kernel launches only after that)."""
+
+    def __init__(self, E, K, L, scaling, pdl=True, rks: int = 4):
+        from decodescope.kernels.specialized import front_mma as fm
+
+        super().__init__(E, K, L, scaling, pdl, False)
+        if rks not in fm.EARLY_SPLITS or E % fm.ROWS:
+            raise ValueError(f"experts_t1: early route split {rks} (one of {fm.EARLY_SPLITS}), "
+                             f"num_experts {E} a multiple of {fm.ROWS}")  # fmt: skip
+        self.RKS = rks
+        self.NSIG = rks * (E // fm.ROWS)
+
+    @cute.jit
+    def __call__(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mPart,
+                 mSig, stream: cuda.CUstream):  # fmt: skip
+        self.kernel(mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mPart,
+                    mSig).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream,
+                                 use_pdl=self.pdl)  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mPart, mSig):
+        from decodescope.kernels.specialized.comm import global_timer_ns
+        from decodescope.kernels.specialized.mla_decode_split import nanosleep
+
+        E, K, CAP = self.E, self.K, rtk.CAP
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sIds = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+        sTw = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
+        sV = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sI = smem.allocate_tensor(Int32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        bias = rtk.load_bias(mBias, lane, E)  # a weight: before anything else
+        v = cute.arch.load(mSig.iterator, Int32, sem="acquire", scope="gpu")
+        if v < self.NSIG:
+            t0 = global_timer_ns()
+            going = True
+            while going:
+                nanosleep(64)
+                v = cute.arch.load(mSig.iterator, Int32, sem="acquire", scope="gpu")
+                if v >= self.NSIG:  # noqa: SIM114 (two DSL branches: no `or` of IR values)
+                    going = False
+                elif global_timer_ns() - t0 > cutlass.Int64(EARLY_SPIN_NS):
+                    going = False
+        for i in cutlass.range_constexpr(E // 32):  # part 0, then parts 1.. in order
+            e = lane + 32 * i
+            acc = mY[0, e]
+            for p in cutlass.range_constexpr(self.RKS - 1):
+                acc = acc + mPart[p * E + e]
+            mY[0, e] = acc
+        cute.arch.sync_warp()  # every lane's sums stored, every lane past the counter
+        if lane == 0:
+            mSig[0] = Int32(0)
+        _rank_one(mY, mBias, bias, lane, sIds, sTw, sCnt, sM, sV, sI, sS, E, K, self.scaling,
+                  CAP, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact)  # fmt: skip
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
+
 class W13T1(gwt.GroupedW13Tile):
     """Kernel 2 of the ``t1`` mode: :class:`grouped_w13_tile.GroupedW13Tile`'s items (small row
     blocks, :func:`w13_config`), and before the PDL wait (``shared``) the shared expert's down
@@ -1186,15 +1302,25 @@ def build_route(E, K, L, NF, scaling, pdl=True, zero_acc=False):
     return op, args
 
 
+def build_route_early(E, K, L, NF, scaling, pdl=True, rks=4):
+    """``(op, fake args)`` of :class:`RouteT1Early`."""
+    op = RouteT1Early(E, K, L, scaling, pdl, rks)
+    _, args = build_route(E, K, L, NF, scaling, pdl)
+    extra = (itf.fake(torch.float32, ((rks - 1) * E,)), itf.fake(torch.int32, (1,)))
+    return op, args[:-2] + extra + args[-1:]
+
+
 def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, *,
                top_k: int, beta: float, lbeta: float, pdl: bool, nsm: int, parts=(0, 1, 2),
                router_bias=None, topk_ids=None, scaling: float = 1.0,
-               zero_acc: bool = False) -> None:  # fmt: skip
+               zero_acc: bool = False, early=None) -> None:  # fmt: skip
     """The ``t1`` launches (called by :func:`moe_grouped.moe_grouped`, which checked the
     tensors and compiled ``route``, the :class:`moe_grouped.GroupedRoute` launch): the route
     (``route``, or :class:`RouteT1` with ``DECODESCOPE_MOE_T1_ROUTE=t1``, which needs
-    ``router_bias``, ``topk_ids``, ``scaling``, ``zero_acc``), then :class:`W13T1` (shared down
-    before its wait), then :class:`W2T1`. ``parts`` as there."""
+    ``router_bias``, ``topk_ids``, ``scaling``, ``zero_acc``; with ``early = (rks, part, sig)``,
+    the buffers the block's :class:`.front_mma.FrontMmaEarly` wrote this step,
+    :class:`RouteT1Early`), then :class:`W13T1` (shared down before its wait), then
+    :class:`W2T1`. ``parts`` as there."""
     E, twoI, L = w13.shape
     Ie = twoI // 2
     H, S = shared_w2.shape
@@ -1205,6 +1331,9 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     rw = route_where()
     ks = w13_ks()
     cfg, kw = w13_plan(T, dims[1:], nsm, sh13, route=rw == "w13", ks=ks)
+    if early is not None and rw != "t1":
+        raise ValueError(f"{EARLY_ENV}: the early route is RouteT1's (DECODESCOPE_MOE_T1_ROUTE "
+                         f"t1, not {rw})")  # fmt: skip
     if rw == "w13":
         if ks > 1:
             raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE=w13 runs one CTA per item, not "
@@ -1221,16 +1350,30 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
         if T != 1 or not sh13 or router_bias is None or topk_ids is None:
             raise ValueError("DECODESCOPE_MOE_T1_ROUTE=t1 needs 1 token and "
                              "DECODESCOPE_MOE_T1_SHARED=w13")  # fmt: skip
-        rk = itf.compiled(
-            ("moe_t1_route", E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
-            lambda: build_route(E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
-        )
         b0 = bufs
         ids, tw0 = topk_ids.view(-1), topk_w.view(-1)
+        if early is not None:
+            if zero_acc:
+                raise ValueError(f"{EARLY_ENV}: the early route needs a front that zeroes acc")
+            rks, part, sig = early
+            rk = itf.compiled(
+                ("moe_t1_route_early", E, K, L, y_front.shape[1], scaling, pdl, rks),
+                lambda: build_route_early(E, K, L, y_front.shape[1], scaling, pdl, rks),
+            )
 
-        def route():
-            rk(y_front, router_bias, ids, tw0, b0.pairs, b0.slot_e, b0.slot_off, b0.slot_n,
-               b0.nact, acc.view(-1))  # fmt: skip
+            def route():
+                rk(y_front, router_bias, ids, tw0, b0.pairs, b0.slot_e, b0.slot_off,
+                   b0.slot_n, b0.nact, part, sig)  # fmt: skip
+
+        else:
+            rk = itf.compiled(
+                ("moe_t1_route", E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
+                lambda: build_route(E, K, L, y_front.shape[1], scaling, pdl, zero_acc),
+            )
+
+            def route():
+                rk(y_front, router_bias, ids, tw0, b0.pairs, b0.slot_e, b0.slot_off,
+                   b0.slot_n, b0.nact, acc.view(-1))  # fmt: skip
 
     kn = w2_knobs()
     pre = w2_pre()

@@ -65,6 +65,7 @@ ROWS = 16  # MMA M
 KCH = 32  # k per chunk: two m16n8k16 steps
 NW = 8  # warps per CTA (K slices)
 RING_STAGES = 4
+EARLY_SPLITS = (2, 4)  # FrontMmaEarly: CTAs per router row tile (K parts)
 
 
 NORM_MAX_T = 16  # FrontMmaNorm: each CTA re-reads the T rows of r for their norms
@@ -78,7 +79,7 @@ class FrontMma:
     eps = 1e-5
 
     def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
-                 load: str = "regs"):  # fmt: skip
+                 load: str = "regs", rks: int = 1, n_router: int = 0):  # fmt: skip
         if load not in mc.LOADS:
             raise ValueError(f"front_mma: load {load!r}, expected one of {mc.LOADS}")
         self.load = load
@@ -103,6 +104,26 @@ class FrontMma:
                 break
         self.U = u
         self.NS = RING_STAGES  # "ring": chunks in flight per warp
+        self._early(rks, n_router)
+
+    def _early(self, rks: int, n_router: int) -> None:
+        """``rks`` CTAs per router row tile (:class:`FrontMmaEarly`), each on ``1 / rks`` of K,
+        so that the router's logits are complete early in the launch: the first ``NSIG = rks *
+        ceil(n_router / 16)`` CTAs; ``rks = 1``: the kernel as before."""
+        self.RKS, self.NRT_R, self.NSIG, self.CPWR, self.UR = rks, 0, 0, self.CPW, self.U
+        if rks == 1:
+            return
+        if rks not in EARLY_SPLITS or self.RT != 1 or n_router % ROWS or n_router >= self.NF:
+            raise ValueError(f"front_mma: router split {rks} (one of {EARLY_SPLITS}) needs one "
+                             f"row tile per CTA and {n_router} router rows a multiple of {ROWS} "
+                             f"below {self.NF}")  # fmt: skip
+        if self.CPW % rks:
+            raise ValueError(f"front_mma: {self.CPW} chunks per warp do not split in {rks}")
+        self.NRT_R = n_router // ROWS
+        self.NSIG = self.NRT_R * rks
+        self.grid = self.ntiles + self.NRT_R * (rks - 1)
+        self.CPWR = self.CPW // rks
+        self.UR = next(c for c in (4, 3, 2, 1) if self.CPWR % c == 0)
 
     @cute.jit
     def __call__(
@@ -130,9 +151,33 @@ class FrontMma:
         self.body(mX, mW, mY, mAcc, mDone, None)
 
     @cute.jit
-    def body(self, mX, mW, mY, mAcc, mDone, mNorm):
-        """The kernel (traced inline); ``mNorm`` [K] bf16: :class:`FrontMmaNorm`'s weights."""
-        T, RT, NJ, MP, U = self.T, self.RT, self.NJ, self.MP, self.U
+    def body(self, mX, mW, mY, mAcc, mDone, mNorm, mPart=None, mSig=None):
+        """The kernel (traced inline); ``mNorm`` [K] bf16: :class:`FrontMmaNorm`'s weights;
+        ``mPart`` / ``mSig``: :class:`FrontMmaEarly`'s partial logits and arrival counter."""
+        if const_expr(self.RKS == 1):  # t0 None: bid * RT (the same PTX as before the split)
+            self._work(mX, mW, mY, mAcc, mDone, mNorm, None, 0, self.CPW, self.U, False, mPart)
+        else:
+            bid, _, _ = cute.arch.block_idx()
+            if bid < self.NSIG:  # a K part of a router row tile
+                self._work(mX, mW, mY, mAcc, mDone, mNorm, bid // self.RKS, bid % self.RKS,
+                           self.CPWR, self.UR, True, mPart)  # fmt: skip
+                # every thread's logits stored before thread 0 counts the CTA in (release)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                tid, _, _ = cute.arch.thread_idx()
+                if tid == 0:
+                    cute.arch.atomic_add(mSig.iterator, Int32(1), sem="acq_rel", scope="gpu")
+            else:
+                self._work(mX, mW, mY, mAcc, mDone, mNorm, bid - self.NSIG + self.NRT_R, 0,
+                           self.CPW, self.U, False, mPart)  # fmt: skip
+
+    @cute.jit
+    def _work(self, mX, mW, mY, mAcc, mDone, mNorm, t0, kpart, cpw: cutlass.Constexpr[int],
+              U: cutlass.Constexpr[int], router: cutlass.Constexpr[bool], mPart):  # fmt: skip
+        """One CTA's row tiles ``t0 ..`` (``RT`` of them) over K chunks ``kpart * cpw * NW``
+        onward, ``cpw`` per warp; ``router``: partial logits, part ``kpart`` of ``RKS`` (part 0
+        into ``y``, the others into ``mPart``)."""
+        T, RT, NJ, MP = self.T, self.RT, self.NJ, self.MP
         NT = NW * 32
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -149,13 +194,16 @@ class FrontMma:
         atom = mc.mma_atom()
         rows = []
         for q in cutlass.range_constexpr(RT):
-            rows.append(cutlass.min(bid * RT + q, self.ntiles - 1) * ROWS + g)
+            t_q = bid * RT + q if const_expr(t0 is None) else t0 + q  # t0 None: bid * RT
+            rows.append(cutlass.min(t_q, self.ntiles - 1) * ROWS + g)
         toks = []
         for j in cutlass.range_constexpr(NJ):
             toks.append(cutlass.min(j * 8 + g, T - 1))  # rows past T: computed, never stored
         accs = mc.zero_accs(RT * NJ)
         fa, fb = mc.fragments()
-        chunk0 = warp * self.CPW
+        chunk0 = warp * cpw
+        if const_expr(router):
+            chunk0 = kpart * (cpw * NW) + warp * cpw
         NS = self.NS
         sR = None
         if const_expr(self.load == "ring"):
@@ -187,7 +235,7 @@ class FrontMma:
             mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ, act(k0))
 
         if const_expr(self.load == "ring"):
-            mc.ring_fill(self.CPW, NS, issue)  # weights: before the wait (never written upstream)
+            mc.ring_fill(cpw, NS, issue)  # weights: before the wait (never written upstream)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         for i in cutlass.range(bid * NT + tid, self.n_acc, self.grid * NT):
@@ -217,9 +265,9 @@ class FrontMma:
                 rstd.append(sNs[NW + toks[j]])
 
         if const_expr(self.load == "ring"):
-            mc.ring_main(self.CPW, NS, issue, consume)
+            mc.ring_main(cpw, NS, issue, consume)
         else:
-            for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
+            for it in cutlass.range(cpw // U, unroll_full=T <= 16):
                 mc.mma_chunks(
                     atom, accs, fa, fb, mW, rows, NJ, U,
                     lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
@@ -250,7 +298,7 @@ class FrontMma:
             for j in cutlass.range_constexpr(NJ):
                 mc.stash_acc(sRed, warp, g, c, j, accs[q * NJ + j])
             cute.arch.barrier()
-            t = bid * RT + q
+            t = bid * RT + q if const_expr(t0 is None) else t0 + q
             if t < self.ntiles:
                 for i in cutlass.range_constexpr(-(-(ROWS * T) // NT)):
                     idx = tid + i * NT
@@ -262,8 +310,43 @@ class FrontMma:
                             val = val + sRed[w, r, m]
                         if const_expr(self.fold):
                             val = val * sRs[m]
-                        mY[m, t * ROWS + r] = val
+                        if const_expr(router):
+                            if kpart == 0:
+                                mY[m, t * ROWS + r] = val
+                            else:
+                                mPart[((kpart - 1) * T + m) * (self.NRT_R * ROWS)
+                                      + t * ROWS + r] = val  # fmt: skip
+                        else:
+                            mY[m, t * ROWS + r] = val
             cute.arch.barrier()
+
+
+class FrontMmaEarly(FrontMma):
+    """:class:`FrontMma` whose router row tiles (the first ``n_router`` packed rows) run as
+    ``rks`` CTAs each, on ``1 / rks`` of K: part 0 writes its partial logits into ``y``, part
+    ``p`` into ``part[p - 1]`` (FP32 ``[rks - 1, T, n_router]``), and each of those ``NSIG``
+    CTAs then counts itself into ``sig[0]`` (its stores fenced at GPU scope, an acq_rel atomic).
+    All of the launch's CTAs are resident at once at one token (0.5 waves on an H200), so a
+    router CTA with a quarter of K is done about a quarter of the way in: the route kernel
+    (:class:`.experts_t1.RouteT1Early`), resident beside the front under PDL, sums the parts
+    and ranks the token while the front still streams its other rows
+    (``DECODESCOPE_MOE_T1_EARLY``, opt-in, session 28)."""
+
+    def __init__(self, T: int, K: int, NF: int, n_acc: int, n_done: int, pdl: bool = True,
+                 load: str = "regs", rks: int = 4, n_router: int = 0):  # fmt: skip
+        super().__init__(T, K, NF, n_acc, n_done, pdl, load, rks, n_router)
+        if rks == 1:
+            raise ValueError("front_mma: FrontMmaEarly needs a router split of 2 or 4")
+
+    @cute.jit
+    def __call__(self, mX, mW, mY, mAcc, mDone, mPart, mSig, stream):
+        self.kernel(mX, mW, mY, mAcc, mDone, mPart, mSig).launch(
+            grid=[self.grid, 1, 1], block=[NW * 32, 1, 1], stream=stream, use_pdl=self.pdl
+        )
+
+    @cute.kernel
+    def kernel(self, mX, mW, mY, mAcc, mDone, mPart, mSig):
+        self.body(mX, mW, mY, mAcc, mDone, None, mPart, mSig)
 
 
 class FrontMmaNorm(FrontMma):
@@ -352,9 +435,24 @@ def fold_enabled() -> bool:
     return env_knobs.read(FOLD_ENV, ("0", "1"), "0") == "1"
 
 
-def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=False):
+def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=False,
+           early=(1, 0)):  # fmt: skip
     """``norm_eps``: :class:`FrontMmaNorm` with that eps (the norm weights an extra argument),
-    ``fold`` its folded form."""
+    ``fold`` its folded form; ``early = (rks, n_router)`` with ``rks > 1``:
+    :class:`FrontMmaEarly` (the partial logits and the counter extra arguments)."""
+    rks, n_router = early
+    if rks > 1:
+        op = FrontMmaEarly(T, K, NF, n_acc, n_done, pdl, load, rks, n_router)
+        args = (
+            itf.fake(torch.bfloat16, (T, K)),
+            itf.fake(torch.bfloat16, (NF, K)),
+            itf.fake(torch.float32, (T, NF)),
+            itf.fake(torch.float32, (n_acc,)),
+            itf.fake(torch.int32, (n_done,)),
+            itf.fake(torch.float32, ((rks - 1) * T * n_router,)),
+            itf.fake(torch.int32, (1,)),
+        )
+        return op, (*args, itf.env_stream())
     if norm_eps is None:
         op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
     else:
@@ -411,9 +509,12 @@ def front_variant(T: int, K: int, grouped: bool = False, nf: int = 0) -> str:
     return "mma" if 1 <= T <= 64 and K % (KCH * NW) == 0 else "simt"
 
 
-def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5) -> None:
+def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5, early=None) -> None:
     """Launch :class:`FrontMma`: ``y = x @ w_front^T`` (FP32), zero ``acc`` and ``done``; with
-    ``norm_w`` [K] :class:`FrontMmaNorm`: ``y = (rmsnorm(x) * norm_w) @ w_front^T``."""
+    ``norm_w`` [K] :class:`FrontMmaNorm`: ``y = (rmsnorm(x) * norm_w) @ w_front^T``; with
+    ``early = (rks, n_router, part, sig)`` :class:`FrontMmaEarly` (not with ``norm_w``):
+    ``y``'s first ``n_router`` columns hold part 0 of the logits, ``part`` the others, and
+    ``sig[0]`` counts the router CTAs done (the route kernel that sums them resets it)."""
     T, K = x.shape
     NF = w_front.shape[0]
     itf.check(x, "x", (T, K), torch.bfloat16)
@@ -421,6 +522,8 @@ def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5) -> None:
     itf.check(y, "y_front", (T, NF), torch.float32)
     pdl = pdl_enabled()
     load = mma_load("front", T)
+    if norm_w is not None and early is not None:
+        raise ValueError("front_mma: the early router split runs without the norm prologue")
     if norm_w is not None:
         itf.check(norm_w, "norm_w", (K,), torch.bfloat16)
         fold = fold_enabled()
@@ -432,6 +535,20 @@ def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5) -> None:
             ),  # fmt: skip
         )
         fn(x, w_front, y, acc.view(-1), done.view(-1), norm_w)
+        return
+    if early is not None:
+        rks, n_router, part, sig = early
+        itf.check(part, "early part", ((rks - 1) * T * n_router,), torch.float32)
+        itf.check(sig, "early sig", (1,), torch.int32)
+        key = ("moe_front_mma_early", T, K, NF, acc.numel(), done.numel(), pdl, load, rks,
+               n_router)  # fmt: skip
+        fn = itf.compiled(
+            key,
+            lambda: _build(
+                T, K, NF, acc.numel(), done.numel(), pdl, load, early=(rks, n_router)
+            ),  # fmt: skip
+        )
+        fn(x, w_front, y, acc.view(-1), done.view(-1), part, sig)
         return
     key = ("moe_front_mma", T, K, NF, acc.numel(), done.numel(), pdl, load)
     fn = itf.compiled(key, lambda: _build(T, K, NF, acc.numel(), done.numel(), pdl, load))

@@ -172,6 +172,7 @@ class SpecializedMoE:
         ``tile``: the tile GEMM with FP32 output, no zeroing; only with the grouped experts,
         whose route kernel then zeroes ``acc``; ``done`` is theirs to ignore). ``wide``: one
         cuBLAS GEMM over all rows (FP32 out)."""
+        self._early_now = None  # set by _early() where this front runs the route early
         if self.wide:
             if not self._grouped():
                 raise ValueError(f"the wide MoE front needs the grouped expert kernels ({self.N} "
@@ -190,12 +191,34 @@ class SpecializedMoE:
                 if v == "tile":
                     _fm.front_tile(hc, self.w_front, y)
                 elif v == "mma":
-                    _fm.front_mma(hc, self.w_front, y, acc, self.done)
+                    _fm.front_mma(hc, self.w_front, y, acc, self.done, early=self._early())
                 else:
                     _rt.front_gemv(hc, self.w_front, y, acc, self.done)
 
+    def _early(self):
+        """``(rks, n_router, part, sig)`` for :func:`.front_mma.front_mma` where this call runs
+        the one-token route early (:func:`.experts_t1.early_plan`), else None; kept for
+        :meth:`experts` as ``_early_now``."""
+        from decodescope.kernels.specialized import experts_t1 as _t1
+
+        c = self.cfg
+        E = c.moe.num_experts
+        dims = (E, self.top_k, c.expert_dim, c.expert_inter, c.hidden, c.shared_inter)
+        if self.chunks != 1 or not self._grouped():
+            return None
+        rks = _t1.early_plan(self.N, dims, self.route_zeroes_acc())
+        if rks == 1:
+            return None
+        part, sig = _t1.early_buffers(self, rks, E, self.acc.device)
+        if getattr(self, "_early_pending", False):  # the last early front had no route after it
+            sig.zero_()  # (a check or a timing of the front alone): its counts are stale
+        self._early_now = (rks, part, sig)
+        self._early_pending = True
+        return rks, E, part, sig
+
     def front_residual(self, x: torch.Tensor, r_in: torch.Tensor, r_out: torch.Tensor) -> None:
         """Front kernel with the residual-add + RMSNorm (``mlp_norm``) in its prologue."""
+        self._early_now = None
         if self.mlp_norm is None:
             raise ValueError("forward_residual needs the layer's mlp_norm weight")
         if self.chunks > 1:
@@ -209,6 +232,7 @@ class SpecializedMoE:
         the attention side's ``o_proj`` does): ``front_mma.FrontMmaNorm`` where the front is
         the tensor-core kernel (up to ``NORM_MAX_T`` tokens), else ``router_topk.FrontGemv``
         with its norm prologue."""
+        self._early_now = None
         if self.mlp_norm is None:
             raise ValueError("forward_norm needs the layer's mlp_norm weight")
         mma = self._front() == "mma" and self.Nc <= _fm.NORM_MAX_T
@@ -228,12 +252,15 @@ class SpecializedMoE:
         with self._r(OPS[1]):
             E, S = self.cfg.moe.num_experts, self.cfg.shared_inter
             zero_acc = self.route_zeroes_acc()
+            early, self._early_now = getattr(self, "_early_now", None), None  # this front's
+            self._early_pending = getattr(self, "_early_pending", False) and early is None
             if self._grouped():
                 bufs = _mg.buffers_for(self, self.N, E, self.top_k, S, self.acc.device)
                 _mg.moe_grouped(
                     self.y_front, self.bias, self.w13, self.w2, self.shared_w2, self.h, self.acc,
                     self.shared_out, self.topk_ids, self.topk_weights, bufs, top_k=self.top_k,
                     scaling=self.scaling, beta=self.beta, lbeta=self.lbeta, zero_acc=zero_acc,
+                    early=early,
                 )  # fmt: skip
                 return
             if self.chunks > 1:

@@ -326,7 +326,26 @@ part29=(
   "90:qsteps:$K4 python scripts/gpu_steps.py --tp 16 --points 1x1 --layers dense,kda,mla --out $R/qsteps"
   "330:allsteps:python scripts/gpu_steps.py --tp 16 8 --points 1x1 8x1 32x1 64x1 1x8 8x8 --layers dense,kda,mla --budget 280 --out $R/allsteps"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 29
+# Part 30 (session 28): the one-token route off the critical path (DECODESCOPE_MOE_T1_EARLY=4:
+# FrontMmaEarly runs each router row tile as 4 CTAs on a quarter of K and counts them in;
+# RouteT1Early, resident beside the front, sums the parts and ranks while the front still
+# streams, then waits and triggers W13T1 as before). s28/n3 showed the ranking, not the route
+# launch, is the link (W13T1Route ranking in every CTA after its wait: the same time). Order:
+# the whole step first (correctness), then the layer A/B, the GPU tests, TP8. Prediction: each
+# MoE layer's share -2 to -3.5 us at TP16 (the route's 4.3 us after the front, s27/n4, less the
+# wait's release), projected step 7.74 -> 7.45-7.6 ms; wrong if under 1 us.
+EA="DECODESCOPE_MOE_T1_EARLY=4"
+part30=(
+  "70:esteps:$EA python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/esteps"
+  "45:e16d:$B1 --tp-shape 16 --json $R/e16d.json"
+  "45:e16e:$EA $B1 --tp-shape 16 --json $R/e16e.json"
+  "45:e16d2:$B1 --tp-shape 16 --json $R/e16d2.json"
+  "45:e16e2:$EA $B1 --tp-shape 16 --json $R/e16e2.json"
+  "90:etest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_experts_t1.py -k 't1_e4 or t1_e2'"
+  "45:e8d:$B1 --tp-shape 8 --json $R/e8d.json"
+  "45:e8e:$EA $B1 --tp-shape 8 --json $R/e8e.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 30
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -357,5 +376,6 @@ case "${1:-1}" in
   27) exec bash "$here/run_stages.sh" "${part27[@]}" ;;
   28) exec bash "$here/run_stages.sh" "${part28[@]}" ;;
   29) exec bash "$here/run_stages.sh" "${part29[@]}" ;;
+  30) exec bash "$here/run_stages.sh" "${part30[@]}" ;;
   *) echo "next_round.sh: part 1 to 28, got '$1'" >&2; exit 2 ;;
 esac
