@@ -479,7 +479,10 @@ class RouteT1Early(RouteT1):
     trigger: :class:`W13T1`'s pre-wait shared down reads ``y``'s shared columns, so it must not
     become resident before the front is done. Nothing that ran before the front reads the lists
     (PDL's waits chain: every earlier kernel is complete once the front passed its wait, and this
-    kernel launches only after that)."""
+    kernel launches only after that). H200 s28/n7 (TP16 batch 1; correct, the whole step
+    against the standard one): slower, each MoE layer +9 us (it became resident 10 us into the
+    front and ended 8.6 us after it: the one-warp ranking beside a front that saturates HBM;
+    notes/specialized.md, session 28), so off by default."""
 
     def __init__(self, E, K, L, scaling, pdl=True, rks: int = 4):
         from decodescope.kernels.specialized import front_mma as fm
