@@ -373,6 +373,21 @@ def _ld(m, i, ty=Int32):
     return cute.arch.load(m.iterator + i, ty, sem="relaxed", scope="gpu")
 
 
+def _rank_smem(E: int, CAP: int) -> tuple:
+    """:func:`_rank_one`'s shared memory for one warp: picks, weights, per-expert counts, the
+    warp's maxima and the threshold candidates (values, indices, scores)."""
+    smem = cutlass.memory.SmemAllocator()
+    return (
+        smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16),
+        smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16),
+        smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16),
+        smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16),
+        smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16),
+        smem.allocate_tensor(Int32, cute.make_layout(CAP + 4), byte_alignment=16),
+        smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16),
+    )
+
+
 class RouteT1:
     """Kernel 1 of the ``t1`` mode with ``DECODESCOPE_MOE_T1_ROUTE=t1``: one warp ranks the one
     token (:func:`route_topk.thresh_topk`, the grouped route's top-k) and writes the ids,
@@ -403,14 +418,7 @@ class RouteT1:
     def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mAcc):
         E, K, CAP = self.E, self.K, rtk.CAP
         lane = cute.arch.lane_idx()
-        smem = cutlass.memory.SmemAllocator()
-        sIds = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
-        sTw = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-        sV = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
-        sI = smem.allocate_tensor(Int32, cute.make_layout(CAP + 4), byte_alignment=16)
-        sS = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sIds, sTw, sCnt, sM, sV, sI, sS = _rank_smem(E, CAP)
         bias = rtk.load_bias(mBias, lane, E)  # a weight: before the PDL wait
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
@@ -508,14 +516,7 @@ class RouteT1Early(RouteT1):
 
         E, K, CAP = self.E, self.K, rtk.CAP
         lane = cute.arch.lane_idx()
-        smem = cutlass.memory.SmemAllocator()
-        sIds = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
-        sTw = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-        sCnt = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout(32), byte_alignment=16)
-        sV = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
-        sI = smem.allocate_tensor(Int32, cute.make_layout(CAP + 4), byte_alignment=16)
-        sS = smem.allocate_tensor(Float32, cute.make_layout(CAP + 4), byte_alignment=16)
+        sIds, sTw, sCnt, sM, sV, sI, sS = _rank_smem(E, CAP)
         bias = rtk.load_bias(mBias, lane, E)  # a weight: before anything else
         v = cute.arch.load(mSig.iterator, Int32, sem="acquire", scope="gpu")
         if v < self.NSIG:

@@ -444,17 +444,7 @@ def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=F
     rks, n_router = early
     if rks > 1:
         op = FrontMmaEarly(T, K, NF, n_acc, n_done, pdl, load, rks, n_router)
-        args = (
-            itf.fake(torch.bfloat16, (T, K)),
-            itf.fake(torch.bfloat16, (NF, K)),
-            itf.fake(torch.float32, (T, NF)),
-            itf.fake(torch.float32, (n_acc,)),
-            itf.fake(torch.int32, (n_done,)),
-            itf.fake(torch.float32, ((rks - 1) * T * n_router,)),
-            itf.fake(torch.int32, (1,)),
-        )
-        return op, (*args, itf.env_stream())
-    if norm_eps is None:
+    elif norm_eps is None:
         op = FrontMma(T, K, NF, n_acc, n_done, pdl, load)
     else:
         op = FrontMmaNorm(T, K, NF, n_acc, n_done, pdl, load, norm_eps, fold)
@@ -465,7 +455,9 @@ def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=F
         itf.fake(torch.float32, (n_acc,)),
         itf.fake(torch.int32, (n_done,)),
     )
-    if norm_eps is not None:
+    if rks > 1:
+        args += (itf.fake(torch.float32, ((rks - 1) * T * n_router,)), itf.fake(torch.int32, (1,)))
+    elif norm_eps is not None:
         args += (itf.fake(torch.bfloat16, (K,)),)
     return op, (*args, itf.env_stream())
 
