@@ -32,6 +32,7 @@ import streamlit as st
 
 from decodescope import tracer
 from decodescope.analysis import compare, metrics, regress
+from decodescope.analysis import timeline as tl
 from decodescope.analysis.dataset import BASELINE_KEYS, same_setup
 from decodescope.analysis.schema import Run
 from decodescope.tracer import dataset
@@ -624,6 +625,15 @@ def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool
     )
     name = "step" if chosen is None else f"layer{chosen}"
     chart(fig, f"timeline_{name}_step{step}", "fig-timeline")
+    picked = [(labels[0], ka, step)] + ([] if single else [(labels[1], kb, step_b)])
+    for label, k, s in picked:  # what the bars add up to (analysis.timeline, as the CLI's)
+        m = tl.summary(tl.layer_timeline(k, chosen, s))
+        if m["kernels"]:
+            st.caption(
+                f"{label}: {m['kernels']} kernels, span {m['span_us']:.1f} us, busy "
+                f"{m['busy_us']:.1f}, idle {m['idle_us']:.1f} (no kernel running), overlap "
+                f"{m['overlap_us']:.1f} (kernels resident before the ones before them ended)"
+            )
 
 
 def layer_rows(k: pa.Table, step: int | None) -> pa.Table:

@@ -1,0 +1,169 @@
+"""One layer's kernels in one step, in start order: where the layer's time goes.
+
+For each kernel: its start and end relative to the layer's first kernel start, its duration and
+its ``gap``: the start minus the latest end of the kernels before it. A positive gap is a bubble
+(no kernel of the layer ran); a negative one an overlap, as when programmatic dependent launch
+makes a kernel resident while its predecessor still runs (it waits there, and the span counts
+the wait). The summary adds the span, the time covered by at least one kernel (``busy``) and
+the rest (``idle``), which is what a fused path's launches leave on the table.
+
+The default step is the median of the layer's steps (a typical replay, not the first one after
+capture); ``layer=None`` takes the step's every kernel (traces without layer ranges).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+# CuTe DSL kernels: kernel_cutlass_kernel_<module path><Class>_object_at_<arguments...>
+_CUTE = re.compile(
+    r"^kernel_cutlass_kernel_(?:decodescopekernels(?:specialized|standard)?)?(.+?)_object_at_"
+)
+NAME_MAX = 60
+
+
+def short_name(name: str) -> str:
+    """A kernel name a table can hold: a CuTe DSL kernel as its module and class
+    (``experts_t1W13T1``), a C++ one without its argument list and template arguments, at most
+    ``NAME_MAX`` characters (an ellipsis where cut)."""
+    m = _CUTE.match(name)
+    if m:
+        s = m.group(1)
+    else:
+        s = name.split("(", 1)[0]
+        s = re.sub(r"<.*>", "<>", s) if "<" in s else s
+        s = s.removeprefix("void ").strip() or name
+    return s if len(s) <= NAME_MAX else s[: NAME_MAX - 1] + "…"
+
+
+def _select(kernels: pa.Table, layer: int | None, step: int | None, rank: int | None) -> pa.Table:
+    k = kernels
+    if rank is not None and "rank" in k.column_names:
+        k = k.filter(pc.fill_null(pc.equal(k["rank"], rank), False))
+    if layer is not None:
+        k = k.filter(pc.fill_null(pc.equal(k["layer"], layer), False))
+    if step is None:
+        return k.filter(pc.is_null(k["step"]))
+    return k.filter(pc.fill_null(pc.equal(k["step"], step), False))
+
+
+def steps_of(kernels: pa.Table, layer: int | None, rank: int | None = None) -> list[int]:
+    """The steps holding kernels of ``layer`` (every layer for None), ascending."""
+    k = kernels
+    if rank is not None and "rank" in k.column_names:
+        k = k.filter(pc.fill_null(pc.equal(k["rank"], rank), False))
+    if layer is not None:
+        k = k.filter(pc.fill_null(pc.equal(k["layer"], layer), False))
+    return sorted(int(s) for s in pc.unique(k["step"].drop_null()).to_pylist())
+
+
+def median_step(kernels: pa.Table, layer: int | None, rank: int | None = None) -> int | None:
+    """The median of the layer's steps (the lower one of an even count); None where the kernels
+    carry no step numbers."""
+    steps = steps_of(kernels, layer, rank)
+    return steps[(len(steps) - 1) // 2] if steps else None
+
+
+def layers_of(kernels: pa.Table) -> list[int]:
+    """The layers the kernels are attributed to, ascending."""
+    return sorted(int(x) for x in pc.unique(kernels["layer"].drop_null()).to_pylist())
+
+
+def layer_timeline(
+    kernels: pa.Table, layer: int | None, step: int | None, rank: int | None = None
+) -> pa.Table:
+    """The kernels of ``layer`` (None: all) in ``step`` (None: those without a step) and
+    ``rank``, in start order: ``start_us``, ``end_us`` (from the first start), ``dur_us``,
+    ``gap_us`` (start minus the latest earlier end; null for the first), ``op``, ``kernel``
+    (:func:`short_name`), ``stream``, ``grid`` ("x,y,z") and the full ``name``."""
+    k = _select(kernels, layer, step, rank)
+    if k.num_rows == 0:
+        return pa.table(
+            {
+                c: pa.array([], t)
+                for c, t in (
+                    ("start_us", pa.float64()), ("end_us", pa.float64()),
+                    ("dur_us", pa.float64()), ("gap_us", pa.float64()), ("op", pa.string()),
+                    ("kernel", pa.string()), ("stream", pa.int64()), ("grid", pa.string()),
+                    ("name", pa.string()),
+                )
+            }
+        )  # fmt: skip
+    start = k["start_ns"].to_numpy(zero_copy_only=False).astype(np.int64)
+    end = k["end_ns"].to_numpy(zero_copy_only=False).astype(np.int64)
+    order = np.lexsort((end, start))
+    start, end = start[order], end[order]
+    t0 = start[0]
+    prev_end = np.maximum.accumulate(end)
+    gap = np.empty(len(start), dtype=np.float64)
+    gap[0] = np.nan
+    gap[1:] = (start[1:] - prev_end[:-1]) / 1e3
+    names = k["name"].to_pylist()
+    ops = k["op"].to_pylist() if "op" in k.column_names else [None] * k.num_rows
+    streams = k["stream"].to_pylist() if "stream" in k.column_names else [None] * k.num_rows
+
+    def dims(i: int) -> str | None:
+        vals = [k[f"grid_{c}"][i].as_py() if f"grid_{c}" in k.column_names else None
+                for c in "xyz"]  # fmt: skip
+        if all(v is None for v in vals):
+            return None
+        return ",".join("-" if v is None else str(v) for v in vals)
+
+    return pa.table(
+        {
+            "start_us": pa.array((start - t0) / 1e3, pa.float64()),
+            "end_us": pa.array((end - t0) / 1e3, pa.float64()),
+            "dur_us": pa.array((end - start) / 1e3, pa.float64()),
+            "gap_us": pa.array(gap, pa.float64(), mask=np.isnan(gap)),
+            "op": pa.array([ops[i] for i in order], pa.string()),
+            "kernel": pa.array([short_name(names[i]) for i in order], pa.string()),
+            "stream": pa.array([streams[i] for i in order], pa.int64()),
+            "grid": pa.array([dims(int(i)) for i in order], pa.string()),
+            "name": pa.array([names[i] for i in order], pa.string()),
+        }
+    )
+
+
+def summary(t: pa.Table) -> dict:
+    """``kernels``, ``span_us`` (last end - first start), ``busy_us`` (covered by at least one
+    kernel), ``idle_us`` (span - busy: the bubbles), ``overlap_us`` (the negative gaps summed:
+    for each kernel, how long before the latest earlier end it started)."""
+    if t.num_rows == 0:
+        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
+    s = t["start_us"].to_numpy()
+    e = t["end_us"].to_numpy()
+    busy, cur_s, cur_e = 0.0, s[0], e[0]
+    for a, b in zip(s[1:], e[1:], strict=True):
+        if a > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += cur_e - cur_s
+    span = float(e.max() - s.min())
+    gaps = t["gap_us"].drop_null().to_numpy()
+    return {
+        "kernels": t.num_rows,
+        "span_us": span,
+        "busy_us": float(busy),
+        "idle_us": float(span - busy),
+        "overlap_us": float(-gaps[gaps < 0].sum()) if (gaps < 0).any() else 0.0,
+    }
+
+
+def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
+    """One text bar per kernel, ``width`` characters for ``scale_us`` (default: the span): the
+    kernel's interval drawn with ``█`` on ``·``."""
+    if t.num_rows == 0:
+        return []
+    scale = scale_us or float(t["end_us"].to_numpy().max()) or 1.0
+    out = []
+    for a, b in zip(t["start_us"].to_pylist(), t["end_us"].to_pylist(), strict=True):
+        i = min(width - 1, int(a / scale * width))
+        j = max(i + 1, min(width, int(np.ceil(b / scale * width))))
+        out.append("·" * i + "█" * (j - i) + "·" * (width - j))
+    return out

@@ -1,0 +1,100 @@
+"""``decodescope timeline A [B]``: one layer's kernels in one step, in start order, with gaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import typer
+
+from decodescope.analysis import timeline as tl
+from decodescope.analysis.schema import Run
+from decodescope.ui.cli import app, console, fail
+from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
+from decodescope.ui.render import arrow_table, dumps
+
+COLS = ["start_us", "end_us", "dur_us", "gap_us", "op", "kernel", "grid", "bar"]
+HEADERS = {
+    "start_us": "start us",
+    "end_us": "end us",
+    "dur_us": "dur us",
+    "gap_us": "gap us",
+    "bar": "timeline",
+}
+
+
+def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | None) -> dict:
+    """One side's timeline: the step (default: the layer's median step), the kernels, the
+    summary. A layer or step the run does not hold is a one-line error naming the run."""
+    k = run.kernels
+    if k.num_rows == 0:
+        raise fail(f"{label} ({run.meta.run_id}): no kernel records")
+    if layer is not None and layer not in tl.layers_of(k):
+        have = tl.layers_of(k)
+        where = f"layers {have[0]}..{have[-1]}" if have else "no kernel is attributed to a layer"
+        raise fail(f"{label} ({run.meta.run_id}): no kernels of layer {layer} ({where})")
+    steps = tl.steps_of(k, layer, rank)
+    if step is None:
+        step = tl.median_step(k, layer, rank)
+    elif step not in steps:
+        where = f"steps {steps[0]}..{steps[-1]}" if steps else "no step numbers"
+        raise fail(f"{label} ({run.meta.run_id}): no kernels in step {step} ({where})")
+    t = tl.layer_timeline(k, layer, step, rank)
+    if t.num_rows == 0:
+        raise fail(f"{label} ({run.meta.run_id}): no kernels of the layer in step {step}")
+    return {"label": label, "run_id": run.meta.run_id, "layer": layer, "step": step,
+            "steps": len(steps), "summary": tl.summary(t), "kernels": t}  # fmt: skip
+
+
+@app.command("timeline")
+def timeline(
+    a: Path = typer.Argument(..., help="run A (run folder, trace or DATASET@RUN_ID)"),
+    b: Path | None = typer.Argument(None, help="run B, drawn below A on the same scale"),
+    layer: int | None = typer.Option(
+        None, "--layer", help="layer index (default: the first attributed layer; none: the step)"
+    ),
+    step: int | None = typer.Option(None, "--step", help="step (default: the layer's median)"),
+    step_b: int | None = typer.Option(None, "--step-b", help="B's step (default: its median)"),
+    rank: int | None = typer.Option(None, "--rank", help="rank of a multi-GPU run"),
+    width: int = typer.Option(40, "--width", min=10, max=200, help="characters of the bars"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
+) -> None:
+    """One layer's kernels in one step: start, end, duration and the gap to the kernels before
+    (positive: a bubble; negative: resident early, as under PDL), with span, busy and idle."""
+    runs = [(load_with_progress(a, scheme), "A")]
+    if b is not None:
+        runs.append((load_with_progress(b, scheme), "B"))
+    if layer is None:
+        have = tl.layers_of(runs[0][0].kernels) if runs[0][0].kernels.num_rows else []
+        layer = have[0] if have else None
+    sides = [side(run, label, layer, step if label == "A" else step_b, rank) for run, label in runs]
+    scale = max(s["summary"]["span_us"] for s in sides) or None
+    if json_out:
+        typer.echo(dumps([_jsonable(s) for s in sides]))
+        return
+    for s in sides:
+        t = s["kernels"]
+        t = t.append_column("bar", pa.array(tl.bars(t, width, scale), pa.string()))
+        where = "the whole step" if s["layer"] is None else f"layer {s['layer']}"
+        console.print(
+            arrow_table(
+                t,
+                f"{s['label']}: {s['run_id']}, {where}, step {s['step']} (of {s['steps']})",
+                COLS,
+                HEADERS,
+                max_width={"kernel": 40, "op": 40},
+            )
+        )
+        console.print(_summary_line(s["summary"]), highlight=False, soft_wrap=True)
+
+
+def _summary_line(m: dict[str, Any]) -> str:
+    return (f"{m['kernels']} kernels: span {m['span_us']:.1f} us, busy {m['busy_us']:.1f}, "
+            f"idle {m['idle_us']:.1f} (bubbles), overlap {m['overlap_us']:.1f} "
+            "(kernels resident before the ones before them ended)")  # fmt: skip
+
+
+def _jsonable(s: dict) -> dict:
+    return {**{k: v for k, v in s.items() if k != "kernels"}, "kernels": s["kernels"].to_pylist()}
