@@ -98,3 +98,25 @@ def test_cli_timeline_of_a_trace_and_errors():
         lines = [x for x in e.stderr.splitlines() if x.strip()]
         assert e.returncode == 2 and len(lines) == 1, e.stderr
         assert "specialized-20261203T154926-8e01fd" in lines[0] and msg in lines[0]
+
+
+def test_cli_timeline_of_a_two_gpu_trace():
+    """An Nsight Systems capture of two H100s: one GPU's timeline (the first rank unless
+    ``--rank``), its 1721 kernels summed though the table shows ``--limit`` of them; a rank
+    the run lacks is a one-line error."""
+    nsys = (
+        ROOT
+        / "tests"
+        / "data"
+        / "traces"
+        / "nsys_h100x2_fastvideo_nvtx_aten__nsys-ai_h100_2gpu_1s.sqlite"
+    )
+    p = cli("timeline", nsys, "--limit", "5")
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    assert "rank 0 (of 2)" in out and "1716 more rows not shown" in out
+    assert "1721 kernels: span" in out
+    js = json.loads(cli("timeline", nsys, "--rank", "1", "--json").stdout)
+    assert js[0]["rank"] == 1 and js[0]["summary"]["kernels"] == len(js[0]["kernels"]) > 0
+    e = cli("timeline", nsys, "--rank", "5")
+    assert e.returncode == 2 and "no rank 5 (ranks [0, 1])" in e.stderr

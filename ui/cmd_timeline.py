@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 import typer
 
+from decodescope.analysis import metrics
 from decodescope.analysis import timeline as tl
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console, fail
@@ -30,6 +31,11 @@ def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | 
     k = run.kernels
     if k.num_rows == 0:
         raise fail(f"{label} ({run.meta.run_id}): no kernel records")
+    ranks = metrics.ranks_of(k)
+    if rank is None:
+        rank = ranks[0] if len(ranks) > 1 else None  # one GPU's timeline: the first rank
+    elif rank not in ranks:
+        raise fail(f"{label} ({run.meta.run_id}): no rank {rank} (ranks {ranks})")
     if layer is not None and layer not in tl.layers_of(k):
         have = tl.layers_of(k)
         where = f"layers {have[0]}..{have[-1]}" if have else "no kernel is attributed to a layer"
@@ -44,7 +50,8 @@ def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | 
     if t.num_rows == 0:
         raise fail(f"{label} ({run.meta.run_id}): no kernels of the layer in step {step}")
     return {"label": label, "run_id": run.meta.run_id, "layer": layer, "step": step,
-            "steps": len(steps), "summary": tl.summary(t), "kernels": t}  # fmt: skip
+            "steps": len(steps), "rank": rank, "ranks": len(ranks), "summary": tl.summary(t),
+            "kernels": t}  # fmt: skip
 
 
 @app.command("timeline")
@@ -58,11 +65,13 @@ def timeline(
     step_b: int | None = typer.Option(None, "--step-b", help="B's step (default: its median)"),
     rank: int | None = typer.Option(None, "--rank", help="rank of a multi-GPU run"),
     width: int = typer.Option(40, "--width", min=10, max=200, help="characters of the bars"),
+    limit: int = typer.Option(200, "--limit", min=1, help="kernels per table (the sums: all)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """One layer's kernels in one step: start, end, duration and the gap to the kernels before
-    (positive: a bubble; negative: resident early, as under PDL), with span, busy and idle."""
+    (positive: a bubble; negative: resident early, as under PDL), with span, busy and idle; a
+    multi-GPU run shows one rank (the first unless --rank)."""
     runs = [(load_with_progress(a, scheme), "A")]
     if b is not None:
         runs.append((load_with_progress(b, scheme), "B"))
@@ -78,12 +87,14 @@ def timeline(
         t = s["kernels"]
         t = t.append_column("bar", pa.array(tl.bars(t, width, scale), pa.string()))
         where = "the whole step" if s["layer"] is None else f"layer {s['layer']}"
+        rk = f", rank {s['rank']} (of {s['ranks']})" if s["rank"] is not None else ""
         console.print(
             arrow_table(
                 t,
-                f"{s['label']}: {s['run_id']}, {where}, step {s['step']} (of {s['steps']})",
+                f"{s['label']}: {s['run_id']}, {where}, step {s['step']} (of {s['steps']}){rk}",
                 COLS,
                 HEADERS,
+                limit=limit,
                 max_width={"kernel": 40, "op": 40},
             )
         )
