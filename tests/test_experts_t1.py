@@ -655,7 +655,8 @@ def test_front_early_compiles(tp, rks):
 def test_route_early_compiles():
     """:class:`RouteT1Early`: the arrival counter acquired (with ``nanosleep`` between reads and
     the global timer's cap) and the lists stored before the PDL wait, the dependents
-    triggered after it (W13T1's pre-wait shared down reads the front's output)."""
+    triggered after it (W13T1's pre-wait shared down reads the front's output); the phases'
+    timer stamps around them."""
     cfg = get_config("kimi-k3", 16)
     e = cfg.moe
     NF = e.num_experts + cfg.expert_dim + 2 * cfg.shared_inter
@@ -663,9 +664,12 @@ def test_route_early_compiles():
     assert 4 * e.num_experts // 16 == op.NSIG
     ptx = itf.ptx_text(op, *args)
     acq, wait = ptx.find("ld.acquire.gpu"), ptx.find("griddepcontrol.wait")
-    assert 0 < acq < ptx.find("st.global") < wait < ptx.find("griddepcontrol.launch_dependents")
+    assert 0 < acq < wait < ptx.find("griddepcontrol.launch_dependents")
     assert "nanosleep" in ptx and "globaltimer" in ptx
-    assert ptx.rfind("st.global") < wait  # every list store before the wait
+    # before the counter only the resident stamp (its 2 words: one or two stores), after the
+    # wait only the waited one: every list store between them
+    assert 1 <= ptx[:acq].count("st.global") <= 2 and 1 <= ptx[wait:].count("st.global") <= 2
+    assert ptx[acq:wait].count("st.global") > 2 * e.top_k
     assert itf.compile_only(op, *args) is not None
 
 
@@ -688,7 +692,7 @@ def test_early_selection(clean_env):
     assert isinstance(built[0], fm.FrontMmaEarly) and isinstance(built[1], t1.RouteT1Early)
     assert built[0].NSIG == built[1].NSIG == 224
     part, sig = blk._t1_early
-    assert part.numel() == 3 * 896 and int(sig.item()) == 0
+    assert part.numel() == 3 * 896 and int(sig[0]) == 0 and sig.numel() == 16
     calls.clear()
     blk.experts()  # no front before it: the usual route
     assert [c[0] for c in calls][0] == "moe_t1_route"
@@ -700,3 +704,27 @@ def test_early_selection(clean_env):
     mp.setenv("DECODESCOPE_MOE_T1_EARLY", "8")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_T1_EARLY='8'"):
         blk.front(h)
+
+
+def test_early_stamps_read_and_script_refusal():
+    """The early route's timer stamps read back from their int32 words (low word with its top
+    bit set: unsigned); ``scripts/early_stamps.py`` without the knob is a one-line error."""
+    import os
+    import subprocess
+    import sys
+
+    from decodescope.kernels.specialized import front_mma as fm
+
+    sig = torch.zeros(fm.EARLY_SIG_WORDS, dtype=torch.int32)
+    t = (5 << 32) | 0x80000001
+    w = fm.STAMPS["route_ranked"]
+    sig[w] = torch.tensor(0x80000001, dtype=torch.int64).to(torch.int32)
+    sig[w + 1] = 5
+    assert fm.read_stamps(sig)["route_ranked"] == t
+    assert fm.read_stamps(sig)["router_done"] == 0
+    script = Path(__file__).resolve().parents[1] / "scripts" / "early_stamps.py"
+    env = {k: v for k, v in os.environ.items() if k != "DECODESCOPE_MOE_T1_EARLY"}
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert (
+        p.returncode == 2 and p.stderr.count("\n") == 1 and "DECODESCOPE_MOE_T1_EARLY" in p.stderr
+    )

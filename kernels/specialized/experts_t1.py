@@ -465,13 +465,16 @@ def early_plan(T: int, dims: tuple, zero_acc: bool) -> int:
 
 
 def early_buffers(owner, rks: int, E: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The early route's partial logits (FP32 ``[(rks - 1) * E]``, one token) and arrival
-    counter (zero; :class:`RouteT1Early` resets it), kept on ``owner`` (the MoE block; made on
+    """The early route's partial logits (FP32 ``[(rks - 1) * E]``, one token) and its words
+    (the arrival counter, zero, reset by :class:`RouteT1Early`; the phases' timer stamps,
+    :data:`.front_mma.STAMPS`), kept on ``owner`` (the MoE block; made on
     first use: the warm-up, before graph capture)."""
     have = getattr(owner, "_t1_early", None)
     if have is None or have[0].numel() != (rks - 1) * E:
+        from decodescope.kernels.specialized import front_mma as fm
+
         have = (torch.zeros((rks - 1) * E, dtype=torch.float32, device=device),
-                torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+                torch.zeros(fm.EARLY_SIG_WORDS, dtype=torch.int32, device=device))  # fmt: skip
         owner._t1_early = have
     return have
 
@@ -511,12 +514,15 @@ class RouteT1Early(RouteT1):
 
     @cute.kernel
     def kernel(self, mY, mBias, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mPart, mSig):
+        from decodescope.kernels.specialized import front_mma as fm
         from decodescope.kernels.specialized.comm import global_timer_ns
         from decodescope.kernels.specialized.mla_decode_split import nanosleep
 
         E, K, CAP = self.E, self.K, rtk.CAP
         lane = cute.arch.lane_idx()
         sIds, sTw, sCnt, sM, sV, sI, sS = _rank_smem(E, CAP)
+        if lane == 0:
+            fm.stamp(mSig, fm.STAMPS["route_resident"])
         bias = rtk.load_bias(mBias, lane, E)  # a weight: before anything else
         v = cute.arch.load(mSig.iterator, Int32, sem="acquire", scope="gpu")
         if v < self.NSIG:
@@ -538,10 +544,15 @@ class RouteT1Early(RouteT1):
         cute.arch.sync_warp()  # every lane's sums stored, every lane past the counter
         if lane == 0:
             mSig[0] = Int32(0)
+            fm.stamp(mSig, fm.STAMPS["route_counted"])
         _rank_one(mY, mBias, bias, lane, sIds, sTw, sCnt, sM, sV, sI, sS, E, K, self.scaling,
                   CAP, mIds, mTw, mPairs, mSlotE, mSlotOff, mSlotN, mNact)  # fmt: skip
+        if lane == 0:
+            fm.stamp(mSig, fm.STAMPS["route_ranked"])
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
+            if lane == 0:
+                fm.stamp(mSig, fm.STAMPS["route_waited"])
             cute.arch.griddepcontrol_launch_dependents()
 
 
@@ -1310,7 +1321,12 @@ def build_route_early(E, K, L, NF, scaling, pdl=True, rks=4):
     """``(op, fake args)`` of :class:`RouteT1Early`."""
     op = RouteT1Early(E, K, L, scaling, pdl, rks)
     _, args = build_route(E, K, L, NF, scaling, pdl)
-    extra = (itf.fake(torch.float32, ((rks - 1) * E,)), itf.fake(torch.int32, (1,)))
+    from decodescope.kernels.specialized import front_mma as fm
+
+    extra = (
+        itf.fake(torch.float32, ((rks - 1) * E,)),
+        itf.fake(torch.int32, (fm.EARLY_SIG_WORDS,)),
+    )
     return op, args[:-2] + extra + args[-1:]
 
 

@@ -66,6 +66,11 @@ KCH = 32  # k per chunk: two m16n8k16 steps
 NW = 8  # warps per CTA (K slices)
 RING_STAGES = 4
 EARLY_SPLITS = (2, 4)  # FrontMmaEarly: CTAs per router row tile (K parts)
+# FrontMmaEarly / RouteT1Early's int32 words: [0] the router CTAs' count, then global-timer stamps
+# (ns, low and high word) of when each phase ended (STAMPS: the word of each)
+EARLY_SIG_WORDS = 16
+STAMPS = {"front_cta0": 2, "router_done": 4, "route_resident": 6, "route_counted": 8,
+          "route_ranked": 10, "route_waited": 12}  # fmt: skip
 
 
 NORM_MAX_T = 16  # FrontMmaNorm: each CTA re-reads the T rows of r for their norms
@@ -159,6 +164,10 @@ class FrontMma:
         else:
             bid, _, _ = cute.arch.block_idx()
             if bid < self.NSIG:  # a K part of a router row tile
+                if bid == 0:
+                    tid0, _, _ = cute.arch.thread_idx()
+                    if tid0 == 0:
+                        stamp(mSig, STAMPS["front_cta0"])
                 self._work(mX, mW, mY, mAcc, mDone, mNorm, bid // self.RKS, bid % self.RKS,
                            self.CPWR, self.UR, True, mPart)  # fmt: skip
                 # every thread's logits stored before thread 0 counts the CTA in (release)
@@ -166,7 +175,9 @@ class FrontMma:
                 cute.arch.barrier()
                 tid, _, _ = cute.arch.thread_idx()
                 if tid == 0:
-                    cute.arch.atomic_add(mSig.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                    old = cute.arch.atomic_add(mSig.iterator, Int32(1), sem="acq_rel", scope="gpu")
+                    if old == self.NSIG - 1:  # the last router CTA: the logits are complete
+                        stamp(mSig, STAMPS["router_done"])
             else:
                 self._work(mX, mW, mY, mAcc, mDone, mNorm, bid - self.NSIG + self.NRT_R, 0,
                            self.CPW, self.U, False, mPart)  # fmt: skip
@@ -350,6 +361,22 @@ class FrontMmaEarly(FrontMma):
         self.body(mX, mW, mY, mAcc, mDone, None, mPart, mSig)
 
 
+@cute.jit
+def stamp(mSig, word: cutlass.Constexpr[int]):
+    """The global timer (ns) into ``mSig[word]`` (low 32 bits) and ``mSig[word + 1]`` (high)."""
+    from decodescope.kernels.specialized.comm import global_timer_ns
+
+    t = global_timer_ns()
+    mSig[word] = Int32(t & cutlass.Int64(0xFFFFFFFF))
+    mSig[word + 1] = Int32(t >> cutlass.Int64(32))
+
+
+def read_stamps(sig: torch.Tensor) -> dict[str, int]:
+    """The early route's stamps (ns of the global timer) from its ``sig`` words (host side)."""
+    w = sig.detach().to("cpu", torch.int64)
+    return {k: int((w[i + 1] << 32) | (w[i] & 0xFFFFFFFF)) for k, i in STAMPS.items()}
+
+
 class FrontMmaNorm(FrontMma):
     """:class:`FrontMma` on ``h = rmsnorm(r) * norm_w`` (the module docstring); up to
     ``NORM_MAX_T`` tokens."""
@@ -456,7 +483,10 @@ def _build(T, K, NF, n_acc, n_done, pdl=True, load="regs", norm_eps=None, fold=F
         itf.fake(torch.int32, (n_done,)),
     )
     if rks > 1:
-        args += (itf.fake(torch.float32, ((rks - 1) * T * n_router,)), itf.fake(torch.int32, (1,)))
+        args += (
+            itf.fake(torch.float32, ((rks - 1) * T * n_router,)),
+            itf.fake(torch.int32, (EARLY_SIG_WORDS,)),
+        )
     elif norm_eps is not None:
         args += (itf.fake(torch.bfloat16, (K,)),)
     return op, (*args, itf.env_stream())
@@ -507,7 +537,8 @@ def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5, early=No
     ``norm_w`` [K] :class:`FrontMmaNorm`: ``y = (rmsnorm(x) * norm_w) @ w_front^T``; with
     ``early = (rks, n_router, part, sig)`` :class:`FrontMmaEarly` (not with ``norm_w``):
     ``y``'s first ``n_router`` columns hold part 0 of the logits, ``part`` the others, and
-    ``sig[0]`` counts the router CTAs done (the route kernel that sums them resets it)."""
+    ``sig[0]`` counts the router CTAs done (the route kernel that sums them resets it); the
+    other words take the phases' timer stamps (``STAMPS``)."""
     T, K = x.shape
     NF = w_front.shape[0]
     itf.check(x, "x", (T, K), torch.bfloat16)
@@ -532,7 +563,7 @@ def front_mma(x, w_front, y, acc, done, norm_w=None, eps: float = 1e-5, early=No
     if early is not None:
         rks, n_router, part, sig = early
         itf.check(part, "early part", ((rks - 1) * T * n_router,), torch.float32)
-        itf.check(sig, "early sig", (1,), torch.int32)
+        itf.check(sig, "early sig", (EARLY_SIG_WORDS,), torch.int32)
         key = ("moe_front_mma_early", T, K, NF, acc.numel(), done.numel(), pdl, load, rks,
                n_router)  # fmt: skip
         fn = itf.compiled(

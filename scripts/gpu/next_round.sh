@@ -345,7 +345,23 @@ part30=(
   "45:e8d:$B1 --tp-shape 8 --json $R/e8d.json"
   "45:e8e:$EA $B1 --tp-shape 8 --json $R/e8e.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 30
+# Part 31 (session 28, next): where the early route's +9 us per MoE layer comes from (s28/n7).
+# FrontMmaEarly and RouteT1Early now stamp the global timer at each phase (front_mma.STAMPS):
+# the front's CTA 0 resident, its last router CTA counted in, the route resident, past the
+# count, ranked, back from its PDL wait. scripts/early_stamps.py prints the medians per MoE layer.
+# Prediction (from the n7 trace: route resident 10 us into the front, ended 8.6 us after it):
+# either route_counted - router_done is small and route_ranked - route_counted is 5 us or more
+# (the ranking slowed beside the saturating front: then rank from registers), or router_done
+# itself comes late (the router CTAs finish with the rest: then fewer, earlier router CTAs).
+# Then the early route's GPU tests (not run in n7) and its TP8 A/B.
+part31=(
+  "90:stamps16:$EA python scripts/early_stamps.py --tp 16 --replays 50 --out $R/stamps16"
+  "90:stamps8:$EA python scripts/early_stamps.py --tp 8 --replays 50 --out $R/stamps8"
+  "120:etest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_experts_t1.py -k 't1_e4 or t1_e2'"
+  "45:e8d:$B1 --tp-shape 8 --json $R/e8d.json"
+  "45:e8e:$EA $B1 --tp-shape 8 --json $R/e8e.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 31
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -377,5 +393,6 @@ case "${1:-1}" in
   28) exec bash "$here/run_stages.sh" "${part28[@]}" ;;
   29) exec bash "$here/run_stages.sh" "${part29[@]}" ;;
   30) exec bash "$here/run_stages.sh" "${part30[@]}" ;;
+  31) exec bash "$here/run_stages.sh" "${part31[@]}" ;;
   *) echo "next_round.sh: part 1 to 28, got '$1'" >&2; exit 2 ;;
 esac
