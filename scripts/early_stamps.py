@@ -43,16 +43,13 @@ def main() -> int:
     import decodescope.kernels.specialized.step as spec_step
     from decodescope.kernels.specialized import front_mma as fm
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_steps import capture_graph  # the same warm-up and capture as the step checks
+
     spec = spec_step.specialized(preset=a.preset, tp_shape=a.tp, batch=1, tokens_per_seq=1,
                                  layers=a.layers, seed=a.seed)  # fmt: skip
     model = spec.model
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model.step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    g = capture_graph(model.step)  # warmed up first: the blocks made their early buffers
     blocks = [(i, b) for i, b in enumerate(model.moe) if b is not None]
     missing = [i for i, b in blocks if getattr(b, "_t1_early", None) is None]
     if missing:
@@ -60,10 +57,6 @@ def main() -> int:
               "t1 experts with RouteT1 and the tensor-core front are needed)",
               file=sys.stderr)  # fmt: skip
         return 2
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        model.step()
-    torch.cuda.synchronize()
     rel: dict[int, dict[str, list[float]]] = {i: {p: [] for p in PHASES} for i, _ in blocks}
     for _ in range(a.replays):
         g.replay()
