@@ -40,7 +40,11 @@ def short_name(name: str) -> str:
     return s if len(s) <= NAME_MAX else s[: NAME_MAX - 1] + "…"
 
 
-def _select(kernels: pa.Table, layer: int | None, step: int | None, rank: int | None) -> pa.Table:
+def select(
+    kernels: pa.Table, layer: int | None, step: int | None, rank: int | None = None
+) -> pa.Table:
+    """The kernels of ``layer`` (None: every layer) in ``step`` (None: those without a step)
+    and ``rank`` (None: every rank), unordered."""
     k = kernels
     if rank is not None and "rank" in k.column_names:
         k = k.filter(pc.fill_null(pc.equal(k["rank"], rank), False))
@@ -80,7 +84,7 @@ def layer_timeline(
     ``rank``, in start order: ``start_us``, ``end_us`` (from the first start), ``dur_us``,
     ``gap_us`` (start minus the latest earlier end; null for the first), ``op``, ``kernel``
     (:func:`short_name`), ``stream``, ``grid`` ("x,y,z") and the full ``name``."""
-    k = _select(kernels, layer, step, rank)
+    k = select(kernels, layer, step, rank)
     if k.num_rows == 0:
         return pa.table(
             {
@@ -153,17 +157,3 @@ def summary(t: pa.Table) -> dict:
         "idle_us": float(span - busy),
         "overlap_us": float(-gaps[gaps < 0].sum()) if (gaps < 0).any() else 0.0,
     }
-
-
-def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
-    """One text bar per kernel, ``width`` characters for ``scale_us`` (default: the span): the
-    kernel's interval drawn with ``█`` on ``·``."""
-    if t.num_rows == 0:
-        return []
-    scale = scale_us or float(t["end_us"].to_numpy().max()) or 1.0
-    out = []
-    for a, b in zip(t["start_us"].to_pylist(), t["end_us"].to_pylist(), strict=True):
-        i = min(width - 1, int(a / scale * width))
-        j = max(i + 1, min(width, int(np.ceil(b / scale * width))))
-        out.append("·" * i + "█" * (j - i) + "·" * (width - j))
-    return out

@@ -64,7 +64,9 @@ def test_layer_timeline_matches_the_layer_metrics(spec):
     assert m["busy_us"] + m["idle_us"] == pytest.approx(m["span_us"])
     assert 0 <= m["idle_us"] < m["span_us"] and m["overlap_us"] > 0
     assert sum(g < 0 for g in t["gap_us"].drop_null().to_pylist()) >= 5
-    bars = tl.bars(t, 20)
+    from decodescope.ui.cmd_timeline import bars as text_bars
+
+    bars = text_bars(t, 20)
     assert len(bars) == 9 and all(len(b) == 20 for b in bars) and bars[0].startswith("█")
 
 

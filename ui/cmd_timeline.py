@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import typer
 
@@ -85,7 +86,7 @@ def timeline(
         return
     for s in sides:
         t = s["kernels"]
-        t = t.append_column("bar", pa.array(tl.bars(t, width, scale), pa.string()))
+        t = t.append_column("bar", pa.array(bars(t, width, scale), pa.string()))
         where = "the whole step" if s["layer"] is None else f"layer {s['layer']}"
         rk = f", rank {s['rank']} (of {s['ranks']})" if s["rank"] is not None else ""
         console.print(
@@ -99,6 +100,20 @@ def timeline(
             )
         )
         console.print(_summary_line(s["summary"]), highlight=False, soft_wrap=True)
+
+
+def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
+    """One text bar per kernel, ``width`` characters for ``scale_us`` (default: the span): the
+    kernel's interval drawn with ``█`` on ``·``."""
+    if t.num_rows == 0:
+        return []
+    scale = scale_us or float(t["end_us"].to_numpy().max()) or 1.0
+    out = []
+    for a, b in zip(t["start_us"].to_pylist(), t["end_us"].to_pylist(), strict=True):
+        i = min(width - 1, int(a / scale * width))
+        j = max(i + 1, min(width, int(np.ceil(b / scale * width))))
+        out.append("·" * i + "█" * (j - i) + "·" * (width - j))
+    return out
 
 
 def _summary_line(m: dict[str, Any]) -> str:

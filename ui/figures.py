@@ -18,6 +18,8 @@ import plotly.graph_objects as go
 import pyarrow as pa
 from plotly.subplots import make_subplots
 
+from decodescope.analysis import timeline as tl
+
 # the per-layer metrics of DESIGN.md section 7, as the analysis names them, with their labels
 METRICS: dict[str, str] = {
     "kernels": "kernels",
@@ -386,20 +388,16 @@ def op_stack(
 
 
 def layer_kernels(
-    kernels: pa.Table | pd.DataFrame, layer: int | None, step: int | None, rank: int | None = None
+    kernels: pa.Table, layer: int | None, step: int | None, rank: int | None = None
 ) -> pd.DataFrame:
     """The kernels of one layer in one step (and rank), in start order, with ``t0_us`` and
     ``dur_us`` relative to the layer's first kernel start. ``layer=None`` takes the whole step;
-    ``step=None`` takes kernels with no step (traces without step ranges)."""
-    df = frame(kernels)
-    if df.empty:
-        return df
-    sel = df["step"].isna() if step is None else df["step"] == step
-    if layer is not None:
-        sel &= df["layer"] == layer
-    if rank is not None and "rank" in df:
-        sel &= df["rank"] == rank
-    out = df[sel].sort_values("start_ns").copy()
+    ``step=None`` takes kernels with no step (traces without step ranges). The selection is
+    :func:`analysis.timeline.select`'s, as ``decodescope timeline`` and the view's sums make it."""
+    out = frame(tl.select(kernels, layer, step, rank))
+    if out.empty:
+        return out
+    out = out.sort_values("start_ns").copy()
     if out.empty:
         return out
     t0 = out["start_ns"].min()
@@ -416,8 +414,8 @@ def _dims(r: pd.Series, prefix: str) -> str:
 
 
 def timeline(
-    kernels_a: pa.Table | pd.DataFrame,
-    kernels_b: pa.Table | pd.DataFrame | None,
+    kernels_a: pa.Table,
+    kernels_b: pa.Table | None,
     layer: int | None,
     step: int | None,
     labels: Sequence[str] = ("A", "B"),
