@@ -596,6 +596,23 @@ def sweep_point(name: str, norm: bool, M: int, ws: list, ctx: dict, bw: float, r
 GEMV_SWEEP = ["auto", "auton", "autox", "w8r2g2d2", "w8r3g1d4", "w8r3g2d2", "w8r2g2d4",
               "w16r3g1d2", "w16r1g4d2", "w4r4g2d2"]  # fmt: skip
 GEMV_SHAPES = ("in_proj", "qkv_a_g", "q_b", "o_proj")
+# the dense MLP's two 1-token GEMMs (layer 0; --gemv-shapes): gate_up with the RMSNorm prologue
+# and the SiTU epilogue, down with K = 33792 / tp (a tail past the last multiple of 256)
+DENSE_SHAPES = ("dense_gate_up", "dense_down")
+
+
+def gemv_cases(cfg) -> dict[str, dict]:
+    """The GEMV sweep's projections: :func:`.tile_gemm.attention_cases` and the dense MLP's
+    (``situ``: the (beta, linear beta) of the SiTU epilogue)."""
+    from decodescope.kernels.specialized import dense_mlp
+
+    beta = dense_mlp._betas(cfg)
+    return {
+        **tg.attention_cases(cfg),
+        "dense_gate_up": dict(k=cfg.hidden, segments=(2 * cfg.dense_inter,), norm=True,
+                              eps=cfg.eps, situ=beta),
+        "dense_down": dict(k=cfg.dense_inter, segments=(cfg.hidden,)),
+    }  # fmt: skip
 
 
 def shape_cfgs(cfgs: list[str] | None, name: str) -> list[str]:
@@ -606,9 +623,9 @@ def shape_cfgs(cfgs: list[str] | None, name: str) -> list[str]:
     out = []
     for c in cfgs:
         shape, _, v = c.rpartition(":")
-        if shape and shape not in GEMV_SHAPES:
+        if shape and shape not in GEMV_SHAPES + DENSE_SHAPES:
             raise ValueError(f"--gemv-cfgs {c!r}: unknown projection {shape!r} "
-                             f"(expected one of {GEMV_SHAPES})")  # fmt: skip
+                             f"(expected one of {GEMV_SHAPES + DENSE_SHAPES})")  # fmt: skip
         try:  # a bad knob string: its one-line error before any GPU work
             gs.parse_cfg(v)
         except ValueError:
@@ -624,7 +641,7 @@ def cfg_str(cf: tuple[int, int, int, int]) -> str:
 
 
 def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=None,
-               write_tuned: str | None = None) -> None:  # fmt: skip
+               write_tuned: str | None = None, shapes=GEMV_SHAPES) -> None:  # fmt: skip
     """The attention projections at 1..4 tokens, each alone (weights rotated past L2): the
     skinny GEMM (registers; the default before s10), the streaming GEMV per knob set ("auto":
     gemv_stream.tuned_cfg, the default at 1 token), the GEMV and the
@@ -633,21 +650,22 @@ def gemv_sweep(cfg, tp: int, bw_tbs: float, replays: int, ms=(1, 2, 4), cfgs=Non
     one torch.mm per segment); each checked (NaN-poisoned outputs) before it is timed.
     ``write_tuned``: the fastest plain knob set per (projection, M) into that JSON file (the
     format ``DECODESCOPE_GEMV_TUNED`` reads), rewritten after every shape; entries of other
-    shapes already in the file are kept (one file for several TP shapes' sweeps)."""
-    cases = tg.attention_cases(cfg)
-    for name in GEMV_SHAPES:
+    shapes already in the file are kept (one file for several TP shapes' sweeps). ``shapes``:
+    the projections (``GEMV_SHAPES``, ``DENSE_SHAPES``)."""
+    cases = gemv_cases(cfg)
+    for name in shapes:
         shape_cfgs(cfgs, name)  # every entry checked before the first kernel runs
     tuned: list[dict] = []
     if write_tuned and Path(write_tuned).exists():
         tuned = json.loads(Path(write_tuned).read_text())
-    for name in GEMV_SHAPES:
+    for name in shapes:
         kw = cases[name]
         K, segs = kw["k"], kw["segments"]
         wb = sum(segs) * K * 2
         n = max(2, math.ceil(3 * L2_BYTES / wb))
         ws = [[rnd(N, K, std=K**-0.5) for N in segs] for _ in range(n)]
         for M in ms:
-            if not gs.supports(M, K):
+            if not gs.shape_ok(M, K):
                 continue
             ctx = {"preset": cfg.preset, "tp": tp, "kind": f"gemv:{name}", "point": f"M{M}"}
             got = guarded(f"gemv {name}", ctx, lambda M=M, ctx=ctx, kw=kw, ws=ws, name=name:
@@ -676,16 +694,18 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
     x = rnd(M, ldx)[:, :K]
     r, nw = rnd(M, K), (1 + 0.1 * torch.randn(K, device=DEV)).to(BF16)
     e = rnd(M, segs[0])
-    outs = [[torch.empty(M, N, dtype=BF16, device=DEV) for N in segs] for _ in range(n)]
+    situ = kw.get("situ")
+    widths = [N // 2 if situ else N for N in segs]
+    outs = [[torch.empty(M, N, dtype=BF16, device=DEV) for N in widths] for _ in range(n)]
     rout = torch.empty(M, K, dtype=BF16, device=DEV)
     f = dict(residual=r if kw.get("add_residual") else None,
              norm_weight=nw if kw.get("norm") else None,
              epilogue_residual=e if kw.get("residual_epilogue") else None,
-             eps=kw.get("eps", 1e-5))  # fmt: skip
+             eps=kw.get("eps", 1e-5), situ=situ)  # fmt: skip
     rkw = {"residual_out": rout} if kw.get("add_residual") else {}
     ref, ref_r = sg.skinny_gemm_ref(x, ws[0], **f)
     nbytes = sum(segs) * K * 2 + M * K * 2 * (1 + 2 * bool(kw.get("add_residual")))
-    nbytes += M * sum(segs) * 2 * (1 + bool(kw.get("residual_epilogue")))
+    nbytes += M * sum(widths) * 2 * (1 + bool(kw.get("residual_epilogue")))
     floor = nbytes / (bw * 1e6)
 
     def run(tag: str, one) -> float | None:
@@ -725,6 +745,8 @@ def gemv_point(name, kw, M, ws, ctx, bw, replays, cfgs) -> None:
             guarded(f"gemv {name} {c} l2pf", ctx, lambda c=c, cf=cf, ld=ld: run(
                 f"gemv {c} + L2 prefetch", lambda i: gs.gemv(x, ws[i], outs[i], cfg=cf, ld=ld,
                                                               l2_all=True, **rkw, **f)))  # fmt: skip
+    if situ:  # cuBLAS has no SiTU epilogue to compare with
+        return got
 
     def cublas(i: int) -> None:
         for w_, o in zip(ws[i], outs[i], strict=True):
@@ -811,11 +833,15 @@ def main() -> int:
     ap.add_argument("--gemv-only", action="store_true",
                     help="only the streaming-GEMV sweep of the 4 attention projections (first "
                          "--tp, --sweep-ms up to 4; --gemv-cfgs)")  # fmt: skip
+    ap.add_argument("--gemv-shapes", nargs="+", default=list(GEMV_SHAPES),
+                    choices=GEMV_SHAPES + DENSE_SHAPES,
+                    help="with --gemv-only: the projections swept (default the attention ones)")  # fmt: skip
     ap.add_argument(
         "--gemv-cfgs",
         nargs="+",
         default=None,
-        help=f"GEMV knob sets wWrRgGdD, or PROJECTION:wWrRgGdD for one of {GEMV_SHAPES} "
+        help=f"GEMV knob sets wWrRgGdD, or PROJECTION:wWrRgGdD for one of "
+        f"{GEMV_SHAPES + DENSE_SHAPES} "
         f"(default {' '.join(GEMV_SWEEP)})",
     )
     ap.add_argument("--write-tuned", default=None, metavar="PATH",
@@ -827,7 +853,7 @@ def main() -> int:
                     help="seconds: later points / the sweep are skipped (and listed) past it")  # fmt: skip
     a = ap.parse_args()
     try:
-        for name in GEMV_SHAPES:
+        for name in a.gemv_shapes:
             shape_cfgs(a.gemv_cfgs, name)
     except ValueError as e:
         ap.error(str(e))
@@ -845,7 +871,7 @@ def main() -> int:
         ms = tuple(m for m in a.sweep_ms if m <= gs.MAX_M) or (1,)
         guarded("gemv_sweep", {"tp": a.tp[0]},
                 lambda: gemv_sweep(cfg, a.tp[0], bw, a.replays, ms, a.gemv_cfgs,
-                                   a.write_tuned))  # fmt: skip
+                                   a.write_tuned, tuple(a.gemv_shapes)))  # fmt: skip
         table = table_md()
         (out / "results.json").write_text(json.dumps(RESULTS, indent=1))
         (out / "table.md").write_text(table + "\n")

@@ -287,8 +287,15 @@ def test_bad_knobs(monkeypatch):
         gs.parse_cfg("8,2,2,2")
     with pytest.raises(ValueError, match="1..4 tokens"):
         gs.GemvPlan(m=5, k=256, segments=(16,))
-    with pytest.raises(ValueError, match="multiple of 256"):
-        gs.GemvPlan(m=1, k=160, segments=(16,))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gs.GemvPlan(m=1, k=164, segments=(16,))
+    with pytest.raises(ValueError, match="situ needs"):
+        gs.GemvPlan(m=1, k=256, segments=(64,), situ=True, rows=3)
+    with pytest.raises(ValueError, match="situ needs"):
+        gs.GemvPlan(m=1, k=256, segments=(64, 32), situ=True)
+    monkeypatch.setenv(gs.EXT_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_GEMV_EXT"):
+        gs.supports(1, 2112)
     with pytest.raises(ValueError, match="depth=0"):
         gs.GemvPlan(m=1, k=256, segments=(16,), depth=0)
 
@@ -352,3 +359,123 @@ def test_gemv_vs_reference_gpu(m, cfg, ld):
             assert torch.isfinite(o.float()).all() and err < 2e-2, (name, err)
         if ref_r is not None:
             assert torch.equal(rout, ref_r), name
+
+
+# -- the dense MLP's two 1-token GEMMs (DECODESCOPE_GEMV_EXT) ----------------------------------
+
+
+def _dense_cases(tp: int) -> dict[str, dict]:
+    """The dense MLP (layer 0) at one rank: gate_up with the RMSNorm prologue and the SiTU
+    epilogue (``[2 Dn, H]``), down with K = Dn = 33792 / tp (4224 at TP8, 2112 at TP16: a tail
+    of 128 / 64 columns past the last multiple of 256)."""
+    from decodescope.kernels.specialized import dense_mlp as dm
+
+    cfg = get_config("kimi-k3", tp)
+    return {
+        "gate_up": dict(k=cfg.hidden, segments=(2 * cfg.dense_inter,), norm=True, eps=cfg.eps,
+                        situ=dm._betas(cfg)),
+        "down": dict(k=cfg.dense_inter, segments=(cfg.hidden,)),
+    }  # fmt: skip
+
+
+def _gemv_plan(kw: dict, m: int = 1, **knobs) -> gs.GemvPlan:
+    kw = dict(kw)
+    s = kw.pop("situ", None)
+    sf = dict(situ=True, situ_beta=s[0], situ_lbeta=s[1]) if s else {}
+    return gs.GemvPlan(m=m, **kw, **sf, **knobs)
+
+
+def test_dense_selection(monkeypatch):
+    """Off by default (the skinny kernel as before); ``DECODESCOPE_GEMV_EXT=1`` routes the dense
+    MLP's 1-token plans (SiTU, K with a tail) to the GEMV, not 2 tokens, and a SiTU plan's rows
+    per warp are even (gate / up pairs)."""
+    from decodescope.kernels.specialized import dense_mlp as dm
+
+    for v in (sg.GEMV_ENV, gs.CFG_ENV, gs.EXT_ENV, gs.TUNED_ENV, sg.LOAD_ENV):
+        monkeypatch.delenv(v, raising=False)
+    for tp in (8, 16):
+        cfg = get_config("kimi-k3", tp)
+        assert gs.EXT_DEFAULT or not (dm.gate_up_plan(cfg, 1).gemv or dm.down_plan(cfg, 1).gemv)
+        monkeypatch.setenv(gs.EXT_ENV, "1")
+        gu, dn = dm.gate_up_plan(cfg, 1), dm.down_plan(cfg, 1)
+        assert gu.gemv and dn.gemv and not dm.gate_up_plan(cfg, 2).gemv
+        g = gs.from_gemm_plan(gu)
+        assert g.situ and g.rows % 2 == 0 and g.grid == g.ctas(2 * cfg.dense_inter)
+        assert g.cta_rows * g.grid >= cfg.dense_inter and not g.tail
+        d = gs.from_gemm_plan(dn)
+        assert d.tail and d.kp == d.pieces * 256 and d.kp - d.k == 256 - cfg.dense_inter % 256
+        monkeypatch.setenv(gs.CFG_ENV, "w8r3g2d2")  # odd rows: rounded up for SiTU
+        assert gs.from_gemm_plan(gu).rows == 4 and gs.from_gemm_plan(dn).rows == 3
+        monkeypatch.setenv(gs.EXT_ENV, "0")
+        assert not dm.gate_up_plan(cfg, 1).gemv and not dm.down_plan(cfg, 1).gemv
+        monkeypatch.delenv(gs.CFG_ENV)
+        monkeypatch.delenv(gs.EXT_ENV)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_dense_plans_compile(tp):
+    for name, kw in _dense_cases(tp).items():
+        for m in (1, 4):
+            assert gs.compile_plan(_gemv_plan(kw, m)) is not None, (name, m)
+
+
+@pytest.mark.parametrize("cfg", [(8, 2, 2, 2), (8, 4, 1, 2), (16, 2, 4, 1), (4, 6, 1, 3)])
+@pytest.mark.parametrize("tp", [8, 16])
+def test_dense_coverage(cfg, tp):
+    """The SiTU map (warp ``w`` of CTA ``c``: output rows ``(c * warps + w) * rows / 2 + j``,
+    reading gate row ``d`` and up row ``D + d``, rows past ``D`` clamped and not stored) stores
+    every output once and reads every weight row; the tail's clamped pieces read only columns
+    below K, and every column below K is read exactly once at a lane whose activation is real
+    (the others meet the zeros in the padding)."""
+    w, r, g, d = cfg
+    for name, kw in _dense_cases(tp).items():
+        p = _gemv_plan(kw, warps=w, rows=r, group=g, depth=d)
+        n = p.segments[0]
+        nout = p.out_width(n)
+        cta, warp, j = torch.meshgrid(torch.arange(p.ctas(n)), torch.arange(p.warps),
+                                      torch.arange(p.warp_outs), indexing="ij")  # fmt: skip
+        outs = (cta * p.cta_rows + warp * p.warp_outs + j).flatten()
+        stored = outs[outs < nout]
+        assert torch.equal(stored.sort().values, torch.arange(nout)), name
+        if p.situ:
+            read = torch.cat([outs.clamp(max=nout - 1), outs.clamp(max=nout - 1) + nout])
+            assert torch.equal(read.unique(), torch.arange(n)), name
+        i, lane = torch.meshgrid(torch.arange(p.pieces), torch.arange(32), indexing="ij")
+        v = i * 32 + lane  # the piece each lane multiplies with sX (padded to kp)
+        loaded = torch.where(i == p.pieces - 1, v.clamp(max=p.k // gs.PIECE - 1), v)
+        assert loaded.max() * gs.PIECE + gs.PIECE <= p.k  # no weight read past the row
+        real = v < p.k // gs.PIECE  # activations below K; the rest are the zero padding
+        assert torch.equal(loaded[real], v[real])
+        assert torch.equal(v[real].sort().values, torch.arange(p.k // gs.PIECE)), name
+        assert p.kp >= p.k and p.kp % 256 == 0 and p.smem_bytes >= p.kp * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("cfg", [None, (8, 2, 2, 2), (16, 4, 1, 3)])
+def test_dense_gemv_vs_reference_gpu(tp, m, cfg):
+    """The dense MLP's gate_up (SiTU) and down (K tail) on the GEMV against the reference:
+    fresh random inputs, NaN-poisoned outputs; the chain (gate_up then down) too."""
+    dev = torch.device("cuda")
+    torch.manual_seed(100 * tp + m)
+    c = get_config("kimi-k3", tp)
+    bf = torch.bfloat16
+    cases = _dense_cases(tp)
+    gu, dn = cases["gate_up"], cases["down"]
+    w13 = (torch.randn(gu["segments"][0], gu["k"], device=dev) * gu["k"] ** -0.5).to(bf)
+    w2 = (torch.randn(dn["segments"][0], dn["k"], device=dev) * dn["k"] ** -0.5).to(bf)
+    r = torch.randn(m, c.hidden, device=dev).to(bf)
+    nw = (1 + 0.1 * torch.randn(c.hidden, device=dev)).to(bf)
+    act = torch.full((m, c.dense_inter), float("nan"), device=dev, dtype=bf)
+    out = torch.full((m, c.hidden), float("nan"), device=dev, dtype=bf)
+    gs.gemv(r, [w13], [act], norm_weight=nw, eps=c.eps, cfg=cfg, situ=gu["situ"])
+    torch.cuda.synchronize()
+    (ref_act,), _ = sg.skinny_gemm_ref(r, [w13], norm_weight=nw, eps=c.eps, situ=gu["situ"])
+    err = ((act.float() - ref_act.float()).norm() / ref_act.float().norm()).item()
+    assert torch.isfinite(act.float()).all() and err < 2e-2, ("gate_up", err)
+    gs.gemv(act, [w2], [out], cfg=cfg)
+    torch.cuda.synchronize()
+    (ref_out,), _ = sg.skinny_gemm_ref(act, [w2])
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    assert torch.isfinite(out.float()).all() and err < 2e-2, ("down", err)

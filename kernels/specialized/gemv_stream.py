@@ -54,9 +54,11 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int32
 
+from decodescope.kernels.specialized import env_knobs as knob
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized import skinny_gemm as sg
+from decodescope.kernels.specialized.moe_common import situ as situ_fn
 from decodescope.kernels.specialized.utils import load_vec8, pdl_begin, pdl_enabled, warp_sum
 
 PIECE = 8  # BF16 per 16-byte load
@@ -208,9 +210,33 @@ def auto_cfg(segments: tuple[int, ...], m: int = 1) -> tuple[int, int, int, int]
     return (warps, rows, max(1, AUTO_LOADS // rows), 2)
 
 
+EXT_ENV = "DECODESCOPE_GEMV_EXT"  # 1: also SiTU gate/up plans and K with a tail (the dense MLP)
+
+
+def ext_enabled() -> bool:
+    """``DECODESCOPE_GEMV_EXT`` (``0`` / ``1``, unset: ``EXT_DEFAULT``): whether
+    :mod:`.skinny_gemm` routes here the 1-token plans that need the SiTU epilogue or a K that is
+    not a multiple of 256 (the dense MLP's gate_up and down)."""
+    return bool(knob.read(EXT_ENV, (0, 1), str(int(EXT_DEFAULT))))
+
+
+EXT_DEFAULT = False
+
+
+def shape_ok(m: int, k: int) -> bool:
+    """Shapes the kernel can run: 1..4 tokens, K a multiple of 8 (a tail past the last multiple
+    of 256 is loaded clamped and weighted by zero activations)."""
+    return 1 <= m <= MAX_M and k % PIECE == 0
+
+
 def supports(m: int, k: int, situ: bool = False) -> bool:
-    """Shapes this kernel serves: 1..4 tokens, K a multiple of 256, no SiTU epilogue."""
-    return 1 <= m <= MAX_M and k % KSTEP == 0 and not situ
+    """Plans :mod:`.skinny_gemm` routes here: 1..4 tokens and K a multiple of 256, no SiTU
+    epilogue; with :func:`ext_enabled` also SiTU gate/up plans and K a multiple of 8."""
+    if not shape_ok(m, k):
+        return False
+    if situ or k % KSTEP:
+        return ext_enabled()
+    return True
 
 
 @dataclass(frozen=True)
@@ -243,12 +269,26 @@ class GemvPlan:
     pre_k: int = 0
     pre_slices: int = 8
     pre_bytes: int = 0
+    # SiTU-and-mul epilogue (the dense MLP's gate_up + act): one ``[2D, K]`` gate/up segment;
+    # each warp's ``rows`` are ``rows / 2`` gate rows and the matching up rows, ``out [M, D]``
+    situ: bool = False
+    situ_beta: float = 4.0
+    situ_lbeta: float = 25.0
 
     def __post_init__(self) -> None:
-        if not supports(self.m, self.k):
+        if not shape_ok(self.m, self.k):
             raise ValueError(
-                f"gemv_stream: needs 1..{MAX_M} tokens and K a multiple of {KSTEP}, "
+                f"gemv_stream: needs 1..{MAX_M} tokens and K a multiple of {PIECE}, "
                 f"got M={self.m}, K={self.k}"
+            )
+        if self.situ and (
+            len(self.segments) != 1 or self.segments[0] % 2 or self.rows % 2
+            or self.residual_epilogue or self.norm_out or self.pre_bytes
+        ):  # fmt: skip
+            raise ValueError(
+                f"gemv_stream: situ needs one gate/up segment of an even number of rows, an "
+                f"even number of rows per warp and no other epilogue, got segments "
+                f"{self.segments}, rows {self.rows}"
             )
         if not 1 <= len(self.segments) <= 3 or any(n < 1 for n in self.segments):
             raise ValueError(f"gemv_stream: 1..3 non-empty segments, got {self.segments}")
@@ -286,8 +326,18 @@ class GemvPlan:
 
     @property
     def pieces(self) -> int:
-        """16-byte loads per lane and row (K / 256)."""
-        return self.k // KSTEP
+        """16-byte loads per lane and row (K / 256, rounded up: the last one partial where
+        K has a tail)."""
+        return -(-self.k // KSTEP)
+
+    @property
+    def kp(self) -> int:
+        """K padded to the pieces (the activations' row in shared memory, zeros past K)."""
+        return self.pieces * KSTEP
+
+    @property
+    def tail(self) -> bool:
+        return self.kp != self.k
 
     @property
     def grp(self) -> int:
@@ -299,10 +349,19 @@ class GemvPlan:
 
     @property
     def cta_rows(self) -> int:
-        return self.warps * self.rows
+        """Output rows (columns of ``out``) per CTA: with ``situ`` half its weight rows."""
+        return self.warps * self.rows // (2 if self.situ else 1)
+
+    @property
+    def warp_outs(self) -> int:
+        return self.rows // (2 if self.situ else 1)
+
+    def out_width(self, n: int) -> int:
+        """Columns of the output of an ``n``-row segment."""
+        return n // 2 if self.situ else n
 
     def ctas(self, n: int) -> int:
-        return -(-n // self.cta_rows)
+        return -(-self.out_width(n) // self.cta_rows)
 
     @property
     def grid(self) -> int:
@@ -323,8 +382,9 @@ class GemvPlan:
 
     @property
     def smem_bytes(self) -> int:
-        """Activations [M, K] BF16 (+ the staged residual) + warp partials + rstd (+ alignment)."""
-        return (self.m * self.k + self.r_elems) * 2 + 4 * self.warps * self.m + 4 * self.m + 64
+        """Activations [M, K padded] BF16 (+ the staged residual) + warp partials + rstd (+
+        alignment)."""
+        return (self.m * self.kp + self.r_elems) * 2 + 4 * self.warps * self.m + 4 * self.m + 64
 
     @property
     def weight_bytes(self) -> int:
@@ -378,7 +438,7 @@ class GemvStream:
 
         @cute.struct
         class Smem:
-            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.m * p.k], 16]
+            x: cute.struct.Align[cute.struct.MemRange[BFloat16, p.m * p.kp], 16]
             r: cute.struct.Align[cute.struct.MemRange[BFloat16, p.r_elems], 16]
             red: cute.struct.MemRange[Float32, p.warps * p.m]
             rstd: cute.struct.MemRange[Float32, p.m]
@@ -391,7 +451,7 @@ class GemvStream:
         p = self.p
         if st is None:
             st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
-        sX = st.x.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
+        sX = st.x.get_tensor(cute.make_layout((p.m, p.kp), stride=(p.kp, 1)))
         sR = sX
         if cutlass.const_expr(p.r_elems > 8):
             sR = st.r.get_tensor(cute.make_layout((p.m, p.k), stride=(p.k, 1)))
@@ -418,18 +478,23 @@ class GemvStream:
             t0 += nc
 
     def issue(self, mW, rows, g: int, lane):
-        """Group ``g``'s loads (trace time): ``[(piece, [row])]`` 8-register BF16 tensors."""
+        """Group ``g``'s loads (trace time): ``[(piece, [row])]`` 8-register BF16 tensors. The
+        last piece of a K with a tail: lanes past K load the row's last 8 columns again
+        (clamped: no branch, no read past the row), which meet zero activations."""
         p = self.p
         buf = []
         for i in range(g * p.grp, min((g + 1) * p.grp, p.pieces)):
             per_row = []
+            v = i * 32 + lane
+            if p.tail and i == p.pieces - 1:
+                v = cutlass.min(v, p.k // PIECE - 1)
             for r in rows:
                 if p.ld == "nc":
-                    src = cute.local_tile(mW[r, None], (PIECE,), (i * 32 + lane,))
+                    src = cute.local_tile(mW[r, None], (PIECE,), (v,))
                     t = ld_vec8(src, "nc.L1::no_allocate.L2::256B")
                 else:
                     t = cute.make_rmem_tensor((PIECE,), BFloat16)
-                    load_vec8(mW[r, None], (i * 32 + lane) * PIECE, t)
+                    load_vec8(mW[r, None], v * PIECE, t)
                 per_row.append(t)
             buf.append((i, per_row))
         return buf
@@ -465,15 +530,20 @@ class GemvStream:
         """One CTA's rows. ``post`` (``norm_out`` plans): ``(norm weight, h_out, partials,
         counters)`` of :class:`GemvStreamNorm`'s epilogue."""
         p = self.p
-        row0 = cta * p.cta_rows + warp * p.rows
-        rows = []
+        row0 = cta * p.cta_rows + warp * p.warp_outs  # this warp's first output row
+        nout = p.out_width(n)
+        rows = []  # the weight rows it reads (with situ: its gate rows, then their up rows)
         for r in cutlass.range_constexpr(p.rows):
-            rows.append(cutlass.min(row0 + r, n - 1))
+            if cutlass.const_expr(p.situ):
+                j = r % p.warp_outs
+                rows.append(cutlass.min(row0 + j, nout - 1) + (r // p.warp_outs) * nout)
+            else:
+                rows.append(cutlass.min(row0 + r, n - 1))
 
         if cutlass.const_expr(p.l2_all):
             # the whole slice this warp will read, one bulk prefetch per row (lane r: row r)
             for r in cutlass.range_constexpr(p.rows):
-                if lane == r and row0 + r < n:
+                if lane == r and row0 + r % p.warp_outs < nout:
                     src = cute.local_tile(mW[rows[r], None], (p.k,), (0,))
                     cute.arch.inline_ptx(
                         "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
@@ -511,6 +581,16 @@ class GemvStream:
 
         if cutlass.const_expr(p.norm_out):
             self.store_norm(accs, evs, row0, n, mO, post, sRed, warp, lane)
+        elif cutlass.const_expr(p.situ):
+            # gate and up sums of each output row are in this warp: bf16-rounded (what the
+            # reference's GEMM writes), SiTU-and-mul, one store
+            for j in cutlass.range_constexpr(p.warp_outs):
+                for m in cutlass.range_constexpr(p.m):
+                    g = warp_sum(accs[j][m]).to(BFloat16).to(Float32)
+                    u = warp_sum(accs[j + p.warp_outs][m]).to(BFloat16).to(Float32)
+                    if lane == 0 and row0 + j < nout:
+                        y = situ_fn(g, u, p.situ_beta, p.situ_lbeta)
+                        mO[m, row0 + j] = y.to(BFloat16)
         else:
             for r in cutlass.range_constexpr(p.rows):
                 for m in cutlass.range_constexpr(p.m):
@@ -663,8 +743,25 @@ class GemvStream:
                 ss = warp_sum(ss)
                 if lane == 0:
                     sRed[warp, m] = ss
+        self.zero_pad(sX, tidx)
         cute.arch.sync_threads()
         self.normalize(sX, sRed, nws, tidx)
+
+    @cute.jit
+    def zero_pad(self, sX, tidx):
+        """K with a tail: zeros in the activations' padding (columns K .. kp - 1 of each
+        token), which the last piece's clamped weight loads meet (before the barrier that
+        publishes ``sX``)."""
+        p = self.p
+        if cutlass.const_expr(p.tail):
+            npad = (p.kp - p.k) // PIECE
+            for m in cutlass.range_constexpr(p.m):
+                if tidx < npad:
+                    t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    t.fill(0.0)
+                    cute.autovec_copy(
+                        t, cute.local_tile(sX[m, None], (PIECE,), (p.k // PIECE + tidx,))
+                    )
 
     @cute.jit
     def normalize(self, sX, sRed, nws, tidx):
@@ -736,6 +833,7 @@ class GemvStream:
                 ss = warp_sum(ss)
                 if lane == 0:
                     sRed[warp, m] = ss
+        self.zero_pad(sX, tidx)
         cute.arch.sync_threads()
         self.normalize(sX, sRed, nws, tidx)
 
@@ -857,7 +955,7 @@ def ld_cg_vec8(src: cute.Tensor) -> cute.Tensor:
 
 
 def _fake_args(p: GemvPlan):
-    return sg.fake_args(p)
+    return sg.fake_args(p, p.out_width)
 
 
 def compile_plan(p: GemvPlan):
@@ -873,11 +971,19 @@ def from_gemm_plan(
     w, r, g, d = cfg or env_cfg() or tuned_cfg(gp.m, gp.k, gp.segments)
     ld = ld or env_ld()
     xload = xload or env_xload()
+    if gp.situ:
+        r = situ_rows(r)
     return GemvPlan(
         m=gp.m, k=gp.k, segments=gp.segments, norm=gp.norm, add_residual=gp.add_residual,
         residual_epilogue=gp.residual_epilogue, x_stride=gp.x_stride, eps=gp.eps, pdl=gp.pdl,
         warps=w, rows=r, group=g, depth=d, l2_all=gp.l2_all, ld=ld, xload=xload,
+        situ=gp.situ, situ_beta=gp.situ_beta, situ_lbeta=gp.situ_lbeta,
     )  # fmt: skip
+
+
+def situ_rows(rows: int) -> int:
+    """Rows per warp of a SiTU plan: even (gate and up pairs), the knob's value rounded up."""
+    return min(rows + rows % 2, CFG_MAX[1])
 
 
 def gemv(
@@ -894,6 +1000,7 @@ def gemv(
     l2_all: bool = False,
     ld: str = "",
     xload: str = "",
+    situ: tuple[float, float] | None = None,
 ) -> None:
     """:func:`.skinny_gemm.skinny_gemm`'s contract (same reference) by this kernel; ``cfg`` =
     (warps, rows, group, depth) (default ``DECODESCOPE_GEMV_CFG``, else :func:`tuned_cfg`),
@@ -904,9 +1011,13 @@ def gemv(
         raise ValueError(f"gemv_stream: x must have unit column stride, got {tuple(x.stride())}")
     f = sg.shape_fields(x, weights, residual, norm_weight, epilogue_residual, eps)
     w_, r_, g_, d_ = cfg or env_cfg() or tuned_cfg(f["m"], f["k"], f["segments"])
+    sf = {}
+    if situ is not None:
+        r_ = situ_rows(r_)
+        sf = dict(situ=True, situ_beta=float(situ[0]), situ_lbeta=float(situ[1]))
     p = GemvPlan(
         **f, warps=w_, rows=r_, group=g_, depth=d_, l2_all=l2_all, ld=ld or env_ld(),
-        xload=xload or env_xload(),
+        xload=xload or env_xload(), **sf,
     )  # fmt: skip
     launch(p, x, weights, outs, residual, residual_out, norm_weight, epilogue_residual)
 
