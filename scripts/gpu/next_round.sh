@@ -361,7 +361,39 @@ part31=(
   "45:e8d:$B1 --tp-shape 8 --json $R/e8d.json"
   "45:e8e:$EA $B1 --tp-shape 8 --json $R/e8e.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 31
+# Part 32 (session 29): the dense MLP's two 1-token GEMMs on the streaming GEMV
+# (DECODESCOPE_GEMV_EXT=1: gemv_stream's SiTU epilogue and K tail). s28 trace of the dense layer
+# at batch 1: gate_up on the skinny kernel at 2.4 TB/s (TP16) / 3.3 (TP8), down at 2.3-2.4.
+# 32a: the GPU tests, then the kernels alone (knob sets; the fastest into tuned_dense.json).
+# 32b: the dense layer A/B (default / GEMV / GEMV with the sweep's sets), ABAB, TP16 then TP8,
+# then the whole step with the knob (dense, KDA, MLA at 1x1, needs the vLLM parts).
+# Prediction (notes/specialized.md "Session 29"): the dense layer's span -8 to -12 us at both
+# shapes (TP16 59.6 -> ~49, TP8 98.4 -> ~88).
+GX="DECODESCOPE_GEMV_EXT=1"
+GT="$GX DECODESCOPE_GEMV_TUNED=$R/tuned_dense.json"
+D1="decodescope bench --batch 1 --backends specialized --layers dense --out $R/ab"
+SW="python scripts/gpu_specialized_attn.py --gemv-only --gemv-shapes dense_gate_up dense_down --sweep-ms 1 --write-tuned $R/tuned_dense.json"
+part32a=(
+  "200:dtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_skinny_gemv.py -k 'dense or gemv_vs'"
+  "150:sw16:$GX $SW --tp 16 --out $R/sw16"
+  "200:sw8:$GX $SW --tp 8 --out $R/sw8"
+)
+part32b=(
+  "50:x16d:$D1 --tp-shape 16 --json $R/x16d.json"
+  "50:x16g:$GX $D1 --tp-shape 16 --json $R/x16g.json"
+  "50:x16t:$GT $D1 --tp-shape 16 --json $R/x16t.json"
+  "50:x16d2:$D1 --tp-shape 16 --json $R/x16d2.json"
+  "50:x16g2:$GX $D1 --tp-shape 16 --json $R/x16g2.json"
+  "50:x8d:$D1 --tp-shape 8 --json $R/x8d.json"
+  "50:x8g:$GX $D1 --tp-shape 8 --json $R/x8g.json"
+  "50:x8t:$GT $D1 --tp-shape 8 --json $R/x8t.json"
+  "50:x8d2:$D1 --tp-shape 8 --json $R/x8d2.json"
+  "50:x8g2:$GX $D1 --tp-shape 8 --json $R/x8g2.json"
+)
+part32c=(
+  "120:xsteps:$GX python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/xsteps"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 32a
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -394,5 +426,8 @@ case "${1:-1}" in
   29) exec bash "$here/run_stages.sh" "${part29[@]}" ;;
   30) exec bash "$here/run_stages.sh" "${part30[@]}" ;;
   31) exec bash "$here/run_stages.sh" "${part31[@]}" ;;
-  *) echo "next_round.sh: part 1 to 28, got '$1'" >&2; exit 2 ;;
+  32a) exec bash "$here/run_stages.sh" "${part32a[@]}" ;;
+  32b) exec bash "$here/run_stages.sh" "${part32b[@]}" ;;
+  32c) exec bash "$here/run_stages.sh" "${part32c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a, 32b or 32c, got '$1'" >&2; exit 2 ;;
 esac
