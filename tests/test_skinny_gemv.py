@@ -154,7 +154,7 @@ def test_selection_knobs(monkeypatch):
     monkeypatch.setenv("DECODESCOPE_ATTN_GEMM", "default")
     monkeypatch.setenv("DECODESCOPE_SPLITK_GEMM", "0")
     for v in (sg.GEMV_ENV, sg.L2_ENV, sg.L2_MAX_ENV, gs.CFG_ENV, "DECODESCOPE_NO_PDL",
-              sg.LOAD_ENV):  # fmt: skip
+              sg.LOAD_ENV, gs.EXT_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
     plans = {"in": nqp.plan_for(cfg, "kda", 1), "qkv": nqp.plan_for(cfg, "mla", 1),
              "o": orn.plan_for(cfg, "kda", 1), "qb": orn.q_b_plan(cfg, 1)}  # fmt: skip
@@ -169,8 +169,13 @@ def test_selection_knobs(monkeypatch):
     monkeypatch.setenv(sg.GEMV_ENV, "2")
     assert nqp.plan_for(cfg, "kda", 1).gemv and orn.q_b_plan(cfg, 2).gemv
     assert not nqp.plan_for(cfg, "kda", 3).gemv  # M above the knob
-    assert not sg.GemmPlan(m=1, k=32 * 5, segments=(16,)).gemv  # K not a multiple of 256
-    assert not sg.GemmPlan(m=1, k=256, segments=(32,), situ=True).gemv  # SiTU: not served
+    # K not a multiple of 256, SiTU: served by default, not with DECODESCOPE_GEMV_EXT=0
+    assert sg.GemmPlan(m=1, k=32 * 5, segments=(16,)).gemv
+    assert sg.GemmPlan(m=1, k=256, segments=(32,), situ=True).gemv
+    monkeypatch.setenv(gs.EXT_ENV, "0")
+    assert not sg.GemmPlan(m=1, k=32 * 5, segments=(16,)).gemv
+    assert not sg.GemmPlan(m=1, k=256, segments=(32,), situ=True).gemv
+    monkeypatch.delenv(gs.EXT_ENV)
     monkeypatch.setenv(sg.L2_ENV, "1")
     assert orn.plan_for(cfg, "kda", 1).l2_all and orn.q_b_plan(cfg, 1).l2_all
     assert not nqp.plan_for(cfg, "kda", 1).l2_all
@@ -386,16 +391,16 @@ def _gemv_plan(kw: dict, m: int = 1, **knobs) -> gs.GemvPlan:
 
 
 def test_dense_selection(monkeypatch):
-    """Off by default (the skinny kernel as before); ``DECODESCOPE_GEMV_EXT=1`` routes the dense
-    MLP's 1-token plans (SiTU, K with a tail) to the GEMV, not 2 tokens, and a SiTU plan's rows
-    per warp are even (gate / up pairs)."""
+    """The dense MLP's 1-token plans (SiTU, K with a tail) go to the GEMV by default
+    (``DECODESCOPE_GEMV_EXT=0``: the skinny kernel as before s29), not 2 tokens; a SiTU plan's
+    rows per warp are even (gate / up pairs); the measured knob sets (s29) are in force."""
     from decodescope.kernels.specialized import dense_mlp as dm
 
     for v in (sg.GEMV_ENV, gs.CFG_ENV, gs.EXT_ENV, gs.TUNED_ENV, sg.LOAD_ENV):
         monkeypatch.delenv(v, raising=False)
     for tp in (8, 16):
         cfg = get_config("kimi-k3", tp)
-        assert gs.EXT_DEFAULT or not (dm.gate_up_plan(cfg, 1).gemv or dm.down_plan(cfg, 1).gemv)
+        assert dm.gate_up_plan(cfg, 1).gemv and dm.down_plan(cfg, 1).gemv  # the default
         monkeypatch.setenv(gs.EXT_ENV, "1")
         gu, dn = dm.gate_up_plan(cfg, 1), dm.down_plan(cfg, 1)
         assert gu.gemv and dn.gemv and not dm.gate_up_plan(cfg, 2).gemv
@@ -404,6 +409,8 @@ def test_dense_selection(monkeypatch):
         assert g.cta_rows * g.grid >= cfg.dense_inter and not g.tail
         d = gs.from_gemm_plan(dn)
         assert d.tail and d.kp == d.pieces * 256 and d.kp - d.k == 256 - cfg.dense_inter % 256
+        want = {8: ((4, 4, 2, 2), (16, 1, 4, 2)), 16: ((8, 2, 2, 4), (4, 4, 2, 2))}[tp]
+        assert ((g.warps, g.rows, g.group, g.depth), (d.warps, d.rows, d.group, d.depth)) == want
         monkeypatch.setenv(gs.CFG_ENV, "w8r3g2d2")  # odd rows: rounded up for SiTU
         assert gs.from_gemm_plan(gu).rows == 4 and gs.from_gemm_plan(dn).rows == 3
         monkeypatch.setenv(gs.EXT_ENV, "0")

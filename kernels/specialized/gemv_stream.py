@@ -137,6 +137,13 @@ TUNED: dict[tuple[int, int, tuple[int, ...]], tuple[int, int, int, int]] = {
     # +5.2 us, no longer resident early beside it; q_b's 72 CTAs +0.9)
     (1, 7168, (2112, 768)): (22, 1, 4, 3),  # MLA qkv_a + g
     (1, 768, (7168,)): (16, 2, 3, 1),  # o_proj (KDA and MLA)
+    # the dense MLP (DECODESCOPE_GEMV_EXT; s29, notes/gpu-logs/s29/n1, alone, us; auto in
+    # brackets): gate_up + SiTU TP8 31.6 (33.9), TP16 17.4 (19.0); down TP8 16.7 (18.3), TP16
+    # 9.3 (9.5). The skinny kernel they replace: 38.3, 27.5, 30.4, 22.0
+    (1, 7168, (8448,)): (4, 4, 2, 2),  # dense gate_up TP8
+    (1, 7168, (4224,)): (8, 2, 2, 4),  # dense gate_up TP16
+    (1, 4224, (7168,)): (16, 1, 4, 2),  # dense down TP8
+    (1, 2112, (7168,)): (4, 4, 2, 2),  # dense down TP16
 }
 
 
@@ -220,7 +227,9 @@ def ext_enabled() -> bool:
     return bool(knob.read(EXT_ENV, (0, 1), str(int(EXT_DEFAULT))))
 
 
-EXT_DEFAULT = False
+# on since s29 (H200, bench, batch 1, dense layer span, same call: TP16 58.4 / 58.0 -> 46.2 /
+# 46.3 us with auto_cfg, 44.4 with the measured sets; TP8 98.0 / 98.5 -> 81.2 / 81.6, 78.4)
+EXT_DEFAULT = True
 
 
 def shape_ok(m: int, k: int) -> bool:

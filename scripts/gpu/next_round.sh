@@ -370,7 +370,7 @@ part31=(
 # Prediction (notes/specialized.md "Session 29"): the dense layer's span -8 to -12 us at both
 # shapes (TP16 59.6 -> ~49, TP8 98.4 -> ~88).
 GX="DECODESCOPE_GEMV_EXT=1"
-GT="$GX DECODESCOPE_GEMV_TUNED=$R/tuned_dense.json"
+GT="$GX DECODESCOPE_GEMV_TUNED=/tmp/tuned_dense.json"  # 32a writes it in its $R: copy it there first
 D1="decodescope bench --batch 1 --backends specialized --layers dense --out $R/ab"
 SW="python scripts/gpu_specialized_attn.py --gemv-only --gemv-shapes dense_gate_up dense_down --sweep-ms 1 --write-tuned $R/tuned_dense.json"
 part32a=(
@@ -393,7 +393,16 @@ part32b=(
 part32c=(
   "120:xsteps:$GX python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/xsteps"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 32a
+# Part 33 (session 29): the dense MLP on the GEMV is the default (DECODESCOPE_GEMV_EXT, the
+# measured knob sets): its GPU tests, the whole step at batch 1, then the README's batch-1 rows
+# (both backends: stage the vLLM parts) into $R/ds (merge into results/).
+part33=(
+  "150:dgpu:python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_dense_gpu.py -k 'equal_refs'"
+  "120:steps:python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/steps"
+  "150:b16:decodescope bench --tp-shape 16 --batch 1 --out $R/ds --json $R/b16.json"
+  "150:b8:decodescope bench --tp-shape 8 --batch 1 --out $R/ds --json $R/b8.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 33
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -429,5 +438,6 @@ case "${1:-1}" in
   32a) exec bash "$here/run_stages.sh" "${part32a[@]}" ;;
   32b) exec bash "$here/run_stages.sh" "${part32b[@]}" ;;
   32c) exec bash "$here/run_stages.sh" "${part32c[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a, 32b or 32c, got '$1'" >&2; exit 2 ;;
+  33) exec bash "$here/run_stages.sh" "${part33[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a, 32b, 32c or 33, got '$1'" >&2; exit 2 ;;
 esac
