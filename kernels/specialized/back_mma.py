@@ -262,7 +262,7 @@ def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0):
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
-BACK_VARIANTS = ("auto", "mma", "simt", "tile")
+BACK_VARIANTS = ("auto", "mma", "simt", "tile", "gemv")
 
 
 def back_variant(T: int, L: int, H: int) -> str:
@@ -272,10 +272,17 @@ def back_variant(T: int, L: int, H: int) -> str:
     (``up_proj_shared_add``) or ``tile`` (:func:`.back_tile.back_tile`, the tile GEMM: ``auto``
     from 32 tokens since s9/r2, 22.8 / 36.9 us against this kernel's 33.9 / 48.2 at 32 / 64
     tokens, H200 TP8). Read at each call. H200, TP8 (notes/specialized_moe.md): 25.4 / 61.7 us at 8 / 64 tokens against
-    61.0 / 383.6 for ``up_proj_shared_add``."""
+    61.0 / 383.6 for ``up_proj_shared_add``. ``gemv``: :class:`.gemv_stream.GemvStreamBack`
+    where it serves the shapes (1..4 tokens), else as ``auto``."""
     v = os.environ.get("DECODESCOPE_MOE_BACK", "auto")
     if v not in BACK_VARIANTS:
         raise ValueError(f"DECODESCOPE_MOE_BACK={v!r}: expected one of {BACK_VARIANTS}")
+    if v == "gemv":
+        from decodescope.kernels.specialized import gemv_stream as gs
+
+        if gs.back_supports(T, L, H):
+            return "gemv"
+        v = "auto"
     if v == "auto":  # from 1 token since the ring (H200 TP8, 1 token: 22.6 us SIMT, 18.8 ring)
         if bt.TILE_FROM is not None and T >= bt.TILE_FROM and bt.fits(T, L, H):
             return "tile"

@@ -283,6 +283,9 @@ class GemvPlan:
     situ: bool = False
     situ_beta: float = 4.0
     situ_lbeta: float = 25.0
+    # the LatentMoE back at 1..4 tokens (:class:`GemvStreamBack`): x is the routed experts' FP32
+    # sum, normalized as ``bf16(x * rstd * w)``; ``out = bf16(acc + e)`` with an FP32 ``e``
+    back: bool = False
 
     def __post_init__(self) -> None:
         if not shape_ok(self.m, self.k):
@@ -326,6 +329,15 @@ class GemvPlan:
                 f"gemv_stream: prefetch of {self.pre_bytes} B per slice of {self.pre_slices} "
                 f"slices of a [{self.pre_rows}, {self.pre_k}] weight: needs 16-byte multiples "
                 "within a slice"
+            )
+        if self.back and (
+            not self.norm or len(self.segments) != 1 or self.add_residual or self.x_stride
+            or self.residual_epilogue or self.situ or self.norm_out or self.pre_bytes
+            or self.tail
+        ):  # fmt: skip
+            raise ValueError(
+                "gemv_stream: back needs the norm, one segment, K a multiple of 256 and no "
+                "other prologue or epilogue"
             )
         for name, v, hi in zip(("warps", "rows", "group", "depth"),
                                (self.warps, self.rows, self.group, self.depth), CFG_MAX,
@@ -935,6 +947,147 @@ class GemvStreamPre(GemvStream):
         sX, sR, sRed, sRstd = self.smem_views()
         self.body(mX, mR, mRout, mNW, mW0, mO0, mE, sX, sR, sRed, sRstd, bidx, p.segments[0],
                   bidx, warp, lane, post=(mPre,))  # fmt: skip
+
+
+class GemvStreamBack(GemvStream):
+    """The LatentMoE back at 1..4 tokens (``back`` plans), the function of
+    :func:`.up_proj_shared_add.up_proj_shared_add_ref`: ``out [M, H] = bf16(bf16(acc * rstd *
+    latent_norm) @ latent_up^T + shared_out)``, ``acc`` and ``shared_out`` FP32.
+
+    The streaming GEMV's main loop on ``latent_up``; its prologue reads the FP32 routed sum
+    (every thread's 32-byte pieces issued together after the PDL wait: one L2 round trip), one
+    block reduction per token for rstd, and stages ``bf16(acc * rstd * w)`` (the reference's
+    one rounding) in shared memory; the epilogue adds ``shared_out`` (loaded right after the
+    wait) to the FP32 sums and rounds once. The first ``depth`` weight groups and the norm
+    weights go out before the wait, as in every GEMV plan. :class:`.back_mma.BackMma`'s
+    ``post`` norm (the default there) rounds ``bf16(acc * w)`` instead and scales by rstd after
+    the MMAs."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mAcc: cute.Tensor,  # [M, K] fp32: the routed experts' sum
+        mNW: cute.Tensor,  # [K] bf16 latent norm weight
+        mW: cute.Tensor,  # [N, K] bf16 latent_up
+        mSh: cute.Tensor,  # [M, N] fp32 shared experts' output
+        mOut: cute.Tensor,  # [M, N] bf16
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        self.smem_cls = self.smem_struct()
+        self.kernel_back(mAcc, mNW, mW, mSh, mOut).launch(
+            grid=[p.grid, 1, 1],
+            block=[p.threads, 1, 1],
+            smem=self.smem_cls.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel_back(self, mAcc, mNW, mW, mSh, mOut):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        sX, _sR, sRed, _sRstd = self.smem_views()
+        n = p.segments[0]
+        row0 = bidx * p.cta_rows + warp * p.rows
+        rows = []
+        for r in cutlass.range_constexpr(p.rows):
+            rows.append(cutlass.min(row0 + r, n - 1))
+        bufs = self.issue_first(mW, rows, lane)  # before the wait: weights
+        nt = p.threads
+        nvec = p.k // PIECE
+        per = -(-nvec // nt)
+        nws = []
+        for i in cutlass.range_constexpr(per):
+            t = cute.make_rmem_tensor((PIECE,), BFloat16)
+            load_vec8(mNW, cutlass.min(tidx + i * nt, nvec - 1) * PIECE, t)
+            nws.append(t)
+        if cutlass.const_expr(p.pdl):
+            pdl_begin()
+        evs = []  # shared_out of this lane's rows (written by an earlier kernel: after the wait)
+        for r in cutlass.range_constexpr(p.rows):
+            for m in cutlass.range_constexpr(p.m):
+                evs.append(mSh[m, rows[r]])
+        xs = []  # [m][i]: 8 FP32 of acc (rows clamped; the surplus pieces weighted 0)
+        for m in cutlass.range_constexpr(p.m):
+            row = []
+            for i in cutlass.range_constexpr(per):
+                kv = cutlass.min(tidx + i * nt, nvec - 1)
+                xv = cute.make_rmem_tensor((PIECE,), Float32)
+                cute.autovec_copy(cute.local_tile(mAcc[m, None], (PIECE,), (kv,)), xv)
+                row.append(xv)
+            xs.append(row)
+        for m in cutlass.range_constexpr(p.m):
+            ss = Float32(0.0)
+            for i in cutlass.range_constexpr(per):
+                keep = Float32(1.0)
+                if tidx + i * nt >= nvec:
+                    keep = Float32(0.0)
+                xf = xs[m][i].load()
+                ss = ss + (xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0) * keep
+            ss = warp_sum(ss)
+            if lane == 0:
+                sRed[warp, m] = ss
+        cute.arch.sync_threads()
+        for m in cutlass.range_constexpr(p.m):
+            tot = Float32(0.0)
+            for w in cutlass.range_constexpr(p.warps):
+                tot = tot + sRed[w, m]
+            rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
+            for i in cutlass.range_constexpr(per):
+                kv = tidx + i * nt
+                if kv < nvec:
+                    t = cute.make_rmem_tensor((PIECE,), BFloat16)
+                    for e in cutlass.range_constexpr(PIECE):
+                        t[e] = (xs[m][i][e] * rs * nws[i][e].to(Float32)).to(BFloat16)
+                    cute.autovec_copy(t, cute.local_tile(sX[m, None], (PIECE,), (kv,)))
+        cute.arch.sync_threads()
+        accs = self.mainloop(mW, rows, bufs, sX, lane)
+        for r in cutlass.range_constexpr(p.rows):
+            for m in cutlass.range_constexpr(p.m):
+                tot = warp_sum(accs[r][m])
+                if lane == 0 and row0 + r < n:
+                    mOut[m, row0 + r] = (tot + evs[r * p.m + m]).to(BFloat16)
+
+
+def back_plan(T: int, L: int, H: int, eps: float, cfg: tuple[int, int, int, int] | None = None,
+              pdl: bool | None = None) -> GemvPlan:  # fmt: skip
+    """The :class:`GemvStreamBack` plan of ``T`` tokens, latent ``L``, hidden ``H`` (the knobs
+    from ``cfg``, else ``DECODESCOPE_GEMV_CFG`` or :func:`tuned_cfg`)."""
+    w, r, g, d = cfg or env_cfg() or tuned_cfg(T, L, (H,))
+    return GemvPlan(m=T, k=L, segments=(H,), norm=True, eps=float(eps),
+                    pdl=pdl_enabled() if pdl is None else pdl, warps=w, rows=r, group=g, depth=d,
+                    ld=env_ld(), back=True)  # fmt: skip
+
+
+def compile_back_plan(p: GemvPlan):
+    """Compile (cached) :class:`GemvStreamBack` for a ``back`` plan (works without a GPU)."""
+    from decodescope.kernels.specialized.up_proj_shared_add import fake_back_args
+
+    if not p.back:
+        raise ValueError("gemv_stream: compile_back_plan needs a back plan (back_plan)")
+    return itf.compiled(("gemv_stream_back", p), lambda: (
+        GemvStreamBack(p), (*fake_back_args(p.m, p.k, p.segments[0]), itf.env_stream())))  # fmt: skip
+
+
+def back_supports(T: int, L: int, H: int) -> bool:
+    return 1 <= T <= MAX_M and L % KSTEP == 0 and H >= 1
+
+
+def back_gemv(acc, latent_norm, latent_up, shared_out, out, eps: float,
+              cfg: tuple[int, int, int, int] | None = None) -> None:  # fmt: skip
+    """``out = bf16(bf16(rmsnorm(acc) * latent_norm) @ latent_up^T + shared_out)`` by
+    :class:`GemvStreamBack` (the arguments of :func:`.back_mma.back_mma`)."""
+    from decodescope.kernels.specialized.up_proj_shared_add import check_back_args
+
+    T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
+    if not back_supports(T, L, H):
+        raise ValueError(f"gemv_stream: the back GEMV needs 1..{MAX_M} tokens and a latent that "
+                         f"is a multiple of {KSTEP}, got T={T}, L={L}")  # fmt: skip
+    compile_back_plan(back_plan(T, L, H, eps, cfg))(acc, latent_norm, latent_up, shared_out, out)
 
 
 C_ARRIVE = 0  # GemvStreamNorm's counter: CTAs done

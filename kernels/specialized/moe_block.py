@@ -52,6 +52,7 @@ import torch
 
 from decodescope.kernels.config import Config
 from decodescope.kernels.specialized import back_mma as _bm
+from decodescope.kernels.specialized import gemv_stream as _gs
 from decodescope.kernels.specialized import back_tile as _bt
 from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import moe_experts as _me
@@ -303,7 +304,7 @@ class SpecializedMoE:
                 _tg.mm_f32(a, self.latent_up, self.y_up)
                 add_round(self.y_up, self.shared_out, out)
             return
-        fn = {"mma": _bm.back_mma, "tile": _bt.back_tile}.get(
+        fn = {"mma": _bm.back_mma, "tile": _bt.back_tile, "gemv": _gs.back_gemv}.get(
             _bm.back_variant(self.Nc, self.cfg.expert_dim, self.cfg.hidden),
             _up.up_proj_shared_add,
         )

@@ -402,7 +402,32 @@ part33=(
   "150:b16:decodescope bench --tp-shape 16 --batch 1 --out $R/ds --json $R/b16.json"
   "150:b8:decodescope bench --tp-shape 8 --batch 1 --out $R/ds --json $R/b8.json"
 )
-# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 33
+# Part 34 (session 29): the LatentMoE back at one token on the streaming GEMV
+# (DECODESCOPE_MOE_BACK=gemv: gemv_stream.GemvStreamBack). s28 trace (TP16 KDA layer 1): BackMma
+# ends 15.7 us after W2T1 for 51 MB (3.25 TB/s); the GEMV streamed the dense MLP at 3.5-3.8.
+# Prediction (notes/specialized.md "Session 29"): each MoE layer's share -1 to -3 us.
+# 34a: the GPU tests, the whole step with it, the TP16 A/B (auto_cfg and two knob sets, ABAB);
+# 34b: the TP8 A/B.
+BG="DECODESCOPE_MOE_BACK=gemv"
+BT="$BG DECODESCOPE_GEMV_TUNED=scripts/gpu/tuned_ab/back_"
+M1="decodescope bench --batch 1 --backends specialized --layers kda,mla --out $R/ab"
+part34a=(
+  "100:btest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_back_gemv.py"
+  "100:bsteps:$BG python scripts/gpu_steps.py --tp 16 8 --points 1x1 --layers dense,kda,mla --out $R/bsteps"
+  "45:m16d:$M1 --tp-shape 16 --json $R/m16d.json"
+  "45:m16g:$BG $M1 --tp-shape 16 --json $R/m16g.json"
+  "45:m16t1:${BT}w4r4g2d2.json $M1 --tp-shape 16 --json $R/m16t1.json"
+  "45:m16t2:${BT}w16r1g4d2.json $M1 --tp-shape 16 --json $R/m16t2.json"
+  "45:m16d2:$M1 --tp-shape 16 --json $R/m16d2.json"
+  "45:m16g2:$BG $M1 --tp-shape 16 --json $R/m16g2.json"
+)
+part34b=(
+  "45:m8d:$M1 --tp-shape 8 --json $R/m8d.json"
+  "45:m8g:$BG $M1 --tp-shape 8 --json $R/m8g.json"
+  "45:m8d2:$M1 --tp-shape 8 --json $R/m8d2.json"
+  "45:m8g2:$BG $M1 --tp-shape 8 --json $R/m8g2.json"
+)
+# one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
   2) exec bash "$here/run_stages.sh" "${part2[@]}" ;;
@@ -439,5 +464,7 @@ case "${1:-1}" in
   32b) exec bash "$here/run_stages.sh" "${part32b[@]}" ;;
   32c) exec bash "$here/run_stages.sh" "${part32c[@]}" ;;
   33) exec bash "$here/run_stages.sh" "${part33[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a, 32b, 32c or 33, got '$1'" >&2; exit 2 ;;
+  34a) exec bash "$here/run_stages.sh" "${part34a[@]}" ;;
+  34b) exec bash "$here/run_stages.sh" "${part34b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
