@@ -171,6 +171,15 @@ def _cases() -> dict:
         gs.compile_plan,
         gs.from_gemm_plan(sg.GemmPlan(m=4, k=H, segments=(A,), norm=True, gemv=True)),
     )
+    # the dense MLP's one-token GEMMs on the GEMV (s29: SiTU epilogue, K with a tail) and the
+    # LatentMoE back on it (opt-in, DECODESCOPE_MOE_BACK=gemv)
+    for tp in (8, 16):
+        c = get_config("kimi-k3", tp)
+        gu = dataclasses.replace(dm.gate_up_plan(c, 1), gemv=True)
+        cases[f"tp{tp}_gemv_dense_up_m1"] = (gs.compile_plan, gs.from_gemm_plan(gu))
+        dn = dataclasses.replace(dm.down_plan(c, 1), gemv=True)
+        cases[f"tp{tp}_gemv_dense_down_m1"] = (gs.compile_plan, gs.from_gemm_plan(dn))
+    cases["gemv_back_t1"] = (gs.compile_back_plan, gs.back_plan(1, cfg.expert_dim, H, cfg.eps))
     # the grouped MoE's w2 launch: GroupedW2 (regs) and GroupedW2Tile (its environment knobs)
     for T, w2 in ((8, "regs"), (8, mg.W2_TILE), (64, mg.W2_TILE)):
         cases[f"tp8_w2_{w2}_t{T}"] = (

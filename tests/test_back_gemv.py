@@ -80,7 +80,8 @@ def test_back_ptx_order():
     cute.compile(gs.GemvStreamBack(p), *fake_back_args(1, L, H), itf.env_stream(),
                  options=f"--enable-tvm-ffi --keep-ptx --dump-dir={d}")  # fmt: skip
     (path,) = glob.glob(f"{d}/**/*.ptx", recursive=True)
-    ptx = open(path).read()
+    with open(path) as f:
+        ptx = f.read()
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.count("griddepcontrol.wait") == 1
     loads_before = ptx[:wait].count("ld.global")

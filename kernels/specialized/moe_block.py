@@ -52,9 +52,9 @@ import torch
 
 from decodescope.kernels.config import Config
 from decodescope.kernels.specialized import back_mma as _bm
-from decodescope.kernels.specialized import gemv_stream as _gs
 from decodescope.kernels.specialized import back_tile as _bt
 from decodescope.kernels.specialized import front_mma as _fm
+from decodescope.kernels.specialized import gemv_stream as _gs
 from decodescope.kernels.specialized import moe_experts as _me
 from decodescope.kernels.specialized import moe_grouped as _mg
 from decodescope.kernels.specialized import router_topk as _rt
