@@ -180,6 +180,10 @@ def _cases() -> dict:
         dn = dataclasses.replace(dm.down_plan(c, 1), gemv=True)
         cases[f"tp{tp}_gemv_dense_down_m1"] = (gs.compile_plan, gs.from_gemm_plan(dn))
     cases["gemv_back_t1"] = (gs.compile_back_plan, gs.back_plan(1, cfg.expert_dim, H, cfg.eps))
+    # o_proj + residual + RMSNorm in one launch (opt-in, DECODESCOPE_OPROJ_NORM=1)
+    op1 = gs.from_gemm_plan(sg.GemmPlan(m=1, k=cfg.kda_dim, segments=(H,),
+                                        residual_epilogue=True, gemv=True))  # fmt: skip
+    cases["tp8_gemv_norm_out_m1"] = (gs.compile_norm_plan, gs.norm_plan(op1))
     # the grouped MoE's w2 launch: GroupedW2 (regs) and GroupedW2Tile (its environment knobs)
     for T, w2 in ((8, "regs"), (8, mg.W2_TILE), (64, mg.W2_TILE)):
         cases[f"tp8_w2_{w2}_t{T}"] = (

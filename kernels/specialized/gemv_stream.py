@@ -34,7 +34,10 @@ activations plus the norm math, and keeps only ~32 KB per CTA in flight. Here, p
   concatenation of their CTAs.
 
 Selection: :mod:`.skinny_gemm` (``DECODESCOPE_SKINNY_GEMV``, default 1: one-token plans) routes
-the plans it supports here; the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
+the plans it supports here, the dense MLP's too (``DECODESCOPE_GEMV_EXT``, default 1: the SiTU
+epilogue, each warp holding gate rows and their up rows, and K with a tail past the last
+multiple of 256, loaded clamped against zero-padded activations); :class:`GemvStreamBack` is
+the LatentMoE back on the same main loop (``DECODESCOPE_MOE_BACK=gemv``, opt-in); the knobs (warps / rows / group / depth) come from ``DECODESCOPE_GEMV_CFG``
 (``w8r2g2d2``; unset or ``auto``: :func:`tuned_cfg`, the measured set or :func:`auto_cfg`; suffix ``n``: the weights by
 ``ld.global.nc.L1::no_allocate.L2::256B``; suffix ``x``: the prologue's x / r by register
 loads instead of ``cp.async``) or the sweep's explicit values. ``DECODESCOPE_GEMV_TUNED``: a
@@ -444,15 +447,26 @@ class GemvStream:
         mE: cute.Tensor,  # [M, N0] epilogue residual (residual_epilogue) else placeholder
         stream: cuda.CUstream,
     ):
-        p = self.p
         self.smem_cls = self.smem_struct()
-        self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE).launch(
-            grid=[p.grid, 1, 1],
-            block=[p.threads, 1, 1],
-            smem=self.smem_cls.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
+        self.launch_grid(
+            self.kernel(mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE),
+            self.smem_cls.size_in_bytes(),
+            stream,
         )
+
+    def launch_grid(self, kernel, smem: int, stream) -> None:
+        """Launch one of this class's kernels on the plan's grid (one CTA of ``warps`` warps per
+        ``cta_rows`` output rows), with ``smem`` bytes and PDL as the plan says (trace time)."""
+        p = self.p
+        kernel.launch(grid=[p.grid, 1, 1], block=[p.threads, 1, 1], smem=smem, stream=stream,
+                      use_pdl=p.pdl)  # fmt: skip
+
+    @staticmethod
+    def ids() -> tuple:
+        """``(thread, block, warp, lane)`` indices inside a kernel (trace time)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        return tidx, bidx, tidx // 32, tidx % 32
 
     def smem_struct(self):
         p = self.p
@@ -483,10 +497,7 @@ class GemvStream:
     @cute.kernel
     def kernel(self, mX, mR, mRout, mNW, mW0, mO0, mW1, mO1, mW2, mO2, mE):
         p = self.p
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
+        tidx, bidx, warp, lane = self.ids()
         sX, sR, sRed, sRstd = self.smem_views()
         weights = (mW0, mW1, mW2)
         outs = (mO0, mO1, mO2)
@@ -702,15 +713,10 @@ class GemvStream:
                     keep = Float32(0.0)
                 hf = hv[m][i].load().to(Float32)
                 ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0) * keep
-            ss = warp_sum(ss)
-            if lane == 0:
-                sRed[warp, m] = ss
+            self.publish_ssq(ss, sRed, m, warp, lane)
         cute.arch.sync_threads()
         for m in cutlass.range_constexpr(p.m):
-            tot = Float32(0.0)
-            for w in cutlass.range_constexpr(p.warps):
-                tot = tot + sRed[w, m]
-            rs = cute.math.rsqrt(tot / Float32(N) + Float32(p.eps))
+            rs = self.rstd(sRed, m, N)
             for i in cutlass.range_constexpr(per):
                 kv = tidx + i * p.threads
                 if kv < nvec:
@@ -761,12 +767,27 @@ class GemvStream:
                         hf = hv.load().to(Float32)
                         ss = ss + (hf * hf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(p.norm):
-                ss = warp_sum(ss)
-                if lane == 0:
-                    sRed[warp, m] = ss
+                self.publish_ssq(ss, sRed, m, warp, lane)
         self.zero_pad(sX, tidx)
         cute.arch.sync_threads()
         self.normalize(sX, sRed, nws, tidx)
+
+    @cute.jit
+    def publish_ssq(self, ss, sRed, m: cutlass.Constexpr[int], warp, lane):
+        """This warp's part of token ``m``'s sum of squares (summed over its lanes) into
+        ``sRed[warp, m]``; a barrier must follow before :meth:`rstd` reads it."""
+        ss = warp_sum(ss)
+        if lane == 0:
+            sRed[warp, m] = ss
+
+    def rstd(self, sRed, m: int, width: int):
+        """Token ``m``'s ``1 / sqrt(mean of squares + eps)`` over ``width`` columns, from every
+        warp's part in ``sRed`` (trace time; after the barrier that published them)."""
+        p = self.p
+        tot = Float32(0.0)
+        for w in range(p.warps):
+            tot = tot + sRed[w, m]
+        return cute.math.rsqrt(tot / Float32(width) + Float32(p.eps))
 
     @cute.jit
     def zero_pad(self, sX, tidx):
@@ -794,10 +815,7 @@ class GemvStream:
         per = -(-nvec // nt)
         if cutlass.const_expr(p.norm):
             for m in cutlass.range_constexpr(p.m):
-                tot = Float32(0.0)
-                for w in cutlass.range_constexpr(p.warps):
-                    tot = tot + sRed[w, m]
-                rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
+                rs = self.rstd(sRed, m, p.k)
                 for i in cutlass.range_constexpr(per):
                     kv = tidx + i * nt
                     if kv < nvec:
@@ -851,9 +869,7 @@ class GemvStream:
                         f = hs[i][e].to(Float32)
                         ss = ss + f * f * keep
             if cutlass.const_expr(p.norm):
-                ss = warp_sum(ss)
-                if lane == 0:
-                    sRed[warp, m] = ss
+                self.publish_ssq(ss, sRed, m, warp, lane)
         self.zero_pad(sX, tidx)
         cute.arch.sync_threads()
         self.normalize(sX, sRed, nws, tidx)
@@ -877,7 +893,6 @@ class GemvStreamNorm(GemvStream):
         mCnt: cute.Tensor,  # [4] int32: CTAs done, spare
         stream: cuda.CUstream,
     ):
-        p = self.p
         base = self.smem_struct()
 
         @cute.struct
@@ -887,21 +902,14 @@ class GemvStreamNorm(GemvStream):
 
         self.smem_cls = base
         self.smem_norm = Smem
-        self.kernel_norm(mX, mW, mO, mE, mG, mH, mCnt).launch(
-            grid=[p.grid, 1, 1],
-            block=[p.threads, 1, 1],
-            smem=Smem.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
+        self.launch_grid(
+            self.kernel_norm(mX, mW, mO, mE, mG, mH, mCnt), Smem.size_in_bytes(), stream
         )
 
     @cute.kernel
     def kernel_norm(self, mX, mW, mO, mE, mG, mH, mCnt):
         p = self.p
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
+        tidx, bidx, warp, lane = self.ids()
         st = cutlass.memory.SmemAllocator().allocate(self.smem_norm)
         sX, sR, sRed, sRstd = self.smem_views(st.s)
         sFlag = st.flag.get_tensor(cute.make_layout(4))
@@ -927,23 +935,17 @@ class GemvStreamPre(GemvStream):
         mPre: cute.Tensor,  # [pre_rows, pre_k] bf16: the next kernels' weight (read: address)
         stream: cuda.CUstream,
     ):
-        p = self.p
         self.smem_cls = self.smem_struct()
-        self.kernel_pre(mX, mR, mRout, mNW, mW0, mO0, mE, mPre).launch(
-            grid=[p.grid, 1, 1],
-            block=[p.threads, 1, 1],
-            smem=self.smem_cls.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
+        self.launch_grid(
+            self.kernel_pre(mX, mR, mRout, mNW, mW0, mO0, mE, mPre),
+            self.smem_cls.size_in_bytes(),
+            stream,
         )
 
     @cute.kernel
     def kernel_pre(self, mX, mR, mRout, mNW, mW0, mO0, mE, mPre):
         p = self.p
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
+        tidx, bidx, warp, lane = self.ids()
         sX, sR, sRed, sRstd = self.smem_views()
         self.body(mX, mR, mRout, mNW, mW0, mO0, mE, sX, sR, sRed, sRstd, bidx, p.segments[0],
                   bidx, warp, lane, post=(mPre,))  # fmt: skip
@@ -973,23 +975,15 @@ class GemvStreamBack(GemvStream):
         mOut: cute.Tensor,  # [M, N] bf16
         stream: cuda.CUstream,
     ):
-        p = self.p
         self.smem_cls = self.smem_struct()
-        self.kernel_back(mAcc, mNW, mW, mSh, mOut).launch(
-            grid=[p.grid, 1, 1],
-            block=[p.threads, 1, 1],
-            smem=self.smem_cls.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
+        self.launch_grid(
+            self.kernel_back(mAcc, mNW, mW, mSh, mOut), self.smem_cls.size_in_bytes(), stream
         )
 
     @cute.kernel
     def kernel_back(self, mAcc, mNW, mW, mSh, mOut):
         p = self.p
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // 32
-        lane = tidx % 32
+        tidx, bidx, warp, lane = self.ids()
         sX, _sR, sRed, _sRstd = self.smem_views()
         n = p.segments[0]
         row0 = bidx * p.cta_rows + warp * p.rows
@@ -1028,15 +1022,10 @@ class GemvStreamBack(GemvStream):
                     keep = Float32(0.0)
                 xf = xs[m][i].load()
                 ss = ss + (xf * xf).reduce(cute.ReductionOp.ADD, Float32(0.0), 0) * keep
-            ss = warp_sum(ss)
-            if lane == 0:
-                sRed[warp, m] = ss
+            self.publish_ssq(ss, sRed, m, warp, lane)
         cute.arch.sync_threads()
         for m in cutlass.range_constexpr(p.m):
-            tot = Float32(0.0)
-            for w in cutlass.range_constexpr(p.warps):
-                tot = tot + sRed[w, m]
-            rs = cute.math.rsqrt(tot / Float32(p.k) + Float32(p.eps))
+            rs = self.rstd(sRed, m, p.k)
             for i in cutlass.range_constexpr(per):
                 kv = tidx + i * nt
                 if kv < nvec:
