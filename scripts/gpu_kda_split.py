@@ -10,7 +10,10 @@ its state from DRAM, as in the model's step), medians of ``--replays`` replays. 
 markdown table and writes ``OUT/kda_split.json``.
 
     python scripts/gpu_kda_split.py --out $OUT/kda_split [--tp 8 16] [--points 1x1 1x8 2x1 8x1]
-        [--splits 1 2 4 8]
+        [--splits 1 2 4 8] [--streams 0 2x1 3x1 1x2]
+
+``--streams``: with split 1, also the persistent state stream (:mod:`.kda_decode_stream`,
+``DECODESCOPE_KDA_STREAM`` values: stages x CTAs per SM; ``0`` the one-CTA kernel).
 """
 
 from __future__ import annotations
@@ -75,12 +78,26 @@ def time_alone(cfg, w, p, B, T, replays: int) -> float:
     return graph_time_us(fns, replays)[0]
 
 
+def stream_value(v: str) -> tuple[int, int]:
+    """A ``DECODESCOPE_KDA_STREAM`` value as ``(stages, CTAs per SM)`` (its own parser)."""
+    old = os.environ.get(kda.STREAM_ENV)
+    os.environ[kda.STREAM_ENV] = v
+    try:
+        return kda.stream_for(1)
+    finally:
+        if old is None:
+            del os.environ[kda.STREAM_ENV]
+        else:
+            os.environ[kda.STREAM_ENV] = old
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results/kda_split")
     ap.add_argument("--tp", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--points", nargs="+", default=["1x1", "1x8", "2x1", "8x1"])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--streams", nargs="+", default=["0"])
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -88,17 +105,24 @@ def main() -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     rows, t0 = [], time.time()
-    print("| tp | B | T | split | CTAs | out err | state err | conv err | us alone | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| tp | B | T | split | stream | CTAs | out err | state err | conv err | us alone | status |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
         w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device=DEV)
         for pt in a.points:
             B, T = (int(x) for x in pt.split("x"))
-            for vs in a.splits:
-                p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs)
-                row = {"tp": tp, "batch": B, "tokens": T, "vsplit": vs,
-                       "ctas": p.heads * B * vs}  # fmt: skip
+            for vs, sv in [(v, s) for v in a.splits for s in (a.streams if v == 1 else ["0"])]:
+                ns, cpsm = stream_value(sv)
+                p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, stream=ns,
+                                        stream_cpsm=cpsm)  # fmt: skip
+                ctas = p.heads * B * vs
+                if ns:
+                    ctas = min(ctas, kda.NUM_SMS * cpsm)
+                row = {"tp": tp, "batch": B, "tokens": T, "vsplit": vs, "stream": sv,
+                       "ctas": ctas}  # fmt: skip
                 try:
                     chk = [check(cfg, w, p, B, T, seed=11 + d) for d in range(2)]
                     row.update({k: max(c[k] for c in chk) for k in ("out", "state", "conv")})
@@ -111,8 +135,8 @@ def main() -> int:
                 errs = " | ".join(f"{row[k]:.1e}" if k in row else "-"
                                   for k in ("out", "state", "conv"))  # fmt: skip
                 status = "PASS" if row["ok"] else ("ERROR " + row.get("error", "FAIL"))
-                print(f"| {tp} | {B} | {T} | {vs} | {row['ctas']} | {errs} | {us} | {status} |",
-                      flush=True)  # fmt: skip
+                print(f"| {tp} | {B} | {T} | {vs} | {sv} | {row['ctas']} | {errs} | {us} "
+                      f"| {status} |", flush=True)  # fmt: skip
     with open(os.path.join(a.out, "kda_split.json"), "w") as f:
         json.dump({"rows": rows, "tol": TOL, "gpu": torch.cuda.get_device_name(),
                    "seconds": round(time.time() - t0, 1)}, f, indent=1)  # fmt: skip

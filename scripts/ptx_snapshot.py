@@ -93,6 +93,8 @@ def _cases() -> dict:
         cases[f"{p}_dense_down_m4"] = (sg.compile_plan, dm.down_plan(cfg, 4))  # skinny below 8
         cases[f"{p}_rmsnorm_m1"] = (rms.compile_plan, rms.NormPlan(1, H, cfg.eps))
         cases[f"{p}_kda_b1"] = (kda.compile_plan, kda.plan_for(cfg, 1, 1))
+        cases[f"{p}_kda_b64"] = (kda.compile_plan, kda.plan_for(cfg, 64, 1))  # one CTA per item
+        cases[f"{p}_kda_b8t8"] = (kda.compile_plan, kda.plan_for(cfg, 8, 8))
         cases[f"{p}_mla_b1"] = (mla.compile_plan, mla.plan_for(cfg, 1, 1))
         cases[f"{p}_mlatc_b1t8"] = (mtc.compile_plan, mtc.plan_for(cfg, 1, 8))
         # MoE (the thunks bind this TP's dims through d, not the loop variables)

@@ -58,6 +58,10 @@ class KDAPlan:
     vsplit: int = 1  # > 1: :class:`.kda_decode_split.KDADecodeSplit` (clusters per head)
     # the split's state, conv history and weights before the PDL wait (:func:`early_enabled`)
     early: bool = field(default_factory=lambda: early_enabled())
+    # > 0 (with vsplit 1): :class:`.kda_decode_stream.KDADecodeStream`, this many states in
+    # flight per CTA, ``stream_cpsm`` CTAs per SM (:func:`stream_for`)
+    stream: int = 0
+    stream_cpsm: int = 1
 
     @property
     def dim(self) -> int:
@@ -66,6 +70,7 @@ class KDAPlan:
 
 VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
 EARLY_ENV = "DECODESCOPE_KDA_EARLY"
+STREAM_ENV = "DECODESCOPE_KDA_STREAM"
 
 
 def early_enabled() -> bool:
@@ -109,6 +114,19 @@ def vsplit_for(batch: int, heads: int, head_dim: int, tokens: int = 1) -> int:
         if batch * heads * vs <= NUM_SMS:
             return vs
     return 1
+
+
+def stream_for(vsplit: int) -> tuple[int, int]:
+    """``DECODESCOPE_KDA_STREAM``: ``(stages, CTAs per SM)`` of the persistent state stream
+    (:mod:`.kda_decode_stream`) where the split does not run (``vsplit`` 1); ``(0, 1)``: the
+    one-CTA kernel. Values: ``0`` or unset (off), ``S`` (S stages, one CTA per SM) or ``SxC``
+    (``1x2``: one stage, two CTAs per SM). A bad value raises a one-line ``ValueError``."""
+    v = os.environ.get(STREAM_ENV, "") or "0"
+    ok = {"0": (0, 1), "1": (1, 1), "2": (2, 1), "3": (3, 1), "1x1": (1, 1), "1x2": (1, 2),
+          "2x1": (2, 1), "3x1": (3, 1)}  # fmt: skip
+    if v not in ok:
+        raise ValueError(f"{STREAM_ENV}={v!r}: expected 0 (off), 1, 2, 3, 1x2, 2x1 or 3x1")
+    return ok[v] if vsplit == 1 else (0, 1)
 
 
 class KDADecode:
@@ -159,21 +177,13 @@ class KDADecode:
     @cute.kernel
     def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
         p = self.p
-        hd, D, KC, T, SP = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split
+        hd, SP = p.head_dim, self.split
         rows = hd // SP  # state rows per thread
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         j = tidx // SP  # value column of this thread
         half = tidx % SP  # which rows of it: i = ii * SP + half
-        lead = half == 0  # the lane that writes per-column results
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.smem_cls)
-        sFa = st.fa.get_tensor(cute.make_layout(hd))
-        sDecay = st.decay.get_tensor(cute.make_layout(hd))
-        sQ = st.q.get_tensor(cute.make_layout(hd))
-        sK = st.k.get_tensor(cute.make_layout(hd))
-        sRed = st.red.get_tensor(cute.make_layout(16))
+        sh = self.shared(cutlass.memory.SmemAllocator().allocate(self.smem_cls))
 
         if cutlass.const_expr(p.pdl):
             pdl_begin()
@@ -182,9 +192,45 @@ class KDADecode:
         rS = cute.make_rmem_tensor((rows,), Float32)
         for ii in cutlass.range_constexpr(rows):
             rS[ii] = mS[b, h, ii * SP + half, j]
-        # conv history and weights of column j's q, k, v channels
+        rHist, rCw, rFb = self.item_regs()
+        a_h, dt, onorm = self.item_loads(mConvW, mConv, mFb, mALog, mDt, mONorm, b, h, col,
+                                         rHist, rCw, rFb)  # fmt: skip
+        self.item_tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
+        self.item_store(mConv, mS, b, h, col, rS, rHist)
+
+    def shared(self, st):
+        """The per-token scratch of :attr:`smem_cls` as tensors: (f_a, decay, q, k, red)."""
+        hd = self.p.head_dim
+        return (
+            st.fa.get_tensor(cute.make_layout(hd)),
+            st.decay.get_tensor(cute.make_layout(hd)),
+            st.q.get_tensor(cute.make_layout(hd)),
+            st.k.get_tensor(cute.make_layout(hd)),
+            st.red.get_tensor(cute.make_layout(16)),
+        )
+
+    def item_regs(self):
+        """Registers of one (head, sequence) besides its state: the q / k / v channels' conv
+        history and weights, and (from 2 tokens) this lane's half of the f_b row."""
+        p = self.p
+        KC = p.conv_kernel
         rHist = cute.make_rmem_tensor((3, KC - 1), Float32)
         rCw = cute.make_rmem_tensor((3, KC), Float32)
+        rFb = None
+        if cutlass.const_expr(p.tokens > 1):
+            rFb = cute.make_rmem_tensor((8, p.head_dim // 8 // self.split), BFloat16)
+        return rHist, rCw, rFb
+
+    @cute.jit
+    def item_loads(self, mConvW, mConv, mFb, mALog, mDt, mONorm, b, h, col, rHist, rCw, rFb):
+        """Load what head ``h`` of sequence ``b`` needs besides its state and its projection
+        rows; returns ``(exp(A_log[h]), dt_bias[col], o_norm[j])``."""
+        p = self.p
+        hd, D, KC, SP = p.head_dim, p.dim, p.conv_kernel, self.split
+        tidx, _, _ = cute.arch.thread_idx()
+        j = tidx // SP
+        half = tidx % SP
+        # conv history and weights of column j's q, k, v channels
         for c in cutlass.range_constexpr(3):
             for i in cutlass.range_constexpr(KC - 1):
                 rHist[c, i] = mConv[b, c * D + col, i].to(Float32)
@@ -196,13 +242,26 @@ class KDADecode:
         # from 2 tokens: this lane's half of f_b row col held across the tokens (its L2 round
         # trips out of the per-token chain; the same products in the same order). At 1 token
         # it is loaded in the loop as before (128 registers: two CTAs per SM at large batch)
+        if cutlass.const_expr(p.tokens > 1):
+            for v in cutlass.range_constexpr(hd // 8 // SP):
+                load_vec8(mFb[col, None], (v * SP + half) * 8, rFb[None, v])
+        return a_h, dt, onorm
+
+    @cute.jit
+    def item_tokens(self, mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh):
+        """The tokens of head ``h`` of sequence ``b``: conv, gates, the recurrence on ``rS``
+        (this thread's rows of its state column) and the gated norm into ``mOut``. ``col`` is
+        ``h * head_dim + j``, this thread's value column ``j`` of the head."""
+        p = self.p
+        hd, D, KC, T, SP = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split
+        rows = hd // SP
+        sFa, sDecay, sQ, sK, sRed = sh
+        tidx, _, _ = cute.arch.thread_idx()
+        j = tidx // SP
+        half = tidx % SP
+        lead = half == 0  # the lane that writes per-column results
         NV = hd // 8 // SP
         HOLD = T > 1
-        if cutlass.const_expr(HOLD):
-            rFb = cute.make_rmem_tensor((8, NV), BFloat16)  # column v: 8 contiguous
-            for v in cutlass.range_constexpr(NV):
-                load_vec8(mFb[col, None], (v * SP + half) * 8, rFb[None, v])
-
         for t in cutlass.range(T, unroll_full=True):
             row = b * T + t
             # short conv + SiLU on q, k, v (both lanes of a column compute it)
@@ -280,9 +339,17 @@ class KDADecode:
                 mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
             cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK
 
-        for ii in cutlass.range_constexpr(rows):
+    @cute.jit
+    def item_store(self, mConv, mS, b, h, col, rS, rHist):
+        """Write back this thread's state rows and (one lane per column) the conv history."""
+        p = self.p
+        hd, D, KC, SP = p.head_dim, p.dim, p.conv_kernel, self.split
+        tidx, _, _ = cute.arch.thread_idx()
+        j = tidx // SP
+        half = tidx % SP
+        for ii in cutlass.range_constexpr(hd // SP):
             mS[b, h, ii * SP + half, j] = rS[ii]
-        if lead:
+        if half == 0:
             for c in cutlass.range_constexpr(3):
                 for i in cutlass.range_constexpr(KC - 1):
                     mConv[b, c * D + col, i] = rHist[c, i].to(BFloat16)
@@ -309,11 +376,16 @@ def _fake_args(p: KDAPlan):
 
 
 def make_op(p: KDAPlan):
-    """The kernel object of plan ``p``: the one-CTA kernel, or the cluster split."""
+    """The kernel object of plan ``p``: the one-CTA kernel, the cluster split or the
+    persistent state stream."""
     if p.vsplit > 1:
         from decodescope.kernels.specialized.kda_decode_split import KDADecodeSplit
 
         return KDADecodeSplit(p)
+    if p.stream:
+        from decodescope.kernels.specialized.kda_decode_stream import KDADecodeStream
+
+        return KDADecodeStream(p)
     return KDADecode(p)
 
 
@@ -323,6 +395,8 @@ def compile_plan(p: KDAPlan):
 
 def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
     k = cfg.kda
+    vs = vsplit_for(batch, cfg.kda_heads, k.head_dim, tokens)
+    ns, cpsm = stream_for(vs)
     return KDAPlan(
         batch=batch,
         tokens=tokens,
@@ -332,7 +406,9 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         proj_width=cfg.kda_in_proj_out,
         lower_bound=k.gate_lower_bound,
         eps=cfg.eps,
-        vsplit=vsplit_for(batch, cfg.kda_heads, k.head_dim, tokens),
+        vsplit=vs,
+        stream=ns,
+        stream_cpsm=cpsm,
     )
 
 

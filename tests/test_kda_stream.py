@@ -1,0 +1,144 @@
+"""The KDA decode's persistent state stream (``DECODESCOPE_KDA_STREAM``,
+:mod:`decodescope.kernels.specialized.kda_decode_stream`): sm_90a compiles on the CPU at the
+kimi-k3 TP8 / TP16 shapes (1 and 8 tokens), the knob's values and one-line errors, the bulk
+copies before the PDL wait in the PTX, and the CTAs' walk over the items replayed in Python
+(every item once; every wait on a slot's mbarrier matches the arming of that slot for the same
+item, in order). The GPU test (``-m gpu``) runs ``scripts/gpu_kda_split.py``'s checks against
+:func:`kda_decode.kda_decode_ref`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodescope.kernels.config import LayerSpec, get_config
+from decodescope.kernels.specialized import interface as itf  # sets CUTE_DSL_ARCH first
+from decodescope.kernels.specialized import kda_decode as kda
+from decodescope.kernels.specialized import kda_decode_stream as kst
+from decodescope.kernels.weights import make_layer_weights
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV):
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def _plan(tp: int, B: int, T: int, ns: int, cpsm: int = 1, pdl: bool = True) -> kda.KDAPlan:
+    p = kda.plan_for(get_config("kimi-k3", tp), B, T)
+    return dataclasses.replace(p, vsplit=1, stream=ns, stream_cpsm=cpsm, pdl=pdl)
+
+
+@pytest.mark.parametrize(
+    "tp,B,T,ns,cpsm", [(8, 64, 1, 2, 1), (8, 64, 1, 1, 2), (16, 64, 1, 3, 1), (8, 8, 8, 2, 1)]
+)
+def test_compiles(tp, B, T, ns, cpsm, clean_env):
+    p = _plan(tp, B, T, ns, cpsm)
+    op = kda.make_op(p)
+    assert isinstance(op, kst.KDADecodeStream)
+    assert op.ctas == min(p.heads * B, kda.NUM_SMS * cpsm)
+    assert itf.compile_only(op, *kda._fake_args(p)) is not None
+
+
+def test_bulk_before_wait(clean_env):
+    """The first ``stages`` states' bulk copies (``PIECES`` each) precede ``griddepcontrol.wait``;
+    the refills follow it; the consumers wait on the mbarriers."""
+    p = _plan(8, 64, 1, 2)
+    ptx = itf.ptx_text(kda.make_op(p), *kda._fake_args(p))
+    w = ptx.find("griddepcontrol.wait")
+    assert w > 0
+    assert ptx[:w].count("cp.async.bulk.shared") == 2 * kst.PIECES
+    assert ptx[w:].count("cp.async.bulk.shared") == kst.PIECES
+    assert "mbarrier.try_wait" in ptx[w:]
+
+
+def test_selection(clean_env):
+    mp = clean_env
+    assert kda.stream_for(1) == (0, 1)  # unset: off (the one-CTA kernel)
+    assert kda.plan_for(get_config("kimi-k3", 8), 64, 1).stream == 0
+    for v, want in (("2", (2, 1)), ("3x1", (3, 1)), ("1x2", (1, 2)), ("0", (0, 1))):
+        mp.setenv(kda.STREAM_ENV, v)
+        assert kda.stream_for(1) == want
+        assert kda.stream_for(8) == (0, 1)  # the split runs instead
+    mp.setenv(kda.STREAM_ENV, "2")
+    p = kda.plan_for(get_config("kimi-k3", 8), 64, 1)
+    assert (p.vsplit, p.stream, p.stream_cpsm) == (1, 2, 1)
+    assert isinstance(kda.make_op(p), kst.KDADecodeStream)
+    assert kda.plan_for(get_config("kimi-k3", 8), 1, 1).stream == 0  # split 8 at one sequence
+    mp.setenv(kda.STREAM_ENV, "4")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_STREAM='4'"):
+        kda.stream_for(1)
+
+
+def test_refused(clean_env):
+    with pytest.raises(ValueError, match="4 stages x 1 CTAs per SM of 64 KB"):
+        kst.KDADecodeStream(_plan(8, 64, 1, 4))
+    with pytest.raises(ValueError, match="2 stages x 2 CTAs per SM"):
+        kst.KDADecodeStream(_plan(8, 64, 1, 2, 2))
+
+
+@pytest.mark.parametrize("tp,B,ns,cpsm", [(8, 64, 2, 1), (16, 64, 3, 1), (8, 64, 1, 2),
+                                          (16, 7, 2, 1), (8, 32, 3, 1)])  # fmt: skip
+def test_walk(tp, B, ns, cpsm):
+    """The kernel's loop replayed per CTA: item ``it`` from ``cta`` in steps of the grid; the
+    ``kk``-th item waits on slot ``kk % NS`` for parity ``(kk // NS) % 2``; thread 0 arms slot
+    ``s`` for items ``cta + s x grid`` up front and for ``it + NS x grid`` after reading ``it``.
+    Each slot's arms and waits name the same items in the same order (so the parity the k-th
+    wait expects is the phase the k-th arming completes), and every item runs once."""
+    op = kst.KDADecodeStream(_plan(tp, B, 1, ns, cpsm))
+    grid, items = op.ctas, op.items
+    done = Counter()
+    for cta in range(grid):
+        arms = {s: [] for s in range(ns)}
+        waits = {s: [] for s in range(ns)}
+        for s in range(ns):
+            if cta + s * grid < items:
+                arms[s].append(cta + s * grid)
+        it, kk = cta, 0
+        while it < items:
+            slot = kk % ns
+            assert arms[slot][len(waits[slot])] == it  # armed before, for this item
+            assert len(waits[slot]) % 2 == (kk // ns) % 2  # the parity the kernel waits for
+            waits[slot].append(it)
+            done[it] += 1
+            if it + ns * grid < items:
+                arms[slot].append(it + ns * grid)
+            it += grid
+            kk += 1
+        assert arms == waits  # nothing armed is left unconsumed
+    assert len(done) == items and set(done.values()) == {1}
+
+
+# -- GPU (the lead's H200 runs: pytest -m gpu tests/test_kda_stream.py) -------------------------
+
+
+@pytest.fixture(scope="module")
+def gks():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    spec = importlib.util.spec_from_file_location("gpu_kda_split", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,B,T,ns,cpsm", [(8, 64, 1, 2, 1), (16, 64, 1, 3, 1), (8, 64, 1, 1, 2),
+                                            (16, 32, 1, 2, 1), (8, 8, 8, 2, 1), (16, 64, 8, 2, 1),
+                                            (8, 7, 1, 1, 1)])  # fmt: skip
+def test_stream_gpu(gks, tp, B, T, ns, cpsm, clean_env):
+    """Output (poisoned first), FP32 state and conv history against the reference, two draws."""
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    p = _plan(tp, B, T, ns, cpsm)
+    for d in range(2):
+        res = gks.check(cfg, w, p, B, T, seed=5 + d)
+        assert res["ok"], res
