@@ -10,10 +10,12 @@ its state from DRAM, as in the model's step), medians of ``--replays`` replays. 
 markdown table and writes ``OUT/kda_split.json``.
 
     python scripts/gpu_kda_split.py --out $OUT/kda_split [--tp 8 16] [--points 1x1 1x8 2x1 8x1]
-        [--splits 1 2 4 8] [--streams 0 2x1 3x1 1x2]
+        [--splits 1 2 4 8] [--streams 0 2x1 3x1 1x2] [--chains token batched]
 
 ``--streams``: with split 1, also the persistent state stream (:mod:`.kda_decode_stream`,
 ``DECODESCOPE_KDA_STREAM`` values: stages x CTAs per SM; ``0`` the one-CTA kernel).
+``--chains``: with split 1, each of those with the per-token or the batched chain
+(``DECODESCOPE_KDA_CHAIN``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def main() -> int:
     ap.add_argument("--points", nargs="+", default=["1x1", "1x8", "2x1", "8x1"])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--streams", nargs="+", default=["0"])
+    ap.add_argument("--chains", nargs="+", default=["token"], choices=["token", "batched"])
     ap.add_argument("--replays", type=int, default=30)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -105,24 +108,26 @@ def main() -> int:
         return 2
     os.makedirs(a.out, exist_ok=True)
     rows, t0 = [], time.time()
-    print(
-        "| tp | B | T | split | stream | CTAs | out err | state err | conv err | us alone | status |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| tp | B | T | split | stream | chain | CTAs | out err | state err | conv err | us alone "
+          "| status |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tp in a.tp:
         cfg = get_config("kimi-k3", tp)
         w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device=DEV)
         for pt in a.points:
             B, T = (int(x) for x in pt.split("x"))
-            for vs, sv in [(v, s) for v in a.splits for s in (a.streams if v == 1 else ["0"])]:
+            one = [(s, c) for s in a.streams for c in a.chains]
+            for vs, (sv, ch) in [
+                (v, x) for v in a.splits for x in (one if v == 1 else [("0", "token")])
+            ]:
                 ns, cpsm = stream_value(sv)
                 p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, stream=ns,
-                                        stream_cpsm=cpsm)  # fmt: skip
+                                        stream_cpsm=cpsm, chain=ch)  # fmt: skip
                 ctas = p.heads * B * vs
                 if ns:
                     ctas = min(ctas, kda.NUM_SMS * cpsm)
                 row = {"tp": tp, "batch": B, "tokens": T, "vsplit": vs, "stream": sv,
-                       "ctas": ctas}  # fmt: skip
+                       "chain": ch, "ctas": ctas}  # fmt: skip
                 try:
                     chk = [check(cfg, w, p, B, T, seed=11 + d) for d in range(2)]
                     row.update({k: max(c[k] for c in chk) for k in ("out", "state", "conv")})
@@ -135,7 +140,7 @@ def main() -> int:
                 errs = " | ".join(f"{row[k]:.1e}" if k in row else "-"
                                   for k in ("out", "state", "conv"))  # fmt: skip
                 status = "PASS" if row["ok"] else ("ERROR " + row.get("error", "FAIL"))
-                print(f"| {tp} | {B} | {T} | {vs} | {sv} | {row['ctas']} | {errs} | {us} "
+                print(f"| {tp} | {B} | {T} | {vs} | {sv} | {ch} | {row['ctas']} | {errs} | {us} "
                       f"| {status} |", flush=True)  # fmt: skip
     with open(os.path.join(a.out, "kda_split.json"), "w") as f:
         json.dump({"rows": rows, "tol": TOL, "gpu": torch.cuda.get_device_name(),

@@ -1,10 +1,12 @@
 """The KDA decode's persistent state stream (``DECODESCOPE_KDA_STREAM``,
-:mod:`decodescope.kernels.specialized.kda_decode_stream`): sm_90a compiles on the CPU at the
-kimi-k3 TP8 / TP16 shapes (1 and 8 tokens), the knob's values and one-line errors, the bulk
-copies before the PDL wait in the PTX, and the CTAs' walk over the items replayed in Python
-(every item once; every wait on a slot's mbarrier matches the arming of that slot for the same
-item, in order). The GPU test (``-m gpu``) runs ``scripts/gpu_kda_split.py``'s checks against
-:func:`kda_decode.kda_decode_ref`."""
+:mod:`decodescope.kernels.specialized.kda_decode_stream`) and its batched chain
+(``DECODESCOPE_KDA_CHAIN``, :meth:`.kda_decode.KDADecode.item_tokens_batched`): sm_90a
+compiles on the CPU at the kimi-k3 TP8 / TP16 shapes (1 and 8 tokens), the knobs' values and
+one-line errors, the bulk copies before the PDL wait and the block barriers in the PTX, and the
+CTAs' walk over the items replayed in Python (every item once; every wait on a slot's mbarrier
+matches the arming of that slot for the same item, in order). The GPU tests (``-m gpu``) run
+``scripts/gpu_kda_split.py``'s checks against :func:`kda_decode.kda_decode_ref`, and the
+batched chain against the per-token one on the same inputs."""
 
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV):
+    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV):
         monkeypatch.delenv(v, raising=False)
     return monkeypatch
 
 
-def _plan(tp: int, B: int, T: int, ns: int, cpsm: int = 1, pdl: bool = True) -> kda.KDAPlan:
+def _plan(
+    tp: int, B: int, T: int, ns: int, cpsm: int = 1, pdl: bool = True, chain: str = "token"
+) -> kda.KDAPlan:
     p = kda.plan_for(get_config("kimi-k3", tp), B, T)
-    return dataclasses.replace(p, vsplit=1, stream=ns, stream_cpsm=cpsm, pdl=pdl)
+    return dataclasses.replace(p, vsplit=1, stream=ns, stream_cpsm=cpsm, pdl=pdl, chain=chain)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +80,41 @@ def test_selection(clean_env):
     mp.setenv(kda.STREAM_ENV, "4")
     with pytest.raises(ValueError, match="DECODESCOPE_KDA_STREAM='4'"):
         kda.stream_for(1)
+
+
+@pytest.mark.parametrize("tp,B,T,ns", [(8, 64, 1, 0), (16, 64, 8, 0), (8, 64, 1, 2),
+                                       (16, 32, 8, 2)])  # fmt: skip
+def test_batched_compiles(tp, B, T, ns, clean_env):
+    p = _plan(tp, B, T, ns, chain="batched")
+    op = kda.make_op(p)
+    assert op.batched and op.nt == T and op.nred == 3 * T * op.warps
+    assert itf.compile_only(op, *kda._fake_args(p)) is not None
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_batched_barriers(T, clean_env):
+    """The one-CTA kernel's block barriers (``bar.sync``): the per-token chain ten per token
+    (two per q / k / o reduction, four more), the batched chain three for all tokens (the two
+    reductions' and the one after the decay / q / k rows); with ``T`` tokens unrolled."""
+    counts = {}
+    for chain in ("token", "batched"):
+        p = _plan(8, 64, T, 0, chain=chain)
+        counts[chain] = itf.ptx_text(kda.make_op(p), *kda._fake_args(p)).count("bar.sync")
+    assert counts == {"token": 10 * T, "batched": 3}
+
+
+def test_chain_selection(clean_env):
+    mp = clean_env
+    assert kda.chain_mode() == "token"  # unset
+    assert kda.plan_for(get_config("kimi-k3", 8), 64, 1).chain == "token"
+    mp.setenv(kda.CHAIN_ENV, "batched")
+    assert kda.plan_for(get_config("kimi-k3", 16), 64, 8).chain == "batched"
+    mp.setenv(kda.CHAIN_ENV, "fast")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_CHAIN='fast'"):
+        kda.chain_mode()
+    mp.delenv(kda.CHAIN_ENV)
+    with pytest.raises(ValueError, match="chain 'fast'"):
+        kda.KDADecode(dataclasses.replace(_plan(8, 64, 1, 0), chain="fast"))
 
 
 def test_refused(clean_env):
@@ -134,11 +173,36 @@ def gks():
 @pytest.mark.parametrize("tp,B,T,ns,cpsm", [(8, 64, 1, 2, 1), (16, 64, 1, 3, 1), (8, 64, 1, 1, 2),
                                             (16, 32, 1, 2, 1), (8, 8, 8, 2, 1), (16, 64, 8, 2, 1),
                                             (8, 7, 1, 1, 1)])  # fmt: skip
-def test_stream_gpu(gks, tp, B, T, ns, cpsm, clean_env):
+@pytest.mark.parametrize("chain", ["token", "batched"])
+def test_stream_gpu(gks, tp, B, T, ns, cpsm, chain, clean_env):
     """Output (poisoned first), FP32 state and conv history against the reference, two draws."""
     cfg = get_config("kimi-k3", tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
-    p = _plan(tp, B, T, ns, cpsm)
+    p = _plan(tp, B, T, ns, cpsm, chain=chain)
     for d in range(2):
         res = gks.check(cfg, w, p, B, T, seed=5 + d)
         assert res["ok"], res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,B,T,ns", [(8, 64, 1, 0), (16, 8, 8, 0), (8, 64, 8, 2),
+                                       (16, 3, 1, 2)])  # fmt: skip
+def test_batched_equals_token_gpu(gks, tp, B, T, ns, clean_env):
+    """The batched chain computes the per-token chain's sums in the same order: output, FP32
+    state and conv history bit-identical to it on the same fresh inputs."""
+    from decodescope.kernels.weights import make_state
+
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    st = make_state(cfg, LayerSpec(1, "kda", "moe"), B, T, seed=9, device="cuda")
+    proj = torch.randn(B * T, cfg.kda_in_proj_out, device="cuda").to(torch.bfloat16)
+    got = []
+    for chain in ("token", "batched"):
+        p = _plan(tp, B, T, ns, chain=chain)
+        s, c = st["kda_state"].clone(), st["conv_state"].clone()
+        out = torch.full((B * T, cfg.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gks.run_one(kda.compile_plan(p), cfg, w, proj, s, c, out, p)
+        torch.cuda.synchronize()
+        got.append((out, s, c))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)

@@ -37,6 +37,7 @@ from cutlass import BFloat16, Float32
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized.utils import (
     block_sum,
+    block_sums,
     load_vec8,
     pdl_begin,
     pdl_enabled,
@@ -62,6 +63,9 @@ class KDAPlan:
     # flight per CTA, ``stream_cpsm`` CTAs per SM (:func:`stream_for`)
     stream: int = 0
     stream_cpsm: int = 1
+    # "token": the per-token chain (three block reductions a token); "batched": everything
+    # that does not read the state first, for all tokens (:func:`chain_mode`)
+    chain: str = "token"
 
     @property
     def dim(self) -> int:
@@ -71,6 +75,7 @@ class KDAPlan:
 VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
 EARLY_ENV = "DECODESCOPE_KDA_EARLY"
 STREAM_ENV = "DECODESCOPE_KDA_STREAM"
+CHAIN_ENV = "DECODESCOPE_KDA_CHAIN"
 
 
 def early_enabled() -> bool:
@@ -129,9 +134,27 @@ def stream_for(vsplit: int) -> tuple[int, int]:
     return ok[v] if vsplit == 1 else (0, 1)
 
 
+def chain_mode() -> str:
+    """``DECODESCOPE_KDA_CHAIN``: how the one-CTA kernel and the state stream walk an item's
+    tokens. ``token`` (unset): per token the conv, the q / k L2 norms (two block reductions),
+    the decay gate, the two passes over the state and the output norm (a third), ten block
+    barriers a token. ``batched``: first, for all the item's tokens, everything that does not
+    read the state (conv, gates, beta, the q / k norms in one block reduction of ``2T`` sums,
+    the decay, q and k into shared memory), one barrier; then per token only the two passes
+    over the state (no block barrier); then the output norms of all tokens in one reduction.
+    The same sums in the same order (bit-identical outputs). A bad value raises a one-line
+    ``ValueError``."""
+    v = os.environ.get(CHAIN_ENV, "") or "token"
+    if v not in ("token", "batched"):
+        raise ValueError(f"{CHAIN_ENV}={v!r}: expected token or batched")
+    return v
+
+
 class KDADecode:
     def __init__(self, plan: KDAPlan):
         self.p = plan
+        if plan.chain not in ("token", "batched"):
+            raise ValueError(f"KDA decode: chain {plan.chain!r}: expected token or batched")
         if plan.head_dim % 32 or plan.head_dim > 256:
             raise ValueError(f"head_dim must be a multiple of 32 up to 256, got {plan.head_dim}")
         # two lanes per state column from head_dim 64 up: half the FP32 state in each lane's
@@ -139,6 +162,10 @@ class KDADecode:
         self.split = 2 if plan.head_dim >= 64 else 1
         self.threads = plan.head_dim * self.split
         self.warps = self.threads // 32
+        self.batched = plan.chain == "batched"
+        # per-token scratch rows (f_a, decay, q, k) and reduction scratch (floats)
+        self.nt = plan.tokens if self.batched else 1
+        self.nred = 3 * plan.tokens * self.warps if self.batched else 16
 
     @cute.jit
     def __call__(
@@ -155,15 +182,15 @@ class KDADecode:
         stream: cuda.CUstream,
     ):
         p = self.p
-        hd = p.head_dim
+        hd, nt = p.head_dim, self.nt
 
         @cute.struct
         class Smem:
-            fa: cute.struct.MemRange[Float32, hd]
-            decay: cute.struct.MemRange[Float32, hd]
-            q: cute.struct.MemRange[Float32, hd]
-            k: cute.struct.MemRange[Float32, hd]
-            red: cute.struct.MemRange[Float32, 16]
+            fa: cute.struct.MemRange[Float32, nt * hd]
+            decay: cute.struct.MemRange[Float32, nt * hd]
+            q: cute.struct.MemRange[Float32, nt * hd]
+            k: cute.struct.MemRange[Float32, nt * hd]
+            red: cute.struct.MemRange[Float32, self.nred]
 
         self.smem_cls = Smem
         self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
@@ -195,19 +222,32 @@ class KDADecode:
         rHist, rCw, rFb = self.item_regs()
         a_h, dt, onorm = self.item_loads(mConvW, mConv, mFb, mALog, mDt, mONorm, b, h, col,
                                          rHist, rCw, rFb)  # fmt: skip
-        self.item_tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
+        self.tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
         self.item_store(mConv, mS, b, h, col, rS, rHist)
 
     def shared(self, st):
-        """The per-token scratch of :attr:`smem_cls` as tensors: (f_a, decay, q, k, red)."""
+        """The per-token scratch of :attr:`smem_cls` as tensors: (f_a, decay, q, k, red);
+        ``[token, hd]`` for the batched chain, ``[hd]`` for the per-token one."""
         hd = self.p.head_dim
+        lay = cute.make_layout(hd)
+        if self.batched:
+            lay = cute.make_layout((self.nt, hd), stride=(hd, 1))
         return (
-            st.fa.get_tensor(cute.make_layout(hd)),
-            st.decay.get_tensor(cute.make_layout(hd)),
-            st.q.get_tensor(cute.make_layout(hd)),
-            st.k.get_tensor(cute.make_layout(hd)),
-            st.red.get_tensor(cute.make_layout(16)),
+            st.fa.get_tensor(lay),
+            st.decay.get_tensor(lay),
+            st.q.get_tensor(lay),
+            st.k.get_tensor(lay),
+            st.red.get_tensor(cute.make_layout(self.nred)),
         )
+
+    @cute.jit
+    def tokens(self, mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh):
+        """An item's tokens by the plan's chain (:func:`chain_mode`)."""
+        if cutlass.const_expr(self.batched):
+            self.item_tokens_batched(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw,
+                                     rFb, sh)  # fmt: skip
+        else:
+            self.item_tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
 
     def item_regs(self):
         """Registers of one (head, sequence) besides its state: the q / k / v channels' conv
@@ -340,6 +380,116 @@ class KDADecode:
             cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK
 
     @cute.jit
+    def item_tokens_batched(self, mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw,
+                            rFb, sh):  # fmt: skip
+        """:meth:`item_tokens`'s function with the state-free work of all ``T`` tokens first
+        (``DECODESCOPE_KDA_CHAIN=batched``): every projection load issued at once, the q / k
+        norms of all tokens in one block reduction, decay / q / k rows into shared memory
+        ``[t, hd]``; per token only the two passes over the state (a warp barrier between them
+        keeps q and k out of registers); then all output norms in one reduction."""
+        p = self.p
+        hd, D, KC, T, SP, W = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split, self.warps
+        rows = hd // SP
+        sFa, sDecay, sQ, sK, sRed = sh
+        tidx, _, _ = cute.arch.thread_idx()
+        j = tidx // SP
+        half = tidx % SP
+        lead = half == 0  # the lane that writes per-column results
+        # -- every token's projection values: conv + SiLU of q / k / v, the gate, beta, f_a
+        qkv = cute.make_rmem_tensor((3, T), Float32)
+        gj = cute.make_rmem_tensor((T,), Float32)
+        beta = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            for c in cutlass.range_constexpr(3):
+                xn = mProj[row, c * D + col].to(Float32)
+                acc = xn * rCw[c, KC - 1]
+                for i in cutlass.range_constexpr(KC - 1):
+                    acc = acc + rHist[c, i] * rCw[c, i]
+                for i in cutlass.range_constexpr(KC - 2):
+                    rHist[c, i] = rHist[c, i + 1]
+                rHist[c, KC - 2] = xn
+                qkv[c, t] = acc * sigmoid(acc)
+            gj[t] = mProj[row, 3 * D + col].to(Float32)
+            beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+        for e in cutlass.range_constexpr(-(-T * hd // self.threads)):
+            idx = tidx + e * self.threads
+            if idx < T * hd:
+                sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(Float32)
+        # -- the q / k L2 norms of all tokens: one reduction (its barrier publishes sFa)
+        ss = cute.make_rmem_tensor((2 * T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            ss[2 * t] = Float32(0.0)
+            ss[2 * t + 1] = Float32(0.0)
+            if lead:
+                ss[2 * t] = qkv[0, t] * qkv[0, t]
+                ss[2 * t + 1] = qkv[1, t] * qkv[1, t]
+        block_sums(ss, sRed, W, 2 * T)
+        NV = hd // 8 // SP
+        for t in cutlass.range_constexpr(T):
+            qn = (
+                qkv[0, t]
+                / cute.arch.fmax(cute.math.sqrt(ss[2 * t]), Float32(1e-12))
+                * Float32(hd**-0.5)
+            )
+            kn = qkv[1, t] / cute.arch.fmax(cute.math.sqrt(ss[2 * t + 1]), Float32(1e-12))
+            # decay gate of channel j (a k row of S): f_b[col, :] . f_a, split over the lanes
+            f = Float32(0.0)
+            if cutlass.const_expr(T > 1):
+                for v in cutlass.range_constexpr(NV):
+                    k0 = (v * SP + half) * 8
+                    for e in cutlass.range_constexpr(8):
+                        f = f + rFb[e, v].to(Float32) * sFa[t, k0 + e]
+            else:
+                for v in cutlass.range(NV, unroll_full=True):
+                    k0 = (v * SP + half) * 8
+                    fb = cute.make_rmem_tensor((8,), BFloat16)  # f_b row: L1/L2-resident
+                    load_vec8(mFb[col, None], k0, fb)
+                    for e in cutlass.range_constexpr(8):
+                        f = f + fb[e].to(Float32) * sFa[t, k0 + e]
+            if cutlass.const_expr(SP == 2):
+                f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
+            f = f + dt
+            gk = Float32(p.lower_bound) * sigmoid(a_h * f)
+            if lead:
+                sDecay[t, j] = cute.math.exp(gk, fastmath=False)
+                sQ[t, j] = qn
+                sK[t, j] = kn
+        cute.arch.sync_threads()
+        # -- the recurrence: per token two passes over this thread's rows of the state
+        ob = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            kv = Float32(0.0)
+            for ii in cutlass.range_constexpr(rows):
+                i = ii * SP
+                rS[ii] = rS[ii] * sDecay[t, i + half]
+                kv = kv + sK[t, i + half] * rS[ii]
+            if cutlass.const_expr(SP == 2):
+                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1)
+            u = beta[t] * (qkv[2, t] - kv)
+            cute.arch.sync_warp()
+            o = Float32(0.0)
+            for ii in cutlass.range_constexpr(rows):
+                i = ii * SP
+                rS[ii] = rS[ii] + sK[t, i + half] * u
+                o = o + sQ[t, i + half] * rS[ii]
+            if cutlass.const_expr(SP == 2):
+                o = o + cute.arch.shuffle_sync_bfly(o, offset=1)
+            ob[t] = o
+            cute.arch.sync_warp()
+        # -- the gated RMSNorm of every token's output: one reduction
+        oss = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            oss[t] = Float32(0.0)
+            if lead:
+                oss[t] = ob[t] * ob[t]
+        block_sums(oss, sRed, W, T, off=2 * T * W)
+        for t in cutlass.range_constexpr(T):
+            rstd = cute.math.rsqrt(oss[t] / Float32(hd) + Float32(p.eps))
+            if lead:
+                mOut[b * T + t, col] = (ob[t] * rstd * onorm * sigmoid(gj[t])).to(BFloat16)
+
+    @cute.jit
     def item_store(self, mConv, mS, b, h, col, rS, rHist):
         """Write back this thread's state rows and (one lane per column) the conv history."""
         p = self.p
@@ -409,6 +559,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         vsplit=vs,
         stream=ns,
         stream_cpsm=cpsm,
+        chain=chain_mode(),
     )
 
 

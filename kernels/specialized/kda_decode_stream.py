@@ -78,15 +78,15 @@ class KDADecodeStream(KDADecode):
         stream: cuda.CUstream,
     ):
         p = self.p
-        hd = p.head_dim
+        hd, nt = p.head_dim, self.nt
 
         @cute.struct
         class Smem:
-            fa: cute.struct.MemRange[Float32, hd]
-            decay: cute.struct.MemRange[Float32, hd]
-            q: cute.struct.MemRange[Float32, hd]
-            k: cute.struct.MemRange[Float32, hd]
-            red: cute.struct.MemRange[Float32, 16]
+            fa: cute.struct.MemRange[Float32, nt * hd]
+            decay: cute.struct.MemRange[Float32, nt * hd]
+            q: cute.struct.MemRange[Float32, nt * hd]
+            k: cute.struct.MemRange[Float32, nt * hd]
+            red: cute.struct.MemRange[Float32, self.nred]
             bar: cute.struct.Align[cute.struct.MemRange[Int64, self.NS], 8]
             state: cute.struct.Align[cute.struct.MemRange[Float32, self.NS * hd * hd], 128]
 
@@ -144,8 +144,7 @@ class KDADecodeStream(KDADecode):
                 nxt = it + NS * self.ctas
                 if nxt < self.items:
                     self.issue(mS, sSt, sBar, nxt, slot)
-            self.item_tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb,
-                             sh)  # fmt: skip
+            self.tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
             self.item_store(mConv, mS, b, h, col, rS, rHist)
             it = it + self.ctas
             kk = kk + 1

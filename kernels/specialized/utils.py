@@ -77,6 +77,33 @@ def block_sum(x: Float32, sred: cute.Tensor, num_warps: cutlass.Constexpr[int]) 
 
 
 @cute.jit
+def block_sums(
+    vals: cute.Tensor,
+    sred: cute.Tensor,
+    num_warps: cutlass.Constexpr[int],
+    n: cutlass.Constexpr[int],
+    off: cutlass.Constexpr[int] = 0,
+) -> None:
+    """In place, ``vals[v]`` (``v < n``, Float32 registers) becomes its sum over all threads of
+    the CTA, each in :func:`block_sum`'s order (butterfly in the warp, then warp 0, 1, ...).
+    One barrier for all ``n``; ``sred[off : off + n * num_warps]`` is the scratch, reusable
+    only after another barrier (callers give back-to-back calls disjoint ``off`` ranges)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    lane = tidx % WARP
+    warp = tidx // WARP
+    for v in cutlass.range_constexpr(n):
+        t = warp_sum(vals[v])
+        if lane == 0:
+            sred[off + v * num_warps + warp] = t
+    cute.arch.sync_threads()
+    for v in cutlass.range_constexpr(n):
+        t = Float32(0.0)
+        for i in cutlass.range_constexpr(num_warps):
+            t = t + sred[off + v * num_warps + i]
+        vals[v] = t
+
+
+@cute.jit
 def sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
 

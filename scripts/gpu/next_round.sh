@@ -427,25 +427,36 @@ part34b=(
   "45:m8d2:$M1 --tp-shape 8 --json $R/m8d2.json"
   "45:m8g2:$BG $M1 --tp-shape 8 --json $R/m8g2.json"
 )
-# Part 35 (session 30): the KDA decode's persistent state stream (DECODESCOPE_KDA_STREAM,
-# kernels/specialized/kda_decode_stream.py). 35a: its GPU tests and the kernel alone against
-# the one-CTA kernel (stages x CTAs per SM); 35b: the dense and KDA layers at batch 64 with it
-# ($KS, the best set of 35a) against the default, ABAB, TP8 then TP16. Prediction:
-# notes/specialized.md "Session 30".
+# Part 35 (session 30): the KDA decode at large batch: the persistent state stream
+# (DECODESCOPE_KDA_STREAM, kernels/specialized/kda_decode_stream.py) and the batched chain
+# (DECODESCOPE_KDA_CHAIN=batched). 35a: their GPU tests and the kernel alone (one-CTA / stream
+# 2x1, per-token / batched chain); 35b: the dense and KDA layers at batch 64 (specialized,
+# same call); 35c: the same at 64 x 8 (verify step only). Prediction: notes/specialized.md
+# "Session 30".
 KB="decodescope bench --batch 64 --backends specialized --layers dense,kda --out $R/ab"
+KV="$KB --spec-verify 7 --verify-only"
+KCB="DECODESCOPE_KDA_CHAIN=batched"
+KSB="DECODESCOPE_KDA_STREAM=2x1 $KCB"
 part35a=(
-  "150:kst:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py"
-  "300:kalone:python scripts/gpu_kda_split.py --out $R/kalone --tp 8 16 --points 64x1 32x1 8x1 64x8 --splits 1 --streams 0 2x1 3x1 1x2"
+  "200:kst:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py"
+  "300:kalone:python scripts/gpu_kda_split.py --out $R/kalone --tp 8 16 --points 64x1 32x1 64x8 32x8 8x8 --splits 1 --streams 0 2x1 --chains token batched"
 )
 part35b=(
-  "70:k8d:$KB --tp-shape 8 --json $R/k8d.json"
-  "70:k8s:DECODESCOPE_KDA_STREAM=\$KS $KB --tp-shape 8 --json $R/k8s.json"
-  "70:k8d2:$KB --tp-shape 8 --json $R/k8d2.json"
-  "70:k8s2:DECODESCOPE_KDA_STREAM=\$KS $KB --tp-shape 8 --json $R/k8s2.json"
-  "70:k16d:$KB --tp-shape 16 --json $R/k16d.json"
-  "70:k16s:DECODESCOPE_KDA_STREAM=\$KS $KB --tp-shape 16 --json $R/k16s.json"
-  "70:k16d2:$KB --tp-shape 16 --json $R/k16d2.json"
-  "70:k16s2:DECODESCOPE_KDA_STREAM=\$KS $KB --tp-shape 16 --json $R/k16s2.json"
+  "75:k8d:$KB --tp-shape 8 --json $R/k8d.json"
+  "75:k8b:$KCB $KB --tp-shape 8 --json $R/k8b.json"
+  "75:k8s:$KSB $KB --tp-shape 8 --json $R/k8s.json"
+  "75:k16d:$KB --tp-shape 16 --json $R/k16d.json"
+  "75:k16b:$KCB $KB --tp-shape 16 --json $R/k16b.json"
+  "75:k16s:$KSB $KB --tp-shape 16 --json $R/k16s.json"
+  "75:k8d2:$KB --tp-shape 8 --json $R/k8d2.json"
+)
+part35c=(
+  "90:v8d:$KV --tp-shape 8 --json $R/v8d.json"
+  "90:v8b:$KCB $KV --tp-shape 8 --json $R/v8b.json"
+  "90:v8s:$KSB $KV --tp-shape 8 --json $R/v8s.json"
+  "90:v16d:$KV --tp-shape 16 --json $R/v16d.json"
+  "90:v16b:$KCB $KV --tp-shape 16 --json $R/v16b.json"
+  "90:v16s:$KSB $KV --tp-shape 16 --json $R/v16s.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
@@ -488,5 +499,6 @@ case "${1:-1}" in
   34b) exec bash "$here/run_stages.sh" "${part34b[@]}" ;;
   35a) exec bash "$here/run_stages.sh" "${part35a[@]}" ;;
   35b) exec bash "$here/run_stages.sh" "${part35b[@]}" ;;
+  35c) exec bash "$here/run_stages.sh" "${part35c[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
