@@ -95,6 +95,13 @@ def _cases() -> dict:
         cases[f"{p}_kda_b1"] = (kda.compile_plan, kda.plan_for(cfg, 1, 1))
         cases[f"{p}_kda_b64"] = (kda.compile_plan, kda.plan_for(cfg, 64, 1))  # one CTA per item
         cases[f"{p}_kda_b8t8"] = (kda.compile_plan, kda.plan_for(cfg, 8, 8))
+        for B, T in ((64, 1), (64, 8)):  # the batched chain, one CTA per item and streamed
+            one = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=1, chain="batched")
+            cases[f"{p}_kda_batched_b{B}t{T}"] = (kda.compile_plan, one)
+            cases[f"{p}_kda_stream_b{B}t{T}"] = (
+                kda.compile_plan,
+                dataclasses.replace(one, stream=2, stream_cpsm=1),
+            )
         cases[f"{p}_mla_b1"] = (mla.compile_plan, mla.plan_for(cfg, 1, 1))
         cases[f"{p}_mlatc_b1t8"] = (mtc.compile_plan, mtc.plan_for(cfg, 1, 8))
         # MoE (the thunks bind this TP's dims through d, not the loop variables)

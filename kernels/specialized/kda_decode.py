@@ -22,7 +22,7 @@ Math (:func:`decodescope.kernels.reference.kda_attn_ref`), per token t, head h, 
     out = rmsnorm(o) * o_norm * sigmoid(g)
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: the smem structs read their field annotations
 
 import math
 import os
@@ -181,25 +181,31 @@ class KDADecode:
         mOut: cute.Tensor,  # [B*T, D] bf16
         stream: cuda.CUstream,
     ):
-        p = self.p
-        hd, nt = p.head_dim, self.nt
+        self.smem_cls = self.smem_struct()
+        self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
+            grid=self.grid(),
+            block=[self.threads, 1, 1],
+            smem=self.smem_cls.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.p.pdl,
+        )
+
+    def grid(self) -> list:
+        return [self.p.heads, self.p.batch, 1]
+
+    def smem_struct(self):
+        """The per-token scratch (f_a, decay, q, k rows; reduction slots) as a struct."""
+        hd, nt = self.p.head_dim, self.nt
 
         @cute.struct
-        class Smem:
+        class Scratch:
             fa: cute.struct.MemRange[Float32, nt * hd]
             decay: cute.struct.MemRange[Float32, nt * hd]
             q: cute.struct.MemRange[Float32, nt * hd]
             k: cute.struct.MemRange[Float32, nt * hd]
             red: cute.struct.MemRange[Float32, self.nred]
 
-        self.smem_cls = Smem
-        self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
-            grid=[p.heads, p.batch, 1],
-            block=[self.threads, 1, 1],
-            smem=Smem.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
-        )
+        return Scratch
 
     @cute.kernel
     def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
@@ -288,12 +294,26 @@ class KDADecode:
         return a_h, dt, onorm
 
     @cute.jit
+    def conv_step(self, mProj, row, col, c, rHist, rCw):
+        """Channel ``c`` (q, k, v) of column ``col`` at projection row ``row``: the short conv
+        over the history and the new value, SiLU; the history shifts in the new value."""
+        D, KC = self.p.dim, self.p.conv_kernel
+        xn = mProj[row, c * D + col].to(Float32)
+        acc = xn * rCw[c, KC - 1]
+        for i in cutlass.range_constexpr(KC - 1):
+            acc = acc + rHist[c, i] * rCw[c, i]
+        for i in cutlass.range_constexpr(KC - 2):
+            rHist[c, i] = rHist[c, i + 1]
+        rHist[c, KC - 2] = xn
+        return acc * sigmoid(acc)
+
+    @cute.jit
     def item_tokens(self, mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh):
         """The tokens of head ``h`` of sequence ``b``: conv, gates, the recurrence on ``rS``
         (this thread's rows of its state column) and the gated norm into ``mOut``. ``col`` is
         ``h * head_dim + j``, this thread's value column ``j`` of the head."""
         p = self.p
-        hd, D, KC, T, SP = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split
+        hd, D, T, SP = p.head_dim, p.dim, p.tokens, self.split
         rows = hd // SP
         sFa, sDecay, sQ, sK, sRed = sh
         tidx, _, _ = cute.arch.thread_idx()
@@ -307,14 +327,7 @@ class KDADecode:
             # short conv + SiLU on q, k, v (both lanes of a column compute it)
             qkv = cute.make_rmem_tensor((3,), Float32)
             for c in cutlass.range_constexpr(3):
-                xn = mProj[row, c * D + col].to(Float32)
-                acc = xn * rCw[c, KC - 1]
-                for i in cutlass.range_constexpr(KC - 1):
-                    acc = acc + rHist[c, i] * rCw[c, i]
-                for i in cutlass.range_constexpr(KC - 2):
-                    rHist[c, i] = rHist[c, i + 1]
-                rHist[c, KC - 2] = xn
-                qkv[c] = acc * sigmoid(acc)
+                qkv[c] = self.conv_step(mProj, row, col, c, rHist, rCw)
             if tidx < hd:
                 sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
             gj = mProj[row, 3 * D + col].to(Float32)
@@ -388,7 +401,7 @@ class KDADecode:
         ``[t, hd]``; per token only the two passes over the state (a warp barrier between them
         keeps q and k out of registers); then all output norms in one reduction."""
         p = self.p
-        hd, D, KC, T, SP, W = p.head_dim, p.dim, p.conv_kernel, p.tokens, self.split, self.warps
+        hd, D, T, SP, W = p.head_dim, p.dim, p.tokens, self.split, self.warps
         rows = hd // SP
         sFa, sDecay, sQ, sK, sRed = sh
         tidx, _, _ = cute.arch.thread_idx()
@@ -402,14 +415,7 @@ class KDADecode:
         for t in cutlass.range_constexpr(T):
             row = b * T + t
             for c in cutlass.range_constexpr(3):
-                xn = mProj[row, c * D + col].to(Float32)
-                acc = xn * rCw[c, KC - 1]
-                for i in cutlass.range_constexpr(KC - 1):
-                    acc = acc + rHist[c, i] * rCw[c, i]
-                for i in cutlass.range_constexpr(KC - 2):
-                    rHist[c, i] = rHist[c, i + 1]
-                rHist[c, KC - 2] = xn
-                qkv[c, t] = acc * sigmoid(acc)
+                qkv[c, t] = self.conv_step(mProj, row, col, c, rHist, rCw)
             gj[t] = mProj[row, 3 * D + col].to(Float32)
             beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
         for e in cutlass.range_constexpr(-(-T * hd // self.threads)):

@@ -28,9 +28,8 @@ Shared memory: ``stages`` x 64 KB plus the per-token scratch; ``stages`` 1..3 (o
 from 2 stages, two from 1).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: the smem structs read their field annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -63,44 +62,24 @@ class KDADecodeStream(KDADecode):
                 f"KDA stream: a {self.sbytes}-byte state splits into no 16-byte pieces"
             )
 
-    @cute.jit
-    def __call__(
-        self,
-        mProj: cute.Tensor,  # [B*T, P] bf16
-        mConvW: cute.Tensor,  # [3D, KC] bf16
-        mConv: cute.Tensor,  # [B, 3D, KC-1] bf16, in place
-        mFb: cute.Tensor,  # [D, hd] bf16
-        mALog: cute.Tensor,  # [heads] f32
-        mDt: cute.Tensor,  # [D] f32
-        mONorm: cute.Tensor,  # [hd] bf16
-        mS: cute.Tensor,  # [B, heads, hd, hd] f32, in place
-        mOut: cute.Tensor,  # [B*T, D] bf16
-        stream: cuda.CUstream,
-    ):
-        p = self.p
-        hd, nt = p.head_dim, self.nt
+    def grid(self) -> list:
+        return [self.ctas, 1, 1]
+
+    def smem_struct(self):
+        """The per-token scratch, then one mbarrier and one state slot per stage."""
+        hd, NS = self.p.head_dim, self.NS
+        Scratch = super().smem_struct()
 
         @cute.struct
         class Smem:
-            fa: cute.struct.MemRange[Float32, nt * hd]
-            decay: cute.struct.MemRange[Float32, nt * hd]
-            q: cute.struct.MemRange[Float32, nt * hd]
-            k: cute.struct.MemRange[Float32, nt * hd]
-            red: cute.struct.MemRange[Float32, self.nred]
-            bar: cute.struct.Align[cute.struct.MemRange[Int64, self.NS], 8]
-            state: cute.struct.Align[cute.struct.MemRange[Float32, self.NS * hd * hd], 128]
+            scratch: Scratch
+            bar: cute.struct.Align[cute.struct.MemRange[Int64, NS], 8]
+            state: cute.struct.Align[cute.struct.MemRange[Float32, NS * hd * hd], 128]
 
-        self.smem_cls = Smem
-        self.kernel_stream(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
-            grid=[self.ctas, 1, 1],
-            block=[self.threads, 1, 1],
-            smem=Smem.size_in_bytes(),
-            stream=stream,
-            use_pdl=p.pdl,
-        )
+        return Smem
 
     @cute.kernel
-    def kernel_stream(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
+    def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
         p = self.p
         hd, SP, NS, H = p.head_dim, self.split, self.NS, p.heads
         rows = hd // SP
@@ -109,7 +88,7 @@ class KDADecodeStream(KDADecode):
         j = tidx // SP  # value column of this thread
         half = tidx % SP  # which rows of it: i = ii * SP + half
         st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
-        sh = self.shared(st)
+        sh = self.shared(st.scratch)
         sBar = st.bar.get_tensor(cute.make_layout(NS))
         # [slot, k row, v column]: the state's own layout, one slot after the other
         sSt = st.state.get_tensor(cute.make_layout((NS, hd, hd), stride=(hd * hd, hd, 1)))
