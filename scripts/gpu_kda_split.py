@@ -14,8 +14,7 @@ markdown table and writes ``OUT/kda_split.json``.
 
 ``--streams``: with split 1, also the persistent state stream (:mod:`.kda_decode_stream`,
 ``DECODESCOPE_KDA_STREAM`` values: stages x CTAs per SM; ``0`` the one-CTA kernel).
-``--chains``: with split 1, each of those with the per-token or the batched chain
-(``DECODESCOPE_KDA_CHAIN``).
+``--chains``: each kernel with the per-token or the batched chain (``DECODESCOPE_KDA_CHAIN``).
 """
 
 from __future__ import annotations
@@ -118,7 +117,7 @@ def main() -> int:
             B, T = (int(x) for x in pt.split("x"))
             one = [(s, c) for s in a.streams for c in a.chains]
             for vs, (sv, ch) in [
-                (v, x) for v in a.splits for x in (one if v == 1 else [("0", "token")])
+                (v, x) for v in a.splits for x in (one if v == 1 else [("0", c) for c in a.chains])
             ]:
                 ns, cpsm = stream_value(sv)
                 p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, stream=ns,

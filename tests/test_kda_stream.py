@@ -103,6 +103,21 @@ def test_batched_barriers(T, clean_env):
     assert counts == {"token": 10 * T, "batched": 3}
 
 
+@pytest.mark.parametrize("tp,T,vs", [(8, 1, 8), (16, 8, 8), (8, 8, 2)])
+def test_batched_split(tp, T, vs, clean_env):
+    """The cluster split's batched chain: compiles; one block barrier pair and one cluster
+    barrier for all tokens (the per-token loop: five and one per token, plus the exit's)."""
+    counts = {}
+    for chain in ("token", "batched"):
+        p = dataclasses.replace(kda.plan_for(get_config("kimi-k3", tp), 1, T), vsplit=vs,
+                                chain=chain)  # fmt: skip
+        op = kda.make_op(p)
+        assert op.batched == (chain == "batched")
+        ptx = itf.ptx_text(op, *kda._fake_args(p))
+        counts[chain] = (ptx.count("bar.sync"), ptx.count("barrier.cluster.wait"))
+    assert counts == {"token": (5 * T, T + 1), "batched": (3, 2)}
+
+
 def test_chain_selection(clean_env):
     mp = clean_env
     assert kda.chain_mode() == "token"  # unset
@@ -185,11 +200,25 @@ def test_stream_gpu(gks, tp, B, T, ns, cpsm, chain, clean_env):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp,B,T,ns", [(8, 64, 1, 0), (16, 8, 8, 0), (8, 64, 8, 2),
-                                       (16, 3, 1, 2)])  # fmt: skip
-def test_batched_equals_token_gpu(gks, tp, B, T, ns, clean_env):
+@pytest.mark.parametrize("tp,B,T,vs", [(8, 1, 1, 8), (16, 1, 8, 8), (8, 2, 8, 4)])
+def test_batched_split_gpu(gks, tp, B, T, vs, clean_env):
+    """The split's batched chain against the reference, two draws (output poisoned)."""
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched")
+    for d in range(2):
+        res = gks.check(cfg, w, p, B, T, seed=5 + d)
+        assert res["ok"], res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,B,T,ns,vs", [(8, 64, 1, 0, 1), (16, 8, 8, 0, 1), (8, 64, 8, 2, 1),
+                                          (16, 3, 1, 2, 1), (8, 1, 1, 0, 8), (16, 1, 8, 0, 8),
+                                          (8, 2, 8, 0, 4), (16, 8, 8, 0, 2)])  # fmt: skip
+def test_batched_equals_token_gpu(gks, tp, B, T, ns, vs, clean_env):
     """The batched chain computes the per-token chain's sums in the same order: output, FP32
-    state and conv history bit-identical to it on the same fresh inputs."""
+    state and conv history bit-identical to it on the same fresh inputs (the one-CTA kernel,
+    the stream, the cluster split)."""
     from decodescope.kernels.weights import make_state
 
     cfg = get_config("kimi-k3", tp)
@@ -198,7 +227,7 @@ def test_batched_equals_token_gpu(gks, tp, B, T, ns, clean_env):
     proj = torch.randn(B * T, cfg.kda_in_proj_out, device="cuda").to(torch.bfloat16)
     got = []
     for chain in ("token", "batched"):
-        p = _plan(tp, B, T, ns, chain=chain)
+        p = dataclasses.replace(_plan(tp, B, T, ns, chain=chain), vsplit=vs)
         s, c = st["kda_state"].clone(), st["conv_state"].clone()
         out = torch.full((B * T, cfg.kda_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
         gks.run_one(kda.compile_plan(p), cfg, w, proj, s, c, out, p)

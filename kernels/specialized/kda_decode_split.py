@@ -69,6 +69,12 @@ class KDADecodeSplit:
         if self.lpc > 32:
             raise ValueError(f"kda_decode_split: {self.lpc} lanes per column exceed a warp")
         self.warps = THREADS // 32
+        # the batched chain (``DECODESCOPE_KDA_CHAIN=batched``, :meth:`tokens_batched`):
+        # per-token scratch rows and reduction slots for all tokens
+        self.batched = plan.chain == "batched"
+        self.nt = plan.tokens if self.batched else 1
+        self.nred = 2 * plan.tokens * self.warps if self.batched else 16
+        self.nosq = plan.tokens if self.batched else 2
 
     @cute.jit
     def __call__(
@@ -85,16 +91,17 @@ class KDADecodeSplit:
         stream: cuda.CUstream,
     ):
         p = self.p
-        hd, vs = p.head_dim, self.vs
+        hd, vs, nt = p.head_dim, self.vs, self.nt
 
         @cute.struct
         class Smem:
-            fa: cute.struct.MemRange[Float32, hd]
-            decay: cute.struct.MemRange[Float32, hd]
-            q: cute.struct.MemRange[Float32, hd]
-            k: cute.struct.MemRange[Float32, hd]
-            red: cute.struct.MemRange[Float32, 16]
-            osq: cute.struct.MemRange[Float32, 2]  # this CTA's partial, by token parity
+            fa: cute.struct.MemRange[Float32, nt * hd]
+            decay: cute.struct.MemRange[Float32, nt * hd]
+            q: cute.struct.MemRange[Float32, nt * hd]
+            k: cute.struct.MemRange[Float32, nt * hd]
+            red: cute.struct.MemRange[Float32, self.nred]
+            # this CTA's partial of the output norm: by token parity (per token), per token
+            osq: cute.struct.MemRange[Float32, self.nosq]
 
         self.smem_cls = Smem
         self.kernel(mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut).launch(
@@ -130,12 +137,15 @@ class KDADecodeSplit:
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_cls)
-        sFa = st.fa.get_tensor(cute.make_layout(hd))
-        sDecay = st.decay.get_tensor(cute.make_layout(hd))
-        sQ = st.q.get_tensor(cute.make_layout(hd))
-        sK = st.k.get_tensor(cute.make_layout(hd))
-        sRed = st.red.get_tensor(cute.make_layout(16))
-        sOsq = st.osq.get_tensor(cute.make_layout(2))
+        lay = cute.make_layout(hd)
+        if cutlass.const_expr(self.batched):
+            lay = cute.make_layout((T, hd), stride=(hd, 1))
+        sFa = st.fa.get_tensor(lay)
+        sDecay = st.decay.get_tensor(lay)
+        sQ = st.q.get_tensor(lay)
+        sK = st.k.get_tensor(lay)
+        sRed = st.red.get_tensor(cute.make_layout(self.nred))
+        sOsq = st.osq.get_tensor(cute.make_layout(self.nosq))
 
         if cutlass.const_expr(p.pdl and not p.early):
             pdl_begin()
@@ -164,7 +174,11 @@ class KDADecodeSplit:
         if cutlass.const_expr(p.pdl and p.early):
             pdl_begin()  # the loads above are in flight (kda_decode.early_enabled)
 
-        for t in cutlass.range(T, unroll_full=True):
+        if cutlass.const_expr(self.batched):
+            self.tokens_batched(mProj, mOut, b, h, j, col, qkc, i_d, half, scale, a_h, dt, onorm,
+                                rS, rHqk, rCqk, rHv, rCv, rFb,
+                                (sFa, sDecay, sQ, sK, sRed, sOsq))  # fmt: skip
+        for t in cutlass.range(0 if self.batched else T, unroll_full=True):
             row = b * T + t
             # short conv + SiLU: this thread's q / k channel, and the column's v channel
             xn = mProj[row, qkc].to(Float32)
@@ -260,3 +274,123 @@ class KDADecodeSplit:
                 mConv[b, qkc, i] = rHqk[i].to(BFloat16)
         cute.arch.cluster_arrive()  # nobody exits while a peer may still read its partial
         cute.arch.cluster_wait()
+
+    @cute.jit
+    def conv(self, mProj, row, c, rH, rC):
+        """Conv channel ``c`` at projection row ``row``: the short conv over the history and
+        the new value, SiLU; the history shifts in the new value."""
+        KC = self.p.conv_kernel
+        xn = mProj[row, c].to(Float32)
+        acc = xn * rC[KC - 1]
+        for i in cutlass.range_constexpr(KC - 1):
+            acc = acc + rH[i] * rC[i]
+        for i in cutlass.range_constexpr(KC - 2):
+            rH[i] = rH[i + 1]
+        rH[KC - 2] = xn
+        return acc * sigmoid(acc)
+
+    @cute.jit
+    def tokens_batched(self, mProj, mOut, b, h, j, col, qkc, i_d, half, scale, a_h, dt, onorm,
+                       rS, rHqk, rCqk, rHv, rCv, rFb, sm):  # fmt: skip
+        """The kernel's token loop with the state-free work of all ``T`` tokens first
+        (``DECODESCOPE_KDA_CHAIN=batched``, as :meth:`.kda_decode.KDADecode.item_tokens_batched`):
+        conv of this thread's q / k channel and its column's v channel, gate, beta and f_a rows
+        for every token; the q / k norms of all tokens behind one block barrier; decay / q / k
+        rows ``[t, hd]``; one more barrier; per token the two passes over the state; the output
+        norms' partials of all tokens, one block barrier and one cluster barrier for all of
+        them. The same sums in the same order as the per-token loop."""
+        p = self.p
+        hd, D, T = p.head_dim, p.dim, p.tokens
+        LPC, NW = self.lpc, self.warps
+        sFa, sDecay, sQ, sK, sRed, sOsq = sm
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        rp = tidx % LPC
+        lead = rp == 0
+        which = tidx // hd
+        ch = tidx % hd
+        val = cute.make_rmem_tensor((T,), Float32)
+        vv = cute.make_rmem_tensor((T,), Float32)
+        gj = cute.make_rmem_tensor((T,), Float32)
+        beta = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            row = b * T + t
+            val[t] = self.conv(mProj, row, qkc, rHqk, rCqk)
+            vv[t] = self.conv(mProj, row, 2 * D + col, rHv, rCv)
+            gj[t] = mProj[row, 3 * D + col].to(Float32)
+            beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+        for e in cutlass.range_constexpr(-(-T * hd // THREADS)):
+            idx = tidx + e * THREADS
+            if idx < T * hd:
+                sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(Float32)
+        # sums of squares: warps [0, NW/2) hold q channels, [NW/2, NW) k channels
+        for t in cutlass.range_constexpr(T):
+            ws = warp_sum(val[t] * val[t])
+            if lane == 0:
+                sRed[t * NW + warp] = ws
+        cute.arch.sync_threads()  # also publishes sFa
+        for t in cutlass.range_constexpr(T):
+            ss = Float32(0.0)
+            for w in cutlass.range_constexpr(NW // 2):
+                ss = ss + sRed[t * NW + which * (NW // 2) + w]
+            vn = val[t] / cute.arch.fmax(cute.math.sqrt(ss), Float32(1e-12)) * scale
+            if which == 0:
+                sQ[t, ch] = vn
+            else:
+                sK[t, ch] = vn
+            # decay of row i_d: f_b[h*hd + i_d, :] . f_a, two lanes per row
+            f = Float32(0.0)
+            for v in cutlass.range_constexpr(hd // 16):
+                k0 = (v * 2 + half) * 8
+                for e in cutlass.range_constexpr(8):
+                    f = f + rFb[e, v].to(Float32) * sFa[t, k0 + e]
+            f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
+            gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
+            if half == 0:
+                sDecay[t, i_d] = cute.math.exp(gk, fastmath=False)
+        cute.arch.sync_threads()  # sQ, sK, sDecay complete
+        ob = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            kv = Float32(0.0)
+            for ii in cutlass.range_constexpr(self.rpt):
+                i = ii * LPC + rp
+                rS[ii] = rS[ii] * sDecay[t, i]
+                kv = kv + sK[t, i] * rS[ii]
+            for o in cutlass.range_constexpr(self.lpc_log2):
+                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1 << o)
+            u = beta[t] * (vv[t] - kv)
+            cute.arch.sync_warp()  # keeps sK / sQ out of registers (no block barrier)
+            o = Float32(0.0)
+            for ii in cutlass.range_constexpr(self.rpt):
+                i = ii * LPC + rp
+                rS[ii] = rS[ii] + sK[t, i] * u
+                o = o + sQ[t, i] * rS[ii]
+            for o_ in cutlass.range_constexpr(self.lpc_log2):
+                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << o_)
+            ob[t] = o
+            cute.arch.sync_warp()
+        # every token's partial of the output norm (slots after the q / k sums'), then the
+        # cluster's (DSMEM, rank order)
+        for t in cutlass.range_constexpr(T):
+            o_sq = Float32(0.0)
+            if lead:
+                o_sq = ob[t] * ob[t]
+            ws2 = warp_sum(o_sq)
+            if lane == 0:
+                sRed[(T + t) * NW + warp] = ws2
+        cute.arch.sync_threads()
+        if tidx < T:
+            part = Float32(0.0)
+            for w in cutlass.range_constexpr(NW):
+                part = part + sRed[(T + tidx) * NW + w]
+            sOsq[tidx] = part
+        cute.arch.cluster_arrive()  # release: this CTA's partials
+        cute.arch.cluster_wait()  # acquire: every CTA's
+        for t in cutlass.range_constexpr(T):
+            tot = Float32(0.0)
+            for q in cutlass.range_constexpr(self.vs):
+                tot = tot + ld_cluster_f32(mapa(sOsq.iterator + t, q))
+            rstd = cute.math.rsqrt(tot / Float32(hd) + Float32(p.eps))
+            if lead:
+                mOut[b * T + t, col] = (ob[t] * rstd * onorm * sigmoid(gj[t])).to(BFloat16)

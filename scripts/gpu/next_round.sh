@@ -440,6 +440,7 @@ KSB="DECODESCOPE_KDA_STREAM=2x1 $KCB"
 part35a=(
   "200:kst:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py"
   "300:kalone:python scripts/gpu_kda_split.py --out $R/kalone --tp 8 16 --points 64x1 32x1 64x8 32x8 8x8 --splits 1 --streams 0 2x1 1x2 --chains token batched"
+  "120:ksplit:python scripts/gpu_kda_split.py --out $R/ksplit --tp 8 16 --points 1x1 1x8 --splits 8 --chains token batched"
 )
 part35b=(
   "75:k8d:$KB --tp-shape 8 --json $R/k8d.json"
