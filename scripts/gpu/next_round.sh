@@ -431,10 +431,11 @@ part34b=(
 # (DECODESCOPE_KDA_STREAM, kernels/specialized/kda_decode_stream.py) and the batched chain
 # (DECODESCOPE_KDA_CHAIN=batched). 35a: their GPU tests and the kernel alone (one-CTA / stream
 # 2x1, per-token / batched chain); 35b: the dense and KDA layers at batch 64 (specialized,
-# same call); 35c: the same at 64 x 8 (verify step only). Prediction: notes/specialized.md
+# same call); 35c: the same at 64 x 8 (verify step only), then 1 x 8 (the split's chain). Prediction: notes/specialized.md
 # "Session 30".
 KB="decodescope bench --batch 64 --backends specialized --layers dense,kda --out $R/ab"
 KV="$KB --spec-verify 7 --verify-only"
+KV1="decodescope bench --batch 1 --spec-verify 7 --verify-only --backends specialized --layers dense,kda --out $R/ab"
 KCB="DECODESCOPE_KDA_CHAIN=batched"
 KSB="DECODESCOPE_KDA_STREAM=2x1 $KCB"
 part35a=(
@@ -458,6 +459,10 @@ part35c=(
   "90:v16d:$KV --tp-shape 16 --json $R/v16d.json"
   "90:v16b:$KCB $KV --tp-shape 16 --json $R/v16b.json"
   "90:v16s:$KSB $KV --tp-shape 16 --json $R/v16s.json"
+  "60:w8d:$KV1 --tp-shape 8 --json $R/w8d.json"
+  "60:w8b:$KCB $KV1 --tp-shape 8 --json $R/w8b.json"
+  "60:w16d:$KV1 --tp-shape 16 --json $R/w16d.json"
+  "60:w16b:$KCB $KV1 --tp-shape 16 --json $R/w16b.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
