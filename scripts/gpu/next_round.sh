@@ -430,9 +430,9 @@ part34b=(
 # Part 35 (session 30): the KDA decode at large batch: the persistent state stream
 # (DECODESCOPE_KDA_STREAM, kernels/specialized/kda_decode_stream.py) and the batched chain
 # (DECODESCOPE_KDA_CHAIN=batched). 35a: their GPU tests and the kernel alone (one-CTA / stream
-# 2x1, per-token / batched chain); 35b: the dense and KDA layers at batch 64 (specialized,
-# same call); 35c: the same at 64 x 8 (verify step only), then 1 x 8 (the split's chain). Prediction: notes/specialized.md
-# "Session 30".
+# 2x1 / 1x2, per-token / batched chain; the split's chains at 1 x 1 and 1 x 8); 35b: the dense
+# and KDA layers at batch 64 (specialized, same call); 35c: the same at 64 x 8 (verify step
+# only), then 1 x 8 (the split's chain). Prediction: notes/specialized.md "Session 30".
 KB="decodescope bench --batch 64 --backends specialized --layers dense,kda --out $R/ab"
 KV="$KB --spec-verify 7 --verify-only"
 KV1="decodescope bench --batch 1 --spec-verify 7 --verify-only --backends specialized --layers dense,kda --out $R/ab"
