@@ -398,20 +398,36 @@ class KDADecode:
         """:meth:`item_tokens`'s function with the state-free work of all ``T`` tokens first
         (``DECODESCOPE_KDA_CHAIN=batched``): every projection load issued at once, the q / k
         norms of all tokens in one block reduction, decay / q / k rows into shared memory
-        ``[t, hd]``; per token only the two passes over the state (a warp barrier between them
-        keeps q and k out of registers); then all output norms in one reduction."""
+        ``[t, hd]`` (:meth:`batched_prologue`); per token only the two passes over the state
+        (a warp barrier between them keeps q and k out of registers); then all output norms
+        in one reduction (:meth:`batched_state`)."""
+        qkv, gj, beta = self.batched_regs()
+        self.batched_prologue(mProj, mFb, b, h, col, a_h, dt, rHist, rCw, rFb, sh, qkv, gj, beta)
+        self.batched_state(mOut, b, col, onorm, rS, sh, qkv, gj, beta)
+
+    def batched_regs(self):
+        """What the batched chain carries from its prologue to the state passes: the conv +
+        SiLU of q / k / v, the output gate and beta, per token."""
+        T = self.p.tokens
+        return (
+            cute.make_rmem_tensor((3, T), Float32),
+            cute.make_rmem_tensor((T,), Float32),
+            cute.make_rmem_tensor((T,), Float32),
+        )
+
+    @cute.jit
+    def batched_prologue(self, mProj, mFb, b, h, col, a_h, dt, rHist, rCw, rFb, sh, qkv, gj,
+                         beta):  # fmt: skip
+        """The batched chain's state-free part, for all tokens; ends with a block barrier
+        after the decay / q / k rows."""
         p = self.p
         hd, D, T, SP, W = p.head_dim, p.dim, p.tokens, self.split, self.warps
-        rows = hd // SP
         sFa, sDecay, sQ, sK, sRed = sh
         tidx, _, _ = cute.arch.thread_idx()
         j = tidx // SP
         half = tidx % SP
         lead = half == 0  # the lane that writes per-column results
         # -- every token's projection values: conv + SiLU of q / k / v, the gate, beta, f_a
-        qkv = cute.make_rmem_tensor((3, T), Float32)
-        gj = cute.make_rmem_tensor((T,), Float32)
-        beta = cute.make_rmem_tensor((T,), Float32)
         for t in cutlass.range_constexpr(T):
             row = b * T + t
             for c in cutlass.range_constexpr(3):
@@ -462,6 +478,18 @@ class KDADecode:
                 sQ[t, j] = qn
                 sK[t, j] = kn
         cute.arch.sync_threads()
+
+    @cute.jit
+    def batched_state(self, mOut, b, col, onorm, rS, sh, qkv, gj, beta):
+        """The batched chain's passes over the state (``rS``), then the gated output norms
+        of all tokens."""
+        p = self.p
+        hd, T, SP, W = p.head_dim, p.tokens, self.split, self.warps
+        rows = hd // SP
+        sFa, sDecay, sQ, sK, sRed = sh
+        tidx, _, _ = cute.arch.thread_idx()
+        half = tidx % SP
+        lead = half == 0
         # -- the recurrence: per token two passes over this thread's rows of the state
         ob = cute.make_rmem_tensor((T,), Float32)
         for t in cutlass.range_constexpr(T):

@@ -106,6 +106,9 @@ class KDADecodeStream(KDADecode):
 
         rS = cute.make_rmem_tensor((rows,), Float32)
         rHist, rCw, rFb = self.item_regs()
+        qkv = gj = beta = None
+        if cutlass.const_expr(self.batched):
+            qkv, gj, beta = self.batched_regs()
         it = Int32(cta)
         kk = Int32(0)
         while it < self.items:
@@ -114,6 +117,9 @@ class KDADecodeStream(KDADecode):
             col = h * hd + j
             a_h, dt, onorm = self.item_loads(mConvW, mConv, mFb, mALog, mDt, mONorm, b, h, col,
                                              rHist, rCw, rFb)  # fmt: skip
+            if cutlass.const_expr(self.batched):  # the state-free part before the state's wait
+                self.batched_prologue(mProj, mFb, b, h, col, a_h, dt, rHist, rCw, rFb, sh, qkv,
+                                      gj, beta)  # fmt: skip
             slot = kk % NS
             cute.arch.mbarrier_wait(sBar.iterator + slot, (kk // NS) % 2)
             for ii in cutlass.range_constexpr(rows):
@@ -123,7 +129,11 @@ class KDADecodeStream(KDADecode):
                 nxt = it + NS * self.ctas
                 if nxt < self.items:
                     self.issue(mS, sSt, sBar, nxt, slot)
-            self.tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh)
+            if cutlass.const_expr(self.batched):
+                self.batched_state(mOut, b, col, onorm, rS, sh, qkv, gj, beta)
+            else:
+                self.item_tokens(mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb,
+                                 sh)  # fmt: skip
             self.item_store(mConv, mS, b, h, col, rS, rHist)
             it = it + self.ctas
             kk = kk + 1
