@@ -118,6 +118,18 @@ def test_batched_split(tp, T, vs, clean_env):
     assert counts == {"token": (5 * T, T + 1), "batched": (3, 2)}
 
 
+@pytest.mark.parametrize("chain", ["token", "batched"])
+def test_rows(chain, clean_env):
+    """``srow``: the state rows of a column's two lanes (``half``) x ``hd / 2`` registers
+    cover the column's rows once; the batched chain's are contiguous per lane (its 16-byte
+    shared-memory loads read rows ``4g .. 4g + 3`` of the lane's block)."""
+    op = kda.KDADecode(_plan(8, 64, 1, 0, chain=chain))
+    rows = [op.srow(ii, half) for half in range(2) for ii in range(64)]
+    assert sorted(rows) == list(range(128))
+    if chain == "batched":
+        assert rows == list(range(128))
+
+
 def test_chain_selection(clean_env):
     mp = clean_env
     assert kda.chain_mode() == "token"  # unset
@@ -215,10 +227,11 @@ def test_batched_split_gpu(gks, tp, B, T, vs, clean_env):
 @pytest.mark.parametrize("tp,B,T,ns,vs", [(8, 64, 1, 0, 1), (16, 8, 8, 0, 1), (8, 64, 8, 2, 1),
                                           (16, 3, 1, 2, 1), (8, 1, 1, 0, 8), (16, 1, 8, 0, 8),
                                           (8, 2, 8, 0, 4), (16, 8, 8, 0, 2)])  # fmt: skip
-def test_batched_equals_token_gpu(gks, tp, B, T, ns, vs, clean_env):
-    """The batched chain computes the per-token chain's sums in the same order: output, FP32
-    state and conv history bit-identical to it on the same fresh inputs (the one-CTA kernel,
-    the stream, the cluster split)."""
+def test_batched_matches_token_gpu(gks, tp, B, T, ns, vs, clean_env):
+    """The batched chain against the per-token one on the same fresh inputs (the one-CTA
+    kernel, the stream, the cluster split): the FP32 state within 1e-5 (rel. L2: the one-CTA
+    passes add in four partial sums), the conv history equal, the BF16 output within 1e-2."""
+    from decodescope.kernels import reference as R
     from decodescope.kernels.weights import make_state
 
     cfg = get_config("kimi-k3", tp)
@@ -233,5 +246,6 @@ def test_batched_equals_token_gpu(gks, tp, B, T, ns, vs, clean_env):
         gks.run_one(kda.compile_plan(p), cfg, w, proj, s, c, out, p)
         torch.cuda.synchronize()
         got.append((out, s, c))
-    for a, b in zip(*got, strict=True):
-        assert torch.equal(a, b)
+    (o0, s0, c0), (o1, s1, c1) = got
+    assert torch.isfinite(o1.float()).all()
+    assert R.rel_l2(o1, o0) < 1e-2 and R.rel_l2(s1, s0) < 1e-5 and torch.equal(c1, c0)

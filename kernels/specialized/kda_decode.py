@@ -141,8 +141,9 @@ def chain_mode() -> str:
     barriers a token. ``batched``: first, for all the item's tokens, everything that does not
     read the state (conv, gates, beta, the q / k norms in one block reduction of ``2T`` sums,
     the decay, q and k into shared memory), one barrier; then per token only the two passes
-    over the state (no block barrier); then the output norms of all tokens in one reduction.
-    The same sums in the same order (bit-identical outputs). A bad value raises a one-line
+    over the state (no block barrier; in the one-CTA kernel and the stream each lane's rows
+    are contiguous, read four per 16-byte shared-memory load, summed in four partial sums);
+    then the output norms of all tokens in one reduction. A bad value raises a one-line
     ``ValueError``."""
     v = os.environ.get(CHAIN_ENV, "") or "token"
     if v not in ("token", "batched"):
@@ -188,21 +189,42 @@ class KDADecode:
             smem=self.smem_cls.size_in_bytes(),
             stream=stream,
             use_pdl=self.p.pdl,
+            **self.occupancy(),
         )
 
     def grid(self) -> list:
         return [self.p.heads, self.p.batch, 1]
 
+    def ctas_per_sm(self) -> int:
+        """CTAs per SM the batched chain asks ptxas to fit (``min_blocks_per_mp``): two at one
+        token (at most 128 registers, as the per-token chain's build), one from two tokens."""
+        return 2 if self.p.tokens == 1 else 1
+
+    def occupancy(self) -> dict:
+        if not self.batched or self.ctas_per_sm() < 2:
+            return {}
+        # preferred_smem_carveout set: min_blocks_per_mp then queries no device at compile time
+        return {"min_blocks_per_mp": self.ctas_per_sm(), "preferred_smem_carveout": -1}
+
+    def srow(self, ii, half):
+        """The state row of register ``ii`` of a column's lane ``half``: interleaved
+        (``ii * 2 + half``) for the per-token chain, contiguous (``half * hd / 2 + ii``) for
+        the batched one, whose passes read four rows' decay / q / k per shared-memory load."""
+        if self.batched:
+            return half * (self.p.head_dim // self.split) + ii
+        return ii * self.split + half
+
     def smem_struct(self):
         """The per-token scratch (f_a, decay, q, k rows; reduction slots) as a struct."""
         hd, nt = self.p.head_dim, self.nt
+        al = 16 if self.batched else 4  # the batched passes' 16-byte loads
 
         @cute.struct
         class Scratch:
-            fa: cute.struct.MemRange[Float32, nt * hd]
-            decay: cute.struct.MemRange[Float32, nt * hd]
-            q: cute.struct.MemRange[Float32, nt * hd]
-            k: cute.struct.MemRange[Float32, nt * hd]
+            fa: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            decay: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            q: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            k: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
             red: cute.struct.MemRange[Float32, self.nred]
 
         return Scratch
@@ -224,7 +246,7 @@ class KDADecode:
         # this thread's rows of state column j, FP32, in registers
         rS = cute.make_rmem_tensor((rows,), Float32)
         for ii in cutlass.range_constexpr(rows):
-            rS[ii] = mS[b, h, ii * SP + half, j]
+            rS[ii] = mS[b, h, self.srow(ii, half), j]
         rHist, rCw, rFb = self.item_regs()
         a_h, dt, onorm = self.item_loads(mConvW, mConv, mFb, mALog, mDt, mONorm, b, h, col,
                                          rHist, rCw, rFb)  # fmt: skip
@@ -263,7 +285,7 @@ class KDADecode:
         rHist = cute.make_rmem_tensor((3, KC - 1), Float32)
         rCw = cute.make_rmem_tensor((3, KC), Float32)
         rFb = None
-        if cutlass.const_expr(p.tokens > 1):
+        if cutlass.const_expr(p.tokens > 1 and not self.batched):
             rFb = cute.make_rmem_tensor((8, p.head_dim // 8 // self.split), BFloat16)
         return rHist, rCw, rFb
 
@@ -287,8 +309,9 @@ class KDADecode:
         onorm = mONorm[j].to(Float32)
         # from 2 tokens: this lane's half of f_b row col held across the tokens (its L2 round
         # trips out of the per-token chain; the same products in the same order). At 1 token
-        # it is loaded in the loop as before (128 registers: two CTAs per SM at large batch)
-        if cutlass.const_expr(p.tokens > 1):
+        # it is loaded in the loop as before (128 registers: two CTAs per SM at large batch);
+        # the batched chain loads each piece once for all tokens in its prologue
+        if cutlass.const_expr(p.tokens > 1 and not self.batched):
             for v in cutlass.range_constexpr(hd // 8 // SP):
                 load_vec8(mFb[col, None], (v * SP + half) * 8, rFb[None, v])
         return a_h, dt, onorm
@@ -447,7 +470,19 @@ class KDADecode:
                 ss[2 * t] = qkv[0, t] * qkv[0, t]
                 ss[2 * t + 1] = qkv[1, t] * qkv[1, t]
         block_sums(ss, sRed, W, 2 * T)
+        # decay gate of channel j (a k row of S): f_b[col, :] . f_a[t], split over the lanes;
+        # each 8-wide piece of the f_b row loaded once for all tokens (L1/L2-resident)
         NV = hd // 8 // SP
+        fs = cute.make_rmem_tensor((T,), Float32)
+        for t in cutlass.range_constexpr(T):
+            fs[t] = Float32(0.0)
+        for v in cutlass.range(NV, unroll_full=True):
+            k0 = (v * SP + half) * 8
+            fb = cute.make_rmem_tensor((8,), BFloat16)
+            load_vec8(mFb[col, None], k0, fb)
+            for t in cutlass.range_constexpr(T):
+                for e in cutlass.range_constexpr(8):
+                    fs[t] = fs[t] + fb[e].to(Float32) * sFa[t, k0 + e]
         for t in cutlass.range_constexpr(T):
             qn = (
                 qkv[0, t]
@@ -455,20 +490,7 @@ class KDADecode:
                 * Float32(hd**-0.5)
             )
             kn = qkv[1, t] / cute.arch.fmax(cute.math.sqrt(ss[2 * t + 1]), Float32(1e-12))
-            # decay gate of channel j (a k row of S): f_b[col, :] . f_a, split over the lanes
-            f = Float32(0.0)
-            if cutlass.const_expr(T > 1):
-                for v in cutlass.range_constexpr(NV):
-                    k0 = (v * SP + half) * 8
-                    for e in cutlass.range_constexpr(8):
-                        f = f + rFb[e, v].to(Float32) * sFa[t, k0 + e]
-            else:
-                for v in cutlass.range(NV, unroll_full=True):
-                    k0 = (v * SP + half) * 8
-                    fb = cute.make_rmem_tensor((8,), BFloat16)  # f_b row: L1/L2-resident
-                    load_vec8(mFb[col, None], k0, fb)
-                    for e in cutlass.range_constexpr(8):
-                        f = f + fb[e].to(Float32) * sFa[t, k0 + e]
+            f = fs[t]
             if cutlass.const_expr(SP == 2):
                 f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
             f = f + dt
@@ -490,23 +512,35 @@ class KDADecode:
         tidx, _, _ = cute.arch.thread_idx()
         half = tidx % SP
         lead = half == 0
-        # -- the recurrence: per token two passes over this thread's rows of the state
+        # -- the recurrence: per token two passes over this thread's rows of the state (rows
+        # half * rows + ii: contiguous, four per 16-byte load; NACC partial sums per pass)
+        NACC = 4
+        q0 = half * (rows // 4)  # this lane's first 4-row group
         ob = cute.make_rmem_tensor((T,), Float32)
+        v4 = cute.make_rmem_tensor((2, 4), Float32)
         for t in cutlass.range_constexpr(T):
-            kv = Float32(0.0)
-            for ii in cutlass.range_constexpr(rows):
-                i = ii * SP
-                rS[ii] = rS[ii] * sDecay[t, i + half]
-                kv = kv + sK[t, i + half] * rS[ii]
+            acc = [Float32(0.0)] * NACC
+            for g in cutlass.range_constexpr(rows // 4):
+                cute.autovec_copy(cute.local_tile(sDecay[t, None], (4,), (q0 + g,)), v4[0, None])
+                cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[1, None])
+                for e in cutlass.range_constexpr(4):
+                    ii = g * 4 + e
+                    rS[ii] = rS[ii] * v4[0, e]
+                    acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
+            kv = (acc[0] + acc[1]) + (acc[2] + acc[3])
             if cutlass.const_expr(SP == 2):
                 kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1)
             u = beta[t] * (qkv[2, t] - kv)
             cute.arch.sync_warp()
-            o = Float32(0.0)
-            for ii in cutlass.range_constexpr(rows):
-                i = ii * SP
-                rS[ii] = rS[ii] + sK[t, i + half] * u
-                o = o + sQ[t, i + half] * rS[ii]
+            acc = [Float32(0.0)] * NACC
+            for g in cutlass.range_constexpr(rows // 4):
+                cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[0, None])
+                cute.autovec_copy(cute.local_tile(sQ[t, None], (4,), (q0 + g,)), v4[1, None])
+                for e in cutlass.range_constexpr(4):
+                    ii = g * 4 + e
+                    rS[ii] = rS[ii] + v4[0, e] * u
+                    acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
+            o = (acc[0] + acc[1]) + (acc[2] + acc[3])
             if cutlass.const_expr(SP == 2):
                 o = o + cute.arch.shuffle_sync_bfly(o, offset=1)
             ob[t] = o
@@ -532,7 +566,7 @@ class KDADecode:
         j = tidx // SP
         half = tidx % SP
         for ii in cutlass.range_constexpr(hd // SP):
-            mS[b, h, ii * SP + half, j] = rS[ii]
+            mS[b, h, self.srow(ii, half), j] = rS[ii]
         if half == 0:
             for c in cutlass.range_constexpr(3):
                 for i in cutlass.range_constexpr(KC - 1):

@@ -65,6 +65,9 @@ class KDADecodeStream(KDADecode):
     def grid(self) -> list:
         return [self.ctas, 1, 1]
 
+    def ctas_per_sm(self) -> int:
+        return self.p.stream_cpsm
+
     def smem_struct(self):
         """The per-token scratch, then one mbarrier and one state slot per stage."""
         hd, NS = self.p.head_dim, self.NS
@@ -123,7 +126,7 @@ class KDADecodeStream(KDADecode):
             slot = kk % NS
             cute.arch.mbarrier_wait(sBar.iterator + slot, (kk // NS) % 2)
             for ii in cutlass.range_constexpr(rows):
-                rS[ii] = sSt[slot, ii * SP + half, j]
+                rS[ii] = sSt[slot, self.srow(ii, half), j]
             cute.arch.sync_threads()  # every thread holds its rows: the slot is free
             if tidx == 0:
                 nxt = it + NS * self.ctas

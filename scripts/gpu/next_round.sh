@@ -464,6 +464,22 @@ part35c=(
   "60:w16d:$KV1 --tp-shape 16 --json $R/w16d.json"
   "60:w16b:$KCB $KV1 --tp-shape 16 --json $R/w16b.json"
 )
+# Part 36 (session 30): the batched chain with contiguous rows per lane, 16-byte shared loads
+# and four partial sums (n4's ncu: the 64x8 decode issue-bound on its per-row shared loads,
+# 2 warps per scheduler). 36a: its GPU tests and the kernel alone; 36b: the layers, same call.
+P36="decodescope bench --backends specialized --layers dense,kda --out $R/ab"
+part36a=(
+  "150:kst:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k batched"
+  "200:kalone:python scripts/gpu_kda_split.py --out $R/kalone --tp 8 16 --points 64x1 64x8 32x8 8x8 --splits 1 --streams 0 --chains token batched"
+)
+part36b=(
+  "60:v8d:$P36 --batch 64 --spec-verify 7 --verify-only --tp-shape 8 --json $R/v8d.json"
+  "60:v8b:$KCB $P36 --batch 64 --spec-verify 7 --verify-only --tp-shape 8 --json $R/v8b.json"
+  "60:v16d:$P36 --batch 64 --spec-verify 7 --verify-only --tp-shape 16 --json $R/v16d.json"
+  "60:v16b:$KCB $P36 --batch 64 --spec-verify 7 --verify-only --tp-shape 16 --json $R/v16b.json"
+  "60:k8d:$P36 --batch 64 --tp-shape 8 --json $R/k8d.json"
+  "60:k8b:$KCB $P36 --batch 64 --tp-shape 8 --json $R/k8b.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -506,5 +522,7 @@ case "${1:-1}" in
   35a) exec bash "$here/run_stages.sh" "${part35a[@]}" ;;
   35b) exec bash "$here/run_stages.sh" "${part35b[@]}" ;;
   35c) exec bash "$here/run_stages.sh" "${part35c[@]}" ;;
+  36a) exec bash "$here/run_stages.sh" "${part36a[@]}" ;;
+  36b) exec bash "$here/run_stages.sh" "${part36b[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
