@@ -131,11 +131,22 @@ def test_rows(chain, clean_env):
 
 
 def test_chain_selection(clean_env):
+    """Unset or ``auto``: batched everywhere but the cluster split at one token (H200 s30);
+    ``token`` / ``batched`` everywhere; a bad value is a one-line error."""
     mp = clean_env
-    assert kda.chain_mode() == "token"  # unset
-    assert kda.plan_for(get_config("kimi-k3", 8), 64, 1).chain == "token"
+    c8, c16 = get_config("kimi-k3", 8), get_config("kimi-k3", 16)
+    assert kda.chain_mode() == "batched" and kda.chain_mode(1, 8) == "token"
+    assert kda.chain_mode(8, 8) == "batched" and kda.chain_mode(1, 1) == "batched"
+    assert kda.plan_for(c8, 1, 1).chain == "token"  # split 8, one token
+    assert kda.plan_for(c8, 1, 8).chain == "batched"  # split 8, the verify step
+    assert kda.plan_for(c8, 64, 1).chain == "batched"  # one CTA per item
+    assert kda.plan_for(c16, 64, 8).chain == "batched"
+    mp.setenv(kda.CHAIN_ENV, "auto")
+    assert kda.plan_for(c8, 1, 1).chain == "token"
+    mp.setenv(kda.CHAIN_ENV, "token")
+    assert kda.plan_for(c16, 64, 8).chain == "token"
     mp.setenv(kda.CHAIN_ENV, "batched")
-    assert kda.plan_for(get_config("kimi-k3", 16), 64, 8).chain == "batched"
+    assert kda.plan_for(c8, 1, 1).chain == "batched"
     mp.setenv(kda.CHAIN_ENV, "fast")
     with pytest.raises(ValueError, match="DECODESCOPE_KDA_CHAIN='fast'"):
         kda.chain_mode()
