@@ -181,22 +181,8 @@ class KDADecodeSplit:
         for t in cutlass.range(0 if self.batched else T, unroll_full=True):
             row = b * T + t
             # short conv + SiLU: this thread's q / k channel, and the column's v channel
-            xn = mProj[row, qkc].to(Float32)
-            acc = xn * rCqk[KC - 1]
-            for i in cutlass.range_constexpr(KC - 1):
-                acc = acc + rHqk[i] * rCqk[i]
-            for i in cutlass.range_constexpr(KC - 2):
-                rHqk[i] = rHqk[i + 1]
-            rHqk[KC - 2] = xn
-            val = acc * sigmoid(acc)
-            xv = mProj[row, 2 * D + col].to(Float32)
-            av = xv * rCv[KC - 1]
-            for i in cutlass.range_constexpr(KC - 1):
-                av = av + rHv[i] * rCv[i]
-            for i in cutlass.range_constexpr(KC - 2):
-                rHv[i] = rHv[i + 1]
-            rHv[KC - 2] = xv
-            vv = av * sigmoid(av)
+            val = self.conv(mProj, row, qkc, rHqk, rCqk)
+            vv = self.conv(mProj, row, 2 * D + col, rHv, rCv)
             if tidx < hd:
                 sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
             gj = mProj[row, 3 * D + col].to(Float32)
