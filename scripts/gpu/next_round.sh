@@ -480,6 +480,22 @@ part36b=(
   "60:k8d:$P36 --batch 64 --tp-shape 8 --json $R/k8d.json"
   "60:k8b:$KCB $P36 --batch 64 --tp-shape 8 --json $R/k8b.json"
 )
+# Part 37 (staged in session 30 for the next): 37a (vLLM parts staged): the whole step against
+# the standard one at the batched chain's default, at the points it changed; 37b: where the
+# one-CTA KDA decode's warps stall at 64 x 8 (Nsight Compute source counters, both chains:
+# the 16-byte loads and the batched chain moved it by 1-2% alone); 37c (vLLM parts): the
+# README rows of the verify steps and batch 64 at the new default, both backends.
+part37a=(
+  "300:steps:python scripts/gpu_steps.py --tp 16 8 --points 1x8 8x8 64x1 64x8 --layers dense,kda,mla --out $R/steps"
+)
+part37b=(
+  "150:src_b:bash scripts/gpu/ncu_source.sh $R/ncu kda8_batched KDADecode --backend specialized --tp 16 --batch 64 --tokens 8 --layers dense"
+  "150:src_t:DECODESCOPE_KDA_CHAIN=token bash scripts/gpu/ncu_source.sh $R/ncu kda8_token KDADecode --backend specialized --tp 16 --batch 64 --tokens 8 --layers dense"
+)
+part37c=(
+  "280:r8:decodescope bench --tp-shape 8 --batch 1,64 --spec-verify 7 --out $R/ds --json $R/r8.json"
+  "280:r16:decodescope bench --tp-shape 16 --batch 1,64 --spec-verify 7 --out $R/ds --json $R/r16.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -524,5 +540,8 @@ case "${1:-1}" in
   35c) exec bash "$here/run_stages.sh" "${part35c[@]}" ;;
   36a) exec bash "$here/run_stages.sh" "${part36a[@]}" ;;
   36b) exec bash "$here/run_stages.sh" "${part36b[@]}" ;;
+  37a) exec bash "$here/run_stages.sh" "${part37a[@]}" ;;
+  37b) exec bash "$here/run_stages.sh" "${part37b[@]}" ;;
+  37c) exec bash "$here/run_stages.sh" "${part37c[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
