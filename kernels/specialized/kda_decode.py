@@ -20,6 +20,12 @@ Math (:func:`decodescope.kernels.reference.kda_attn_ref`), per token t, head h, 
     q = normalize(q) / sqrt(hd);  k = normalize(k)
     S[i, :] *= exp(gk_i);  u = beta * (v - k^T S);  S += k u^T;  o = q^T S
     out = rmsnorm(o) * o_norm * sigmoid(g)
+
+How the tokens are walked (:func:`chain_mode`, ``DECODESCOPE_KDA_CHAIN``): per token as above,
+or batched (everything that does not read the state for all tokens first, then only the passes
+over the state per token); the default since H200 session 30 is batched except in the cluster
+split at one token. Other forms of the same function: :mod:`.kda_decode_split` (a cluster per
+head, few sequences) and :mod:`.kda_decode_stream` (persistent CTAs, opt-in).
 """
 
 # no `from __future__ import annotations`: the smem structs read their field annotations
@@ -64,7 +70,8 @@ class KDAPlan:
     stream: int = 0
     stream_cpsm: int = 1
     # "token": the per-token chain (three block reductions a token); "batched": everything
-    # that does not read the state first, for all tokens (:func:`chain_mode`)
+    # that does not read the state first, for all tokens (:func:`chain_mode`; plan_for takes
+    # the environment's choice, the field's default is the per-token chain)
     chain: str = "token"
 
     @property
@@ -243,7 +250,7 @@ class KDADecode:
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         j = tidx // SP  # value column of this thread
-        half = tidx % SP  # which rows of it: i = ii * SP + half
+        half = tidx % SP  # which rows of it: self.srow(ii, half)
         sh = self.shared(cutlass.memory.SmemAllocator().allocate(self.smem_cls))
 
         if cutlass.const_expr(p.pdl):

@@ -1,8 +1,9 @@
 """KDA decode at large batch: persistent CTAs that stream the FP32 state through shared memory
 (``DECODESCOPE_KDA_STREAM``, :func:`.kda_decode.stream_for`).
 
-The same function, thread mapping and per-token chain as :class:`.kda_decode.KDADecode` (two
-lanes per state column, :meth:`~.kda_decode.KDADecode.item_tokens`); what changes is how a CTA
+The same function, thread mapping and chains as :class:`.kda_decode.KDADecode` (two lanes per
+state column; :meth:`~.kda_decode.KDADecode.item_tokens` or the batched chain, whose
+state-free prologue runs before the item's state is waited for); what changes is how a CTA
 gets the state of a (head, sequence) item. The one-CTA kernel loads its 64 KB with per-thread
 4-byte loads, computes, stores and exits: at 64 sequences (768 items at TP8, two CTAs per SM by
 registers) each SM's loads stop while its CTAs run their serial per-token chains, and the H200
@@ -26,6 +27,11 @@ of :func:`.kda_decode.early_enabled`).
 
 Shared memory: ``stages`` x 64 KB plus the per-token scratch; ``stages`` 1..3 (one CTA per SM
 from 2 stages, two from 1).
+
+Measured (H200, session 30, kernel alone, ``scripts/gpu_kda_split.py --streams``): not kept.
+One CTA per SM is bound by an item's serial chain, not by its loads: TP8 64x1 54.2 us (2x1)
+against 43.2 for the one-CTA kernel; with the batched chain the best set, 1x2, 38.7 against
+42.4. Off by default (``DECODESCOPE_KDA_STREAM`` unset).
 """
 
 # no `from __future__ import annotations`: the smem structs read their field annotations
@@ -89,7 +95,7 @@ class KDADecodeStream(KDADecode):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         j = tidx // SP  # value column of this thread
-        half = tidx % SP  # which rows of it: i = ii * SP + half
+        half = tidx % SP  # which rows of it: self.srow(ii, half)
         st = cutlass.memory.SmemAllocator().allocate(self.smem_cls)
         sh = self.shared(st.scratch)
         sBar = st.bar.get_tensor(cute.make_layout(NS))
