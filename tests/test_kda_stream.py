@@ -29,7 +29,7 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV):
+    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV, kda.OCC_ENV):
         monkeypatch.delenv(v, raising=False)
     return monkeypatch
 
@@ -153,6 +153,24 @@ def test_chain_selection(clean_env):
     mp.delenv(kda.CHAIN_ENV)
     with pytest.raises(ValueError, match="chain 'fast'"):
         kda.KDADecode(dataclasses.replace(_plan(8, 64, 1, 0), chain="fast"))
+
+
+def test_occupancy(clean_env):
+    """``DECODESCOPE_KDA_OCC``: the batched one-CTA kernel asks for two CTAs per SM at one token
+    always, from two tokens only with ``2``; the per-token chain asks for nothing (its launch
+    unchanged); a bad value is a one-line error."""
+    mp = clean_env
+    c8 = get_config("kimi-k3", 8)
+    assert kda.make_op(kda.plan_for(c8, 64, 1)).occupancy()["min_blocks_per_mp"] == 2
+    assert kda.make_op(kda.plan_for(c8, 64, 8)).occupancy() == {}
+    mp.setenv(kda.OCC_ENV, "2")
+    assert kda.plan_for(c8, 64, 8).occ == 2
+    assert kda.make_op(kda.plan_for(c8, 64, 8)).occupancy()["min_blocks_per_mp"] == 2
+    mp.setenv(kda.CHAIN_ENV, "token")
+    assert kda.make_op(kda.plan_for(c8, 64, 8)).occupancy() == {}
+    mp.setenv(kda.OCC_ENV, "3")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_OCC='3'"):
+        kda.occ_for()
 
 
 def test_refused(clean_env):

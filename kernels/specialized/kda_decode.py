@@ -73,6 +73,8 @@ class KDAPlan:
     # that does not read the state first, for all tokens (:func:`chain_mode`; plan_for takes
     # the environment's choice, the field's default is the per-token chain)
     chain: str = "token"
+    # CTAs per SM the batched chain asks ptxas to fit from 2 tokens (:func:`occ_for`)
+    occ: int = 1
 
     @property
     def dim(self) -> int:
@@ -83,6 +85,7 @@ VSPLIT_ENV = "DECODESCOPE_KDA_VSPLIT"
 EARLY_ENV = "DECODESCOPE_KDA_EARLY"
 STREAM_ENV = "DECODESCOPE_KDA_STREAM"
 CHAIN_ENV = "DECODESCOPE_KDA_CHAIN"
+OCC_ENV = "DECODESCOPE_KDA_OCC"
 
 
 def early_enabled() -> bool:
@@ -164,6 +167,18 @@ def chain_mode(tokens: int = 1, vsplit: int = 1) -> str:
     return v
 
 
+def occ_for() -> int:
+    """``DECODESCOPE_KDA_OCC``: CTAs per SM the one-CTA kernel's batched chain asks ptxas to fit
+    from 2 tokens (``min_blocks_per_mp``). ``1`` (unset): 183 registers at 8 tokens, one CTA
+    (8 warps) per SM; ``2``: at most 128 registers (ptxas: about 200 bytes of spills at 8
+    tokens), two CTAs per SM. At one token it is always two. Not yet measured on a GPU. A bad
+    value raises a one-line ``ValueError``."""
+    v = os.environ.get(OCC_ENV, "") or "1"
+    if v not in ("1", "2"):
+        raise ValueError(f"{OCC_ENV}={v!r}: expected 1 or 2")
+    return int(v)
+
+
 class KDADecode:
     def __init__(self, plan: KDAPlan):
         self.p = plan
@@ -210,8 +225,9 @@ class KDADecode:
 
     def ctas_per_sm(self) -> int:
         """CTAs per SM the batched chain asks ptxas to fit (``min_blocks_per_mp``): two at one
-        token (at most 128 registers, as the per-token chain's build), one from two tokens."""
-        return 2 if self.p.tokens == 1 else 1
+        token (at most 128 registers, as the per-token chain's build), from two tokens the
+        plan's ``occ`` (:func:`occ_for`)."""
+        return 2 if self.p.tokens == 1 else self.p.occ
 
     def occupancy(self) -> dict:
         if not self.batched or self.ctas_per_sm() < 2:
@@ -641,6 +657,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         stream=ns,
         stream_cpsm=cpsm,
         chain=chain_mode(tokens, vs),
+        occ=occ_for(),
     )
 
 
