@@ -29,7 +29,8 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV, kda.OCC_ENV):
+    for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV, kda.OCC_ENV,
+              kda.ROLL_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
     return monkeypatch
 
@@ -173,6 +174,32 @@ def test_occupancy(clean_env):
         kda.occ_for()
 
 
+def test_roll(clean_env):
+    """``DECODESCOPE_KDA_ROLL=1``: the batched chain's token passes as one loop (PTX about
+    half the size at 8 tokens, the passes emitted once); only from two tokens and only for the
+    batched chain; off by default; a bad value is a one-line error."""
+    mp = clean_env
+    c16 = get_config("kimi-k3", 16)
+    assert not kda.plan_for(c16, 64, 8).roll
+    mp.setenv(kda.ROLL_ENV, "1")
+    p8 = kda.plan_for(c16, 64, 8)
+    assert p8.roll and kda.make_op(p8).roll
+    assert not kda.make_op(kda.plan_for(c16, 64, 1)).roll  # one token: nothing to roll
+    assert not kda.make_op(dataclasses.replace(p8, chain="token")).roll
+    sizes = {}
+    for roll in (False, True):
+        p = dataclasses.replace(p8, roll=roll)
+        ptx = itf.ptx_text(kda.make_op(p), *kda._fake_args(p))
+        sizes[roll] = (ptx.count("\n"), ptx.count("ld.shared.v4"))
+    assert sizes[True][0] < 0.7 * sizes[False][0]
+    assert sizes[True][1] < 0.5 * sizes[False][1]  # the passes' loads: once, not per token
+    p = dataclasses.replace(p8, stream=2)  # the stream takes it too
+    assert itf.compile_only(kda.make_op(p), *kda._fake_args(p)) is not None
+    mp.setenv(kda.ROLL_ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_ROLL='yes'"):
+        kda.roll_enabled()
+
+
 def test_refused(clean_env):
     with pytest.raises(ValueError, match="4 stages x 1 CTAs per SM of 64 KB"):
         kst.KDADecodeStream(_plan(8, 64, 1, 4))
@@ -247,6 +274,18 @@ def test_batched_split_gpu(gks, tp, B, T, vs, clean_env):
     cfg = get_config("kimi-k3", tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
     p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched")
+    for d in range(2):
+        res = gks.check(cfg, w, p, B, T, seed=5 + d)
+        assert res["ok"], res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,B,T,ns", [(16, 64, 8, 0), (8, 8, 8, 0), (16, 32, 8, 2), (8, 3, 2, 0)])
+def test_roll_gpu(gks, tp, B, T, ns, clean_env):
+    """The rolled token loop against the reference, two draws (output poisoned)."""
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    p = dataclasses.replace(_plan(tp, B, T, ns, chain="batched"), roll=True)
     for d in range(2):
         res = gks.check(cfg, w, p, B, T, seed=5 + d)
         assert res["ok"], res

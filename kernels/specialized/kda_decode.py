@@ -75,6 +75,8 @@ class KDAPlan:
     chain: str = "token"
     # CTAs per SM the batched chain asks ptxas to fit from 2 tokens (:func:`occ_for`)
     occ: int = 1
+    # the batched chain's token loop as a loop (:func:`roll_enabled`), not unrolled
+    roll: bool = False
 
     @property
     def dim(self) -> int:
@@ -86,6 +88,7 @@ EARLY_ENV = "DECODESCOPE_KDA_EARLY"
 STREAM_ENV = "DECODESCOPE_KDA_STREAM"
 CHAIN_ENV = "DECODESCOPE_KDA_CHAIN"
 OCC_ENV = "DECODESCOPE_KDA_OCC"
+ROLL_ENV = "DECODESCOPE_KDA_ROLL"
 
 
 def early_enabled() -> bool:
@@ -179,6 +182,21 @@ def occ_for() -> int:
     return int(v)
 
 
+def roll_enabled() -> bool:
+    """``DECODESCOPE_KDA_ROLL=1``: the batched chain's per-token passes as a loop over the
+    tokens instead of unrolled (v, beta and each token's output through shared memory
+    ``[t, hd]``, not per-token registers). Why: unrolled over 8 tokens the one-CTA kernel's
+    PTX is ~5300 lines (~100 KB of SASS, past the SM's instruction caches) and its warps issue
+    an instruction every ~20 cycles in the token passes (H200 s30: 3.5 us per token and wave
+    at TP16 64x8); rolled, the passes are ~330 instructions. A hypothesis, not yet measured on
+    a GPU: off (unset or ``0``). Only the batched chain from two tokens reads it. A bad value
+    raises a one-line ``ValueError``."""
+    v = os.environ.get(ROLL_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ROLL_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 class KDADecode:
     def __init__(self, plan: KDAPlan):
         self.p = plan
@@ -195,6 +213,7 @@ class KDADecode:
         # per-token scratch rows (f_a, decay, q, k) and reduction scratch (floats)
         self.nt = plan.tokens if self.batched else 1
         self.nred = 3 * plan.tokens * self.warps if self.batched else 16
+        self.roll = self.batched and plan.roll and plan.tokens > 1
 
     @cute.jit
     def __call__(
@@ -256,7 +275,17 @@ class KDADecode:
             k: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
             red: cute.struct.MemRange[Float32, self.nred]
 
-        return Scratch
+        if not self.roll:
+            return Scratch
+
+        @cute.struct
+        class ScratchRoll:  # and the rolled token loop's v, outputs and beta per token
+            base: Scratch
+            v: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            o: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            beta: cute.struct.Align[cute.struct.MemRange[Float32, 16], al]
+
+        return ScratchRoll
 
     @cute.kernel
     def kernel(self, mProj, mConvW, mConv, mFb, mALog, mDt, mONorm, mS, mOut):
@@ -284,18 +313,27 @@ class KDADecode:
 
     def shared(self, st):
         """The per-token scratch of :attr:`smem_cls` as tensors: (f_a, decay, q, k, red);
-        ``[token, hd]`` for the batched chain, ``[hd]`` for the per-token one."""
+        ``[token, hd]`` for the batched chain, ``[hd]`` for the per-token one; the rolled
+        loop's (v, o, beta) after them."""
         hd = self.p.head_dim
         lay = cute.make_layout(hd)
         if self.batched:
             lay = cute.make_layout((self.nt, hd), stride=(hd, 1))
-        return (
-            st.fa.get_tensor(lay),
-            st.decay.get_tensor(lay),
-            st.q.get_tensor(lay),
-            st.k.get_tensor(lay),
-            st.red.get_tensor(cute.make_layout(self.nred)),
+        base = st.base if self.roll else st
+        sh = (
+            base.fa.get_tensor(lay),
+            base.decay.get_tensor(lay),
+            base.q.get_tensor(lay),
+            base.k.get_tensor(lay),
+            base.red.get_tensor(cute.make_layout(self.nred)),
         )
+        if self.roll:
+            sh += (
+                st.v.get_tensor(lay),
+                st.o.get_tensor(lay),
+                st.beta.get_tensor(cute.make_layout(16)),
+            )
+        return sh
 
     @cute.jit
     def tokens(self, mProj, mFb, mOut, b, h, col, a_h, dt, onorm, rS, rHist, rCw, rFb, sh):
@@ -367,7 +405,7 @@ class KDADecode:
         p = self.p
         hd, D, T, SP = p.head_dim, p.dim, p.tokens, self.split
         rows = hd // SP
-        sFa, sDecay, sQ, sK, sRed = sh
+        sFa, sDecay, sQ, sK, sRed = sh[:5]
         tidx, _, _ = cute.arch.thread_idx()
         j = tidx // SP
         half = tidx % SP
@@ -474,7 +512,7 @@ class KDADecode:
         after the decay / q / k rows."""
         p = self.p
         hd, D, T, SP, W = p.head_dim, p.dim, p.tokens, self.split, self.warps
-        sFa, sDecay, sQ, sK, sRed = sh
+        sFa, sDecay, sQ, sK, sRed = sh[:5]
         tidx, _, _ = cute.arch.thread_idx()
         j = tidx // SP
         half = tidx % SP
@@ -528,6 +566,11 @@ class KDADecode:
                 sDecay[t, j] = cute.math.exp(gk, fastmath=False)
                 sQ[t, j] = qn
                 sK[t, j] = kn
+                if cutlass.const_expr(self.roll):
+                    sh[5][t, j] = qkv[2, t]
+            if cutlass.const_expr(self.roll):  # noqa: SIM102 (a trace-time test, then a runtime one)
+                if tidx == 0:
+                    sh[7][t] = beta[t]
         cute.arch.sync_threads()
 
     @cute.jit
@@ -537,43 +580,28 @@ class KDADecode:
         p = self.p
         hd, T, SP, W = p.head_dim, p.tokens, self.split, self.warps
         rows = hd // SP
-        sFa, sDecay, sQ, sK, sRed = sh
+        sFa, sDecay, sQ, sK, sRed = sh[:5]
         tidx, _, _ = cute.arch.thread_idx()
         half = tidx % SP
         lead = half == 0
         # -- the recurrence: per token two passes over this thread's rows of the state (rows
         # half * rows + ii: contiguous, four per 16-byte load; NACC partial sums per pass)
-        NACC = 4
         q0 = half * (rows // 4)  # this lane's first 4-row group
         ob = cute.make_rmem_tensor((T,), Float32)
-        v4 = cute.make_rmem_tensor((2, 4), Float32)
-        for t in cutlass.range_constexpr(T):
-            acc = [Float32(0.0)] * NACC
-            for g in cutlass.range_constexpr(rows // 4):
-                cute.autovec_copy(cute.local_tile(sDecay[t, None], (4,), (q0 + g,)), v4[0, None])
-                cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[1, None])
-                for e in cutlass.range_constexpr(4):
-                    ii = g * 4 + e
-                    rS[ii] = rS[ii] * v4[0, e]
-                    acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
-            kv = (acc[0] + acc[1]) + (acc[2] + acc[3])
-            if cutlass.const_expr(SP == 2):
-                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1)
-            u = beta[t] * (qkv[2, t] - kv)
-            cute.arch.sync_warp()
-            acc = [Float32(0.0)] * NACC
-            for g in cutlass.range_constexpr(rows // 4):
-                cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[0, None])
-                cute.autovec_copy(cute.local_tile(sQ[t, None], (4,), (q0 + g,)), v4[1, None])
-                for e in cutlass.range_constexpr(4):
-                    ii = g * 4 + e
-                    rS[ii] = rS[ii] + v4[0, e] * u
-                    acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
-            o = (acc[0] + acc[1]) + (acc[2] + acc[3])
-            if cutlass.const_expr(SP == 2):
-                o = o + cute.arch.shuffle_sync_bfly(o, offset=1)
-            ob[t] = o
-            cute.arch.sync_warp()
+        if cutlass.const_expr(self.roll):
+            sV, sO, sBeta = sh[5:]
+            j = tidx // SP
+            for t in cutlass.range(T, unroll=1):
+                o = self.passes(sDecay, sK, sQ, rS, t, q0, sBeta[t], sV[t, j])
+                if lead:
+                    sO[t, j] = o
+                cute.arch.sync_warp()
+            for t in cutlass.range_constexpr(T):
+                ob[t] = sO[t, j]  # this column's lead lane wrote it (same warp)
+        else:
+            for t in cutlass.range_constexpr(T):
+                ob[t] = self.passes(sDecay, sK, sQ, rS, t, q0, beta[t], qkv[2, t])
+                cute.arch.sync_warp()
         # -- the gated RMSNorm of every token's output: one reduction
         oss = cute.make_rmem_tensor((T,), Float32)
         for t in cutlass.range_constexpr(T):
@@ -585,6 +613,41 @@ class KDADecode:
             rstd = cute.math.rsqrt(oss[t] / Float32(hd) + Float32(p.eps))
             if lead:
                 mOut[b * T + t, col] = (ob[t] * rstd * onorm * sigmoid(gj[t])).to(BFloat16)
+
+    @cute.jit
+    def passes(self, sDecay, sK, sQ, rS, t, q0, beta_t, v_t):
+        """Token ``t``'s two passes over this thread's rows ``rS`` (decay and ``k^T S``, then
+        ``S += k u^T`` and ``q^T S``); returns the column's output ``o`` (both lanes)."""
+        p = self.p
+        SP = self.split
+        rows = p.head_dim // SP
+        NACC = 4
+        v4 = cute.make_rmem_tensor((2, 4), Float32)
+        acc = [Float32(0.0)] * NACC
+        for g in cutlass.range_constexpr(rows // 4):
+            cute.autovec_copy(cute.local_tile(sDecay[t, None], (4,), (q0 + g,)), v4[0, None])
+            cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[1, None])
+            for e in cutlass.range_constexpr(4):
+                ii = g * 4 + e
+                rS[ii] = rS[ii] * v4[0, e]
+                acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
+        kv = (acc[0] + acc[1]) + (acc[2] + acc[3])
+        if cutlass.const_expr(SP == 2):
+            kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1)
+        u = beta_t * (v_t - kv)
+        cute.arch.sync_warp()
+        acc = [Float32(0.0)] * NACC
+        for g in cutlass.range_constexpr(rows // 4):
+            cute.autovec_copy(cute.local_tile(sK[t, None], (4,), (q0 + g,)), v4[0, None])
+            cute.autovec_copy(cute.local_tile(sQ[t, None], (4,), (q0 + g,)), v4[1, None])
+            for e in cutlass.range_constexpr(4):
+                ii = g * 4 + e
+                rS[ii] = rS[ii] + v4[0, e] * u
+                acc[ii % NACC] = acc[ii % NACC] + v4[1, e] * rS[ii]
+        o = (acc[0] + acc[1]) + (acc[2] + acc[3])
+        if cutlass.const_expr(SP == 2):
+            o = o + cute.arch.shuffle_sync_bfly(o, offset=1)
+        return o
 
     @cute.jit
     def item_store(self, mConv, mS, b, h, col, rS, rHist):
@@ -658,6 +721,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         stream_cpsm=cpsm,
         chain=chain_mode(tokens, vs),
         occ=occ_for(),
+        roll=roll_enabled(),
     )
 
 

@@ -483,8 +483,9 @@ part36b=(
 # Part 37 (staged in session 30 for the next): 37a (vLLM parts staged): the whole step against
 # the standard one at the batched chain's default, at the points it changed; 37b: the one-CTA
 # KDA decode at two CTAs per SM from 2 tokens (DECODESCOPE_KDA_OCC=2: 128 registers, ~200 bytes
-# of spills) against one, alone, then where its warps stall at 64 x 8 (Nsight Compute source
-# counters, both chains:
+# of spills) and its token passes rolled into a loop (DECODESCOPE_KDA_ROLL=1: 70 KB of cubin
+# instead of 108) against the default, alone, then where its warps stall at 64 x 8 (Nsight
+# Compute source counters, both chains:
 # the 16-byte loads and the batched chain moved it by 1-2% alone); 37c (vLLM parts): the
 # README rows of the verify steps and batch 64 at the new default, both backends.
 part37a=(
@@ -493,6 +494,8 @@ part37a=(
 part37b=(
   "100:occ1:python scripts/gpu_kda_split.py --out $R/occ1 --tp 8 16 --points 64x8 32x8 8x8 --splits 1 --chains batched"
   "100:occ2:DECODESCOPE_KDA_OCC=2 python scripts/gpu_kda_split.py --out $R/occ2 --tp 8 16 --points 64x8 32x8 8x8 --splits 1 --chains batched"
+  "100:roll:DECODESCOPE_KDA_ROLL=1 python scripts/gpu_kda_split.py --out $R/roll --tp 8 16 --points 64x8 32x8 8x8 --splits 1 --chains batched"
+  "100:rtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k roll_gpu"
   "150:src_b:bash scripts/gpu/ncu_source.sh $R/ncu kda8_batched KDADecode --backend specialized --tp 16 --batch 64 --tokens 8 --layers dense"
   "150:src_t:DECODESCOPE_KDA_CHAIN=token bash scripts/gpu/ncu_source.sh $R/ncu kda8_token KDADecode --backend specialized --tp 16 --batch 64 --tokens 8 --layers dense"
 )
