@@ -8,20 +8,15 @@ against :func:`kda_decode.kda_decode_ref`."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
-import torch
 
 from decodescope.kernels.config import LayerSpec, get_config
 from decodescope.kernels.specialized import interface as itf  # sets CUTE_DSL_ARCH first
 from decodescope.kernels.specialized import kda_decode as kda
 from decodescope.kernels.specialized import kda_decode_split as kds
 from decodescope.kernels.weights import make_layer_weights
-
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 
 
 @pytest.fixture
@@ -121,16 +116,6 @@ def test_ownership(vs):
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_kda_split.py) --------------------------
-
-
-@pytest.fixture(scope="module")
-def gks():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    spec = importlib.util.spec_from_file_location("gpu_kda_split", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.gpu

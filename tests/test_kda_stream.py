@@ -11,9 +11,7 @@ batched chain against the per-token one on the same inputs."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,6 @@ from decodescope.kernels.specialized import interface as itf  # sets CUTE_DSL_AR
 from decodescope.kernels.specialized import kda_decode as kda
 from decodescope.kernels.specialized import kda_decode_stream as kst
 from decodescope.kernels.weights import make_layer_weights
-
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_kda_split.py"
 
 
 @pytest.fixture
@@ -240,16 +236,6 @@ def test_walk(tp, B, ns, cpsm):
 
 
 # -- GPU (the lead's H200 runs: pytest -m gpu tests/test_kda_stream.py) -------------------------
-
-
-@pytest.fixture(scope="module")
-def gks():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    spec = importlib.util.spec_from_file_location("gpu_kda_split", _SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.gpu
