@@ -1,12 +1,14 @@
 """The KDA decode's persistent state stream (``DECODESCOPE_KDA_STREAM``,
-:mod:`decodescope.kernels.specialized.kda_decode_stream`) and its batched chain
-(``DECODESCOPE_KDA_CHAIN``, :meth:`.kda_decode.KDADecode.item_tokens_batched`): sm_90a
+:mod:`decodescope.kernels.specialized.kda_decode_stream`), its batched chain
+(``DECODESCOPE_KDA_CHAIN``, :meth:`.kda_decode.KDADecode.item_tokens_batched`) and that chain's
+occupancy and rolled-loop knobs (``DECODESCOPE_KDA_OCC``, ``DECODESCOPE_KDA_ROLL``): sm_90a
 compiles on the CPU at the kimi-k3 TP8 / TP16 shapes (1 and 8 tokens), the knobs' values and
-one-line errors, the bulk copies before the PDL wait and the block barriers in the PTX, and the
-CTAs' walk over the items replayed in Python (every item once; every wait on a slot's mbarrier
-matches the arming of that slot for the same item, in order). The GPU tests (``-m gpu``) run
+one-line errors, the bulk copies before the PDL wait and the block barriers in the PTX, the
+state rows each lane owns, and the CTAs' walk over the items replayed in Python (every item
+once; every wait on a slot's mbarrier matches the arming of that slot for the same item, in
+order). The GPU tests (``-m gpu``, the ``gks`` fixture of ``conftest.py``) run
 ``scripts/gpu_kda_split.py``'s checks against :func:`kda_decode.kda_decode_ref`, and the
-batched chain against the per-token one on the same inputs."""
+batched chain against the per-token one on the same inputs (within tolerance)."""
 
 from __future__ import annotations
 
