@@ -58,7 +58,8 @@ class KDADecodeStream(KDADecode):
         self.ctas = min(self.items, NUM_SMS * cpsm)
         self.state_floats = hd * hd
         self.sbytes = hd * hd * 4
-        if ns < 1 or cpsm < 1 or cpsm * (ns * self.sbytes + 4096) > SMEM_LIMIT:
+        scratch = 4 * (6 * self.nt * hd + self.nred + 16)  # bound on the per-token scratch
+        if ns < 1 or cpsm < 1 or cpsm * (ns * self.sbytes + scratch + 1024) > SMEM_LIMIT:
             raise ValueError(
                 f"KDA stream: {ns} stages x {cpsm} CTAs per SM of {self.sbytes // 1024} KB "
                 f"states do not fit the {SMEM_LIMIT // 1024} KB of shared memory per SM"
