@@ -22,7 +22,10 @@ does, and nothing else with CUPTI:
    still loaded and subscribed) and recording, interleaved ABBA: an eager overhead measured in
    one process, free of the drift between the off and on phases (the s11 H200 run: the A/A
    control's eager step moved -18% from its off to its on phase, and the off phases of the
-   children spread 34%);
+   children spread 34%); then ``--graph-ab`` rounds (default 0) of ``G`` replays, paused and
+   recording, ABBA: what a recording replay costs over a paused one in one process, and what a
+   paused session costs a replay (paused blocks against the ``off`` blocks' ``G0``): the
+   figures a capture that records one step in N would pay;
 5. exit with ``os._exit``: the session is never stopped, nothing is replayed after it.
 
 Why (the H200 run of eb72dbd, ``notes/gpu-logs/s4/overhead_decode.log``): the earlier design
@@ -470,6 +473,21 @@ def inner(args: argparse.Namespace) -> dict:
                                           "figures": {"eager": f}, "records": {}})  # fmt: skip
             session.resume()
             _take_counts(session)
+        if session is not None and args.graph_ab:
+            phase(f"graph A/B: {args.graph_ab} rounds, G replayed paused / recording, ABBA")
+            for i in range(args.graph_ab):
+                for state in ("gab_off", "gab_on") if i % 2 == 0 else ("gab_on", "gab_off"):
+                    (session.pause if state == "gab_off" else session.resume)()
+                    torch.cuda.synchronize()
+                    n_nat, n_gpu = sizes["graph"]
+                    _take_counts(session)  # what the switch itself flushed is not the block's
+                    f = _figure(torch, graph.replay, n_nat, n_gpu, cyc)
+                    counts = _take_counts(session)
+                    recs = {k: v / (1 + n_nat + n_gpu) for k, v in counts.items()}
+                    res["blocks"].append({"phase": state, "variant": variant,
+                                          "figures": {"graph": f}, "records": {"graph": recs}})  # fmt: skip
+            session.resume()
+            _take_counts(session)
         if session is not None:
             res["session_errors"] = list(session.errors[:5])
             res["callback_errors"] = session.counts.get("callback_errors", 0)
@@ -543,6 +561,20 @@ def summarize_case(children: list[dict]) -> dict:
                 if ab:
                     row["natural_ab_overhead"] = _med(ab)
                     row["natural_ab_overheads"] = ab
+            else:  # G replayed with the session paused and recording (ABBA, --graph-ab)
+                on = [_ratio(_child_fig(c, "gab_on", tgt, "gpu"),
+                             _child_fig(c, "gab_off", tgt, "gpu")) for c in cs]  # fmt: skip
+                paused = [_ratio(_child_fig(c, "gab_off", tgt, "gpu"),
+                                 _child_fig(c, "off", tgt, "gpu")) for c in cs]  # fmt: skip
+                on, paused = [x for x in on if x == x], [x for x in paused if x == x]
+                if on:
+                    row["gpu_ab_overhead"], row["gpu_ab_overheads"] = _med(on), on
+                    recs = [b["records"].get(tgt) or {} for c in cs for b in c["blocks"]
+                            if b["phase"] == "gab_off"]  # fmt: skip
+                    row["paused_records_per_step"] = _med(
+                        [sum(r.values()) for r in recs]) if recs else float("nan")  # fmt: skip
+                if paused:
+                    row["paused_overhead"], row["paused_overheads"] = _med(paused), paused
             rows[v] = row
         out[tgt] = rows
     out["checks"] = {
@@ -631,6 +663,15 @@ def format_case(name: str, children: list[dict], summary: dict) -> str:
           "natural): " + "; ".join(f"{LABELS.get(v, v)} {_pct(r['natural_ab_overhead'])} "
                                    f"(children {', '.join(_pct(x).strip() for x in r['natural_ab_overheads'])})"
                                    for v, r in ab.items()))  # fmt: skip
+    gab = {v: r for v, r in summary.get("graph", {}).items() if "gpu_ab_overheads" in r}
+    if gab:
+        p("  graph, interleaved in one process (G replayed with the session paused vs "
+          "recording, ABBA blocks; gpu): " + "; ".join(
+              f"{LABELS.get(v, v)} recording {_pct(r['gpu_ab_overhead'])} over paused "
+              f"(children {', '.join(_pct(x).strip() for x in r['gpu_ab_overheads'])}), "
+              f"paused {_pct(r.get('paused_overhead'))} over off (G0, no session), "
+              f"{r.get('paused_records_per_step', float('nan')):.1f} records per paused step"
+              for v, r in gab.items()))  # fmt: skip
     c = summary.get("checks", {})
     p(f"  checks: off spread across children gpu {_pct(c.get('off_graph_gpu_spread'))}, eager "
       f"{_pct(c.get('off_eager_natural_spread'))}; {c.get('g_vs_g0_note', '')}")  # fmt: skip
@@ -679,7 +720,8 @@ def run_child(case: dict, args: argparse.Namespace, timeout: float) -> dict:
         if lib:
             env["NVTX_INJECTION64_PATH"] = lib
     cmd = [sys.executable, __file__, "--inner", json.dumps(case), "--blocks", str(args.blocks),
-           "--block-ms", str(args.block_ms), "--eager-ab", str(args.eager_ab)]  # fmt: skip
+           "--block-ms", str(args.block_ms), "--eager-ab", str(args.eager_ab),
+           "--graph-ab", str(args.graph_ab)]  # fmt: skip
     name = f"{case['name']}/{case['variant']}"
     last = {"phase": "start"}
 
@@ -733,6 +775,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager-ab", type=int, default=4,
                     help="after the on blocks: rounds of eager blocks with the session paused "
                          "and recording, interleaved ABBA (0: none)")  # fmt: skip
+    ap.add_argument("--graph-ab", type=int, default=0,
+                    help="after the eager A/B: rounds of graph replays with the session paused "
+                         "and recording, interleaved ABBA: what a recording replay costs over a "
+                         "paused one, and a paused one over no session (0: none)")  # fmt: skip
     ap.add_argument("--block-ms", type=float, default=25.0, help="ms of steps per figure")
     ap.add_argument("--budget-s", type=float, default=195.0, help="the whole run, seconds")
     ap.add_argument("--no-inject", action="store_true", help="no NVTX_INJECTION64_PATH")
@@ -765,8 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         attrs = parse_attrs(args.attrs)
         if args.rounds < 1 or args.blocks < 1:
             raise ValueError("--rounds and --blocks must be at least 1")
-        if args.eager_ab < 0:
-            raise ValueError("--eager-ab must be 0 or more")
+        if args.eager_ab < 0 or args.graph_ab < 0:
+            raise ValueError("--eager-ab and --graph-ab must be 0 or more")
         cases = {
             f"{wl}-b{b}": {"name": f"{wl}-b{b}", "workload": wl,
                            "opts": workload_opts(wl, b, args.opt), "attrs": attrs}

@@ -1016,7 +1016,7 @@ class _FakeCuda:
         return True
 
 
-def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3, eager_ab=0):
+def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3, eager_ab=0, graph_ab=0):
     import json
     import sys
     from types import ModuleType
@@ -1046,7 +1046,7 @@ def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3, eager_ab=0):
             return super().stop()
 
         def flush(self):  # stands in for CUPTI delivering one kernel record per step so far
-            if self.running and self._pending is not None:
+            if self.running and not self._paused and self._pending is not None:
                 self._completed([kernel_rec(1, 2, 1)])
 
     monkeypatch.setattr(cap, "Session", FakeSession)
@@ -1075,7 +1075,7 @@ def _run_inner_on_fakes(b, monkeypatch, variant, blocks=3, eager_ab=0):
     case = {"name": "fakebench-b1", "workload": "fakebench", "opts": {"batch": "1"},
             "variant": variant, "attrs": {}, "round": 0}  # fmt: skip
     args = b.argparse.Namespace(inner=json.dumps(case), blocks=blocks, block_ms=1.0,
-                                eager_ab=eager_ab)  # fmt: skip
+                                eager_ab=eager_ab, graph_ab=graph_ab)  # fmt: skip
     res = b.inner(args)
     assert calls == [{"batch": "1"}]
     return json.loads(json.dumps(res, default=str)), events, sessions
@@ -1143,7 +1143,7 @@ def test_overhead_bench_run_child_names_the_phase_a_crash_happened_in(tmp_path, 
         "os.kill(os.getpid(), signal.SIGSEGV)\n"
     )
     monkeypatch.setattr(b, "__file__", str(fake))
-    args = b.argparse.Namespace(no_inject=True, blocks=3, block_ms=25.0, eager_ab=4)
+    args = b.argparse.Namespace(no_inject=True, blocks=3, block_ms=25.0, eager_ab=4, graph_ab=0)
     r = b.run_child({"name": "standard-b1", "variant": "default"}, args, 30)
     assert r["error"] == ("exit -11 in phase: on: 3 blocks, G + eager, session default (2.0 s)"), r
     ok = tmp_path / "ok.py"
@@ -1252,7 +1252,35 @@ def test_overhead_bench_child_eager_ab_pauses_and_resumes_the_same_session(monke
     e = summ["eager"]["default"]
     assert e["natural_ab_overhead"] == pytest.approx(e["natural_ab_overheads"][0])
     assert "interleaved" in summ["verdicts"]["eager"]
+    assert "gpu_ab_overhead" not in summ["graph"]["default"]  # no --graph-ab: none of it
     assert "interleaved in one process" in b.format_case("fakebench-b1", [res], summ)
+
+
+def test_overhead_bench_child_graph_ab_replays_g_paused_and_recording(monkeypatch):
+    """--graph-ab: after the eager A/B, G replayed with the one session paused and recording,
+    ABBA; the paused blocks count no kernel records (the fake flush delivers none while
+    paused), and the summary gives recording over paused and paused over the off blocks."""
+    pytest.importorskip("cupti")
+    b = _bench()
+    res, events, sessions = _run_inner_on_fakes(b, monkeypatch, "default", blocks=1, eager_ab=2,
+                                                graph_ab=2)  # fmt: skip
+    assert "failed" not in res, res.get("failed")
+    assert [x["phase"] for x in res["blocks"]] == [
+        "off", "on", "ab_off", "ab_on", "ab_on", "ab_off",
+        "gab_off", "gab_on", "gab_on", "gab_off"]  # fmt: skip
+    gab = res["blocks"][6:]
+    assert all(set(x["figures"]) == {"graph"} for x in gab)
+    assert all(not x["records"]["graph"] for x in gab if x["phase"] == "gab_off")
+    assert all(x["records"]["graph"]["kernel"] > 0 for x in gab if x["phase"] == "gab_on")
+    (s,) = sessions
+    assert s.running and not s._paused and "session stop" not in events
+    start = events.index("session start")
+    assert set(events[start + 2 :]) == {"replay G2"}  # G replayed paused, never G0 again
+    summ = b.summarize_case([res])
+    g = summ["graph"]["default"]
+    assert g["gpu_ab_overhead"] == pytest.approx(g["gpu_ab_overheads"][0])
+    assert g["paused_records_per_step"] == 0 and g["paused_overhead"] == g["paused_overhead"]
+    assert "G replayed with the session paused" in b.format_case("fakebench-b1", [res], summ)
 
 
 def test_session_pause_resume_noop_when_not_running(tmp_path):

@@ -503,6 +503,13 @@ part37c=(
   "280:r8:decodescope bench --tp-shape 8 --batch 1,64 --spec-verify 7 --out $R/ds --json $R/r8.json"
   "280:r16:decodescope bench --tp-shape 16 --batch 1,64 --spec-verify 7 --out $R/ds --json $R/r16.json"
 )
+# Part 37d (session 31): the capture's cost on graph replays with the session paused against
+# recording, ABBA in one process (bench_capture_overhead --graph-ab), standard b1 (58 kernels,
+# +3.5% recording): what a capture recording one step in N would pay. Predictions:
+# notes/capture.md "Session 31".
+part37d=(
+  "150:ovh:python benchmarks/bench_capture_overhead.py --workload standard --batch 1 --variants default,control --eager-ab 0 --graph-ab 6 --budget-s 140 --out $R/ovh"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -550,5 +557,6 @@ case "${1:-1}" in
   37a) exec bash "$here/run_stages.sh" "${part37a[@]}" ;;
   37b) exec bash "$here/run_stages.sh" "${part37b[@]}" ;;
   37c) exec bash "$here/run_stages.sh" "${part37c[@]}" ;;
+  37d) exec bash "$here/run_stages.sh" "${part37d[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
