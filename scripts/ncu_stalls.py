@@ -35,11 +35,16 @@ def _num(v: str) -> float:
 
 def _rows(path: Path) -> tuple[list[str], list[dict]]:
     lines = path.read_text(errors="replace").splitlines()
-    # ncu may print notes before the CSV: start at the first quoted header line
-    start = next((i for i, ln in enumerate(lines) if ln.startswith('"')), None)
-    if start is None:
+    # ncu may print notes before the CSV, and (ncu 2025+, H200 s31) a `"Kernel Name","..."`
+    # line before each kernel's header: start at the first quoted line naming a Source column,
+    # end at the next kernel's name line (the first kernel only)
+    quoted = [i for i, ln in enumerate(lines) if ln.startswith('"')]
+    if not quoted:
         raise ValueError(f"{path}: no CSV header (is this `ncu --page source --csv` output?)")
-    reader = csv.DictReader(lines[start:])
+    start = next((i for i in quoted if '"Source"' in lines[i]), quoted[0])
+    end = next((i for i in quoted if i > start and lines[i].startswith('"Kernel Name"')),
+               len(lines))  # fmt: skip
+    reader = csv.DictReader(lines[start:end])
     return list(reader.fieldnames or []), list(reader)
 
 

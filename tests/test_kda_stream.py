@@ -156,11 +156,20 @@ def test_chain_selection(clean_env):
 
 def test_occupancy(clean_env):
     """``DECODESCOPE_KDA_OCC``: the batched one-CTA kernel asks for two CTAs per SM at one token
-    always, from two tokens only with ``2``; the per-token chain asks for nothing (its launch
-    unchanged); a bad value is a one-line error."""
+    always; from two tokens ``auto`` (unset) takes two where it means fewer waves (TP8 64 x 8:
+    6 -> 3; TP16 32 x 8: 2 -> 1; not at 384 CTAs, 3 -> 2, nor within one wave), ``1`` / ``2``
+    force it; the per-token chain asks for nothing (its launch unchanged); a bad value is a
+    one-line error."""
     mp = clean_env
-    c8 = get_config("kimi-k3", 8)
+    c8, c16 = get_config("kimi-k3", 8), get_config("kimi-k3", 16)
     assert kda.make_op(kda.plan_for(c8, 64, 1)).occupancy()["min_blocks_per_mp"] == 2
+    auto = {(tp, b): kda.plan_for(c, b, 8).occ
+            for tp, c in ((8, c8), (16, c16)) for b in (8, 16, 32, 64)}  # fmt: skip
+    assert auto == {(8, 8): 1, (8, 16): 2, (8, 32): 1, (8, 64): 2,
+                    (16, 8): 1, (16, 16): 1, (16, 32): 2, (16, 64): 1}  # fmt: skip
+    assert kda.make_op(kda.plan_for(c8, 64, 8)).occupancy()["min_blocks_per_mp"] == 2
+    assert kda.make_op(kda.plan_for(c8, 32, 8)).occupancy() == {}
+    mp.setenv(kda.OCC_ENV, "1")
     assert kda.make_op(kda.plan_for(c8, 64, 8)).occupancy() == {}
     mp.setenv(kda.OCC_ENV, "2")
     assert kda.plan_for(c8, 64, 8).occ == 2

@@ -1,6 +1,8 @@
 """``scripts/ncu_stalls.py``: Nsight Compute's per-SASS source counters summarised. The CSV here
 is a small synthetic one (ncu's column names, four instructions), written to check the parsing
-corners: notes before the header, thousands separators, predicates, a missing column."""
+corners: notes before the header, the kernel-name line ncu 2025 writes before each kernel's
+header (the H200's, session 31), a second kernel's section (ignored), thousands separators,
+predicates, a missing column."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ ns = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ns)
 
 CSV = """==PROF== a note ncu printed first
+"Kernel Name","kernel_cutlass_kernel_KDADecode_0",
 "# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_short_scoreboard","stall_long_scoreboard"
 "0","LDS.128 R4, [R2]","1,200","1,100","1,000","0"
 "16","@!P0 FFMA R5, R4, R6, R5","300","250","200","0"
 "32","LDG.E R8, [R10.64]","2,500","2,400","0","2,300"
 "48","EXIT","0","0","0","0"
+"Kernel Name","another_kernel",
+"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_short_scoreboard","stall_long_scoreboard"
+"0","EXIT","9,999","0","0","0"
 """
 
 

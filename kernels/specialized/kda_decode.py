@@ -170,16 +170,34 @@ def chain_mode(tokens: int = 1, vsplit: int = 1) -> str:
     return v
 
 
-def occ_for() -> int:
+# a CTA's time at two CTAs per SM over its time at one, for the batched chain at 8 tokens
+# (H200, s31 n4, the kernel alone: 1.46 to 1.57 over TP8 / TP16 x 32 / 64 x 8)
+OCC_COST = 1.5
+
+
+def occ_for(batch: int = 1, heads: int = 1, tokens: int = 1) -> int:
     """``DECODESCOPE_KDA_OCC``: CTAs per SM the one-CTA kernel's batched chain asks ptxas to fit
-    from 2 tokens (``min_blocks_per_mp``). ``1`` (unset): 183 registers at 8 tokens, one CTA
-    (8 warps) per SM; ``2``: at most 128 registers (ptxas: about 200 bytes of spills at 8
-    tokens), two CTAs per SM. At one token it is always two. Not yet measured on a GPU. A bad
-    value raises a one-line ``ValueError``."""
-    v = os.environ.get(OCC_ENV, "") or "1"
-    if v not in ("1", "2"):
-        raise ValueError(f"{OCC_ENV}={v!r}: expected 1 or 2")
-    return int(v)
+    from 2 tokens (``min_blocks_per_mp``). ``1``: 183 registers at 8 tokens, one CTA (8 warps)
+    per SM; ``2``: at most 128 registers (ptxas: about 200 bytes of spills at 8 tokens), two
+    CTAs per SM. At one token it is always two. ``auto`` (unset): the fewer waves of
+    ``batch x heads`` CTAs, a wave at two per SM costing :data:`OCC_COST` waves at one:
+    two where ``ceil(n / 2 SMs) x 1.5 < ceil(n / SMs)``.
+
+    H200, the kernel alone (s31 n4, ``scripts/gpu_kda_split.py``, 8 tokens), one / two per SM:
+    TP8 64 x 8 (768 CTAs, 6 / 3 waves) 191.2 / 149.9 us; TP16 32 x 8 (192, 2 / 1) 62.6 / 48.6;
+    TP8 32 x 8 and TP16 64 x 8 (384, 3 / 2) 97.0 / 95.9 and 99.1 / 96.2; TP8 8 x 8 (96, one
+    wave either way) 32.0 / 34.7, TP16 8 x 8 30.4 / 33.8. Auto takes two for the first two only.
+    A bad value raises a one-line ``ValueError``."""
+    v = os.environ.get(OCC_ENV, "") or "auto"
+    if v not in ("auto", "1", "2"):
+        raise ValueError(f"{OCC_ENV}={v!r}: expected auto, 1 or 2")
+    if v != "auto":
+        return int(v)
+    if tokens < 2:
+        return 1
+    n = batch * heads
+    one, two = -(-n // NUM_SMS), -(-n // (2 * NUM_SMS))
+    return 2 if two * OCC_COST < one else 1
 
 
 def roll_enabled() -> bool:
@@ -720,7 +738,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         stream=ns,
         stream_cpsm=cpsm,
         chain=chain_mode(tokens, vs),
-        occ=occ_for(),
+        occ=occ_for(batch, cfg.kda_heads, tokens),
         roll=roll_enabled(),
     )
 
