@@ -13,6 +13,7 @@ batched chain against the per-token one on the same inputs (within tolerance).""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 
 import pytest
@@ -28,7 +29,7 @@ from decodescope.kernels.weights import make_layer_weights
 @pytest.fixture
 def clean_env(monkeypatch):
     for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV, kda.OCC_ENV,
-              kda.ROLL_ENV):  # fmt: skip
+              kda.ROLL_ENV, kda.STAGE_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
     return monkeypatch
 
@@ -93,13 +94,30 @@ def test_batched_compiles(tp, B, T, ns, clean_env):
 @pytest.mark.parametrize("T", [1, 8])
 def test_batched_barriers(T, clean_env):
     """The one-CTA kernel's block barriers (``bar.sync``): the per-token chain ten per token
-    (two per q / k / o reduction, four more), the batched chain three for all tokens (the two
-    reductions' and the one after the decay / q / k rows); with ``T`` tokens unrolled."""
-    counts = {}
+    (two per q / k / o reduction, four more), the batched chain four for all tokens (the staged
+    projection's, the two reductions' and the one after the decay / q / k rows); with ``T``
+    tokens unrolled. And the staging itself: the batched chain reads the projection by 16-byte
+    loads issued before any is used (q, k, v, g and f_a of all tokens: ``ceil(5 T hd / 8 /
+    threads)`` per thread) and only beta and the conv history / weights by 16-bit loads, the
+    same count at 1 and 8 tokens; the per-token chain one 16-bit load per value and token."""
+    counts, loads = {}, {}
     for chain in ("token", "batched"):
         p = _plan(8, 64, T, 0, chain=chain)
-        counts[chain] = itf.ptx_text(kda.make_op(p), *kda._fake_args(p)).count("bar.sync")
-    assert counts == {"token": 10 * T, "batched": 3}
+        op = kda.make_op(p)
+        ptx = itf.ptx_text(op, *kda._fake_args(p))
+        counts[chain] = ptx.count("bar.sync")
+        loads[chain] = (len(re.findall(r"ld\.global\S*\.v4", ptx)),
+                        len(re.findall(r"ld\.global\S*\.(?:b16|u16)\b", ptx)))  # fmt: skip
+    assert counts == {"token": 10 * T, "batched": 4}
+    hd = kda.plan_for(get_config("kimi-k3", 8), 64, T).head_dim
+    staged = -(-5 * T * hd // 8 // op.threads)
+    # (an iteration spanning the q / k / v / g and the f_a parts has one load site of each)
+    assert loads["batched"][0] - loads["token"][0] in (staged, staged + 1)
+    assert loads["batched"][1] < loads["token"][1]
+    if T == 8:
+        p1 = _plan(8, 64, 1, 0, chain="batched")
+        ptx1 = itf.ptx_text(kda.make_op(p1), *kda._fake_args(p1))
+        assert len(re.findall(r"ld\.global\S*\.(?:b16|u16)\b", ptx1)) == loads["batched"][1]
 
 
 @pytest.mark.parametrize("tp,T,vs", [(8, 1, 8), (16, 8, 8), (8, 8, 2)])
@@ -179,6 +197,26 @@ def test_occupancy(clean_env):
     mp.setenv(kda.OCC_ENV, "3")
     with pytest.raises(ValueError, match="DECODESCOPE_KDA_OCC='3'"):
         kda.occ_for()
+
+
+def test_stage_knob(clean_env):
+    """``DECODESCOPE_KDA_STAGE``: on by default; ``0`` gives session 30's prologue back (each
+    projection value loaded where it is used: no 16-byte staging loads, one barrier fewer); only
+    the batched chain stages; a bad value is a one-line error."""
+    mp = clean_env
+    c8 = get_config("kimi-k3", 8)
+    p = kda.plan_for(c8, 64, 8)
+    assert p.stage and kda.make_op(p).staged
+    assert not kda.make_op(dataclasses.replace(p, chain="token")).staged
+    mp.setenv(kda.STAGE_ENV, "0")
+    p0 = kda.plan_for(c8, 64, 8)
+    assert not p0.stage and not kda.make_op(p0).staged
+    ptx = {q.stage: itf.ptx_text(kda.make_op(q), *kda._fake_args(q)) for q in (p, p0)}
+    assert ptx[True].count("bar.sync") == ptx[False].count("bar.sync") + 1
+    assert "st.shared.v4" in ptx[True] and "st.shared.v4" not in ptx[False]
+    mp.setenv(kda.STAGE_ENV, "on")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_STAGE='on'"):
+        kda.stage_enabled()
 
 
 def test_roll(clean_env):

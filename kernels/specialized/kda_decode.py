@@ -77,6 +77,8 @@ class KDAPlan:
     occ: int = 1
     # the batched chain's token loop as a loop (:func:`roll_enabled`), not unrolled
     roll: bool = False
+    # the batched chain's projection staged in shared memory by 16-byte loads (:func:`stage_enabled`)
+    stage: bool = True
 
     @property
     def dim(self) -> int:
@@ -89,6 +91,7 @@ STREAM_ENV = "DECODESCOPE_KDA_STREAM"
 CHAIN_ENV = "DECODESCOPE_KDA_CHAIN"
 OCC_ENV = "DECODESCOPE_KDA_OCC"
 ROLL_ENV = "DECODESCOPE_KDA_ROLL"
+STAGE_ENV = "DECODESCOPE_KDA_STAGE"
 
 
 def early_enabled() -> bool:
@@ -215,6 +218,18 @@ def roll_enabled() -> bool:
     return v == "1"
 
 
+def stage_enabled() -> bool:
+    """``DECODESCOPE_KDA_STAGE``: the batched chain copies what an item reads of the projection
+    (q, k, v, g, f_a, beta of all its tokens) into shared memory by 16-byte loads, all issued
+    before any is used (:meth:`KDADecode.stage_proj`). ``1`` (unset): on; ``0``: each value
+    loaded where it is used (session 30's prologue, kept for the A/B). A bad value raises a
+    one-line ``ValueError``."""
+    v = os.environ.get(STAGE_ENV, "") or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"{STAGE_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 class KDADecode:
     def __init__(self, plan: KDAPlan):
         self.p = plan
@@ -232,6 +247,10 @@ class KDADecode:
         self.nt = plan.tokens if self.batched else 1
         self.nred = 3 * plan.tokens * self.warps if self.batched else 16
         self.roll = self.batched and plan.roll and plan.tokens > 1
+        # the batched chain's staged projection (:meth:`stage_proj`): per token the q, k, v, g
+        # columns of this head and the f_a row (hd each), then one beta per token (16 slots)
+        self.staged = self.batched and plan.stage
+        self.stage_len = plan.tokens * 5 * plan.head_dim + 16
 
     @cute.jit
     def __call__(
@@ -281,13 +300,16 @@ class KDADecode:
         return ii * self.split + half
 
     def smem_struct(self):
-        """The per-token scratch (f_a, decay, q, k rows; reduction slots) as a struct."""
+        """The per-token scratch (f_a, decay, q, k rows; reduction slots) as a struct. The
+        batched chain keeps no f_a rows in FP32: its ``fa`` field is the staged projection
+        (:meth:`stage_proj`, BF16), :attr:`stage_len` elements."""
         hd, nt = self.p.head_dim, self.nt
         al = 16 if self.batched else 4  # the batched passes' 16-byte loads
+        fa_t, fa_n = (BFloat16, self.stage_len) if self.staged else (Float32, nt * hd)
 
         @cute.struct
         class Scratch:
-            fa: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
+            fa: cute.struct.Align[cute.struct.MemRange[fa_t, fa_n], al]
             decay: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
             q: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
             k: cute.struct.Align[cute.struct.MemRange[Float32, nt * hd], al]
@@ -335,11 +357,13 @@ class KDADecode:
         loop's (v, o, beta) after them."""
         hd = self.p.head_dim
         lay = cute.make_layout(hd)
+        fa_lay = lay
         if self.batched:
             lay = cute.make_layout((self.nt, hd), stride=(hd, 1))
+            fa_lay = cute.make_layout(self.stage_len) if self.staged else lay
         base = st.base if self.roll else st
         sh = (
-            base.fa.get_tensor(lay),
+            base.fa.get_tensor(fa_lay),
             base.decay.get_tensor(lay),
             base.q.get_tensor(lay),
             base.k.get_tensor(lay),
@@ -405,8 +429,12 @@ class KDADecode:
     def conv_step(self, mProj, row, col, c, rHist, rCw):
         """Channel ``c`` (q, k, v) of column ``col`` at projection row ``row``: the short conv
         over the history and the new value, SiLU; the history shifts in the new value."""
-        D, KC = self.p.dim, self.p.conv_kernel
-        xn = mProj[row, c * D + col].to(Float32)
+        return self.conv_x(mProj[row, c * self.p.dim + col].to(Float32), c, rHist, rCw)
+
+    @cute.jit
+    def conv_x(self, xn, c, rHist, rCw):
+        """:meth:`conv_step` on the new value ``xn`` (FP32) of channel ``c``."""
+        KC = self.p.conv_kernel
         acc = xn * rCw[c, KC - 1]
         for i in cutlass.range_constexpr(KC - 1):
             acc = acc + rHist[c, i] * rCw[c, i]
@@ -529,24 +557,38 @@ class KDADecode:
         """The batched chain's state-free part, for all tokens; ends with a block barrier
         after the decay / q / k rows."""
         p = self.p
-        hd, D, T, SP, W = p.head_dim, p.dim, p.tokens, self.split, self.warps
+        hd, T, SP, W = p.head_dim, p.tokens, self.split, self.warps
         sFa, sDecay, sQ, sK, sRed = sh[:5]
         tidx, _, _ = cute.arch.thread_idx()
         j = tidx // SP
         half = tidx % SP
         lead = half == 0  # the lane that writes per-column results
-        # -- every token's projection values: conv + SiLU of q / k / v, the gate, beta, f_a
-        for t in cutlass.range_constexpr(T):
-            row = b * T + t
-            for c in cutlass.range_constexpr(3):
-                qkv[c, t] = self.conv_step(mProj, row, col, c, rHist, rCw)
-            gj[t] = mProj[row, 3 * D + col].to(Float32)
-            beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
-        for e in cutlass.range_constexpr(-(-T * hd // self.threads)):
-            idx = tidx + e * self.threads
-            if idx < T * hd:
-                sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(Float32)
-        # -- the q / k L2 norms of all tokens: one reduction (its barrier publishes sFa)
+        sP = sFa  # staged: the projection, BF16 (:meth:`stage_proj`); else f_a rows, FP32
+        if cutlass.const_expr(self.staged):
+            self.stage_proj(mProj, b, h, sP)
+            # -- every token's projection values: conv + SiLU of q / k / v, the gate, beta
+            for t in cutlass.range_constexpr(T):
+                for c in cutlass.range_constexpr(3):
+                    xn = sP[(t * 4 + c) * hd + j].to(Float32)
+                    qkv[c, t] = self.conv_x(xn, c, rHist, rCw)
+                gj[t] = sP[(t * 4 + 3) * hd + j].to(Float32)
+                beta[t] = sigmoid(sP[T * 5 * hd + t].to(Float32))
+        else:
+            D = p.dim
+            for t in cutlass.range_constexpr(T):
+                row = b * T + t
+                for c in cutlass.range_constexpr(3):
+                    qkv[c, t] = self.conv_step(mProj, row, col, c, rHist, rCw)
+                gj[t] = mProj[row, 3 * D + col].to(Float32)
+                beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+            for e in cutlass.range_constexpr(-(-T * hd // self.threads)):
+                idx = tidx + e * self.threads
+                if idx < T * hd:
+                    sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(
+                        Float32
+                    )
+        # -- the q / k L2 norms of all tokens: one reduction (its barrier publishes an unstaged
+        # sFa)
         ss = cute.make_rmem_tensor((2 * T,), Float32)
         for t in cutlass.range_constexpr(T):
             ss[2 * t] = Float32(0.0)
@@ -561,13 +603,19 @@ class KDADecode:
         fs = cute.make_rmem_tensor((T,), Float32)
         for t in cutlass.range_constexpr(T):
             fs[t] = Float32(0.0)
+        fa8 = cute.make_rmem_tensor((8,), BFloat16)
         for v in cutlass.range(NV, unroll_full=True):
             k0 = (v * SP + half) * 8
             fb = cute.make_rmem_tensor((8,), BFloat16)
             load_vec8(mFb[col, None], k0, fb)
             for t in cutlass.range_constexpr(T):
-                for e in cutlass.range_constexpr(8):
-                    fs[t] = fs[t] + fb[e].to(Float32) * sFa[t, k0 + e]
+                if cutlass.const_expr(self.staged):
+                    load_vec8(sP, T * 4 * hd + t * hd + k0, fa8)
+                    for e in cutlass.range_constexpr(8):
+                        fs[t] = fs[t] + fb[e].to(Float32) * fa8[e].to(Float32)
+                else:
+                    for e in cutlass.range_constexpr(8):
+                        fs[t] = fs[t] + fb[e].to(Float32) * sFa[t, k0 + e]
         for t in cutlass.range_constexpr(T):
             qn = (
                 qkv[0, t]
@@ -590,6 +638,61 @@ class KDADecode:
                 if tidx == 0:
                     sh[7][t] = beta[t]
         cute.arch.sync_threads()
+
+    @cute.jit
+    def stage_proj(self, mProj, b, h, sP):
+        """Copy what item ``(b, h)`` reads of the projection into shared memory (``sP``, BF16,
+        flat): per token ``t`` the q, k, v, g columns of head ``h`` at ``(t * 4 + c) * hd``,
+        then the f_a rows at ``T * 4 * hd + t * hd``, then beta at ``T * 5 * hd + t``; ends
+        with a block barrier. Every 16-byte load of the CTA is issued before any store: one
+        round trip to L2 for all tokens. Loaded one value at a time where it is used (the
+        per-token chain's way), each load waited on its own: ptxas does not hoist a load over
+        the sigmoids' division slow paths between them (Nsight Compute, H200 s31: 42% of the
+        batched kernel's stall samples at TP16 64 x 8 were in these loads)."""
+        p = self.p
+        hd, D, T = p.head_dim, p.dim, p.tokens
+        tidx, _, _ = cute.arch.thread_idx()
+        VPC = hd // 8  # 16-byte vectors per hd columns
+        nq = T * 4 * VPC  # q, k, v, g vectors
+        n = nq + T * VPC  # and f_a
+        nit = -(-n // self.threads)
+        regs = cute.make_rmem_tensor((8, nit), BFloat16)
+        for it in cutlass.range_constexpr(nit):
+            idx = tidx + it * self.threads
+            lo, hi = it * self.threads, (it + 1) * self.threads
+            if cutlass.const_expr(hi <= nq):  # q, k, v, g only
+                self.stage_load(mProj, b, h, idx, False, regs[None, it])
+            elif cutlass.const_expr(lo >= nq and hi <= n):  # f_a only
+                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
+            elif idx < nq:
+                self.stage_load(mProj, b, h, idx, False, regs[None, it])
+            elif idx < n:
+                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
+        braw = BFloat16(0.0)
+        if tidx < T:
+            braw = mProj[b * T + tidx, 4 * D + hd + h]
+        for it in cutlass.range_constexpr(nit):
+            idx = tidx + it * self.threads
+            if cutlass.const_expr((it + 1) * self.threads <= n):  # noqa: SIM114 (trace-time test)
+                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
+            elif idx < n:
+                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
+        if tidx < T:
+            sP[T * 5 * hd + tidx] = braw
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def stage_load(self, mProj, b, h, i, fa: bool, dst):
+        """Vector ``i`` of :meth:`stage_proj`'s q / k / v / g part (``fa`` False: token
+        ``i // (4 VPC)``, channel ``i // VPC % 4``) or of its f_a part into ``dst``."""
+        p = self.p
+        hd, D, T = p.head_dim, p.dim, p.tokens
+        VPC = hd // 8
+        if cutlass.const_expr(fa):
+            load_vec8(mProj[b * T + i // VPC, None], 4 * D + (i % VPC) * 8, dst)
+        else:
+            c = (i // VPC) % 4
+            load_vec8(mProj[b * T + i // (4 * VPC), None], c * D + h * hd + (i % VPC) * 8, dst)
 
     @cute.jit
     def batched_state(self, mOut, b, col, onorm, rS, sh, qkv, gj, beta):
@@ -740,6 +843,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         chain=chain_mode(tokens, vs),
         occ=occ_for(batch, cfg.kda_heads, tokens),
         roll=roll_enabled(),
+        stage=stage_enabled(),
     )
 
 

@@ -58,7 +58,9 @@ class KDADecodeStream(KDADecode):
         self.ctas = min(self.items, NUM_SMS * cpsm)
         self.state_floats = hd * hd
         self.sbytes = hd * hd * 4
-        scratch = 4 * (6 * self.nt * hd + self.nred + 16)  # bound on the per-token scratch
+        # bound on the per-token scratch: decay, q, k (and v, o when rolled) FP32 rows, the
+        # staged BF16 projection (5 rows a token, :meth:`KDADecode.stage_proj`), reductions
+        scratch = 4 * (8 * self.nt * hd + self.nred + 16) + 2 * self.stage_len
         if ns < 1 or cpsm < 1 or cpsm * (ns * self.sbytes + scratch + 1024) > SMEM_LIMIT:
             raise ValueError(
                 f"KDA stream: {ns} stages x {cpsm} CTAs per SM of {self.sbytes // 1024} KB "

@@ -510,6 +510,25 @@ part37c=(
 part37d=(
   "150:ovh:python benchmarks/bench_capture_overhead.py --workload standard --batch 1 --variants default,control --eager-ab 0 --graph-ab 6 --budget-s 140 --out $R/ovh"
 )
+# Part 38 (session 31): the batched chain's projection staged in shared memory
+# (DECODESCOPE_KDA_STAGE, default on) and two CTAs per SM where it halves the waves
+# (DECODESCOPE_KDA_OCC=auto, default). 38a (vLLM parts staged): the GPU tests, the kernel alone
+# with the staging off / on (same call), the whole step at the points they change. 38b: the
+# layer A/B, specialized, staging off / on. Predictions: notes/specialized.md "Session 31".
+KP="--tp 8 16 --points 64x8 32x8 8x8 64x1 --splits 1 --chains batched"
+part38a=(
+  "150:ktests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k 'batched_matches_token or roll_gpu or stream_gpu'"
+  "90:s0:DECODESCOPE_KDA_STAGE=0 python scripts/gpu_kda_split.py --out $R/s0 $KP"
+  "90:s1:python scripts/gpu_kda_split.py --out $R/s1 $KP"
+  "200:steps:python scripts/gpu_steps.py --tp 8 16 --points 64x8 32x8 64x1 8x8 --layers dense,kda --out $R/steps"
+)
+BK="decodescope bench --backends specialized --layers dense,kda --batch 32,64 --spec-verify 7 --out $R/ab"
+part38b=(
+  "80:b8s0:DECODESCOPE_KDA_STAGE=0 $BK --tp-shape 8 --json $R/b8s0.json"
+  "80:b8s1:$BK --tp-shape 8 --json $R/b8s1.json"
+  "80:b16s0:DECODESCOPE_KDA_STAGE=0 $BK --tp-shape 16 --json $R/b16s0.json"
+  "80:b16s1:$BK --tp-shape 16 --json $R/b16s1.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -558,5 +577,7 @@ case "${1:-1}" in
   37b) exec bash "$here/run_stages.sh" "${part37b[@]}" ;;
   37c) exec bash "$here/run_stages.sh" "${part37c[@]}" ;;
   37d) exec bash "$here/run_stages.sh" "${part37d[@]}" ;;
+  38a) exec bash "$here/run_stages.sh" "${part38a[@]}" ;;
+  38b) exec bash "$here/run_stages.sh" "${part38b[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
 esac
