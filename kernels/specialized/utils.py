@@ -103,9 +103,31 @@ def block_sums(
         vals[v] = t
 
 
+FAST_SIGMOID_ENV = "DECODESCOPE_FAST_SIGMOID"
+
+
+def fast_sigmoid_enabled() -> bool:
+    """``DECODESCOPE_FAST_SIGMOID=1``: :func:`sigmoid` takes the approximate reciprocal
+    (``rcp.approx.ftz.f32``, one MUFU instruction, relative error about 2^-23) instead of the
+    IEEE division (``div.rn.f32``, whose SASS has a slow path behind a branch). Why: on the H200
+    (s31, Nsight Compute) the KDA decode's loads stood one at a time between the divisions'
+    branches (ptxas does not hoist a load across them), and every sigmoid in the kernels (the
+    KDA gates, the MLA output gate, SiTU in the experts and the dense MLP, the router) pays the
+    branch. Off (unset or ``0``): not yet measured on a GPU. Read when a kernel is traced
+    (compiled), so set it before the process compiles. A bad value raises a one-line
+    ``ValueError``."""
+    v = os.environ.get(FAST_SIGMOID_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{FAST_SIGMOID_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 @cute.jit
 def sigmoid(x: Float32) -> Float32:
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
+    e = Float32(1.0) + cute.math.exp(-x, fastmath=True)
+    if cutlass.const_expr(fast_sigmoid_enabled()):
+        return cute.arch.rcp_approx(e)
+    return Float32(1.0) / e
 
 
 @cute.jit
