@@ -29,7 +29,7 @@ from decodescope.kernels.weights import make_layer_weights
 @pytest.fixture
 def clean_env(monkeypatch):
     for v in (kda.VSPLIT_ENV, kda.EARLY_ENV, kda.STREAM_ENV, kda.CHAIN_ENV, kda.OCC_ENV,
-              kda.ROLL_ENV, kda.STAGE_ENV):  # fmt: skip
+              kda.ROLL_ENV, kda.STAGE_ENV, kda.SPLIT_STAGE_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
     return monkeypatch
 
@@ -133,6 +133,46 @@ def test_batched_split(tp, T, vs, clean_env):
         ptx = itf.ptx_text(op, *kda._fake_args(p))
         counts[chain] = (ptx.count("bar.sync"), ptx.count("barrier.cluster.wait"))
     assert counts == {"token": (5 * T, T + 1), "batched": (3, 2)}
+
+
+@pytest.mark.parametrize("tp,B,T,vs", [(8, 1, 8, 8), (16, 1, 8, 8), (8, 2, 8, 4), (8, 1, 2, 2)])
+def test_split_stage(tp, B, T, vs, clean_env):
+    """``DECODESCOPE_KDA_SPLIT_STAGE=1``: the cluster split's batched chain stages its projection
+    (one block barrier more, three 16-byte stores to shared memory at 8 tokens, 16-bit global
+    loads only for beta, the conv history and weights: fewer than per token); off by default,
+    and the per-token chain never stages; a bad value is a one-line error."""
+    mp = clean_env
+    cfg = get_config("kimi-k3", tp)
+    base = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched")
+    assert not base.split_stage and not kda.make_op(base).staged
+    mp.setenv(kda.SPLIT_STAGE_ENV, "1")
+    assert kda.plan_for(cfg, B, T).split_stage
+    on = dataclasses.replace(base, split_stage=True)
+    assert kda.make_op(on).staged
+    assert not kda.make_op(dataclasses.replace(on, chain="token")).staged
+    got = {}
+    for p in (base, on):
+        ptx = itf.ptx_text(kda.make_op(p), *kda._fake_args(p))
+        got[p.split_stage] = (ptx.count("bar.sync"), ptx.count("st.shared.v4"),
+                              len(re.findall(r"ld\.global\S*\.(?:b16|u16)\b", ptx)))  # fmt: skip
+    assert got[True][0] == got[False][0] + 1
+    assert got[False][1] == 0 and got[True][1] >= 1
+    assert got[True][2] < got[False][2]
+    mp.setenv(kda.SPLIT_STAGE_ENV, "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_KDA_SPLIT_STAGE='2'"):
+        kda.split_stage_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,B,T,vs", [(8, 1, 8, 8), (16, 1, 8, 8), (8, 2, 8, 4), (16, 8, 8, 2)])
+def test_split_stage_gpu(gks, tp, B, T, vs, clean_env):
+    """The split's staged batched chain against the reference, two draws (output poisoned)."""
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    p = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched", split_stage=True)
+    for d in range(2):
+        res = gks.check(cfg, w, p, B, T, seed=5 + d)
+        assert res["ok"], res
 
 
 @pytest.mark.parametrize("chain", ["token", "batched"])

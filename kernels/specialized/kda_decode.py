@@ -79,6 +79,8 @@ class KDAPlan:
     roll: bool = False
     # the batched chain's projection staged in shared memory by 16-byte loads (:func:`stage_enabled`)
     stage: bool = True
+    # the cluster split's batched chain staged the same way (:func:`split_stage_enabled`)
+    split_stage: bool = False
 
     @property
     def dim(self) -> int:
@@ -92,6 +94,7 @@ CHAIN_ENV = "DECODESCOPE_KDA_CHAIN"
 OCC_ENV = "DECODESCOPE_KDA_OCC"
 ROLL_ENV = "DECODESCOPE_KDA_ROLL"
 STAGE_ENV = "DECODESCOPE_KDA_STAGE"
+SPLIT_STAGE_ENV = "DECODESCOPE_KDA_SPLIT_STAGE"
 
 
 def early_enabled() -> bool:
@@ -230,7 +233,82 @@ def stage_enabled() -> bool:
     return v == "1"
 
 
-class KDADecode:
+def split_stage_enabled() -> bool:
+    """``DECODESCOPE_KDA_SPLIT_STAGE=1``: the cluster split's batched chain (1 x 8 tokens:
+    TP8 96 CTAs, TP16 48) stages its projection reads as the one-CTA kernel does
+    (:class:`ProjStage`; each CTA of a cluster stages the whole item: 10 KB at 8 tokens, from
+    L2). Its per-token loads (q or k, v, g, beta: 32 at 8 tokens) stand one at a time between
+    the sigmoids' slow paths as the one-CTA kernel's did. Off (unset or ``0``): not yet run on
+    a GPU. A bad value raises a one-line ``ValueError``."""
+    v = os.environ.get(SPLIT_STAGE_ENV, "") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{SPLIT_STAGE_ENV}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
+class ProjStage:
+    """The projection staged in shared memory, for the batched chains (the one-CTA kernel's,
+    :meth:`KDADecode.item_tokens_batched`, and the cluster split's,
+    :meth:`.kda_decode_split.KDADecodeSplit.tokens_batched`). Needs ``self.p`` (a
+    :class:`KDAPlan`) and ``self.threads``."""
+
+    @cute.jit
+    def stage_proj(self, mProj, b, h, sP):
+        """Copy what item ``(b, h)`` reads of the projection into shared memory (``sP``, BF16,
+        flat): per token ``t`` the q, k, v, g columns of head ``h`` at ``(t * 4 + c) * hd``,
+        then the f_a rows at ``T * 4 * hd + t * hd``, then beta at ``T * 5 * hd + t``; ends
+        with a block barrier. Every 16-byte load of the CTA is issued before any store: one
+        round trip to L2 for all tokens. Loaded one value at a time where it is used (the
+        per-token chain's way), each load waited on its own: ptxas does not hoist a load over
+        the sigmoids' division slow paths between them (Nsight Compute, H200 s31: 42% of the
+        batched kernel's stall samples at TP16 64 x 8 were in these loads)."""
+        p = self.p
+        hd, D, T = p.head_dim, p.dim, p.tokens
+        tidx, _, _ = cute.arch.thread_idx()
+        VPC = hd // 8  # 16-byte vectors per hd columns
+        nq = T * 4 * VPC  # q, k, v, g vectors
+        n = nq + T * VPC  # and f_a
+        nit = -(-n // self.threads)
+        regs = cute.make_rmem_tensor((8, nit), BFloat16)
+        for it in cutlass.range_constexpr(nit):
+            idx = tidx + it * self.threads
+            lo, hi = it * self.threads, (it + 1) * self.threads
+            if cutlass.const_expr(hi <= nq):  # q, k, v, g only
+                self.stage_load(mProj, b, h, idx, False, regs[None, it])
+            elif cutlass.const_expr(lo >= nq and hi <= n):  # f_a only
+                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
+            elif idx < nq:
+                self.stage_load(mProj, b, h, idx, False, regs[None, it])
+            elif idx < n:
+                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
+        braw = BFloat16(0.0)
+        if tidx < T:
+            braw = mProj[b * T + tidx, 4 * D + hd + h]
+        for it in cutlass.range_constexpr(nit):
+            idx = tidx + it * self.threads
+            if cutlass.const_expr((it + 1) * self.threads <= n):  # noqa: SIM114 (trace-time test)
+                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
+            elif idx < n:
+                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
+        if tidx < T:
+            sP[T * 5 * hd + tidx] = braw
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def stage_load(self, mProj, b, h, i, fa: bool, dst):
+        """Vector ``i`` of :meth:`stage_proj`'s q / k / v / g part (``fa`` False: token
+        ``i // (4 VPC)``, channel ``i // VPC % 4``) or of its f_a part into ``dst``."""
+        p = self.p
+        hd, D, T = p.head_dim, p.dim, p.tokens
+        VPC = hd // 8
+        if cutlass.const_expr(fa):
+            load_vec8(mProj[b * T + i // VPC, None], 4 * D + (i % VPC) * 8, dst)
+        else:
+            c = (i // VPC) % 4
+            load_vec8(mProj[b * T + i // (4 * VPC), None], c * D + h * hd + (i % VPC) * 8, dst)
+
+
+class KDADecode(ProjStage):
     def __init__(self, plan: KDAPlan):
         self.p = plan
         if plan.chain not in ("token", "batched"):
@@ -640,61 +718,6 @@ class KDADecode:
         cute.arch.sync_threads()
 
     @cute.jit
-    def stage_proj(self, mProj, b, h, sP):
-        """Copy what item ``(b, h)`` reads of the projection into shared memory (``sP``, BF16,
-        flat): per token ``t`` the q, k, v, g columns of head ``h`` at ``(t * 4 + c) * hd``,
-        then the f_a rows at ``T * 4 * hd + t * hd``, then beta at ``T * 5 * hd + t``; ends
-        with a block barrier. Every 16-byte load of the CTA is issued before any store: one
-        round trip to L2 for all tokens. Loaded one value at a time where it is used (the
-        per-token chain's way), each load waited on its own: ptxas does not hoist a load over
-        the sigmoids' division slow paths between them (Nsight Compute, H200 s31: 42% of the
-        batched kernel's stall samples at TP16 64 x 8 were in these loads)."""
-        p = self.p
-        hd, D, T = p.head_dim, p.dim, p.tokens
-        tidx, _, _ = cute.arch.thread_idx()
-        VPC = hd // 8  # 16-byte vectors per hd columns
-        nq = T * 4 * VPC  # q, k, v, g vectors
-        n = nq + T * VPC  # and f_a
-        nit = -(-n // self.threads)
-        regs = cute.make_rmem_tensor((8, nit), BFloat16)
-        for it in cutlass.range_constexpr(nit):
-            idx = tidx + it * self.threads
-            lo, hi = it * self.threads, (it + 1) * self.threads
-            if cutlass.const_expr(hi <= nq):  # q, k, v, g only
-                self.stage_load(mProj, b, h, idx, False, regs[None, it])
-            elif cutlass.const_expr(lo >= nq and hi <= n):  # f_a only
-                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
-            elif idx < nq:
-                self.stage_load(mProj, b, h, idx, False, regs[None, it])
-            elif idx < n:
-                self.stage_load(mProj, b, h, idx - nq, True, regs[None, it])
-        braw = BFloat16(0.0)
-        if tidx < T:
-            braw = mProj[b * T + tidx, 4 * D + hd + h]
-        for it in cutlass.range_constexpr(nit):
-            idx = tidx + it * self.threads
-            if cutlass.const_expr((it + 1) * self.threads <= n):  # noqa: SIM114 (trace-time test)
-                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
-            elif idx < n:
-                cute.autovec_copy(regs[None, it], cute.local_tile(sP, (8,), (idx,)))
-        if tidx < T:
-            sP[T * 5 * hd + tidx] = braw
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def stage_load(self, mProj, b, h, i, fa: bool, dst):
-        """Vector ``i`` of :meth:`stage_proj`'s q / k / v / g part (``fa`` False: token
-        ``i // (4 VPC)``, channel ``i // VPC % 4``) or of its f_a part into ``dst``."""
-        p = self.p
-        hd, D, T = p.head_dim, p.dim, p.tokens
-        VPC = hd // 8
-        if cutlass.const_expr(fa):
-            load_vec8(mProj[b * T + i // VPC, None], 4 * D + (i % VPC) * 8, dst)
-        else:
-            c = (i // VPC) % 4
-            load_vec8(mProj[b * T + i // (4 * VPC), None], c * D + h * hd + (i % VPC) * 8, dst)
-
-    @cute.jit
     def batched_state(self, mOut, b, col, onorm, rS, sh, qkv, gj, beta):
         """The batched chain's passes over the state (``rS``), then the gated output norms
         of all tokens."""
@@ -844,6 +867,7 @@ def plan_for(cfg, batch: int, tokens: int) -> KDAPlan:
         occ=occ_for(batch, cfg.kda_heads, tokens),
         roll=roll_enabled(),
         stage=stage_enabled(),
+        split_stage=split_stage_enabled(),
     )
 
 

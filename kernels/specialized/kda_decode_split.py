@@ -36,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
+from decodescope.kernels.specialized.kda_decode import ProjStage
 from decodescope.kernels.specialized.mla_decode_tc import ld_cluster_f32, mapa
 from decodescope.kernels.specialized.utils import (
     load_vec8,
@@ -48,7 +49,7 @@ THREADS = 256
 VSPLITS = (2, 4, 8)  # portable cluster sizes that divide head_dim 128 into >= 16 columns
 
 
-class KDADecodeSplit:
+class KDADecodeSplit(ProjStage):
     """``vsplit`` CTAs (one cluster) per (head, sequence); see the module docstring."""
 
     def __init__(self, plan):
@@ -75,6 +76,11 @@ class KDADecodeSplit:
         self.nt = plan.tokens if self.batched else 1
         self.nred = 2 * plan.tokens * self.warps if self.batched else 16
         self.nosq = plan.tokens if self.batched else 2
+        # the batched chain's projection staged (:class:`.kda_decode.ProjStage`,
+        # ``DECODESCOPE_KDA_SPLIT_STAGE``): ``fa`` holds it, BF16
+        self.threads = THREADS
+        self.staged = self.batched and plan.split_stage
+        self.stage_len = plan.tokens * 5 * hd + 16
 
     @cute.jit
     def __call__(
@@ -92,10 +98,11 @@ class KDADecodeSplit:
     ):
         p = self.p
         hd, vs, nt = p.head_dim, self.vs, self.nt
+        fa_t, fa_n = (BFloat16, self.stage_len) if self.staged else (Float32, nt * hd)
 
         @cute.struct
         class Smem:
-            fa: cute.struct.MemRange[Float32, nt * hd]
+            fa: cute.struct.Align[cute.struct.MemRange[fa_t, fa_n], 16]
             decay: cute.struct.MemRange[Float32, nt * hd]
             q: cute.struct.MemRange[Float32, nt * hd]
             k: cute.struct.MemRange[Float32, nt * hd]
@@ -140,7 +147,7 @@ class KDADecodeSplit:
         lay = cute.make_layout(hd)
         if cutlass.const_expr(self.batched):
             lay = cute.make_layout((T, hd), stride=(hd, 1))
-        sFa = st.fa.get_tensor(lay)
+        sFa = st.fa.get_tensor(cute.make_layout(self.stage_len) if self.staged else lay)
         sDecay = st.decay.get_tensor(lay)
         sQ = st.q.get_tensor(lay)
         sK = st.k.get_tensor(lay)
@@ -178,77 +185,78 @@ class KDADecodeSplit:
             self.tokens_batched(mProj, mOut, b, h, j, col, qkc, i_d, half, scale, a_h, dt, onorm,
                                 rS, rHqk, rCqk, rHv, rCv, rFb,
                                 (sFa, sDecay, sQ, sK, sRed, sOsq))  # fmt: skip
-        for t in cutlass.range(0 if self.batched else T, unroll_full=True):
-            row = b * T + t
-            # short conv + SiLU: this thread's q / k channel, and the column's v channel
-            val = self.conv(mProj, row, qkc, rHqk, rCqk)
-            vv = self.conv(mProj, row, 2 * D + col, rHv, rCv)
-            if tidx < hd:
-                sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
-            gj = mProj[row, 3 * D + col].to(Float32)
-            beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
-            # sums of squares: warps [0, NW/2) hold q channels, [NW/2, NW) k channels
-            ws = warp_sum(val * val)
-            if lane == 0:
-                sRed[warp] = ws
-            cute.arch.sync_threads()  # also publishes sFa
-            ss = Float32(0.0)
-            for w in cutlass.range_constexpr(self.warps // 2):
-                ss = ss + sRed[which * (NW // 2) + w]
-            vn = val / cute.arch.fmax(cute.math.sqrt(ss), Float32(1e-12)) * scale
-            if which == 0:
-                sQ[ch] = vn
-            else:
-                sK[ch] = vn
-            # decay of row i_d: f_b[h*hd + i_d, :] . f_a, two lanes per row
-            f = Float32(0.0)
-            for v in cutlass.range_constexpr(hd // 16):
-                k0 = (v * 2 + half) * 8
-                for e in cutlass.range_constexpr(8):
-                    f = f + rFb[e, v].to(Float32) * sFa[k0 + e]
-            f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
-            gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
-            if half == 0:
-                sDecay[i_d] = cute.math.exp(gk, fastmath=False)
-            cute.arch.sync_threads()  # sQ, sK, sDecay complete; sRed free
-            kv = Float32(0.0)
-            for ii in cutlass.range_constexpr(self.rpt):
-                i = ii * LPC + rp
-                rS[ii] = rS[ii] * sDecay[i]
-                kv = kv + sK[i] * rS[ii]
-            for o in cutlass.range_constexpr(self.lpc_log2):
-                kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1 << o)
-            u = beta * (vv - kv)
-            cute.arch.sync_threads()  # as the one-CTA kernel: keeps sK / sQ out of registers
-            o = Float32(0.0)
-            for ii in cutlass.range_constexpr(self.rpt):
-                i = ii * LPC + rp
-                rS[ii] = rS[ii] + sK[i] * u
-                o = o + sQ[i] * rS[ii]
-            for o_ in cutlass.range_constexpr(self.lpc_log2):
-                o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << o_)
-            # this CTA's columns' sum of squares, then the cluster's (DSMEM, rank order)
-            o_sq = Float32(0.0)
-            if lead:
-                o_sq = o * o
-            ws2 = warp_sum(o_sq)
-            if lane == 0:
-                sRed[warp] = ws2
-            cute.arch.sync_threads()
-            if tidx == 0:
-                part = Float32(0.0)
-                for w in cutlass.range_constexpr(self.warps):
-                    part = part + sRed[w]
-                sOsq[t % 2] = part
-            cute.arch.cluster_arrive()  # release: this CTA's partial of token t
-            cute.arch.cluster_wait()  # acquire: every CTA's
-            tot = Float32(0.0)
-            for q in cutlass.range_constexpr(self.vs):
-                tot = tot + ld_cluster_f32(mapa(sOsq.iterator + t % 2, q))
-            rstd = cute.math.rsqrt(tot / Float32(hd) + Float32(p.eps))
-            if lead:
-                mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
-            cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK, sRed
+        if cutlass.const_expr(not self.staged):  # staged: batched, and sFa is BF16
+            for t in cutlass.range(0 if self.batched else T, unroll_full=True):
+                row = b * T + t
+                # short conv + SiLU: this thread's q / k channel, and the column's v channel
+                val = self.conv(mProj, row, qkc, rHqk, rCqk)
+                vv = self.conv(mProj, row, 2 * D + col, rHv, rCv)
+                if tidx < hd:
+                    sFa[tidx] = mProj[row, 4 * D + tidx].to(Float32)
+                gj = mProj[row, 3 * D + col].to(Float32)
+                beta = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+                # sums of squares: warps [0, NW/2) hold q channels, [NW/2, NW) k channels
+                ws = warp_sum(val * val)
+                if lane == 0:
+                    sRed[warp] = ws
+                cute.arch.sync_threads()  # also publishes sFa
+                ss = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps // 2):
+                    ss = ss + sRed[which * (NW // 2) + w]
+                vn = val / cute.arch.fmax(cute.math.sqrt(ss), Float32(1e-12)) * scale
+                if which == 0:
+                    sQ[ch] = vn
+                else:
+                    sK[ch] = vn
+                # decay of row i_d: f_b[h*hd + i_d, :] . f_a, two lanes per row
+                f = Float32(0.0)
+                for v in cutlass.range_constexpr(hd // 16):
+                    k0 = (v * 2 + half) * 8
+                    for e in cutlass.range_constexpr(8):
+                        f = f + rFb[e, v].to(Float32) * sFa[k0 + e]
+                f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
+                gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
+                if half == 0:
+                    sDecay[i_d] = cute.math.exp(gk, fastmath=False)
+                cute.arch.sync_threads()  # sQ, sK, sDecay complete; sRed free
+                kv = Float32(0.0)
+                for ii in cutlass.range_constexpr(self.rpt):
+                    i = ii * LPC + rp
+                    rS[ii] = rS[ii] * sDecay[i]
+                    kv = kv + sK[i] * rS[ii]
+                for o in cutlass.range_constexpr(self.lpc_log2):
+                    kv = kv + cute.arch.shuffle_sync_bfly(kv, offset=1 << o)
+                u = beta * (vv - kv)
+                cute.arch.sync_threads()  # as the one-CTA kernel: keeps sK / sQ out of registers
+                o = Float32(0.0)
+                for ii in cutlass.range_constexpr(self.rpt):
+                    i = ii * LPC + rp
+                    rS[ii] = rS[ii] + sK[i] * u
+                    o = o + sQ[i] * rS[ii]
+                for o_ in cutlass.range_constexpr(self.lpc_log2):
+                    o = o + cute.arch.shuffle_sync_bfly(o, offset=1 << o_)
+                # this CTA's columns' sum of squares, then the cluster's (DSMEM, rank order)
+                o_sq = Float32(0.0)
+                if lead:
+                    o_sq = o * o
+                ws2 = warp_sum(o_sq)
+                if lane == 0:
+                    sRed[warp] = ws2
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    part = Float32(0.0)
+                    for w in cutlass.range_constexpr(self.warps):
+                        part = part + sRed[w]
+                    sOsq[t % 2] = part
+                cute.arch.cluster_arrive()  # release: this CTA's partial of token t
+                cute.arch.cluster_wait()  # acquire: every CTA's
+                tot = Float32(0.0)
+                for q in cutlass.range_constexpr(self.vs):
+                    tot = tot + ld_cluster_f32(mapa(sOsq.iterator + t % 2, q))
+                rstd = cute.math.rsqrt(tot / Float32(hd) + Float32(p.eps))
+                if lead:
+                    mOut[row, col] = (o * rstd * onorm * sigmoid(gj)).to(BFloat16)
+                cute.arch.sync_threads()  # the next token rewrites sFa, sDecay, sQ, sK, sRed
 
         for ii in cutlass.range_constexpr(self.rpt):
             mS[b, h, ii * LPC + rp, j] = rS[ii]
@@ -265,8 +273,12 @@ class KDADecodeSplit:
     def conv(self, mProj, row, c, rH, rC):
         """Conv channel ``c`` at projection row ``row``: the short conv over the history and
         the new value, SiLU; the history shifts in the new value."""
+        return self.conv_x(mProj[row, c].to(Float32), rH, rC)
+
+    @cute.jit
+    def conv_x(self, xn, rH, rC):
+        """:meth:`conv` on the new value ``xn`` (FP32)."""
         KC = self.p.conv_kernel
-        xn = mProj[row, c].to(Float32)
         acc = xn * rC[KC - 1]
         for i in cutlass.range_constexpr(KC - 1):
             acc = acc + rH[i] * rC[i]
@@ -300,16 +312,27 @@ class KDADecodeSplit:
         vv = cute.make_rmem_tensor((T,), Float32)
         gj = cute.make_rmem_tensor((T,), Float32)
         beta = cute.make_rmem_tensor((T,), Float32)
-        for t in cutlass.range_constexpr(T):
-            row = b * T + t
-            val[t] = self.conv(mProj, row, qkc, rHqk, rCqk)
-            vv[t] = self.conv(mProj, row, 2 * D + col, rHv, rCv)
-            gj[t] = mProj[row, 3 * D + col].to(Float32)
-            beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
-        for e in cutlass.range_constexpr(-(-T * hd // THREADS)):
-            idx = tidx + e * THREADS
-            if idx < T * hd:
-                sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(Float32)
+        if cutlass.const_expr(self.staged):
+            sP = sFa  # [t][q, k, v, g][hd], then f_a [t][hd], then beta [t]; BF16
+            self.stage_proj(mProj, b, h, sP)
+            for t in cutlass.range_constexpr(T):
+                val[t] = self.conv_x(sP[(t * 4 + which) * hd + ch].to(Float32), rHqk, rCqk)
+                vv[t] = self.conv_x(sP[(t * 4 + 2) * hd + j].to(Float32), rHv, rCv)
+                gj[t] = sP[(t * 4 + 3) * hd + j].to(Float32)
+                beta[t] = sigmoid(sP[T * 5 * hd + t].to(Float32))
+        else:
+            for t in cutlass.range_constexpr(T):
+                row = b * T + t
+                val[t] = self.conv(mProj, row, qkc, rHqk, rCqk)
+                vv[t] = self.conv(mProj, row, 2 * D + col, rHv, rCv)
+                gj[t] = mProj[row, 3 * D + col].to(Float32)
+                beta[t] = sigmoid(mProj[row, 4 * D + hd + h].to(Float32))
+            for e in cutlass.range_constexpr(-(-T * hd // THREADS)):
+                idx = tidx + e * THREADS
+                if idx < T * hd:
+                    sFa[idx // hd, idx % hd] = mProj[b * T + idx // hd, 4 * D + idx % hd].to(
+                        Float32
+                    )
         # sums of squares: warps [0, NW/2) hold q channels, [NW/2, NW) k channels
         for t in cutlass.range_constexpr(T):
             ws = warp_sum(val[t] * val[t])
@@ -329,8 +352,14 @@ class KDADecodeSplit:
             f = Float32(0.0)
             for v in cutlass.range_constexpr(hd // 16):
                 k0 = (v * 2 + half) * 8
-                for e in cutlass.range_constexpr(8):
-                    f = f + rFb[e, v].to(Float32) * sFa[t, k0 + e]
+                if cutlass.const_expr(self.staged):
+                    fa8 = cute.make_rmem_tensor((8,), BFloat16)
+                    load_vec8(sFa, T * 4 * hd + t * hd + k0, fa8)
+                    for e in cutlass.range_constexpr(8):
+                        f = f + rFb[e, v].to(Float32) * fa8[e].to(Float32)
+                else:
+                    for e in cutlass.range_constexpr(8):
+                        f = f + rFb[e, v].to(Float32) * sFa[t, k0 + e]
             f = f + cute.arch.shuffle_sync_bfly(f, offset=1)
             gk = Float32(p.lower_bound) * sigmoid(a_h * (f + dt))
             if half == 0:

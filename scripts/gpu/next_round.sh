@@ -529,6 +529,32 @@ part38b=(
   "80:b16s0:DECODESCOPE_KDA_STAGE=0 $BK --tp-shape 16 --json $R/b16s0.json"
   "80:b16s1:$BK --tp-shape 16 --json $R/b16s1.json"
 )
+# Part 39 (staged in session 31 for the next). 39a (vLLM parts staged): the split's staged
+# projection (DECODESCOPE_KDA_SPLIT_STAGE=1, opt-in) and the approximate-reciprocal sigmoid
+# (DECODESCOPE_FAST_SIGMOID=1, opt-in, every KDA / MLA kernel) checked (GPU tests; the KDA decode
+# against its FP32 reference; the whole step against the standard one), then the split alone
+# at 1x8, off / on. 39b: the layers, specialized, same call, 1x8 and 64x8: default, split
+# staging, fast sigmoid (bench stages get 150 s: 80 s cut the 64x8 points in s31). 39c (vLLM
+# parts): the README's verify-step rows at the s31 defaults (KDA OCC auto + staging), both
+# backends. Predictions: notes/specialized.md "Session 31".
+SP="--tp 8 16 --points 1x8 2x8 --splits 8 4 --chains batched"
+part39a=(
+  "120:stests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k 'split_stage_gpu or batched_split_gpu'"
+  "60:sp0:python scripts/gpu_kda_split.py --out $R/sp0 $SP"
+  "60:sp1:DECODESCOPE_KDA_SPLIT_STAGE=1 python scripts/gpu_kda_split.py --out $R/sp1 $SP"
+  "60:fsk:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_kda_split.py --out $R/fsk --tp 8 16 --points 1x1 1x8 64x8 --splits 1 8 --chains token batched"
+  "200:fsteps:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_steps.py --tp 8 16 --points 1x1 64x1 1x8 64x8 --layers kda,mla --out $R/fsteps"
+)
+BV="decodescope bench --backends specialized --layers kda,mla --batch 1,64 --spec-verify 7 --verify-only --out $R/ab"
+part39b=(
+  "150:v8d:$BV --tp-shape 8 --json $R/v8d.json"
+  "150:v8s:DECODESCOPE_KDA_SPLIT_STAGE=1 $BV --tp-shape 8 --json $R/v8s.json"
+  "150:v8f:DECODESCOPE_FAST_SIGMOID=1 $BV --tp-shape 8 --json $R/v8f.json"
+)
+part39c=(
+  "200:r8:decodescope bench --tp-shape 8 --batch 8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/r8.json"
+  "200:r16:decodescope bench --tp-shape 16 --batch 8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/r16.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -579,5 +605,8 @@ case "${1:-1}" in
   37d) exec bash "$here/run_stages.sh" "${part37d[@]}" ;;
   38a) exec bash "$here/run_stages.sh" "${part38a[@]}" ;;
   38b) exec bash "$here/run_stages.sh" "${part38b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a or 34b, got '$1'" >&2; exit 2 ;;
+  39a) exec bash "$here/run_stages.sh" "${part39a[@]}" ;;
+  39b) exec bash "$here/run_stages.sh" "${part39b[@]}" ;;
+  39c) exec bash "$here/run_stages.sh" "${part39c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b or 39a-c, got '$1'" >&2; exit 2 ;;
 esac
