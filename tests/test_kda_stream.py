@@ -122,8 +122,9 @@ def test_batched_barriers(T, clean_env):
 
 @pytest.mark.parametrize("tp,T,vs", [(8, 1, 8), (16, 8, 8), (8, 8, 2)])
 def test_batched_split(tp, T, vs, clean_env):
-    """The cluster split's batched chain: compiles; one block barrier pair and one cluster
-    barrier for all tokens (the per-token loop: five and one per token, plus the exit's)."""
+    """The cluster split's batched chain: compiles; the staged projection's block barrier,
+    one block barrier pair and one cluster barrier for all tokens (the per-token loop: five and
+    one per token, plus the exit's)."""
     counts = {}
     for chain in ("token", "batched"):
         p = dataclasses.replace(kda.plan_for(get_config("kimi-k3", tp), 1, T), vsplit=vs,
@@ -132,23 +133,23 @@ def test_batched_split(tp, T, vs, clean_env):
         assert op.batched == (chain == "batched")
         ptx = itf.ptx_text(op, *kda._fake_args(p))
         counts[chain] = (ptx.count("bar.sync"), ptx.count("barrier.cluster.wait"))
-    assert counts == {"token": (5 * T, T + 1), "batched": (3, 2)}
+    assert counts == {"token": (5 * T, T + 1), "batched": (4, 2)}
 
 
 @pytest.mark.parametrize("tp,B,T,vs", [(8, 1, 8, 8), (16, 1, 8, 8), (8, 2, 8, 4), (8, 1, 2, 2)])
 def test_split_stage(tp, B, T, vs, clean_env):
-    """``DECODESCOPE_KDA_SPLIT_STAGE=1``: the cluster split's batched chain stages its projection
+    """``DECODESCOPE_KDA_SPLIT_STAGE``: the cluster split's batched chain stages its projection
     (one block barrier more, three 16-byte stores to shared memory at 8 tokens, 16-bit global
-    loads only for beta, the conv history and weights: fewer than per token); off by default,
-    and the per-token chain never stages; a bad value is a one-line error."""
+    loads only for beta, the conv history and weights: fewer than per token); on by default,
+    ``0`` off, and the per-token chain never stages; a bad value is a one-line error."""
     mp = clean_env
     cfg = get_config("kimi-k3", tp)
-    base = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched")
-    assert not base.split_stage and not kda.make_op(base).staged
-    mp.setenv(kda.SPLIT_STAGE_ENV, "1")
-    assert kda.plan_for(cfg, B, T).split_stage
-    on = dataclasses.replace(base, split_stage=True)
-    assert kda.make_op(on).staged
+    on = dataclasses.replace(kda.plan_for(cfg, B, T), vsplit=vs, chain="batched")
+    assert on.split_stage and kda.make_op(on).staged
+    mp.setenv(kda.SPLIT_STAGE_ENV, "0")
+    assert not kda.plan_for(cfg, B, T).split_stage
+    base = dataclasses.replace(on, split_stage=False)
+    assert not kda.make_op(base).staged
     assert not kda.make_op(dataclasses.replace(on, chain="token")).staged
     got = {}
     for p in (base, on):

@@ -530,7 +530,8 @@ part38b=(
   "80:b16s1:$BK --tp-shape 16 --json $R/b16s1.json"
 )
 # Part 39 (staged in session 31 for the next). 39a (vLLM parts staged): the split's staged
-# projection (DECODESCOPE_KDA_SPLIT_STAGE=1, opt-in) and the approximate-reciprocal sigmoid
+# projection (DECODESCOPE_KDA_SPLIT_STAGE, the default since s31 m3 / m4: its whole-step check
+# is the `steps` stage; 0 for the A/B) and the approximate-reciprocal sigmoid
 # (DECODESCOPE_FAST_SIGMOID=1, opt-in, every KDA / MLA kernel) checked (GPU tests; the KDA decode
 # against its FP32 reference; the whole step against the standard one), then the split alone
 # at 1x8, off / on. 39b: the layers, specialized, same call, 1x8 and 64x8: default, split
@@ -540,15 +541,16 @@ part38b=(
 SP="--tp 8 16 --points 1x8 2x8 --splits 8 4 --chains batched"
 part39a=(
   "120:stests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k 'split_stage_gpu or batched_split_gpu'"
-  "60:sp0:python scripts/gpu_kda_split.py --out $R/sp0 $SP"
-  "60:sp1:DECODESCOPE_KDA_SPLIT_STAGE=1 python scripts/gpu_kda_split.py --out $R/sp1 $SP"
+  "60:sp0:DECODESCOPE_KDA_SPLIT_STAGE=0 python scripts/gpu_kda_split.py --out $R/sp0 $SP"
+  "60:sp1:python scripts/gpu_kda_split.py --out $R/sp1 $SP"
   "60:fsk:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_kda_split.py --out $R/fsk --tp 8 16 --points 1x1 1x8 64x8 --splits 1 8 --chains token batched"
   "200:fsteps:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_steps.py --tp 8 16 --points 1x1 64x1 1x8 64x8 --layers kda,mla --out $R/fsteps"
+  "120:steps:python scripts/gpu_steps.py --tp 8 16 --points 1x8 2x8 --layers dense,kda,mla --out $R/steps"
 )
 BV="decodescope bench --backends specialized --layers kda,mla --batch 1,64 --spec-verify 7 --verify-only --out $R/ab"
 part39b=(
   "150:v8d:$BV --tp-shape 8 --json $R/v8d.json"
-  "150:v8s:DECODESCOPE_KDA_SPLIT_STAGE=1 $BV --tp-shape 8 --json $R/v8s.json"
+  "150:v8s:DECODESCOPE_KDA_SPLIT_STAGE=0 $BV --tp-shape 8 --json $R/v8s.json"
   "150:v8f:DECODESCOPE_FAST_SIGMOID=1 $BV --tp-shape 8 --json $R/v8f.json"
 )
 part39c=(
