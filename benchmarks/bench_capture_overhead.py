@@ -425,6 +425,24 @@ def inner(args: argparse.Namespace) -> dict:
             rec["figures"][tgt] = f
         res["blocks"].append(rec)
 
+    def ab_blocks(session, rounds: int, pre: str, tgt: str, fn) -> None:
+        """``rounds`` ABBA pairs of ``tgt`` blocks (``fn``) in one session, paused
+        (``{pre}_off``) and recording (``{pre}_on``), the records of each block counted per
+        step; the session is left recording."""
+        for i in range(rounds):
+            pair = (f"{pre}_off", f"{pre}_on")
+            for state in pair if i % 2 == 0 else pair[::-1]:
+                (session.pause if state.endswith("_off") else session.resume)()
+                torch.cuda.synchronize()
+                n_nat, n_gpu = sizes[tgt]
+                _take_counts(session)  # what the switch itself flushed is not the block's
+                f = _figure(torch, fn, n_nat, n_gpu, cyc)
+                recs = {k: v / (1 + n_nat + n_gpu) for k, v in _take_counts(session).items()}
+                res["blocks"].append({"phase": state, "variant": variant,
+                                      "figures": {tgt: f}, "records": {tgt: recs}})  # fmt: skip
+        session.resume()
+        _take_counts(session)
+
     try:
         phase(f"off: {args.blocks} blocks, G0 + eager, no session")
         refresh()
@@ -463,31 +481,10 @@ def inner(args: argparse.Namespace) -> dict:
             block("on", graph, session)
         if session is not None and args.eager_ab:
             phase(f"eager A/B: {args.eager_ab} rounds, session paused / recording, ABBA")
-            for i in range(args.eager_ab):
-                for state in ("ab_off", "ab_on") if i % 2 == 0 else ("ab_on", "ab_off"):
-                    (session.pause if state == "ab_off" else session.resume)()
-                    torch.cuda.synchronize()
-                    n_nat, n_gpu = sizes["eager"]
-                    f = _figure(torch, eager_step, n_nat, n_gpu, cyc)
-                    res["blocks"].append({"phase": state, "variant": variant,
-                                          "figures": {"eager": f}, "records": {}})  # fmt: skip
-            session.resume()
-            _take_counts(session)
+            ab_blocks(session, args.eager_ab, "ab", "eager", eager_step)
         if session is not None and args.graph_ab:
             phase(f"graph A/B: {args.graph_ab} rounds, G replayed paused / recording, ABBA")
-            for i in range(args.graph_ab):
-                for state in ("gab_off", "gab_on") if i % 2 == 0 else ("gab_on", "gab_off"):
-                    (session.pause if state == "gab_off" else session.resume)()
-                    torch.cuda.synchronize()
-                    n_nat, n_gpu = sizes["graph"]
-                    _take_counts(session)  # what the switch itself flushed is not the block's
-                    f = _figure(torch, graph.replay, n_nat, n_gpu, cyc)
-                    counts = _take_counts(session)
-                    recs = {k: v / (1 + n_nat + n_gpu) for k, v in counts.items()}
-                    res["blocks"].append({"phase": state, "variant": variant,
-                                          "figures": {"graph": f}, "records": {"graph": recs}})  # fmt: skip
-            session.resume()
-            _take_counts(session)
+            ab_blocks(session, args.graph_ab, "gab", "graph", graph.replay)
         if session is not None:
             res["session_errors"] = list(session.errors[:5])
             res["callback_errors"] = session.counts.get("callback_errors", 0)
