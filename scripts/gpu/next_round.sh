@@ -537,7 +537,9 @@ part38b=(
 # at 1x8, off / on. 39b: the layers, specialized, same call, 1x8 and 64x8: default, split
 # staging, fast sigmoid (bench stages get 150 s: 80 s cut the 64x8 points in s31). 39c (vLLM
 # parts): the README's verify-step rows at the s31 defaults (KDA OCC auto + staging), both
-# backends. Predictions: notes/specialized.md "Session 31".
+# backends. Also: two CTAs per SM (OCC auto) against one with the staging on (auto was chosen
+# on s31 n4's unstaged figures; the staging may have taken part of what two per SM hid).
+# Predictions: notes/specialized.md "Session 31".
 SP="--tp 8 16 --points 1x8 2x8 --splits 8 4 --chains batched"
 part39a=(
   "120:stests:python -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_stream.py -k 'split_stage_gpu or batched_split_gpu'"
@@ -546,6 +548,8 @@ part39a=(
   "60:fsk:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_kda_split.py --out $R/fsk --tp 8 16 --points 1x1 1x8 64x8 --splits 1 8 --chains token batched"
   "200:fsteps:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_steps.py --tp 8 16 --points 1x1 64x1 1x8 64x8 --layers kda,mla --out $R/fsteps"
   "120:steps:python scripts/gpu_steps.py --tp 8 16 --points 1x8 2x8 --layers dense,kda,mla --out $R/steps"
+  "60:occ1:DECODESCOPE_KDA_OCC=1 python scripts/gpu_kda_split.py --out $R/occ1 --tp 8 16 --points 64x8 32x8 16x8 --splits 1 --chains batched"
+  "60:occa:python scripts/gpu_kda_split.py --out $R/occa --tp 8 16 --points 64x8 32x8 16x8 --splits 1 --chains batched"
 )
 BV="decodescope bench --backends specialized --layers kda,mla --batch 1,64 --spec-verify 7 --verify-only --out $R/ab"
 part39b=(
