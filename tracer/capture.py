@@ -328,10 +328,10 @@ class Session:
         """Stop recording without stopping the session: every enabled activity kind (but
         ``GRAPH_TRACE``, which cannot come back) and every per-API launch record is disabled;
         subscribers stay. For the overhead benchmark's interleaved eager blocks (the same
-        process, recording and not, block by block). Replaying CUDA graphs while paused is what
-        the benchmark's ``--graph-ab`` measures (not yet run on a GPU: unlike GRAPH_TRACE, no
-        kind is switched on mid-session, only off and back on). What remains is CUPTI loaded
-        and subscribed, recording nothing."""
+        process, recording and not, block by block). Graphs may be replayed while paused: the
+        benchmark's ``--graph-ab`` did so on the H200 (s31, a494371: no crash, no kernel record
+        in a paused block; unlike GRAPH_TRACE, no kind is switched on mid-session, only off and
+        back on). What remains is CUPTI loaded and subscribed, recording nothing."""
         if not self.running or self._paused:
             return
         self._switch(False)

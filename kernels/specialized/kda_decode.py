@@ -224,7 +224,7 @@ def roll_enabled() -> bool:
 def stage_enabled() -> bool:
     """``DECODESCOPE_KDA_STAGE``: the batched chain copies what an item reads of the projection
     (q, k, v, g, f_a, beta of all its tokens) into shared memory by 16-byte loads, all issued
-    before any is used (:meth:`KDADecode.stage_proj`). ``1`` (unset): on; ``0``: each value
+    before any is used (:meth:`ProjStage.stage_proj`). ``1`` (unset): on; ``0``: each value
     loaded where it is used (session 30's prologue, kept for the A/B). A bad value raises a
     one-line ``ValueError``."""
     v = os.environ.get(STAGE_ENV, "") or "1"
