@@ -492,10 +492,13 @@ class Plan:
         projection stays as on one GPU, and so does ``attn.o_proj`` where the all-reduce is an
         NCCL launch of its own; the fused ``o_proj+allreduce+residual`` is another op name."""
         from decodescope.kernels.specialized import tile_gemm as tg
+        from decodescope.kernels.specialized import tma_gemm as tm
 
         n, cfg = self.chunk_tokens, self.cfg
         if self.tokens_once:
             return op in WIDE_CUBLAS_OPS
+        if tm.enabled():  # DECODESCOPE_PROJ_TMA=1: those GEMMs run on the TMA kernel
+            return False
         if op == "attn.o_proj":
             k = cfg.kda_dim if spec.attn == "kda" else cfg.mla_v_dim
             return tg.cublas_serves(n, k, 1, False, False)

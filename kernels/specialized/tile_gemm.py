@@ -1584,12 +1584,18 @@ def cublas_serves(m: int, k: int, n_weights: int, norm: bool, residual: bool) ->
 def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=None,
                     epilogue_residual=None, eps=1e-5) -> None:  # fmt: skip
     """The tile path's norm launch (if any), then ``out = a @ w^T (+ epilogue_residual)`` by
-    cuBLAS: ``bf16(acc + res)`` in one rounding (the tile kernel: ``bf16(bf16(acc) + res)``).
+    cuBLAS: ``bf16(acc + res)`` in one rounding (the tile kernel: ``bf16(bf16(acc) + res)``);
+    with ``DECODESCOPE_PROJ_TMA=1`` by :mod:`.tma_gemm` instead (the tile kernel's rounding).
     ``out`` may alias ``epilogue_residual`` (an in-place ``addmm_``)."""
     a = x
     if norm_weight is not None:
         p = plan_of(x, [w], residual=residual, norm_weight=norm_weight, eps=eps)
         a = norm_launch(p, x, norm_weight, residual, residual_out)
+    from decodescope.kernels.specialized import tma_gemm as tm
+
+    if tm.enabled() and tm.takes(a, w, out):
+        tm.tma_gemm(a, w, out, epilogue_residual)
+        return
     _cublas_gemm(a, w, out, epilogue_residual)
 
 

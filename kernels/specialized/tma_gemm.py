@@ -1,0 +1,415 @@
+"""Skinny GEMM on TMA and warpgroup MMAs: ``out[m, n] = x[m, k] @ w[n, k]^T`` for the 16-64
+token projections, the weight streamed by the Tensor Memory Accelerator through a deep ring.
+
+Why (notes/specialized.md "Session 32"): at 32-64 tokens the projections read their weight
+once and are bound by how many bytes each SM keeps in flight. The cp.async tile kernel
+(:mod:`.tile_gemm`) issues every 16-byte load from the warpgroup that also multiplies, waits,
+fences and barriers once per 64-column chunk (Nsight Compute, session 27: 48% of the copy rate
+for the dense gate_up at TP16 64 tokens); cuBLAS at TP16 splits K with a reduce kernel of its
+own (KDA's in_proj 23 us for an 11 us floor). Here one thread issues one TMA copy per operand
+and stage, and the warpgroup only waits on the stage's mbarrier.
+
+Layout (swap AB): the weight rows are the MMA's M (``bm`` = 64 or 128 rows per CTA), the
+tokens its N (``bn``: ``m`` rounded up to 16; the TMA zero-fills the rows past ``m``), K in
+64-column chunks (128-byte rows, 128-byte swizzle: what the TMA writes and the MMA reads).
+Warp 0 issues both operands' copies into a ring of ``stages`` stages
+(:class:`cutlass.pipeline.PipelineTmaAsync`: a full and an empty mbarrier per stage); every
+warp waits on a stage's full barrier, the warpgroup runs its four MMAs (k = 16 each), and a
+stage is released one chunk later (after ``wgmma.wait_group 1``), when warp 0 refills it.
+Under programmatic dependent launch the weight copies of the first ``stages`` chunks are issued
+before ``griddepcontrol.wait`` (a weight never depends on the kernel before); the activation
+copies of those chunks follow the wait, on the same barriers.
+
+Split-K over ``splits`` CTAs per row tile (grid ``(row_tiles, splits)``): each CTA writes its
+FP32 partial tile to ``ws[split, token, row]`` and bumps the row tile's counter (acq_rel); the
+last one sums the splits (16-byte L2 loads), applies the epilogue and zeroes the counter, so
+every launch on one stream reuses the workspace. One split stores from the accumulators.
+Epilogue: ``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + e)`` (the tile
+kernel's rounding; ``out`` may alias ``e``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from decodescope.kernels.specialized import env_knobs
+from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.utils import pdl_enabled
+
+BK = 64  # K columns per chunk: one 128-byte swizzled row per operand row
+THREADS = 128  # one warpgroup
+NUM_SMS = 132
+SMEM_PER_SM = 227 * 1024
+ENV = "DECODESCOPE_PROJ_TMA"  # opt-in: the cuBLAS-served projections on this kernel
+ENV_CHOICES = ("0", "1")
+
+
+def enabled() -> bool:
+    """``DECODESCOPE_PROJ_TMA=1``: the projections that :func:`.tile_gemm.cublas_serves`
+    hands to cuBLAS (o_proj, KDA's in_proj after its norm launch, 32-64 tokens) run their GEMM
+    here instead. Unset / ``0``: cuBLAS (the default)."""
+    return env_knobs.read(ENV, ENV_CHOICES, "0") == "1"
+
+
+def takes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether :func:`tma_gemm` takes these operands (else the caller keeps cuBLAS): BF16,
+    contiguous, 1-64 rows, ``k`` a multiple of 64 and ``n`` of 8, on a GPU."""
+    m, k = x.shape
+    n = w.shape[0]
+    return (
+        x.is_cuda
+        and x.dtype == w.dtype == out.dtype == torch.bfloat16
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and out.is_contiguous()
+        and 1 <= m <= 64
+        and k % BK == 0
+        and n % 8 == 0
+    )
+
+
+@dataclass(frozen=True)
+class TmaPlan:
+    m: int  # tokens (rows of x and out), 1..64
+    k: int  # reduction length, a multiple of BK
+    n: int  # weight rows (columns of out), a multiple of 8
+    bm: int = 64  # weight rows per CTA (64: one MMA row block; 128: two)
+    splits: int = 1  # CTAs along K per row tile
+    stages: int = 6
+    residual_epilogue: bool = False
+    pdl: bool = field(default_factory=pdl_enabled)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.m <= 64:
+            raise ValueError(f"tma_gemm: m={self.m} (1..64 tokens)")
+        if self.k % BK or self.n % 8:
+            raise ValueError(f"tma_gemm: k={self.k} must be a multiple of {BK}, n={self.n} of 8")
+        if self.bm not in (64, 128):
+            raise ValueError(f"tma_gemm: bm={self.bm} (64 or 128)")
+        if not 1 <= self.splits <= self.kt:
+            raise ValueError(f"tma_gemm: splits={self.splits} (1..{self.kt})")
+        if not 2 <= self.stages <= 16:
+            raise ValueError(f"tma_gemm: stages={self.stages} (2..16)")
+
+    @property
+    def bn(self) -> int:
+        """Token columns of the MMA (``m`` rounded up to 16)."""
+        return max(16, -(-self.m // 16) * 16)
+
+    @property
+    def kt(self) -> int:
+        return self.k // BK
+
+    @property
+    def row_tiles(self) -> int:
+        return -(-self.n // self.bm)
+
+    @property
+    def npad(self) -> int:
+        return self.row_tiles * self.bm
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.bm + self.bn) * BK * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * self.stage_bytes + 1024 + 16 * self.stages + 64
+
+    @property
+    def ctas(self) -> int:
+        return self.row_tiles * self.splits
+
+
+def plan(m: int, k: int, n: int, residual_epilogue: bool = False, **kw) -> TmaPlan:
+    """The default tiling: 64-row tiles; splits so that the grid fills the SMs twice at two CTAs
+    per SM (each split at least 8 chunks); as many stages as two CTAs per SM leave room for
+    (at most 8)."""
+    bm = kw.pop("bm", 64)
+    rows = -(-n // bm)
+    kt = k // BK
+    splits = kw.pop("splits", 0)
+    if not splits:
+        splits = max(1, min(kt // 8, -(-2 * NUM_SMS // rows)))
+    bn = max(16, -(-m // 16) * 16)
+    stages = kw.pop("stages", 0)
+    if not stages:
+        stages = max(2, min(8, (SMEM_PER_SM // 2 - 2048) // ((bm + bn) * BK * 2)))
+    return TmaPlan(m=m, k=k, n=n, bm=bm, splits=splits, stages=stages,
+                   residual_epilogue=residual_epilogue, **kw)  # fmt: skip
+
+
+class TmaGemm:
+    def __init__(self, p: TmaPlan):
+        self.p = p
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [m, k] bf16
+        mW: cute.Tensor,  # [n, k] bf16
+        mO: cute.Tensor,  # [m, n] bf16
+        mE: cute.Tensor,  # [m, n] bf16 residual (residual_epilogue) else a placeholder
+        mWs: cute.Tensor,  # [splits, bn, npad] fp32 partials
+        mCnt: cute.Tensor,  # [row_tiles] int32 counters
+        stream: cuda.CUstream,
+    ):
+        p = self.p
+        tile = (p.bm, p.bn, BK)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (1, 1, 1), tiler_mn=(64, p.bn),
+        )  # fmt: skip
+        a_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, BFloat16,
+                                                 p.stages)  # fmt: skip
+        b_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, BFloat16,
+                                                 p.stages)  # fmt: skip
+        tma_a, gW = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(a_layout, (None, None, 0)),
+            (p.bm, BK),
+        )  # fmt: skip
+        tma_b, gX = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(b_layout, (None, None, 0)),
+            (p.bn, BK),
+        )  # fmt: skip
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, p.stages * 2]
+            last: cute.struct.MemRange[Int32, 4]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(a_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(b_layout)], 1024]
+
+        self.smem_cls = Smem
+        args = (tma_a, gW, tma_b, gX, mO, mE, mWs, mCnt, tiled_mma, a_layout, b_layout)
+        self.kernel(*args).launch(
+            grid=[p.row_tiles, p.splits, 1],
+            block=[THREADS, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=p.pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, tma_a, gW, tma_b, gX, mO, mE, mWs, mCnt, tiled_mma, a_layout, b_layout):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, sp, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_cls)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(),
+            num_stages=p.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=p.stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
+        sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
+        sLast = st.last.get_tensor(cute.make_layout(4))
+
+        # (bm, BK, kt) and (bn, BK, kt) tiles of the TMA tensors; one CTA per row tile
+        tW = cute.local_tile(gW, (p.bm, BK), (bx, None))
+        tX = cute.local_tile(gX, (p.bn, BK), (0, None))
+        tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                         cute.group_modes(sA, 0, 2), cute.group_modes(tW, 0, 2))  # fmt: skip
+        tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                         cute.group_modes(sB, 0, 2), cute.group_modes(tX, 0, 2))  # fmt: skip
+
+        wg_mma = tiled_mma.get_slice(0)
+        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCc = thr_mma.partition_C(cute.make_identity_tensor((p.bm, p.bn)))
+        acc = cute.make_rmem_tensor(tCc.shape, Float32)
+        acc.fill(0.0)
+        cute.arch.sync_threads()  # the barriers' init before any wait on them
+
+        k0 = sp * p.kt // p.splits
+        cnt = (sp + 1) * p.kt // p.splits - k0
+        npre = cutlass.min(cnt, p.stages)
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
+        prodx = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
+        if warp == 0:
+            for _ in cutlass.range(npre, unroll=1):
+                pipe.producer_acquire(prod)
+                cute.copy(tma_a, tAg[(None, k0 + prod.count)], tAs[(None, prod.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(prod))  # fmt: skip
+                prod.advance()
+        if cutlass.const_expr(p.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        if warp == 0:
+            for _ in cutlass.range(npre, unroll=1):
+                cute.copy(tma_b, tBg[(None, k0 + prodx.count)], tBs[(None, prodx.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(prodx))  # fmt: skip
+                prodx.advance()
+
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        nkb = cute.size(tCrA, mode=[2])
+        for kk in cutlass.range(cnt, unroll=1):
+            pipe.consumer_wait(cons)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(nkb):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                          tCrB[(None, None, kb, cons.index)], acc)  # fmt: skip
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # the chunk before this one is read: release its stage
+            cons.advance()
+            if kk > 0:
+                pipe.consumer_release(rel)
+                rel.advance()
+                if warp == 0 and prod.count < cnt:
+                    pipe.producer_acquire(prod)
+                    bar = pipe.producer_get_barrier(prod)
+                    cute.copy(tma_a, tAg[(None, k0 + prod.count)], tAs[(None, prod.index)],
+                              tma_bar_ptr=bar)  # fmt: skip
+                    cute.copy(tma_b, tBg[(None, k0 + prod.count)], tBs[(None, prod.index)],
+                              tma_bar_ptr=bar)  # fmt: skip
+                    prod.advance()
+        warpgroup.wait_group(0)
+
+        row0 = bx * p.bm
+        if cutlass.const_expr(p.splits == 1):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, t = tCc[i]
+                row = row0 + r
+                if t < p.m and row < p.n:
+                    v = acc[i]
+                    if cutlass.const_expr(p.residual_epilogue):
+                        v = v.to(BFloat16).to(Float32) + mE[t, row].to(Float32)
+                    mO[t, row] = v.to(BFloat16)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, t = tCc[i]
+                mWs[sp, t, row0 + r] = acc[i]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCnt.iterator + bx, Int32(1), sem="acq_rel",
+                                           scope="gpu")  # fmt: skip
+                sLast[0] = old
+            cute.arch.sync_threads()
+            if sLast[0] == p.splits - 1:
+                cute.arch.fence_acq_rel_gpu()
+                self.reduce(mO, mE, mWs, row0, tidx)
+                if tidx == 0:
+                    mCnt[bx] = Int32(0)
+
+    @cute.jit
+    def reduce(self, mO, mE, mWs, row0, tidx):
+        """The last split of a row tile: 4 rows of one token per thread and step (16-byte L2
+        loads of each split's partial, 8-byte stores)."""
+        p = self.p
+        quads = p.bm // 4
+        total = p.m * quads
+        for f in cutlass.range(tidx, total, THREADS, unroll=1):
+            t = f // quads
+            row = row0 + (f % quads) * 4
+            if row < p.n:
+                vals = []
+                for s in cutlass.range_constexpr(p.splits):
+                    ptr = mWs.iterator + ((s * p.bn + t) * p.npad + row)
+                    vals.append(
+                        cute.arch.inline_ptx(
+                            "ld.global.cg.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                            write_only_types=[Float32, Float32, Float32, Float32],
+                            read_only_args=[ptr],
+                        )
+                    )
+                ov = cute.make_rmem_tensor((4,), BFloat16)
+                ev = cute.make_rmem_tensor((4,), BFloat16)
+                if cutlass.const_expr(p.residual_epilogue):
+                    cute.autovec_copy(cute.local_tile(mE[t, None], (4,), (row // 4,)), ev)
+                for e in cutlass.range_constexpr(4):
+                    v = vals[0][e]
+                    for s in cutlass.range_constexpr(1, p.splits):
+                        v = v + vals[s][e]
+                    if cutlass.const_expr(p.residual_epilogue):
+                        v = v.to(BFloat16).to(Float32) + ev[e].to(Float32)
+                    ov[e] = v.to(BFloat16)
+                cute.autovec_copy(ov, cute.local_tile(mO[t, None], (4,), (row // 4,)))
+
+
+_PH = (16, 16)
+
+
+def _fake_args(p: TmaPlan):
+    bf = torch.bfloat16
+    e = itf.fake(bf, (p.m, p.n)) if p.residual_epilogue else itf.fake(bf, _PH)
+    return (itf.fake(bf, (p.m, p.k)), itf.fake(bf, (p.n, p.k)), itf.fake(bf, (p.m, p.n)), e,
+            itf.fake(torch.float32, (p.splits, p.bn, p.npad)),
+            itf.fake(torch.int32, (p.row_tiles,), align=4), itf.env_stream())  # fmt: skip
+
+
+def compile_plan(p: TmaPlan):
+    """Compile (cached) the kernel of ``p``."""
+    return itf.compiled(("tma_gemm", p), lambda: (TmaGemm(p), _fake_args(p)))
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(p: TmaPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 partials and zeroed counters, one pair per plan and device (the last CTA of a row
+    tile re-zeroes its counter: launches of one plan on one stream reuse them)."""
+    key = (p, str(device))
+    ws = _WS.get(key)
+    if ws is None:
+        ws = _WS[key] = (
+            torch.empty(p.splits, p.bn, p.npad, dtype=torch.float32, device=device),
+            torch.zeros(p.row_tiles, dtype=torch.int32, device=device),
+        )
+    return ws
+
+
+def prepare(p: TmaPlan, device) -> None:
+    """Compile and allocate what a plan's launches use (before graph capture)."""
+    compile_plan(p)
+    _workspace(p, device)
+
+
+def tma_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+             epilogue_residual: torch.Tensor | None = None, **kw) -> None:  # fmt: skip
+    """``out = bf16(x @ w^T)`` (``epilogue_residual``: ``bf16(bf16(x @ w^T) + e)``, ``out``
+    may alias it). ``x`` ``[m, k]`` and ``w`` ``[n, k]`` contiguous BF16; ``kw``: the plan's
+    tiling (``bm``, ``splits``, ``stages``, ``pdl``)."""
+    m, k = int(x.shape[0]), int(x.shape[1])
+    n = int(w.shape[0])
+    if not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError("tma_gemm: x and w must be contiguous")
+    itf.check(w, "tma_gemm w", (n, k), torch.bfloat16)
+    itf.check(out, "tma_gemm out", (m, n), torch.bfloat16)
+    p = plan(m, k, n, residual_epilogue=epilogue_residual is not None, **kw)
+    fn = compile_plan(p)
+    ws, cnt = _workspace(p, x.device)
+    e = epilogue_residual if epilogue_residual is not None else itf.placeholder(x.device, _PH)
+    fn(x, w, out, e, ws, cnt)
+
+
+def tma_gemm_ref(x: torch.Tensor, w: torch.Tensor,
+                 epilogue_residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The kernel's rounding in torch: FP32 sums, one BF16 rounding (then the residual add and a
+    second rounding)."""
+    acc = x.float() @ w.float().t()
+    if epilogue_residual is None:
+        return acc.to(torch.bfloat16)
+    return (acc.to(torch.bfloat16).float() + epilogue_residual.float()).to(torch.bfloat16)

@@ -1,0 +1,209 @@
+"""The TMA skinny GEMM (kernels/specialized/tma_gemm.py).
+
+CPU: the kernel compiles for sm_90a at the projections it would serve (KDA in_proj, o_proj with
+its residual epilogue, MLA q_b, the dense MLP's gate_up / down; TP8 / TP16; 16 / 32 / 33 / 64
+tokens; one split and split-K; 64- and 128-row tiles); its PTX issues the weight's TMA copies
+before ``griddepcontrol.wait`` and the activations' after; the plan's rules and errors; the
+knob ``DECODESCOPE_PROJ_TMA`` (off by default) moves the cuBLAS-served projections onto it and
+their op implementation with them. GPU (``-m gpu``): the kernel against its torch reference
+on fresh random inputs with NaN-poisoned outputs, twice in a row (the split-K counters come
+back to zero), inside a CUDA graph replayed with new inputs, the residual epilogue in place.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("decodescope.kernels.specialized.interface")  # CUTE_DSL_ARCH first
+
+from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.specialized import interface as itf  # noqa: E402
+from decodescope.kernels.specialized import tile_gemm as tg  # noqa: E402
+from decodescope.kernels.specialized import tma_gemm as tm  # noqa: E402
+
+CFGS = {tp: get_config("kimi-k3", tp) for tp in (8, 16)}
+
+
+def _shapes(cfg) -> dict[str, tuple[int, int, bool]]:
+    return {
+        "in_proj": (cfg.kda_in_proj_out, cfg.hidden, False),
+        "o_proj": (cfg.hidden, cfg.kda_dim, True),
+        "q_b": (cfg.mla_q_b_out, cfg.mla.q_lora_rank, False),
+        "gate_up": (2 * cfg.dense_inter, cfg.hidden, False),
+        "down": (cfg.hidden, cfg.dense_inter, False),
+    }
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("op", ["in_proj", "o_proj", "q_b", "gate_up", "down"])
+@pytest.mark.parametrize("m", [16, 33, 64])
+def test_compiles(tp, op, m):
+    n, k, res = _shapes(CFGS[tp])[op]
+    p = tm.plan(m, k, n, residual_epilogue=res)
+    assert p.smem_bytes <= 113 * 1024  # two CTAs per SM
+    assert p.ctas >= tm.NUM_SMS or p.splits == p.kt // 8 or p.splits == 1
+    assert tm.compile_plan(p) is not None
+
+
+@pytest.mark.parametrize("kw", [{"splits": 1}, {"bm": 128}, {"stages": 2}, {"splits": 7}])
+def test_compiles_variants(kw):
+    cfg = CFGS[16]
+    p = tm.plan(32, cfg.hidden, cfg.kda_in_proj_out, **kw)
+    assert tm.compile_plan(p) is not None
+
+
+def test_plan_rules():
+    cfg = CFGS[16]
+    p = tm.plan(64, cfg.hidden, cfg.kda_in_proj_out)  # N 3216: 51 row tiles of 64
+    assert (p.bn, p.kt, p.row_tiles, p.npad) == (64, 112, 51, 3264)
+    assert p.splits == 6 and p.ctas == 306  # two CTAs per SM, a little past one wave of them
+    assert tm.plan(1, 1536, 7168).bn == 16 and tm.plan(17, 1536, 7168).bn == 32
+    for bad, msg in [
+        (dict(m=65, k=1536, n=7168), "m=65"),
+        (dict(m=8, k=1500, n=7168), "multiple of 64"),
+        (dict(m=8, k=1536, n=7166), "multiple of 64, n=7166 of 8"),
+        (dict(m=8, k=1536, n=7168, bm=96), "bm=96"),
+        (dict(m=8, k=1536, n=7168, splits=25), r"splits=25 \(1..24\)"),
+        (dict(m=8, k=1536, n=7168, stages=1), "stages=1"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            tm.TmaPlan(**bad)
+
+
+def test_ptx_weight_before_wait():
+    """The weight's copies of the first stages precede the PDL wait; the activations' follow."""
+    cfg = CFGS[8]
+    p = tm.plan(64, cfg.hidden, cfg.kda_in_proj_out)
+    ptx = itf.ptx_text(tm.TmaGemm(p), *tm._fake_args(p))
+    wait = ptx.index("griddepcontrol.wait")
+    copies = [mt.start() for mt in re.finditer(r"cp\.async\.bulk\.tensor\.2d", ptx)]
+    assert len(copies) == 4  # weight before the wait, activation after, both in the loop
+    assert copies[0] < wait < copies[1]
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx)) == 4
+    assert "ld.global.cg.v4.f32" in ptx  # the split-K reduction
+
+
+def test_knob(monkeypatch):
+    """Off by default; ``1`` routes ``_cublas_project`` to the kernel where :func:`takes` says
+    so, and the step's op implementation follows; a bad value is a one-line error."""
+    monkeypatch.delenv(tm.ENV, raising=False)
+    assert not tm.enabled()
+    monkeypatch.setenv(tm.ENV, "1")
+    assert tm.enabled()
+    monkeypatch.setenv(tm.ENV, "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_PROJ_TMA='yes'"):
+        tm.enabled()
+    x = torch.zeros(32, 1536, dtype=torch.bfloat16)
+    w = torch.zeros(7168, 1536, dtype=torch.bfloat16)
+    o = torch.zeros(32, 7168, dtype=torch.bfloat16)
+    assert not tm.takes(x, w, o)  # CPU tensors: cuBLAS's path (torch on the CPU) keeps them
+    assert not tm.takes(x[:, :1500], w[:, :1500], o)
+
+
+def test_step_op_impl(monkeypatch):
+    """With the knob the ops cuBLAS served at 64 tokens become the kernels' own."""
+    from decodescope.kernels.specialized import step as S
+
+    def impl():
+        p = S.plan(preset="kimi-k3", tp_shape=8, batch=64, tokens_per_seq=1,
+                   layers="dense,kda,mla", seed=0, front_norm=0)  # fmt: skip
+        return p.op_impl()
+
+    monkeypatch.delenv(tm.ENV, raising=False)
+    before = impl()
+    assert before["attn.o_proj"] == tg.CUBLAS_IMPL
+    monkeypatch.setenv(tm.ENV, "1")
+    assert set(impl().values()) == {S.CUTE}
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("op", ["in_proj", "o_proj", "gate_up"])
+@pytest.mark.parametrize("m,kw", [(64, {}), (32, {}), (17, {}), (64, {"splits": 1}),
+                                  (64, {"bm": 128}), (8, {"stages": 2})])  # fmt: skip
+def test_gpu_vs_ref(tp, op, m, kw):
+    n, k, res = _shapes(CFGS[tp])[op]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + m)
+    bf = torch.bfloat16
+    w = (torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(bf)
+    for _ in range(2):  # fresh inputs; the second launch finds the counters zeroed
+        x = torch.randn(m, k, device=dev, generator=gen).to(bf)
+        e = torch.randn(m, n, device=dev, generator=gen).to(bf) if res else None
+        ref = tm.tma_gemm_ref(x, w, e)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=bf)
+        tm.tma_gemm(x, w, out, e, **kw)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all()
+        assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [8, 16])
+def test_gpu_graph_in_place(tp):
+    """o_proj's residual epilogue in place (``out`` is the residual) inside a CUDA graph, replayed
+    three times with new inputs copied in: each replay equals the reference."""
+    n, k, _ = _shapes(CFGS[tp])["o_proj"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(tp)
+    bf = torch.bfloat16
+    w = (torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(bf)
+    x = torch.zeros(64, k, device=dev, dtype=bf)
+    r = torch.zeros(64, n, device=dev, dtype=bf)
+    tm.tma_gemm(x, w, r, r)  # compile and allocate outside capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tm.tma_gemm(x, w, r, r)
+    for _ in range(3):
+        xi = torch.randn(64, k, device=dev, generator=gen).to(bf)
+        ri = torch.randn(64, n, device=dev, generator=gen).to(bf)
+        ref = tm.tma_gemm_ref(xi, w, ri)
+        x.copy_(xi)
+        r.copy_(ri)
+        g.replay()
+        torch.cuda.synchronize()
+        assert _rel(r, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [32, 64])
+def test_gpu_project_knob(m, monkeypatch):
+    """KDA in_proj (norm launch + GEMM) and o_proj through ``tile_gemm.project`` with the knob
+    against cuBLAS's path on the same inputs."""
+    cfg = CFGS[16]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(m)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
+
+    o, r = rnd(m, cfg.kda_dim), rnd(m, cfg.hidden)
+    wo = rnd(cfg.hidden, cfg.kda_dim, scale=cfg.kda_dim**-0.5)
+    x, res = rnd(m, cfg.hidden), rnd(m, cfg.hidden)
+    wi = rnd(cfg.kda_in_proj_out, cfg.hidden, scale=cfg.hidden**-0.5)
+    nw = (1 + 0.1 * torch.randn(cfg.hidden, device=dev, generator=gen)).to(bf)
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(tm.ENV, mode)
+        ro = r.clone()
+        tg.project(o, [wo], [ro], epilogue_residual=ro, eps=cfg.eps)
+        pi = torch.full((m, cfg.kda_in_proj_out), float("nan"), device=dev, dtype=bf)
+        rmid = torch.full_like(x, float("nan"))
+        tg.project(x, [wi], [pi], residual=res, residual_out=rmid, norm_weight=nw, eps=cfg.eps)
+        torch.cuda.synchronize()
+        outs[mode] = (ro, pi, rmid)
+    for a, b in zip(outs["1"], outs["0"], strict=True):
+        assert torch.isfinite(a.float()).all()
+        assert _rel(a, b) < 1e-2
