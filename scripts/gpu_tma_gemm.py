@@ -14,7 +14,8 @@ table and writes ``OUT/tma_gemm.json``. Nothing is asserted about speed.
     python scripts/gpu_tma_gemm.py --out $OUT/tma [--tp 8 16] [--tokens 16 32 64]
         [--ops in_proj o_proj q_b gate_up down] [--sweep]
 
-``--sweep``: besides the default plan, splits halved / doubled, 4 and 8 stages, 128-row tiles.
+``--sweep``: instead of the default plan, 64 / 128-row tiles, 64-256 K columns per stage, 2-6
+stages (each with the splits that fill one wave at its occupancy).
 """
 
 from __future__ import annotations
@@ -46,18 +47,18 @@ def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
     }
 
 
+SWEEP = [dict(bm=64, bk=64, stages=4), dict(bm=64, bk=128, stages=2),
+         dict(bm=64, bk=128, stages=3), dict(bm=128, bk=64, stages=4),
+         dict(bm=128, bk=128, stages=2), dict(bm=64, bk=64, stages=6),
+         dict(bm=64, bk=256, stages=2)]  # fmt: skip
+
+
 def variants(p: tm.TmaPlan, sweep: bool) -> list[dict]:
-    out = [{}]
+    """The default plan, or (``--sweep``) tile rows x K per stage x stages, each with the splits
+    that fill one wave at its occupancy (:func:`tma_gemm.plan`)."""
     if not sweep:
-        return out
-    for s in (max(1, p.splits // 2), min(p.kt, p.splits * 2)):
-        if s != p.splits:
-            out.append({"splits": s})
-    for st in (4, 8):
-        if st != p.stages:
-            out.append({"stages": st})
-    out.append({"bm": 128})
-    return out
+        return [{}]
+    return [v for v in SWEEP if p.k % v["bk"] == 0]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
                 out = torch.empty(m, n, device="cuda", dtype=BF16)
                 for kw in variants(base, args.sweep):
                     p = tm.plan(m, k, n, residual_epilogue=res, **kw)
-                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm,
+                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm, "bk": p.bk,
                            "splits": p.splits, "stages": p.stages, "ctas": p.ctas,
                            "mbytes": nbytes / 1e6, "floor_us": floor}  # fmt: skip
                     try:
@@ -134,15 +135,15 @@ def main(argv=None) -> int:
                 (args.out / "tma_gemm.json").write_text(json.dumps({"copy_tbs": bw, "rows": rows}))
             del ws
             torch.cuda.empty_cache()
-    lines = ["| tp | op | m | kernel | bm | splits | stages | CTAs | us | floor us | x floor | "
-             "err | status |", "|---" * 13 + "|"]  # fmt: skip
+    lines = ["| tp | op | m | kernel | bm | bk | splits | stages | CTAs | us | floor us | x floor | "
+             "err | status |", "|---" * 14 + "|"]  # fmt: skip
     for r in rows:
         us = r.get("us")
         usf = "" if us is None else f"{us:.2f}"
         xf = "" if us is None else f"{us / r['floor_us']:.2f}"
         kern = "cuBLAS" if r["status"] == "cublas" else "tma"
         lines.append(
-            f"| {r['tp']} | {r['op']} | {r['m']} | {kern} | {r['bm']} | {r['splits']} | "
+            f"| {r['tp']} | {r['op']} | {r['m']} | {kern} | {r['bm']} | {r.get('bk', 0)} | {r['splits']} | "
             f"{r['stages']} | {r['ctas']} | {usf} | {r['floor_us']:.2f} | {xf} | "
             f"{r.get('err', float('nan')):.1e} | {r['status']} |"
         )

@@ -44,11 +44,12 @@ def test_compiles(tp, op, m):
     n, k, res = _shapes(CFGS[tp])[op]
     p = tm.plan(m, k, n, residual_epilogue=res)
     assert p.smem_bytes <= 113 * 1024  # two CTAs per SM
-    assert p.ctas >= tm.NUM_SMS or p.splits == p.kt // 8 or p.splits == 1
+    assert p.ctas <= tm.occupancy(p) * tm.NUM_SMS  # one wave
     assert tm.compile_plan(p) is not None
 
 
-@pytest.mark.parametrize("kw", [{"splits": 1}, {"bm": 128}, {"stages": 2}, {"splits": 7}])
+@pytest.mark.parametrize("kw", [{"splits": 1}, {"bm": 128}, {"stages": 2}, {"splits": 7},
+                                {"bk": 128, "stages": 3}, {"bk": 256, "stages": 2, "bm": 128}])  # fmt: skip
 def test_compiles_variants(kw):
     cfg = CFGS[16]
     p = tm.plan(32, cfg.hidden, cfg.kda_in_proj_out, **kw)
@@ -59,12 +60,16 @@ def test_plan_rules():
     cfg = CFGS[16]
     p = tm.plan(64, cfg.hidden, cfg.kda_in_proj_out)  # N 3216: 51 row tiles of 64
     assert (p.bn, p.kt, p.row_tiles, p.npad) == (64, 112, 51, 3264)
-    assert p.splits == 6 and p.ctas == 306  # two CTAs per SM, a little past one wave of them
+    assert tm.occupancy(p) == 3 and p.stages == 4
+    assert p.splits == 7 and p.ctas == 357  # one wave at three CTAs per SM (396 slots)
+    assert tm.plan(64, cfg.hidden, cfg.kda_in_proj_out, bk=128, stages=3).ctas == 255  # 2 / SM
     assert tm.plan(1, 1536, 7168).bn == 16 and tm.plan(17, 1536, 7168).bn == 32
     for bad, msg in [
         (dict(m=65, k=1536, n=7168), "m=65"),
         (dict(m=8, k=1500, n=7168), "multiple of 64"),
         (dict(m=8, k=1536, n=7166), "multiple of 64, n=7166 of 8"),
+        (dict(m=8, k=1536, n=7168, bk=96), "bk=96"),
+        (dict(m=8, k=1600, n=7168, bk=128), "k=1600 must be a multiple of 128"),
         (dict(m=8, k=1536, n=7168, bm=96), "bm=96"),
         (dict(m=8, k=1536, n=7168, splits=25), r"splits=25 \(1..24\)"),
         (dict(m=8, k=1536, n=7168, stages=1), "stages=1"),
@@ -130,7 +135,9 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("tp", [8, 16])
 @pytest.mark.parametrize("op", ["in_proj", "o_proj", "gate_up"])
 @pytest.mark.parametrize("m,kw", [(64, {}), (32, {}), (17, {}), (64, {"splits": 1}),
-                                  (64, {"bm": 128}), (8, {"stages": 2})])  # fmt: skip
+                                  (64, {"bm": 128}), (8, {"stages": 2}),
+                                  (64, {"bk": 128, "stages": 3}),
+                                  (33, {"bk": 256, "stages": 2, "bm": 128})])  # fmt: skip
 def test_gpu_vs_ref(tp, op, m, kw):
     n, k, res = _shapes(CFGS[tp])[op]
     dev = torch.device("cuda")

@@ -86,14 +86,19 @@ class TmaPlan:
     bm: int = 64  # weight rows per CTA (64: one MMA row block; 128: two)
     splits: int = 1  # CTAs along K per row tile
     stages: int = 6
+    bk: int = BK  # K columns per stage (64, 128 or 256: one to four 128-byte swizzle atoms)
     residual_epilogue: bool = False
     pdl: bool = field(default_factory=pdl_enabled)
 
     def __post_init__(self) -> None:
         if not 1 <= self.m <= 64:
             raise ValueError(f"tma_gemm: m={self.m} (1..64 tokens)")
-        if self.k % BK or self.n % 8:
-            raise ValueError(f"tma_gemm: k={self.k} must be a multiple of {BK}, n={self.n} of 8")
+        if self.bk not in (64, 128, 256):
+            raise ValueError(f"tma_gemm: bk={self.bk} (64, 128 or 256)")
+        if self.k % self.bk or self.n % 8:
+            raise ValueError(
+                f"tma_gemm: k={self.k} must be a multiple of {self.bk}, n={self.n} of 8"
+            )
         if self.bm not in (64, 128):
             raise ValueError(f"tma_gemm: bm={self.bm} (64 or 128)")
         if not 1 <= self.splits <= self.kt:
@@ -108,7 +113,7 @@ class TmaPlan:
 
     @property
     def kt(self) -> int:
-        return self.k // BK
+        return self.k // self.bk
 
     @property
     def row_tiles(self) -> int:
@@ -120,7 +125,7 @@ class TmaPlan:
 
     @property
     def stage_bytes(self) -> int:
-        return (self.bm + self.bn) * BK * 2
+        return (self.bm + self.bn) * self.bk * 2
 
     @property
     def smem_bytes(self) -> int:
@@ -131,21 +136,22 @@ class TmaPlan:
         return self.row_tiles * self.splits
 
 
+def occupancy(p: TmaPlan) -> int:
+    """CTAs of ``p`` one SM holds (shared memory bound; at most 4)."""
+    return max(1, min(4, SMEM_PER_SM // (p.smem_bytes + 1024)))
+
+
 def plan(m: int, k: int, n: int, residual_epilogue: bool = False, **kw) -> TmaPlan:
-    """The default tiling: 64-row tiles; splits so that the grid fills the SMs twice at two CTAs
-    per SM (each split at least 8 chunks); as many stages as two CTAs per SM leave room for
-    (at most 8)."""
-    bm = kw.pop("bm", 64)
-    rows = -(-n // bm)
-    kt = k // BK
+    """The tiling: ``bm`` / ``bk`` / ``stages`` as given (default 64 / 64 / 4); unless given,
+    splits so that the grid fills the SMs in one wave at the occupancy the shared memory allows
+    (each split at least two stages' worth of K)."""
+    bm, bk, stages = kw.pop("bm", 64), kw.pop("bk", BK), kw.pop("stages", 4)
     splits = kw.pop("splits", 0)
+    probe = TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, stages=stages, **kw)
     if not splits:
-        splits = max(1, min(kt // 8, -(-2 * NUM_SMS // rows)))
-    bn = max(16, -(-m // 16) * 16)
-    stages = kw.pop("stages", 0)
-    if not stages:
-        stages = max(2, min(8, (SMEM_PER_SM // 2 - 2048) // ((bm + bn) * BK * 2)))
-    return TmaPlan(m=m, k=k, n=n, bm=bm, splits=splits, stages=stages,
+        slots = occupancy(probe) * NUM_SMS
+        splits = max(1, min(probe.kt // 2, slots // probe.row_tiles))
+    return TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, splits=splits, stages=stages,
                    residual_epilogue=residual_epilogue, **kw)  # fmt: skip
 
 
@@ -165,7 +171,7 @@ class TmaGemm:
         stream: cuda.CUstream,
     ):
         p = self.p
-        tile = (p.bm, p.bn, BK)
+        tile = (p.bm, p.bn, p.bk)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
             (1, 1, 1), tiler_mn=(64, p.bn),
@@ -176,11 +182,11 @@ class TmaGemm:
                                                  p.stages)  # fmt: skip
         tma_a, gW = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(a_layout, (None, None, 0)),
-            (p.bm, BK),
+            (p.bm, p.bk),
         )  # fmt: skip
         tma_b, gX = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(b_layout, (None, None, 0)),
-            (p.bn, BK),
+            (p.bn, p.bk),
         )  # fmt: skip
 
         @cute.struct
@@ -224,9 +230,9 @@ class TmaGemm:
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         sLast = st.last.get_tensor(cute.make_layout(4))
 
-        # (bm, BK, kt) and (bn, BK, kt) tiles of the TMA tensors; one CTA per row tile
-        tW = cute.local_tile(gW, (p.bm, BK), (bx, None))
-        tX = cute.local_tile(gX, (p.bn, BK), (0, None))
+        # (bm, bk, kt) and (bn, bk, kt) tiles of the TMA tensors; one CTA per row tile
+        tW = cute.local_tile(gW, (p.bm, p.bk), (bx, None))
+        tX = cute.local_tile(gX, (p.bn, p.bk), (0, None))
         tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                          cute.group_modes(sA, 0, 2), cute.group_modes(tW, 0, 2))  # fmt: skip
         tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
