@@ -47,10 +47,9 @@ def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
     }
 
 
-SWEEP = [dict(bm=64, bk=64, stages=4), dict(bm=64, bk=128, stages=2),
-         dict(bm=64, bk=128, stages=3), dict(bm=128, bk=64, stages=4),
-         dict(bm=128, bk=128, stages=2), dict(bm=64, bk=64, stages=6),
-         dict(bm=64, bk=256, stages=2)]  # fmt: skip
+SWEEP = [dict(bm=64, bk=64, stages=8, packed=True), dict(csplit=True, stages=4),
+         dict(csplit=True, stages=4, packed=True), dict(csplit=True, stages=6, packed=True),
+         dict(csplit=True, bk=128, stages=3), dict(csplit=True, stages=8, packed=True)]  # fmt: skip
 
 
 def variants(p: tm.TmaPlan, sweep: bool) -> list[dict]:
@@ -58,7 +57,7 @@ def variants(p: tm.TmaPlan, sweep: bool) -> list[dict]:
     that fill one wave at its occupancy (:func:`tma_gemm.plan`)."""
     if not sweep:
         return [{}]
-    return [v for v in SWEEP if p.k % v["bk"] == 0]
+    return [v for v in SWEEP if p.k % v.get("bk", 64) == 0 and p.bn >= 8 * v.get("cm", 1)]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,6 +88,7 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(1000 * tp + n)
             ws = [(torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(BF16)
                   for _ in range(copies)]  # fmt: skip
+            packs: dict = {}
             for m in args.tokens:
                 x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
                 e = torch.randn(m, n, device="cuda", generator=g).to(BF16) if res else None
@@ -99,14 +99,20 @@ def main(argv=None) -> int:
                 out = torch.empty(m, n, device="cuda", dtype=BF16)
                 for kw in variants(base, args.sweep):
                     p = tm.plan(m, k, n, residual_epilogue=res, **kw)
-                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm, "bk": p.bk,
+                    wv = ws
+                    if p.packed:  # the same copies in the packed form (made once per tiling)
+                        key = (p.bm, p.cm)
+                        if key not in packs:
+                            packs[key] = [tm.pack_weight(w, p.bm, p.cm) for w in ws]
+                        wv = packs[key]
+                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm, "bk": p.bk, "rot": p.rotate, "cm": p.cm, "packed": p.packed, "csplit": p.csplit,
                            "splits": p.splits, "stages": p.stages, "ctas": p.ctas,
                            "mbytes": nbytes / 1e6, "floor_us": floor}  # fmt: skip
                     try:
                         errs = []
                         for _ in range(2):
                             out.fill_(float("nan"))
-                            tm.tma_gemm(x, ws[0], out, e, **kw)
+                            tm.tma_gemm(x, wv[0], out, e, **kw)
                             torch.cuda.synchronize()
                             errs.append(rel(out, ref) if torch.isfinite(out.float()).all()
                                         else float("inf"))  # fmt: skip
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
                         row["status"] = "PASS" if row["err"] < TOL else "FAIL"
                         ok_all &= row["status"] == "PASS"
                         fns = [(lambda w=w, x=x, o=out, e=e, kw=kw: tm.tma_gemm(x, w, o, e, **kw))
-                               for w in ws]  # fmt: skip
+                               for w in wv]  # fmt: skip
                         row["us"] = graph_time_us(fns, args.replays)[0]
                     except Exception as ex:  # noqa: BLE001 - a failing tiling is a row
                         row["status"] = f"ERROR {type(ex).__name__}: {str(ex)[:100]}"
@@ -133,17 +139,17 @@ def main(argv=None) -> int:
                 rows.append(cub)
                 print(cub, flush=True)
                 (args.out / "tma_gemm.json").write_text(json.dumps({"copy_tbs": bw, "rows": rows}))
-            del ws
+            del ws, packs
             torch.cuda.empty_cache()
-    lines = ["| tp | op | m | kernel | bm | bk | splits | stages | CTAs | us | floor us | x floor | "
-             "err | status |", "|---" * 14 + "|"]  # fmt: skip
+    lines = ["| tp | op | m | kernel | packed | cm | bm | bk | splits | stages | CTAs | us | floor us | x floor | "
+             "err | status |", "|---" * 16 + "|"]  # fmt: skip
     for r in rows:
         us = r.get("us")
         usf = "" if us is None else f"{us:.2f}"
         xf = "" if us is None else f"{us / r['floor_us']:.2f}"
-        kern = "cuBLAS" if r["status"] == "cublas" else "tma"
+        kern = "cuBLAS" if r["status"] == "cublas" else ("tma-cl" if r.get("csplit") else "tma")
         lines.append(
-            f"| {r['tp']} | {r['op']} | {r['m']} | {kern} | {r['bm']} | {r.get('bk', 0)} | {r['splits']} | "
+            f"| {r['tp']} | {r['op']} | {r['m']} | {kern} | {int(r.get('packed', 0))} | {r.get('cm', 0)} | {r['bm']} | {r.get('bk', 0)} | {r['splits']} | "
             f"{r['stages']} | {r['ctas']} | {usf} | {r['floor_us']:.2f} | {xf} | "
             f"{r.get('err', float('nan')):.1e} | {r['status']} |"
         )

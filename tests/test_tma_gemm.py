@@ -48,8 +48,22 @@ def test_compiles(tp, op, m):
     assert tm.compile_plan(p) is not None
 
 
+def test_pack_weight():
+    """Tile (row tile r, chunk c) of the packed weight is the block at rows (r * kt + c) * bm;
+    the rows past n are zeros (synthetic small weight)."""
+    w = torch.randn(100, 128).to(torch.bfloat16)
+    wp = tm.pack_weight(w, 64)
+    assert wp.shape == (2 * 2 * 64, 64)
+    assert torch.equal(wp[0:64], w[0:64, 0:64]) and torch.equal(wp[64:128], w[0:64, 64:128])
+    assert torch.equal(wp[128:164], w[64:100, 0:64]) and not wp[164:192].any()
+    assert tm.pack_weight(w, 64, cm=4).shape == (4 * 2 * 64, 64)
+
+
 @pytest.mark.parametrize("kw", [{"splits": 1}, {"bm": 128}, {"stages": 2}, {"splits": 7},
-                                {"bk": 128, "stages": 3}, {"bk": 256, "stages": 2, "bm": 128}])  # fmt: skip
+                                {"bk": 128, "stages": 3}, {"bk": 256, "stages": 2, "bm": 128},
+                                {"cm": 2}, {"cm": 4, "splits": 1}, {"packed": True},
+                                {"packed": True, "cm": 2, "bm": 128}, {"csplit": True},
+                                {"csplit": True, "bk": 128, "stages": 3}])  # fmt: skip
 def test_compiles_variants(kw):
     cfg = CFGS[16]
     p = tm.plan(32, cfg.hidden, cfg.kda_in_proj_out, **kw)
@@ -64,6 +78,7 @@ def test_plan_rules():
     assert p.splits == 7 and p.ctas == 357  # one wave at three CTAs per SM (396 slots)
     assert tm.plan(64, cfg.hidden, cfg.kda_in_proj_out, bk=128, stages=3).ctas == 255  # 2 / SM
     assert tm.plan(1, 1536, 7168).bn == 16 and tm.plan(17, 1536, 7168).bn == 32
+    assert tm.plan(64, cfg.hidden, cfg.kda_in_proj_out, cm=4).row_tiles == 52  # whole clusters
     for bad, msg in [
         (dict(m=65, k=1536, n=7168), "m=65"),
         (dict(m=8, k=1500, n=7168), "multiple of 64"),
@@ -73,6 +88,10 @@ def test_plan_rules():
         (dict(m=8, k=1536, n=7168, bm=96), "bm=96"),
         (dict(m=8, k=1536, n=7168, splits=25), r"splits=25 \(1..24\)"),
         (dict(m=8, k=1536, n=7168, stages=1), "stages=1"),
+        (dict(m=16, k=1536, n=7168, cm=4), r"cm=4 \(1, 2 or 4; at most bn/8 = 2"),
+        (dict(m=64, k=1536, n=7168, cm=2, rotate=True), "no rotate"),
+        (dict(m=64, k=1536, n=7168, csplit=True), r"csplit takes 2..8 splits \(got 1\)"),
+        (dict(m=64, k=1536, n=7168, csplit=True, splits=2, stages=2), "within the weight"),
     ]:
         with pytest.raises(ValueError, match=msg):
             tm.TmaPlan(**bad)
@@ -137,19 +156,29 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("m,kw", [(64, {}), (32, {}), (17, {}), (64, {"splits": 1}),
                                   (64, {"bm": 128}), (8, {"stages": 2}),
                                   (64, {"bk": 128, "stages": 3}),
-                                  (33, {"bk": 256, "stages": 2, "bm": 128})])  # fmt: skip
+                                  (33, {"bk": 256, "stages": 2, "bm": 128}),
+                                  (64, {"rotate": True}),
+                                  (17, {"rotate": True, "splits": 1}),
+                                  (64, {"cm": 2}), (32, {"cm": 4}),
+                                  (64, {"cm": 4, "splits": 1, "bk": 128, "stages": 3}),
+                                  (64, {"packed": True}), (17, {"packed": True, "bm": 128}),
+                                  (64, {"packed": True, "cm": 2, "splits": 1}),
+                                  (64, {"csplit": True}),
+                                  (33, {"csplit": True, "packed": True, "stages": 6}),
+                                  (64, {"csplit": True, "bk": 128, "stages": 3})])  # fmt: skip
 def test_gpu_vs_ref(tp, op, m, kw):
     n, k, res = _shapes(CFGS[tp])[op]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n + m)
     bf = torch.bfloat16
     w = (torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(bf)
+    wk = tm.pack_weight(w, kw.get("bm", 64), kw.get("cm", 1)) if kw.get("packed") else w
     for _ in range(2):  # fresh inputs; the second launch finds the counters zeroed
         x = torch.randn(m, k, device=dev, generator=gen).to(bf)
         e = torch.randn(m, n, device=dev, generator=gen).to(bf) if res else None
         ref = tm.tma_gemm_ref(x, w, e)
         out = torch.full((m, n), float("nan"), device=dev, dtype=bf)
-        tm.tma_gemm(x, w, out, e, **kw)
+        tm.tma_gemm(x, wk, out, e, **kw)
         torch.cuda.synchronize()
         assert torch.isfinite(out.float()).all()
         assert _rel(out, ref) < 1e-2

@@ -44,6 +44,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from decodescope.kernels.specialized import env_knobs
 from decodescope.kernels.specialized import interface as itf
+from decodescope.kernels.specialized.mla_decode_tc import ld_cluster_v4f32, mapa
 from decodescope.kernels.specialized.utils import pdl_enabled
 
 BK = 64  # K columns per chunk: one 128-byte swizzled row per operand row
@@ -87,6 +88,14 @@ class TmaPlan:
     splits: int = 1  # CTAs along K per row tile
     stages: int = 6
     bk: int = BK  # K columns per stage (64, 128 or 256: one to four 128-byte swizzle atoms)
+    rotate: bool = False  # each row tile walks its K range from its own starting chunk
+    cm: int = 1  # row tiles per cluster sharing one activation load (TMA multicast)
+    # the weight pre-packed by :func:`pack_weight`: each (row tile, chunk) tile is one contiguous
+    # ``bm x 64`` block in memory, so each stage's weight copy streams 8-16 KB in a row
+    packed: bool = False
+    # the splits of a row tile as one cluster reducing through distributed shared memory (each
+    # CTA sums a share of the tile from every peer's partial), not through global memory
+    csplit: bool = False
     residual_epilogue: bool = False
     pdl: bool = field(default_factory=pdl_enabled)
 
@@ -105,6 +114,17 @@ class TmaPlan:
             raise ValueError(f"tma_gemm: splits={self.splits} (1..{self.kt})")
         if not 2 <= self.stages <= 16:
             raise ValueError(f"tma_gemm: stages={self.stages} (2..16)")
+        if self.packed and self.bk != BK:
+            raise ValueError(f"tma_gemm: a packed weight takes bk={BK}, got {self.bk}")
+        if self.csplit and not (2 <= self.splits <= 8 and self.cm == 1 and self.part_fits):
+            raise ValueError(
+                f"tma_gemm: csplit takes 2..8 splits (got {self.splits}), cm=1 and a partial "
+                f"tile within the weight stages"
+            )
+        if self.cm not in (1, 2, 4) or self.bn < 8 * self.cm or (self.cm > 1 and self.rotate):
+            raise ValueError(
+                f"tma_gemm: cm={self.cm} (1, 2 or 4; at most bn/8 = {self.bn // 8}; no rotate)"
+            )
 
     @property
     def bn(self) -> int:
@@ -117,11 +137,17 @@ class TmaPlan:
 
     @property
     def row_tiles(self) -> int:
-        return -(-self.n // self.bm)
+        """Row tiles of the grid (whole clusters: the last may run past ``n``, on zeros)."""
+        return -(-self.n // (self.bm * self.cm)) * self.cm
 
     @property
     def npad(self) -> int:
         return self.row_tiles * self.bm
+
+    @property
+    def part_fits(self) -> bool:
+        """The FP32 partial tile ``[bn, bm + 4]`` fits in the weight stages (csplit)."""
+        return self.bn * (self.bm + 4) * 4 <= self.stages * self.bm * self.bk * 2
 
     @property
     def stage_bytes(self) -> int:
@@ -147,10 +173,13 @@ def plan(m: int, k: int, n: int, residual_epilogue: bool = False, **kw) -> TmaPl
     (each split at least two stages' worth of K)."""
     bm, bk, stages = kw.pop("bm", 64), kw.pop("bk", BK), kw.pop("stages", 4)
     splits = kw.pop("splits", 0)
-    probe = TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, stages=stages, **kw)
+    probe = TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, stages=stages,
+                    **{a: v for a, v in kw.items() if a != "csplit"})  # fmt: skip
     if not splits:
         slots = occupancy(probe) * NUM_SMS
         splits = max(1, min(probe.kt // 2, slots // probe.row_tiles))
+        if kw.get("csplit"):
+            splits = max(2, min(8, splits))
     return TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, splits=splits, stages=stages,
                    residual_epilogue=residual_epilogue, **kw)  # fmt: skip
 
@@ -184,10 +213,12 @@ class TmaGemm:
             cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(a_layout, (None, None, 0)),
             (p.bm, p.bk),
         )  # fmt: skip
+        op_b = cpasync.CopyBulkTensorTileG2SOp()
+        if cutlass.const_expr(p.cm > 1):
+            op_b = cpasync.CopyBulkTensorTileG2SMulticastOp()
         tma_b, gX = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mX, cute.slice_(b_layout, (None, None, 0)),
-            (p.bn, p.bk),
-        )  # fmt: skip
+            op_b, mX, cute.slice_(b_layout, (None, None, 0)), (p.bn, p.bk), num_multicast=p.cm
+        )
 
         @cute.struct
         class Smem:
@@ -201,6 +232,7 @@ class TmaGemm:
         self.kernel(*args).launch(
             grid=[p.row_tiles, p.splits, 1],
             block=[THREADS, 1, 1],
+            cluster=[p.cm, p.splits if p.csplit else 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
             use_pdl=p.pdl,
@@ -222,20 +254,35 @@ class TmaGemm:
             barrier_storage=st.bars.data_ptr(),
             num_stages=p.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            # every warp of each CTA the stage's activation was multicast to releases it
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, p.cm * THREADS // 32
+            ),  # fmt: skip
             tx_count=p.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, p.cm, 1, 1)),
         )
+        cl_layout = cute.make_layout((p.cm, 1, 1))
+        cl_coord = cl_layout.get_flat_coord(
+            cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        )
+        x_mask = None
+        if cutlass.const_expr(p.cm > 1):
+            x_mask = cute.make_layout_image_mask(cl_layout, cl_coord, mode=0)
+            cute.arch.cluster_arrive_relaxed()
         sA = st.sA.get_tensor(a_layout.outer, swizzle=a_layout.inner)
         sB = st.sB.get_tensor(b_layout.outer, swizzle=b_layout.inner)
         sLast = st.last.get_tensor(cute.make_layout(4))
 
         # (bm, bk, kt) and (bn, bk, kt) tiles of the TMA tensors; one CTA per row tile
-        tW = cute.local_tile(gW, (p.bm, p.bk), (bx, None))
+        if cutlass.const_expr(p.packed):  # tile (bx, c) is block bx * kt + c
+            tW = cute.local_tile(gW, (p.bm, p.bk), (None, 0))
+        else:
+            tW = cute.local_tile(gW, (p.bm, p.bk), (bx, None))
+        wb = bx * p.kt if p.packed else 0
         tX = cute.local_tile(gX, (p.bn, p.bk), (0, None))
         tAs, tAg = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
                                          cute.group_modes(sA, 0, 2), cute.group_modes(tW, 0, 2))  # fmt: skip
-        tBs, tBg = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+        tBs, tBg = cpasync.tma_partition(tma_b, cl_coord[0], cute.make_layout(p.cm),
                                          cute.group_modes(sB, 0, 2), cute.group_modes(tX, 0, 2))  # fmt: skip
 
         wg_mma = tiled_mma.get_slice(0)
@@ -245,17 +292,26 @@ class TmaGemm:
         tCc = thr_mma.partition_C(cute.make_identity_tensor((p.bm, p.bn)))
         acc = cute.make_rmem_tensor(tCc.shape, Float32)
         acc.fill(0.0)
-        cute.arch.sync_threads()  # the barriers' init before any wait on them
+        # the barriers' init before any wait on them (in the cluster: before a peer's multicast)
+        if cutlass.const_expr(p.cm > 1):
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         k0 = sp * p.kt // p.splits
         cnt = (sp + 1) * p.kt // p.splits - k0
         npre = cutlass.min(cnt, p.stages)
+        # each row tile starts its K walk at its own chunk (``rotate``): the CTAs of one split
+        # do not all read the same activation chunk from the same L2 lines at once
+        rot = Int32(0)
+        if cutlass.const_expr(p.rotate):
+            rot = (bx * 5) % cnt
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
         prodx = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
         if warp == 0:
             for _ in cutlass.range(npre, unroll=1):
                 pipe.producer_acquire(prod)
-                cute.copy(tma_a, tAg[(None, k0 + prod.count)], tAs[(None, prod.index)],
+                cute.copy(tma_a, tAg[(None, wb + k0 + (prod.count + rot) % cnt)], tAs[(None, prod.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(prod))  # fmt: skip
                 prod.advance()
         if cutlass.const_expr(p.pdl):
@@ -263,8 +319,8 @@ class TmaGemm:
             cute.arch.griddepcontrol_launch_dependents()
         if warp == 0:
             for _ in cutlass.range(npre, unroll=1):
-                cute.copy(tma_b, tBg[(None, k0 + prodx.count)], tBs[(None, prodx.index)],
-                          tma_bar_ptr=pipe.producer_get_barrier(prodx))  # fmt: skip
+                cute.copy(tma_b, tBg[(None, k0 + (prodx.count + rot) % cnt)], tBs[(None, prodx.index)],
+                          tma_bar_ptr=pipe.producer_get_barrier(prodx), mcast_mask=x_mask)  # fmt: skip
                 prodx.advance()
 
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
@@ -286,15 +342,20 @@ class TmaGemm:
                 if warp == 0 and prod.count < cnt:
                     pipe.producer_acquire(prod)
                     bar = pipe.producer_get_barrier(prod)
-                    cute.copy(tma_a, tAg[(None, k0 + prod.count)], tAs[(None, prod.index)],
+                    cute.copy(tma_a, tAg[(None, wb + k0 + (prod.count + rot) % cnt)], tAs[(None, prod.index)],
                               tma_bar_ptr=bar)  # fmt: skip
-                    cute.copy(tma_b, tBg[(None, k0 + prod.count)], tBs[(None, prod.index)],
-                              tma_bar_ptr=bar)  # fmt: skip
+                    cute.copy(tma_b, tBg[(None, k0 + (prod.count + rot) % cnt)], tBs[(None, prod.index)],
+                              tma_bar_ptr=bar, mcast_mask=x_mask)  # fmt: skip
                     prod.advance()
         warpgroup.wait_group(0)
+        if cutlass.const_expr(p.cm > 1):  # no peer exits while releases may still reach it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
         row0 = bx * p.bm
-        if cutlass.const_expr(p.splits == 1):
+        if cutlass.const_expr(p.csplit):
+            self.cluster_reduce(st, acc, tCc, mO, mE, row0, sp, tidx)
+        elif cutlass.const_expr(p.splits == 1):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, t = tCc[i]
                 row = row0 + r
@@ -321,6 +382,54 @@ class TmaGemm:
                     mCnt[bx] = Int32(0)
 
     @cute.jit
+    def cluster_reduce(self, st, acc, tCc, mO, mE, row0, sp, tidx):
+        """``csplit``: this CTA's FP32 partial into its own weight stages (free: every chunk
+        it loaded is consumed), one cluster barrier, then CTA ``sp`` of the cluster sums its
+        share of the tile's 4-row quads over every CTA's partial (``ld.shared::cluster``, in
+        split order) and stores them; a second barrier keeps each CTA's shared memory alive
+        while the others read it."""
+        p = self.p
+        rs_ = p.bm + 4
+        cute.arch.sync_threads()  # every warp past its last MMA on the stages
+        fbase = cute.recast_ptr(st.sA.data_ptr(), dtype=Float32)
+        sP = cute.make_tensor(fbase, cute.make_layout((p.bn, rs_), stride=(rs_, 1)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, t = tCc[i]
+            sP[t, r] = acc[i]
+        cute.arch.cluster_arrive()  # release: this split's partial is in place
+        cute.arch.cluster_wait()
+        quads = p.bm // 4
+        total = p.m * quads
+        for f in cutlass.range(sp * THREADS + tidx, total, p.splits * THREADS, unroll=1):
+            t = f // quads
+            r4 = (f % quads) * 4
+            vals = [ld_cluster_v4f32(mapa(sP.iterator + (t * rs_ + r4), q))
+                    for q in range(p.splits)]  # fmt: skip
+            row = row0 + r4
+            if row < p.n:
+                self.store4(mO, mE, t, row, vals)
+        cute.arch.cluster_arrive()  # this CTA reads no other's shared memory after this
+        cute.arch.cluster_wait()  # nobody exits while another still reads its partial
+
+    @cute.jit
+    def store4(self, mO, mE, t, row, vals):
+        """Rows ``row..row+3`` of token ``t``: the splits' sums (in split order), the epilogue,
+        one 8-byte store."""
+        p = self.p
+        ov = cute.make_rmem_tensor((4,), BFloat16)
+        ev = cute.make_rmem_tensor((4,), BFloat16)
+        if cutlass.const_expr(p.residual_epilogue):
+            cute.autovec_copy(cute.local_tile(mE[t, None], (4,), (row // 4,)), ev)
+        for e in cutlass.range_constexpr(4):
+            v = vals[0][e]
+            for s in cutlass.range_constexpr(1, p.splits):
+                v = v + vals[s][e]
+            if cutlass.const_expr(p.residual_epilogue):
+                v = v.to(BFloat16).to(Float32) + ev[e].to(Float32)
+            ov[e] = v.to(BFloat16)
+        cute.autovec_copy(ov, cute.local_tile(mO[t, None], (4,), (row // 4,)))
+
+    @cute.jit
     def reduce(self, mO, mE, mWs, row0, tidx):
         """The last split of a row tile: 4 rows of one token per thread and step (16-byte L2
         loads of each split's partial, 8-byte stores)."""
@@ -341,18 +450,7 @@ class TmaGemm:
                             read_only_args=[ptr],
                         )
                     )
-                ov = cute.make_rmem_tensor((4,), BFloat16)
-                ev = cute.make_rmem_tensor((4,), BFloat16)
-                if cutlass.const_expr(p.residual_epilogue):
-                    cute.autovec_copy(cute.local_tile(mE[t, None], (4,), (row // 4,)), ev)
-                for e in cutlass.range_constexpr(4):
-                    v = vals[0][e]
-                    for s in cutlass.range_constexpr(1, p.splits):
-                        v = v + vals[s][e]
-                    if cutlass.const_expr(p.residual_epilogue):
-                        v = v.to(BFloat16).to(Float32) + ev[e].to(Float32)
-                    ov[e] = v.to(BFloat16)
-                cute.autovec_copy(ov, cute.local_tile(mO[t, None], (4,), (row // 4,)))
+                self.store4(mO, mE, t, row, vals)
 
 
 _PH = (16, 16)
@@ -361,7 +459,8 @@ _PH = (16, 16)
 def _fake_args(p: TmaPlan):
     bf = torch.bfloat16
     e = itf.fake(bf, (p.m, p.n)) if p.residual_epilogue else itf.fake(bf, _PH)
-    return (itf.fake(bf, (p.m, p.k)), itf.fake(bf, (p.n, p.k)), itf.fake(bf, (p.m, p.n)), e,
+    w = itf.fake(bf, (p.npad * p.kt, BK)) if p.packed else itf.fake(bf, (p.n, p.k))
+    return (itf.fake(bf, (p.m, p.k)), w, itf.fake(bf, (p.m, p.n)), e,
             itf.fake(torch.float32, (p.splits, p.bn, p.npad)),
             itf.fake(torch.int32, (p.row_tiles,), align=4), itf.env_stream())  # fmt: skip
 
@@ -393,18 +492,31 @@ def prepare(p: TmaPlan, device) -> None:
     _workspace(p, device)
 
 
+def pack_weight(w: torch.Tensor, bm: int = 64, cm: int = 1) -> torch.Tensor:
+    """``w [n, k]`` as the packed plan reads it: ``[row_tiles * kt * bm, 64]``, tile (row tile
+    ``r``, chunk ``c``) at rows ``(r * kt + c) * bm``; rows past ``n`` are zeros."""
+    n, k = w.shape
+    rt = -(-n // (bm * cm)) * cm
+    wp = torch.zeros(rt * bm, k, dtype=w.dtype, device=w.device)
+    wp[:n] = w
+    return wp.view(rt, bm, k // BK, BK).permute(0, 2, 1, 3).contiguous().view(-1, BK)
+
+
 def tma_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-             epilogue_residual: torch.Tensor | None = None, **kw) -> None:  # fmt: skip
+             epilogue_residual: torch.Tensor | None = None, n: int = 0, **kw) -> None:  # fmt: skip
     """``out = bf16(x @ w^T)`` (``epilogue_residual``: ``bf16(bf16(x @ w^T) + e)``, ``out``
-    may alias it). ``x`` ``[m, k]`` and ``w`` ``[n, k]`` contiguous BF16; ``kw``: the plan's
-    tiling (``bm``, ``splits``, ``stages``, ``pdl``)."""
+    may alias it). ``x`` ``[m, k]`` and ``w`` ``[n, k]`` contiguous BF16 (``packed=True``:
+    :func:`pack_weight`'s form of it); ``kw``: the plan's tiling (``bm``, ``bk``, ``splits``,
+    ``stages``, ``cm``, ``rotate``, ``packed``, ``pdl``)."""
     m, k = int(x.shape[0]), int(x.shape[1])
-    n = int(w.shape[0])
+    packed = kw.get("packed", False)
+    n = n or int(out.shape[1])
     if not (x.is_contiguous() and w.is_contiguous()):
         raise ValueError("tma_gemm: x and w must be contiguous")
-    itf.check(w, "tma_gemm w", (n, k), torch.bfloat16)
     itf.check(out, "tma_gemm out", (m, n), torch.bfloat16)
     p = plan(m, k, n, residual_epilogue=epilogue_residual is not None, **kw)
+    want = (p.npad * p.kt, BK) if packed else (n, k)
+    itf.check(w, "tma_gemm w" + (" (packed)" if packed else ""), want, torch.bfloat16)
     fn = compile_plan(p)
     ws, cnt = _workspace(p, x.device)
     e = epilogue_residual if epilogue_residual is not None else itf.placeholder(x.device, _PH)
