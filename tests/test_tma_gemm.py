@@ -111,15 +111,19 @@ def test_ptx_weight_before_wait():
 
 
 def test_knob(monkeypatch):
-    """Off by default; ``1`` routes ``_cublas_project`` to the kernel where :func:`takes` says
-    so, and the step's op implementation follows; a bad value is a one-line error."""
+    """Off by default; ``oproj`` moves the residual-epilogue projection (o_proj) only, ``1``
+    every cuBLAS-served one, where :func:`takes` says so; a bad value is a one-line error."""
     monkeypatch.delenv(tm.ENV, raising=False)
-    assert not tm.enabled()
+    assert not tm.enabled() and not tm.serves(True)
+    monkeypatch.setenv(tm.ENV, "oproj")
+    assert tm.serves(True) and not tm.serves(False)
     monkeypatch.setenv(tm.ENV, "1")
-    assert tm.enabled()
+    assert tm.serves(True) and tm.serves(False)
     monkeypatch.setenv(tm.ENV, "yes")
     with pytest.raises(ValueError, match="DECODESCOPE_PROJ_TMA='yes'"):
         tm.enabled()
+    cfg = CFGS[8]
+    assert tm.plan(64, cfg.kda_dim, cfg.hidden, True, **tm.KNOB_TILING).splits >= 2
     x = torch.zeros(32, 1536, dtype=torch.bfloat16)
     w = torch.zeros(7168, 1536, dtype=torch.bfloat16)
     o = torch.zeros(32, 7168, dtype=torch.bfloat16)
@@ -128,7 +132,8 @@ def test_knob(monkeypatch):
 
 
 def test_step_op_impl(monkeypatch):
-    """With the knob the ops cuBLAS served at 64 tokens become the kernels' own."""
+    """With the knob the ops cuBLAS served at 64 tokens become the kernels' own: ``oproj`` the
+    o_proj, ``1`` the input projection too."""
     from decodescope.kernels.specialized import step as S
 
     def impl():
@@ -136,9 +141,13 @@ def test_step_op_impl(monkeypatch):
                    layers="dense,kda,mla", seed=0, front_norm=0)  # fmt: skip
         return p.op_impl()
 
+    inp = "attn.input_residual_norm+qkv_proj+f_b_proj"
     monkeypatch.delenv(tm.ENV, raising=False)
     before = impl()
-    assert before["attn.o_proj"] == tg.CUBLAS_IMPL
+    assert before["attn.o_proj"] == before[inp] == tg.CUBLAS_IMPL
+    monkeypatch.setenv(tm.ENV, "oproj")
+    got = impl()
+    assert got["attn.o_proj"] == S.CUTE and got[inp] == tg.CUBLAS_IMPL
     monkeypatch.setenv(tm.ENV, "1")
     assert set(impl().values()) == {S.CUTE}
 
@@ -231,7 +240,7 @@ def test_gpu_project_knob(m, monkeypatch):
     wi = rnd(cfg.kda_in_proj_out, cfg.hidden, scale=cfg.hidden**-0.5)
     nw = (1 + 0.1 * torch.randn(cfg.hidden, device=dev, generator=gen)).to(bf)
     outs = {}
-    for mode in ("0", "1"):
+    for mode in ("0", "1", "oproj"):
         monkeypatch.setenv(tm.ENV, mode)
         ro = r.clone()
         tg.project(o, [wo], [ro], epilogue_residual=ro, eps=cfg.eps)
@@ -240,6 +249,7 @@ def test_gpu_project_knob(m, monkeypatch):
         tg.project(x, [wi], [pi], residual=res, residual_out=rmid, norm_weight=nw, eps=cfg.eps)
         torch.cuda.synchronize()
         outs[mode] = (ro, pi, rmid)
-    for a, b in zip(outs["1"], outs["0"], strict=True):
-        assert torch.isfinite(a.float()).all()
-        assert _rel(a, b) < 1e-2
+    for mode in ("1", "oproj"):
+        for a, b in zip(outs[mode], outs["0"], strict=True):
+            assert torch.isfinite(a.float()).all()
+            assert _rel(a, b) < 1e-2

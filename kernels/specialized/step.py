@@ -497,13 +497,12 @@ class Plan:
         n, cfg = self.chunk_tokens, self.cfg
         if self.tokens_once:
             return op in WIDE_CUBLAS_OPS
-        if tm.enabled():  # DECODESCOPE_PROJ_TMA=1: those GEMMs run on the TMA kernel
-            return False
+        # DECODESCOPE_PROJ_TMA: the GEMMs it moves run on the TMA kernel (tma_gemm.serves)
         if op == "attn.o_proj":
             k = cfg.kda_dim if spec.attn == "kda" else cfg.mla_v_dim
-            return tg.cublas_serves(n, k, 1, False, False)
+            return tg.cublas_serves(n, k, 1, False, False) and not tm.serves(True)
         if op == "attn.input_residual_norm+qkv_proj+f_b_proj":
-            return tg.cublas_serves(n, cfg.hidden, 1, True, True)
+            return tg.cublas_serves(n, cfg.hidden, 1, True, True) and not tm.serves(False)
         return False
 
 

@@ -1585,7 +1585,8 @@ def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=
                     epilogue_residual=None, eps=1e-5) -> None:  # fmt: skip
     """The tile path's norm launch (if any), then ``out = a @ w^T (+ epilogue_residual)`` by
     cuBLAS: ``bf16(acc + res)`` in one rounding (the tile kernel: ``bf16(bf16(acc) + res)``);
-    with ``DECODESCOPE_PROJ_TMA=1`` by :mod:`.tma_gemm` instead (the tile kernel's rounding).
+    with ``DECODESCOPE_PROJ_TMA`` (:func:`.tma_gemm.serves`) by :mod:`.tma_gemm` instead (the
+    tile kernel's rounding).
     ``out`` may alias ``epilogue_residual`` (an in-place ``addmm_``)."""
     a = x
     if norm_weight is not None:
@@ -1593,8 +1594,8 @@ def _cublas_project(x, w, out, *, residual=None, residual_out=None, norm_weight=
         a = norm_launch(p, x, norm_weight, residual, residual_out)
     from decodescope.kernels.specialized import tma_gemm as tm
 
-    if tm.enabled() and tm.takes(a, w, out):
-        tm.tma_gemm(a, w, out, epilogue_residual)
+    if tm.serves(epilogue_residual is not None) and tm.takes(a, w, out):
+        tm.tma_gemm(a, w, out, epilogue_residual, **tm.KNOB_TILING)
         return
     _cublas_gemm(a, w, out, epilogue_residual)
 

@@ -52,14 +52,31 @@ THREADS = 128  # one warpgroup
 NUM_SMS = 132
 SMEM_PER_SM = 227 * 1024
 ENV = "DECODESCOPE_PROJ_TMA"  # opt-in: the cuBLAS-served projections on this kernel
-ENV_CHOICES = ("0", "1")
+ENV_CHOICES = ("0", "oproj", "1")
+# the tiling the projections take through the knob: the splits of a row tile reduced in their
+# cluster, 4 stages (session 32, t6: o_proj 0.81-0.94x cuBLAS's time at TP8 / TP16, 32 / 64
+# tokens, kernel alone, same call)
+KNOB_TILING = {"csplit": True, "stages": 4}
+
+
+def mode() -> str:
+    """``DECODESCOPE_PROJ_TMA``: which of the projections that :func:`.tile_gemm.cublas_serves`
+    hands to cuBLAS (o_proj with its residual add, KDA's in_proj after its norm launch; 32-64
+    tokens) run their GEMM here instead, on :data:`KNOB_TILING`: ``oproj`` the o_proj alone,
+    ``1`` both. Unset / ``0``: cuBLAS (the default). Read at each call."""
+    return str(env_knobs.read(ENV, ENV_CHOICES, "0"))
 
 
 def enabled() -> bool:
-    """``DECODESCOPE_PROJ_TMA=1``: the projections that :func:`.tile_gemm.cublas_serves`
-    hands to cuBLAS (o_proj, KDA's in_proj after its norm launch, 32-64 tokens) run their GEMM
-    here instead. Unset / ``0``: cuBLAS (the default)."""
-    return env_knobs.read(ENV, ENV_CHOICES, "0") == "1"
+    """Whether any projection runs here (:func:`mode` is not ``0``)."""
+    return mode() != "0"
+
+
+def serves(residual_epilogue: bool) -> bool:
+    """Whether the knob moves a cuBLAS-served projection here: ``1`` every one, ``oproj`` the
+    one with the residual epilogue (o_proj)."""
+    m = mode()
+    return m == "1" or (m == "oproj" and residual_epilogue)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:

@@ -561,6 +561,23 @@ part39c=(
   "200:r8:decodescope bench --tp-shape 8 --batch 8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/r8.json"
   "200:r16:decodescope bench --tp-shape 16 --batch 8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/r16.json"
 )
+# Part 40 (staged in session 32 for the next; no vLLM parts needed). 40a: the TMA GEMM's GPU
+# tests at the knob's tiling, the whole step with DECODESCOPE_PROJ_TMA=oproj at TP8 / TP16 64x1
+# and 32x1, then the layers A/B at TP16 (batch 32, 64; default / oproj / 1, specialized only).
+# 40b: the same A/B at TP8. Prediction and rule: notes/specialized.md "Session 32".
+BT="decodescope bench --backends specialized --layers dense,kda,mla --batch 32,64 --out $R/ab"
+part40a=(
+  "90:ttest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemm.py -k 'project_knob or graph or kw16 or kw0'"
+  "150:steps:DECODESCOPE_PROJ_TMA=oproj python scripts/gpu_steps.py --tp 8 16 --points 64x1 32x1 --layers dense,kda,mla --out $R/steps"
+  "100:t16d:$BT --tp-shape 16 --json $R/t16d.json"
+  "100:t16o:DECODESCOPE_PROJ_TMA=oproj $BT --tp-shape 16 --json $R/t16o.json"
+  "100:t16a:DECODESCOPE_PROJ_TMA=1 $BT --tp-shape 16 --json $R/t16a.json"
+)
+part40b=(
+  "120:t8d:$BT --tp-shape 8 --json $R/t8d.json"
+  "120:t8o:DECODESCOPE_PROJ_TMA=oproj $BT --tp-shape 8 --json $R/t8o.json"
+  "120:t8a:DECODESCOPE_PROJ_TMA=1 $BT --tp-shape 8 --json $R/t8a.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -614,5 +631,7 @@ case "${1:-1}" in
   39a) exec bash "$here/run_stages.sh" "${part39a[@]}" ;;
   39b) exec bash "$here/run_stages.sh" "${part39b[@]}" ;;
   39c) exec bash "$here/run_stages.sh" "${part39c[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b or 39a-c, got '$1'" >&2; exit 2 ;;
+  40a) exec bash "$here/run_stages.sh" "${part40a[@]}" ;;
+  40b) exec bash "$here/run_stages.sh" "${part40b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c or 40a-b, got '$1'" >&2; exit 2 ;;
 esac
