@@ -131,29 +131,13 @@ def test_op_impl_tp2(allreduce):
 def test_vs_tile_gpu(m, monkeypatch):
     """o_proj (aliased residual) and KDA in_proj (norm + residual add) at TP8: cuBLAS against
     the tile kernel on the same fresh random inputs."""
-    cfg = get_config("kimi-k3", 8)
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(m)
-    bf = torch.bfloat16
+    from tile_fakes import attn_projections
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
-
-    o, r = rnd(m, cfg.kda_dim), rnd(m, cfg.hidden)
-    wo = rnd(cfg.hidden, cfg.kda_dim, scale=cfg.kda_dim**-0.5)
-    x, res = rnd(m, cfg.hidden), rnd(m, cfg.hidden)
-    wi = rnd(cfg.kda_in_proj_out, cfg.hidden, scale=cfg.hidden**-0.5)
-    nw = (1 + 0.1 * torch.randn(cfg.hidden, device=dev, generator=gen)).to(bf)
+    run = attn_projections(get_config("kimi-k3", 8), m, torch.device("cuda"))
     outs = {}
     for mode in ("0", "32"):
         monkeypatch.setenv(ENV, mode)
-        ro = r.clone()
-        tg.project(o, [wo], [ro], epilogue_residual=ro, eps=cfg.eps)
-        pi = torch.full((m, cfg.kda_in_proj_out), float("nan"), device=dev, dtype=bf)
-        rmid = torch.full_like(x, float("nan"))
-        tg.project(x, [wi], [pi], residual=res, residual_out=rmid, norm_weight=nw, eps=cfg.eps)
-        torch.cuda.synchronize()
-        outs[mode] = (ro, pi, rmid)
+        outs[mode] = run()
     for a, b in zip(outs["32"], outs["0"], strict=True):
         assert torch.isfinite(a.float()).all()
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2

@@ -28,13 +28,10 @@ CFGS = {tp: get_config("kimi-k3", tp) for tp in (8, 16)}
 
 
 def _shapes(cfg) -> dict[str, tuple[int, int, bool]]:
-    return {
-        "in_proj": (cfg.kda_in_proj_out, cfg.hidden, False),
-        "o_proj": (cfg.hidden, cfg.kda_dim, True),
-        "q_b": (cfg.mla_q_b_out, cfg.mla.q_lora_rank, False),
-        "gate_up": (2 * cfg.dense_inter, cfg.hidden, False),
-        "down": (cfg.hidden, cfg.dense_inter, False),
-    }
+    """op -> (weight rows, k, residual epilogue): the GPU script's cases."""
+    from tile_fakes import load_script
+
+    return load_script("gpu_tma_gemm").shapes(cfg)
 
 
 @pytest.mark.parametrize("tp", [8, 16])
@@ -226,29 +223,13 @@ def test_gpu_graph_in_place(tp):
 def test_gpu_project_knob(m, monkeypatch):
     """KDA in_proj (norm launch + GEMM) and o_proj through ``tile_gemm.project`` with the knob
     against cuBLAS's path on the same inputs."""
-    cfg = CFGS[16]
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(m)
-    bf = torch.bfloat16
+    from tile_fakes import attn_projections
 
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
-
-    o, r = rnd(m, cfg.kda_dim), rnd(m, cfg.hidden)
-    wo = rnd(cfg.hidden, cfg.kda_dim, scale=cfg.kda_dim**-0.5)
-    x, res = rnd(m, cfg.hidden), rnd(m, cfg.hidden)
-    wi = rnd(cfg.kda_in_proj_out, cfg.hidden, scale=cfg.hidden**-0.5)
-    nw = (1 + 0.1 * torch.randn(cfg.hidden, device=dev, generator=gen)).to(bf)
+    run = attn_projections(CFGS[16], m, torch.device("cuda"))
     outs = {}
     for mode in ("0", "1", "oproj"):
         monkeypatch.setenv(tm.ENV, mode)
-        ro = r.clone()
-        tg.project(o, [wo], [ro], epilogue_residual=ro, eps=cfg.eps)
-        pi = torch.full((m, cfg.kda_in_proj_out), float("nan"), device=dev, dtype=bf)
-        rmid = torch.full_like(x, float("nan"))
-        tg.project(x, [wi], [pi], residual=res, residual_out=rmid, norm_weight=nw, eps=cfg.eps)
-        torch.cuda.synchronize()
-        outs[mode] = (ro, pi, rmid)
+        outs[mode] = run()
     for mode in ("1", "oproj"):
         for a, b in zip(outs[mode], outs["0"], strict=True):
             assert torch.isfinite(a.float()).all()

@@ -1,6 +1,8 @@
 """Shared by the CPU dry runs of the GPU scripts (``tests/test_gpu_*_script.py``): load a script
 from ``scripts/`` as a module, and a torch model of :func:`.tile_gemm.tile_gemm`'s contract to
-patch in for the kernel (the plan is still built, so bad variants raise as they would there)."""
+patch in for the kernel (the plan is still built, so bad variants raise as they would there).
+Also the attention projections' GPU A/B case (:func:`attn_projections`) that the cuBLAS and
+TMA-GEMM knob tests share."""
 
 from __future__ import annotations
 
@@ -52,3 +54,32 @@ def fake_tile_gemm(x, ws, outs, *, residual=None, residual_out=None, norm_weight
         o.copy_(r)
     if residual_out is not None:
         residual_out.copy_(rout)
+
+
+def attn_projections(cfg, m: int, dev):
+    """o_proj (residual epilogue, in place) and KDA's in_proj (norm launch after the residual
+    add) through :func:`.tile_gemm.project` on fresh random inputs (seed ``m``): returns
+    ``run()``, which projects both under the knobs set now and returns (o_proj's new residual,
+    in_proj's output, the new residual of the norm), the outputs NaN-poisoned first."""
+    gen = torch.Generator(device=dev).manual_seed(m)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(bf)
+
+    o, r = rnd(m, cfg.kda_dim), rnd(m, cfg.hidden)
+    wo = rnd(cfg.hidden, cfg.kda_dim, scale=cfg.kda_dim**-0.5)
+    x, res = rnd(m, cfg.hidden), rnd(m, cfg.hidden)
+    wi = rnd(cfg.kda_in_proj_out, cfg.hidden, scale=cfg.hidden**-0.5)
+    nw = (1 + 0.1 * torch.randn(cfg.hidden, device=dev, generator=gen)).to(bf)
+
+    def run():
+        ro = r.clone()
+        tg.project(o, [wo], [ro], epilogue_residual=ro, eps=cfg.eps)
+        pi = torch.full((m, cfg.kda_in_proj_out), float("nan"), device=dev, dtype=bf)
+        rmid = torch.full_like(x, float("nan"))
+        tg.project(x, [wi], [pi], residual=res, residual_out=rmid, norm_weight=nw, eps=cfg.eps)
+        torch.cuda.synchronize()
+        return ro, pi, rmid
+
+    return run
