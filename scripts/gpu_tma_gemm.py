@@ -14,8 +14,9 @@ table and writes ``OUT/tma_gemm.json``. Nothing is asserted about speed.
     python scripts/gpu_tma_gemm.py --out $OUT/tma [--tp 8 16] [--tokens 16 32 64]
         [--ops in_proj o_proj q_b gate_up down] [--sweep]
 
-``--sweep``: instead of the default plan, 64 / 128-row tiles, 64-256 K columns per stage, 2-6
-stages (each with the splits that fill one wave at its occupancy).
+``--sweep``: instead of the default plan, the tilings of :data:`SWEEP` (each with the splits
+that fill one wave at its occupancy unless given): the split-K reduced in the cluster
+(``-cl``), the packed weight, the copy warp of its own (``-ws``).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def shapes(cfg) -> dict[str, tuple[int, int, bool]]:
     }
 
 
-SWEEP = [dict(bm=64, bk=64, stages=8, packed=True), dict(csplit=True, stages=4),
-         dict(csplit=True, stages=4, packed=True), dict(csplit=True, stages=6, packed=True),
-         dict(csplit=True, bk=128, stages=3), dict(csplit=True, stages=8, packed=True)]  # fmt: skip
+SWEEP = [dict(csplit=True, stages=4), dict(csplit=True, stages=4, wsp=True),
+         dict(bm=64, bk=64, stages=8, packed=True), dict(stages=8, packed=True, wsp=True),
+         dict(csplit=True, stages=6, packed=True), dict(csplit=True, stages=6, packed=True, wsp=True),
+         dict(stages=4, wsp=True)]  # fmt: skip
 
 
 def variants(p: tm.TmaPlan, sweep: bool) -> list[dict]:
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
                         if key not in packs:
                             packs[key] = [tm.pack_weight(w, p.bm, p.cm) for w in ws]
                         wv = packs[key]
-                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm, "bk": p.bk, "rot": p.rotate, "cm": p.cm, "packed": p.packed, "csplit": p.csplit,
+                    row = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": p.bm, "bk": p.bk, "rot": p.rotate, "cm": p.cm, "packed": p.packed, "csplit": p.csplit, "wsp": p.wsp,
                            "splits": p.splits, "stages": p.stages, "ctas": p.ctas,
                            "mbytes": nbytes / 1e6, "floor_us": floor}  # fmt: skip
                     try:
@@ -147,7 +149,9 @@ def main(argv=None) -> int:
         us = r.get("us")
         usf = "" if us is None else f"{us:.2f}"
         xf = "" if us is None else f"{us / r['floor_us']:.2f}"
-        kern = "cuBLAS" if r["status"] == "cublas" else ("tma-cl" if r.get("csplit") else "tma")
+        kern = "cuBLAS" if r["status"] == "cublas" else "tma"
+        kern += "-cl" if r.get("csplit") else ""
+        kern += "-ws" if r.get("wsp") else ""
         lines.append(
             f"| {r['tp']} | {r['op']} | {r['m']} | {kern} | {int(r.get('packed', 0))} | {r.get('cm', 0)} | {r['bm']} | {r.get('bk', 0)} | {r['splits']} | "
             f"{r['stages']} | {r['ctas']} | {usf} | {r['floor_us']:.2f} | {xf} | "

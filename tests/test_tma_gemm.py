@@ -60,7 +60,8 @@ def test_pack_weight():
                                 {"bk": 128, "stages": 3}, {"bk": 256, "stages": 2, "bm": 128},
                                 {"cm": 2}, {"cm": 4, "splits": 1}, {"packed": True},
                                 {"packed": True, "cm": 2, "bm": 128}, {"csplit": True},
-                                {"csplit": True, "bk": 128, "stages": 3}])  # fmt: skip
+                                {"csplit": True, "bk": 128, "stages": 3}, {"wsp": True},
+                                {"wsp": True, "csplit": True, "cm": 1, "stages": 6}])  # fmt: skip
 def test_compiles_variants(kw):
     cfg = CFGS[16]
     p = tm.plan(32, cfg.hidden, cfg.kda_in_proj_out, **kw)
@@ -92,6 +93,16 @@ def test_plan_rules():
     ]:
         with pytest.raises(ValueError, match=msg):
             tm.TmaPlan(**bad)
+
+
+def test_ptx_copy_warp():
+    """``wsp``: a fifth warp (160 threads) issues the copies; the same four MMAs per chunk."""
+    cfg = CFGS[16]
+    p = tm.plan(64, cfg.hidden, cfg.kda_in_proj_out, wsp=True)
+    assert p.threads == 160 and tm.plan(64, cfg.hidden, cfg.kda_in_proj_out).threads == 128
+    ptx = itf.ptx_text(tm.TmaGemm(p), *tm._fake_args(p))
+    assert ".reqntid 160" in ptx or ".maxntid 160" in ptx
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4
 
 
 def test_ptx_weight_before_wait():
@@ -171,7 +182,10 @@ def _rel(a, b) -> float:
                                   (64, {"packed": True, "cm": 2, "splits": 1}),
                                   (64, {"csplit": True}),
                                   (33, {"csplit": True, "packed": True, "stages": 6}),
-                                  (64, {"csplit": True, "bk": 128, "stages": 3})])  # fmt: skip
+                                  (64, {"csplit": True, "bk": 128, "stages": 3}),
+                                  (64, {"wsp": True}),
+                                  (33, {"wsp": True, "csplit": True, "packed": True}),
+                                  (64, {"wsp": True, "splits": 1, "stages": 8, "cm": 2})])  # fmt: skip
 def test_gpu_vs_ref(tp, op, m, kw):
     n, k, res = _shapes(CFGS[tp])[op]
     dev = torch.device("cuda")

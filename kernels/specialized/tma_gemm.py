@@ -113,6 +113,9 @@ class TmaPlan:
     # the splits of a row tile as one cluster reducing through distributed shared memory (each
     # CTA sums a share of the tile from every peer's partial), not through global memory
     csplit: bool = False
+    # a fifth warp that only issues the copies (warp specialization): a stage is refilled as
+    # soon as the warpgroup releases it, not after warp 0's next wait and MMAs
+    wsp: bool = False
     residual_epilogue: bool = False
     pdl: bool = field(default_factory=pdl_enabled)
 
@@ -160,6 +163,10 @@ class TmaPlan:
     @property
     def npad(self) -> int:
         return self.row_tiles * self.bm
+
+    @property
+    def threads(self) -> int:
+        return THREADS + (32 if self.wsp else 0)
 
     @property
     def part_fits(self) -> bool:
@@ -248,7 +255,7 @@ class TmaGemm:
         args = (tma_a, gW, tma_b, gX, mO, mE, mWs, mCnt, tiled_mma, a_layout, b_layout)
         self.kernel(*args).launch(
             grid=[p.row_tiles, p.splits, 1],
-            block=[THREADS, 1, 1],
+            block=[p.threads, 1, 1],
             cluster=[p.cm, p.splits if p.csplit else 1, 1],
             smem=Smem.size_in_bytes(),
             stream=stream,
@@ -261,7 +268,8 @@ class TmaGemm:
         tidx, _, _ = cute.arch.thread_idx()
         bx, sp, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
+        pw = THREADS // 32 if p.wsp else 0  # the warp that issues the copies
+        if warp == pw:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
@@ -305,7 +313,7 @@ class TmaGemm:
         wg_mma = tiled_mma.get_slice(0)
         tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
-        thr_mma = tiled_mma.get_slice(tidx)
+        thr_mma = tiled_mma.get_slice(tidx % THREADS)
         tCc = thr_mma.partition_C(cute.make_identity_tensor((p.bm, p.bn)))
         acc = cute.make_rmem_tensor(tCc.shape, Float32)
         acc.fill(0.0)
@@ -325,7 +333,7 @@ class TmaGemm:
             rot = (bx * 5) % cnt
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
         prodx = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, p.stages)
-        if warp == 0:
+        if warp == pw:
             for _ in cutlass.range(npre, unroll=1):
                 pipe.producer_acquire(prod)
                 cute.copy(tma_a, tAg[(None, wb + k0 + (prod.count + rot) % cnt)], tAs[(None, prod.index)],
@@ -334,7 +342,7 @@ class TmaGemm:
         if cutlass.const_expr(p.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-        if warp == 0:
+        if warp == pw:
             for _ in cutlass.range(npre, unroll=1):
                 cute.copy(tma_b, tBg[(None, k0 + (prodx.count + rot) % cnt)], tBs[(None, prodx.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(prodx), mcast_mask=x_mask)  # fmt: skip
@@ -344,47 +352,53 @@ class TmaGemm:
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         nkb = cute.size(tCrA, mode=[2])
-        for kk in cutlass.range(cnt, unroll=1):
-            pipe.consumer_wait(cons)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(nkb):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
-                          tCrB[(None, None, kb, cons.index)], acc)  # fmt: skip
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)  # the chunk before this one is read: release its stage
-            cons.advance()
-            if kk > 0:
-                pipe.consumer_release(rel)
-                rel.advance()
-                if warp == 0 and prod.count < cnt:
-                    pipe.producer_acquire(prod)
-                    bar = pipe.producer_get_barrier(prod)
-                    cute.copy(tma_a, tAg[(None, wb + k0 + (prod.count + rot) % cnt)], tAs[(None, prod.index)],
-                              tma_bar_ptr=bar)  # fmt: skip
-                    cute.copy(tma_b, tBg[(None, k0 + (prod.count + rot) % cnt)], tBs[(None, prod.index)],
-                              tma_bar_ptr=bar, mcast_mask=x_mask)  # fmt: skip
+        if cutlass.const_expr(p.wsp):
+            if warp == pw:  # the copy warp: every later chunk as soon as its stage is free
+                for _ in cutlass.range(cnt - npre, unroll=1):
+                    self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot, cnt,
+                                x_mask)  # fmt: skip
                     prod.advance()
+            else:
+                for kk in cutlass.range(cnt, unroll=1):
+                    self.mma_chunk(pipe, cons, tiled_mma, acc, tCrA, tCrB, nkb)
+                    cons.advance()
+                    if kk > 0:
+                        pipe.consumer_release(rel)
+                        rel.advance()
+        else:
+            for kk in cutlass.range(cnt, unroll=1):
+                self.mma_chunk(pipe, cons, tiled_mma, acc, tCrA, tCrB, nkb)
+                cons.advance()
+                if kk > 0:
+                    pipe.consumer_release(rel)
+                    rel.advance()
+                    if warp == 0 and prod.count < cnt:
+                        self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot,
+                                    cnt, x_mask)  # fmt: skip
+                        prod.advance()
         warpgroup.wait_group(0)
         if cutlass.const_expr(p.cm > 1):  # no peer exits while releases may still reach it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
         row0 = bx * p.bm
+        mine = tidx < THREADS  # the warpgroup's threads hold the accumulators
         if cutlass.const_expr(p.csplit):
             self.cluster_reduce(st, acc, tCc, mO, mE, row0, sp, tidx)
         elif cutlass.const_expr(p.splits == 1):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, t = tCc[i]
                 row = row0 + r
-                if t < p.m and row < p.n:
+                if mine and t < p.m and row < p.n:
                     v = acc[i]
                     if cutlass.const_expr(p.residual_epilogue):
                         v = v.to(BFloat16).to(Float32) + mE[t, row].to(Float32)
                     mO[t, row] = v.to(BFloat16)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, t = tCc[i]
-                mWs[sp, t, row0 + r] = acc[i]
+            if mine:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    r, t = tCc[i]
+                    mWs[sp, t, row0 + r] = acc[i]
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_threads()
             if tidx == 0:
@@ -392,11 +406,33 @@ class TmaGemm:
                                            scope="gpu")  # fmt: skip
                 sLast[0] = old
             cute.arch.sync_threads()
-            if sLast[0] == p.splits - 1:
+            if sLast[0] == p.splits - 1 and mine:
                 cute.arch.fence_acq_rel_gpu()
                 self.reduce(mO, mE, mWs, row0, tidx)
                 if tidx == 0:
                     mCnt[bx] = Int32(0)
+
+    @cute.jit
+    def mma_chunk(self, pipe, cons, tiled_mma, acc, tCrA, tCrB, nkb):
+        """Wait for the stage of ``cons``, its MMAs into ``acc``, and wait until the chunk
+        before it has been read (``wgmma.wait_group 1``: its stage may be released)."""
+        pipe.consumer_wait(cons)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(nkb):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, cons.index)],
+                      tCrB[(None, None, kb, cons.index)], acc)  # fmt: skip
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+
+    @cute.jit
+    def refill(self, pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot, cnt, x_mask):
+        """Wait until the stage of ``prod`` is free, then both operands' copies of its chunk."""
+        pipe.producer_acquire(prod)
+        bar = pipe.producer_get_barrier(prod)
+        c = k0 + (prod.count + rot) % cnt
+        cute.copy(tma_a, tAg[(None, wb + c)], tAs[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, tBg[(None, c)], tBs[(None, prod.index)], tma_bar_ptr=bar,
+                  mcast_mask=x_mask)  # fmt: skip
 
     @cute.jit
     def cluster_reduce(self, st, acc, tCc, mO, mE, row0, sp, tidx):
@@ -410,14 +446,19 @@ class TmaGemm:
         cute.arch.sync_threads()  # every warp past its last MMA on the stages
         fbase = cute.recast_ptr(st.sA.data_ptr(), dtype=Float32)
         sP = cute.make_tensor(fbase, cute.make_layout((p.bn, rs_), stride=(rs_, 1)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            r, t = tCc[i]
-            sP[t, r] = acc[i]
+        mine = tidx < THREADS  # not the copy warp (wsp)
+        if mine:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, t = tCc[i]
+                sP[t, r] = acc[i]
         cute.arch.cluster_arrive()  # release: this split's partial is in place
         cute.arch.cluster_wait()
         quads = p.bm // 4
         total = p.m * quads
-        for f in cutlass.range(sp * THREADS + tidx, total, p.splits * THREADS, unroll=1):
+        start = sp * THREADS + tidx
+        if not mine:  # the copy warp sums nothing
+            start = total
+        for f in cutlass.range(start, total, p.splits * THREADS, unroll=1):
             t = f // quads
             r4 = (f % quads) * 4
             vals = [ld_cluster_v4f32(mapa(sP.iterator + (t * rs_ + r4), q))

@@ -564,7 +564,8 @@ part39c=(
 # Part 40 (staged in session 32 for the next; no vLLM parts needed). 40a: the TMA GEMM's GPU
 # tests at the knob's tiling, the whole step with DECODESCOPE_PROJ_TMA=oproj at TP8 / TP16 64x1
 # and 32x1, then the layers A/B at TP16 (batch 32, 64; default / oproj / 1, specialized only).
-# 40b: the same A/B at TP8. Prediction and rule: notes/specialized.md "Session 32".
+# 40b: the same A/B at TP8. 40c: the copy warp of its own (wsp) against the same tilings without
+# it (tests, then the sweep). Predictions and rules: notes/specialized.md "Session 32".
 BT="decodescope bench --backends specialized --layers dense,kda,mla --batch 32,64 --out $R/ab"
 part40a=(
   "90:ttest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemm.py -k 'project_knob or graph or kw16 or kw0'"
@@ -572,6 +573,10 @@ part40a=(
   "100:t16d:$BT --tp-shape 16 --json $R/t16d.json"
   "100:t16o:DECODESCOPE_PROJ_TMA=oproj $BT --tp-shape 16 --json $R/t16o.json"
   "100:t16a:DECODESCOPE_PROJ_TMA=1 $BT --tp-shape 16 --json $R/t16a.json"
+)
+part40c=(
+  "90:wtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemm.py -k 'vs_ref and (kw19 or kw20 or kw21)'"
+  "200:wsweep:python scripts/gpu_tma_gemm.py --out $R/wsweep --tokens 32 64 --sweep --ops in_proj o_proj gate_up down"
 )
 part40b=(
   "120:t8d:$BT --tp-shape 8 --json $R/t8d.json"
@@ -633,5 +638,6 @@ case "${1:-1}" in
   39c) exec bash "$here/run_stages.sh" "${part39c[@]}" ;;
   40a) exec bash "$here/run_stages.sh" "${part40a[@]}" ;;
   40b) exec bash "$here/run_stages.sh" "${part40b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c or 40a-b, got '$1'" >&2; exit 2 ;;
+  40c) exec bash "$here/run_stages.sh" "${part40c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c or 40a-c, got '$1'" >&2; exit 2 ;;
 esac
