@@ -14,6 +14,9 @@ table and writes ``OUT/tma_gemm.json``. Nothing is asserted about speed.
     python scripts/gpu_tma_gemm.py --out $OUT/tma [--tp 8 16] [--tokens 16 32 64]
         [--ops in_proj o_proj q_b gate_up down] [--sweep]
 
+``--profile``: no timing; after the checks, one launch of each tiling (and of cuBLAS) inside the
+CUDA profiler window, for ``DS_NCU_PROG=scripts/gpu_tma_gemm.py scripts/gpu/ncu_profile.sh``.
+
 ``--sweep``: instead of the default plan, the tilings of :data:`SWEEP` (each with the splits
 that fill one wave at its occupancy unless given): the split-K reduced in the cluster
 (``-cl``), the packed weight, the copy warp of its own (``-ws``).
@@ -62,6 +65,20 @@ def variants(p: tm.TmaPlan, sweep: bool) -> list[dict]:
     return [v for v in SWEEP if p.k % v.get("bk", 64) == 0 and p.bn >= 8 * v.get("cm", 1)]
 
 
+def timed(fns, args) -> float:
+    return graph_time_us(fns, args.replays)[0]
+
+
+def profiled(fn) -> None:
+    """One launch of ``fn`` inside the CUDA profiler window (warmed up outside it)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -74,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="+", default=["in_proj", "o_proj", "q_b", "gate_up", "down"])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="one profiled launch, no timing")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from decodescope.kernels.bandwidth import copy_bandwidth_tbs
@@ -123,7 +141,7 @@ def main(argv=None) -> int:
                         ok_all &= row["status"] == "PASS"
                         fns = [(lambda w=w, x=x, o=out, e=e, kw=kw: tm.tma_gemm(x, w, o, e, **kw))
                                for w in wv]  # fmt: skip
-                        row["us"] = graph_time_us(fns, args.replays)[0]
+                        row["us"] = profiled(fns[0]) if args.profile else timed(fns, args)
                     except Exception as ex:  # noqa: BLE001 - a failing tiling is a row
                         row["status"] = f"ERROR {type(ex).__name__}: {str(ex)[:100]}"
                         ok_all = False
@@ -137,7 +155,8 @@ def main(argv=None) -> int:
                     fns = [(lambda w=w, x=x, o=out: torch.mm(x, w.t(), out=o)) for w in ws]
                 cub = {"tp": tp, "op": op, "m": m, "n": n, "k": k, "bm": 0, "splits": 0,
                        "stages": 0, "ctas": 0, "mbytes": nbytes / 1e6, "floor_us": floor,
-                       "status": "cublas", "us": graph_time_us(fns, args.replays)[0]}  # fmt: skip
+                       "status": "cublas",
+                       "us": profiled(fns[0]) if args.profile else timed(fns, args)}  # fmt: skip
                 rows.append(cub)
                 print(cub, flush=True)
                 (args.out / "tma_gemm.json").write_text(json.dumps({"copy_tbs": bw, "rows": rows}))

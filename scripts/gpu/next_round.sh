@@ -577,6 +577,7 @@ part40a=(
 part40c=(
   "90:wtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_tma_gemm.py -k 'vs_ref and (kw19 or kw20 or kw21)'"
   "200:wsweep:python scripts/gpu_tma_gemm.py --out $R/wsweep --tokens 32 64 --sweep --ops in_proj o_proj gate_up down"
+  "240:ncu:DS_NCU_PROG=scripts/gpu_tma_gemm.py bash scripts/gpu/ncu_profile.sh $R/ncu tma16 --out $R/ncu_rows --tp 16 --tokens 64 --ops gate_up down --sweep --profile"
 )
 part40b=(
   "120:t8d:$BT --tp-shape 8 --json $R/t8d.json"
