@@ -36,6 +36,7 @@ from decodescope.kernels.specialized import tma_gemm as tm
 from decodescope.kernels.timing import graph_time_us
 
 BF16 = torch.bfloat16
+DEV = "cuda"  # the tests run the script on the CPU with the kernel replaced
 L2_BYTES = 50 * 2**20
 TOL = 1e-2
 
@@ -105,18 +106,18 @@ def main(argv=None) -> int:
         for op in args.ops:
             n, k, res = shapes(cfg)[op]
             copies = max(2, -(-2 * L2_BYTES // (n * k * 2)))
-            g = torch.Generator(device="cuda").manual_seed(1000 * tp + n)
-            ws = [(torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(BF16)
+            g = torch.Generator(device=DEV).manual_seed(1000 * tp + n)
+            ws = [(torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(BF16)
                   for _ in range(copies)]  # fmt: skip
             packs: dict = {}
             for m in args.tokens:
-                x = torch.randn(m, k, device="cuda", generator=g).to(BF16)
-                e = torch.randn(m, n, device="cuda", generator=g).to(BF16) if res else None
+                x = torch.randn(m, k, device=DEV, generator=g).to(BF16)
+                e = torch.randn(m, n, device=DEV, generator=g).to(BF16) if res else None
                 nbytes = n * k * 2 + m * k * 2 + m * n * 2 * (2 if res else 1)
                 floor = nbytes / bw / 1e6
                 base = tm.plan(m, k, n, residual_epilogue=res)
                 ref = tm.tma_gemm_ref(x, ws[0], e)
-                out = torch.empty(m, n, device="cuda", dtype=BF16)
+                out = torch.empty(m, n, device=DEV, dtype=BF16)
                 for kw in variants(base, args.sweep):
                     p = tm.plan(m, k, n, residual_epilogue=res, **kw)
                     wv = ws
