@@ -12,10 +12,11 @@ and stage, and the warpgroup only waits on the stage's mbarrier.
 Layout (swap AB): the weight rows are the MMA's M (``bm`` = 64 or 128 rows per CTA), the
 tokens its N (``bn``: ``m`` rounded up to 16; the TMA zero-fills the rows past ``m``), K in
 64-column chunks (128-byte rows, 128-byte swizzle: what the TMA writes and the MMA reads).
-Warp 0 issues both operands' copies into a ring of ``stages`` stages
-(:class:`cutlass.pipeline.PipelineTmaAsync`: a full and an empty mbarrier per stage); every
-warp waits on a stage's full barrier, the warpgroup runs its four MMAs (k = 16 each), and a
-stage is released one chunk later (after ``wgmma.wait_group 1``), when warp 0 refills it.
+Warp 0 (or with ``wsp`` a warp of its own) issues both operands' copies into a ring of
+``stages`` stages (:class:`cutlass.pipeline.PipelineTmaAsync`: a full and an empty mbarrier per
+stage); every warp of the warpgroup waits on a stage's full barrier, the warpgroup runs its
+MMAs (k = 16 each), and a stage is released one chunk later (after ``wgmma.wait_group 1``),
+when the copying warp refills it.
 Under programmatic dependent launch the weight copies of the first ``stages`` chunks are issued
 before ``griddepcontrol.wait`` (a weight never depends on the kernel before); the activation
 copies of those chunks follow the wait, on the same barriers.
@@ -23,9 +24,18 @@ copies of those chunks follow the wait, on the same barriers.
 Split-K over ``splits`` CTAs per row tile (grid ``(row_tiles, splits)``): each CTA writes its
 FP32 partial tile to ``ws[split, token, row]`` and bumps the row tile's counter (acq_rel); the
 last one sums the splits (16-byte L2 loads), applies the epilogue and zeroes the counter, so
-every launch on one stream reuses the workspace. One split stores from the accumulators.
-Epilogue: ``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + e)`` (the tile
-kernel's rounding; ``out`` may alias ``e``).
+every launch on one stream reuses the workspace. With ``csplit`` the splits of a row tile form
+one cluster instead and reduce through distributed shared memory (each CTA sums a share of the
+tile over its peers' partials). One split stores from the accumulators. Epilogue:
+``bf16(acc)``, or with ``residual_epilogue`` ``bf16(bf16(acc) + e)`` (the tile kernel's
+rounding; ``out`` may alias ``e``).
+
+Variants (plan fields, all opt-in): ``bk`` 64-256 K columns per stage; ``cm`` 2 / 4 row tiles
+per cluster sharing each activation load (TMA multicast, stages released cluster-wide);
+``packed`` weights laid out tile by tile (:func:`pack_weight`); ``rotate`` each row tile's K
+walk from its own chunk; ``wsp`` a fifth warp that only issues the copies. Measured on the
+H200 (session 32, kernel alone): every tiling correct; the best ones match cuBLAS, at 1.3-1.9x
+the bytes floor, and beat it for o_proj (:data:`KNOB_TILING`); ``wsp`` not yet run.
 """
 
 from __future__ import annotations
@@ -194,7 +204,7 @@ def occupancy(p: TmaPlan) -> int:
 def plan(m: int, k: int, n: int, residual_epilogue: bool = False, **kw) -> TmaPlan:
     """The tiling: ``bm`` / ``bk`` / ``stages`` as given (default 64 / 64 / 4); unless given,
     splits so that the grid fills the SMs in one wave at the occupancy the shared memory allows
-    (each split at least two stages' worth of K)."""
+    (each split at least two chunks of K; with ``csplit`` 2-8, a cluster's size)."""
     bm, bk, stages = kw.pop("bm", 64), kw.pop("bk", BK), kw.pop("stages", 4)
     splits = kw.pop("splits", 0)
     probe = TmaPlan(m=m, k=k, n=n, bm=bm, bk=bk, stages=stages,
