@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -138,16 +139,33 @@ def _read_schema(table: str) -> pa.Schema:
     return pa.schema(fields)
 
 
+def _rows_by_run(t: pa.Table) -> dict[str, np.ndarray]:
+    """Each run id's row indices in ``t``, in the table's order: one pass over the column (a
+    filter per run would read the whole table once per run)."""
+    if t.num_rows == 0:
+        return {}
+    enc = t["run_id"].cast(pa.string()).combine_chunks().dictionary_encode()
+    codes = enc.indices.to_numpy(zero_copy_only=False)
+    order = np.argsort(codes, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(codes, minlength=len(enc.dictionary)))))
+    return {rid: order[bounds[i]:bounds[i + 1]]
+            for i, rid in enumerate(enc.dictionary.to_pylist())}  # fmt: skip
+
+
+def _take(t: pa.Table, idx: np.ndarray | None) -> pa.Table:
+    return t.slice(0, 0) if idx is None else t.take(idx)
+
+
 def read_runs(path: str | os.PathLike[str], run_ids: Sequence[str] | None = None) -> list[Run]:
     """Whole runs from a dataset (all of them, or those of ``run_ids``)."""
     tables = {name: read_table(path, name, run_ids) for name in TABLES}
     runs_t = tables["runs"]
+    # one chunk per column: ``take`` on a table of one chunk per file resolves chunks per row
+    tables = {name: t.combine_chunks() for name, t in tables.items()}
+    rows = {name: _rows_by_run(t) for name, t in tables.items()}
     out = []
-    for rid in runs_t["run_id"].to_pylist():
-        sel = {
-            name: t.filter(pc.equal(t["run_id"].cast(pa.string()), rid))
-            for name, t in tables.items()
-        }
+    for rid in runs_t["run_id"].cast(pa.string()).to_pylist():
+        sel = {name: _take(t, rows[name].get(rid)) for name, t in tables.items()}
         meta = RunMeta.from_table(sel["runs"])
         out.append(
             Run(
