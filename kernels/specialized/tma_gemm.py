@@ -362,19 +362,12 @@ class TmaGemm:
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         nkb = cute.size(tCrA, mode=[2])
-        if cutlass.const_expr(p.wsp):
-            if warp == pw:  # the copy warp: every later chunk as soon as its stage is free
-                for _ in cutlass.range(cnt - npre, unroll=1):
-                    self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot, cnt,
-                                x_mask)  # fmt: skip
-                    prod.advance()
-            else:
-                for kk in cutlass.range(cnt, unroll=1):
-                    self.mma_chunk(pipe, cons, tiled_mma, acc, tCrA, tCrB, nkb)
-                    cons.advance()
-                    if kk > 0:
-                        pipe.consumer_release(rel)
-                        rel.advance()
+        copier = warp == pw if p.wsp else False  # wsp: warp 4 only copies
+        if copier:  # every later chunk as soon as its stage is free
+            for _ in cutlass.range(cnt - npre, unroll=1):
+                self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot, cnt,
+                            x_mask)  # fmt: skip
+                prod.advance()
         else:
             for kk in cutlass.range(cnt, unroll=1):
                 self.mma_chunk(pipe, cons, tiled_mma, acc, tCrA, tCrB, nkb)
@@ -382,10 +375,12 @@ class TmaGemm:
                 if kk > 0:
                     pipe.consumer_release(rel)
                     rel.advance()
-                    if warp == 0 and prod.count < cnt:
-                        self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0, rot,
-                                    cnt, x_mask)  # fmt: skip
-                        prod.advance()
+                    # without wsp warp 0 refills the stage it has just helped release
+                    if cutlass.const_expr(not p.wsp):  # noqa: SIM102 - compile-time test
+                        if warp == 0 and prod.count < cnt:
+                            self.refill(pipe, prod, tma_a, tma_b, tAg, tAs, tBg, tBs, wb, k0,
+                                        rot, cnt, x_mask)  # fmt: skip
+                            prod.advance()
         warpgroup.wait_group(0)
         if cutlass.const_expr(p.cm > 1):  # no peer exits while releases may still reach it
             cute.arch.cluster_arrive()
