@@ -35,7 +35,11 @@ per cluster sharing each activation load (TMA multicast, stages released cluster
 ``packed`` weights laid out tile by tile (:func:`pack_weight`); ``rotate`` each row tile's K
 walk from its own chunk; ``wsp`` a fifth warp that only issues the copies. Measured on the
 H200 (session 32, kernel alone): every tiling correct; the best ones match cuBLAS, at 1.3-1.9x
-the bytes floor, and beat it for o_proj (:data:`KNOB_TILING`); ``wsp`` not yet run.
+the bytes floor, and beat it for o_proj (:data:`KNOB_TILING`). Session 33: ``wsp`` moves the
+best tilings by -1.0 to +0.9 us (and loses 2-9 us with one split), and the knob's o_proj in the
+layers gains nothing at TP16 and loses 3-4 us of share per layer at TP8 batch 64 (its CTAs
+resident early beside the decode before it): the knob stays off (notes/specialized.md
+"Session 33").
 """
 
 from __future__ import annotations
