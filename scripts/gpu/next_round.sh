@@ -584,6 +584,15 @@ part40b=(
   "120:t8o:DECODESCOPE_PROJ_TMA=oproj $BT --tp-shape 8 --json $R/t8o.json"
   "120:t8a:DECODESCOPE_PROJ_TMA=1 $BT --tp-shape 8 --json $R/t8a.json"
 )
+# Part 41 (session 33; vLLM parts staged): the README's batch 8 and 32 rows (one token, both
+# backends, TP8 / TP16) at the current defaults (they were measured at 1b95ebe, before the KDA
+# decode's batched chain, two CTAs per SM and the split's staging), then the fast sigmoid's
+# whole-step check. Predictions: notes/specialized.md "Session 33".
+part41=(
+  "200:r8:decodescope bench --tp-shape 8 --batch 8,32 --out $R/ds --json $R/r8.json"
+  "200:r16:decodescope bench --tp-shape 16 --batch 8,32 --out $R/ds --json $R/r16.json"
+  "150:fsig:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_steps.py --tp 8 16 --points 1x8 64x1 --layers dense,kda,mla --out $R/fsig"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -640,5 +649,6 @@ case "${1:-1}" in
   40a) exec bash "$here/run_stages.sh" "${part40a[@]}" ;;
   40b) exec bash "$here/run_stages.sh" "${part40b[@]}" ;;
   40c) exec bash "$here/run_stages.sh" "${part40c[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c or 40a-c, got '$1'" >&2; exit 2 ;;
+  41) exec bash "$here/run_stages.sh" "${part41[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c or 41, got '$1'" >&2; exit 2 ;;
 esac
