@@ -52,7 +52,7 @@ def main(path: str = "results") -> None:
         "layer's bytes (weights, the experts the batch's routing selected, state, cache) over "
         "the copy bandwidth measured in the same process"
         + (f" ({bws[0]:.2f}-{bws[-1]:.2f} TB/s)" if bws else "")
-        + ".\n"
+        + "; each setup shows the lower of its two runs' floors (the faster copy measured).\n"
     )
     print(
         "| tp_shape | tp_world | batch | kind | std kernels | spec kernels | std us | spec us "
@@ -75,7 +75,7 @@ def main(path: str = "results") -> None:
             s, p = rows.get(("standard", kind)), rows.get(("specialized", kind))
             if not s and not p:
                 continue
-            fl = (s or {}).get("floor_us") or (p or {}).get("floor_us")
+            fl = cmd_bench.pair_floor(s, p)
 
             def cell(r, key, fmt):
                 return fmt.format(r[key]) if r and r.get(key) is not None else "-"
