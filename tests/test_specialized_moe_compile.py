@@ -328,6 +328,55 @@ def test_back_mma_norm_variants_compile(T, load, norm):
     assert itf.compile_only(op, *args) is not None
 
 
+def _back_ptx(T: int, load: str, late: bool) -> str:
+    import glob
+    import tempfile
+
+    import cutlass.cute as cute
+
+    cfg, d = _dims("kimi-k3", 16)
+    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, "post", 0, late)
+    out = tempfile.mkdtemp()
+    cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={out}")
+    (path,) = glob.glob(f"{out}/**/*.ptx", recursive=True)
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("T,load", [(1, "ring"), (8, "ring"), (64, "regs")])
+def test_back_mma_late_trigger_ptx(T, load):
+    """``DECODESCOPE_MOE_BACK_LATE=1``: one wait and one trigger either way; by default the
+    trigger follows the wait before the first MMA, with the knob it follows the last MMA (the
+    next layer's first kernel becomes resident during the epilogue). The weight loads stay
+    before the wait in both."""
+    for late in (False, True):
+        ptx = _back_ptx(T, load, late)
+        assert ptx.count("griddepcontrol.wait") == 1
+        assert ptx.count("griddepcontrol.launch_dependents") == 1
+        wait = ptx.index("griddepcontrol.wait")
+        trig = ptx.index("griddepcontrol.launch_dependents")
+        first_mma, last_mma = ptx.index("mma.sync"), ptx.rindex("mma.sync")
+        assert wait < trig
+        if late:
+            assert trig > last_mma
+        else:
+            assert trig < first_mma
+        if load == "ring":
+            assert "cp.async" in ptx[:wait]  # the ring's first weight chunks before the wait
+
+
+def test_back_late_knob(monkeypatch):
+    monkeypatch.delenv(bm.LATE_ENV, raising=False)
+    assert bm.back_late() is False
+    monkeypatch.setenv(bm.LATE_ENV, "1")
+    assert bm.back_late() is True
+    monkeypatch.setenv(bm.LATE_ENV, "0")
+    assert bm.back_late() is False
+    monkeypatch.setenv(bm.LATE_ENV, "yes")
+    with pytest.raises(ValueError, match=bm.LATE_ENV):
+        bm.back_late()
+
+
 def test_back_norm_knob(monkeypatch):
     monkeypatch.delenv("DECODESCOPE_MOE_BACK_NORM", raising=False)
     assert bm.back_norm() == "post"  # default since the H200 A/B (notes/gpu-logs/s8/r1)

@@ -35,6 +35,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, const_expr
 
 from decodescope.kernels.specialized import back_tile as bt
+from decodescope.kernels.specialized import env_knobs
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.front_mma import mma_load
@@ -58,7 +59,7 @@ class BackMma:
     """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
 
     def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs",
-                 norm: str = "post", rt: int = 0):  # fmt: skip
+                 norm: str = "post", rt: int = 0, late: bool = False):  # fmt: skip
         if load not in mc.LOADS:
             raise ValueError(f"back_mma: load {load!r}, expected one of {mc.LOADS}")
         if norm not in NORMS:
@@ -72,6 +73,7 @@ class BackMma:
         if H % ROWS:
             raise ValueError(f"back_mma: hidden {H} must be a multiple of {ROWS}")
         self.T, self.L, self.H, self.eps, self.pdl = T, L, H, eps, pdl
+        self.late = late  # trigger the dependents after the main loop, not after the wait
         self.NW = _warps(L)
         self.NJ = -(-T // 8)
         self.MP = self.NJ * 8
@@ -150,7 +152,8 @@ class BackMma:
         if const_expr(self.pdl):
             # acc is complete only when the expert kernel has finished
             cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(not self.late):
+                cute.arch.griddepcontrol_launch_dependents()
         if const_expr(not post):
             # per-token rstd of the FP32 routed sum (every CTA for all tokens: an L2 read)
             for t in cutlass.range(warp, T, NW, unroll=1):
@@ -198,6 +201,11 @@ class BackMma:
                     lambda v, it=it: (chunk0 + it * U + v) * KCH + c * 8,
                     b_tiles,
                 )  # fmt: skip
+
+        if const_expr(self.pdl and self.late):
+            # every weight load of this CTA has landed: the next layer's first kernel may now
+            # become resident (its CTAs park in their own wait during this epilogue)
+            cute.arch.griddepcontrol_launch_dependents()
 
         if const_expr(post):
             # each token's sum of squares: this lane's columns, its quad (the 4 lanes of token
@@ -257,8 +265,8 @@ def _b_loader(mAcc, mNW, toks, k0, rstd=None, ssq=None):
     return b_of
 
 
-def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0):
-    op = BackMma(T, L, H, eps, pdl, load, norm, rt)
+def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0, late=False):
+    op = BackMma(T, L, H, eps, pdl, load, norm, rt, late)
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
@@ -314,6 +322,20 @@ def back_rt() -> int:
     return int(v)
 
 
+LATE_ENV = "DECODESCOPE_MOE_BACK_LATE"
+
+
+def back_late() -> bool:
+    """``DECODESCOPE_MOE_BACK_LATE``: ``1`` moves :class:`BackMma`'s PDL trigger from right after
+    its wait to after its main loop, so the next layer's first kernel becomes resident during
+    this kernel's epilogue instead of parking beside its weight stream for the whole kernel
+    (H200: that kernel starts 5-14 us before the layer it follows ends, at batch 1). ``0`` /
+    unset: the trigger after the wait, as every kernel of the step. Read at each call; part of
+    the compile key. Scheduling only: the next kernel's ``griddepcontrol.wait`` still waits for
+    this grid's completion, wherever the trigger sits."""
+    return env_knobs.read(LATE_ENV, ("0", "1"), "0") == "1"
+
+
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     """Launch :class:`BackMma` (same arguments as ``up_proj_shared_add``)."""
     T, L, H = check_back_args(acc, latent_norm, latent_up, shared_out, out)
@@ -321,6 +343,7 @@ def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     load = mma_load("back", T)
     norm = back_norm()
     rt = back_rt()
-    key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt)
-    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt))
+    late = back_late()
+    key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt, late)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt, late))
     fn(acc, latent_norm, latent_up, shared_out, out)

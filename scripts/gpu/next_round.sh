@@ -593,6 +593,24 @@ part41=(
   "200:r16:decodescope bench --tp-shape 16 --batch 8,32 --out $R/ds --json $R/r16.json"
   "150:fsig:DECODESCOPE_FAST_SIGMOID=1 python scripts/gpu_steps.py --tp 8 16 --points 1x8 64x1 --layers dense,kda,mla --out $R/fsig"
 )
+# Part 42 (session 33; no vLLM parts needed): BackMma's PDL trigger after its main loop
+# (DECODESCOPE_MOE_BACK_LATE=1): the MoE block's GPU checks and the whole step with it, then the
+# layers at batch 1 and 8, default / late / default, TP16 (42a) and TP8 (42b). Prediction and
+# rule: notes/specialized.md "Session 33".
+BL="decodescope bench --backends specialized --layers dense,kda,mla --batch 1,8 --out $R/ab"
+part42a=(
+  "120:ltest:DECODESCOPE_MOE_BACK_LATE=1 python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k 'test_specialized_moe_block and pipe and kimi'"
+  "150:lsteps:DECODESCOPE_MOE_BACK_LATE=1 python scripts/gpu_steps.py --tp 8 16 --points 1x1 8x1 --layers dense,kda,mla --out $R/lsteps"
+  "80:t16d:$BL --tp-shape 16 --json $R/t16d.json"
+  "80:t16l:DECODESCOPE_MOE_BACK_LATE=1 $BL --tp-shape 16 --json $R/t16l.json"
+  "80:t16d2:$BL --tp-shape 16 --json $R/t16d2.json"
+)
+part42b=(
+  "90:t8d:$BL --tp-shape 8 --json $R/t8d.json"
+  "90:t8l:DECODESCOPE_MOE_BACK_LATE=1 $BL --tp-shape 8 --json $R/t8l.json"
+  "90:t8d2:$BL --tp-shape 8 --json $R/t8d2.json"
+  "90:t8l2:DECODESCOPE_MOE_BACK_LATE=1 $BL --tp-shape 8 --json $R/t8l2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -650,5 +668,7 @@ case "${1:-1}" in
   40b) exec bash "$here/run_stages.sh" "${part40b[@]}" ;;
   40c) exec bash "$here/run_stages.sh" "${part40c[@]}" ;;
   41) exec bash "$here/run_stages.sh" "${part41[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c or 41, got '$1'" >&2; exit 2 ;;
+  42a) exec bash "$here/run_stages.sh" "${part42a[@]}" ;;
+  42b) exec bash "$here/run_stages.sh" "${part42b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41 or 42a-b, got '$1'" >&2; exit 2 ;;
 esac
