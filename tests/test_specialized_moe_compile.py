@@ -367,14 +367,16 @@ def test_back_mma_late_trigger_ptx(T, load):
 
 def test_back_late_knob(monkeypatch):
     monkeypatch.delenv(bm.LATE_ENV, raising=False)
-    assert bm.back_late() is False
+    assert not any(bm.back_late(T) for T in (1, 8, 31))  # off by default
     monkeypatch.setenv(bm.LATE_ENV, "1")
-    assert bm.back_late() is True
+    assert all(bm.back_late(T) for T in (1, 8, 31))
+    monkeypatch.setenv(bm.LATE_ENV, "auto")
+    assert [bm.back_late(T) for T in (1, 7, 8, 31)] == [False, False, True, True]
     monkeypatch.setenv(bm.LATE_ENV, "0")
-    assert bm.back_late() is False
+    assert not bm.back_late(8)
     monkeypatch.setenv(bm.LATE_ENV, "yes")
     with pytest.raises(ValueError, match=bm.LATE_ENV):
-        bm.back_late()
+        bm.back_late(1)
 
 
 def test_back_norm_knob(monkeypatch):

@@ -323,17 +323,25 @@ def back_rt() -> int:
 
 
 LATE_ENV = "DECODESCOPE_MOE_BACK_LATE"
+LATE_FROM = 8  # ``auto``: the late trigger from this many tokens on
 
 
-def back_late() -> bool:
+def back_late(T: int) -> bool:
     """``DECODESCOPE_MOE_BACK_LATE``: ``1`` moves :class:`BackMma`'s PDL trigger from right after
     its wait to after its main loop, so the next layer's first kernel becomes resident during
-    this kernel's epilogue instead of parking beside its weight stream for the whole kernel
-    (H200: that kernel starts 5-14 us before the layer it follows ends, at batch 1). ``0`` /
-    unset: the trigger after the wait, as every kernel of the step. Read at each call; part of
-    the compile key. Scheduling only: the next kernel's ``griddepcontrol.wait`` still waits for
-    this grid's completion, wherever the trigger sits."""
-    return env_knobs.read(LATE_ENV, ("0", "1"), "0") == "1"
+    this kernel's epilogue instead of parking beside its weight stream for the whole kernel;
+    ``auto`` does so from :data:`LATE_FROM` tokens on; ``0`` / unset (the default): the trigger
+    right after the wait, as in every kernel of the step. Read at each call; part of the compile
+    key. Scheduling only: the next kernel's ``griddepcontrol.wait`` still waits for this grid's
+    completion, wherever the trigger sits.
+
+    H200, session 33 (bench, specialized, same call, default / late): the MLA layer after it
+    spans 9-14 us less (TP16 batch 1 103.5 -> 93.2 us, batch 8 221.8 -> 207.9; TP8 126.2 ->
+    117.2, 336.7 -> 323.2). Its share grows at batch 1 (TP8 +1.2 us; TP16 the KDA layer +0.8,
+    projected step 8.01 -> 8.06 ms) and falls at batch 8 (-0.9 to -1.2 us, projected steps
+    -0.06 / -0.09 ms). Not the default: the rule set before the run asked for both batches."""
+    v = env_knobs.read(LATE_ENV, ("0", "1", "auto"), "0")
+    return v == "1" or (v == "auto" and T >= LATE_FROM)
 
 
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
@@ -343,7 +351,7 @@ def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     load = mma_load("back", T)
     norm = back_norm()
     rt = back_rt()
-    late = back_late()
+    late = back_late(T)
     key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt, late)
     fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt, late))
     fn(acc, latent_norm, latent_up, shared_out, out)
