@@ -33,7 +33,7 @@ KNOB_VARS = ("DECODESCOPE_MOE_BACK_TILE_STAGES", "DECODESCOPE_MOE_BACK_TILE_SPLI
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for v in (*KNOB_VARS, "DECODESCOPE_MOE_BACK"):
+    for v in (*KNOB_VARS, "DECODESCOPE_MOE_BACK", bt.LATE_ENV):
         monkeypatch.delenv(v, raising=False)
 
 
@@ -150,6 +150,42 @@ def test_back_tile_wgmma_compiles(T, k, n):
     assert bp.tile.wgmma
     assert T < 64 or 2 * (bp.smem_bytes + 1024) <= bt.SM_SMEM
     assert itf.compile_only(bt.BackTile(bp), *bt._fake_args(bp)) is not None
+
+
+def _mma_bounds(ptx: str) -> tuple[int, int]:
+    idx = [i for op in ("wgmma.mma_async", "mma.sync") for i in (ptx.find(op), ptx.rfind(op))
+           if i >= 0]  # fmt: skip
+    return min(idx), max(idx)
+
+
+@pytest.mark.parametrize("T,kw", [(64, {}), (32, {}), (64, {"cluster": False}), (8, {})])
+def test_back_tile_late_trigger_ptx(T, kw):
+    """``DECODESCOPE_MOE_BACK_LATE`` in the tile back (its plan's ``late``): one wait and one
+    trigger either way; the trigger right after the wait, before the first MMA, by default;
+    after the last MMA with it (before the cluster's or the last CTA's reduction). The first
+    weight chunks stay before the wait."""
+    for late in (False, True):
+        bp = bt.plan_for(T, 3584, 7168, 1e-5, late=late, **kw)
+        assert bp.late is late
+        ptx = itf.ptx_text(bt.BackTile(bp), *bt._fake_args(bp))
+        assert ptx.count("griddepcontrol.wait") == 1
+        assert ptx.count("griddepcontrol.launch_dependents") == 1
+        wait = ptx.index("griddepcontrol.wait")
+        trig = ptx.index("griddepcontrol.launch_dependents")
+        first, last = _mma_bounds(ptx)
+        assert "cp.async" in ptx[:wait]
+        assert wait < trig
+        assert trig > last if late else trig < first
+
+
+def test_back_tile_late_plan(monkeypatch):
+    """The knob reaches the plan (and so the compile key) through ``plan_for``."""
+    assert not bt.plan_for(64, 3584, 7168, 1e-5).late
+    monkeypatch.setenv(bt.LATE_ENV, "auto")
+    assert bt.plan_for(64, 3584, 7168, 1e-5).late and not bt.plan_for(4, 3584, 7168, 1e-5).late
+    monkeypatch.setenv(bt.LATE_ENV, "1")
+    assert bt.plan_for(4, 3584, 7168, 1e-5).late
+    assert bm.back_late is bt.back_late and bm.LATE_ENV == bt.LATE_ENV
 
 
 def test_back_tile_wgmma_plan(monkeypatch):
@@ -538,7 +574,8 @@ GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
                "ldsm_smem": {"act": "smem", "ldsm": True},
                "wgmma": {"act": "regs", "ldsm": True, "wgmma": True},
                "cluster": {"cluster": True}, "cluster_smem": {"act": "smem", "cluster": True},
-               "cluster_wgmma": {"act": "regs", "ldsm": True, "wgmma": True, "cluster": True}}  # fmt: skip
+               "cluster_wgmma": {"act": "regs", "ldsm": True, "wgmma": True, "cluster": True},
+               "late": {"late": True}, "late_split": {"late": True, "cluster": False}}  # fmt: skip
 
 
 @pytest.mark.gpu

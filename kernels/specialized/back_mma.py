@@ -35,7 +35,6 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, const_expr
 
 from decodescope.kernels.specialized import back_tile as bt
-from decodescope.kernels.specialized import env_knobs
 from decodescope.kernels.specialized import interface as itf
 from decodescope.kernels.specialized import mma_common as mc
 from decodescope.kernels.specialized.front_mma import mma_load
@@ -322,26 +321,8 @@ def back_rt() -> int:
     return int(v)
 
 
-LATE_ENV = "DECODESCOPE_MOE_BACK_LATE"
-LATE_FROM = 8  # ``auto``: the late trigger from this many tokens on
-
-
-def back_late(T: int) -> bool:
-    """``DECODESCOPE_MOE_BACK_LATE``: ``1`` moves :class:`BackMma`'s PDL trigger from right after
-    its wait to after its main loop, so the next layer's first kernel becomes resident during
-    this kernel's epilogue instead of parking beside its weight stream for the whole kernel;
-    ``auto`` does so from :data:`LATE_FROM` tokens on; ``0`` / unset (the default): the trigger
-    right after the wait, as in every kernel of the step. Read at each call; part of the compile
-    key. Scheduling only: the next kernel's ``griddepcontrol.wait`` still waits for this grid's
-    completion, wherever the trigger sits.
-
-    H200, session 33 (bench, specialized, same call, default / late): the MLA layer after it
-    spans 9-14 us less (TP16 batch 1 103.5 -> 93.2 us, batch 8 221.8 -> 207.9; TP8 126.2 ->
-    117.2, 336.7 -> 323.2). Its share grows at batch 1 (TP8 +1.2 us; TP16 the KDA layer +0.8,
-    projected step 8.01 -> 8.06 ms) and falls at batch 8 (-0.9 to -1.2 us, projected steps
-    -0.06 / -0.09 ms). Not the default: the rule set before the run asked for both batches."""
-    v = env_knobs.read(LATE_ENV, ("0", "1", "auto"), "0")
-    return v == "1" or (v == "auto" and T >= LATE_FROM)
+# the late trigger's knob, shared with back_tile (one definition: bt.back_late)
+LATE_ENV, LATE_FROM, back_late = bt.LATE_ENV, bt.LATE_FROM, bt.back_late
 
 
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:

@@ -612,23 +612,28 @@ part42b=(
   "90:t8l2:DECODESCOPE_MOE_BACK_LATE=1 $BL --tp-shape 8 --json $R/t8l2.json"
 )
 # Part 43 (staged in session 33 for the next; no vLLM parts): DECODESCOPE_MOE_BACK_LATE=auto
-# (the late trigger from 8 tokens) across BackMma's range: the MoE block's GPU checks with it
-# (42a's ran out of time after 7 passes), then the layers at batch 8, 16, 24, default / auto /
-# default / auto, TP16 (43a) and TP8 (43b). Prediction and rule: notes/specialized.md
-# "Session 33".
-BA="decodescope bench --backends specialized --layers dense,kda,mla --batch 8,16,24 --out $R/ab"
+# (the MoE back's PDL trigger after its main loop from 8 tokens: BackMma to 31 tokens, the tile
+# back from 32). 43a: the MoE block's GPU checks and the tile back's with the late trigger
+# (42a's ran out of time after 7 passes; the tile back's form has not run), the whole step with
+# it at 16x1 and 64x1. 43b / 43c: the layers at batch 8, 24, 64, default / auto / default /
+# auto, TP16 / TP8. Prediction and rule: notes/specialized.md "Session 33".
+BA="decodescope bench --backends specialized --layers dense,kda,mla --batch 8,24,64 --out $R/ab"
 part43a=(
   "240:ltest:DECODESCOPE_MOE_BACK_LATE=1 python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k 'test_specialized_moe_block and pipe and kimi'"
-  "80:t16d:$BA --tp-shape 16 --json $R/t16d.json"
-  "80:t16a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a.json"
-  "80:t16d2:$BA --tp-shape 16 --json $R/t16d2.json"
-  "80:t16a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a2.json"
+  "120:ttest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_back_tile.py -k 'back_tile_gpu and late'"
+  "150:lsteps:DECODESCOPE_MOE_BACK_LATE=auto python scripts/gpu_steps.py --tp 8 16 --points 16x1 64x1 --layers dense,kda,mla --out $R/lsteps"
 )
 part43b=(
-  "100:t8d:$BA --tp-shape 8 --json $R/t8d.json"
-  "100:t8a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a.json"
-  "100:t8d2:$BA --tp-shape 8 --json $R/t8d2.json"
-  "100:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a2.json"
+  "90:t16d:$BA --tp-shape 16 --json $R/t16d.json"
+  "90:t16a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a.json"
+  "90:t16d2:$BA --tp-shape 16 --json $R/t16d2.json"
+  "90:t16a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a2.json"
+)
+part43c=(
+  "110:t8d:$BA --tp-shape 8 --json $R/t8d.json"
+  "110:t8a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a.json"
+  "110:t8d2:$BA --tp-shape 8 --json $R/t8d2.json"
+  "110:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a2.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
@@ -691,5 +696,6 @@ case "${1:-1}" in
   42b) exec bash "$here/run_stages.sh" "${part42b[@]}" ;;
   43a) exec bash "$here/run_stages.sh" "${part43a[@]}" ;;
   43b) exec bash "$here/run_stages.sh" "${part43b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b or 43a-b, got '$1'" >&2; exit 2 ;;
+  43c) exec bash "$here/run_stages.sh" "${part43c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b or 43a-c, got '$1'" >&2; exit 2 ;;
 esac
