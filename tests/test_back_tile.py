@@ -159,33 +159,43 @@ def _mma_bounds(ptx: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("T,kw", [(64, {}), (32, {}), (64, {"cluster": False}), (8, {})])
-def test_back_tile_late_trigger_ptx(T, kw):
-    """``DECODESCOPE_MOE_BACK_LATE`` in the tile back (its plan's ``late``): one wait and one
-    trigger either way; the trigger right after the wait, before the first MMA, by default;
-    after the last MMA with it (before the cluster's or the last CTA's reduction). The first
-    weight chunks stay before the wait."""
-    for late in (False, True):
-        bp = bt.plan_for(T, 3584, 7168, 1e-5, late=late, **kw)
-        assert bp.late is late
+def test_back_tile_trigger_ptx(T, kw):
+    """``DECODESCOPE_MOE_BACK_LATE`` in the tile back (its plan's ``trigger``): one wait and one
+    trigger after it; by default (``wait``) before the first MMA; ``main`` after the last MMA
+    (before the cluster's or the last CTA's reduction); ``issued`` inside the main loop, on the
+    iteration that issues the CTA's last chunk (after its refill copies). The first weight
+    chunks stay before the wait."""
+    for trig in bt.TRIGGERS:
+        bp = bt.plan_for(T, 3584, 7168, 1e-5, trigger=trig, **kw)
+        assert bp.trigger == trig
         ptx = itf.ptx_text(bt.BackTile(bp), *bt._fake_args(bp))
         assert ptx.count("griddepcontrol.wait") == 1
         assert ptx.count("griddepcontrol.launch_dependents") == 1
         wait = ptx.index("griddepcontrol.wait")
-        trig = ptx.index("griddepcontrol.launch_dependents")
+        pos = ptx.index("griddepcontrol.launch_dependents")
         first, last = _mma_bounds(ptx)
         assert "cp.async" in ptx[:wait]
-        assert wait < trig
-        assert trig > last if late else trig < first
+        assert wait < pos
+        copies_between = "cp.async" in ptx[wait:pos]
+        if trig == "wait":  # right after the wait: the activations' copies come after it
+            assert pos < first and not copies_between
+        elif trig == "main":
+            assert pos > last
+        else:  # in the loop body after its refill copies, before that iteration's MMAs
+            assert copies_between and pos < last
 
 
-def test_back_tile_late_plan(monkeypatch):
+def test_back_tile_trigger_plan(monkeypatch):
     """The knob reaches the plan (and so the compile key) through ``plan_for``."""
-    assert not bt.plan_for(64, 3584, 7168, 1e-5).late
+    assert bt.plan_for(64, 3584, 7168, 1e-5).trigger == "wait"
     monkeypatch.setenv(bt.LATE_ENV, "auto")
-    assert bt.plan_for(64, 3584, 7168, 1e-5).late and not bt.plan_for(4, 3584, 7168, 1e-5).late
-    monkeypatch.setenv(bt.LATE_ENV, "1")
-    assert bt.plan_for(4, 3584, 7168, 1e-5).late
-    assert bm.back_late is bt.back_late and bm.LATE_ENV == bt.LATE_ENV
+    assert bt.plan_for(64, 3584, 7168, 1e-5).trigger == "main"
+    assert bt.plan_for(4, 3584, 7168, 1e-5).trigger == "wait"
+    monkeypatch.setenv(bt.LATE_ENV, "issued")
+    assert bt.plan_for(4, 3584, 7168, 1e-5).trigger == "issued"
+    assert bm.back_trigger is bt.back_trigger and bm.LATE_ENV == bt.LATE_ENV
+    with pytest.raises(ValueError, match="trigger"):
+        bt.BackPlan(m=64, k=3584, n=7168, eps=1e-5, trigger="late")
 
 
 def test_back_tile_wgmma_plan(monkeypatch):
@@ -575,7 +585,8 @@ GPU_CONFIGS = {"auto": {}, "smem": {"act": "smem"}, "regs": {"act": "regs"},
                "wgmma": {"act": "regs", "ldsm": True, "wgmma": True},
                "cluster": {"cluster": True}, "cluster_smem": {"act": "smem", "cluster": True},
                "cluster_wgmma": {"act": "regs", "ldsm": True, "wgmma": True, "cluster": True},
-               "late": {"late": True}, "late_split": {"late": True, "cluster": False}}  # fmt: skip
+               "late": {"trigger": "main"}, "late_split": {"trigger": "main", "cluster": False},
+               "late_issued": {"trigger": "issued"}}  # fmt: skip
 
 
 @pytest.mark.gpu

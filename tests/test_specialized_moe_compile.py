@@ -328,14 +328,14 @@ def test_back_mma_norm_variants_compile(T, load, norm):
     assert itf.compile_only(op, *args) is not None
 
 
-def _back_ptx(T: int, load: str, late: bool) -> str:
+def _back_ptx(T: int, load: str, trigger: str) -> str:
     import glob
     import tempfile
 
     import cutlass.cute as cute
 
     cfg, d = _dims("kimi-k3", 16)
-    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, "post", 0, late)
+    op, args = bm._build(T, d["L"], d["H"], cfg.eps, True, load, "post", 0, trigger)
     out = tempfile.mkdtemp()
     cute.compile(op, *args, options=f"--enable-tvm-ffi --keep-ptx --dump-dir={out}")
     (path,) = glob.glob(f"{out}/**/*.ptx", recursive=True)
@@ -344,39 +344,48 @@ def _back_ptx(T: int, load: str, late: bool) -> str:
 
 
 @pytest.mark.parametrize("T,load", [(1, "ring"), (8, "ring"), (64, "regs")])
-def test_back_mma_late_trigger_ptx(T, load):
-    """``DECODESCOPE_MOE_BACK_LATE=1``: one wait and one trigger either way; by default the
-    trigger follows the wait before the first MMA, with the knob it follows the last MMA (the
-    next layer's first kernel becomes resident during the epilogue). The weight loads stay
-    before the wait in both."""
-    for late in (False, True):
-        ptx = _back_ptx(T, load, late)
+def test_back_mma_trigger_ptx(T, load):
+    """``DECODESCOPE_MOE_BACK_LATE``: one wait either way, and the trigger after it: before the
+    first MMA by default (``wait``); after the last MMA (``main``); with the ring, once per
+    warp right after the step that issues its last chunk (``issued``: between the MMAs, the
+    copies all before it), with register loads where ``main`` puts it. The ring's first
+    chunks stay before the wait."""
+    for trig in bm.bt.TRIGGERS:
+        ptx = _back_ptx(T, load, trig)
         assert ptx.count("griddepcontrol.wait") == 1
-        assert ptx.count("griddepcontrol.launch_dependents") == 1
         wait = ptx.index("griddepcontrol.wait")
-        trig = ptx.index("griddepcontrol.launch_dependents")
+        first = ptx.index("griddepcontrol.launch_dependents")
+        last = ptx.rindex("griddepcontrol.launch_dependents")
         first_mma, last_mma = ptx.index("mma.sync"), ptx.rindex("mma.sync")
-        assert wait < trig
-        if late:
-            assert trig > last_mma
-        else:
-            assert trig < first_mma
+        assert wait < first
         if load == "ring":
             assert "cp.async" in ptx[:wait]  # the ring's first weight chunks before the wait
+        if trig == "wait":
+            assert first == last < first_mma
+        elif trig == "main" or load != "ring":
+            assert first == last > last_mma
+        else:  # issued, ring: after the last cp.async, before the last chunks' MMAs
+            assert first == last
+            assert ptx.rindex("cp.async.cg") < first < last_mma
+            assert ptx.count("mma.sync", first) > 0
 
 
-def test_back_late_knob(monkeypatch):
+def test_back_trigger_knob(monkeypatch):
     monkeypatch.delenv(bm.LATE_ENV, raising=False)
-    assert not any(bm.back_late(T) for T in (1, 8, 31))  # off by default
+    assert {bm.back_trigger(T) for T in (1, 8, 31)} == {"wait"}  # the default
     monkeypatch.setenv(bm.LATE_ENV, "1")
-    assert all(bm.back_late(T) for T in (1, 8, 31))
+    assert {bm.back_trigger(T) for T in (1, 8, 31)} == {"main"}
+    monkeypatch.setenv(bm.LATE_ENV, "issued")
+    assert bm.back_trigger(1) == "issued"
     monkeypatch.setenv(bm.LATE_ENV, "auto")
-    assert [bm.back_late(T) for T in (1, 7, 8, 31)] == [False, False, True, True]
+    assert [bm.back_trigger(T) for T in (1, 7, 8, 31)] == ["wait", "wait", "main", "main"]
     monkeypatch.setenv(bm.LATE_ENV, "0")
-    assert not bm.back_late(8)
+    assert bm.back_trigger(8) == "wait"
     monkeypatch.setenv(bm.LATE_ENV, "yes")
     with pytest.raises(ValueError, match=bm.LATE_ENV):
-        bm.back_late(1)
+        bm.back_trigger(1)
+    with pytest.raises(ValueError, match="trigger"):
+        bm.BackMma(8, 3584, 7168, 1e-6, trigger="late")
 
 
 def test_back_norm_knob(monkeypatch):

@@ -58,7 +58,7 @@ class BackMma:
     """Compile-time facts: T tokens, L latent (K), H hidden (rows), eps."""
 
     def __init__(self, T: int, L: int, H: int, eps: float, pdl: bool = True, load: str = "regs",
-                 norm: str = "post", rt: int = 0, late: bool = False):  # fmt: skip
+                 norm: str = "post", rt: int = 0, trigger: str = "wait"):  # fmt: skip
         if load not in mc.LOADS:
             raise ValueError(f"back_mma: load {load!r}, expected one of {mc.LOADS}")
         if norm not in NORMS:
@@ -72,7 +72,9 @@ class BackMma:
         if H % ROWS:
             raise ValueError(f"back_mma: hidden {H} must be a multiple of {ROWS}")
         self.T, self.L, self.H, self.eps, self.pdl = T, L, H, eps, pdl
-        self.late = late  # trigger the dependents after the main loop, not after the wait
+        if trigger not in bt.TRIGGERS:
+            raise ValueError(f"back_mma: trigger {trigger!r}, expected one of {bt.TRIGGERS}")
+        self.trigger = trigger  # where the PDL trigger sits (back_tile.back_trigger)
         self.NW = _warps(L)
         self.NJ = -(-T // 8)
         self.MP = self.NJ * 8
@@ -151,7 +153,7 @@ class BackMma:
         if const_expr(self.pdl):
             # acc is complete only when the expert kernel has finished
             cute.arch.griddepcontrol_wait()
-            if const_expr(not self.late):
+            if const_expr(self.trigger == "wait"):
                 cute.arch.griddepcontrol_launch_dependents()
         if const_expr(not post):
             # per-token rstd of the FP32 routed sum (every CTA for all tokens: an L2 read)
@@ -191,8 +193,14 @@ class BackMma:
             k0 = (chunk0 + v) * KCH + c * 8
             mc.ring_mma(atom, accs, fa, fb, sR, warp, lane, slot, RT, NJ, b_tiles(k0))
 
+        issued = None
+        if const_expr(self.pdl and self.trigger == "issued"):
+
+            def issued():  # this warp's last weight chunk is in flight (first warp: the CTA)
+                cute.arch.griddepcontrol_launch_dependents()
+
         if const_expr(self.load == "ring"):
-            mc.ring_main(self.CPW, NS, issue, consume)
+            mc.ring_main(self.CPW, NS, issue, consume, issued)
         else:
             for it in cutlass.range(self.CPW // U, unroll_full=T <= 16):
                 mc.mma_chunks(
@@ -201,9 +209,13 @@ class BackMma:
                     b_tiles,
                 )  # fmt: skip
 
-        if const_expr(self.pdl and self.late):
-            # every weight load of this CTA has landed: the next layer's first kernel may now
-            # become resident (its CTAs park in their own wait during this epilogue)
+        if const_expr(
+            self.pdl
+            and (self.trigger == "main" or (self.trigger == "issued" and self.load != "ring"))
+        ):
+            # every weight load of this CTA has landed (register loads: "issued" is here too):
+            # the next layer's first kernel may now become resident (its CTAs park in their own
+            # wait during this epilogue)
             cute.arch.griddepcontrol_launch_dependents()
 
         if const_expr(post):
@@ -264,8 +276,8 @@ def _b_loader(mAcc, mNW, toks, k0, rstd=None, ssq=None):
     return b_of
 
 
-def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0, late=False):
-    op = BackMma(T, L, H, eps, pdl, load, norm, rt, late)
+def _build(T, L, H, eps, pdl=True, load="regs", norm="post", rt=0, trigger="wait"):
+    op = BackMma(T, L, H, eps, pdl, load, norm, rt, trigger)
     return op, (*fake_back_args(T, L, H), itf.env_stream())
 
 
@@ -321,8 +333,8 @@ def back_rt() -> int:
     return int(v)
 
 
-# the late trigger's knob, shared with back_tile (one definition: bt.back_late)
-LATE_ENV, LATE_FROM, back_late = bt.LATE_ENV, bt.LATE_FROM, bt.back_late
+# the trigger's knob, shared with back_tile (one definition: bt.back_trigger)
+LATE_ENV, LATE_FROM, back_trigger = bt.LATE_ENV, bt.LATE_FROM, bt.back_trigger
 
 
 def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
@@ -332,7 +344,7 @@ def back_mma(acc, latent_norm, latent_up, shared_out, out, eps: float) -> None:
     load = mma_load("back", T)
     norm = back_norm()
     rt = back_rt()
-    late = back_late(T)
-    key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt, late)
-    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt, late))
+    trig = back_trigger(T)
+    key = ("moe_back_mma", T, L, H, float(eps), pdl, load, norm, rt, trig)
+    fn = itf.compiled(key, lambda: _build(T, L, H, float(eps), pdl, load, norm, rt, trig))
     fn(acc, latent_norm, latent_up, shared_out, out)

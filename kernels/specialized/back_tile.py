@@ -131,8 +131,9 @@ class BackPlan:
     # and sums of squares reduced over distributed shared memory, no workspace or counter);
     # None: resolved when the plan is built (DECODESCOPE_TILE_CLUSTER, as the tile GEMM's)
     cluster: bool | None = None
-    # the PDL trigger after the main loop instead of right after the wait (back_late)
-    late: bool = False
+    # where the PDL trigger sits (back_trigger): "wait" right after the wait, "main" after the
+    # main loop, "issued" once the CTA's last chunk is issued
+    trigger: str = "wait"
 
     def __post_init__(self) -> None:
         fit = self.ldsm and self.act == "regs" and self.warps == 4
@@ -153,6 +154,8 @@ class BackPlan:
         object.__setattr__(self, "cluster", self.tile.cluster)
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"back_tile: {self.smem_bytes} bytes of shared memory > 227 KB")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"back_tile: trigger must be one of {TRIGGERS}, got {self.trigger!r}")
 
     @property
     def mp(self) -> int:
@@ -328,8 +331,9 @@ class BackTile(tg.TileGemm):
                 self.load_w(mW, sW, n, row0, kc0 + s, s, tidx)
         self.load_nw(mNW, sNW, kc0, tidx)
         cute.arch.sync_threads()
-        if cutlass.const_expr(p.pdl and self.bp.late):
-            cute.arch.griddepcontrol_wait()  # the trigger follows the main loop
+        trig = self.bp.trigger
+        if cutlass.const_expr(p.pdl and trig != "wait"):
+            cute.arch.griddepcontrol_wait()  # the trigger comes later (back_trigger)
         elif cutlass.const_expr(p.pdl):
             pdl_begin()
         for s in cutlass.range_constexpr(p.stages - 1):
@@ -339,6 +343,8 @@ class BackTile(tg.TileGemm):
                 else:
                     self.load_acc(mAcc, sX, kc0 + s, s, tidx)
             cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(p.pdl and trig == "issued" and p.chunks <= p.stages - 1):
+            cute.arch.griddepcontrol_launch_dependents()  # every chunk was issued above
         rX = []
         if cutlass.const_expr(regs):  # chunk 0's activations into registers
             for _ in cutlass.range_constexpr(self.slots):
@@ -392,6 +398,9 @@ class BackTile(tg.TileGemm):
                     if cutlass.const_expr(not regs):
                         self.load_acc(mAcc, sX, kc0 + nxt, sn, tidx)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(p.pdl and trig == "issued" and p.chunks > p.stages - 1):  # noqa: SIM102
+                if nxt == p.chunks - 1:  # this CTA's last chunk is in flight
+                    cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(self.bp.wgmma):
                 self.compute_wgmma(sW, sXb, stg, accs, xs=xs)
             elif cutlass.const_expr(self.bp.ldsm):
@@ -401,7 +410,7 @@ class BackTile(tg.TileGemm):
             else:
                 self.compute_b(sW, sXb, stg, xs, warp, g, c, accs, fa, fb, atom)
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(p.pdl and self.bp.late):
+        if cutlass.const_expr(p.pdl and trig == "main"):
             # every weight chunk of this CTA has landed: the next layer's first kernel may
             # become resident now (it parks in its wait during the reduction and epilogue)
             cute.arch.griddepcontrol_launch_dependents()
@@ -913,26 +922,33 @@ def knobs(T: int = 0) -> dict[str, int]:
 
 
 LATE_ENV = "DECODESCOPE_MOE_BACK_LATE"
-LATE_FROM = 8  # ``auto``: the late trigger from this many tokens on
+LATE_FROM = 8  # ``auto``: the trigger after the main loop from this many tokens on
+TRIGGERS = ("wait", "main", "issued")  # where the MoE back kernels' PDL trigger sits
+_LATE_VALUES = {"0": "wait", "1": "main", "issued": "issued"}
 
 
-def back_late(T: int) -> bool:
-    """``DECODESCOPE_MOE_BACK_LATE`` (the MoE back kernels: :class:`.back_mma.BackMma` and this
-    one): ``1`` moves the PDL trigger from right after the wait to after the main loop, so the
-    next layer's first kernel becomes resident during this kernel's epilogue instead of parking
-    beside its weight stream for the whole kernel; ``auto`` does so from :data:`LATE_FROM`
-    tokens on; ``0`` / unset (the default): the trigger right after the wait, as in every kernel
-    of the step. Read at each call; part of the compile key. Scheduling only: the next kernel's
-    ``griddepcontrol.wait`` still waits for this grid's completion, wherever the trigger sits.
+def back_trigger(T: int) -> str:
+    """Where the MoE back kernels (:class:`.back_mma.BackMma` and this one) trigger their PDL
+    dependents, from ``DECODESCOPE_MOE_BACK_LATE``: ``0`` / unset (the default) ``"wait"``,
+    right after the wait, as every kernel of the step; ``1``: ``"main"``, after the main loop,
+    so the next layer's first kernel becomes resident during this kernel's epilogue instead of
+    parking beside its weight stream for the whole kernel; ``issued``: ``"issued"``, once the
+    CTA's last weight chunk is issued (the last few chunks still in flight: the next kernel's
+    CTAs get that long to become resident and issue their own first loads); ``auto``:
+    ``"main"`` from :data:`LATE_FROM` tokens on, else ``"wait"``. Read at each call; part of
+    the compile key. Scheduling only: the next kernel's ``griddepcontrol.wait`` still waits for
+    this grid's completion, wherever the trigger sits.
 
-    H200, session 33, BackMma (bench, specialized, same call, default / late): the MLA layer
+    H200, session 33, BackMma (bench, specialized, same call, default / ``1``): the MLA layer
     after it spans 9-14 us less (TP16 batch 1 103.5 -> 93.2 us, batch 8 221.8 -> 207.9; TP8
     126.2 -> 117.2, 336.7 -> 323.2). Its share grows at batch 1 (TP8 +1.2 us; TP16 the KDA layer
     +0.8, projected step 8.01 -> 8.06 ms) and falls at batch 8 (-0.9 to -1.2 us, projected steps
     -0.06 / -0.09 ms). Not the default: the rule set before the run asked for both batches.
-    This kernel's form (from 32 tokens) has not run on a GPU."""
-    v = env_knobs.read(LATE_ENV, ("0", "1", "auto"), "0")
-    return v == "1" or (v == "auto" and T >= LATE_FROM)
+    Not run on a GPU: ``issued``, and this kernel's form (from 32 tokens) of either."""
+    v = env_knobs.read(LATE_ENV, ("0", "1", "issued", "auto"), "0")
+    if v == "auto":
+        return "main" if T >= LATE_FROM else "wait"
+    return _LATE_VALUES[v]
 
 
 def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
@@ -941,7 +957,7 @@ def plan_for(T: int, L: int, H: int, eps: float, **kw) -> BackPlan:
     k = knobs(T)
     if {"act", "lean", "ldsm"} & kw.keys():  # a variant with its own activations / fragments
         k.update(act="smem", lean=False, ldsm=False)
-    k.setdefault("late", back_late(T))
+    k.setdefault("trigger", back_trigger(T))
     k.update(kw)
     return BackPlan(m=T, k=L, n=H, eps=float(eps), pdl=k.pop("pdl", pdl_enabled()), **k)
 

@@ -243,20 +243,29 @@ def ring_mma(atom, accs, fa, fb, sRing, warp, lane, slot: int, nrows: int, nj: i
         mma_k16(atom, accs, fa, fb, xb, tiles)
 
 
-def ring_tail(tail: int, nchunks: int, stages: int, issue, consume) -> None:
-    """The trace-time steps ``tail .. nchunks - 1`` after the runtime rounds (see above)."""
+def ring_tail(tail: int, nchunks: int, stages: int, issue, consume, issued=None) -> None:
+    """The trace-time steps ``tail .. nchunks - 1`` after the runtime rounds (see above).
+    ``issued()`` (optional) runs once, right after the step that issues the last chunk (or
+    first, where the rounds or :func:`ring_fill` issued it)."""
+    last = nchunks - stages - 1  # the step that issues chunk nchunks - 1
+    if issued is not None and last < tail:
+        issued()
     for v in range(tail, nchunks):
         ring_step(v, v % stages, stages, issue if v + stages < nchunks else None, consume)
+        if issued is not None and v == last:
+            issued()
 
 
 @cute.jit
-def ring_main(nchunks: cutlass.Constexpr, stages: cutlass.Constexpr, issue, consume):
-    """Every chunk after :func:`ring_fill`: the runtime rounds, then :func:`ring_tail`."""
+def ring_main(nchunks: cutlass.Constexpr, stages: cutlass.Constexpr, issue, consume,
+              issued=None):  # fmt: skip
+    """Every chunk after :func:`ring_fill`: the runtime rounds, then :func:`ring_tail`
+    (``issued``: see there)."""
     rounds, tail = ring_rounds(nchunks, stages)
     for it in cutlass.range(rounds, unroll=1):
         for s in cutlass.range_constexpr(stages):
             ring_step(it * stages + s, s, stages, issue, consume)
-    ring_tail(tail, nchunks, stages, issue, consume)
+    ring_tail(tail, nchunks, stages, issue, consume, issued)
 
 
 LOADS = ("regs", "ring")

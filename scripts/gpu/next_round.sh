@@ -611,29 +611,38 @@ part42b=(
   "90:t8d2:$BL --tp-shape 8 --json $R/t8d2.json"
   "90:t8l2:DECODESCOPE_MOE_BACK_LATE=1 $BL --tp-shape 8 --json $R/t8l2.json"
 )
-# Part 43 (staged in session 33 for the next; no vLLM parts): DECODESCOPE_MOE_BACK_LATE=auto
-# (the MoE back's PDL trigger after its main loop from 8 tokens: BackMma to 31 tokens, the tile
-# back from 32). 43a: the MoE block's GPU checks and the tile back's with the late trigger
-# (42a's ran out of time after 7 passes; the tile back's form has not run), the whole step with
-# it at 16x1 and 64x1. 43b / 43c: the layers at batch 8, 24, 64, default / auto / default /
-# auto, TP16 / TP8. Prediction and rule: notes/specialized.md "Session 33".
-BA="decodescope bench --backends specialized --layers dense,kda,mla --batch 8,24,64 --out $R/ab"
+# Part 43 (staged in session 33 for the next; no vLLM parts): where the MoE back triggers the
+# next layer's launch (DECODESCOPE_MOE_BACK_LATE: 1 = after its main loop, issued = once its
+# last weight chunk is issued, auto = 1 from 8 tokens; BackMma to 31 tokens, the tile back from
+# 32). 43a: the MoE block's GPU checks with 1 and with issued (42a's ran out of time after 7
+# passes), the tile back's late cases (not run yet), the whole step with issued and with auto.
+# 43b (TP16), 43c + 43d (TP8): the layers at batch 1, 8, 24, 64: default / auto / issued,
+# twice. Prediction and rule: notes/specialized.md "Session 33".
+BA="decodescope bench --backends specialized --layers dense,kda,mla --batch 1,8,24,64 --out $R/ab"
 part43a=(
-  "240:ltest:DECODESCOPE_MOE_BACK_LATE=1 python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k 'test_specialized_moe_block and pipe and kimi'"
-  "120:ttest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_back_tile.py -k 'back_tile_gpu and late'"
-  "150:lsteps:DECODESCOPE_MOE_BACK_LATE=auto python scripts/gpu_steps.py --tp 8 16 --points 16x1 64x1 --layers dense,kda,mla --out $R/lsteps"
+  "150:ltest:DECODESCOPE_MOE_BACK_LATE=1 python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k 'test_specialized_moe_block and pipe and kimi'"
+  "150:itest:DECODESCOPE_MOE_BACK_LATE=issued python -m pytest -q -p no:cacheprovider -m gpu tests/test_specialized_moe_gpu.py -k 'test_specialized_moe_block and pipe and kimi'"
+  "100:ttest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_back_tile.py -k 'back_tile_gpu and late'"
+  "90:isteps:DECODESCOPE_MOE_BACK_LATE=issued python scripts/gpu_steps.py --tp 8 16 --points 1x1 64x1 --layers dense,kda,mla --out $R/isteps"
+  "90:asteps:DECODESCOPE_MOE_BACK_LATE=auto python scripts/gpu_steps.py --tp 8 16 --points 16x1 64x1 --layers dense,kda,mla --out $R/asteps"
 )
 part43b=(
-  "90:t16d:$BA --tp-shape 16 --json $R/t16d.json"
-  "90:t16a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a.json"
-  "90:t16d2:$BA --tp-shape 16 --json $R/t16d2.json"
-  "90:t16a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a2.json"
+  "95:t16d:$BA --tp-shape 16 --json $R/t16d.json"
+  "95:t16a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a.json"
+  "95:t16i:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 16 --json $R/t16i.json"
+  "95:t16d2:$BA --tp-shape 16 --json $R/t16d2.json"
+  "95:t16a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 16 --json $R/t16a2.json"
+  "95:t16i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 16 --json $R/t16i2.json"
 )
 part43c=(
   "110:t8d:$BA --tp-shape 8 --json $R/t8d.json"
   "110:t8a:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a.json"
+  "110:t8i:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i.json"
+)
+part43d=(
   "110:t8d2:$BA --tp-shape 8 --json $R/t8d2.json"
   "110:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA --tp-shape 8 --json $R/t8a2.json"
+  "110:t8i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i2.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
@@ -697,5 +706,6 @@ case "${1:-1}" in
   43a) exec bash "$here/run_stages.sh" "${part43a[@]}" ;;
   43b) exec bash "$here/run_stages.sh" "${part43b[@]}" ;;
   43c) exec bash "$here/run_stages.sh" "${part43c[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b or 43a-c, got '$1'" >&2; exit 2 ;;
+  43d) exec bash "$here/run_stages.sh" "${part43d[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b or 43a-d, got '$1'" >&2; exit 2 ;;
 esac
