@@ -149,4 +149,21 @@ def init_from_env(tp_world: int) -> tuple[int, torch.device]:
         timeout=datetime.timedelta(seconds=float(os.environ.get("DECODESCOPE_DIST_TIMEOUT", 300))),
         device_id=dev if cuda else None,
     )
+    import atexit
+
+    atexit.register(_leave)
     return dist.get_rank(), dev
+
+
+def _leave() -> None:
+    """Destroy the process group this module joined, at interpreter exit. Left to the
+    interpreter's teardown, a live gloo group's threads could abort the process after its work
+    was done ("terminate called without an active exception", SIGABRT: a failed rank to the
+    launcher); torch asks for an explicit destroy."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exit path: the work and its outputs are already done
+        pass
