@@ -634,9 +634,9 @@ part43b=(
   "130:t16i:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 16 --json $R/t16i.json"
 )
 part43c=(
-  "140:t8d:$BA --tp-shape 8 --json $R/t8d.json"
-  "140:t8a:DECODESCOPE_MOE_BACK_LATE=auto $BA8 --tp-shape 8 --json $R/t8a.json"
-  "140:t8i:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i.json"
+  "170:t8d:$BA --tp-shape 8 --json $R/t8d.json"
+  "170:t8a:DECODESCOPE_MOE_BACK_LATE=auto $BA8 --tp-shape 8 --json $R/t8a.json"
+  "170:t8i:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i.json"
 )
 # the repeats: 43d at TP16, 43e at TP8
 part43d=(
@@ -645,9 +645,9 @@ part43d=(
   "130:t16i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 16 --json $R/t16i2.json"
 )
 part43e=(
-  "140:t8d2:$BA --tp-shape 8 --json $R/t8d2.json"
-  "140:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA8 --tp-shape 8 --json $R/t8a2.json"
-  "140:t8i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i2.json"
+  "170:t8d2:$BA --tp-shape 8 --json $R/t8d2.json"
+  "170:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA8 --tp-shape 8 --json $R/t8a2.json"
+  "170:t8i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i2.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
