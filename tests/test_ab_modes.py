@@ -1,0 +1,57 @@
+"""scripts/ab_modes.py on the real bench JSON files of part 43 (H200, session 34)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+S34 = ROOT / "notes" / "gpu-logs" / "s34"
+
+
+def _mod():
+    spec = importlib.util.spec_from_file_location("ab_modes", ROOT / "scripts" / "ab_modes.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def _tp16(name: str) -> str:
+    return f"{S34 / 'n2' / f't16{name}.json'},{S34 / 'n4' / f't16{name}2.json'}"
+
+
+def test_tp16_table_matches_notes():
+    ab = _mod()
+    modes = ab.parse_modes([f"default={_tp16('d')}", f"auto={_tp16('a')}", f"issued={_tp16('i')}"])
+    rows = {r["batch"]: r for r in ab.compare(modes, "mla")}
+    assert sorted(rows) == [1, 8, 24, 64]
+    assert rows[1]["modes"]["auto"] is None  # auto's runs skip batch 1
+    a8 = rows[8]["modes"]["auto"]
+    assert a8["span_us"] == pytest.approx(-13.6, abs=0.05)
+    assert [round(v, 2) for v in a8["share_us"]] == [-0.83, -0.88]
+    assert [round(v) for v in a8["step_us"]] == [-86, -84]
+    i64 = rows[64]["modes"]["issued"]
+    assert [round(v) for v in i64["step_us"]] == [118, 182]
+    assert round(rows[24]["baseline_step_spread_us"]) == 58
+    md = ab.markdown(list(rows.values()), "mla")
+    assert "| b8 | -13.6, -0.83 / -0.88, -86 / -84 |" in md
+
+
+def test_bad_input(tmp_path, capsys):
+    ab = _mod()
+    bad = tmp_path / "x.json"
+    bad.write_text('{"rows": []}')
+    assert ab.main([f"default={bad}", f"b={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "not a `decodescope bench --json` file" in err
+    assert ab.main(["default"]) == 2
+    assert "expected NAME=FILE" in capsys.readouterr().err
+
+
+def test_mixed_setups_refused(capsys):
+    ab = _mod()
+    t8 = S34 / "n3" / "t8d.json"
+    assert ab.main([f"default={_tp16('d')}", f"x={t8}"]) == 2
+    assert "another setup" in capsys.readouterr().err
