@@ -944,7 +944,11 @@ def back_trigger(T: int) -> str:
     126.2 -> 117.2, 336.7 -> 323.2). Its share grows at batch 1 (TP8 +1.2 us; TP16 the KDA layer
     +0.8, projected step 8.01 -> 8.06 ms) and falls at batch 8 (-0.9 to -1.2 us, projected steps
     -0.06 / -0.09 ms). Not the default: the rule set before the run asked for both batches.
-    Not run on a GPU: ``issued``, and this kernel's form (from 32 tokens) of either."""
+    Session 34 (batch 1, 8, 24, 64, TP8 / TP16, two runs each; notes/specialized.md "Outcome of
+    part 43"): ``auto`` and ``issued`` pass the GPU checks (this kernel's ``late`` /
+    ``late_issued`` cases included) and shorten the MLA span by 9-19 us, but move its share by
+    -1.2 to +2.1 us (``issued`` worst at 64 tokens, in this kernel) and the projected step by
+    -0.09 to +0.18 ms: neither met the rule, so the default stays ``0``."""
     v = env_knobs.read(LATE_ENV, ("0", "1", "issued", "auto"), "0")
     if v == "auto":
         return "main" if T >= LATE_FROM else "wait"
