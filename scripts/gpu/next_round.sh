@@ -614,7 +614,7 @@ part42b=(
 # Part 43 (staged in session 33 for the next; no vLLM parts): where the MoE back triggers the
 # next layer's launch (DECODESCOPE_MOE_BACK_LATE: 1 = after its main loop, issued = once its
 # last weight chunk is issued, auto = 1 from 8 tokens; BackMma to 31 tokens, the tile back from
-# 32). 43a: the MoE block's GPU checks with 1 and with issued (42a's ran out of time after 7
+# 32). 43a: the MoE block's GPU checks with issued (42a's with 1 ran out of time after 7
 # passes), the tile back's late cases (not run yet), the whole step with issued and with auto.
 # 43b (TP16), 43c (TP8): the layers at batch 1, 8, 24, 64: default / auto / issued; 43d, 43e:
 # the same again. Prediction and rule: notes/specialized.md "Session 33".
