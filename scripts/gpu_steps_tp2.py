@@ -193,9 +193,14 @@ def run_case(rows: Rows, a, B: int, calls: dict | None, mode: str = "fused") -> 
                  std_allreduce=json.loads(std.meta["config_json"]).get("allreduce"),
                  spec_allreduce=cfgj.get("allreduce"))  # fmt: skip
         if calls is not None:  # dry run: the fused reductions the factory's first step launched
+            from decodescope.kernels.specialized import tp2 as _tp2
+
             fused = mode == "fused"
+            # from 8 tokens (one per sequence) the MoE back end runs unfused (two NCCL all-reduces
+            # and the single-GPU back end: tp2.moe_back_unfused): no moe_allreduce kernel there
+            moe_fused = not _tp2.moe_back_unfused(B, pm.cfg.expert_dim, pm.cfg.hidden)
             want = {"oproj_allreduce": fused * (len(pm.specs) + sum(s.mlp == "dense" for s in pm.specs)),
-                    "moe_allreduce": fused * sum(s.mlp == "moe" for s in pm.specs)}  # fmt: skip
+                    "moe_allreduce": fused * moe_fused * sum(s.mlp == "moe" for s in pm.specs)}  # fmt: skip
             got = {k: calls.get(k, 0) for k in want}
             rows.add(case=case, check="fused kernels launched (the factory's first step)",
                      ok=got == want, got=got, want=want)  # fmt: skip
