@@ -649,6 +649,16 @@ part43e=(
   "170:t8a2:DECODESCOPE_MOE_BACK_LATE=auto $BA8 --tp-shape 8 --json $R/t8a2.json"
   "170:t8i2:DECODESCOPE_MOE_BACK_LATE=issued $BA --tp-shape 8 --json $R/t8i2.json"
 )
+# Part 44 (staged in session 34; kind nvidia-h200-x2, vLLM parts staged): the tp_world 2 rows
+# (TP8 shapes on two GPUs, both paths, batch 1 / 8 / 32 / 64) at today's defaults; they are from
+# e10bc36 (session 8). 44a: the whole step's check (both reductions of the specialized path);
+# 44b: the bench (one call each, as the machine stays warm between them).
+part44a=(
+  "260:tp2steps:python scripts/gpu_steps_tp2.py --out $R/tp2steps --batches 1,8,32,64 --spec-allreduce fused,nccl --budget 240"
+)
+part44b=(
+  "400:tp2bench:decodescope bench --tp-shape 8 --tp-world 2 --batch 1,8,32,64 --out $R/ds --json $R/tp2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -713,5 +723,7 @@ case "${1:-1}" in
   43c) exec bash "$here/run_stages.sh" "${part43c[@]}" ;;
   43d) exec bash "$here/run_stages.sh" "${part43d[@]}" ;;
   43e) exec bash "$here/run_stages.sh" "${part43e[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b or 43a-e, got '$1'" >&2; exit 2 ;;
+  44a) exec bash "$here/run_stages.sh" "${part44a[@]}" ;;
+  44b) exec bash "$here/run_stages.sh" "${part44b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e or 44a-b, got '$1'" >&2; exit 2 ;;
 esac
