@@ -20,6 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from decodescope.kernels.specialized.utils import sigmoid  # noqa: F401  (DECODESCOPE_FAST_SIGMOID)
+
 VEC = 8  # bf16 elements per 16-byte access
 WARP = 32
 
@@ -34,11 +36,6 @@ def lanes_per_row(k: int) -> int:
     while chunks % lpr:
         lpr //= 2
     return lpr
-
-
-@cute.jit
-def sigmoid(x: Float32) -> Float32:
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x, fastmath=True))
 
 
 @cute.jit

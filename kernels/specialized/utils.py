@@ -10,6 +10,8 @@ import os
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 WARP = 32
 
@@ -104,29 +106,76 @@ def block_sums(
 
 
 FAST_SIGMOID_ENV = "DECODESCOPE_FAST_SIGMOID"
+SIGMOID_MODES = {"0": "div", "1": "approx", "rn": "rn"}
+RN_LIMIT = 2.0**126  # recip_ge1's Newton step serves 1 <= e < RN_LIMIT (the division's fast path)
+
+
+def sigmoid_mode() -> str:
+    """``DECODESCOPE_FAST_SIGMOID``: how :func:`sigmoid` takes ``1 / (1 + exp(-x))``.
+
+    - ``0`` (unset: the default): ``div``, the IEEE division (``rcp.rn.f32``), whose SASS puts a
+      slow path behind a branch around each reciprocal: ptxas cannot interleave two of them, so
+      a lane's sigmoids run one after another (the one-token route ranks 28 scores per lane:
+      28 chains of MUFU.EX2, the range check, MUFU.RCP and a Newton step, each ~80-100 cycles).
+    - ``1``: ``approx``, ``rcp.approx.ftz.f32`` alone (one MUFU instruction, relative error
+      about 2^-23): not always the division's result.
+    - ``rn``: ``rn``, :func:`recip_ge1`: the division's own fast-path instructions without the
+      branch, so equal to the division bit for bit wherever ``1 + exp(-x) < 2^126`` (``x >
+      -87.3``); below, where the division returns a denormal, this returns 0.
+
+    Why: on the H200 (s31, Nsight Compute) the KDA decode's loads stood one at a time between
+    the divisions' branches, and every sigmoid in the kernels (the KDA gates, the MLA output
+    gate, SiTU in the experts and the dense MLP, the router's scores: :mod:`.moe_common` takes
+    this one too since session 34) pays the branch. Read when a kernel is traced (compiled), so
+    set it before the process compiles. A bad value raises a one-line ``ValueError``.
+    H200 s33 (``1``, whole step at 1x8 / 64x1: correct, not faster) ran with the router's and
+    SiTU's sigmoids still on the division (``moe_common`` had its own until session 34)."""
+    v = os.environ.get(FAST_SIGMOID_ENV, "") or "0"
+    if v not in SIGMOID_MODES:
+        raise ValueError(f"{FAST_SIGMOID_ENV}={v!r}: expected one of {sorted(SIGMOID_MODES)}")
+    return SIGMOID_MODES[v]
 
 
 def fast_sigmoid_enabled() -> bool:
-    """``DECODESCOPE_FAST_SIGMOID=1``: :func:`sigmoid` takes the approximate reciprocal
-    (``rcp.approx.ftz.f32``, one MUFU instruction, relative error about 2^-23) instead of the
-    IEEE division (``div.rn.f32``, whose SASS has a slow path behind a branch). Why: on the H200
-    (s31, Nsight Compute) the KDA decode's loads stood one at a time between the divisions'
-    branches (ptxas does not hoist a load across them), and every sigmoid in the kernels (the
-    KDA gates, the MLA output gate, SiTU in the experts and the dense MLP, the router) pays the
-    branch. Off (unset or ``0``): not yet measured on a GPU. Read when a kernel is traced
-    (compiled), so set it before the process compiles. A bad value raises a one-line
-    ``ValueError``."""
-    v = os.environ.get(FAST_SIGMOID_ENV, "") or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"{FAST_SIGMOID_ENV}={v!r}: expected 0 or 1")
-    return v == "1"
+    """``DECODESCOPE_FAST_SIGMOID=1`` (:func:`sigmoid_mode` ``approx``)."""
+    return sigmoid_mode() == "approx"
+
+
+@dsl_user_op
+def recip_ge1(e, *, loc=None, ip=None) -> Float32:
+    """``1 / e`` for ``e >= 1`` without a branch: ``r0 = rcp.approx.ftz(e)``, ``r = r0 + r0 *
+    (1 - e * r0)`` by two FMAs (the instructions ``div.rn.f32``'s fast path runs, so the same
+    result), taken where ``e < 2^126`` (the division's fast-path range), else ``r0`` (0 for
+    ``e`` past 2^126 or infinite, where the division returns a denormal or 0)."""
+    asm = (
+        "{ .reg .f32 r0, t, q; .reg .pred p;"
+        " rcp.approx.ftz.f32 r0, $1;"
+        " neg.f32 t, $1;"
+        " fma.rn.f32 t, t, r0, 0f3F800000;"
+        " fma.rn.f32 q, r0, t, r0;"
+        " setp.lt.f32 p, $1, 0f7E800000;"
+        " selp.f32 $0, q, r0, p; }"
+    )
+    v = llvm.inline_asm(
+        Float32.mlir_type,
+        [Float32(e).ir_value(loc=loc, ip=ip)],
+        asm,
+        "=f,f",
+        has_side_effects=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(v)
 
 
 @cute.jit
 def sigmoid(x: Float32) -> Float32:
     e = Float32(1.0) + cute.math.exp(-x, fastmath=True)
-    if cutlass.const_expr(fast_sigmoid_enabled()):
+    if cutlass.const_expr(sigmoid_mode() == "approx"):
         return cute.arch.rcp_approx(e)
+    if cutlass.const_expr(sigmoid_mode() == "rn"):
+        return recip_ge1(e)
     return Float32(1.0) / e
 
 

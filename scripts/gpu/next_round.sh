@@ -659,6 +659,29 @@ part44a=(
 part44b=(
   "400:tp2bench:decodescope bench --tp-shape 8 --tp-world 2 --batch 1,8,32,64 --out $R/ds --json $R/tp2.json"
 )
+# Part 45 (staged in session 34; one H200, no vLLM parts): the sigmoid without the division's
+# branch (DECODESCOPE_FAST_SIGMOID=rn: bit-equal to the division above x = -87.3, every kernel,
+# the routes' scores included). 45a: its bit-equality test, the route and one-token MoE GPU
+# tests with it, the whole step with it; 45b (TP16) and 45c (TP8): the layers at batch 1, 8 and
+# 64, default / rn / default / rn. Prediction and rule: notes/specialized.md "Session 34".
+BS="decodescope bench --backends specialized --layers dense,kda,mla --batch 1,8,64 --out $R/ab"
+part45a=(
+  "60:sigtest:python -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_sigmoid.py"
+  "150:rtest:DECODESCOPE_FAST_SIGMOID=rn python -m pytest -q -p no:cacheprovider -m gpu tests/test_route_topk.py tests/test_experts_t1.py -k 'thresh_route or grouped_t1_kw2 or grouped_t1_s8_kw4 or grouped_t1_rt1'"
+  "150:rsteps:DECODESCOPE_FAST_SIGMOID=rn python scripts/gpu_steps.py --tp 8 16 --points 1x1 8x1 64x1 --layers dense,kda,mla --out $R/rsteps"
+)
+part45b=(
+  "130:t16d:$BS --tp-shape 16 --json $R/t16d.json"
+  "130:t16r:DECODESCOPE_FAST_SIGMOID=rn $BS --tp-shape 16 --json $R/t16r.json"
+  "130:t16d2:$BS --tp-shape 16 --json $R/t16d2.json"
+  "130:t16r2:DECODESCOPE_FAST_SIGMOID=rn $BS --tp-shape 16 --json $R/t16r2.json"
+)
+part45c=(
+  "140:t8d:$BS --tp-shape 8 --json $R/t8d.json"
+  "140:t8r:DECODESCOPE_FAST_SIGMOID=rn $BS --tp-shape 8 --json $R/t8r.json"
+  "140:t8d2:$BS --tp-shape 8 --json $R/t8d2.json"
+  "140:t8r2:DECODESCOPE_FAST_SIGMOID=rn $BS --tp-shape 8 --json $R/t8r2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -725,5 +748,8 @@ case "${1:-1}" in
   43e) exec bash "$here/run_stages.sh" "${part43e[@]}" ;;
   44a) exec bash "$here/run_stages.sh" "${part44a[@]}" ;;
   44b) exec bash "$here/run_stages.sh" "${part44b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e or 44a-b, got '$1'" >&2; exit 2 ;;
+  45a) exec bash "$here/run_stages.sh" "${part45a[@]}" ;;
+  45b) exec bash "$here/run_stages.sh" "${part45b[@]}" ;;
+  45c) exec bash "$here/run_stages.sh" "${part45c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b or 45a-c, got '$1'" >&2; exit 2 ;;
 esac
