@@ -6,6 +6,7 @@ All are ``@cute.jit`` functions inlined into the calling kernel. Reductions are 
 from __future__ import annotations
 
 import os
+import struct
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -108,6 +109,7 @@ def block_sums(
 FAST_SIGMOID_ENV = "DECODESCOPE_FAST_SIGMOID"
 SIGMOID_MODES = {"0": "div", "1": "approx", "rn": "rn"}
 RN_LIMIT = 2.0**126  # recip_ge1's Newton step serves 1 <= e < RN_LIMIT (the division's fast path)
+_RN_LIMIT_PTX = f"0f{struct.unpack('<I', struct.pack('<f', RN_LIMIT))[0]:08X}"  # 0f7E800000
 
 
 def sigmoid_mode() -> str:
@@ -144,16 +146,17 @@ def fast_sigmoid_enabled() -> bool:
 @dsl_user_op
 def recip_ge1(e, *, loc=None, ip=None) -> Float32:
     """``1 / e`` for ``e >= 1`` without a branch: ``r0 = rcp.approx.ftz(e)``, ``r = r0 + r0 *
-    (1 - e * r0)`` by two FMAs (the instructions ``div.rn.f32``'s fast path runs, so the same
-    result), taken where ``e < 2^126`` (the division's fast-path range), else ``r0`` (0 for
-    ``e`` past 2^126 or infinite, where the division returns a denormal or 0)."""
+    (1 - e * r0)`` by two FMAs (the instructions the fast path of ``rcp.rn.f32``, what ``1.0 /
+    e`` compiles to, runs: so the same result), taken where ``e < RN_LIMIT`` (2^126, that fast
+    path's range), else ``r0`` (0 for ``e`` past 2^126 or infinite, where the division returns
+    a denormal or 0; NaN for NaN, as the division)."""
     asm = (
         "{ .reg .f32 r0, t, q; .reg .pred p;"
         " rcp.approx.ftz.f32 r0, $1;"
         " neg.f32 t, $1;"
         " fma.rn.f32 t, t, r0, 0f3F800000;"
         " fma.rn.f32 q, r0, t, r0;"
-        " setp.lt.f32 p, $1, 0f7E800000;"
+        f" setp.lt.f32 p, $1, {_RN_LIMIT_PTX};"
         " selp.f32 $0, q, r0, p; }"
     )
     v = llvm.inline_asm(
