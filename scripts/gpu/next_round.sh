@@ -682,6 +682,21 @@ part45c=(
   "140:t8d2:$BS --tp-shape 8 --json $R/t8d2.json"
   "140:t8r2:DECODESCOPE_FAST_SIGMOID=rn $BS --tp-shape 8 --json $R/t8r2.json"
 )
+# part 46: rn at 8 and 32 tokens afresh (after 45: faster at 8, slower at TP8 batch 1).
+# Prediction and rule: notes/specialized.md "Part 46".
+BS46="decodescope bench --backends specialized --layers kda,mla --batch 8,32 --out $R/ab"
+part46a=(
+  "110:t16d:$BS46 --tp-shape 16 --json $R/t16d.json"
+  "110:t16r:DECODESCOPE_FAST_SIGMOID=rn $BS46 --tp-shape 16 --json $R/t16r.json"
+  "110:t16d2:$BS46 --tp-shape 16 --json $R/t16d2.json"
+  "110:t16r2:DECODESCOPE_FAST_SIGMOID=rn $BS46 --tp-shape 16 --json $R/t16r2.json"
+)
+part46b=(
+  "120:t8d:$BS46 --tp-shape 8 --json $R/t8d.json"
+  "120:t8r:DECODESCOPE_FAST_SIGMOID=rn $BS46 --tp-shape 8 --json $R/t8r.json"
+  "120:t8d2:$BS46 --tp-shape 8 --json $R/t8d2.json"
+  "120:t8r2:DECODESCOPE_FAST_SIGMOID=rn $BS46 --tp-shape 8 --json $R/t8r2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -751,5 +766,7 @@ case "${1:-1}" in
   45a) exec bash "$here/run_stages.sh" "${part45a[@]}" ;;
   45b) exec bash "$here/run_stages.sh" "${part45b[@]}" ;;
   45c) exec bash "$here/run_stages.sh" "${part45c[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b or 45a-c, got '$1'" >&2; exit 2 ;;
+  46a) exec bash "$here/run_stages.sh" "${part46a[@]}" ;;
+  46b) exec bash "$here/run_stages.sh" "${part46b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c or 46a-b, got '$1'" >&2; exit 2 ;;
 esac
