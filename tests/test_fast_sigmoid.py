@@ -137,3 +137,83 @@ def test_sigmoid_rn_equals_division_gpu(fs_env):
     assert torch.equal(y_div.view(torch.int32), y_rn.view(torch.int32))
     assert float(low_rn.abs().max()) == 0.0
     assert float(low_div.min()) >= 0.0 and float(low_div.max()) < 1.2e-38  # denormals or 0
+
+
+def test_auto_follows_step_tokens(fs_env):
+    """The default (``auto``, session 35): ``rn`` inside a step of 2 tokens or more, the
+    division at one token and outside any step; ``0`` / ``rn`` / ``1`` set it everywhere."""
+    assert utils.sigmoid_mode() == "div"
+    with utils.sigmoid_tokens(1):
+        assert utils.sigmoid_mode() == "div"
+    with utils.sigmoid_tokens(utils.SIGMOID_RN_FROM_TOKENS):
+        assert utils.sigmoid_mode() == "rn"
+        with utils.sigmoid_tokens(1):  # nested: the innermost step
+            assert utils.sigmoid_mode() == "div"
+        assert utils.sigmoid_mode() == "rn"
+    assert utils.sigmoid_mode() == "div"
+    for v, want in (("auto", "rn"), ("0", "div"), ("rn", "rn"), ("1", "approx")):
+        fs_env.setenv(utils.FAST_SIGMOID_ENV, v)
+        with utils.sigmoid_tokens(64):
+            assert utils.sigmoid_mode() == want
+    fs_env.setenv(utils.FAST_SIGMOID_ENV, "rn")
+    with utils.sigmoid_tokens(1):
+        assert utils.sigmoid_mode() == "rn"
+
+
+def test_auto_ptx_is_div_at_one_token_rn_from_two(fs_env):
+    """What ``auto`` compiles: at one token exactly the division's PTX, from 8 tokens exactly
+    ``rn``'s (the KDA decode at 1x1 and 8x1, TP16)."""
+    for (batch, tokens), n in (((1, 1), 1), ((8, 1), 8)):
+        fs_env.setenv(utils.FAST_SIGMOID_ENV, "0")
+        div = _ptx(batch, tokens)
+        fs_env.setenv(utils.FAST_SIGMOID_ENV, "rn")
+        rn = _ptx(batch, tokens)
+        fs_env.delenv(utils.FAST_SIGMOID_ENV)
+        with utils.sigmoid_tokens(n):
+            auto = _ptx(batch, tokens)
+        assert div != rn
+        assert auto == (div if n == 1 else rn)
+
+
+def test_compile_cache_keys_the_mode(fs_env, monkeypatch):
+    """``interface.compiled`` keys each kernel by the sigmoid's mode too: the same shapes traced
+    in a one-token step and in an 8-token step are two kernels, and a repeat is a cache hit."""
+    built = []
+    monkeypatch.setattr(itf, "compile_only", lambda op, *a: (op, utils.sigmoid_mode()))
+    monkeypatch.setattr(itf, "_CACHE", {})
+
+    def build():
+        built.append(utils.sigmoid_mode())
+        return "op", ()
+
+    key = ("test_fast_sigmoid", 1)
+    with utils.sigmoid_tokens(1):
+        assert itf.compiled(key, build) == ("op", "div")
+    with utils.sigmoid_tokens(8):
+        assert itf.compiled(key, build) == ("op", "rn")
+        assert itf.compiled(key, build) == ("op", "rn")
+    assert itf.compiled(key, build) == ("op", "div")
+    assert built == ["div", "rn"]
+
+
+def test_specialized_model_steps_set_tokens(fs_env, monkeypatch):
+    """``SpecializedModel`` runs its warm-up and its steps inside ``sigmoid_tokens(N)``, so a
+    batch-8 model's kernels are traced with ``rn`` and a batch-1 model's with the division."""
+    from decodescope.kernels import weights as W
+    from decodescope.kernels.specialized import step as S
+
+    monkeypatch.setattr(W, "_gen", lambda device, seed: None)  # shapes only, on the meta device
+    monkeypatch.setattr(
+        W, "_randn", lambda shape, g, device, std, dtype=torch.bfloat16: torch.empty(
+            shape, device="meta", dtype=dtype)
+    )  # fmt: skip
+    seen = []
+    monkeypatch.setattr(S.SpecializedModel, "_layer",
+                        lambda self, i, x, r, guarded: seen.append((self.N, utils.sigmoid_mode())))
+    for batch in (1, 8):
+        p = S.plan(tp_shape=16, batch=batch, layers="kda")
+        m = S.SpecializedModel(p.cfg, p.specs, batch, 1, device="meta")
+        m.warmup()
+        m.step()
+    assert seen == [(1, "div"), (1, "div"), (8, "rn"), (8, "rn")]
+    assert utils.sigmoid_mode() == "div"

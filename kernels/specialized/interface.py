@@ -148,6 +148,10 @@ def compiled(key: tuple, build: Callable[[], tuple[Callable, Sequence[Any]]]) ->
     Compiles on the first call for a key (thread-safe), then returns the cached callable.
     Never call this inside CUDA-graph capture for a new key: compile in warm-up.
     """
+    from decodescope.kernels.specialized.utils import sigmoid_mode
+
+    # the sigmoid's mode is an input of the trace (``auto`` follows the step's token count)
+    key = (*key, ("sigmoid", sigmoid_mode()))
     fn = _CACHE.get(key)
     if fn is not None:
         return fn

@@ -953,10 +953,13 @@ class SpecializedModel:
         self.moe_c[i][c].forward_norm(r_out, x_out)
 
     def _steps(self, guarded: bool) -> None:
+        from decodescope.kernels.specialized.utils import sigmoid_tokens
+
         x, r = self.x_in, self.r_in
-        for i in range(len(self.specs)):
-            self._layer(i, x, r, guarded)
-            x, r = self.xs[i % 2], self.rs[i % 2]
+        with sigmoid_tokens(self.N):  # DECODESCOPE_FAST_SIGMOID=auto: by the step's tokens
+            for i in range(len(self.specs)):
+                self._layer(i, x, r, guarded)
+                x, r = self.xs[i % 2], self.rs[i % 2]
 
     def step(self) -> None:
         """One decode step over every layer, on the current stream (capturable)."""

@@ -5,6 +5,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel. Reductions are 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import struct
 
@@ -107,15 +109,42 @@ def block_sums(
 
 
 FAST_SIGMOID_ENV = "DECODESCOPE_FAST_SIGMOID"
-SIGMOID_MODES = {"0": "div", "1": "approx", "rn": "rn"}
+SIGMOID_MODES = {"auto": "auto", "0": "div", "1": "approx", "rn": "rn"}
+# ``auto`` takes ``rn`` from this many tokens in the step being traced (below: the division)
+SIGMOID_RN_FROM_TOKENS = 2
+_SIGMOID_TOKENS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "decodescope_sigmoid_tokens", default=None
+)
+
+
+@contextlib.contextmanager
+def sigmoid_tokens(n_tokens: int):
+    """Kernels traced (compiled) inside run a step of ``n_tokens`` tokens: what ``auto``
+    (:func:`sigmoid_mode`) reads. :class:`.step.SpecializedModel` wraps its steps (warm-up and
+    the captured ones) in it; a kernel compiled outside any (a kernel test, ``ptx_snapshot``)
+    sees no token count and takes the division."""
+    tok = _SIGMOID_TOKENS.set(int(n_tokens))
+    try:
+        yield
+    finally:
+        _SIGMOID_TOKENS.reset(tok)
+
+
 RN_LIMIT = 2.0**126  # recip_ge1's Newton step serves 1 <= e < RN_LIMIT (the division's fast path)
 _RN_LIMIT_PTX = f"0f{struct.unpack('<I', struct.pack('<f', RN_LIMIT))[0]:08X}"  # 0f7E800000
 
 
 def sigmoid_mode() -> str:
-    """``DECODESCOPE_FAST_SIGMOID``: how :func:`sigmoid` takes ``1 / (1 + exp(-x))``.
+    """``DECODESCOPE_FAST_SIGMOID``: how :func:`sigmoid` takes ``1 / (1 + exp(-x))`` in the
+    kernel being traced (``div``, ``approx`` or ``rn``).
 
-    - ``0`` (unset: the default): ``div``, the IEEE division (``rcp.rn.f32``), whose SASS puts a
+    - ``auto`` (unset: the default since session 35): ``rn`` where the step being traced has
+      ``SIGMOID_RN_FROM_TOKENS`` (2) tokens or more (:func:`sigmoid_tokens`), else ``div``.
+      Measured on one H200 (s35, parts 45-46, ``notes/specialized.md``): with ``rn`` the
+      projected step was 38-188 us shorter at 8 and 32 tokens (TP8 / TP16, two A/B pairs each;
+      KDA / MLA layer shares -2.4 to +0.5 us) but the layers lost 0.7-2.0 us at TP8 with one
+      token, so one token keeps the division (its PTX unchanged).
+    - ``0``: ``div`` everywhere, the IEEE division (``rcp.rn.f32``), whose SASS puts a
       slow path behind a branch around each reciprocal: ptxas cannot interleave two of them, so
       a lane's sigmoids run one after another (the one-token route ranks 28 scores per lane:
       28 chains of MUFU.EX2, the range check, MUFU.RCP and a Newton step, each ~80-100 cycles).
@@ -132,10 +161,14 @@ def sigmoid_mode() -> str:
     set it before the process compiles. A bad value raises a one-line ``ValueError``.
     H200 s33 (``1``, whole step at 1x8 / 64x1: correct, not faster) ran with the router's and
     SiTU's sigmoids still on the division (``moe_common`` had its own until session 34)."""
-    v = os.environ.get(FAST_SIGMOID_ENV, "") or "0"
+    v = os.environ.get(FAST_SIGMOID_ENV, "") or "auto"
     if v not in SIGMOID_MODES:
         raise ValueError(f"{FAST_SIGMOID_ENV}={v!r}: expected one of {sorted(SIGMOID_MODES)}")
-    return SIGMOID_MODES[v]
+    mode = SIGMOID_MODES[v]
+    if mode == "auto":
+        n = _SIGMOID_TOKENS.get()
+        return "rn" if n is not None and n >= SIGMOID_RN_FROM_TOKENS else "div"
+    return mode
 
 
 def fast_sigmoid_enabled() -> bool:
