@@ -208,8 +208,11 @@ def test_specialized_model_steps_set_tokens(fs_env, monkeypatch):
             shape, device="meta", dtype=dtype)
     )  # fmt: skip
     seen = []
-    monkeypatch.setattr(S.SpecializedModel, "_layer",
-                        lambda self, i, x, r, guarded: seen.append((self.N, utils.sigmoid_mode())))
+    monkeypatch.setattr(
+        S.SpecializedModel,
+        "_layer",
+        lambda self, i, x, r, guarded: seen.append((self.N, utils.sigmoid_mode())),
+    )
     for batch in (1, 8):
         p = S.plan(tp_shape=16, batch=batch, layers="kda")
         m = S.SpecializedModel(p.cfg, p.specs, batch, 1, device="meta")
