@@ -697,6 +697,18 @@ part46b=(
   "120:t8d2:$BS46 --tp-shape 8 --json $R/t8d2.json"
   "120:t8r2:DECODESCOPE_FAST_SIGMOID=rn $BS46 --tp-shape 8 --json $R/t8r2.json"
 )
+# Part 47 (session 35; vLLM parts staged): the README's rows from 8 tokens at the new sigmoid
+# default (auto: rn from 2 tokens), both backends. 47a one token per sequence at batch 8, 32,
+# 64; 47b the 1+7-token verify steps at batch 1, 8, 32, 64. Batch 1 with one token compiles
+# the same PTX as before and is not rerun. Prediction: notes/specialized.md "Part 47".
+part47a=(
+  "270:r8:decodescope bench --tp-shape 8 --batch 8,32,64 --out $R/ds --json $R/r8.json"
+  "270:r16:decodescope bench --tp-shape 16 --batch 8,32,64 --out $R/ds --json $R/r16.json"
+)
+part47b=(
+  "270:v8:decodescope bench --tp-shape 8 --batch 1,8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/v8.json"
+  "270:v16:decodescope bench --tp-shape 16 --batch 1,8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/v16.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -768,5 +780,7 @@ case "${1:-1}" in
   45c) exec bash "$here/run_stages.sh" "${part45c[@]}" ;;
   46a) exec bash "$here/run_stages.sh" "${part46a[@]}" ;;
   46b) exec bash "$here/run_stages.sh" "${part46b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c or 46a-b, got '$1'" >&2; exit 2 ;;
+  47a) exec bash "$here/run_stages.sh" "${part47a[@]}" ;;
+  47b) exec bash "$here/run_stages.sh" "${part47b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b or 47a-b, got '$1'" >&2; exit 2 ;;
 esac
