@@ -8,6 +8,16 @@ other mode: the layer's span difference (mean of the mode's runs minus the basel
 share difference and the projected step difference per run (so that a rule set before the runs,
 "in every run within +x", can be read off), and the baseline's own spread between its runs (the
 noise a difference has to beat). Used for notes/specialized.md "Outcome of part 43".
+
+With ``--ops DATASET`` (the bench's ``--out`` folder, where its runs' kernels were exported) it
+prints, for the same layer, each kernel's duration per point and op instead: the median over
+the run's replays and layers, per run, each mode's runs against the baseline's mean, and the
+kernel's registers per thread where a mode changed them. Under programmatic dependent launch a
+kernel's duration includes the time it waits for the one before, so a difference there can be
+its predecessor's. Used for notes/specialized.md "Outcome of part 45".
+
+    python scripts/ab_modes.py default=t8d.json,t8d2.json rn=t8r.json,t8r2.json \
+        --layer mla --ops ab [--min-us 0.3]
 """
 
 from __future__ import annotations
@@ -102,6 +112,108 @@ def compare(modes: list[tuple[str, list[str]]], layer: str = "mla") -> list[dict
     return rows
 
 
+def _run_ids(files: list[str], layer: str) -> dict[str, tuple[int, int]]:
+    """run_id -> (batch, tokens per sequence) of the specialized runs in ``files``."""
+    out = {}
+    for f in files:
+        for L in _load(f)["layers"]:
+            if (
+                L.get("backend") == "specialized"
+                and L.get("layer_kind") == layer
+                and L.get("run_id")
+            ):
+                out[L["run_id"]] = _point(L)
+    return out
+
+
+def op_kernels(dataset: str, files: list[str], layer: str) -> dict:
+    """Per (point, op, kernel): per run, (median duration in us, registers per thread), from the
+    kernels table of ``dataset`` (Hive partitions, as ``decodescope export`` / bench's ``--out``
+    write it) for the runs named in ``files``."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pds
+
+    from decodescope.analysis.timeline import short_name
+
+    ids = _run_ids(files, layer)
+    root = Path(dataset) / "kernels"
+    if not root.is_dir():
+        raise ABError(f"{dataset}: no kernels/ folder (give the bench's --out folder)")
+    t = pds.dataset(root, partitioning="hive").to_table(
+        columns=["run_id", "layer_kind", "op", "name", "start_ns", "end_ns", "registers"],
+        filter=pc.field("run_id").isin(list(ids)),
+    )
+    missing = sorted(set(ids) - set(t["run_id"].to_pylist()))
+    if missing:
+        raise ABError(f"{dataset}: no kernels of run(s) {', '.join(missing)}")
+    acc: dict = {}
+    for r in t.to_pylist():
+        if r["layer_kind"] != layer:
+            continue
+        key = (ids[r["run_id"]], r["op"], short_name(r["name"]))
+        d = acc.setdefault(key, {}).setdefault(r["run_id"], ([], set()))
+        d[0].append((r["end_ns"] - r["start_ns"]) / 1e3)
+        d[1].add(r["registers"])
+    return {
+        k: {run: (statistics.median(v[0]), max(v[1])) for run, v in runs.items()}
+        for k, runs in acc.items()
+    }
+
+
+def compare_ops(modes: list[tuple[str, list[str]]], dataset: str, layer: str) -> list[dict]:
+    """Per (point, op, kernel): the baseline's mean duration and registers, each other mode's
+    per-run differences and registers."""
+    per_mode = {name: op_kernels(dataset, files, layer) for name, files in modes}
+    base_name = modes[0][0]
+    rows = []
+    for key in sorted(per_mode[base_name]):
+        b = per_mode[base_name][key]
+        b_mean = statistics.mean(d for d, _ in b.values())
+        row = {
+            "batch": key[0][0],
+            "tokens_per_seq": key[0][1],
+            "op": key[1],
+            "kernel": key[2],
+            "baseline_us": b_mean,
+            "baseline_registers": max(r for _, r in b.values()),
+            "modes": {},
+        }
+        for name, _ in modes[1:]:
+            m = per_mode[name].get(key)
+            row["modes"][name] = None if not m else {
+                "us": [d - b_mean for d, _ in m.values()],
+                "registers": max(r for _, r in m.values()),
+            }  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def ops_markdown(rows: list[dict], min_us: float = 0.0) -> str:
+    """The rows where some mode's mean difference is at least ``min_us`` (all for 0)."""
+    names = [n for n in rows[0]["modes"]] if rows else []
+    head = ["point", "op", "kernel", "baseline us"] + [f"{n}: us (registers)" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = [r["modes"][n] for n in names]
+        if min_us and not any(m and abs(statistics.mean(m["us"])) >= min_us for m in ms):
+            continue
+        cells = [
+            f"b{r['batch']}" + (f"x{r['tokens_per_seq']}" if r["tokens_per_seq"] > 1 else ""),
+            r["op"],
+            r["kernel"],
+            f"{r['baseline_us']:.2f}",
+        ]
+        for m in ms:
+            if m is None:
+                cells.append("-")
+                continue
+            regs = "" if m["registers"] == r["baseline_registers"] else (
+                f" ({r['baseline_registers']} -> {m['registers']})")  # fmt: skip
+            cells.append(" / ".join(_fmt(v, 2) for v in m["us"]) + regs)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _fmt(v: float | None, nd: int) -> str:
     return "-" if v is None else f"{v:+.{nd}f}"
 
@@ -145,13 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("modes", nargs="+", help="NAME=FILE[,FILE...]; the first is the baseline")
     ap.add_argument("--layer", default="mla", choices=("dense", "kda", "mla"))
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--ops", metavar="DATASET", help="per kernel, from this results dataset")
+    ap.add_argument("--min-us", type=float, default=0.0,
+                    help="with --ops: only kernels some mode moved by this much (mean)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
-        rows = compare(parse_modes(a.modes), a.layer)
+        modes = parse_modes(a.modes)
+        rows = compare(modes, a.layer)
+        if a.ops:
+            rows = compare_ops(modes, a.ops, a.layer)
     except ABError as e:
         print(f"ab_modes: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=1) if a.json else markdown(rows, a.layer))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(ops_markdown(rows, a.min_us) if a.ops else markdown(rows, a.layer))
     return 0
 
 

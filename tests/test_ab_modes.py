@@ -55,3 +55,39 @@ def test_mixed_setups_refused(capsys):
     t8 = S34 / "n3" / "t8d.json"
     assert ab.main([f"default={_tp16('d')}", f"x={t8}"]) == 2
     assert "another setup" in capsys.readouterr().err
+
+
+S35 = ROOT / "notes" / "gpu-logs" / "s35"
+
+
+def _pair(n: str, tp: int, tag: str) -> str:
+    return f"{S35 / n / f't{tp}{tag}.json'},{S35 / n / f't{tp}{tag}2.json'}"
+
+
+def test_ops_per_kernel_matches_notes():
+    """``--ops``: per kernel from the bench's dataset (part 45, TP8, `rn` against the default):
+    the MLA decode at one token is where the layer lost, with 4 more registers."""
+    ab = _mod()
+    modes = ab.parse_modes([f"default={_pair('n3', 8, 'd')}", f"rn={_pair('n3', 8, 'r')}"])
+    rows = ab.compare_ops(modes, str(S35 / "n3" / "ab"), "mla")
+    by = {(r["batch"], r["kernel"]): r for r in rows}
+    dec = by[(1, "mla_decode_splitMLADecodeSplit")]
+    assert dec["op"] == "w_uk_bmm+cache_insert+mla_decode+w_uv_bmm+gate_mul"
+    assert round(dec["baseline_us"], 2) == 16.38
+    assert [round(v, 2) for v in dec["modes"]["rn"]["us"]] == [2.52, 1.78]
+    assert (dec["baseline_registers"], dec["modes"]["rn"]["registers"]) == (88, 92)
+    route = by[(8, "moe_groupedGroupedRoute")]["modes"]["rn"]
+    assert all(v < -1.0 for v in route["us"]) and route["registers"] == 161
+    md = ab.ops_markdown(rows, min_us=0.3)
+    assert "| +2.52 / +1.78 (88 -> 92) |" in md
+    assert "experts_t1RouteT1" not in md  # moved by less than 0.3 us at TP8
+    assert "experts_t1RouteT1" in ab.ops_markdown(rows)
+
+
+def test_ops_bad_dataset(tmp_path, capsys):
+    ab = _mod()
+    modes = [f"default={_pair('n3', 8, 'd')}", f"rn={_pair('n3', 8, 'r')}"]
+    assert ab.main([*modes, "--ops", str(tmp_path)]) == 2
+    assert f"{tmp_path}: no kernels/ folder" in capsys.readouterr().err
+    assert ab.main([*modes, "--ops", str(S35 / "n2" / "ab")]) == 2  # TP16's runs, not these
+    assert "no kernels of run(s) specialized-" in capsys.readouterr().err
