@@ -10,6 +10,10 @@ and writes ``<case>.ptx`` plus ``hashes.json`` (case -> sha256) to ``--out``.
     python scripts/ptx_snapshot.py --diff /tmp/ptx_before /tmp/ptx_after
 
 ``--diff`` compares two snapshots' hashes (cases present in both) and exits 1 on any difference.
+
+The kernels compile outside a decode step, so the sigmoid's default (``DECODESCOPE_FAST_SIGMOID``
+unset: ``auto``) gives them the division, as a one-token step compiles them; run a second
+snapshot with ``DECODESCOPE_FAST_SIGMOID=rn`` for the PTX a step of 2 tokens or more compiles.
 """
 
 from __future__ import annotations
