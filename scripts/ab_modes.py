@@ -130,19 +130,17 @@ def op_kernels(dataset: str, files: list[str], layer: str) -> dict:
     """Per (point, op, kernel): per run, (median duration in us, registers per thread), from the
     kernels table of ``dataset`` (Hive partitions, as ``decodescope export`` / bench's ``--out``
     write it) for the runs named in ``files``."""
-    import pyarrow.compute as pc
-    import pyarrow.dataset as pds
-
     from decodescope.analysis.timeline import short_name
+    from decodescope.tracer.dataset import read_table
+    from decodescope.tracer.errors import TraceError
 
     ids = _run_ids(files, layer)
-    root = Path(dataset) / "kernels"
-    if not root.is_dir():
-        raise ABError(f"{dataset}: no kernels/ folder (give the bench's --out folder)")
-    t = pds.dataset(root, partitioning="hive").to_table(
-        columns=["run_id", "layer_kind", "op", "name", "start_ns", "end_ns", "registers"],
-        filter=pc.field("run_id").isin(list(ids)),
-    )
+    try:
+        t = read_table(dataset, "kernels", list(ids)).select(
+            ["run_id", "layer_kind", "op", "name", "start_ns", "end_ns", "registers"]
+        )
+    except TraceError as e:
+        raise ABError(f"{e} (give the bench's --out folder)") from None
     missing = sorted(set(ids) - set(t["run_id"].to_pylist()))
     if missing:
         raise ABError(f"{dataset}: no kernels of run(s) {', '.join(missing)}")

@@ -88,6 +88,6 @@ def test_ops_bad_dataset(tmp_path, capsys):
     ab = _mod()
     modes = [f"default={_pair('n3', 8, 'd')}", f"rn={_pair('n3', 8, 'r')}"]
     assert ab.main([*modes, "--ops", str(tmp_path)]) == 2
-    assert f"{tmp_path}: no kernels/ folder" in capsys.readouterr().err
+    assert f"{tmp_path}: not a decodescope dataset" in capsys.readouterr().err
     assert ab.main([*modes, "--ops", str(S35 / "n2" / "ab")]) == 2  # TP16's runs, not these
     assert "no kernels of run(s) specialized-" in capsys.readouterr().err
