@@ -25,9 +25,14 @@ Per-step figures are summarised over steps as the median with min and max. Pure 
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+# intervals up to which first_ending_shares builds its segments x intervals matrix
+_DENSE_MAX = 1024
 
 METRICS = ("kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us", "share_us")
 
@@ -266,17 +271,44 @@ def _op_shares(groups: pa.Table, gid: np.ndarray, start: np.ndarray, end: np.nda
     order = np.lexsort((step, rank))
     cut = np.flatnonzero((np.diff(rank[order]) != 0) | (np.diff(step[order]) != 0)) + 1
     for idx in np.split(order, cut):  # one (rank, step) at a time
-        f, e = first[idx], last[idx]
-        t = np.unique(np.concatenate([f, e]))
-        t0, t1 = t[:-1], t[1:]
-        # every elementary segment goes to the op covering it that ends first
-        cover = (f[None, :] <= t0[:, None]) & (e[None, :] >= t1[:, None])
-        ends = np.where(cover, e[None, :], np.iinfo(np.int64).max)
+        share[idx] = first_ending_shares(first[idx], last[idx])
+    return share
+
+
+def first_ending_shares(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Each interval's share of the union of the intervals ``[start, end)``: every instant that
+    some interval covers is charged to the covering interval that ends first (the one the
+    timeline is waiting on), so the shares add up to the union's length. Under programmatic
+    dependent launch an interval resident early (waiting at ``griddepcontrol.wait``) gets only
+    the time after the one before it has ended. Same units as the inputs; float64."""
+    start = np.asarray(start, dtype=np.int64)
+    end = np.maximum(np.asarray(end, dtype=np.int64), start)
+    n = len(start)
+    if n == 0:
+        return np.zeros(0, dtype=np.float64)
+    t = np.unique(np.concatenate([start, end]))
+    t0, t1 = t[:-1], t[1:]
+    if n <= _DENSE_MAX:  # one segments x intervals matrix
+        cover = (start[None, :] <= t0[:, None]) & (end[None, :] >= t1[:, None])
+        ends = np.where(cover, end[None, :], np.iinfo(np.int64).max)
         owner = np.argmin(ends, axis=1)
         owned = cover.any(axis=1)
-        share[idx] = np.bincount(
-            owner[owned], weights=(t1 - t0)[owned].astype(np.float64), minlength=len(idx)
-        )
+        return np.bincount(owner[owned], weights=(t1 - t0)[owned].astype(np.float64), minlength=n)
+    # a sweep over the segments with the covering intervals in a heap by (end, index): the
+    # same owner as the matrix's argmin (lowest end, then lowest index), in O(n log n)
+    share = np.zeros(n, dtype=np.float64)
+    by_start = np.argsort(start, kind="stable")
+    heap: list[tuple[int, int]] = []
+    i = 0
+    for a, b in zip(t0.tolist(), t1.tolist(), strict=True):
+        while i < n and start[by_start[i]] <= a:
+            j = int(by_start[i])
+            heapq.heappush(heap, (int(end[j]), j))
+            i += 1
+        while heap and heap[0][0] < b:
+            heapq.heappop(heap)
+        if heap:
+            share[heap[0][1]] += b - a
     return share
 
 

@@ -4,7 +4,11 @@ For each kernel: its start and end relative to the layer's first kernel start, i
 its ``gap``: the start minus the latest end of the kernels before it. A positive gap is a bubble
 (no kernel of the layer ran); a negative one an overlap, as when programmatic dependent launch
 makes a kernel resident while its predecessor still runs (it waits there, and the span counts
-the wait). The summary adds the span, the time covered by at least one kernel (``busy``) and
+the wait). Its ``share``: what it adds to the timeline, every instant some kernel runs charged
+to the running kernel that ends first (:func:`.metrics.first_ending_shares`, the rule of the
+op shares) from the end of the previous layer in the step on (the layer share's start,
+:mod:`.metrics`): in a chain under PDL a kernel's end minus the end of the one before, its
+wait left out. The shares add up to the layer's share less its bubbles. The summary adds the span, the time covered by at least one kernel (``busy``) and
 the rest (``idle``), which is what a fused path's launches leave on the table.
 
 The default step is the median of the layer's steps (a typical replay, not the first one after
@@ -18,6 +22,8 @@ import re
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from decodescope.analysis import metrics
 
 # CuTe DSL kernels: kernel_cutlass_kernel_<module path><Class>_object_at_<arguments...>
 _CUTE = re.compile(
@@ -82,8 +88,10 @@ def layer_timeline(
 ) -> pa.Table:
     """The kernels of ``layer`` (None: all) in ``step`` (None: those without a step) and
     ``rank``, in start order: ``start_us``, ``end_us`` (from the first start), ``dur_us``,
-    ``gap_us`` (start minus the latest earlier end; null for the first), ``op``, ``kernel``
+    ``gap_us`` (start minus the latest earlier end; null for the first), ``share_us`` (what
+    the kernel adds to the timeline: see the module docstring), ``op``, ``kernel``
     (:func:`short_name`), ``stream``, ``grid`` ("x,y,z") and the full ``name``."""
+    before = previous_layer_end(kernels, layer, step, rank)
     k = select(kernels, layer, step, rank)
     if k.num_rows == 0:
         return pa.table(
@@ -91,7 +99,8 @@ def layer_timeline(
                 c: pa.array([], t)
                 for c, t in (
                     ("start_us", pa.float64()), ("end_us", pa.float64()),
-                    ("dur_us", pa.float64()), ("gap_us", pa.float64()), ("op", pa.string()),
+                    ("dur_us", pa.float64()), ("gap_us", pa.float64()),
+                    ("share_us", pa.float64()), ("op", pa.string()),
                     ("kernel", pa.string()), ("stream", pa.int64()), ("grid", pa.string()),
                     ("name", pa.string()),
                 )
@@ -106,6 +115,8 @@ def layer_timeline(
     gap = np.empty(len(start), dtype=np.float64)
     gap[0] = np.nan
     gap[1:] = (start[1:] - prev_end[:-1]) / 1e3
+    share = metrics.first_ending_shares(start if before is None else np.maximum(start, before),
+                                        end) / 1e3  # fmt: skip
     names = k["name"].to_pylist()
     ops = k["op"].to_pylist() if "op" in k.column_names else [None] * k.num_rows
     streams = k["stream"].to_pylist() if "stream" in k.column_names else [None] * k.num_rows
@@ -123,6 +134,7 @@ def layer_timeline(
             "end_us": pa.array((end - t0) / 1e3, pa.float64()),
             "dur_us": pa.array((end - start) / 1e3, pa.float64()),
             "gap_us": pa.array(gap, pa.float64(), mask=np.isnan(gap)),
+            "share_us": pa.array(share, pa.float64()),
             "op": pa.array([ops[i] for i in order], pa.string()),
             "kernel": pa.array([short_name(names[i]) for i in order], pa.string()),
             "stream": pa.array([streams[i] for i in order], pa.int64()),
@@ -132,12 +144,30 @@ def layer_timeline(
     )
 
 
+def previous_layer_end(
+    kernels: pa.Table, layer: int | None, step: int | None, rank: int | None = None
+) -> int | None:
+    """The last kernel end (ns) of the layer before ``layer`` in ``step`` and ``rank``: the one
+    of the next lower index that ran there, as :mod:`.metrics` takes it for the layer share;
+    None for the step's first layer, for ``layer`` or ``step`` None."""
+    if layer is None or step is None:
+        return None
+    k = select(kernels, None, step, rank)
+    k = k.filter(pc.fill_null(pc.less(k["layer"], layer), False))
+    if k.num_rows == 0:
+        return None
+    prev = pc.max(k["layer"]).as_py()
+    return int(pc.max(k.filter(pc.equal(k["layer"], prev))["end_ns"]).as_py())
+
+
 def summary(t: pa.Table) -> dict:
     """``kernels``, ``span_us`` (last end - first start), ``busy_us`` (covered by at least one
     kernel), ``idle_us`` (span - busy: the bubbles), ``overlap_us`` (the negative gaps summed:
-    for each kernel, how long before the latest earlier end it started)."""
+    for each kernel, how long before the latest earlier end it started), ``shares_us`` (the
+    kernels' shares summed: the busy time after the previous layer's end)."""
     if t.num_rows == 0:
-        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
+        return {"kernels": 0, "span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0,
+                "shares_us": 0.0}  # fmt: skip
     s = t["start_us"].to_numpy()
     e = t["end_us"].to_numpy()
     busy, cur_s, cur_e = 0.0, s[0], e[0]
@@ -156,4 +186,5 @@ def summary(t: pa.Table) -> dict:
         "busy_us": float(busy),
         "idle_us": float(span - busy),
         "overlap_us": float(-gaps[gaps < 0].sum()) if (gaps < 0).any() else 0.0,
+        "shares_us": float(t["share_us"].to_numpy().sum()),
     }

@@ -117,7 +117,7 @@ def test_timeline_and_kernel_search(monkeypatch):
     assert at.get("plotly_chart")
     # the bars' sums, one caption per side (analysis.timeline, as `decodescope timeline`)
     sums = [t for t in texts(at.caption) if " kernels, span " in t and "idle" in t]
-    assert len(sums) == 2 and all(" us, busy " in t for t in sums), sums
+    assert len(sums) == 2 and all(" us, busy " in t and ", shares " in t for t in sums), sums
     open_view(at, "Kernels")
     at.text_input(key="k-search").set_value("gemm").run()
     no_exception(at)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import pytest
 from cli_helpers import cli
@@ -122,3 +123,61 @@ def test_cli_timeline_of_a_two_gpu_trace():
     assert js[0]["rank"] == 1 and js[0]["summary"]["kernels"] == len(js[0]["kernels"]) > 0
     e = cli("timeline", nsys, "--rank", "5")
     assert e.returncode == 2 and "no rank 5 (ranks [0, 1])" in e.stderr
+
+
+def test_first_ending_shares_corners(monkeypatch):
+    """A small synthetic case for the exact corners (not a trace): a PDL-style chain (each
+    interval resident before the one before it ends), a bubble, an interval inside another, a
+    zero-length one and two with the same end (the lower index owns the tie). The heap sweep
+    (over ``_DENSE_MAX`` intervals) gives the matrix's shares on 3,000 random intervals."""
+    start = np.array([0, 5, 8, 30, 32, 34, 40, 40])
+    end = np.array([10, 20, 25, 50, 36, 34, 50, 45])
+    share = metrics.first_ending_shares(start, end)
+    # 0-10 the first; 10-20 the second; 20-25 the third; 25-30 a bubble; 30-32 the fourth;
+    # 32-36 the one inside it; 36-40 the fourth; 40-45 the last (ends first); 45-50 the fourth
+    # and the seventh tie at 50: the fourth (lower index)
+    assert share.tolist() == [10, 10, 5, 11, 4, 0, 0, 5]
+    assert share.sum() == 45  # the union: 0-25 and 30-50
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 100_000, 3000)
+    e = s + rng.integers(0, 500, 3000)
+    sweep = metrics.first_ending_shares(s, e)
+    monkeypatch.setattr(metrics, "_DENSE_MAX", 10_000)
+    assert np.array_equal(sweep, metrics.first_ending_shares(s, e))
+    assert metrics.first_ending_shares(np.array([]), np.array([])).size == 0
+
+
+def test_kernel_shares_add_up_to_the_layer_share(spec):
+    """The KDA layer of the specialized step (its first kernel resident ~5 us before the dense
+    layer before it ends): each kernel's share from that end on; the shares sum to the layer
+    share ``metrics.layer_steps`` measures for the step (no bubbles in it), the first kernel's
+    share is its time after the previous layer's end, and every later kernel of the PDL chain
+    adds its end minus the end before it."""
+    k = spec.kernels
+    step = tl.median_step(k, 1)
+    t = tl.layer_timeline(k, 1, step)
+    m = tl.summary(t)
+    ls = metrics.layer_steps(k)
+    row = ls.filter(pc.and_(pc.equal(ls["layer"], 1), pc.equal(ls["step"], step))).to_pylist()[0]
+    assert m["idle_us"] == pytest.approx(0, abs=1e-6)
+    assert m["shares_us"] == pytest.approx(row["share_us"], abs=1e-3)
+    assert row["share_us"] < row["span_us"] - 1  # resident early: the share is shorter
+    ends = t["end_us"].to_pylist()
+    shares = t["share_us"].to_pylist()
+    prev = tl.previous_layer_end(k, 1, step)
+    t0 = int(pc.min(tl.select(k, 1, step)["start_ns"]).as_py())
+    assert shares[0] == pytest.approx(ends[0] - (prev - t0) / 1e3, abs=1e-3)
+    for i in range(1, len(ends)):
+        assert shares[i] == pytest.approx(max(0.0, ends[i] - max(ends[:i])), abs=1e-3)
+    assert tl.previous_layer_end(k, 0, step) is None  # the step's first layer
+
+
+def test_cli_timeline_prints_the_shares():
+    p = cli("timeline", SPEC, "--layer", "2")
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    assert "share us" in out and ", shares " in out
+    js = json.loads(cli("timeline", SPEC, "--layer", "2", "--json").stdout)
+    rows = js[0]["kernels"]
+    assert all("share_us" in r for r in rows)
+    assert js[0]["summary"]["shares_us"] == pytest.approx(sum(r["share_us"] for r in rows))

@@ -16,12 +16,13 @@ from decodescope.ui.cli import app, console, fail
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.render import arrow_table, dumps
 
-COLS = ["start_us", "end_us", "dur_us", "gap_us", "op", "kernel", "grid", "bar"]
+COLS = ["start_us", "end_us", "dur_us", "gap_us", "share_us", "op", "kernel", "grid", "bar"]
 HEADERS = {
     "start_us": "start us",
     "end_us": "end us",
     "dur_us": "dur us",
     "gap_us": "gap us",
+    "share_us": "share us",
     "bar": "timeline",
 }
 
@@ -70,9 +71,10 @@ def timeline(
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
-    """One layer's kernels in one step: start, end, duration and the gap to the kernels before
-    (positive: a bubble; negative: resident early, as under PDL), with span, busy and idle; a
-    multi-GPU run shows one rank (the first unless --rank)."""
+    """One layer's kernels in one step: start, end, duration, the gap to the kernels before
+    (positive: a bubble; negative: resident early, as under PDL) and the share (what the kernel
+    adds: the time it ends after the ones before it, its wait under PDL left out), with span,
+    busy and idle; a multi-GPU run shows one rank (the first unless --rank)."""
     runs = [(load_with_progress(a, scheme), "A")]
     if b is not None:
         runs.append((load_with_progress(b, scheme), "B"))
@@ -119,7 +121,8 @@ def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
 def _summary_line(m: dict[str, Any]) -> str:
     return (f"{m['kernels']} kernels: span {m['span_us']:.1f} us, busy {m['busy_us']:.1f}, "
             f"idle {m['idle_us']:.1f} (bubbles), overlap {m['overlap_us']:.1f} "
-            "(kernels resident before the ones before them ended)")  # fmt: skip
+            f"(kernels resident before the ones before them ended), shares {m['shares_us']:.1f} "
+            "(busy after the previous layer's end)")  # fmt: skip
 
 
 def _jsonable(s: dict) -> dict:

@@ -632,7 +632,9 @@ def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool
             st.caption(
                 f"{label}: {m['kernels']} kernels, span {m['span_us']:.1f} us, busy "
                 f"{m['busy_us']:.1f}, idle {m['idle_us']:.1f} (no kernel running), overlap "
-                f"{m['overlap_us']:.1f} (kernels resident before the ones before them ended)"
+                f"{m['overlap_us']:.1f} (kernels resident before the ones before them ended), "
+                f"shares {m['shares_us']:.1f} (busy after the previous layer's end: what the "
+                "kernels add, each its time after the ones before it ended)"
             )
 
 
