@@ -709,6 +709,19 @@ part47b=(
   "270:v8:decodescope bench --tp-shape 8 --batch 1,8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/v8.json"
   "270:v16:decodescope bench --tp-shape 16 --batch 1,8,32,64 --spec-verify 7 --verify-only --out $R/ds --json $R/v16.json"
 )
+# Part 49 (session 36; one H200, no vLLM parts): the GPU tests s36/n5 did not reach before its
+# stage limits (22 of 54 attention halves and 20 of 24 MoE blocks ran there, all passed): the
+# other 32 attention halves (32x1 MLA from TP16 on, 64x1, 1x8, 8x8) and the MoE block at 64
+# tokens. About 11 s a case there. Prediction: all pass (notes/specialized.md "GPU tests at
+# 3aa10d0").
+T49="python -m pytest -q -p no:cacheprovider -m gpu"
+part49a=(
+  "240:attn1:$T49 tests/test_specialized_gpu.py -k '(32x1- or 64x1-) and not 32x1-kda and not 32x1-mla-kimi-k3-8'"
+  "300:attn2:$T49 tests/test_specialized_gpu.py -k '1x8- or 8x8-'"
+)
+part49b=(
+  "120:moe64:$T49 tests/test_specialized_moe_gpu.py -k 'specialized_moe_block and 64-kimi'"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -782,5 +795,7 @@ case "${1:-1}" in
   46b) exec bash "$here/run_stages.sh" "${part46b[@]}" ;;
   47a) exec bash "$here/run_stages.sh" "${part47a[@]}" ;;
   47b) exec bash "$here/run_stages.sh" "${part47b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b or 47a-b, got '$1'" >&2; exit 2 ;;
+  49a) exec bash "$here/run_stages.sh" "${part49a[@]}" ;;
+  49b) exec bash "$here/run_stages.sh" "${part49b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b or 49a-b, got '$1'" >&2; exit 2 ;;
 esac
