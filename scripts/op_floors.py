@@ -8,11 +8,9 @@ For a run of decodescope's own workloads (``standard`` or ``specialized``, a pre
 the step's GPU timeline, its PDL wait left out), the bytes the op must move (its part of
 :func:`decodescope.kernels.bytes.layer_bytes_breakdown`, the same parts the layer floor sums, the
 routed experts from the run's recorded ``layer_bytes``), that part's floor at the copy bandwidth
-measured beside the run, and the share over it. The ops of a fused kernel are the ``+``-joined
-names of what they fuse; each name maps to its parts below (norm weights, activations, routing
-work: no bytes of their own). The shared experts' gate/up (2/3 of their bytes) go to an op that
-also holds the router or the latent down-projection, their down projection (1/3) to one that
-holds the routed experts, all of them to an op of their own.
+measured beside the run, and the share over it: the op table of ``decodescope report`` with
+its floors (:func:`decodescope.ui.cmd_report.op_floors`; the parts each op name moves:
+:data:`decodescope.kernels.bytes.OP_PARTS`), as a Markdown table or JSON.
 
 What it is for: at batch 1 a layer's share over its floor splits into ops that stream at about
 the copy rate and ops whose share is latency (a decode over a few MB, a one-CTA RMSNorm, a
@@ -26,121 +24,30 @@ import argparse
 import json
 import sys
 
-import pyarrow.compute as pc
-
 from decodescope import tracer
 from decodescope.analysis import metrics
-from decodescope.kernels import bytes as kbytes
-from decodescope.kernels import config as kconfig
-
-# sub-op name -> {bytes part: fraction}; the parts are kernels.bytes.layer_bytes_breakdown's
-PARTS: dict[str, dict[str, float]] = {
-    "input_residual_norm": {"norms": 0.5},
-    "residual_norm": {"norms": 0.5},
-    "qkv_proj": {"in_proj": 1.0},
-    "f_b_proj": {"f_b": 1.0},
-    "conv1d": {"conv_w": 1.0, "conv_state_rw": 1.0},
-    "kda_recurrence": {"kda_state_rw": 1.0, "gate_params": 1.0},
-    "fused_qkv_a_proj": {"fused_qkv_a": 1.0},
-    "g_proj": {"g_proj": 1.0},
-    "q_kv_norm": {"q_kv_norms": 1.0},
-    "q_b_proj": {"q_b": 1.0},
-    "w_uk_bmm": {"w_uk_uv": 0.5},
-    "w_uv_bmm": {"w_uk_uv": 0.5},
-    "cache_insert": {"kv_cache_write": 1.0},
-    "mla_decode": {"kv_cache_read": 1.0},
-    "o_proj": {"o_proj": 1.0},
-    "router": {"router": 1.0},
-    "latent_down": {"latent_down_up": 0.5},
-    "latent_up": {"latent_down_up": 0.5},
-    "routed_experts": {"routed_experts": 1.0},
-    "gate_up": {"dense_mlp": 2 / 3},
-    "down": {"dense_mlp": 1 / 3},
-}
-NO_BYTES = {"gated_norm", "gate_mul", "grouped_topk", "align", "topk_sum", "latent_norm", "add",
-            "act", "copy"}  # fmt: skip
+from decodescope.ui.cmd_report import op_floors
 
 
 class FloorError(ValueError):
     pass
 
 
-def op_parts(op: str) -> dict[str, float]:
-    """The bytes parts (with fractions) of one op, a ``+``-joined list of sub-op names."""
-    subs = op.split("+")
-    out: dict[str, float] = {}
-    for s in subs:
-        if s == "shared_experts":
-            if "router" in subs or "latent_down" in subs:
-                frac = 2 / 3  # gate / up beside the MoE front
-            elif "routed_experts" in subs:
-                frac = 1 / 3  # the down projection beside the routed experts
-            else:
-                frac = 1.0
-            out["shared_experts"] = out.get("shared_experts", 0.0) + frac
-            continue
-        if s in NO_BYTES:
-            continue
-        if s not in PARTS:
-            raise FloorError(f"op {op!r}: no bytes known for {s!r}")
-        for part, f in PARTS[s].items():
-            out[part] = out.get(part, 0.0) + f
-    return out
-
-
-def kind_parts(run, kind: str) -> dict[str, int]:
-    """The layer kind's bytes parts at the run's shapes; the routed experts as the recorded
-    ``layer_bytes`` has them (the experts the run's routing selected)."""
-    cfg_json = run.meta.config_json
-    cfg_json = json.loads(cfg_json) if isinstance(cfg_json, str) else (cfg_json or {})
-    wl = (cfg_json.get("workload") or {}).get("config") or {}
-    preset = wl.get("preset") or run.meta.preset
-    tp = wl.get("tp") or run.meta.tp_shape
-    if not preset or not tp:
-        raise FloorError(f"{run.meta.run_id}: not a run of decodescope's workloads (no preset)")
-    opts = {k: wl[k] for k in ("context_len", "kv_cache_dtype", "expert_dtype") if k in wl}
-    cfg = kconfig.get_config(preset, tp, **opts)
-    parts = kbytes.layer_bytes_breakdown(
-        cfg, kind, run.meta.batch or 1, run.meta.tokens_per_seq or 1, selected=0
-    )
-    recorded = (run.meta.layer_bytes or {}).get(kind)
-    if recorded is None:
-        raise FloorError(f"{run.meta.run_id}: no layer_bytes recorded for {kind!r}")
-    if kind != "dense":
-        parts["routed_experts"] = recorded - sum(
-            v for k, v in parts.items() if k != "routed_experts"
-        )
-    return parts
-
-
 def rows(run, kinds: list[str] | None = None) -> list[dict]:
-    bw = run.meta.copy_bw_tbs
-    if not bw:
+    """One row per (layer kind, op): share, bytes, floor and share - floor (``decodescope
+    report``'s op table, :func:`decodescope.ui.cmd_report.op_floors`)."""
+    if not run.meta.copy_bw_tbs:
         raise FloorError(f"{run.meta.run_id}: no copy bandwidth measured beside the run")
-    ops = metrics.op_table(run.kernels)
+    ops, why = op_floors(run, metrics.op_table(run.kernels))
+    if "op_floor_us" not in ops.column_names:
+        raise FloorError(f"{run.meta.run_id}: {why or 'not a run of decodescope workloads'}")
     out = []
-    for kind in sorted(set(pc.drop_null(ops["layer_kind"]).to_pylist())):
-        if kinds and kind not in kinds:
+    for r in ops.to_pylist():
+        if r["layer_kind"] is None or (kinds and r["layer_kind"] not in kinds):
             continue
-        parts = kind_parts(run, kind)
-        used: dict[str, float] = {}
-        sel = ops.filter(pc.equal(ops["layer_kind"], kind))
-        for r in sel.to_pylist():
-            fr = op_parts(r["op"])
-            nbytes = sum(parts.get(p, 0) * f for p, f in fr.items())
-            for p, f in fr.items():
-                used[p] = used.get(p, 0.0) + f
-            floor = nbytes / (bw * 1e6)
-            out.append({"kind": kind, "block": r["block"], "op": r["op"],
-                        "kernels": r["kernels"], "share_us": r["share_us"], "bytes": int(nbytes),
-                        "floor_us": floor, "over_us": r["share_us"] - floor})  # fmt: skip
-        missing = {p: round(1 - used.get(p, 0.0), 3) for p in parts
-                   if parts[p] and abs(1 - used.get(p, 0.0)) > 1e-6}  # fmt: skip
-        if missing:
-            raise FloorError(
-                f"{run.meta.run_id}: the {kind} ops do not cover the layer's bytes once "
-                f"(part: fraction left over) {missing}"
-            )
+        out.append({"kind": r["layer_kind"], "block": r["block"], "op": r["op"],
+                    "kernels": r["kernels"], "share_us": r["share_us"], "bytes": r["bytes"],
+                    "floor_us": r["op_floor_us"], "over_us": r["share_over_floor_us"]})  # fmt: skip
     return out
 
 
@@ -153,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = tracer.load(a.run)
         out = rows(run, a.kind)
-    except (FloorError, kconfig.ConfigError, OSError, ValueError) as e:
+    except (FloorError, OSError, ValueError) as e:
         print(f"op_floors: {a.run}: {e}", file=sys.stderr)
         return 2
     if a.json:

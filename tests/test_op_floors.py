@@ -1,15 +1,23 @@
-"""``scripts/op_floors.py`` on the committed H200 runs (TP16 batch 1 at a494371, both paths)."""
+"""Per-op bytes floors (``kernels.bytes.op_parts`` / ``op_bytes``, ``decodescope report``'s op
+table, ``scripts/op_floors.py``) on the committed H200 runs (TP16 batch 1 at a494371, both
+paths) and an imported trace."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.compute as pc
 import pytest
+from cli_helpers import cli
 
 from decodescope import tracer
+from decodescope.analysis import metrics
+from decodescope.kernels import bytes as kbytes
+from decodescope.ui.cmd_report import op_floors
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = f"{ROOT / 'results'}@specialized-20261204T031629-ed57e6"
@@ -52,19 +60,56 @@ def test_where_the_specialized_batch1_layer_is_over_its_floor(of):
     assert front["over_us"] < 0 and front["bytes"] > 70e6
 
 
-def test_op_parts(of):
+def test_op_parts():
     """The shared experts' gate/up go with the MoE front, their down with the routed experts;
-    routing and norm-only names carry no bytes; an unknown name is an error."""
-    assert of.op_parts("router+latent_down+shared_experts") == pytest.approx(
+    routing and norm-only names, communication and ranges nested in an op carry no bytes; an
+    unknown name is an error."""
+    assert kbytes.op_parts("router+latent_down+shared_experts") == pytest.approx(
         {"router": 1.0, "latent_down_up": 0.5, "shared_experts": 2 / 3}
     )
-    assert of.op_parts("grouped_topk+align+routed_experts+shared_experts+topk_sum") == (
+    assert kbytes.op_parts("grouped_topk+align+routed_experts+shared_experts+topk_sum") == (
         pytest.approx({"routed_experts": 1.0, "shared_experts": 1 / 3})
     )
-    assert of.op_parts("shared_experts") == {"shared_experts": 1.0}
-    assert of.op_parts("grouped_topk+align") == {}
-    with pytest.raises(of.FloorError, match="no bytes known for 'flash_attn'"):
-        of.op_parts("flash_attn")
+    assert kbytes.op_parts("shared_experts") == {"shared_experts": 1.0}
+    assert kbytes.op_parts("grouped_topk+align") == {}
+    assert kbytes.op_parts("o_proj+allreduce+residual") == {"o_proj": 1.0}
+    assert kbytes.op_parts("align.cub::DeviceScan::InclusiveScan") == {}
+    with pytest.raises(kbytes.OpBytesError, match="no bytes known for 'flash_attn'"):
+        kbytes.op_parts("flash_attn")
+
+
+def test_ops_that_miss_a_part_are_named():
+    """``op_bytes`` refuses ops that leave a part unmoved or move one twice (a small synthetic
+    case), and ``report`` says why instead of showing partial floors."""
+    parts = {"o_proj": 100, "norms": 10, "router": 0}
+    assert kbytes.op_bytes(parts, ["o_proj", "residual_norm", "input_residual_norm"]) == {
+        "o_proj": 100, "residual_norm": 5, "input_residual_norm": 5}  # fmt: skip
+    with pytest.raises(kbytes.OpBytesError, match="'o_proj': 1.0"):
+        kbytes.op_bytes(parts, ["residual_norm", "input_residual_norm"])
+    with pytest.raises(kbytes.OpBytesError, match="'o_proj': -1.0"):
+        kbytes.op_bytes(parts, ["o_proj", "o_proj+residual_norm", "input_residual_norm"])
+    run = tracer.load(SPEC)
+    ops = metrics.op_table(run.kernels)
+    cut = ops.filter(pc.not_equal(ops["op"], "o_proj"))
+    table, why = op_floors(run, cut)
+    assert "op_floor_us" not in table.column_names
+    assert why.startswith("no per-op floors:") and "'o_proj': 1.0" in why
+
+
+def test_report_shows_the_op_floors():
+    """``report --json`` on the specialized run: every op has a floor, each kind's op floors sum
+    to its layer floor; the table prints them; an imported trace has neither (no message)."""
+    d = json.loads(cli("report", SPEC, "--json", "--top", "0").stdout)
+    assert "op_floors" not in d
+    kinds = {r["layer_kind"]: r for r in d["kinds"]}
+    for kind, r in kinds.items():
+        ops = [o for o in d["ops"] if o["layer_kind"] == kind]
+        assert all(o["op_floor_us"] is not None for o in ops)
+        assert sum(o["op_floor_us"] for o in ops) == pytest.approx(r["floor_us"], rel=1e-6)
+    p = cli("report", SPEC, "--top", "0")
+    assert p.returncode == 0 and "share - floor us" in " ".join(p.stdout.split())
+    k = json.loads(cli("report", KINETO, "--json", "--top", "0").stdout)
+    assert "op_floors" not in k and all("op_floor_us" not in o for o in k["ops"])
 
 
 def test_a_trace_without_bytes_is_a_one_line_error():

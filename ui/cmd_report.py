@@ -33,6 +33,8 @@ HEADERS = {
     "floor_us": "bytes floor us",
     "efficiency": "span / floor",
     "share_efficiency": "share / floor",
+    "op_floor_us": "bytes floor us",
+    "share_over_floor_us": "share - floor us",
 }
 
 
@@ -176,17 +178,56 @@ def run_summary(run: Run) -> dict[str, Any]:
     }
 
 
+def op_floors(run: Run, ops: pa.Table) -> tuple[pa.Table, str | None]:
+    """The op table with each op's bytes (its part of the layer floor, ``kernels.bytes``),
+    ``op_floor_us`` at the run's copy bandwidth and ``share_over_floor_us``, for a run of
+    decodescope's own workloads that recorded its layer bytes and copy bandwidth. Otherwise the
+    table as it is, and why not (None where the run is not one of ours: an imported trace)."""
+    m = run.meta
+    wl = (m.config.get("workload") or {}).get("config") or {}
+    if not wl.get("preset") or not m.layer_bytes or not m.copy_bw_tbs or ops.num_rows == 0:
+        return ops, None
+    from decodescope.kernels import bytes as kbytes
+
+    per_op: dict[tuple[str, str], int] = {}
+    try:
+        for kind in sorted(set(pc.drop_null(ops["layer_kind"]).to_pylist())):
+            if kind not in m.layer_bytes:
+                raise kbytes.OpBytesError(f"no layer bytes recorded for {kind!r}")
+            names = ops.filter(pc.equal(ops["layer_kind"], kind))["op"].to_pylist()
+            parts = kbytes.run_layer_parts(
+                wl, kind, m.batch or 1, m.tokens_per_seq or 1, m.layer_bytes[kind]
+            )
+            for op, b in kbytes.op_bytes(parts, [o or "" for o in names]).items():
+                per_op[(kind, op)] = b
+    except kbytes.OpBytesError as e:
+        return ops, f"no per-op floors: {e}"
+    nbytes = [per_op.get((kd, op or "")) for kd, op in
+              zip(ops["layer_kind"].to_pylist(), ops["op"].to_pylist(), strict=True)]  # fmt: skip
+    floor = [b / (m.copy_bw_tbs * 1e6) if b is not None else None for b in nbytes]
+    over = [s - f if f is not None and s is not None else None
+            for s, f in zip(ops["share_us"].to_pylist(), floor, strict=True)]  # fmt: skip
+    return (
+        ops.append_column("bytes", pa.array(nbytes, pa.int64()))
+        .append_column("op_floor_us", pa.array(floor, pa.float64()))
+        .append_column("share_over_floor_us", pa.array(over, pa.float64()))
+    ), None
+
+
 def report_data(run: Run, top: int) -> dict[str, Any]:
     k = run.kernels
     multi = len(metrics.ranks_of(k)) > 1
     kinds = metrics.rank_kind_table(k) if multi else metrics.kind_table(k)
+    ops, why = op_floors(run, metrics.op_table(k))
     out = {
         "run": run_summary(run),
         "kinds": metrics.with_floor(kinds, run.meta.layer_bytes, run.meta.copy_bw_tbs),
         "layers": metrics.layer_table(k),
-        "ops": metrics.op_table(k),
+        "ops": ops,
         "kernels": metrics.kernel_table(k).slice(0, top),
     }
+    if why:
+        out["op_floors"] = why
     if multi:  # several ranks: layer kinds per rank, and how far apart the ranks ran
         out["skew"] = metrics.skew_table(k)
     return out
@@ -271,23 +312,20 @@ def print_report(run: Run, *, top: int = 15) -> None:
                     {**HEADERS, **SKEW_HEADERS},
                 )
             )  # fmt: skip
+        floors = "op_floor_us" in data["ops"].column_names
         console.print(
             arrow_table(
                 data["ops"],
-                "per op (per layer-step medians)",
-                [
-                    "layer_kind",
-                    "block",
-                    "op",
-                    "layer_steps",
-                    "kernels",
-                    "span_us",
-                    "kernel_sum_us",
-                    "share_us",
-                ],
+                "per op (per layer-step medians"
+                + ("; the bytes floor of the op's own part of the layer's bytes" if floors else "")
+                + ")",
+                ["layer_kind", "block", "op", "layer_steps", "kernels", "span_us", "kernel_sum_us",
+                 "share_us", *(["op_floor_us", "share_over_floor_us"] if floors else [])],
                 HEADERS,
             )
-        )
+        )  # fmt: skip
+        if data.get("op_floors"):
+            console.print(f"[yellow]{data['op_floors']}[/]", soft_wrap=True)
     console.print(
         arrow_table(
             data["kernels"],
