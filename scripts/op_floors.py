@@ -9,7 +9,7 @@ the step's GPU timeline, its PDL wait left out), the bytes the op must move (its
 :func:`decodescope.kernels.bytes.layer_bytes_breakdown`, the same parts the layer floor sums, the
 routed experts from the run's recorded ``layer_bytes``), that part's floor at the copy bandwidth
 measured beside the run, and the share over it: the op table of ``decodescope report`` with
-its floors (:func:`decodescope.ui.cmd_report.op_floors`; the parts each op name moves:
+its floors (:func:`decodescope.ui.op_floors.op_floors`; the parts each op name moves:
 :data:`decodescope.kernels.bytes.OP_PARTS`), as a Markdown table or JSON.
 
 What it is for: at batch 1 a layer's share over its floor splits into ops that stream at about
@@ -26,7 +26,7 @@ import sys
 
 from decodescope import tracer
 from decodescope.analysis import metrics
-from decodescope.ui.cmd_report import op_floors
+from decodescope.ui.op_floors import op_floors
 
 
 class FloorError(ValueError):
@@ -35,7 +35,7 @@ class FloorError(ValueError):
 
 def rows(run, kinds: list[str] | None = None) -> list[dict]:
     """One row per (layer kind, op): share, bytes, floor and share - floor (``decodescope
-    report``'s op table, :func:`decodescope.ui.cmd_report.op_floors`)."""
+    report``'s op table, :func:`decodescope.ui.op_floors.op_floors`)."""
     if not run.meta.copy_bw_tbs:
         raise FloorError(f"{run.meta.run_id}: no copy bandwidth measured beside the run")
     ops, why = op_floors(run, metrics.op_table(run.kernels))

@@ -61,6 +61,9 @@ def test_default_view_renders_the_h200_results(monkeypatch):
     assert {"a_kernels", "b_kernels", "kernels_delta", "ratio"} <= set(kinds.columns)
     # the newest runs also measured the dense layer 0
     assert set(kinds["layer_kind"]) in ({"kda", "mla"}, {"dense", "kda", "mla"})
+    # each op against the floor of its own bytes, both runs (ours: they recorded their bytes)
+    ops = next(d.value for d in at.dataframe if "share_over_floor_us" in d.value.columns)
+    assert set(ops["run"]) == {"A", "B"} and ops["op_floor_us"].notna().all()
 
 
 def test_bundled_traces_render_side_by_side(monkeypatch):

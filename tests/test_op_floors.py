@@ -17,7 +17,7 @@ from cli_helpers import cli
 from decodescope import tracer
 from decodescope.analysis import metrics
 from decodescope.kernels import bytes as kbytes
-from decodescope.ui.cmd_report import op_floors
+from decodescope.ui.op_floors import op_floors
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = f"{ROOT / 'results'}@specialized-20261204T031629-ed57e6"

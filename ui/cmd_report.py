@@ -13,6 +13,7 @@ from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, attributed_counts, load_with_progress
+from decodescope.ui.op_floors import op_floors
 from decodescope.ui.render import arrow_table, dumps
 
 LAYER_COLS = ["kernels", "span_us", "busy_us", "gaps_us", "kernel_sum_us", "share_us"]
@@ -176,42 +177,6 @@ def run_summary(run: Run) -> dict[str, Any]:
         "notes": m.notes or None,
         "overheads": overhead_summary(run),
     }
-
-
-def op_floors(run: Run, ops: pa.Table) -> tuple[pa.Table, str | None]:
-    """The op table with each op's bytes (its part of the layer floor, ``kernels.bytes``),
-    ``op_floor_us`` at the run's copy bandwidth and ``share_over_floor_us``, for a run of
-    decodescope's own workloads that recorded its layer bytes and copy bandwidth. Otherwise the
-    table as it is, and why not (None where the run is not one of ours: an imported trace)."""
-    m = run.meta
-    wl = (m.config.get("workload") or {}).get("config") or {}
-    if not wl.get("preset") or not m.layer_bytes or not m.copy_bw_tbs or ops.num_rows == 0:
-        return ops, None
-    from decodescope.kernels import bytes as kbytes
-
-    per_op: dict[tuple[str, str], int] = {}
-    try:
-        for kind in sorted(set(pc.drop_null(ops["layer_kind"]).to_pylist())):
-            if kind not in m.layer_bytes:
-                raise kbytes.OpBytesError(f"no layer bytes recorded for {kind!r}")
-            names = ops.filter(pc.equal(ops["layer_kind"], kind))["op"].to_pylist()
-            parts = kbytes.run_layer_parts(
-                wl, kind, m.batch or 1, m.tokens_per_seq or 1, m.layer_bytes[kind]
-            )
-            for op, b in kbytes.op_bytes(parts, [o or "" for o in names]).items():
-                per_op[(kind, op)] = b
-    except kbytes.OpBytesError as e:
-        return ops, f"no per-op floors: {e}"
-    nbytes = [per_op.get((kd, op or "")) for kd, op in
-              zip(ops["layer_kind"].to_pylist(), ops["op"].to_pylist(), strict=True)]  # fmt: skip
-    floor = [b / (m.copy_bw_tbs * 1e6) if b is not None else None for b in nbytes]
-    over = [s - f if f is not None and s is not None else None
-            for s, f in zip(ops["share_us"].to_pylist(), floor, strict=True)]  # fmt: skip
-    return (
-        ops.append_column("bytes", pa.array(nbytes, pa.int64()))
-        .append_column("op_floor_us", pa.array(floor, pa.float64()))
-        .append_column("share_over_floor_us", pa.array(over, pa.float64()))
-    ), None
 
 
 def report_data(run: Run, top: int) -> dict[str, Any]:

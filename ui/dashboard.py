@@ -38,6 +38,7 @@ from decodescope.analysis.schema import Run
 from decodescope.tracer import dataset
 from decodescope.tracer.errors import TraceError
 from decodescope.ui import figures
+from decodescope.ui.op_floors import op_floors
 
 # The data a bare `decodescope dashboard` opens: the committed H200 results dataset
 # (standard vs specialized, `decodescope bench`), else the two real imported traces bundled
@@ -529,6 +530,45 @@ def view_floor(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: b
         },
     )
     downloads("bytes_floor", floor, "dl-floor")
+    view_op_floors(sa, sb, run_a, run_b, labels, single)
+
+
+def view_op_floors(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, single: bool) -> None:
+    """Each op's share beside the floor of its own part of the layer's bytes, for runs of
+    decodescope's own workloads (``decodescope report``'s op table:
+    :func:`decodescope.ui.op_floors.op_floors`)."""
+    parts, notes = [], []
+    sides = [(labels[0], sa, run_a)] + ([] if single else [(labels[1], sb, run_b)])
+    for lab, tables, run in sides:
+        ops, why = op_floors(run, tables["ops"])
+        if why:
+            notes.append(f"{lab}: {why}")
+        if "op_floor_us" not in ops.column_names:
+            continue
+        t = ops.select(["layer_kind", "block", "op", "kernels", "share_us", "bytes",
+                        "op_floor_us", "share_over_floor_us"])  # fmt: skip
+        parts.append(t.add_column(0, "run", pa.array([lab] * t.num_rows, pa.string())))
+    for n in notes:
+        st.caption(n)
+    if not parts:
+        return
+    table = pa.concat_tables(parts)
+    with st.expander("Per op: share against the bytes floor of the op's own part of the layer"):
+        st.caption(
+            "An op's bytes are its part of the layer's floor (weights, state, cache; the routed "
+            "experts the run's routing selected); share - floor above zero is time the bytes do "
+            "not explain (latency, hand-offs), below zero an op that streamed before its wait."
+        )
+        _show(
+            table,
+            column_config={
+                "share_us": _NUM("share us", format="%.1f"),
+                "bytes": _NUM("bytes", format="%d"),
+                "op_floor_us": _NUM("floor us", format="%.1f"),
+                "share_over_floor_us": _NUM("share - floor us", format="%+.1f"),
+            },
+        )
+        downloads("op_floors", table, "dl-op-floors")
 
 
 def view_charts(
