@@ -8,8 +8,9 @@ the wait). Its ``share``: what it adds to the timeline, every instant some kerne
 to the running kernel that ends first (:func:`.metrics.first_ending_shares`, the rule of the
 op shares) from the end of the previous layer in the step on (the layer share's start,
 :mod:`.metrics`): in a chain under PDL a kernel's end minus the end of the one before, its
-wait left out. The shares add up to the layer's share less its bubbles. The summary adds the span, the time covered by at least one kernel (``busy``) and
-the rest (``idle``), which is what a fused path's launches leave on the table.
+wait left out. The shares add up to the layer's share less its bubbles. The summary adds the
+span, the time covered by at least one kernel (``busy``) and the rest (``idle``), which is what
+a fused path's launches leave on the table.
 
 The default step is the median of the layer's steps (a typical replay, not the first one after
 capture); ``layer=None`` takes the step's every kernel (traces without layer ranges).
