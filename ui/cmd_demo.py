@@ -107,6 +107,7 @@ def demo(
                     a_label="standard",
                     b_label="specialized",
                 )
+                _print_op_floors(by["specialized"], f"{preset} tp_shape {tp} batch {batch}")
             return
     folders = sorted(p for p in runs.glob("*") if tracer.store.is_run_dir(p))
     if not folders:
@@ -123,3 +124,29 @@ def demo(
 
         console.rule(f"A = {eager.name}, B = {graph.name}")
         print_compare(tracer.load(eager), tracer.load(graph), top=10)
+
+
+def _print_op_floors(run, where: str) -> None:
+    """The specialized run's ops against the floors of their own bytes (``report``'s op
+    table): what of each layer's time its bytes do not explain."""
+    from decodescope.analysis import metrics
+    from decodescope.ui.cmd_report import HEADERS
+    from decodescope.ui.op_floors import op_floors
+    from decodescope.ui.render import arrow_table
+
+    ops, why = op_floors(run, metrics.op_table(run.kernels))
+    if "op_floor_us" not in ops.column_names:
+        if why:
+            console.print(f"[yellow]{why}[/]", soft_wrap=True)
+        return
+    console.print(
+        arrow_table(
+            ops,
+            f"specialized, {where}: each op's share against the bytes floor of its own part of "
+            "the layer (above zero: time its bytes do not explain)",
+            ["layer_kind", "block", "op", "kernels", "share_us", "op_floor_us",
+             "share_over_floor_us"],
+            HEADERS,
+            max_width={"op": 40},
+        )
+    )  # fmt: skip
