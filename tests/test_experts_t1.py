@@ -24,7 +24,8 @@ _VARS = ("DECODESCOPE_MOE_T1", "DECODESCOPE_MOE_T1_ROWS", "DECODESCOPE_MOE_T1_ST
          "DECODESCOPE_MOE_T1_BK", "DECODESCOPE_MOE_T1_SHARED", "DECODESCOPE_MOE_T1_W2PRE",
          "DECODESCOPE_MOE_EXPERTS", "DECODESCOPE_MOE_T1_ROUTE", "DECODESCOPE_MOE_T1_KW",
          "DECODESCOPE_MOE_T1_ZT", "DECODESCOPE_MOE_T1_KSPLIT", "DECODESCOPE_MOE_T1_EARLY",
-         "DECODESCOPE_FRONT_NORM_FOLD", "DECODESCOPE_MOE_FRONT")  # fmt: skip
+         "DECODESCOPE_FRONT_NORM_FOLD", "DECODESCOPE_MOE_FRONT", "DECODESCOPE_MOE_BACK_L2PRE",
+         "DECODESCOPE_L2_PERSIST_MB")  # fmt: skip
 
 
 @pytest.fixture
@@ -526,6 +527,94 @@ def test_block_wiring(clean_env):
     assert len(calls) == 1 and calls[0] != "moe_grouped_route"  # the persistent kernel
 
 
+@pytest.mark.parametrize("tp", [8, 16])
+def test_back_prefetch_compiles(tp, clean_env):
+    """``DECODESCOPE_MOE_BACK_L2PRE``: :class:`W13T1Pre` at the plan the default picks compiles
+    for sm_90a; its PTX creates one ``evict_last`` policy and issues the bulk L2 prefetches with
+    it before the PDL wait; every one of the back's 448 row tiles has a CTA and a thread."""
+    d = _dims("kimi-k3", tp)
+    cfg, kw = t1.w13_plan(1, d[1:], 132, True)
+    plan = t1.back_pre_plan(d[5], d[3], 12)
+    assert plan == (448, 16 * d[3], 28032) and plan[2] % 128 == 0
+    op, args = t1.build_w13_pre(*d, 4.0, 25.0, True, 132, cfg, True, kw, False, plan)
+    assert isinstance(op, t1.W13T1Pre) and op.PRE_PER * op.grid >= 448 and op.PRE_PER <= op.NT
+    base, _ = t1.build_w13(*d, 4.0, 25.0, True, 132, cfg, True, kw)
+    assert (op.grid, op.NT, op.smem_total) == (base.grid, base.NT, base.smem_total)
+    ptx = itf.ptx_text(op, *args)
+    pol = ptx.index("createpolicy.fractional.L2::evict_last.b64")
+    pf = ptx.index("cp.async.bulk.prefetch.L2.global.L2::cache_hint")
+    assert pol < pf < ptx.index("griddepcontrol.wait")
+    assert ptx.count("cp.async.bulk.prefetch.L2") == 1  # one run per tile (28 KB < 32 KB)
+    big = t1.back_pre_plan(d[5], d[3], 40)  # 93.6 KB of each 112 KB tile: three instructions
+    op40, args40 = t1.build_w13_pre(*d, 4.0, 25.0, True, 132, cfg, True, kw, False, big)
+    assert itf.ptx_text(op40, *args40).count("cp.async.bulk.prefetch.L2") == 3
+
+
+def test_back_prefetch_knobs(clean_env, monkeypatch):
+    """The knobs' one-line errors, the plan's arithmetic and refusals, the set-aside asked once
+    (the driver call replaced on the CPU)."""
+    mp = clean_env
+    assert t1.back_l2pre_mb() == 0 and t1.l2_persist_mb() == 0
+    for bad in ("x", "41", "-1"):
+        mp.setenv("DECODESCOPE_MOE_BACK_L2PRE", bad)
+        with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_L2PRE="):
+            t1.back_l2pre_mb()
+    mp.setenv("DECODESCOPE_MOE_BACK_L2PRE", "12")
+    assert t1.back_l2pre_mb() == 12
+    assert t1.back_pre_plan(7168, 3584, 40)[2] == (40 << 20) // 448 // 128 * 128
+    assert t1.back_pre_plan(64, 64, 40)[2] == 16 * 64 * 2  # capped at the whole tile
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        t1.back_pre_plan(7160, 3584, 12)
+    d = _dims("kimi-k3", 8)
+    cfg, kw = t1.w13_plan(1, d[1:], 132, True)
+    with pytest.raises(ValueError, match="prefetch of 208 B per tile of 200 B"):
+        t1.W13T1Pre(*d, 4.0, 25.0, True, 132, cfg, True, kw, pre=(448, 100, 208))
+    calls = []
+    mp.setattr(t1.cuda, "cuCtxSetLimit", lambda lim, n: calls.append((lim, n)) or
+               (t1.cuda.CUresult.CUDA_SUCCESS,))  # fmt: skip
+    mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    mp.setattr(t1, "_PERSIST_SET", [])
+    t1.apply_l2_persist()  # unset: nothing asked
+    mp.setenv("DECODESCOPE_L2_PERSIST_MB", "16")
+    t1.apply_l2_persist()
+    t1.apply_l2_persist()  # once per process
+    assert calls == [(t1.cuda.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 16 << 20)]
+
+
+def test_back_prefetch_wiring(clean_env):
+    """The block hands its ``latent_up`` down: with the knob the one-token experts launch
+    :class:`W13T1Pre` with the weight viewed as its row tiles; with the w13 route or the K
+    split a one-line refusal; unset, the plain W13T1 (CPU: launches recorded, builds run)."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    mp = clean_env
+    keys, built, calls = [], [], []
+
+    def fake_compiled(key, build):
+        keys.append(key)
+        op, _ = build()
+        built.append(op)
+        return lambda *a, key=key: calls.append((key[0], a[-1].shape))
+
+    mp.setattr(itf, "compiled", fake_compiled)
+    cfg = get_config("tiny", 1)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
+    blk = SpecializedMoE(cfg, w, 1)
+    blk.experts()
+    assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
+    calls.clear()
+    mp.setenv("DECODESCOPE_MOE_BACK_L2PRE", "1")
+    blk.experts()
+    H, L = cfg.hidden, cfg.expert_dim
+    assert calls[1] == ("moe_t1_w13_pre", (H // 16, 16 * L))
+    assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_pre", "moe_t1_w2"]
+    assert isinstance(built[keys.index(next(k for k in keys if k[0] == "moe_t1_w13_pre"))],
+                      t1.W13T1Pre)  # fmt: skip
+    mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
+    with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_L2PRE=1 runs on the plain"):
+        blk.experts()
+
+
 def test_script_variants():
     spec = importlib.util.spec_from_file_location("gpu_specialized_moe_t1", _SCRIPT)
     gs = importlib.util.module_from_spec(spec)
@@ -609,6 +698,45 @@ def test_t1_gpu(gsm, preset, tp, var, monkeypatch):
     bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
     assert not bad, bad
     assert any(r.get("check") == "shared_out" for r in gsm.RESULTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,mb,persist", [(8, 12, 0), (16, 12, 0), (16, 12, 16)])
+def test_back_prefetch_gpu(gsm, tp, mb, persist, monkeypatch):
+    """``DECODESCOPE_MOE_BACK_L2PRE`` (with and without an L2 set-aside) is a hint: the block's
+    one-token output matches the default's (the routed sum's FP32 atomics may order
+    differently) and every check of the script passes with it, two fresh draws."""
+    from decodescope.kernels.specialized.moe_block import SpecializedMoE
+
+    for v in ("DECODESCOPE_MOE_BACK_L2PRE", "DECODESCOPE_L2_PERSIST_MB"):
+        monkeypatch.delenv(v, raising=False)
+    cfg = get_config("kimi-k3", tp)
+    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
+    blk = SpecializedMoE(cfg, w, 1)
+    g = torch.Generator(device="cuda").manual_seed(29)
+    h = torch.randn(1, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    out0 = torch.full_like(h, float("nan"))
+    blk.forward(h, out0)
+    monkeypatch.setenv("DECODESCOPE_MOE_BACK_L2PRE", str(mb))
+    if persist:
+        monkeypatch.setenv("DECODESCOPE_L2_PERSIST_MB", str(persist))
+    try:
+        out1 = torch.full_like(h, float("nan"))
+        blk.forward(h, out1)
+        torch.cuda.synchronize()
+        rel = ((out1.float() - out0.float()).norm() / out0.float().norm()).item()
+        assert torch.isfinite(out1).all() and rel < 1e-2, rel
+        gsm.RESULTS.clear()
+        for draw in range(2):
+            ctx = {"preset": "kimi-k3", "tp": tp, "tokens": 1, "draw": draw,
+                   "experts": f"t1_l2pre{mb}_p{persist}"}  # fmt: skip
+            gsm.run_checks(cfg, w, blk, 1, ctx, seed=31 + draw, front_norm=False, fronts=False)
+        bad = [r for r in gsm.RESULTS if r.get("status") in ("FAIL", "error")]
+        assert not bad, bad
+    finally:
+        if persist:
+            t1.cuda.cuCtxSetLimit(t1.cuda.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
+            t1._PERSIST_SET.clear()
 
 
 def test_early_plan(clean_env):

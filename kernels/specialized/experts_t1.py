@@ -83,7 +83,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from decodescope.kernels.specialized import grouped_w2_tile as gw2
 from decodescope.kernels.specialized import grouped_w13_tile as gwt
@@ -336,6 +336,64 @@ def route_where() -> str:
     if v not in ROUTES:
         raise ValueError(f"DECODESCOPE_MOE_T1_ROUTE={v!r}: expected one of {ROUTES}")
     return v
+
+
+BACK_L2PRE_ENV = "DECODESCOPE_MOE_BACK_L2PRE"
+L2_PERSIST_ENV = "DECODESCOPE_L2_PERSIST_MB"
+BACK_ROWS = 16  # rows of a BackMma tile (back_mma.ROWS): one prefetch run per tile
+PRE_CHUNK = 32 * 1024  # bytes per cp.async.bulk.prefetch.L2 instruction
+PRE_MAX_MB = 40  # of the H200's 50 MB of L2
+
+
+def back_l2pre_mb() -> int:
+    """``DECODESCOPE_MOE_BACK_L2PRE``: megabytes of the MoE back's ``latent_up`` that
+    :class:`W13T1Pre` prefetches into L2 with the ``evict_last`` priority, first thing in each
+    CTA (before its shared down and its PDL wait, which is when the front has completed and the
+    route ranks, HBM otherwise idle); the back then reads those bytes from L2. Spread as the
+    first bytes of every 16-row tile of the weight (every BackMma CTA finds the same share in
+    L2). Unset or ``0``: off (W13T1 as before). Opt-in, session 37."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return int(env_knobs.read(BACK_L2PRE_ENV, tuple(range(PRE_MAX_MB + 1)), "0"))
+
+
+def l2_persist_mb() -> int:
+    """``DECODESCOPE_L2_PERSIST_MB``: the L2 set-aside for persisting accesses this process asks
+    for (``cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)``, a limit of this process's context,
+    capped by the device's ``persistingL2CacheMaxSize``) where the back prefetch is on. Unset
+    or ``0``: none asked (the context's own, 0 unless set elsewhere)."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return int(env_knobs.read(L2_PERSIST_ENV, tuple(range(PRE_MAX_MB + 1)), "0"))
+
+
+_PERSIST_SET: list[int] = []
+
+
+def apply_l2_persist() -> None:
+    """Ask for :func:`l2_persist_mb` once per process (not while a graph is being captured:
+    the eager warm-up before capture sets it). A driver error is a one-line ``RuntimeError``."""
+    mb = l2_persist_mb()
+    if mb == 0 or _PERSIST_SET == [mb] or torch.cuda.is_current_stream_capturing():
+        return
+    (err,) = cuda.cuCtxSetLimit(cuda.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, mb << 20)
+    if err != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{L2_PERSIST_ENV}={mb}: cuCtxSetLimit failed ({err.name})")
+    _PERSIST_SET[:] = [mb]
+
+
+def back_pre_plan(H: int, L: int, mb: int) -> tuple[int, int, int]:
+    """``(tiles, tile_elems, bytes per tile)`` of a ``mb`` MB prefetch of a ``[H, L]`` BF16
+    ``latent_up``: its ``H / 16`` row tiles, each prefetched from its start for an equal number
+    of bytes (a multiple of 128, at most the tile)."""
+    if H % BACK_ROWS:
+        raise ValueError(f"{BACK_L2PRE_ENV}: hidden {H} is not a multiple of {BACK_ROWS}")
+    n = H // BACK_ROWS
+    elems = BACK_ROWS * L
+    per = min(elems * 2, ((mb << 20) // n) // 128 * 128)
+    if per < 128:
+        raise ValueError(f"{BACK_L2PRE_ENV}={mb}: under 128 bytes per tile of {n}")
+    return n, elems, per
 
 
 @cute.jit
@@ -1127,6 +1185,63 @@ class W13T1Route(W13T1):
                    (mBias, mIds, mTw))  # fmt: skip
 
 
+class W13T1Pre(W13T1):
+    """:class:`W13T1` that first prefetches part of the MoE back's weight into L2
+    (``DECODESCOPE_MOE_BACK_L2PRE``, :func:`back_l2pre_mb`): every CTA, before its shared down
+    and its PDL wait, issues ``cp.async.bulk.prefetch.L2`` with an ``evict_last`` cache policy
+    for its share of the back's row tiles (tile ``bid + i * grid``, the first ``pre`` bytes of
+    each). The CTAs become resident when the route kernel passes its own wait, i.e. when the
+    front has completed: the prefetch fills the HBM while the route ranks and lands before the
+    routed stream; ``evict_last`` is what may keep the lines through the 40-70 MB of w13 and w2
+    streamed before the back reads them. Everything after the prefetch is :class:`W13T1`'s."""
+
+    def __init__(self, *args, pre: tuple[int, int, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.PRE_N, self.PRE_E, self.PRE_B = pre
+        if self.PRE_B % 16 or self.PRE_B > 2 * self.PRE_E:
+            raise ValueError(f"experts_t1: prefetch of {self.PRE_B} B per tile of "
+                             f"{2 * self.PRE_E} B")  # fmt: skip
+        self.PRE_PER = -(-self.PRE_N // self.grid)  # tiles per CTA (its first threads)
+        if self.PRE_PER > self.NT:
+            raise ValueError(f"experts_t1: {self.PRE_PER} prefetch tiles per CTA exceed its "
+                             f"{self.NT} threads")  # fmt: skip
+
+    @cute.jit
+    def __call__(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                 mPre, stream: cuda.CUstream):  # fmt: skip
+        Smem = self._smem_struct()
+        self.smem_cls = Smem
+        self.kernel_pre(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                        mPre).launch(
+            grid=[self.grid, 1, 1],
+            block=[self.NT, 1, 1],
+            smem=Smem.size_in_bytes(),
+            stream=stream,
+            use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel_pre(self, mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared,
+                   mPre):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        if tid < self.PRE_PER:
+            tile = bid + tid * self.grid
+            if tile < self.PRE_N:
+                pol = cute.arch.inline_ptx(
+                    "createpolicy.fractional.L2::evict_last.b64 {$w0}, 1.0;",
+                    write_only_types=[Int64],
+                )
+                for j in cutlass.range_constexpr(-(-self.PRE_B // PRE_CHUNK)):
+                    nb = min(PRE_CHUNK, self.PRE_B - j * PRE_CHUNK)
+                    src = mPre.iterator + (tile * self.PRE_E + j * (PRE_CHUNK // 2))
+                    cute.arch.inline_ptx(
+                        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [{$r0}], {$r1}, {$r2};",
+                        read_only_args=[src, Int32(nb), pol],
+                    )
+        self._body(mY, mW13, mH, mPairs, mSlotE, mSlotOff, mSlotN, mNact, mWs2, mShared, None)
+
+
 class W2T1(gw2.GroupedW2Tile):
     """Kernel 3 of the ``t1`` mode: :class:`grouped_w2_tile.GroupedW2Tile`'s items (``cp``
     loads), one per CTA, their route lists read and (``pre``) their weight copies issued before
@@ -1256,6 +1371,15 @@ def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, sh
     return op, args
 
 
+def build_w13_pre(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
+                  kw=1, zt=False, pre=(448, 57344, 28672)):  # fmt: skip
+    """``(op, fake args)`` of :class:`W13T1Pre`: :func:`build_w13`'s and the back's weight as
+    ``[tiles, tile_elems]`` (``pre``: :func:`back_pre_plan`)."""
+    op = W13T1Pre(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt, pre=pre)
+    _, args = build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt)
+    return op, args[:-1] + (itf.fake(torch.bfloat16, pre[:2]),) + args[-1:]
+
+
 def build_w2(T, E, K, L, Ie, H, S, pdl=True, nsm=132, kn=None, shared=False, pre=True):
     """``(op, fake args)`` of :class:`W2T1` (:func:`moe_grouped._build_w2`'s argument list)."""
     op = W2T1(T, E, K, L, Ie, H, S, pdl, nsm, kn, shared, pre)
@@ -1333,14 +1457,15 @@ def build_route_early(E, K, L, NF, scaling, pdl=True, rks=4):
 def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, *,
                top_k: int, beta: float, lbeta: float, pdl: bool, nsm: int, parts=(0, 1, 2),
                router_bias=None, topk_ids=None, scaling: float = 1.0,
-               zero_acc: bool = False, early=None) -> None:  # fmt: skip
+               zero_acc: bool = False, early=None, back_w=None) -> None:  # fmt: skip
     """The ``t1`` launches (called by :func:`moe_grouped.moe_grouped`, which checked the
     tensors and compiled ``route``, the :class:`moe_grouped.GroupedRoute` launch): the route
     (``route``, or :class:`RouteT1` with ``DECODESCOPE_MOE_T1_ROUTE=t1``, which needs
     ``router_bias``, ``topk_ids``, ``scaling``, ``zero_acc``; with ``early = (rks, part, sig)``,
     the buffers the block's :class:`.front_mma.FrontMmaEarly` wrote this step,
     :class:`RouteT1Early`), then :class:`W13T1` (shared down before its wait), then
-    :class:`W2T1`. ``parts`` as there."""
+    :class:`W2T1`. ``parts`` as there. ``back_w``: the MoE back's ``latent_up [H, L]``, which
+    :class:`W13T1Pre` prefetches into L2 with ``DECODESCOPE_MOE_BACK_L2PRE`` set."""
     E, twoI, L = w13.shape
     Ie = twoI // 2
     H, S = shared_w2.shape
@@ -1351,6 +1476,14 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     rw = route_where()
     ks = w13_ks()
     cfg, kw = w13_plan(T, dims[1:], nsm, sh13, route=rw == "w13", ks=ks)
+    pre_mb = back_l2pre_mb()
+    if pre_mb and (rw == "w13" or ks > 1):
+        raise ValueError(f"{BACK_L2PRE_ENV}={pre_mb} runs on the plain W13T1, not with "
+                         f"DECODESCOPE_MOE_T1_ROUTE=w13 or {KS_ENV}")  # fmt: skip
+    if pre_mb and (back_w is None or back_w.dtype != torch.bfloat16 or back_w.dim() != 2
+                   or not back_w.is_contiguous()):  # fmt: skip
+        raise ValueError(f"{BACK_L2PRE_ENV}={pre_mb} needs the back's weight, a contiguous "
+                         f"[H, L] BF16 tensor (the MoE block passes its latent_up)")  # fmt: skip
     if early is not None and rw != "t1":
         raise ValueError(f"{EARLY_ENV}: the early route is RouteT1's (DECODESCOPE_MOE_T1_ROUTE "
                          f"t1, not {rw})")  # fmt: skip
@@ -1422,6 +1555,20 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
 
         def w13k(*a):
             w13s(*a, ws, cnt)
+
+    elif pre_mb:
+        apply_l2_persist()
+        pplan = back_pre_plan(back_w.shape[0], back_w.shape[1], pre_mb)
+        w13p = itf.compiled(
+            ("moe_t1_w13_pre", *dims, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt, pplan),
+            lambda: build_w13_pre(
+                T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, sh13, kw, zt, pplan
+            ),  # fmt: skip
+        )
+        bw = back_w.view(pplan[0], pplan[1])
+
+        def w13k(*a):
+            w13p(*a, bw)
 
     else:
         w13k = itf.compiled(

@@ -261,7 +261,7 @@ class SpecializedMoE:
                     self.y_front, self.bias, self.w13, self.w2, self.shared_w2, self.h, self.acc,
                     self.shared_out, self.topk_ids, self.topk_weights, bufs, top_k=self.top_k,
                     scaling=self.scaling, beta=self.beta, lbeta=self.lbeta, zero_acc=zero_acc,
-                    early=early,
+                    early=early, back_w=self.latent_up,
                 )  # fmt: skip
                 return
             if self.chunks > 1:

@@ -821,12 +821,14 @@ def moe_grouped(
     parts: tuple[int, ...] = (0, 1, 2),
     zero_acc: bool = False,
     early=None,
+    back_w=None,
 ) -> None:
     """The three launches (same contract as :func:`moe_experts.moe_experts`, plus ``bufs``):
     ``acc [T, L]`` FP32 must be zero (the front kernel zeroes it), or with ``zero_acc`` the
     route kernel zeroes it (a front that does not: ``front_mma.front_variant`` ``tile``);
     ``done`` is not used. ``early``: the one-token early route's ``(rks, part, sig)``
-    (:func:`.experts_t1.experts_t1`; only right after the front that wrote them).
+    (:func:`.experts_t1.experts_t1`; only right after the front that wrote them). ``back_w``:
+    the back's ``latent_up``, for the one-token L2 prefetch (``DECODESCOPE_MOE_BACK_L2PRE``).
     ``parts``: which of route (0), w13 (1), w2 (2) to launch (timing each kernel alone: 1 and
     2 read the lists of an earlier full call; 2 adds into ``acc`` again)."""
     E, twoI, L = w13.shape
@@ -868,7 +870,7 @@ def moe_grouped(
                 b.hs, b.ctr, acc.view(-1)),
             y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, bufs, top_k=K, beta=beta,
             lbeta=lbeta, pdl=pdl, nsm=nsm, parts=parts, router_bias=router_bias,
-            topk_ids=topk_ids, scaling=scaling, zero_acc=zero_acc, early=early,
+            topk_ids=topk_ids, scaling=scaling, zero_acc=zero_acc, early=early, back_w=back_w,
         )  # fmt: skip
         return
     if early is not None:

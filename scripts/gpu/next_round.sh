@@ -716,11 +716,35 @@ part47b=(
 # 3aa10d0").
 T49="python -m pytest -q -p no:cacheprovider -m gpu"
 part49a=(
-  "240:attn1:$T49 tests/test_specialized_gpu.py -k '(32x1- or 64x1-) and not 32x1-kda and not 32x1-mla-kimi-k3-8'"
-  "300:attn2:$T49 tests/test_specialized_gpu.py -k '1x8- or 8x8-'"
+  "220:attn1:$T49 tests/test_specialized_gpu.py -k '(32x1- or 64x1-) and not 32x1-kda and not 32x1-mla-kimi-k3-8'"
+  "280:attn2:$T49 tests/test_specialized_gpu.py -k '1x8- or 8x8-'"
 )
 part49b=(
   "120:moe64:$T49 tests/test_specialized_moe_gpu.py -k 'specialized_moe_block and 64-kimi'"
+)
+# Part 50 (session 37; one H200, no vLLM parts): the one-token L2 prefetch of the MoE back's
+# weight from W13T1 (DECODESCOPE_MOE_BACK_L2PRE, with and without an L2 set-aside,
+# DECODESCOPE_L2_PERSIST_MB). 50a: its GPU test, the MoE blocks 49b left, the TP16 A/B at batch
+# 1; 50b: the A/B repeated, and TP8. Prediction: notes/specialized.md "Part 50".
+B50="decodescope bench --backends specialized --layers kda,mla --batch 1 --out $R/ab"
+P12="DECODESCOPE_MOE_BACK_L2PRE=12"
+P12S="DECODESCOPE_MOE_BACK_L2PRE=12 DECODESCOPE_L2_PERSIST_MB=16"
+P24S="DECODESCOPE_MOE_BACK_L2PRE=24 DECODESCOPE_L2_PERSIST_MB=30"
+part50a=(
+  "100:pretest:$T49 tests/test_experts_t1.py -k back_prefetch_gpu"
+  "100:moe64:$T49 tests/test_specialized_moe_gpu.py -k 'specialized_moe_block and 64-kimi'"
+  "70:t16d:$B50 --tp-shape 16 --json $R/t16d.json"
+  "70:t16p:$P12 $B50 --tp-shape 16 --json $R/t16p.json"
+  "70:t16s:$P12S $B50 --tp-shape 16 --json $R/t16s.json"
+  "70:t16w:$P24S $B50 --tp-shape 16 --json $R/t16w.json"
+)
+part50b=(
+  "70:t16d2:$B50 --tp-shape 16 --json $R/t16d2.json"
+  "70:t16s2:$P12S $B50 --tp-shape 16 --json $R/t16s2.json"
+  "75:t8d:$B50 --tp-shape 8 --json $R/t8d.json"
+  "75:t8s:$P12S $B50 --tp-shape 8 --json $R/t8s.json"
+  "75:t8d2:$B50 --tp-shape 8 --json $R/t8d2.json"
+  "75:t8s2:$P12S $B50 --tp-shape 8 --json $R/t8s2.json"
 )
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
@@ -797,5 +821,7 @@ case "${1:-1}" in
   47b) exec bash "$here/run_stages.sh" "${part47b[@]}" ;;
   49a) exec bash "$here/run_stages.sh" "${part49a[@]}" ;;
   49b) exec bash "$here/run_stages.sh" "${part49b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b or 49a-b, got '$1'" >&2; exit 2 ;;
+  50a) exec bash "$here/run_stages.sh" "${part50a[@]}" ;;
+  50b) exec bash "$here/run_stages.sh" "${part50b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b or 50a-b, got '$1'" >&2; exit 2 ;;
 esac
