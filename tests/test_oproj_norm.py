@@ -39,7 +39,7 @@ ENV = orn.OPROJ_NORM_ENV
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for v in (ENV, orn.OPROJ_PREFETCH_ENV, "DECODESCOPE_GEMV_CFG", "DECODESCOPE_SKINNY_GEMV",
-              "DECODESCOPE_FRONT_NORM"):  # fmt: skip
+              "DECODESCOPE_FRONT_NORM", orn.OPROJ_PREFETCH_EVICT_ENV):  # fmt: skip
         monkeypatch.delenv(v, raising=False)
 
 
@@ -198,6 +198,30 @@ def test_prefetch_ptx():
     if r0 is not None:
         assert r1 <= max(r0, 128), (r0, r1)
     assert gs.compile_pre_plan(q) is not None
+
+
+def test_prefetch_evict_last(monkeypatch):
+    """``DECODESCOPE_OPROJ_PREFETCH_EVICT=last``: the same prefetches, each with the one
+    ``evict_last`` policy created before them, all before the PDL wait; a bad value is a
+    one-line error; ``pre_last`` without prefetches is refused."""
+    cfg = get_config("kimi-k3", 8)
+    wf = torch.empty(6016, 7168, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setenv(orn.OPROJ_PREFETCH_ENV, "512")
+    assert not orn.prefetch_plan(cfg, "kda", 1, wf).pre_last
+    monkeypatch.setenv(orn.OPROJ_PREFETCH_EVICT_ENV, "last")
+    q = orn.prefetch_plan(cfg, "kda", 1, wf)
+    assert q.pre_last and q.pre_bytes == 512
+    ptx = itf.ptx_text(gs.GemvStreamPre(q), *gs._fake_pre_args(q))
+    w = ptx.find("griddepcontrol.wait")
+    hint = "cp.async.bulk.prefetch.L2.global.L2::cache_hint"
+    assert ptx.count("createpolicy.fractional.L2::evict_last.b64") == 1
+    assert ptx.count("cp.async.bulk.prefetch.L2") == ptx[:w].count(hint) >= 1
+    monkeypatch.setenv(orn.OPROJ_PREFETCH_EVICT_ENV, "first")
+    with pytest.raises(ValueError, match="DECODESCOPE_OPROJ_PREFETCH_EVICT='first'"):
+        orn.prefetch_plan(cfg, "kda", 1, wf)
+    base, _ = _plans(8)
+    with pytest.raises(ValueError, match="pre_last needs a pre_bytes plan"):
+        dataclasses.replace(base, pre_last=True)
 
 
 def test_prefetch_wiring(monkeypatch):

@@ -360,8 +360,9 @@ def back_l2pre_mb() -> int:
 def l2_persist_mb() -> int:
     """``DECODESCOPE_L2_PERSIST_MB``: the L2 set-aside for persisting accesses this process asks
     for (``cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE)``, a limit of this process's context,
-    capped by the device's ``persistingL2CacheMaxSize``) where the back prefetch is on. Unset
-    or ``0``: none asked (the context's own, 0 unless set elsewhere)."""
+    capped by the device's ``persistingL2CacheMaxSize``) where an ``evict_last`` prefetch is on
+    (``DECODESCOPE_MOE_BACK_L2PRE``, ``DECODESCOPE_OPROJ_PREFETCH_EVICT=last``). Unset or
+    ``0``: none asked (the context's own, 0 unless set elsewhere)."""
     from decodescope.kernels.specialized import env_knobs
 
     return int(env_knobs.read(L2_PERSIST_ENV, tuple(range(PRE_MAX_MB + 1)), "0"))

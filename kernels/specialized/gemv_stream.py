@@ -55,7 +55,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from decodescope.kernels.specialized import env_knobs as knob
 from decodescope.kernels.specialized import interface as itf
@@ -281,6 +281,8 @@ class GemvPlan:
     pre_k: int = 0
     pre_slices: int = 8
     pre_bytes: int = 0
+    # those prefetches with an ``evict_last`` L2 cache policy (``DECODESCOPE_OPROJ_PREFETCH_EVICT``)
+    pre_last: bool = False
     # SiTU-and-mul epilogue (the dense MLP's gate_up + act): one ``[2D, K]`` gate/up segment;
     # each warp's ``rows`` are ``rows / 2`` gate rows and the matching up rows, ``out [M, D]``
     situ: bool = False
@@ -324,6 +326,8 @@ class GemvPlan:
                 "gemv_stream: norm_out needs one segment with the residual epilogue and no "
                 "input norm"
             )
+        if self.pre_last and not self.pre_bytes:
+            raise ValueError("gemv_stream: pre_last needs a pre_bytes plan")
         if self.pre_bytes and (
             self.pre_rows < 1 or self.pre_bytes % 16 or self.pre_k % self.pre_slices
             or self.pre_bytes > self.pre_k * 2 // self.pre_slices or (self.pre_k * 2 // self.pre_slices) % 16
@@ -642,16 +646,28 @@ class GemvStream:
         nthr = p.grid * p.threads
         step = p.pre_k // p.pre_slices
         g = bidx * p.threads + tidx
+        pol = None
+        if cutlass.const_expr(p.pre_last):
+            pol = cute.arch.inline_ptx(
+                "createpolicy.fractional.L2::evict_last.b64 {$w0}, 1.0;",
+                write_only_types=[Int64],
+            )
         for i in cutlass.range_constexpr(-(-items // nthr)):
             it = g + i * nthr
             if it < items:
                 row = it // p.pre_slices
                 sl = it - row * p.pre_slices
                 src = cute.local_tile(mPre[row, None], (step,), (sl,))
-                cute.arch.inline_ptx(
-                    "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                    read_only_args=[src.iterator, Int32(p.pre_bytes)],
-                )
+                if cutlass.const_expr(p.pre_last):
+                    cute.arch.inline_ptx(
+                        "cp.async.bulk.prefetch.L2.global.L2::cache_hint [{$r0}], {$r1}, {$r2};",
+                        read_only_args=[src.iterator, Int32(p.pre_bytes), pol],
+                    )
+                else:
+                    cute.arch.inline_ptx(
+                        "cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                        read_only_args=[src.iterator, Int32(p.pre_bytes)],
+                    )
 
     @cute.jit
     def store_norm(self, accs, evs, row0, n, mO, post, sRed, warp, lane):
@@ -1237,7 +1253,8 @@ def gemv_norm(p: GemvPlan, x, w, out, residual, norm_weight, h_out) -> None:
 # -- the next kernels' weights into L2 (pre_bytes) ---------------------------------------------
 
 
-def pre_plan(gp: GemvPlan, rows: int, k: int, nbytes: int, slices: int = 8) -> GemvPlan | None:
+def pre_plan(gp: GemvPlan, rows: int, k: int, nbytes: int, slices: int = 8,
+             last: bool = False) -> GemvPlan | None:  # fmt: skip
     """``gp`` prefetching the first ``nbytes`` of each of ``slices`` K slices of every row of a
     ``[rows, k]`` BF16 weight (:class:`GemvStreamPre`), or None where ``gp`` has more than one
     segment, a norm prologue or ``norm_out`` (those launch other classes) or ``nbytes`` is 0."""
@@ -1245,7 +1262,8 @@ def pre_plan(gp: GemvPlan, rows: int, k: int, nbytes: int, slices: int = 8) -> G
 
     if nbytes <= 0 or len(gp.segments) != 1 or gp.norm or gp.norm_out:
         return None
-    return dataclasses.replace(gp, pre_rows=rows, pre_k=k, pre_slices=slices, pre_bytes=nbytes)
+    return dataclasses.replace(gp, pre_rows=rows, pre_k=k, pre_slices=slices, pre_bytes=nbytes,
+                               pre_last=last)  # fmt: skip
 
 
 def _fake_pre_args(p: GemvPlan):
@@ -1263,6 +1281,10 @@ def compile_pre_plan(p: GemvPlan):
 def gemv_pre(p: GemvPlan, x, w, out, epilogue_residual, pre_w) -> None:
     """``out = x @ w^T (+ epilogue_residual)`` by the ``pre_bytes`` plan ``p``, prefetching its
     share of ``pre_w`` (``[pre_rows, pre_k]`` BF16, contiguous) into L2 before the PDL wait."""
+    if p.pre_last:  # the L2 set-aside DECODESCOPE_L2_PERSIST_MB asks for, if any
+        from decodescope.kernels.specialized.experts_t1 import apply_l2_persist
+
+        apply_l2_persist()
     ph = itf.placeholder(x.device, sg._PLACEHOLDER)
     e = epilogue_residual if epilogue_residual is not None else ph
     compile_pre_plan(p)(x, ph, ph, ph[0], w, out, e, pre_w)

@@ -75,6 +75,18 @@ def prefetch_bytes() -> int:
     return int(env_knobs.read(OPROJ_PREFETCH_ENV, PREFETCH_CHOICES, "0"))
 
 
+OPROJ_PREFETCH_EVICT_ENV = "DECODESCOPE_OPROJ_PREFETCH_EVICT"
+
+
+def prefetch_evict_last() -> bool:
+    """``DECODESCOPE_OPROJ_PREFETCH_EVICT``: ``normal`` (unset: the prefetches as before) or
+    ``last`` (with an ``evict_last`` L2 cache policy, session 37: what may keep the lines through
+    o_proj's own stream until the front reads them)."""
+    from decodescope.kernels.specialized import env_knobs
+
+    return env_knobs.read(OPROJ_PREFETCH_EVICT_ENV, ("normal", "last"), "normal") == "last"
+
+
 def prefetch_plan(cfg, kind: str, m: int, w_next: torch.Tensor | None):
     """The :class:`.gemv_stream.GemvStreamPre` plan of o_proj at ``m`` tokens prefetching the
     first :func:`prefetch_bytes` of each eighth of every row of ``w_next`` (the MoE front's
@@ -92,7 +104,7 @@ def prefetch_plan(cfg, kind: str, m: int, w_next: torch.Tensor | None):
     rows, k = (int(v) for v in w_next.shape)
     if k % 8 or nb > k * 2 // 8:
         return None
-    return gs.pre_plan(gs.from_gemm_plan(p), rows, k, nb)
+    return gs.pre_plan(gs.from_gemm_plan(p), rows, k, nb, last=prefetch_evict_last())
 
 
 def oproj_residual(cfg, w: dict, o, r, r_out) -> None:

@@ -725,7 +725,8 @@ part49b=(
 # Part 50 (session 37; one H200, no vLLM parts): the one-token L2 prefetch of the MoE back's
 # weight from W13T1 (DECODESCOPE_MOE_BACK_L2PRE, with and without an L2 set-aside,
 # DECODESCOPE_L2_PERSIST_MB). 50a: its GPU test, the MoE blocks 49b left, the TP16 A/B at batch
-# 1; 50b: the A/B repeated, and TP8. Prediction: notes/specialized.md "Part 50".
+# 1; 50b: the A/B repeated, o_proj's prefetch of the MoE front with evict_last (alone and with
+# the back's), and TP8. Prediction: notes/specialized.md "Part 50".
 B50="decodescope bench --backends specialized --layers kda,mla --batch 1 --out $R/ab"
 P12="DECODESCOPE_MOE_BACK_L2PRE=12"
 P12S="DECODESCOPE_MOE_BACK_L2PRE=12 DECODESCOPE_L2_PERSIST_MB=16"
@@ -738,9 +739,12 @@ part50a=(
   "70:t16s:$P12S $B50 --tp-shape 16 --json $R/t16s.json"
   "70:t16w:$P24S $B50 --tp-shape 16 --json $R/t16w.json"
 )
+OPL="DECODESCOPE_OPROJ_PREFETCH=512 DECODESCOPE_OPROJ_PREFETCH_EVICT=last DECODESCOPE_L2_PERSIST_MB=30"
 part50b=(
   "70:t16d2:$B50 --tp-shape 16 --json $R/t16d2.json"
   "70:t16s2:$P12S $B50 --tp-shape 16 --json $R/t16s2.json"
+  "70:t16o:$OPL $B50 --tp-shape 16 --json $R/t16o.json"
+  "70:t16b:$OPL DECODESCOPE_MOE_BACK_L2PRE=12 $B50 --tp-shape 16 --json $R/t16b.json"
   "75:t8d:$B50 --tp-shape 8 --json $R/t8d.json"
   "75:t8s:$P12S $B50 --tp-shape 8 --json $R/t8s.json"
   "75:t8d2:$B50 --tp-shape 8 --json $R/t8d2.json"
