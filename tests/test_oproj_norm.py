@@ -240,7 +240,7 @@ def test_prefetch_wiring(monkeypatch):
 
     def fake_plan(cfg, kind, m, w_next):
         seen.append(tuple(w_next.shape))
-        return SimpleNamespace(pre_bytes=512)
+        return SimpleNamespace(pre_bytes=512, pre_last=False)
 
     monkeypatch.setattr(orn, "prefetch_plan", fake_plan)
     p = S.plan(preset="tiny", tp_shape=1, batch=1, tokens_per_seq=1, layers="dense,kda,mla",
