@@ -1481,8 +1481,8 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
     if pre_mb and (rw == "w13" or ks > 1):
         raise ValueError(f"{BACK_L2PRE_ENV}={pre_mb} runs on the plain W13T1, not with "
                          f"DECODESCOPE_MOE_T1_ROUTE=w13 or {KS_ENV}")  # fmt: skip
-    if pre_mb and (back_w is None or back_w.dtype != torch.bfloat16 or back_w.dim() != 2
-                   or not back_w.is_contiguous()):  # fmt: skip
+    if pre_mb and 1 in parts and (back_w is None or back_w.dtype != torch.bfloat16
+                                  or back_w.dim() != 2 or not back_w.is_contiguous()):  # fmt: skip
         raise ValueError(f"{BACK_L2PRE_ENV}={pre_mb} needs the back's weight, a contiguous "
                          f"[H, L] BF16 tensor (the MoE block passes its latent_up)")  # fmt: skip
     if early is not None and rw != "t1":
@@ -1557,7 +1557,7 @@ def experts_t1(route, y_front, w13, w2, shared_w2, h, acc, shared_out, topk_w, b
         def w13k(*a):
             w13s(*a, ws, cnt)
 
-    elif pre_mb:
+    elif pre_mb and 1 in parts:  # (a caller launching the route alone passes no back_w)
         apply_l2_persist()
         pplan = back_pre_plan(back_w.shape[0], back_w.shape[1], pre_mb)
         w13p = itf.compiled(
