@@ -351,7 +351,9 @@ def back_l2pre_mb() -> int:
     CTA (before its shared down and its PDL wait, which is when the front has completed and the
     route ranks, HBM otherwise idle); the back then reads those bytes from L2. Spread as the
     first bytes of every 16-row tile of the weight (every BackMma CTA finds the same share in
-    L2). Unset or ``0``: off (W13T1 as before). Opt-in, session 37."""
+    L2). One token only (the ``t1`` kernels; other token counts launch no W13T1 and ignore
+    it). Unset or ``0``: off (W13T1 as before). Opt-in: H200 session 37 (part 50), 12 MB with
+    a 16 MB set-aside took a TP16 KDA layer 0.5 us lower at batch 1, the MLA layer not at all."""
     from decodescope.kernels.specialized import env_knobs
 
     return int(env_knobs.read(BACK_L2PRE_ENV, tuple(range(PRE_MAX_MB + 1)), "0"))
@@ -1373,9 +1375,10 @@ def build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, sh
 
 
 def build_w13_pre(T, E, K, L, Ie, H, S, beta, lbeta, pdl=True, nsm=132, cfg=None, shared=True,
-                  kw=1, zt=False, pre=(448, 57344, 28672)):  # fmt: skip
+                  kw=1, zt=False, pre=None):  # fmt: skip
     """``(op, fake args)`` of :class:`W13T1Pre`: :func:`build_w13`'s and the back's weight as
-    ``[tiles, tile_elems]`` (``pre``: :func:`back_pre_plan`)."""
+    ``[tiles, tile_elems]`` (``pre``: :func:`back_pre_plan`; None: its 12 MB plan)."""
+    pre = pre or back_pre_plan(H, L, 12)
     op = W13T1Pre(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt, pre=pre)
     _, args = build_w13(T, E, K, L, Ie, H, S, beta, lbeta, pdl, nsm, cfg, shared, kw, zt)
     return op, args[:-1] + (itf.fake(torch.bfloat16, pre[:2]),) + args[-1:]
