@@ -244,16 +244,6 @@ def test_ksplit_selection(clean_env):
     blk.experts()
     assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_ks", "moe_t1_w2"]
     assert calls[1][1] == 12 and isinstance(built[1], t1.W13T1KS) and built[1].KS == 2
-    calls.clear()  # the route alone (the GPU script's route checks): no weight needed
-    bufs = mg.buffers_for(blk, 1, cfg.moe.num_experts, blk.top_k, cfg.shared_inter, "cpu")
-    mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
-                   blk.shared_out, blk.topk_ids, blk.topk_weights, bufs, top_k=blk.top_k,
-                   scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta, parts=(0,))  # fmt: skip
-    assert [c[0] for c in calls] == ["moe_t1_route"]
-    with pytest.raises(ValueError, match="needs the back's weight"):
-        mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
-                       blk.shared_out, blk.topk_ids, blk.topk_weights, bufs, top_k=blk.top_k,
-                       scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta)  # fmt: skip
     mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
     assert not t1.fits(1, _dims("kimi-k3", 16)[1:])  # unset DECODESCOPE_MOE_T1: the pipe
     mp.setenv("DECODESCOPE_MOE_T1", "t1")  # set: the refusal is the launch's one-line error
@@ -620,6 +610,16 @@ def test_back_prefetch_wiring(clean_env):
     assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_pre", "moe_t1_w2"]
     assert isinstance(built[keys.index(next(k for k in keys if k[0] == "moe_t1_w13_pre"))],
                       t1.W13T1Pre)  # fmt: skip
+    calls.clear()  # the route alone (the GPU script's route checks): no weight needed
+    bufs = mg.buffers_for(blk, 1, cfg.moe.num_experts, blk.top_k, cfg.shared_inter, "cpu")
+    mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
+                   blk.shared_out, blk.topk_ids, blk.topk_weights, bufs, top_k=blk.top_k,
+                   scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta, parts=(0,))  # fmt: skip
+    assert [c[0] for c in calls] == ["moe_t1_route"]
+    with pytest.raises(ValueError, match="needs the back's weight"):
+        mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
+                       blk.shared_out, blk.topk_ids, blk.topk_weights, bufs, top_k=blk.top_k,
+                       scaling=blk.scaling, beta=blk.beta, lbeta=blk.lbeta)  # fmt: skip
     mp.setenv("DECODESCOPE_MOE_T1_ROUTE", "w13")
     with pytest.raises(ValueError, match="DECODESCOPE_MOE_BACK_L2PRE=1 runs on the plain"):
         blk.experts()

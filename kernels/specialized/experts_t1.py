@@ -377,7 +377,7 @@ def apply_l2_persist() -> None:
     """Ask for :func:`l2_persist_mb` once per process (not while a graph is being captured:
     the eager warm-up before capture sets it). A driver error is a one-line ``RuntimeError``."""
     mb = l2_persist_mb()
-    if mb == 0 or _PERSIST_SET == [mb] or torch.cuda.is_current_stream_capturing():
+    if mb == 0 or [mb] == _PERSIST_SET or torch.cuda.is_current_stream_capturing():
         return
     (err,) = cuda.cuCtxSetLimit(cuda.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, mb << 20)
     if err != cuda.CUresult.CUDA_SUCCESS:
