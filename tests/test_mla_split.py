@@ -38,6 +38,7 @@ KNOBS = (
     "DECODESCOPE_MLA_SPLIT_TAIL",
     "DECODESCOPE_MLA_SPLIT_LL",
     "DECODESCOPE_MLA_SPLIT_EARLYABS",
+    "DECODESCOPE_MLA_SPLIT_WAVES",
     "DECODESCOPE_MLA_KERNEL",
 )
 
@@ -305,6 +306,31 @@ def test_trace_summary_synthetic():
     assert len(tl["att_last"].split()) == 3
 
 
+def test_wave_splits(monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_WAVES=1``: the wave model's splits differ from the rule only at
+    TP8 32x8 and TP16 64x8 (192 items per split on 132 SMs at one CTA each: 2 splits, 3 waves of
+    9 + 2 blocks against 2 waves of 17 + 2), nowhere at one token; its plan compiles; a bad
+    value is a one-line error."""
+    points = [(b, t) for t in (8, 1) for b in (1, 8, 16, 32, 64)]
+    rule = {(tp, b, t): msp.plan_for(get_config("kimi-k3", tp), b, t).splits
+            for tp in (8, 16) for b, t in points}  # fmt: skip
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_WAVES", "1")
+    waves = {(tp, b, t): msp.plan_for(get_config("kimi-k3", tp), b, t).splits
+             for tp in (8, 16) for b, t in points}  # fmt: skip
+    assert {k: (rule[k], v) for k, v in waves.items() if v != rule[k]} == {
+        (8, 32, 8): (1, 2),
+        (16, 64, 8): (1, 2),
+    }
+    p = msp.plan_for(get_config("kimi-k3", 8), 32, 8)
+    assert (p.splits, p.n_att, p.sms, p.ctas_per_sm) == (2, 384, 132, 1)
+    assert msp.compile_plan(p) is not None
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_SPLITS", "3")  # a forced count wins
+    assert msp.plan_for(get_config("kimi-k3", 8), 32, 8).splits == 3
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_WAVES", "2")
+    with pytest.raises(ValueError, match="DECODESCOPE_MLA_SPLIT_WAVES: 0 or 1, got 2"):
+        msp.plan_for(get_config("kimi-k3", 8), 32, 8)
+
+
 def test_splits_spread_blocks():
     """Splits need not divide the 17 blocks: each split gets 1-2 (16 splits) blocks, all covered."""
     p = msp.plan_for(get_config("kimi-k3", 8), 4, 1)
@@ -515,6 +541,13 @@ def test_gpu_head_groups_tail(tp, batch, tokens, monkeypatch):
     """The tail (the block of the 2-8 new rows, causal among them) on the split with the
     fewest cached blocks, filled before the wait."""
     _gpu_check(tp, batch, tokens, {"DECODESCOPE_MLA_SPLIT_TAIL": "1"}, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64)])
+def test_gpu_waves(tp, batch, monkeypatch):
+    """``DECODESCOPE_MLA_SPLIT_WAVES=1`` at the two verify points where it picks 2 splits."""
+    _gpu_check(tp, batch, 8, {"DECODESCOPE_MLA_SPLIT_WAVES": "1"}, monkeypatch)
 
 
 def _gpu_check(tp, batch, T, knobs, monkeypatch):

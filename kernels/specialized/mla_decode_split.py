@@ -51,7 +51,8 @@ before W_UV (the tensor-core kernel keeps it FP32; the standard path rounds it t
 
 Knobs (compile key; one H200 run sweeps them): ``DECODESCOPE_MLA_SPLIT_SPLITS`` (key splits per
 sequence; 0: ``64 // batch`` below 16 sequences, ``128 // batch`` from 16, at most the 17
-blocks), ``_ACHUNKS`` (column chunks of
+blocks; ``DECODESCOPE_MLA_SPLIT_WAVES=1``, opt-in: with head groups, the splits of a wave
+model, :meth:`MLASplitPlan.wave_splits`), ``_ACHUNKS`` (column chunks of
 an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
 share an SM when the shared memory fits 113 KB), ``_FUSE`` (1: no CTAs of their own for the
@@ -155,6 +156,7 @@ TRACE_MARKS = {
     "uv": {7: "prewait", 4: "weights", 5: "o_lat"},
 }
 POLL_NS = 64  # nanosleep between polls
+ITEM_BLOCKS = 2  # an attention item's cost outside its key loop, in key blocks (wave_splits)
 
 
 def device_sms() -> int:
@@ -221,6 +223,9 @@ class MLASplitPlan:
     # SMs of the GPU the kernel runs on (:func:`device_sms`): :attr:`early_abs` needs the
     # whole grid resident at once, so it counts the real GPU's SMs, not the H200's 132
     sms: int = field(default_factory=lambda: device_sms())
+    # 1 (opt-in, session 37): with head groups (the verify step), the splits from the wave
+    # model of :meth:`wave_splits` instead of ``128 // (batch x groups)``; 0: the rule as before
+    waves: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_WAVES", 0))
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -252,6 +257,8 @@ class MLASplitPlan:
             )
         if self.earlyabs not in (0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_EARLYABS: 0 or 1, got {self.earlyabs}")
+        if self.waves not in (0, 1):
+            raise ValueError(f"DECODESCOPE_MLA_SPLIT_WAVES: 0 or 1, got {self.waves}")
         if self.tail == -1:  # auto: on only where it buys the extra split within one wave
             on = dataclasses.replace(self, tail=1).splits > dataclasses.replace(self, tail=0).splits
             object.__setattr__(self, "tail", int(on))
@@ -309,6 +316,8 @@ class MLASplitPlan:
         TP8, kernel alone, us: 1x1 17 splits 13.5 / 8 17.3; 8x1 8 19.4 / 17 21.2 / 4 23.7;
         32x1 4 33.7 / 8 39.3; 64x1 2 49.1 / 4 57.8; other batches by the rule, not
         measured)."""
+        if self.waves and self.groups > 1 and not self.splits_force:
+            return self.wave_splits()
         bg = self.batch * self.groups  # attention items per split
         keys = SPLIT_KEYS_LOW if bg < 16 and self.groups == 1 else SPLIT_KEYS
         want = self.splits_force or keys // max(1, bg)
@@ -322,6 +331,26 @@ class MLASplitPlan:
             if alt.grid <= NUM_SMS * alt.ctas_per_sm:
                 n += 1
         return n
+
+    def wave_splits(self) -> int:
+        """``DECODESCOPE_MLA_SPLIT_WAVES=1``: the splits ``s`` that minimise the attention
+        phase's length in key-block times, ``ceil(items / slots) x (ceil(blocks / s) +
+        ITEM_BLOCKS)``. Here ``items = batch x groups x s``, ``slots`` is the CTAs resident at
+        once (SMs x CTAs per SM), and ``ITEM_BLOCKS`` is an item's own cost outside its key loop
+        (q_lat staged after the wait, the partials stored, the merge's share) in blocks; the
+        fewest splits among equals.
+        Each item walks its blocks as one latency-bound chain, so a second wave of items costs a
+        whole item. E.g. TP8 32x8 (192 items per split, 17 blocks, one CTA per SM): 1 split is
+        2 waves x 19, 2 splits 3 x 11, 3 splits 5 x 8. ``ITEM_BLOCKS`` is a guess (2) for the
+        A/B to calibrate; the absorption's CTAs are left out."""
+        slots = self.sms * dataclasses.replace(self, splits_force=1, waves=0).ctas_per_sm
+        bg = self.batch * self.groups
+        nb = self.nblk_all
+
+        def cost(s: int) -> tuple[int, int]:
+            return -(-bg * s // slots) * (-(-nb // s) + ITEM_BLOCKS), s
+
+        return min(range(1, nb + 1), key=cost)
 
     @property
     def full_blocks(self) -> int:

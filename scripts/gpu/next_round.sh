@@ -750,6 +750,25 @@ part50b=(
   "75:t8d2:$B50 --tp-shape 8 --json $R/t8d2.json"
   "75:t8s2:$P12S $B50 --tp-shape 8 --json $R/t8s2.json"
 )
+# Part 51 (session 37, staged; one H200, no vLLM parts): the MLA split kernel's wave-model
+# splits at the verify steps (DECODESCOPE_MLA_SPLIT_WAVES=1: 2 splits at TP8 32x8 and TP16 64x8,
+# the rule's 1 elsewhere). 51a: its GPU tests, the whole step at those points, the TP8 A/B;
+# 51b: the TP16 A/B and the repeats. Prediction: notes/specialized.md "Part 51".
+W51="DECODESCOPE_MLA_SPLIT_WAVES=1"
+B51="decodescope bench --backends specialized --layers mla --batch 32,64 --spec-verify 7 --verify-only --out $R/ab"
+part51a=(
+  "150:wtest:$T49 tests/test_mla_split.py -k gpu_waves"
+  "200:wsteps:$W51 python scripts/gpu_steps.py --tp 8 16 --points 32x8 64x8 --layers mla --out $R/wsteps"
+  "110:v8d:$B51 --tp-shape 8 --json $R/v8d.json"
+  "110:v8w:$W51 $B51 --tp-shape 8 --json $R/v8w.json"
+)
+part51b=(
+  "110:v16d:$B51 --tp-shape 16 --json $R/v16d.json"
+  "110:v16w:$W51 $B51 --tp-shape 16 --json $R/v16w.json"
+  "110:v8d2:$B51 --tp-shape 8 --json $R/v8d2.json"
+  "110:v8w2:$W51 $B51 --tp-shape 8 --json $R/v8w2.json"
+  "110:v16d2:$B51 --tp-shape 16 --json $R/v16d2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -827,5 +846,7 @@ case "${1:-1}" in
   49b) exec bash "$here/run_stages.sh" "${part49b[@]}" ;;
   50a) exec bash "$here/run_stages.sh" "${part50a[@]}" ;;
   50b) exec bash "$here/run_stages.sh" "${part50b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b or 50a-b, got '$1'" >&2; exit 2 ;;
+  51a) exec bash "$here/run_stages.sh" "${part51a[@]}" ;;
+  51b) exec bash "$here/run_stages.sh" "${part51b[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b, 50a-b or 51a-b, got '$1'" >&2; exit 2 ;;
 esac
