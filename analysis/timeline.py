@@ -12,6 +12,11 @@ wait left out. The shares add up to the layer's share less its bubbles. The summ
 span, the time covered by at least one kernel (``busy``) and the rest (``idle``), which is what
 a fused path's launches leave on the table.
 
+Each kernel's ``ctas_sm`` and ``waves`` (:mod:`.occupancy`): the CTAs of it one SM holds at
+once and its grid over all the SMs' CTAs, where the GPU's per-SM limits are known. A grid of
+1.45 waves runs a second, partial wave after the first: for a latency-bound kernel a whole
+CTA's time more.
+
 The default step is the median of the layer's steps (a typical replay, not the first one after
 capture); ``layer=None`` takes the step's every kernel (traces without layer ranges).
 """
@@ -24,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from decodescope.analysis import metrics
+from decodescope.analysis import metrics, occupancy
 
 # CuTe DSL kernels: kernel_cutlass_kernel_<module path><Class>_object_at_<arguments...>
 _CUTE = re.compile(
@@ -85,13 +90,19 @@ def layers_of(kernels: pa.Table) -> list[int]:
 
 
 def layer_timeline(
-    kernels: pa.Table, layer: int | None, step: int | None, rank: int | None = None
+    kernels: pa.Table,
+    layer: int | None,
+    step: int | None,
+    rank: int | None = None,
+    gpu: str | None = None,
 ) -> pa.Table:
     """The kernels of ``layer`` (None: all) in ``step`` (None: those without a step) and
     ``rank``, in start order: ``start_us``, ``end_us`` (from the first start), ``dur_us``,
     ``gap_us`` (start minus the latest earlier end; null for the first), ``share_us`` (what
     the kernel adds to the timeline: see the module docstring), ``op``, ``kernel``
-    (:func:`short_name`), ``stream``, ``grid`` ("x,y,z") and the full ``name``."""
+    (:func:`short_name`), ``stream``, ``grid`` ("x,y,z"), ``ctas_sm`` and ``waves``
+    (:func:`resident`; ``gpu``: the run's GPU where the records carry none) and the full
+    ``name``."""
     before = previous_layer_end(kernels, layer, step, rank)
     k = select(kernels, layer, step, rank)
     if k.num_rows == 0:
@@ -103,7 +114,7 @@ def layer_timeline(
                     ("dur_us", pa.float64()), ("gap_us", pa.float64()),
                     ("share_us", pa.float64()), ("op", pa.string()),
                     ("kernel", pa.string()), ("stream", pa.int64()), ("grid", pa.string()),
-                    ("name", pa.string()),
+                    ("ctas_sm", pa.int64()), ("waves", pa.float64()), ("name", pa.string()),
                 )
             }
         )  # fmt: skip
@@ -129,6 +140,7 @@ def layer_timeline(
             return None
         return ",".join("-" if v is None else str(v) for v in vals)
 
+    ctas, wv = resident(k, gpu)
     return pa.table(
         {
             "start_us": pa.array((start - t0) / 1e3, pa.float64()),
@@ -140,9 +152,42 @@ def layer_timeline(
             "kernel": pa.array([short_name(names[i]) for i in order], pa.string()),
             "stream": pa.array([streams[i] for i in order], pa.int64()),
             "grid": pa.array([dims(int(i)) for i in order], pa.string()),
+            "ctas_sm": pa.array([ctas[i] for i in order], pa.int64()),
+            "waves": pa.array([wv[i] for i in order], pa.float64()),
             "name": pa.array([names[i] for i in order], pa.string()),
         }
     )
+
+
+def resident(k: pa.Table, gpu: str | None = None) -> tuple[list[int | None], list[float | None]]:
+    """Per kernel record of ``k``: the CTAs of it resident on one SM at once and the waves its
+    grid makes (:mod:`.occupancy`), from its block, registers and shared memory and its GPU's
+    per-SM limits (the record's ``gpu``, else ``gpu``); None where a figure or the GPU's limits
+    are unknown."""
+    n = k.num_rows
+
+    def col(name: str) -> list:
+        return k[name].to_pylist() if name in k.column_names else [None] * n
+
+    gpus = [v or gpu for v in col("gpu")]
+    regs = col("registers")
+    ss, sd = col("shared_static"), col("shared_dynamic")
+    g = [col(f"grid_{c}") for c in "xyz"]
+    b = [col(f"block_{c}") for c in "xyz"]
+    ctas: list[int | None] = []
+    wv: list[float | None] = []
+    for i in range(n):
+        lim = occupancy.limits_for(gpus[i])
+        gx, bx = g[0][i], b[0][i]
+        if lim is None or gx is None or bx is None or regs[i] is None:
+            ctas.append(None)
+            wv.append(None)
+            continue
+        threads = bx * (b[1][i] or 1) * (b[2][i] or 1)
+        c = occupancy.ctas_per_sm(threads, regs[i], (ss[i] or 0) + (sd[i] or 0), lim)
+        ctas.append(c)
+        wv.append(occupancy.waves(gx * (g[1][i] or 1) * (g[2][i] or 1), c, lim))
+    return ctas, wv
 
 
 def previous_layer_end(

@@ -9,20 +9,22 @@ import numpy as np
 import pyarrow as pa
 import typer
 
-from decodescope.analysis import metrics
+from decodescope.analysis import metrics, occupancy
 from decodescope.analysis import timeline as tl
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console, fail
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.render import arrow_table, dumps
 
-COLS = ["start_us", "end_us", "dur_us", "gap_us", "share_us", "op", "kernel", "grid", "bar"]
+COLS = ["start_us", "end_us", "dur_us", "gap_us", "share_us", "op", "kernel", "grid",
+        "ctas_sm", "waves", "bar"]  # fmt: skip
 HEADERS = {
     "start_us": "start us",
     "end_us": "end us",
     "dur_us": "dur us",
     "gap_us": "gap us",
     "share_us": "share us",
+    "ctas_sm": "CTAs/SM",
     "bar": "timeline",
 }
 
@@ -48,12 +50,12 @@ def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | 
     elif step not in steps:
         where = f"steps {steps[0]}..{steps[-1]}" if steps else "no step numbers"
         raise fail(f"{label} ({run.meta.run_id}): no kernels in step {step} ({where})")
-    t = tl.layer_timeline(k, layer, step, rank)
+    t = tl.layer_timeline(k, layer, step, rank, run.meta.gpu)
     if t.num_rows == 0:
         raise fail(f"{label} ({run.meta.run_id}): no kernels of the layer in step {step}")
     return {"label": label, "run_id": run.meta.run_id, "layer": layer, "step": step,
-            "steps": len(steps), "rank": rank, "ranks": len(ranks), "summary": tl.summary(t),
-            "kernels": t}  # fmt: skip
+            "steps": len(steps), "rank": rank, "ranks": len(ranks), "gpu": run.meta.gpu,
+            "summary": tl.summary(t), "kernels": t}  # fmt: skip
 
 
 @app.command("timeline")
@@ -102,6 +104,8 @@ def timeline(
             )
         )
         console.print(_summary_line(s["summary"]), highlight=False, soft_wrap=True)
+        if t.num_rows and t["waves"].null_count == t.num_rows:
+            console.print(_no_waves(s["gpu"]), highlight=False, soft_wrap=True)
 
 
 def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
@@ -123,6 +127,14 @@ def _summary_line(m: dict[str, Any]) -> str:
             f"idle {m['idle_us']:.1f} (bubbles), overlap {m['overlap_us']:.1f} "
             f"(kernels resident before the ones before them ended), shares {m['shares_us']:.1f} "
             "(busy after the previous layer's end)")  # fmt: skip
+
+
+def _no_waves(gpu: str | None) -> str:
+    """Why the CTAs/SM and waves columns are empty."""
+    if gpu and occupancy.limits_for(gpu) is None:
+        return (f"CTAs/SM, waves: the per-SM limits of {gpu!r} are not known "
+                "(analysis/occupancy.py LIMITS)")  # fmt: skip
+    return "CTAs/SM, waves: the records carry no registers or block sizes"
 
 
 def _jsonable(s: dict) -> dict:
