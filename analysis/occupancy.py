@@ -9,8 +9,9 @@ block). ``waves = grid blocks / (SMs x CTAs per SM)``: 1.45 means a full wave an
 one 45% full, whose CTAs run after the first wave's (a tail that a latency-bound kernel pays
 in full).
 
-The per-SM limits are known by GPU name (:data:`LIMITS`: the GPUs whose figures are checked
-here); a kernel of another GPU gets no figures (None), never a guess.
+The per-SM limits come from the device properties a trace carries (Kineto's
+``deviceProperties``, kept by the import), else by GPU name (:data:`LIMITS`: the GPUs whose
+figures are checked here); a kernel of another GPU gets no figures (None), never a guess.
 """
 
 from __future__ import annotations
@@ -45,9 +46,50 @@ LIMITS: dict[str, SmLimits] = {
 }
 
 
+# Resident blocks per SM by compute capability (CUDA programming guide's table); a capability
+# not listed gives no limits from device properties.
+BLOCKS_BY_CC: dict[tuple[int, int], int] = {
+    (7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16, (8, 9): 24, (9, 0): 32,
+    (10, 0): 32,
+}  # fmt: skip
+
+
 def limits_for(gpu: str | None) -> SmLimits | None:
     """The per-SM limits of ``gpu`` (a name of :data:`LIMITS`), else None."""
     return LIMITS.get(gpu or "")
+
+
+def limits_from_props(props: dict | None) -> SmLimits | None:
+    """Per-SM limits from a trace's device properties (Kineto's ``deviceProperties`` names:
+    ``numSms``, ``maxThreadsPerMultiprocessor``, ``regsPerMultiprocessor``,
+    ``sharedMemPerMultiprocessor``, ``computeMajor`` / ``computeMinor``); None where one is
+    missing or the capability is not in :data:`BLOCKS_BY_CC`."""
+    if not isinstance(props, dict):
+        return None
+    keys = ("numSms", "maxThreadsPerMultiprocessor", "regsPerMultiprocessor",
+            "sharedMemPerMultiprocessor", "computeMajor", "computeMinor")  # fmt: skip
+    vals = [props.get(k) for k in keys]
+    if not all(type(v) is int and v >= 0 for v in vals) or vals[0] == 0:
+        return None
+    sms, threads, regs, smem, major, minor = vals
+    blocks = BLOCKS_BY_CC.get((major, minor))
+    if blocks is None:
+        return None
+    return SmLimits(sms=sms, threads=threads, blocks=blocks, regs=regs, smem=smem,
+                    smem_reserved=1024 if major >= 8 else 0)  # fmt: skip
+
+
+def run_limits(gpu: str | None, config_json: str | None) -> SmLimits | None:
+    """A run's per-SM limits: the device properties its import recorded (``config_json``'s
+    ``device``), else :func:`limits_for` its GPU name."""
+    import json
+
+    try:
+        cfg = json.loads(config_json) if config_json else {}
+    except ValueError:
+        cfg = {}
+    lim = limits_from_props(cfg.get("device") if isinstance(cfg, dict) else None)
+    return lim or limits_for(gpu)
 
 
 def ctas_per_sm(
@@ -68,7 +110,7 @@ def ctas_per_sm(
     else:
         by_regs = by_blocks
     per_block = -(-((smem_bytes or 0) + lim.smem_reserved) // lim.smem_unit) * lim.smem_unit
-    by_smem = lim.smem // per_block
+    by_smem = lim.smem // per_block if per_block else by_blocks
     return max(0, min(by_threads, by_blocks, by_regs, by_smem))
 
 

@@ -94,15 +94,15 @@ def layer_timeline(
     layer: int | None,
     step: int | None,
     rank: int | None = None,
-    gpu: str | None = None,
+    limits: occupancy.SmLimits | None = None,
 ) -> pa.Table:
     """The kernels of ``layer`` (None: all) in ``step`` (None: those without a step) and
     ``rank``, in start order: ``start_us``, ``end_us`` (from the first start), ``dur_us``,
     ``gap_us`` (start minus the latest earlier end; null for the first), ``share_us`` (what
     the kernel adds to the timeline: see the module docstring), ``op``, ``kernel``
     (:func:`short_name`), ``stream``, ``grid`` ("x,y,z"), ``ctas_sm`` and ``waves``
-    (:func:`resident`; ``gpu``: the run's GPU where the records carry none) and the full
-    ``name``."""
+    (:func:`resident`, with ``limits``: the run's per-SM limits, :func:`.occupancy.run_limits`;
+    None: empty) and the full ``name``."""
     before = previous_layer_end(kernels, layer, step, rank)
     k = select(kernels, layer, step, rank)
     if k.num_rows == 0:
@@ -140,7 +140,7 @@ def layer_timeline(
             return None
         return ",".join("-" if v is None else str(v) for v in vals)
 
-    ctas, wv = resident(k, gpu)
+    ctas, wv = resident(k, limits)
     return pa.table(
         {
             "start_us": pa.array((start - t0) / 1e3, pa.float64()),
@@ -159,17 +159,19 @@ def layer_timeline(
     )
 
 
-def resident(k: pa.Table, gpu: str | None = None) -> tuple[list[int | None], list[float | None]]:
+def resident(
+    k: pa.Table, limits: occupancy.SmLimits | None
+) -> tuple[list[int | None], list[float | None]]:
     """Per kernel record of ``k``: the CTAs of it resident on one SM at once and the waves its
-    grid makes (:mod:`.occupancy`), from its block, registers and shared memory and its GPU's
-    per-SM limits (the record's ``gpu``, else ``gpu``); None where a figure or the GPU's limits
-    are unknown."""
+    grid makes (:mod:`.occupancy`), from its block, registers and shared memory and the GPU's
+    per-SM ``limits``; None where a figure or the limits are unknown."""
     n = k.num_rows
+    if limits is None:
+        return [None] * n, [None] * n
 
     def col(name: str) -> list:
         return k[name].to_pylist() if name in k.column_names else [None] * n
 
-    gpus = [v or gpu for v in col("gpu")]
     regs = col("registers")
     ss, sd = col("shared_static"), col("shared_dynamic")
     g = [col(f"grid_{c}") for c in "xyz"]
@@ -177,16 +179,15 @@ def resident(k: pa.Table, gpu: str | None = None) -> tuple[list[int | None], lis
     ctas: list[int | None] = []
     wv: list[float | None] = []
     for i in range(n):
-        lim = occupancy.limits_for(gpus[i])
         gx, bx = g[0][i], b[0][i]
-        if lim is None or gx is None or bx is None or regs[i] is None:
+        if gx is None or bx is None or regs[i] is None:
             ctas.append(None)
             wv.append(None)
             continue
         threads = bx * (b[1][i] or 1) * (b[2][i] or 1)
-        c = occupancy.ctas_per_sm(threads, regs[i], (ss[i] or 0) + (sd[i] or 0), lim)
+        c = occupancy.ctas_per_sm(threads, regs[i], (ss[i] or 0) + (sd[i] or 0), limits)
         ctas.append(c)
-        wv.append(occupancy.waves(gx * (g[1][i] or 1) * (g[2][i] or 1), c, lim))
+        wv.append(occupancy.waves(gx * (g[1][i] or 1) * (g[2][i] or 1), c, limits))
     return ctas, wv
 
 

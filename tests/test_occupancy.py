@@ -59,13 +59,13 @@ def test_timeline_columns_on_h200_runs():
     targets); W13T1 at TP16 batch 1 at two per SM (``experts_t1.WIDE_PER_SM``), 192 CTAs in
     one wave. Every kernel of both layers has both figures."""
     v = tracer.load(VERIFY)
-    t = tl.layer_timeline(v.kernels, 2, tl.median_step(v.kernels, 2), gpu=v.meta.gpu)
+    t = tl.layer_timeline(v.kernels, 2, tl.median_step(v.kernels, 2), limits=H200)
     assert t["waves"].null_count == 0 and t["ctas_sm"].null_count == 0
     row = t["kernel"].to_pylist().index("mla_decode_splitMLADecodeSplit")
     assert t["ctas_sm"][row].as_py() == 1
     assert t["waves"][row].as_py() == pytest.approx(384 / 132)
     b = tracer.load(BATCH1)
-    t = tl.layer_timeline(b.kernels, 1, tl.median_step(b.kernels, 1), gpu=b.meta.gpu)
+    t = tl.layer_timeline(b.kernels, 1, tl.median_step(b.kernels, 1), limits=H200)
     row = t["kernel"].to_pylist().index("experts_t1W13T1")
     assert (t["ctas_sm"][row].as_py(), t["grid"][row].as_py()) == (2, "192,1,1")
     assert t["waves"][row].as_py() == pytest.approx(192 / 264)
@@ -86,6 +86,33 @@ def test_cli_timeline_waves_and_unknown_gpus():
     assert p.returncode == 0, p.stderr
     note = [x for x in p.stdout.splitlines() if x.startswith("CTAs/SM, waves:")]
     assert len(note) == 1 and "'GeForce GTX 1060 with Max-Q Design' are not known" in note[0]
+    assert "no device properties in the trace" in note[0]
     h100 = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
     js = json.loads(cli("timeline", h100, "--json").stdout)
     assert all(r["waves"] is not None and r["ctas_sm"] > 0 for r in js[0]["kernels"])
+
+
+def test_limits_from_device_properties():
+    """A Kineto trace's ``deviceProperties`` give the limits (kept by the import in the run's
+    ``config_json["device"]``): the H100 trace's equal the table's H100; a property missing or
+    a compute capability not tabled gives none; a run's recorded properties win over its name;
+    traces of GPUs not in the table (V100, cc 7.0: no reserved shared memory) get figures for
+    every kernel from them."""
+    h100 = {"numSms": 132, "maxThreadsPerMultiprocessor": 2048, "regsPerMultiprocessor": 65536,
+            "sharedMemPerMultiprocessor": 233472, "computeMajor": 9, "computeMinor": 0}  # fmt: skip
+    assert occ.limits_from_props(h100) == occ.limits_for("NVIDIA H100 80GB HBM3")
+    assert occ.limits_from_props({**h100, "numSms": None}) is None
+    assert occ.limits_from_props({**h100, "computeMajor": 6}) is None
+    assert occ.limits_from_props(None) is None
+    dev = json.dumps({"device": {**h100, "numSms": 100}})
+    assert occ.run_limits("NVIDIA H200", dev).sms == 100
+    assert occ.run_limits("NVIDIA H200", "{not json") == H200
+    assert occ.run_limits("NVIDIA H200", None) == H200
+    v100 = tracer.load(TRACES / "kineto_v100_ddp_ns_resolution__HTA.pt.trace.json.gz")
+    cfg = json.loads(v100.meta.config_json)["device"]
+    assert (cfg["numSms"], cfg["computeMajor"], cfg["computeMinor"]) == (80, 7, 0)
+    lim = occ.run_limits(v100.meta.gpu, v100.meta.config_json)
+    assert (lim.sms, lim.smem_reserved, lim.blocks) == (80, 0, 32)
+    js = json.loads(cli("timeline", TRACES / "kineto_a100_torchcompile_cudagraph__HTA_negative_queue"
+                        ".json.gz", "--json").stdout)  # fmt: skip
+    assert js[0]["sms"] == 108 and all(r["waves"] is not None for r in js[0]["kernels"])

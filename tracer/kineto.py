@@ -69,6 +69,17 @@ LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "Runtime", "Driver"})
 MEMCPY_CATS = frozenset({"gpu_memcpy", "Memcpy"})
 MEMSET_CATS = frozenset({"gpu_memset", "Memset"})
 CPU_RANGE_CATS = frozenset({"user_annotation"})
+# deviceProperties kept in a run's config_json["device"] (analysis.occupancy.limits_from_props)
+DEVICE_KEYS = frozenset(
+    {
+        "numSms",
+        "maxThreadsPerMultiprocessor",
+        "regsPerMultiprocessor",
+        "sharedMemPerMultiprocessor",
+        "computeMajor",
+        "computeMinor",
+    }
+)
 GPU_RANGE_CATS = frozenset({"gpu_user_annotation"})
 OVERHEAD_CATS = frozenset({"overhead"})
 # torch.profiler(with_modules=True) writes one python_function event per nn.Module call,
@@ -1088,6 +1099,9 @@ class _Builder:
         if gpu is None and gpus:
             names = [n for n in gpus.values() if isinstance(n, str)]
             gpu = names[0] if names else None
+        # the device's per-SM figures, for the occupancy columns (analysis.occupancy)
+        dev_props = next((p for p in props if isinstance(p, dict) and p.get("name") == gpu
+                          and gpu is not None), None)  # fmt: skip
         api = kernels.column("launch_api")
         from_graph = pc.or_(
             pc.is_valid(kernels.column("graph_node_id")),
@@ -1127,6 +1141,10 @@ class _Builder:
             }.items()
             if isinstance(v, str | int)
         }
+        if dev_props is not None:
+            config["device"] = {
+                k: v for k, v in dev_props.items() if k in DEVICE_KEYS and type(v) is int
+            }
         skipped = sum(self.skipped.values())
         return RunMeta(
             run_id=self.run_id,

@@ -50,12 +50,14 @@ def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | 
     elif step not in steps:
         where = f"steps {steps[0]}..{steps[-1]}" if steps else "no step numbers"
         raise fail(f"{label} ({run.meta.run_id}): no kernels in step {step} ({where})")
-    t = tl.layer_timeline(k, layer, step, rank, run.meta.gpu)
+    limits = occupancy.run_limits(run.meta.gpu, run.meta.config_json)
+    t = tl.layer_timeline(k, layer, step, rank, limits)
     if t.num_rows == 0:
         raise fail(f"{label} ({run.meta.run_id}): no kernels of the layer in step {step}")
     return {"label": label, "run_id": run.meta.run_id, "layer": layer, "step": step,
             "steps": len(steps), "rank": rank, "ranks": len(ranks), "gpu": run.meta.gpu,
-            "summary": tl.summary(t), "kernels": t}  # fmt: skip
+            "sms": limits.sms if limits else None, "summary": tl.summary(t),
+            "kernels": t}  # fmt: skip
 
 
 @app.command("timeline")
@@ -105,7 +107,7 @@ def timeline(
         )
         console.print(_summary_line(s["summary"]), highlight=False, soft_wrap=True)
         if t.num_rows and t["waves"].null_count == t.num_rows:
-            console.print(_no_waves(s["gpu"]), highlight=False, soft_wrap=True)
+            console.print(_no_waves(s["gpu"], s["sms"]), highlight=False, soft_wrap=True)
 
 
 def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
@@ -129,11 +131,11 @@ def _summary_line(m: dict[str, Any]) -> str:
             "(busy after the previous layer's end)")  # fmt: skip
 
 
-def _no_waves(gpu: str | None) -> str:
+def _no_waves(gpu: str | None, sms: int | None) -> str:
     """Why the CTAs/SM and waves columns are empty."""
-    if gpu and occupancy.limits_for(gpu) is None:
-        return (f"CTAs/SM, waves: the per-SM limits of {gpu!r} are not known "
-                "(analysis/occupancy.py LIMITS)")  # fmt: skip
+    if sms is None:
+        return (f"CTAs/SM, waves: the per-SM limits of {gpu or 'this GPU'!r} are not known (no "
+                "device properties in the trace, not in analysis/occupancy.py LIMITS)")  # fmt: skip
     return "CTAs/SM, waves: the records carry no registers or block sizes"
 
 
