@@ -10,7 +10,7 @@ one 45% full, whose CTAs run after the first wave's (a tail that a latency-bound
 in full).
 
 The per-SM limits come from the device properties a trace carries (Kineto's
-``deviceProperties``, kept by the import), else by GPU name (:data:`LIMITS`: the GPUs whose
+``deviceProperties``, Nsight Systems' TARGET_INFO_GPU, kept by the imports), else by GPU name (:data:`LIMITS`: the GPUs whose
 figures are checked here); a kernel of another GPU gets no figures (None), never a guess.
 """
 
@@ -49,8 +49,8 @@ LIMITS: dict[str, SmLimits] = {
 # Resident blocks per SM by compute capability (CUDA programming guide's table); a capability
 # not listed gives no limits from device properties.
 BLOCKS_BY_CC: dict[tuple[int, int], int] = {
-    (7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16, (8, 9): 24, (9, 0): 32,
-    (10, 0): 32,
+    (6, 0): 32, (6, 1): 32, (6, 2): 32, (7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16,
+    (8, 7): 16, (8, 9): 24, (9, 0): 32, (10, 0): 32,
 }  # fmt: skip
 
 
@@ -62,8 +62,9 @@ def limits_for(gpu: str | None) -> SmLimits | None:
 def limits_from_props(props: dict | None) -> SmLimits | None:
     """Per-SM limits from a trace's device properties (Kineto's ``deviceProperties`` names:
     ``numSms``, ``maxThreadsPerMultiprocessor``, ``regsPerMultiprocessor``,
-    ``sharedMemPerMultiprocessor``, ``computeMajor`` / ``computeMinor``); None where one is
-    missing or the capability is not in :data:`BLOCKS_BY_CC`."""
+    ``sharedMemPerMultiprocessor``, ``computeMajor`` / ``computeMinor``, and where an Nsight
+    Systems import recorded it ``maxBlocksPerSm``); None where one is missing, or where the
+    blocks per SM are neither recorded nor in :data:`BLOCKS_BY_CC`."""
     if not isinstance(props, dict):
         return None
     keys = ("numSms", "maxThreadsPerMultiprocessor", "regsPerMultiprocessor",
@@ -72,7 +73,9 @@ def limits_from_props(props: dict | None) -> SmLimits | None:
     if not all(type(v) is int and v >= 0 for v in vals) or vals[0] == 0:
         return None
     sms, threads, regs, smem, major, minor = vals
-    blocks = BLOCKS_BY_CC.get((major, minor))
+    blocks = props.get("maxBlocksPerSm")  # Nsight Systems records it; Kineto does not
+    if type(blocks) is not int or blocks <= 0:
+        blocks = BLOCKS_BY_CC.get((major, minor))
     if blocks is None:
         return None
     return SmLimits(sms=sms, threads=threads, blocks=blocks, regs=regs, smem=smem,

@@ -72,20 +72,20 @@ def test_timeline_columns_on_h200_runs():
 
 
 def test_cli_timeline_waves_and_unknown_gpus():
-    """The CLI's table and JSON carry the columns; a trace of a GPU whose limits are not known
-    (a GTX 1060, Nsight Systems) says so in one line and shows none; a known one (an H100
-    Kineto trace) shows them for every kernel."""
+    """The CLI's table and JSON carry the columns; a trace whose GPU's limits are not known (an
+    Nsight Systems export without TARGET_INFO_GPU) says so in one line and shows none; a known
+    one (an H100 Kineto trace) shows them for every kernel."""
     p = cli("timeline", VERIFY, "--layer", "2")
     assert p.returncode == 0, p.stderr
     assert "CTAs/SM" in p.stdout and "waves" in p.stdout
     js = json.loads(cli("timeline", VERIFY, "--layer", "2", "--json").stdout)
     assert js[0]["gpu"] == "NVIDIA H200"
     assert all(r["waves"] is not None for r in js[0]["kernels"])
-    gtx = TRACES / "nsys_gtx1060_schema2.9.1_nvtx_nested__extrap_profile16.sqlite"
-    p = cli("timeline", gtx)
+    nsys = TRACES / "nsys_h100x2_fastvideo_nvtx_aten__nsys-ai_h100_2gpu_1s.sqlite"
+    p = cli("timeline", nsys, "--limit", "3")  # its export names no GPU and no SM figures
     assert p.returncode == 0, p.stderr
     note = [x for x in p.stdout.splitlines() if x.startswith("CTAs/SM, waves:")]
-    assert len(note) == 1 and "'GeForce GTX 1060 with Max-Q Design' are not known" in note[0]
+    assert len(note) == 1 and "'this GPU' are not known" in note[0]
     assert "no device properties in the trace" in note[0]
     h100 = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
     js = json.loads(cli("timeline", h100, "--json").stdout)
@@ -102,7 +102,7 @@ def test_limits_from_device_properties():
             "sharedMemPerMultiprocessor": 233472, "computeMajor": 9, "computeMinor": 0}  # fmt: skip
     assert occ.limits_from_props(h100) == occ.limits_for("NVIDIA H100 80GB HBM3")
     assert occ.limits_from_props({**h100, "numSms": None}) is None
-    assert occ.limits_from_props({**h100, "computeMajor": 6}) is None
+    assert occ.limits_from_props({**h100, "computeMajor": 5}) is None
     assert occ.limits_from_props(None) is None
     dev = json.dumps({"device": {**h100, "numSms": 100}})
     assert occ.run_limits("NVIDIA H200", dev).sms == 100
@@ -116,3 +116,18 @@ def test_limits_from_device_properties():
     js = json.loads(cli("timeline", TRACES / "kineto_a100_torchcompile_cudagraph__HTA_negative_queue"
                         ".json.gz", "--json").stdout)  # fmt: skip
     assert js[0]["sms"] == 108 and all(r["waves"] is not None for r in js[0]["kernels"])
+
+
+def test_limits_from_nsys_exports():
+    """An Nsight Systems export's TARGET_INFO_GPU gives the limits (its ``maxBlocksPerSm`` where
+    recorded: 16 on the RTX 3080, cc 8.6; the capability's where not: the GTX 1060, cc 6.1,
+    records 0)."""
+    rtx = tracer.load(TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite")
+    lim = occ.run_limits(rtx.meta.gpu, rtx.meta.config_json)
+    assert (lim.sms, lim.blocks, lim.smem, lim.threads) == (68, 16, 102400, 1536)
+    gtx = tracer.load(TRACES / "nsys_gtx1060_schema2.9.1_nvtx_nested__extrap_profile16.sqlite")
+    lim = occ.run_limits(gtx.meta.gpu, gtx.meta.config_json)
+    assert (lim.sms, lim.blocks, lim.smem_reserved) == (10, 32, 0)
+    js = json.loads(cli("timeline", TRACES / "nsys_gtx1060_schema2.9.1_nvtx_nested__extrap_"
+                        "profile16.sqlite", "--json").stdout)  # fmt: skip
+    assert js[0]["sms"] == 10 and all(r["ctas_sm"] is not None for r in js[0]["kernels"])

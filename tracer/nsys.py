@@ -507,6 +507,7 @@ class _Export:
             "devices": devices,
             "gpus": gpus,
             "processes": processes,
+            "device": self.device_props(set(gpus.values())),
             "cuda_from": "TARGET_INFO_SYSTEM_ENV.CudaDriverVersion (the driver's CUDA version)",
             "os": env.get("OsDescription"),
             **self.notes,
@@ -525,6 +526,26 @@ class _Export:
             config_json=json.dumps(config, sort_keys=True, default=str),
             dropped_records=self.notes.get("nvtx_unclosed_ranges"),
         )
+
+    def device_props(self, names: set[str]) -> dict[str, int] | None:
+        """The per-SM figures of the one GPU model the kernels ran on (TARGET_INFO_GPU), in
+        Kineto's ``deviceProperties`` names (for :mod:`decodescope.analysis.occupancy`); None
+        where the export lacks them or the run spans several models."""
+        cols = {"name", "smCount", "maxShmemPerSm", "maxRegistersPerSm", "maxWarpsPerSm",
+                "threadsPerWarp", "maxBlocksPerSm", "computeMajor", "computeMinor"}  # fmt: skip
+        if len(names) != 1 or not cols <= self.columns("TARGET_INFO_GPU"):
+            return None
+        rows = self.rows(
+            "SELECT smCount, maxShmemPerSm, maxRegistersPerSm, maxWarpsPerSm, threadsPerWarp, "
+            "maxBlocksPerSm, computeMajor, computeMinor FROM TARGET_INFO_GPU WHERE name = ?",
+            (next(iter(names)),),
+        )
+        if not rows or not all(type(v) is int for v in rows[0]):
+            return None
+        sms, smem, regs, warps, tpw, blocks, major, minor = rows[0]
+        return {"numSms": sms, "sharedMemPerMultiprocessor": smem, "regsPerMultiprocessor": regs,
+                "maxThreadsPerMultiprocessor": warps * tpw, "maxBlocksPerSm": blocks,
+                "computeMajor": major, "computeMinor": minor}  # fmt: skip
 
     def gpu_names(self, devices: Sequence[int]) -> dict[str, str]:
         """CUDA device id -> GPU name, through TARGET_INFO_CUDA_DEVICE where the export has it."""
