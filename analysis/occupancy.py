@@ -10,8 +10,9 @@ one 45% full, whose CTAs run after the first wave's (a tail that a latency-bound
 in full).
 
 The per-SM limits come from the device properties a trace carries (Kineto's
-``deviceProperties``, Nsight Systems' TARGET_INFO_GPU, kept by the imports), else by GPU name (:data:`LIMITS`: the GPUs whose
-figures are checked here); a kernel of another GPU gets no figures (None), never a guess.
+``deviceProperties``, Nsight Systems' TARGET_INFO_GPU, kept by the imports), else from the GPU's
+name (:data:`LIMITS`: the GPUs whose figures are checked here); a kernel of another GPU gets no
+figures (None), never a guess.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class SmLimits:
 # GPU name (as CUPTI and torch report it) -> limits. The SM counts and shared memory per SM are
 # the ``deviceProperties`` of the committed Kineto traces (tests/data/traces: H100 80GB HBM3 132
 # SMs and 233472 bytes, A100-SXM4-80GB 108 and 167936, B200 148 and 233472) and, for the H200,
-# the device of our own runs (132 SMs as torch reported it there: notes/gpu-logs/s5/tp2_fused.json).
+# the device of our own runs (132 SMs as torch reported it: notes/gpu-logs/s5/tp2_fused.json).
 LIMITS: dict[str, SmLimits] = {
     "NVIDIA H200": SmLimits(sms=132),
     "NVIDIA H100 80GB HBM3": SmLimits(sms=132),

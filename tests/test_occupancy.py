@@ -85,7 +85,7 @@ def test_cli_timeline_waves_and_unknown_gpus():
     p = cli("timeline", nsys, "--limit", "3")  # its export names no GPU and no SM figures
     assert p.returncode == 0, p.stderr
     note = [x for x in p.stdout.splitlines() if x.startswith("CTAs/SM, waves:")]
-    assert len(note) == 1 and "'this GPU' are not known" in note[0]
+    assert len(note) == 1 and "the GPU (the trace names none) are not known" in note[0]
     assert "no device properties in the trace" in note[0]
     h100 = TRACES / "kineto_h100_qwen1.5-0.5b_hf_eager__TraceLens.json.gz"
     js = json.loads(cli("timeline", h100, "--json").stdout)

@@ -134,8 +134,9 @@ def _summary_line(m: dict[str, Any]) -> str:
 def _no_waves(gpu: str | None, sms: int | None) -> str:
     """Why the CTAs/SM and waves columns are empty."""
     if sms is None:
-        return (f"CTAs/SM, waves: the per-SM limits of {gpu or 'this GPU'!r} are not known (no "
-                "device properties in the trace, not in analysis/occupancy.py LIMITS)")  # fmt: skip
+        which = repr(gpu) if gpu else "the GPU (the trace names none)"
+        return (f"CTAs/SM, waves: the per-SM limits of {which} are not known (no device "
+                "properties in the trace, not in analysis/occupancy.py LIMITS)")  # fmt: skip
     return "CTAs/SM, waves: the records carry no registers or block sizes"
 
 
