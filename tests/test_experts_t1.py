@@ -179,9 +179,10 @@ def test_smem_total_matches_struct(clean_env):
     assert op.smem_cls.size_in_bytes() == op.smem_total
 
 
-def _recorded_block(mp):
-    """A TP16 one-token :class:`SpecializedMoE` whose launches are recorded (``(name, number of
-    arguments)``) and whose ops are built, not compiled (``itf.compiled`` replaced)."""
+def _recorded_block(mp, preset: str = "kimi-k3", tp: int = 16):
+    """A one-token :class:`SpecializedMoE` (TP16 kimi-k3 unless said) whose launches are
+    recorded (``(name, number of arguments, the last argument)``) and whose ops are built, not
+    compiled (``itf.compiled`` replaced)."""
     from decodescope.kernels.specialized.moe_block import SpecializedMoE
 
     calls, built = [], []
@@ -189,10 +190,10 @@ def _recorded_block(mp):
     def fake_compiled(key, build):
         op, _ = build()
         built.append(op)
-        return lambda *a, key=key: calls.append((key[0], len(a)))
+        return lambda *a, key=key: calls.append((key[0], len(a), a[-1] if a else None))
 
     mp.setattr(itf, "compiled", fake_compiled)
-    cfg = get_config("kimi-k3", 16)
+    cfg = get_config(preset, tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
     return SpecializedMoE(cfg, w, 1), calls, built
 
@@ -583,33 +584,22 @@ def test_back_prefetch_knobs(clean_env, monkeypatch):
 
 def test_back_prefetch_wiring(clean_env):
     """The block hands its ``latent_up`` down: with the knob the one-token experts launch
-    :class:`W13T1Pre` with the weight viewed as its row tiles; with the w13 route or the K
-    split a one-line refusal; unset, the plain W13T1 (CPU: launches recorded, builds run)."""
-    from decodescope.kernels.specialized.moe_block import SpecializedMoE
-
+    :class:`W13T1Pre` with the weight viewed as its row tiles; the route alone needs no weight,
+    the full launch without one a one-line refusal; with the w13 route a one-line refusal;
+    unset, the plain W13T1 (CPU: launches recorded, builds run)."""
     mp = clean_env
-    keys, built, calls = [], [], []
-
-    def fake_compiled(key, build):
-        keys.append(key)
-        op, _ = build()
-        built.append(op)
-        return lambda *a, key=key: calls.append((key[0], a[-1].shape))
-
-    mp.setattr(itf, "compiled", fake_compiled)
-    cfg = get_config("tiny", 1)
-    w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=1)
-    blk = SpecializedMoE(cfg, w, 1)
+    blk, calls, built = _recorded_block(mp, "tiny", 1)
+    cfg = blk.cfg
     blk.experts()
     assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13", "moe_t1_w2"]
     calls.clear()
+    built.clear()
     mp.setenv("DECODESCOPE_MOE_BACK_L2PRE", "1")
     blk.experts()
     H, L = cfg.hidden, cfg.expert_dim
-    assert calls[1] == ("moe_t1_w13_pre", (H // 16, 16 * L))
     assert [c[0] for c in calls] == ["moe_t1_route", "moe_t1_w13_pre", "moe_t1_w2"]
-    assert isinstance(built[keys.index(next(k for k in keys if k[0] == "moe_t1_w13_pre"))],
-                      t1.W13T1Pre)  # fmt: skip
+    assert tuple(calls[1][2].shape) == (H // 16, 16 * L)
+    assert isinstance(built[1], t1.W13T1Pre)
     calls.clear()  # the route alone (the GPU script's route checks): no weight needed
     bufs = mg.buffers_for(blk, 1, cfg.moe.num_experts, blk.top_k, cfg.shared_inter, "cpu")
     mg.moe_grouped(blk.y_front, blk.bias, blk.w13, blk.w2, blk.shared_w2, blk.h, blk.acc,
