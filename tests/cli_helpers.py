@@ -14,11 +14,13 @@ class Result:
     stderr: str
 
 
-def cli(*args: object) -> Result:
-    """Run the console script's entry point in this process (as ``decodescope ARGS``)."""
+def cli(*args: object, width: int = 200) -> Result:
+    """Run the console script's entry point in this process (as ``decodescope ARGS``), its
+    console ``width`` columns wide (default 200: wide tables, rows stay on one line for the
+    assertions)."""
     from decodescope.ui import cli as cli_mod
 
-    cli_mod.console.width = 200  # wide tables: rows stay on one line for the assertions
+    cli_mod.console.width = width
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from decodescope.analysis import projection as proj
 from decodescope.ui.cli import UsageError, app, console, err_console
+from decodescope.ui.render import Fitted
 
 BACKENDS = ("standard", "specialized")  # the workloads bench runs and tables side by side
 
@@ -586,18 +587,18 @@ def bench_cmd(
         else f"tp_shape {tp_shape}, {preset}"
     )
     if rows:
-        console.print(_layer_table(rows, meta_line))
+        console.print(Fitted(_layer_table(rows, meta_line), keys=3))
         if any(r.get("ranks") for r in rows):
-            console.print(_rank_table(rows))
+            console.print(Fitted(_rank_table(rows)))
         prows = projections(rows, acceptance)
         if prows:
-            console.print(_projection_table(prows, meta_line))
+            console.print(Fitted(_projection_table(prows, meta_line), keys=2))
             console.print(dense_line(prows, layers), highlight=False)
         for line in chunk_lines(runs):
             console.print(line, highlight=False, soft_wrap=True)
     else:
         prows = []
-    console.print(_reference_table())
+    console.print(Fitted(_reference_table()))
     seen: set[str] = set()
     for run in runs:  # which ops ran: vLLM's or the stand-ins (never silent), once per mix
         line = impl_line(run)

@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from decodescope.ui.cli import app, console
+from decodescope.ui.render import Fitted
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
@@ -83,12 +84,12 @@ def demo(
                 continue
             m = next(r.meta for r in all_runs if (r.meta.preset, r.meta.tp_shape) == (preset, tp))
             line = f"{m.gpu} x{tpw}, tp_shape {tp}, tp_world {tpw}, {preset}"
-            console.print(cmd_bench._layer_table(rows, line))
+            console.print(Fitted(cmd_bench._layer_table(rows, line), keys=3))
             prows = cmd_bench.projections(rows, 6.0)
             if prows:
-                console.print(cmd_bench._projection_table(prows, line))
+                console.print(Fitted(cmd_bench._projection_table(prows, line), keys=2))
         if pairs:
-            console.print(cmd_bench._reference_table())
+            console.print(Fitted(cmd_bench._reference_table()))
             both = [(k, by) for k, by in pairs.items() if {"standard", "specialized"} <= set(by)]
             # the reference's figure is one layer at batch 1: show that pair, TP8 shapes first
             both.sort(key=lambda kv: (kv[0][3] or 0, kv[0][2], kv[0][1] != 8, kv[0][4], str(kv[0])))

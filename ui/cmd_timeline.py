@@ -14,7 +14,7 @@ from decodescope.analysis import timeline as tl
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console, fail
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
-from decodescope.ui.render import arrow_table, dumps
+from decodescope.ui.render import arrow_table, dumps, min_width
 
 COLS = ["start_us", "end_us", "dur_us", "gap_us", "share_us", "op", "kernel", "grid",
         "ctas_sm", "waves", "bar"]  # fmt: skip
@@ -70,7 +70,13 @@ def timeline(
     step: int | None = typer.Option(None, "--step", help="step (default: the layer's median)"),
     step_b: int | None = typer.Option(None, "--step-b", help="B's step (default: its median)"),
     rank: int | None = typer.Option(None, "--rank", help="rank of a multi-GPU run"),
-    width: int = typer.Option(40, "--width", min=10, max=200, help="characters of the bars"),
+    width: int | None = typer.Option(
+        None,
+        "--width",
+        min=10,
+        max=200,
+        help="characters of the bars (default: up to 40, what the terminal leaves the table)",
+    ),
     limit: int = typer.Option(200, "--limit", min=1, help="kernels per table (the sums: all)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
@@ -90,6 +96,8 @@ def timeline(
     if json_out:
         typer.echo(dumps([_jsonable(s) for s in sides]))
         return
+    if width is None:
+        width = bar_width([s["kernels"] for s in sides], limit)
     for s in sides:
         t = s["kernels"]
         t = t.append_column("bar", pa.array(bars(t, width, scale), pa.string()))
@@ -102,12 +110,29 @@ def timeline(
                 COLS,
                 HEADERS,
                 limit=limit,
-                max_width={"kernel": 40, "op": 40},
+                max_width=MAX_WIDTH,
+                no_wrap=("bar",),
             )
         )
         console.print(_summary_line(s["summary"]), highlight=False, soft_wrap=True)
         if t.num_rows and t["waves"].null_count == t.num_rows:
             console.print(_no_waves(s["gpu"], s["sms"]), highlight=False, soft_wrap=True)
+
+
+MAX_WIDTH = {"kernel": 40, "op": 40}
+BAR_MAX = 40
+
+
+def bar_width(tables: list[pa.Table], limit: int) -> int:
+    """Characters for the bars: what the terminal leaves beside the table's other columns at
+    their narrowest (numbers whole, names at least ``TEXT_FLOOR``), at most ``BAR_MAX``, at least
+    10; a bar never folds, so a wider one would push the table over the terminal's width."""
+    need = 0
+    for t in tables:
+        rt = arrow_table(t, None, [c for c in COLS if c != "bar"], HEADERS, limit=limit,
+                         max_width=MAX_WIDTH).table  # fmt: skip
+        need = max(need, min_width(rt, console) + 3)  # the bar's border and padding
+    return max(10, min(BAR_MAX, console.width - need))
 
 
 def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
