@@ -1,7 +1,7 @@
 """Tables on a terminal of 120 columns (``ui/render.py``'s :class:`Fitted`): every number whole,
 on one line, never cut to "…" or folded over two lines; names keep room; where a table cannot
 fit, its columns split over tables that repeat the key columns. On the committed H200 runs and
-a real Kineto trace."""
+a real Kineto trace; the formatting of whole microseconds on a real Kineto trace too."""
 
 from __future__ import annotations
 
@@ -112,3 +112,23 @@ def test_report_of_a_kineto_trace_at_120_columns():
     cells = _cells(p.stdout)
     assert "multimem_all_reduce_kernel" in cells and "fused_add_rms_norm_kernel" in cells
     assert "19.5%" in cells
+
+
+def test_whole_microseconds_keep_their_decimals():
+    """A Kineto trace has whole microseconds: a figure of 292 us reads "292.0" beside "305.7",
+    not "292"; counts stay whole, waves keep two decimals."""
+    assert fmt(292.0, "kernel_sum_us") == "292.0"
+    assert fmt(0.0, "b_gaps_us") == "0.00"
+    assert fmt(21.0, "kernels") == "21"
+    assert fmt(1.0, "waves") == "1.00"
+    p = cli("report", B200, width=WIDTH)
+    assert p.returncode == 0, p.stderr
+    _assert_fits(p.stdout)
+    kernels_rows = [ln for ln in _lines(p.stdout) if ln.startswith("│ multimem_all_reduce_kernel")]
+    assert kernels_rows and "2119.5" in kernels_rows[0]
+    # no microsecond cell of the per-layer table is a bare integer
+    layer_rows = [ln for ln in _lines(p.stdout) if re.match(r"│\s+0 │\s+\d+ │ layer", ln)]
+    assert len(layer_rows) == 36
+    for ln in layer_rows:
+        us = [c.strip() for c in ln.split("│")[6:-1]]
+        assert all("." in c for c in us), ln

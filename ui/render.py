@@ -31,13 +31,15 @@ def fmt(value: Any, column: str = "") -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
+        if column == "waves":  # a third, partial wave reads 2.91; a whole one 1.00
+            return f"{value:.2f}"
         if column in ("ratio", "efficiency", "share_efficiency"):
             return f"{value:.2f}x"
         if column in ("share",) or column.endswith("_pct"):
             return f"{value * 100:.1f}%" if column == "share" else f"{value:+.1f}%"
         if column.endswith("_delta"):
             return f"{value:+.1f}" if not value.is_integer() else f"{value:+.0f}"
-        if value.is_integer() and abs(value) < 1e15:
+        if value.is_integer() and abs(value) < 1e15 and not _is_time(column):
             return f"{value:.0f}"
         return f"{value:.1f}" if abs(value) >= 10 else f"{value:.2f}"
     if isinstance(value, list):
@@ -50,6 +52,12 @@ def fmt(value: Any, column: str = "") -> str:
     if isinstance(value, datetime.datetime):
         return value.isoformat(timespec="seconds")
     return str(value)
+
+
+def _is_time(column: str) -> bool:
+    """A column of microseconds (``span_us``, ``a_span_us``, ``span_us_min``): always decimals,
+    so that a whole number (a Kineto trace's integer microseconds) reads like its neighbours."""
+    return column.endswith("_us") or "_us_" in column
 
 
 def header(column: str) -> str:
