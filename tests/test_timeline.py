@@ -77,8 +77,8 @@ def test_cli_timeline_both_paths():
     p = cli("timeline", STD, SPEC, "--layer", "1")
     assert p.returncode == 0, p.stderr
     out = " ".join(p.stdout.split())
-    assert "A: standard-20261203T154918-db07da, layer 1, step 14 (of 30)" in out
-    assert "B: specialized-20261203T154926-8e01fd, layer 1, step 14 (of 30)" in out
+    assert "A: standard-20261203T154918-db07da, layer 1, step 14 (#15 of 30 steps)" in out
+    assert "B: specialized-20261203T154926-8e01fd, layer 1, step 14 (#15 of 30 steps)" in out
     assert "29 kernels: span 161.1 us" in out and "9 kernels: span 92.8 us" in out
     assert "fused_moe_kernel" in out and "experts_t1W13T1" in out
     js = json.loads(cli("timeline", STD, SPEC, "--layer", "1", "--json").stdout)
@@ -93,6 +93,8 @@ def test_cli_timeline_of_a_trace_and_errors():
     p = cli("timeline", HF_QWEN)
     assert p.returncode == 0, p.stderr
     assert "42 kernels: span" in " ".join(p.stdout.split())
+    # the trace's one step is its ProfilerStep#6: the title says which of its steps that is
+    assert "layer 0, step 6 (#1 of 1 step)" in p.stdout
     for args, msg in (
         (["--layer", "99"], "no kernels of layer 99 (layers 0..2)"),
         (["--step", "999"], "no kernels in step 999 (steps 0..29)"),
@@ -101,6 +103,23 @@ def test_cli_timeline_of_a_trace_and_errors():
         lines = [x for x in e.stderr.splitlines() if x.strip()]
         assert e.returncode == 2 and len(lines) == 1, e.stderr
         assert "specialized-20261203T154926-8e01fd" in lines[0] and msg in lines[0]
+
+
+def test_cli_timeline_step_among_the_steps_of_a_kineto_trace():
+    """The A100 trace's whole step at its median: the trace's step number (ProfilerStep#551)
+    beside its place among the six steps, not "step 551 (of 6)"."""
+    a100 = (
+        ROOT
+        / "tests"
+        / "data"
+        / "traces"
+        / ("kineto_a100_torchcompile_cudagraph__HTA_negative_queue.json.gz")
+    )
+    p = cli("timeline", a100, "--limit", "3")
+    assert p.returncode == 0, p.stderr
+    assert "the whole step, step 551 (#3 of 6 steps)" in p.stdout
+    e = cli("timeline", a100, "--step", "3")
+    assert e.returncode == 2 and "no kernels in step 3 (steps " in e.stderr
 
 
 def test_cli_timeline_of_a_two_gpu_trace():

@@ -55,7 +55,8 @@ def side(run: Run, label: str, layer: int | None, step: int | None, rank: int | 
     if t.num_rows == 0:
         raise fail(f"{label} ({run.meta.run_id}): no kernels of the layer in step {step}")
     return {"label": label, "run_id": run.meta.run_id, "layer": layer, "step": step,
-            "steps": len(steps), "rank": rank, "ranks": len(ranks), "gpu": run.meta.gpu,
+            "steps": len(steps), "step_index": steps.index(step) + 1 if step in steps else None,
+            "rank": rank, "ranks": len(ranks), "gpu": run.meta.gpu,
             "sms": limits.sms if limits else None, "summary": tl.summary(t),
             "kernels": t}  # fmt: skip
 
@@ -106,7 +107,7 @@ def timeline(
         console.print(
             arrow_table(
                 t,
-                f"{s['label']}: {s['run_id']}, {where}, step {s['step']} (of {s['steps']}){rk}",
+                f"{s['label']}: {s['run_id']}, {where}, {_step_label(s)}{rk}",
                 COLS,
                 HEADERS,
                 limit=limit,
@@ -147,6 +148,16 @@ def bars(t: pa.Table, width: int, scale_us: float | None = None) -> list[str]:
         j = max(i + 1, min(width, int(np.ceil(b / scale * width))))
         out.append("·" * i + "█" * (j - i) + "·" * (width - j))
     return out
+
+
+def _step_label(s: dict[str, Any]) -> str:
+    """``step 551 (#3 of 6 steps)``: a step's number is the trace's own (a Kineto
+    ProfilerStep#551), so its place among the run's steps is said beside it."""
+    if s["step"] is None:
+        return "no step numbers"
+    if s["step_index"] is None:
+        return f"step {s['step']}"
+    return f"step {s['step']} (#{s['step_index']} of {s['steps']} step{'s' if s['steps'] != 1 else ''})"
 
 
 def _summary_line(m: dict[str, Any]) -> str:
