@@ -25,6 +25,7 @@ __all__ = [
     "current_path",
     "dataset_ref",
     "detect",
+    "drop_backwards",
     "load",
     "range",
     "read_run",
@@ -119,7 +120,48 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
         from decodescope.tracer.nsys import load_nsys
 
         raw = load_nsys(path, **options)
-    return attribute(raw, scheme)
+    return attribute(drop_backwards(raw), scheme)
+
+
+def drop_backwards(run: Run) -> Run:
+    """The run without the kernels, memops and ranges that end before they start (a negative
+    duration: a corrupt record that would count as a negative busy time and a negative minimum),
+    each table's count kept as a ``skipped_events`` overheads row and in ``dropped_records``:
+    nothing is dropped silently. Both importers read such records as they find them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from decodescope.analysis.schema import from_pydict
+
+    kept: dict[str, pa.Table] = {}
+    rows: list[tuple[str, int]] = []
+    for name, what in (("kernels", "kernel"), ("memops", "memop"), ("ranges", "range")):
+        t = getattr(run, name)
+        if t.num_rows == 0:
+            continue
+        back = pc.fill_null(pc.less(t["end_ns"], t["start_ns"]), False)
+        n = int(pc.sum(back).as_py() or 0)
+        if n:
+            kept[name] = t.filter(pc.invert(back))
+            rows.append((f"{what}: ends before it starts (negative duration)", n))
+    if not rows:
+        return run
+    extra = from_pydict(
+        {
+            "run_id": [run.run_id] * len(rows),
+            "rank": [0] * len(rows),
+            "kind": ["skipped_events"] * len(rows),
+            "count": [n for _, n in rows],
+            "detail": [why for why, _ in rows],
+        },
+        "overheads",
+    )
+    dropped = (run.meta.dropped_records or 0) + sum(n for _, n in rows)
+    return run.replace(
+        meta=run.meta.replace(dropped_records=dropped),
+        overheads=pa.concat_tables([run.overheads, extra]),
+        **kept,
+    )
 
 
 def read_scheme(path: str | os.PathLike[str]) -> Scheme:
