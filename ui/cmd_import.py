@@ -83,3 +83,16 @@ def import_(
         highlight=False,
         soft_wrap=True,
     )
+    from decodescope.ui.cmd_report import skipped_records
+
+    skipped = skipped_records(run)
+    if skipped:  # nothing dropped silently: say it here, not only in the report
+        total = sum(n for _, n in skipped)
+        why = "; ".join(f"{n} {reason}" for reason, n in skipped[:4])
+        more = f"; {len(skipped) - 4} more reasons" if len(skipped) > 4 else ""
+        err_console.print(
+            f"[yellow]note[/]: {total} record(s) of {trace} not imported ({why}{more}); "
+            f"`decodescope report {out}` lists them",
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -58,15 +58,34 @@ def dropped_records(run: Run) -> int:
 
 
 def overhead_summary(run: Run) -> list[dict[str, Any]]:
+    """Per overheads kind: its rows and their summed count; the records an importer skipped or
+    did not import (``SKIP_KINDS``) one row per reason, the reason as ``detail``."""
     o = run.overheads
     if o.num_rows == 0:
         return []
-    t = o.select(["kind", "count"]).cast(pa.schema([("kind", pa.string()), ("count", pa.int64())]))
-    g = t.group_by("kind").aggregate([("count", "sum"), ("kind", "count")])
+    t = o.select(["kind", "detail", "count"]).cast(
+        pa.schema([("kind", pa.string()), ("detail", pa.string()), ("count", pa.int64())])
+    )
+    skip = pc.fill_null(pc.is_in(t["kind"], pa.array(SKIP_KINDS)), False)
+    t = t.set_column(1, "detail", pc.if_else(skip, t["detail"], pa.scalar(None, pa.string())))
+    g = t.group_by(["kind", "detail"], use_threads=False).aggregate(
+        [("count", "sum"), ("kind", "count")]
+    )
     return [
-        {"kind": r["kind"], "records": r["kind_count"], "count": r["count_sum"]}
+        {"kind": r["kind"], "detail": r["detail"], "records": r["kind_count"],
+         "count": r["count_sum"]}
         for r in g.to_pylist()
-    ]
+    ]  # fmt: skip
+
+
+SKIP_KINDS = ("skipped_events", "unknown_category")
+
+
+def skipped_records(run: Run) -> list[tuple[str, int]]:
+    """(reason, count) of the records an importer skipped or did not import, most first."""
+    rows = [(r["detail"] or r["kind"], int(r["count"] or 0)) for r in overhead_summary(run)
+            if r["kind"] in SKIP_KINDS]  # fmt: skip
+    return sorted(rows, key=lambda x: -x[1])
 
 
 def _ops_of(run: Run) -> str | None:
@@ -213,7 +232,10 @@ def print_meta(summary: dict[str, Any], title: str = "run") -> None:
     rows = pa.table({"field": list(shown), "value": [str(v) for v in shown.values()]})
     console.print(arrow_table(rows, title=title))
     if summary.get("overheads"):
-        console.print(arrow_table(pa.Table.from_pylist(summary["overheads"]), title="overheads"))
+        t = pa.Table.from_pylist(summary["overheads"])
+        cols = ["kind", *(["detail"] if t["detail"].null_count < t.num_rows else []), "records",
+                "count"]  # fmt: skip
+        console.print(arrow_table(t, title="overheads", columns=cols))
 
 
 @app.command("report")
