@@ -95,6 +95,27 @@ def test_cli_perfetto(tmp_path):
     assert_valid(json.loads((tmp_path / "trace.json").read_text()))
 
 
+def test_cli_perfetto_shows_progress_on_a_terminal(tmp_path, monkeypatch):
+    """Reading a trace and writing its JSON take seconds on a large trace: on a terminal
+    ``perfetto`` shows what it is doing on stderr, as ``import`` and ``report`` do (the B200
+    Kineto trace; a console forced to be a terminal stands in for one)."""
+    import io
+
+    from rich.console import Console
+
+    from decodescope.ui.cli import main
+
+    buf = io.StringIO()
+    term = Console(file=buf, force_terminal=True, width=120)
+    monkeypatch.setattr("decodescope.ui.cmd_import.err_console", term)
+    monkeypatch.setattr("decodescope.ui.cmd_perfetto.err_console", term)
+    trace = TRACES / "kineto_b200_vllm_tp8_rank0_prefill_eager__TraceLens.json.gz"
+    out = tmp_path / "trace.json"
+    main(["perfetto", str(trace), "--out", str(out)])
+    assert f"reading {trace}" in buf.getvalue() and f"writing {out}" in buf.getvalue()
+    assert_valid(json.loads(out.read_text()))
+
+
 def _perfetto_fails(out: Path, capsys) -> str:
     """``decodescope perfetto RUN --out out`` with a bad ``out``: exit 2, one line, no traceback."""
     from decodescope.ui.cli import main

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from decodescope.ui.cli import app, console
+from decodescope.ui.cli import app, console, err_console
+from decodescope.ui.render import progress
 
 
 @app.command("perfetto")
@@ -19,9 +20,10 @@ def perfetto_cmd(
     ),
 ) -> None:
     """Export a run as Chrome-trace JSON: kernels per stream, ranges on CPU and GPU tracks."""
-    from decodescope.tracer import load
     from decodescope.tracer.chrome import write_chrome_trace
+    from decodescope.ui.cmd_import import load_with_progress
 
-    r = load(run)
-    n = write_chrome_trace(r, out)
+    r = load_with_progress(run)
+    with progress(err_console, f"writing {out}"):
+        n = write_chrome_trace(r, out)
     console.print(f"{n} events -> {out} (open it in https://ui.perfetto.dev)", highlight=False)
