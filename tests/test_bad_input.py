@@ -103,6 +103,14 @@ def _sqlite_without_kernel_tables(d: Path) -> Path:
     return p
 
 
+def _nsys_report(d: Path) -> Path:
+    """Synthetic: Nsight Systems' own report format, which only ``nsys export`` reads (no real
+    one among the traces: its bytes here are random, the name is what a user hands over)."""
+    p = d / "profile.nsys-rep"
+    p.write_bytes(b"\x00\x01NSYS" + random.Random(3).randbytes(4096))
+    return p
+
+
 def _directory(d: Path) -> Path:
     p = d / "a_folder"
     p.mkdir()
@@ -125,6 +133,7 @@ BAD: dict[str, Callable[[Path], Path]] = {
     "random bytes behind a gzip header": _random_bytes_behind_gzip_magic,
     "gzip of random bytes": _gzip_of_random_bytes,
     "SQLite without kernel tables": _sqlite_without_kernel_tables,
+    "Nsight Systems report not exported": _nsys_report,
     "directory": _directory,
     "missing file": _missing,
 }
@@ -170,6 +179,7 @@ def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
     assert "traceEvents" in problem("JSON object that is not a trace")
     assert "no such file" in problem("missing file")
     assert "directory" in problem("directory")
+    assert "nsys export --type sqlite" in problem("Nsight Systems report not exported")
 
 
 # ---------------------------------------------------------------------------------------------

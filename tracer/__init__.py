@@ -64,6 +64,12 @@ def detect(path: str | os.PathLike[str]) -> str:
     stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if stripped.startswith((b"{", b"[")):
         return "kineto"
+    if p.suffix.lower() in (".nsys-rep", ".qdrep"):  # Nsight Systems' own report format
+        raise TraceError(
+            p,
+            "an Nsight Systems report, which decodescope does not read: export it to SQLite "
+            f"first (nsys export --type sqlite {p}) and give the .sqlite file",
+        )
     raise TraceError(
         p,
         "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder",
