@@ -235,7 +235,13 @@ def test_check_against_dataset(work, tmp_path):
     assert bad.returncode == 1 and "2 run(s)" in bad.stdout
     # a run of another setup has no baseline there
     line = one_line_error(cli("check", work / "vllm", "--baseline", ds, "--max-regression", "5"))
-    assert "no baseline run" in line
+    assert "no baseline run" in line and "itself" not in line
+    # a dataset that holds only the run itself: the error says why that is no baseline
+    alone = tmp_path / "alone"
+    assert cli("export", tmp_path / "base-1", "--to", alone).returncode == 0
+    line = one_line_error(cli("check", tmp_path / "base-1", "--baseline", alone,
+                              "--max-regression", "5"))  # fmt: skip
+    assert "no baseline run" in line and "it holds run base-1 itself" in line
 
 
 def test_scheme_option(work, tmp_path):

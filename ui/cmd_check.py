@@ -26,7 +26,14 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
         ids = layout.select_baseline(runs, run.meta)
         if not ids:
             keys = ", ".join(f"{k}={getattr(run.meta, k)}" for k in layout.BASELINE_KEYS)
-            raise UsageError(f"{path}: no baseline run with the same {keys}")
+            itself = any(r.get("run_id") == run.meta.run_id for r in runs)
+            why = (
+                f" (it holds run {run.meta.run_id} itself, which is never its own baseline: "
+                "export another run of the same setup)"
+                if itself
+                else ""
+            )
+            raise UsageError(f"{path}: no baseline run with the same {keys}{why}")
         idset = set(ids)
         knobs = {
             r["run_id"]: knobs_of(
