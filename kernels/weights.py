@@ -12,7 +12,8 @@ Per-layer weights are a plain ``dict[str, Tensor]``; the keys (per rank, ``H`` =
 - KDA: ``in_proj [kda_in_proj_out, H]`` (q, k, v, g, f_a, b, pad), ``conv_w [3*D, conv_kernel]``,
   ``f_b [D, head_dim]``, ``A_log [heads] fp32``, ``dt_bias [D] fp32``, ``o_norm [head_dim]``,
   ``o_proj [H, D]`` with ``D = heads/t * head_dim``
-- MLA: ``qkv_a [q_lora + kv_lora + rope, H]``, ``g_proj [heads/t * v, H]`` (gated only),
+- MLA: ``qkv_a [q_lora + kv_lora + rope, H]``, ``g_proj [heads/t * v, H]`` (gated only; the two
+  are row views of one tensor),
   ``q_a_norm [q_lora]``, ``kv_a_norm [kv_lora]``, ``q_b [heads/t * (nope + rope), q_lora]``,
   ``w_uk [heads/t, nope, kv_lora]``, ``w_uv [heads/t, kv_lora, v]``, ``o_proj [H, heads/t * v]``
 - MoE: ``router [E, H]``, ``router_bias [E] fp32``, ``latent_down [L, H]``, ``latent_norm [L]``,
@@ -51,6 +52,14 @@ def _linear(out_f: int, in_f: int, g, device) -> torch.Tensor:
     return _randn((out_f, in_f), g, device, 1.0 / math.sqrt(in_f))
 
 
+def _adjacent(*ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same weights as row views of one ``[sum N, K]`` tensor (values unchanged), so that
+    one GEMM can take them all: MLA's ``qkv_a`` and ``g_proj`` (:func:`.specialized.
+    attention_layers.merged_rows`, ``DECODESCOPE_WIDE_AG``)."""
+    whole = torch.cat(ws)
+    return tuple(whole.split([int(w.shape[0]) for w in ws]))
+
+
 def _norm_w(n: int, g, device) -> torch.Tensor:
     return _randn((n,), g, device, 0.1, torch.float32).add_(1.0).to(BF16)
 
@@ -85,7 +94,7 @@ def make_layer_weights(
         nh = cfg.mla_heads
         w["qkv_a"] = _linear(cfg.mla_qkv_a_out, H, g, device)
         if m.output_gate:
-            w["g_proj"] = _linear(cfg.mla_v_dim, H, g, device)
+            w["qkv_a"], w["g_proj"] = _adjacent(w["qkv_a"], _linear(cfg.mla_v_dim, H, g, device))
         w["q_a_norm"] = _norm_w(m.q_lora_rank, g, device)
         w["kv_a_norm"] = _norm_w(m.kv_lora_rank, g, device)
         w["q_b"] = _linear(cfg.mla_q_b_out, m.q_lora_rank, g, device)

@@ -550,6 +550,38 @@ def test_gpu_waves(tp, batch, monkeypatch):
     _gpu_check(tp, batch, 8, {"DECODESCOPE_MLA_SPLIT_WAVES": "1"}, monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64), (8, 1)])
+def test_gpu_strided_a_g(tp, batch):
+    """``DECODESCOPE_WIDE_AG``: ``a`` and ``g`` as column slices of one ``[rows, a + g]`` buffer
+    (``MLASplitPlan.lda`` / ``ldg``): the same outputs and cache rows, bit for bit, as from
+    compact ``a`` and ``g``; the reference holds."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_mla_decode_tc import _inputs
+
+    T = 8
+    cfg = get_config("kimi-k3", tp)
+    w, cache0, a, q, g = _inputs(cfg, batch, T, 400 + batch)
+    na = a.shape[1]
+    ag = torch.full((a.shape[0], na + g.shape[1]), float("nan"), dtype=a.dtype, device=a.device)
+    ag[:, :na], ag[:, na:] = a, g
+    outs, caches = [], []
+    for aa, gg in ((a, g), (ag[:, :na], ag[:, na:])):
+        out = torch.full((a.shape[0], cfg.mla_v_dim), float("nan"), dtype=a.dtype, device=a.device)
+        cache = cache0.clone()
+        msp.mla_decode_split(cfg, w, aa, q, gg, cache, out, T)
+        torch.cuda.synchronize()
+        outs.append(out)
+        caches.append(cache)
+    plan = dataclasses.replace(msp.plan_for(cfg, batch, T), lda=na + g.shape[1],
+                               ldg=na + g.shape[1])  # fmt: skip
+    assert msp.error_word(plan, a.device) == 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0], caches[1])
+    ref, _ = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T)
+    assert rel_l2(outs[1], ref) < 2e-2
+
+
 def _gpu_check(tp, batch, T, knobs, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -287,6 +289,46 @@ def test_rmsnorm_wide_variants_compile_and_ref(tp, m):
     y = rms.rmsnorm_ref(x, w, 1e-5)
     assert y.dtype == torch.bfloat16
     assert R.rel_l2(y, R.rmsnorm_ref(x.double(), w.double(), 1e-5)) < 4e-3
+
+
+@pytest.mark.parametrize("tp,m", [(8, 256), (16, 512)])
+def test_rmsnorm_side_cast_compiles_and_checks(tp, m):
+    """``DECODESCOPE_WIDE_BACK=addmm``: the MoE back's latent RMSNorm launch that also rounds
+    the shared experts' FP32 sum ``[M, hidden]`` to BF16 (``NormPlan.side``) compiles for
+    sm_90a at 256 / 512 rows; its PTX has the side's FP32 loads and BF16 stores beside the
+    norm's; the launcher refuses what the compiled layout cannot take."""
+    cfg = get_config("kimi-k3", tp)
+    plain = rms.NormPlan(m, cfg.expert_dim, cfg.eps, x_f32=True)
+    side = rms.NormPlan(m, cfg.expert_dim, cfg.eps, x_f32=True, side=cfg.hidden)
+    assert rms.compile_plan(side) is not None
+
+    def count(p):
+        ptx = itf.ptx_text(rms.RMSNorm(p), *rms._fake_args(p))
+        return [len(re.findall(rf"^\s*{op}\b", ptx, re.M))
+                for op in (r"ld\.global\.v4\.b32", r"st\.global\.v4\.b32",
+                           r"cvt\.rn\.bf16x2\.f32")]  # fmt: skip
+
+    # per thread, ceil(hidden / 8 / 128) vectors of 8: two 16-byte FP32 loads, four packed
+    # conversions and one 16-byte BF16 store each, on top of the norm's own
+    it = -(-cfg.hidden // (8 * rms.THREADS))
+    (l0, s0, c0), (l1, s1, c1) = count(plain), count(side)
+    assert (l1 - l0, s1 - s0, c1 - c0) == (2 * it, it, 4 * it)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        rms.RMSNorm(rms.NormPlan(m, 256, x_f32=True, side=12))
+    x = torch.zeros(m, cfg.expert_dim)
+    y = torch.empty(m, cfg.expert_dim, dtype=torch.bfloat16)
+    w = torch.ones(cfg.expert_dim, dtype=torch.bfloat16)
+    s_in = torch.zeros(m, cfg.hidden)
+    for kw, msg in (
+        ({"side_in": s_in}, "takes side_in and side_out"),
+        ({"side_in": s_in, "side_out": torch.empty(m, cfg.hidden)}, "float32 -> bfloat16"),
+        ({"side_in": s_in, "side_out": torch.empty(m, 8, dtype=torch.bfloat16)}, "for 256 rows"
+         if m == 256 else "for 512 rows"),
+        ({"side_in": s_in.t().contiguous().t(),
+          "side_out": torch.empty(m, cfg.hidden, dtype=torch.bfloat16)}, "contiguous"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            rms.rmsnorm(x, w, y, cfg.eps, **kw)
 
 
 @pytest.mark.parametrize("tp,m", [(8, 256), (16, 512), (8, 512)])

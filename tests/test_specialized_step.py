@@ -799,23 +799,59 @@ def _record_launches(monkeypatch) -> list[tuple[str, str]]:
     return calls
 
 
-def test_dry_run_token_ops_once(monkeypatch):
+@pytest.mark.parametrize("back,ag", [(None, False), ("add", False), ("addmm", False),
+                                     (None, True), ("addmm", True)])  # fmt: skip
+def test_dry_run_token_ops_once(monkeypatch, back, ag):
     """Every launch (CuTe kernels through interface.compiled, the cuBLAS GEMMs and the back's
     add through their module functions) under the range the plan names, in order; the plan's,
-    the model's and the trace's launch counts agree."""
+    the model's and the trace's launch counts agree. ``DECODESCOPE_WIDE_BACK=addmm``: the back's
+    add rides in the RMSNorm launch (the shared sum's rounding) and the GEMM's epilogue, one
+    launch fewer per MoE layer. ``ag``: MLA's qkv_a and g_proj in one GEMM
+    (``attention_layers.merged_ag`` forced on: the tiny preset's decode is not the split
+    kernel's), one launch fewer per MLA layer."""
+    from decodescope.kernels.specialized import attention_layers as al
+
     calls = _record_launches(monkeypatch)
     _wide(monkeypatch)
+    if back is not None:
+        monkeypatch.setenv("DECODESCOPE_WIDE_BACK", back)
+    if ag:
+        monkeypatch.setattr(al, "merged_ag", lambda cfg, batch, tokens: True)
     p, m = _model(batch=16, tokens=1, layers="kda,mla")
     assert m.chunks == 2 and m.tokens_once and p.tokens_once
     with tracer.range("step"):
         m.step()
     per_layer = _launches_by_range(p, [c[0] for c in calls])
-    assert per_layer == p.launches() == m.launches() == {"layer.0:kda": 13, "layer.1:mla": 16}
+    fewer = 1 if back == "addmm" else 0
+    assert per_layer == p.launches() == m.launches() == {"layer.0:kda": 13 - fewer,
+                                                         "layer.1:mla": 16 - fewer - ag}  # fmt: skip
     kinds = [k for path, k in calls if path.startswith("step/layer.0:kda/layer.0.attn.")]
     assert kinds == ["rmsnorm", "cublas", "kda_decode", "kda_decode", "cublas", "rmsnorm"]
+    mla = [k for path, k in calls if path.startswith("step/layer.1:mla/layer.1.attn.")]
+    proj = ["rmsnorm", "cublas"] + ([] if ag else ["cublas"])
+    assert mla == proj + ["rmsnorm", "cublas", "mla_decode", "mla_decode", "cublas", "rmsnorm"]
+    assert (m.attn_all[1].w_ag is not None) == ag
     moe = [k for path, k in calls if "layer.1.moe." in path]
-    assert moe == ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2",
-                   "rmsnorm", "cublas_f32", "add"]  # fmt: skip
+    route = ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
+    assert moe == route + (["rmsnorm", "cublas"] if fewer else ["rmsnorm", "cublas_f32", "add"])
+    assert json.loads(p.meta["config_json"])["launches"] == per_layer
+    if back == "addmm":
+        assert json.loads(p.meta["config_json"])["kernel_env"]["DECODESCOPE_WIDE_BACK"] == "addmm"
+
+
+def test_wide_back_knob_is_checked(monkeypatch):
+    """A bad ``DECODESCOPE_WIDE_BACK`` is a one-line error naming the variable, when the step
+    is planned, before any kernel runs."""
+    from decodescope.kernels.specialized import moe_block as mb
+
+    _wide(monkeypatch)
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "fused")
+    with pytest.raises(ValueError, match="DECODESCOPE_WIDE_BACK='fused': expected one of"):
+        _model(batch=16, tokens=1, layers="kda")
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "addmm")
+    assert mb.wide_back() == "addmm" and mb.wide_back_launches() == 2
+    monkeypatch.delenv("DECODESCOPE_WIDE_BACK")
+    assert mb.wide_back() == "add" and mb.wide_back_launches() == 3
 
 
 @pytest.mark.parametrize("decode", ["chunk", "once"])
@@ -903,14 +939,19 @@ def test_token_ops_once_dense_with_reference_kernels_matches_standard(monkeypatc
     assert _rel(out, dm.dense_mlp_wide_ref(p.cfg, w0, h)) < 1e-2
 
 
+@pytest.mark.parametrize("back,ag", [("add", False), ("addmm", True)])
 @pytest.mark.parametrize("decode", ["chunk", "once"])
 @pytest.mark.parametrize("batch, tokens", [(16, 1), (4, 3), (6, 2)])
 def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, batch, tokens,
-                                                                decode):  # fmt: skip
+                                                                decode, back, ag):  # fmt: skip
     """The all-rows path itself (the cuBLAS projections as torch matmuls on the CPU), with each
     CuTe kernel replaced by its torch reference (the RMSNorm launches, the KDA recurrence and
     MLA decode per chunk on row and state views, the grouped experts from the front's FP32
-    output): the step equals the standard model's on the CPU."""
+    output): the step equals the standard model's on the CPU. ``back``:
+    ``DECODESCOPE_WIDE_BACK`` (``addmm``: the norm launch's side cast of the shared sum, then
+    the up-projection adding into the layer's output); ``ag``: MLA's qkv_a and g_proj in one
+    GEMM, the decode reading ``a`` and ``g`` as column slices of its output (forced on: the
+    tiny preset's decode is not the split kernel's)."""
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import moe_experts as me
@@ -920,12 +961,18 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
 
     _wide(monkeypatch, limit=4)
     monkeypatch.setenv(S.CHUNK_DECODE_ENV, decode)  # once: the decode kernels over all rows
-    decodes = []
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", back)
+    if ag:
+        monkeypatch.setattr(al, "merged_ag", lambda cfg, batch, tokens: True)
+    decodes, sides, strides = [], [], []
 
-    def norm(x, w, y, eps, residual=None, residual_out=None):
+    def norm(x, w, y, eps, residual=None, residual_out=None, side_in=None, side_out=None):
         if residual is not None:
             residual_out.copy_((x.float() + residual.float()).to(torch.bfloat16))
         y.copy_(rms.rmsnorm_ref(x, w, eps, residual=residual))
+        if side_in is not None:
+            sides.append(tuple(side_in.shape))
+            side_out.copy_(side_in.to(torch.bfloat16))
 
     def kda(cfg, w, proj, s, c, out, T):
         decodes.append(proj.shape[0])
@@ -936,6 +983,7 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
 
     def mla(cfg, w, a, q, g, cache, out, T):
         decodes.append(a.shape[0])
+        strides.append((a.stride(0), g.stride(0)))
         o, cache2 = al._mla.mla_decode_ref(cfg, w, a, q, g, cache, T)
         out.copy_(o)
         cache.copy_(cache2)
@@ -964,6 +1012,9 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
         assert m.decode_once and decodes == [batch * tokens] * 3
     else:  # each decode kernel per chunk
         assert not m.decode_once and decodes == [m.per * tokens] * (3 * m.chunks)
+    assert sides == ([(batch * tokens, p.cfg.hidden)] * 3 if back == "addmm" else [])
+    na, ng = p.cfg.mla_qkv_a_out, p.cfg.mla_v_dim
+    assert set(strides) == {(na + ng, na + ng) if ag else (na, ng)}
     _assert_step_matches(p, m, std, batch, tokens)
 
 

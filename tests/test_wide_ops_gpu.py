@@ -5,8 +5,9 @@ Each piece against its torch reference on fresh random inputs with NaN-poisoned 
 the kimi-k3 TP8 and TP16 shapes and 256 / 512 rows: the RMSNorm of an FP32 input (the MoE
 latent sum) and of a strided column slice (MLA's ``q_a``), ``tile_gemm.project_wide`` (the
 input projection with its residual add and norm, q_b, o_proj's residual epilogue), and the
-MoE block with ``wide=True`` (the cuBLAS front, the grouped experts, the wide back) against
-``moe_block_ref`` on the kernels' own routing. The whole step against the standard one is
+MoE block with ``wide=True`` (the cuBLAS front, the grouped experts, the wide back in three
+launches and, with ``DECODESCOPE_WIDE_BACK=addmm``, in two) against ``moe_block_ref`` on the
+kernels' own routing. The whole step against the standard one is
 tests/test_specialized_step_gpu.py's and scripts/gpu_steps.py's.
 """
 
@@ -103,11 +104,38 @@ def test_project_wide_equals_refs(tp, m):
 
 @pytest.mark.parametrize("tp", [8, 16])
 @pytest.mark.parametrize("m", [256, 512])
-def test_wide_moe_block_equals_ref(tp, m):
+def test_rmsnorm_side_cast(tp, m):
+    """``NormPlan.side`` (``DECODESCOPE_WIDE_BACK=addmm``): the latent RMSNorm of the FP32 sum
+    as before, and in the same launch the shared sum ``[m, hidden]`` rounded to BF16, equal to
+    torch's round-to-nearest-even bit for bit; outputs poisoned."""
+    from decodescope.kernels.config import get_config
+    from decodescope.kernels.specialized import rmsnorm as rms
+
+    cfg = get_config("kimi-k3", tp)
+    L, H = cfg.expert_dim, cfg.hidden
+    g = _gen(300 + m + tp)
+    x = _randn(g, m, L, std=3.0, dtype=torch.float32)
+    w = (1 + 0.1 * _randn(g, L).float()).to(BF16)
+    s = _randn(g, m, H, std=5.0, dtype=torch.float32)
+    y = torch.full((m, L), float("nan"), dtype=BF16, device="cuda")
+    so = torch.full((m, H), float("nan"), dtype=BF16, device="cuda")
+    rms.rmsnorm(x, w, y, cfg.eps, side_in=s, side_out=so)
+    torch.cuda.synchronize()
+    assert _rel(y, rms.rmsnorm_ref(x, w, cfg.eps)) < 4e-3
+    assert torch.equal(so, s.to(BF16))
+
+
+@pytest.mark.parametrize("back", ["add", "addmm"])
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("m", [256, 512])
+def test_wide_moe_block_equals_ref(monkeypatch, tp, m, back):
+    """``back``: ``DECODESCOPE_WIDE_BACK`` (``addmm``: the back in two launches, the shared
+    sum rounded by the norm launch and added in the GEMM's epilogue)."""
     from decodescope.kernels.config import LayerSpec, get_config
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.weights import make_layer_weights
 
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", back)
     cfg = get_config("kimi-k3", tp)
     w = make_layer_weights(cfg, LayerSpec(1, "kda", "moe"), seed=tp, device="cuda")
     blk = mb.SpecializedMoE(cfg, w, m, layer=1, device="cuda", wide=True)

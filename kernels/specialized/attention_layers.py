@@ -37,6 +37,7 @@ from decodescope.kernels.specialized import mla_decode as _mla
 from decodescope.kernels.specialized import norm_qkv_proj as _nqp
 from decodescope.kernels.specialized import oproj_residual_norm as _op
 from decodescope.kernels.specialized import rmsnorm as _rms
+from decodescope.kernels.specialized import tile_gemm as _tg
 from decodescope.tracer import range as _range
 
 BF16 = torch.bfloat16
@@ -215,6 +216,47 @@ class SpecializedAttention:
                 fn()
 
 
+WIDE_AG_ENV = "DECODESCOPE_WIDE_AG"
+
+
+def merged_ag(cfg: Config, batch: int, tokens: int) -> bool:
+    """Whether an MLA layer's all-rows attention (:class:`AttentionAllTokens`) runs its input
+    projections ``qkv_a`` and ``g_proj`` as one cuBLAS GEMM over the two weights' rows into one
+    ``[rows, a + g]`` buffer, ``a`` and ``g`` its column slices (``DECODESCOPE_WIDE_AG=1``,
+    opt-in; one launch fewer). Only with the output gate, a BF16 cache and where the decode
+    launch (``batch`` sequences of ``tokens``) runs the split kernel, the one that takes the
+    slices' row strides (:attr:`.mla_decode_split.MLASplitPlan.lda`)."""
+    from decodescope.kernels.specialized import env_knobs as ek
+
+    if not ek.read(WIDE_AG_ENV, (0, 1), "0") or not cfg.mla.output_gate:
+        return False
+    if cfg.kv_cache_dtype != "bf16":
+        return False
+    return _mla.kernel_choice(BF16, "", batch, tokens, cfg) == "split"
+
+
+def merged_rows(w: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
+    """The weights ``names`` as one ``[sum N, K]`` tensor: a view where they are adjacent row
+    blocks of one storage (as :func:`decodescope.kernels.weights.make_layer_weights` makes MLA's
+    ``qkv_a`` and ``g_proj``), else one copy made here (their bytes once more in memory)."""
+    ws = [w[n] for n in names]
+    first = ws[0]
+    adjacent = all(t.is_contiguous() and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                   for t in ws)  # fmt: skip
+    if adjacent:
+        st = first.untyped_storage()
+        off = first.storage_offset()
+        for t in ws:
+            adjacent = adjacent and t.untyped_storage().data_ptr() == st.data_ptr() and (
+                t.storage_offset() == off)  # fmt: skip
+            off += t.numel()
+    if not adjacent:
+        return torch.cat(ws)
+    rows = sum(int(t.shape[0]) for t in ws)
+    return first.new_empty(0).set_(st, first.storage_offset(), (rows, *first.shape[1:]),
+                                   first.stride())  # fmt: skip
+
+
 class AttentionAllTokens:
     """One layer's attention half over all ``batch x tokens`` rows of a chunked step (more
     tokens than the decode kernels take in one launch; ``step.tokens_once``): the input
@@ -227,6 +269,8 @@ class AttentionAllTokens:
     ``decode_once`` (``step.decode_once``, ``DECODESCOPE_CHUNK_DECODE=once``): the decode kernel
     too in one launch over every sequence (the kernels' grids are per sequence and head; no
     64-token limit of theirs), ``per`` then ignored.
+
+    ``DECODESCOPE_WIDE_AG=1`` (:func:`merged_ag`): MLA's ``qkv_a`` and ``g_proj`` in one GEMM.
 
     Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``, ``chunks`` 1
     with ``decode_once`` (:func:`all_tokens_launches`); every kernel compiles at its first call
@@ -244,6 +288,13 @@ class AttentionAllTokens:
         self.chunks = batch // per
         self.i = spec.index
         _alloc_buffers(self, cfg, spec.attn, self.N, w["attn_norm"].device)
+        # MLA's qkv_a and g_proj in one GEMM, a and g column slices of its output
+        self.w_ag = None
+        if spec.attn == "mla" and merged_ag(cfg, per, tokens):
+            na = cfg.mla_qkv_a_out
+            self.w_ag = merged_rows(w, ("qkv_a", "g_proj"))
+            self.ag = torch.empty(self.N, na + cfg.mla_v_dim, dtype=BF16, device=self.w_ag.device)
+            self.a, self.g = self.ag[:, :na], self.ag[:, na:]
         nc = per * tokens  # rows per decode launch
         self.rows = [slice(c * nc, (c + 1) * nc) for c in range(self.chunks)]
         self.state_c = [{k: v[c * per : (c + 1) * per] for k, v in state.items()}
@@ -271,10 +322,14 @@ class AttentionAllTokens:
                 cfg, w, "kda", x_in, r_in, self.r_mid, [self.proj]))]  # fmt: skip
         else:
             outs = [self.a] + ([self.g] if cfg.mla.output_gate else [])
-            first = [
-                (ops[0], lambda: _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid, outs)),
-                (ops[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q)),
-            ]
+            if self.w_ag is not None:  # one GEMM over both weights' rows (merged_ag)
+                proj = (ops[0], lambda: _tg.project_wide(
+                    x_in, [self.w_ag], [self.ag], residual=r_in, residual_out=self.r_mid,
+                    norm_weight=w["attn_norm"], eps=cfg.eps))  # fmt: skip
+            else:
+                proj = (ops[0], lambda: _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid,
+                                                           outs))  # fmt: skip
+            first = [proj, (ops[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q))]
         return first + [
             (ops[-3], self._decode),
             (ops[-2], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
@@ -288,12 +343,13 @@ class AttentionAllTokens:
                 fn()
 
 
-def all_tokens_launches(cfg: Config, kind: str, chunks: int) -> int:
-    """Launches of :class:`AttentionAllTokens`: the norm and one GEMM per input projection, (MLA)
-    q_b's norm and GEMM, the decode kernel per chunk, o_proj, the RMSNorm."""
+def all_tokens_launches(cfg: Config, kind: str, chunks: int, merged: bool = False) -> int:
+    """Launches of :class:`AttentionAllTokens`: the norm and one GEMM per input projection (one
+    in all where ``merged``, :func:`merged_ag`), (MLA) q_b's norm and GEMM, the decode kernel
+    per chunk, o_proj, the RMSNorm."""
     if kind == "kda":
         return 2 + chunks + 2
-    return 1 + (2 if cfg.mla.output_gate else 1) + 2 + chunks + 2
+    return 1 + (2 if cfg.mla.output_gate and not merged else 1) + 2 + chunks + 2
 
 
 def attention_ref(cfg: Config, spec: LayerSpec, w, state, x_in, r_in, tokens: int):

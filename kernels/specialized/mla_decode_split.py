@@ -226,6 +226,11 @@ class MLASplitPlan:
     # 1 (opt-in, session 37): with head groups (the verify step), the splits from the wave
     # model of :meth:`wave_splits` instead of ``128 // (batch x groups)``; 0: the rule as before
     waves: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_WAVES", 0))
+    # row strides (elements) of ``a`` and ``g`` where they are column slices of one wider
+    # buffer (``DECODESCOPE_WIDE_AG``: one GEMM wrote both); 0: compact rows (``a_width``,
+    # ``heads * v_dim``). The kernel reads both element by element, so only the layout changes
+    lda: int = 0
+    ldg: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -259,6 +264,11 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_EARLYABS: 0 or 1, got {self.earlyabs}")
         if self.waves not in (0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_WAVES: 0 or 1, got {self.waves}")
+        for name, ld, width in (("a", self.lda, self.a_width), ("g", self.ldg,
+                                                               self.heads * self.v_dim)):  # fmt: skip
+            if ld and (ld < width or ld % 2):
+                raise ValueError(f"mla_decode_split: {name}'s row stride {ld} (width {width}, "
+                                 "even: 4-byte rows)")  # fmt: skip
         if self.tail == -1:  # auto: on only where it buys the extra split within one wave
             on = dataclasses.replace(self, tail=1).splits > dataclasses.replace(self, tail=0).splits
             object.__setattr__(self, "tail", int(on))
@@ -1342,10 +1352,17 @@ def plan_for(cfg, batch: int, tokens: int) -> MLASplitPlan:
 def _fake_args(p: MLASplitPlan):
     bf = torch.bfloat16
     M = p.m
+    gw = p.heads * p.v_dim
+
+    def rows(width: int, ld: int):
+        if ld in (0, width):
+            return itf.fake(bf, (M, width), align=4)
+        return itf.fake_strided(bf, (M, width), (ld, 1), align=4)
+
     return (
-        itf.fake(bf, (M, p.a_width), align=4),
+        rows(p.a_width, p.lda),
         itf.fake(bf, (M, p.heads * (p.nope + p.rope))),
-        itf.fake(bf, (M, p.heads * p.v_dim), align=4),
+        rows(gw, p.ldg),
         itf.fake(bf, (p.kv_lora,), align=4),
         itf.fake(bf, (p.heads, p.nope, p.kv_lora)),
         itf.fake(bf, (p.heads, p.kv_lora, p.v_dim)),
@@ -1445,7 +1462,14 @@ def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
         raise NotImplementedError(f"mla_decode_split: BF16 latent cache only, got {kv_cache.dtype}")
     if q.data_ptr() % 16:
         raise ValueError("mla_decode_split: q must be 16-byte aligned")
+    if a.stride(1) != 1 or g.stride(1) != 1:
+        raise ValueError(f"mla_decode_split: a and g need unit column strides, got "
+                         f"{tuple(a.stride())} and {tuple(g.stride())}")  # fmt: skip
     plan = plan_for(cfg, a.shape[0] // tokens, tokens)
+    lda = int(a.stride(0)) if a.stride(0) != plan.a_width else 0
+    ldg = int(g.stride(0)) if g.stride(0) != plan.heads * plan.v_dim else 0
+    if lda or ldg:  # column slices of one wider buffer (DECODESCOPE_WIDE_AG)
+        plan = dataclasses.replace(plan, lda=lda, ldg=ldg)
     fn = compile_plan(plan)
     ql, part, cnt, trace = workspace(plan, a.device)
     fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, ql, part, cnt, trace, out)

@@ -33,7 +33,8 @@ front is one cuBLAS GEMM over all rows into the FP32 ``y_front`` (:func:`.tile_g
 the ``tile`` front it zeroes nothing, the grouped route kernel zeroes ``acc``) and the back three
 launches over all rows: the latent RMSNorm of the FP32 sum (:mod:`.rmsnorm`), the up-projection
 (cuBLAS, FP32 out), the shared-expert add rounded once to BF16 (``torch.add``). With the
-grouped experts: 7 launches for any number of rows.
+grouped experts: 7 launches for any number of rows. ``DECODESCOPE_WIDE_BACK=addmm``
+(:func:`wide_back`): the back in two launches, 6 in all.
 
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
@@ -53,6 +54,7 @@ import torch
 from decodescope.kernels.config import Config
 from decodescope.kernels.specialized import back_mma as _bm
 from decodescope.kernels.specialized import back_tile as _bt
+from decodescope.kernels.specialized import env_knobs as _ek
 from decodescope.kernels.specialized import front_mma as _fm
 from decodescope.kernels.specialized import gemv_stream as _gs
 from decodescope.kernels.specialized import moe_experts as _me
@@ -72,6 +74,24 @@ OPS = (
 )
 # the front kernel with the post-attention (residual-add +) RMSNorm fused in
 OP_FRONT_NORM = "residual_norm+router+latent_down+shared_experts"
+
+WIDE_BACK_ENV = "DECODESCOPE_WIDE_BACK"
+WIDE_BACK = ("add", "addmm")
+
+
+def wide_back() -> str:
+    """The ``wide`` back's form (``DECODESCOPE_WIDE_BACK``, read at each call): ``add`` (the
+    default) three launches, the latent RMSNorm, cuBLAS with FP32 output, the shared add rounded
+    once (``bf16(y + shared)``); ``addmm`` two, the RMSNorm launch also rounding the shared
+    experts' FP32 sum into ``out`` (:attr:`.rmsnorm.NormPlan.side`), then one cuBLAS GEMM adding
+    into ``out`` in its epilogue (``bf16(acc + bf16(shared))``: the shared sum rounded first, as
+    vLLM adds its BF16 shared output)."""
+    return str(_ek.read(WIDE_BACK_ENV, WIDE_BACK, "add"))
+
+
+def wide_back_launches() -> int:
+    """Launches of the ``wide`` back (:func:`wide_back`)."""
+    return 2 if wide_back() == "addmm" else 3
 
 
 def _check_cfg(cfg: Config) -> None:
@@ -130,6 +150,7 @@ class SpecializedMoE:
         # front and back once over all N rows on cuBLAS (chunk is then moot)
         self.wide = bool(wide)
         if self.wide:
+            wide_back()  # a bad DECODESCOPE_WIDE_BACK fails here, not inside a step
             self.Nc = N
             self.y_up = torch.empty(N, H, dtype=F32, device=dev)  # the up-projection, FP32
 
@@ -300,6 +321,11 @@ class SpecializedMoE:
         over all rows."""
         if self.wide:
             with self._r(OPS[2]):
+                if wide_back() == "addmm":
+                    a = _tg.wide_norm(self.acc, self.latent_norm, eps=self.cfg.eps,
+                                      side=(self.shared_out, out))  # fmt: skip
+                    _tg.mm_add_(a, self.latent_up, out)
+                    return
                 a = _tg.wide_norm(self.acc, self.latent_norm, eps=self.cfg.eps)
                 _tg.mm_f32(a, self.latent_up, self.y_up)
                 add_round(self.y_up, self.shared_out, out)

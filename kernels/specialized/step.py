@@ -460,7 +460,7 @@ class Plan:
         out = {}
         for (lay, ops), s in zip(self.range_names().items(), self.specs, strict=True):
             if self.tokens_once:
-                out[lay] = tokens_once_launches(self.cfg, s, self.batch * self.tokens,
+                out[lay] = tokens_once_launches(self.cfg, s, self.batch, self.tokens,
                                                 self.decode_launches)  # fmt: skip
             elif once and s.mlp == "moe":
                 out[lay] = (len(ops) + n_chunks * attn_extra_launches(self.cfg, s, n)
@@ -515,19 +515,25 @@ WIDE_CUBLAS_OPS = frozenset({
 })  # fmt: skip
 
 
-def tokens_once_launches(cfg, spec, n_tokens: int, n_chunks: int) -> int:
-    """Launches of a layer whose token-parallel ops run once over all ``n_tokens``
-    (:func:`tokens_once`): the attention half (:func:`.attention_layers.all_tokens_launches`),
-    then for a MoE layer the cuBLAS front, the experts range, the back's norm, GEMM and add, for
-    a dense layer gate_up, the activation and down."""
-    from decodescope.kernels.specialized.attention_layers import all_tokens_launches
+def tokens_once_launches(cfg, spec, batch: int, tokens: int, n_chunks: int) -> int:
+    """Launches of a layer whose token-parallel ops run once over all ``batch x tokens`` rows
+    (:func:`tokens_once`), its decode kernel in ``n_chunks`` launches: the attention half
+    (:func:`.attention_layers.all_tokens_launches`; MLA's projections merged where
+    :func:`.attention_layers.merged_ag` says so),
+    then for a MoE layer the cuBLAS front, the experts range, the back's norm, GEMM and add (the
+    norm and GEMM with ``DECODESCOPE_WIDE_BACK=addmm``, :func:`.moe_block.wide_back`), for a
+    dense layer gate_up, the activation and down."""
+    from decodescope.kernels.specialized.attention_layers import all_tokens_launches, merged_ag
 
+    merged = spec.attn == "mla" and merged_ag(cfg, batch // n_chunks, tokens)
+    attn = all_tokens_launches(cfg, spec.attn, n_chunks, merged)
     if spec.mlp == "dense":
         from decodescope.kernels.specialized.dense_mlp import WIDE_OPS
 
-        return all_tokens_launches(cfg, spec.attn, n_chunks) + len(WIDE_OPS)
-    return all_tokens_launches(cfg, spec.attn, n_chunks) + 1 + 1 + moe_extra_launches(
-        cfg, n_tokens) + 3  # fmt: skip
+        return attn + len(WIDE_OPS)
+    from decodescope.kernels.specialized.moe_block import wide_back_launches
+
+    return attn + 1 + 1 + moe_extra_launches(cfg, batch * tokens) + wide_back_launches()
 
 
 def extra_launches(cfg, spec, n_tokens: int) -> int:
@@ -998,7 +1004,7 @@ class SpecializedModel:
         for s, a, d in zip(self.specs, self.attn, self.dense, strict=True):
             lay = f"layer.{s.index}:{s.kind}"
             if self.tokens_once:
-                out[lay] = tokens_once_launches(self.cfg, s, self.N,
+                out[lay] = tokens_once_launches(self.cfg, s, self.batch, self.T,
                                                 1 if self.decode_once else n)  # fmt: skip
                 continue
             if d is not None:

@@ -1320,16 +1320,9 @@ def norm_plan(p: TilePlan) -> rms.NormPlan:
 
 def _compile_norm(p: TilePlan):
     """:class:`.rmsnorm.RMSNorm` with the plan's input row stride (``q_a`` is a slice)."""
-    bf = torch.bfloat16
     np_ = norm_plan(p)
-    mn = (p.m, p.k) if p.add_residual else _PLACEHOLDER
-
-    def build():
-        x = itf.fake_strided(bf, (p.m, p.k), (p.ldx, 1))
-        return rms.RMSNorm(np_), (x, itf.fake(bf, mn), itf.fake(bf, mn), itf.fake(bf, (p.k,)),
-                                  itf.fake(bf, (p.m, p.k)), itf.env_stream())  # fmt: skip
-
-    return itf.compiled(("tile_gemm_norm", np_, p.ldx), build)
+    return itf.compiled(("tile_gemm_norm", np_, p.ldx),
+                        lambda: (rms.RMSNorm(np_), rms._fake_args(np_, p.ldx)))  # fmt: skip
 
 
 def compile_plan(p: TilePlan):
@@ -1395,7 +1388,7 @@ def norm_launch(p: TilePlan, x, norm_weight, residual=None, residual_out=None) -
     a = _norm_buffer(p, x.device)
     r = residual if residual is not None else ph
     ro = residual_out if residual is not None else ph
-    _compile_norm(p)(x, r, ro, norm_weight, a)
+    _compile_norm(p)(x, r, ro, norm_weight, a, *rms.no_side(x.device))
     return a
 
 
@@ -1609,6 +1602,12 @@ def _cublas_gemm(a, w, out, epilogue_residual=None) -> None:
         torch.addmm(epilogue_residual, a, w.t(), out=out)
 
 
+def mm_add_(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = bf16(a @ w^T + out)``: one cuBLAS GEMM adding into its BF16 output in the
+    epilogue (FP32 accumulation and sum, one rounding)."""
+    _cublas_gemm(a, w, out, out)
+
+
 def mm_f32(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     """``out [M, N] fp32 = a @ w^T`` from BF16 operands, FP32 accumulation, no BF16 rounding:
     one cuBLAS GEMM (``out_dtype``); on a CPU (tests), torch's FP32 matmul."""
@@ -1621,16 +1620,23 @@ def mm_f32(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 TILE_MAX_M = 64  # rows the tile, skinny and split-K kernels take (TilePlan)
 
 
-def wide_norm(x, norm_weight, residual=None, residual_out=None, eps=1e-5) -> torch.Tensor:
+def wide_norm(x, norm_weight, residual=None, residual_out=None, eps=1e-5,
+              side=None) -> torch.Tensor:  # fmt: skip
     """The RMSNorm launch of a projection over more than ``TILE_MAX_M`` rows
     (:func:`project_wide`): :mod:`.rmsnorm` on ``x``'s row stride (``q_a`` is a column slice),
-    into a cached ``[M, K]`` buffer (returned); ``residual_out = x + residual`` with a residual."""
+    into a cached ``[M, K]`` buffer (returned); ``residual_out = x + residual`` with a residual;
+    ``side = (fp32 in, bf16 out)``: the same launch rounds ``in`` into ``out`` (the MoE back's
+    shared sum, ``moe_block.wide_back``)."""
     m, k = int(x.shape[0]), int(x.shape[1])
     key = (m, k, str(x.device))
     a = _BUF.get(key)
     if a is None:
         a = _BUF[key] = torch.empty(m, k, dtype=torch.bfloat16, device=x.device)
-    rms.rmsnorm(x, norm_weight, a, eps, residual, residual_out)
+    if side is None:
+        rms.rmsnorm(x, norm_weight, a, eps, residual, residual_out)
+    else:
+        rms.rmsnorm(x, norm_weight, a, eps, residual, residual_out, side_in=side[0],
+                    side_out=side[1])  # fmt: skip
     return a
 
 

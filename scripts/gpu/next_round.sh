@@ -769,6 +769,32 @@ part51b=(
   "110:v8w2:$W51 $B51 --tp-shape 8 --json $R/v8w2.json"
   "110:v16d2:$B51 --tp-shape 16 --json $R/v16d2.json"
 )
+# Part 52 (session 38, staged; one H200, no vLLM parts): the verify steps past 64 tokens in
+# fewer launches, with part 51's wave-model splits in the same runs (they move other kernels:
+# the MLA decode, where these move the MoE back and MLA's first projection; ab_modes.py --ops
+# tells them apart). DECODESCOPE_WIDE_BACK=addmm: the MoE back in two launches;
+# DECODESCOPE_WIDE_AG=1: MLA's qkv_a and g_proj in one GEMM. 52a: the GPU tests of all three and
+# the whole step with all three; 52b-c: the A/B, default against all three, TP8 and TP16, twice.
+# Run 52a-c instead of 51a-b. Prediction: notes/specialized.md "Part 52".
+X52="DECODESCOPE_MLA_SPLIT_WAVES=1 DECODESCOPE_WIDE_BACK=addmm DECODESCOPE_WIDE_AG=1"
+B52="decodescope bench --backends specialized --layers kda,mla --batch 32,64 --spec-verify 7 --verify-only --out $R/ab"
+part52a=(
+  "130:wtest:$T49 tests/test_mla_split.py -k 'gpu_waves or gpu_strided_a_g'"
+  "170:btest:$T49 tests/test_wide_ops_gpu.py -k 'side_cast or wide_moe_block'"
+  "240:xsteps:$X52 python scripts/gpu_steps.py --tp 8 16 --points 32x8 64x8 --layers kda,mla --out $R/xsteps"
+)
+part52b=(
+  "110:v8d:$B52 --tp-shape 8 --json $R/v8d.json"
+  "110:v8x:$X52 $B52 --tp-shape 8 --json $R/v8x.json"
+  "110:v16d:$B52 --tp-shape 16 --json $R/v16d.json"
+  "110:v16x:$X52 $B52 --tp-shape 16 --json $R/v16x.json"
+)
+part52c=(
+  "110:v8x2:$X52 $B52 --tp-shape 8 --json $R/v8x2.json"
+  "110:v8d2:$B52 --tp-shape 8 --json $R/v8d2.json"
+  "110:v16x2:$X52 $B52 --tp-shape 16 --json $R/v16x2.json"
+  "110:v16d2:$B52 --tp-shape 16 --json $R/v16d2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -848,5 +874,8 @@ case "${1:-1}" in
   50b) exec bash "$here/run_stages.sh" "${part50b[@]}" ;;
   51a) exec bash "$here/run_stages.sh" "${part51a[@]}" ;;
   51b) exec bash "$here/run_stages.sh" "${part51b[@]}" ;;
-  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b, 50a-b or 51a-b, got '$1'" >&2; exit 2 ;;
+  52a) exec bash "$here/run_stages.sh" "${part52a[@]}" ;;
+  52b) exec bash "$here/run_stages.sh" "${part52b[@]}" ;;
+  52c) exec bash "$here/run_stages.sh" "${part52c[@]}" ;;
+  *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b, 50a-b, 51a-b or 52a-c, got '$1'" >&2; exit 2 ;;
 esac
