@@ -48,6 +48,7 @@ RUNS = pa.schema(
         ("notes", pa.string()),
         ("config_json", pa.string()),
         ("copy_bw_tbs", pa.float64()),
+        ("gemm_tflops", pa.float64()),  # BF16 GEMM rate beside the run (since session 38)
         ("layer_bytes", pa.map_(pa.string(), pa.int64())),
         ("dropped_records", pa.int64()),
         ("partial", pa.bool_()),
@@ -244,6 +245,7 @@ class RunMeta:
     notes: str | None = None
     config_json: str | None = None
     copy_bw_tbs: float | None = None
+    gemm_tflops: float | None = None
     layer_bytes: dict[str, int] | None = None
     dropped_records: int | None = None
     partial: bool | None = None

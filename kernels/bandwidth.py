@@ -1,6 +1,9 @@
-"""Device copy bandwidth, measured in the process that runs a workload (DESIGN.md section 7).
+"""Device copy bandwidth and BF16 GEMM rate, measured in the process that runs a workload
+(DESIGN.md section 7).
 
 The bytes floor of a layer is ``layer_bytes / copy_bw``; both are recorded in every run of ours.
+An op's compute floor is its tensor-core FLOPs over ``gemm_tflops`` (:mod:`.flops`), recorded
+beside the copy bandwidth since session 38.
 """
 
 from __future__ import annotations
@@ -37,3 +40,33 @@ def copy_bandwidth_tbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return moved / statistics.median(times) / 1e12
+
+
+def gemm_tflops(n: int = 8192, repeats: int = 20) -> float:
+    """Median BF16 GEMM rate in TFLOP/s: cuBLAS's ``[n, n] x [n, n]`` product (FP32
+    accumulation, ``2 n^3`` FLOPs) timed with CUDA events after a warm-up, in the process that
+    runs the workload, as the copy bandwidth is. The compute floor of an op is its tensor-core
+    FLOPs over this rate (:mod:`decodescope.kernels.flops`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the GEMM rate needs a CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(n, n, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", generator=g).to(torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.mm(a, b, out=c)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e-3)
+    del a, b, c
+    torch.cuda.empty_cache()
+    return 2 * n**3 / statistics.median(times) / 1e12

@@ -45,9 +45,12 @@ def rows(run, kinds: list[str] | None = None) -> list[dict]:
     for r in ops.to_pylist():
         if r["layer_kind"] is None or (kinds and r["layer_kind"] not in kinds):
             continue
-        out.append({"kind": r["layer_kind"], "block": r["block"], "op": r["op"],
-                    "kernels": r["kernels"], "share_us": r["share_us"], "bytes": r["bytes"],
-                    "floor_us": r["op_floor_us"], "over_us": r["share_over_floor_us"]})  # fmt: skip
+        row = {"kind": r["layer_kind"], "block": r["block"], "op": r["op"],
+               "kernels": r["kernels"], "share_us": r["share_us"], "bytes": r["bytes"],
+               "floor_us": r["op_floor_us"], "over_us": r["share_over_floor_us"]}  # fmt: skip
+        if "compute_floor_us" in r:  # the run measured its GEMM rate
+            row.update(flops=r["flops"], compute_floor_us=r["compute_floor_us"], bound=r["bound"])
+        out.append(row)
     return out
 
 
@@ -67,19 +70,29 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1))
         return 0
     m = run.meta
+    comp = bool(out) and "compute_floor_us" in out[0]
+    rate = f", GEMM {m.gemm_tflops:.0f} TFLOP/s" if comp else ""
     print(f"{m.run_id} ({m.gpu}, TP{m.tp_shape} shapes, batch {m.batch}x{m.tokens_per_seq}, "
-          f"copy {m.copy_bw_tbs:.2f} TB/s, commit {(m.git_commit or '?')[:7]})")  # fmt: skip
-    print("| kind | op | kernels | share us | MB | floor us | share - floor us |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          f"copy {m.copy_bw_tbs:.2f} TB/s{rate}, commit {(m.git_commit or '?')[:7]})")  # fmt: skip
+    extra = " GFLOP | compute floor us | bound |" if comp else ""
+    print(f"| kind | op | kernels | share us | MB | floor us | share - floor us |{extra}")
+    print("|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|---|" if comp else ""))
     for kind in dict.fromkeys(r["kind"] for r in out):
         rs = [r for r in out if r["kind"] == kind]
         for r in rs:
+            tail = (f" {r['flops'] / 1e9:.1f} | {r['compute_floor_us']:.1f} | {r['bound'] or '-'} |"
+                    if comp else "")  # fmt: skip
             print(f"| {kind} | {r['block']}.{r['op']} | {r['kernels']:.0f} | {r['share_us']:.1f} | "
-                  f"{r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['over_us']:+.1f} |")  # fmt: skip
+                  f"{r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['over_us']:+.1f} |{tail}")  # fmt: skip
         s = sum(r["share_us"] for r in rs)
         f = sum(r["floor_us"] for r in rs)
+        tail = ""
+        if comp:  # the ops' larger floors summed: what no kernel of theirs can beat
+            roof = sum(max(r["floor_us"], r["compute_floor_us"]) for r in rs)
+            tail = (f" {sum(r['flops'] for r in rs) / 1e9:.1f} | {roof:.1f} (the larger floor "
+                    "per op, summed) | |")  # fmt: skip
         print(f"| {kind} | (sum of the ops) | {sum(r['kernels'] for r in rs):.0f} | {s:.1f} | "
-              f"{sum(r['bytes'] for r in rs) / 1e6:.1f} | {f:.1f} | {s - f:+.1f} |")  # fmt: skip
+              f"{sum(r['bytes'] for r in rs) / 1e6:.1f} | {f:.1f} | {s - f:+.1f} |{tail}")  # fmt: skip
     return 0
 
 

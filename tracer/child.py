@@ -175,6 +175,9 @@ def run_workload(spec: dict[str, Any], session: cap.Session) -> dict[str, Any]:
         from decodescope.kernels.bandwidth import copy_bandwidth_tbs
 
         meta_extra["copy_bw_tbs"] = copy_bandwidth_tbs()
+        from decodescope.kernels.bandwidth import gemm_tflops
+
+        meta_extra["gemm_tflops"] = gemm_tflops()  # the compute floors' rate
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

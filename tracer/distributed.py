@@ -390,7 +390,7 @@ def merge_runs(runs: Sequence[Run], ranks: Sequence[int] | None = None) -> Run:
     rank (``ranks[i]``, default i), rows concatenated; the metadata of the lowest rank, with
     ``tp_world`` = its recorded tp_world (else the number of runs), ``partial`` if any was,
     dropped records summed, and per rank (gpu, run_id, partial, notes, copy_bw_tbs,
-    layer_bytes) in config_json["ranks"]."""
+    gemm_tflops, layer_bytes) in config_json["ranks"]."""
     if not runs:
         raise ValueError("merge_runs: no runs")
     ranks = list(range(len(runs))) if ranks is None else list(ranks)
@@ -414,6 +414,7 @@ def merge_runs(runs: Sequence[Run], ranks: Sequence[int] | None = None) -> Run:
             "partial": run.meta.partial,
             "notes": run.meta.notes,
             "copy_bw_tbs": run.meta.copy_bw_tbs,
+            "gemm_tflops": run.meta.gemm_tflops,
             "layer_bytes": run.meta.layer_bytes,
             "dropped_records": run.meta.dropped_records,
         }

@@ -36,6 +36,8 @@ HEADERS = {
     "share_efficiency": "share / floor",
     "op_floor_us": "bytes floor us",
     "share_over_floor_us": "share - floor us",
+    "compute_floor_us": "compute floor us",
+    "bound": "bound",
 }
 
 
@@ -178,6 +180,7 @@ def run_summary(run: Run) -> dict[str, Any]:
         "graph_mode": m.graph_mode,
         "gpu": m.gpu,
         "copy_bw_tbs": m.copy_bw_tbs,
+        "gemm_tflops": m.gemm_tflops,
         "git_commit": m.git_commit,
         "created_at": str(m.created_at) if m.created_at else None,
         "cuda": m.cuda,
@@ -300,19 +303,27 @@ def print_report(run: Run, *, top: int = 15) -> None:
                 )
             )  # fmt: skip
         floors = "op_floor_us" in data["ops"].column_names
+        compute = "compute_floor_us" in data["ops"].column_names
         console.print(
             arrow_table(
                 data["ops"],
                 "per op (per layer-step medians"
                 + ("; the bytes floor of the op's own part of the layer's bytes" if floors else "")
+                + ("; the compute floor of its tensor-core FLOPs at the GEMM rate measured beside "
+                   f"the run, {data['run']['gemm_tflops']:.0f} TFLOP/s" if compute else "")
                 + ")",
                 ["layer_kind", "block", "op", "layer_steps", "kernels", "span_us", "kernel_sum_us",
-                 "share_us", *(["op_floor_us", "share_over_floor_us"] if floors else [])],
+                 "share_us", *(["op_floor_us", "share_over_floor_us"] if floors else []),
+                 *(["compute_floor_us", "bound"] if compute else [])],
                 HEADERS,
             )
         )  # fmt: skip
         if data.get("op_floors"):
             console.print(f"[yellow]{data['op_floors']}[/]", soft_wrap=True)
+        elif floors and not compute:
+            console.print("[dim]this run recorded no GEMM rate (captured before decodescope "
+                          "measured one beside its copy bandwidth): the ops' compute floors are "
+                          "left out[/]", soft_wrap=True)  # fmt: skip
     console.print(
         arrow_table(
             data["kernels"],

@@ -774,12 +774,13 @@ part51b=(
 # the MLA decode, where these move the MoE back and MLA's first projection; ab_modes.py --ops
 # tells them apart). DECODESCOPE_WIDE_BACK=addmm: the MoE back in two launches;
 # DECODESCOPE_WIDE_AG=1: MLA's qkv_a and g_proj in one GEMM. 52a: the GPU tests of all three and
-# the whole step with all three; 52b-c: the A/B, default against all three, TP8 and TP16, twice.
+# the whole step with all three (and the GEMM rate that the runs record from now on, for the
+# ops' compute floors); 52b-c: the A/B, default against all three, TP8 and TP16, twice.
 # Run 52a-c instead of 51a-b. Prediction: notes/specialized.md "Part 52".
 X52="DECODESCOPE_MLA_SPLIT_WAVES=1 DECODESCOPE_WIDE_BACK=addmm DECODESCOPE_WIDE_AG=1"
 B52="decodescope bench --backends specialized --layers kda,mla --batch 32,64 --spec-verify 7 --verify-only --out $R/ab"
 part52a=(
-  "130:wtest:$T49 tests/test_mla_split.py -k 'gpu_waves or gpu_strided_a_g'"
+  "130:wtest:$T49 tests/test_mla_split.py -k 'gpu_waves or gpu_strided_a_g' tests/test_flops.py"
   "170:btest:$T49 tests/test_wide_ops_gpu.py -k 'side_cast or wide_moe_block'"
   "240:xsteps:$X52 python scripts/gpu_steps.py --tp 8 16 --points 32x8 64x8 --layers kda,mla --out $R/xsteps"
 )
