@@ -438,3 +438,70 @@ def test_charts_of_a_trace_without_layers_say_why(monkeypatch):
     no_exception(at)
     assert any("no per-layer or per-op charts" in t for t in texts(at.info))
     assert not at.get("plotly_chart")
+
+
+def test_history_draws_one_setup_at_a_time_in_run_order(monkeypatch):
+    """The committed H200 dataset holds runs of many setups (TP8/TP16, batch 1-64, 1 or 8 tokens
+    per sequence): the history draws those of one setup (A's by default), the setups offered in
+    numeric order, and says how many runs it left out; along commits, the commits are in the
+    order of the runs (they were sorted as text: a line jumping between batch 1 and batch 64
+    runs, commits in hash order)."""
+    import json
+
+    at = run_app(monkeypatch)
+    open_view(at, "History")
+    no_exception(at)
+    assert not at.error, texts(at.error)
+    setup = at.selectbox(key="h-setup")
+    assert setup.value == ("kimi-k3", "NVIDIA H200", 8, 1, 1, 1)  # A's: TP8 batch 1
+    labels = setup.options
+    tp8 = [o for o in labels if "· TP8 · batch" in o and "tp_world" not in o]
+    assert tp8[:4] == [f"kimi-k3 · NVIDIA H200 · TP8 · batch {b}" for b in (1, 8, 32, 64)], tp8
+    assert labels.index(tp8[0]) < labels.index("kimi-k3 · NVIDIA H200 · TP16 · batch 1")
+    total = len(dashboard.expand(str(dashboard.RESULTS_DATA))[0])
+    note = next(t for t in texts(at.caption) if "are of this setup" in t)
+    shown = int(note.split()[0])
+    assert f"of the {total} runs" in note and f"other {total - shown} (other setups)" in note
+    points = at.dataframe[-1].value
+    assert set(points["setup"]) == {"kimi-k3 · NVIDIA H200 · TP8 · batch 1"}
+    assert points["run_id"].nunique() == shown
+    at.selectbox(key="h-x").set_value("git_commit").run()
+    no_exception(at)
+    spec = json.loads(at.get("plotly_chart")[0].proto.spec)
+    runs = sorted(
+        (tracer.load(f"{dashboard.RESULTS_DATA}@{r}") for r in set(points["run_id"])),
+        key=lambda r: str(r.meta.created_at),
+    )
+    commits = list(dict.fromkeys(r.meta.git_commit or "" for r in runs))
+    assert spec["layout"]["xaxis"]["categoryarray"] == commits
+    assert spec["layout"]["xaxis"]["title"]["text"] == "git commit (in run order)"
+    # another setup: its runs only
+    at.selectbox(key="h-setup").set_value(("kimi-k3", "NVIDIA H200", 16, 1, 64, 1)).run()
+    no_exception(at)
+    assert set(at.dataframe[-1].value["setup"]) == {"kimi-k3 · NVIDIA H200 · TP16 · batch 64"}
+
+
+def test_history_of_a_dataset_with_a_run_without_layers(monkeypatch, tmp_path):
+    """A results dataset of real imported traces where one run has no layer ranges (the nsys
+    RTX 3080 export, relabelled into the H100 run's setup): the history leaves it out and says
+    so (the page showed 'ArrowInvalid: Schema at index 2 was different')."""
+    from datetime import UTC, datetime
+
+    from decodescope.tracer import dataset
+
+    h100 = tracer.read_run(H100)
+    nsys = tracer.load(TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite")
+    for i, (run, rid) in enumerate(((h100, "first"), (nsys, "nolayers"), (h100, "again"))):
+        meta = run.meta.replace(
+            run_id=rid, created_at=datetime(2026, 11, 1 + i, tzinfo=UTC), gpu=h100.meta.gpu,
+            preset=None, batch=None, tokens_per_seq=None, tp_shape=None, tp_world=None,
+        )  # fmt: skip
+        dataset.append_run(run.replace(meta=meta), tmp_path / "results")
+    at = run_app(monkeypatch, tmp_path / "results")
+    open_view(at, "History")
+    no_exception(at)
+    assert not at.error, texts(at.error)
+    assert any("1 run(s) of this setup are left out" in t and "nolayers" in t
+               for t in texts(at.caption)), texts(at.caption)  # fmt: skip
+    assert set(at.dataframe[-1].value["run_id"]) == {"first", "again"}
+    assert at.get("plotly_chart")

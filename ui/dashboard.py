@@ -720,48 +720,111 @@ def view_kernels(sa: Tables, sb: Tables, labels, single: bool) -> None:
     downloads("kernels", pa.Table.from_pandas(df, preserve_index=False), "dl-kernels")
 
 
+SETUP_KEYS = ("preset", "gpu", "tp_shape", "tp_world", "batch", "tokens_per_seq")
+
+
+def setup_of(run: Run) -> tuple:
+    """The step a run measured (``SETUP_KEYS``): the runs of one history line share it."""
+    return tuple(getattr(run.meta, k) for k in SETUP_KEYS)
+
+
+def setup_sort_key(setup: tuple) -> tuple:
+    """Setups in numeric order, as the README's table: one GPU before two, TP8 before TP16, one
+    token per sequence before the verify steps, batch 8 before 32; unknowns last."""
+    preset, gpu, tp_shape, tp_world, batch, tps = setup
+    key = (preset, gpu, tp_world or 1, tp_shape, tps or 1, batch)
+    return tuple((v is None, v if isinstance(v, int | float) else str(v)) for v in key)
+
+
+def setup_label(setup: tuple) -> str:
+    """``kimi-k3 · NVIDIA H200 · TP8 · batch 1x8`` (tp_world where above 1)."""
+    preset, gpu, tp_shape, tp_world, batch, tps = setup
+    tps = tps or 1
+    bits = [
+        preset,
+        gpu,
+        f"TP{tp_shape}" if tp_shape else None,
+        f"tp_world {tp_world}" if (tp_world or 1) > 1 else None,
+        None if batch is None else (f"batch {batch}x{tps}" if tps > 1 else f"batch {batch}"),
+    ]
+    return " · ".join(str(b) for b in bits if b) or "(setup not recorded)"
+
+
 @st.cache_data(show_spinner=False)
-def history_points(paths: tuple[tuple[str, float], ...]) -> pa.Table:
-    """One row per (run, layer kind) of a dataset: the run's metadata and its kind_table row."""
-    parts = []
+def history_points(paths: tuple[tuple[str, float], ...]) -> tuple[pa.Table, list[str]]:
+    """One row per (run, layer kind) of a dataset: the run's metadata and its kind_table row;
+    and the ids of the runs left out (no kernel attributed to a layer: no row to draw)."""
+    parts, left_out = [], []
     for path, stamp in paths:
         run = load_run(path, stamp)
         kt = metrics.kind_table(run.kernels)
         n = kt.num_rows
         m = run.meta
+        if n == 0:
+            left_out.append(m.run_id)
+            continue
         created = m.created_at.isoformat() if m.created_at else None
         meta_cols = {
             "run_id": [m.run_id] * n,
             "created_at": [created] * n,
             "git_commit": [m.git_commit or ""] * n,
             "backend": [m.backend or m.source] * n,
-            "setup": [" ".join(str(x) for x in (m.workload, m.preset, m.gpu) if x)] * n,
+            "setup": [setup_label(setup_of(run))] * n,
         }
         parts.append(pa.table({**meta_cols, **{c: kt[c] for c in kt.column_names}}))
-    return pa.concat_tables(parts) if parts else pa.table({})
+    points = pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
+    return points, left_out
 
 
 def vars_of(run: Run) -> dict[str, Any]:
     return dataclasses.asdict(run.meta)
 
 
-def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
+def view_history(entries: list[Entry], runs: dict[Entry, Run], run_a: Run | None = None) -> None:
     origins = list(dict.fromkeys(e.origin for e in entries))
     origin = st.selectbox("Results dataset", origins, key="h-origin")
     members = [e for e in entries if e.origin == origin and e in runs]
     if len(members) < 2:
         st.info(f"{origin} holds {len(members)} run(s): a history needs two or more.")
         return
-    points = history_points(tuple((e.path, _stamp(e.path)) for e in members))
+    # one setup at a time: a line through batch 1, then batch 64, then TP16 runs is no history
+    setups = sorted({setup_of(runs[e]) for e in members}, key=setup_sort_key)
+    want = setup_of(run_a) if run_a is not None else None
+    setup = st.selectbox(
+        "Setup",
+        setups,
+        index=setups.index(want) if want in setups else 0,
+        format_func=setup_label,
+        key="h-setup",
+        help="the step the runs measured (preset, GPU, TP shape, tp_world, batch x tokens per "
+        "sequence); the history draws the runs of one setup, one line per backend and layer kind",
+    )
+    shown = [e for e in members if setup_of(runs[e]) == setup]
+    points, no_layers = history_points(tuple((e.path, _stamp(e.path)) for e in shown))
+    notes = []
+    if len(shown) < len(members):
+        notes.append(
+            f"{len(shown)} of the {len(members)} runs of {origin} are of this setup; the "
+            f"other {len(members) - len(shown)} (other setups) are left out: pick their setup "
+            "above."
+        )
+    if no_layers:
+        notes.append(
+            f"{len(no_layers)} run(s) of this setup are left out: no kernel attributed to a "
+            f"layer ({', '.join(no_layers[:5])}{', ...' if len(no_layers) > 5 else ''})."
+        )
+    for note in notes:
+        st.caption(note)
     if points.num_rows == 0:
-        st.warning("No run of this dataset has kernels attributed to a layer: no history to draw.")
+        st.warning("No run of this setup has kernels attributed to a layer: no history to draw.")
         return
     c1, c2, c3, c4, c5 = st.columns(5)
     metric = c1.selectbox(
         "Metric", list(figures.METRICS), index=1, format_func=figures.METRICS.get, key="h-metric"
     )
     x = c2.selectbox("Along", ["created_at", "git_commit"], key="h-x")
-    by_id = {runs[e].run_id: runs[e] for e in members}
+    drawn = set(points["run_id"].to_pylist())
+    by_id = {runs[e].run_id: runs[e] for e in shown if runs[e].run_id in drawn}
     ordered = sorted(by_id, key=lambda r: str(by_id[r].meta.created_at))
     baseline = c3.selectbox(
         "Baseline", ordered, key="h-base", format_func=lambda r: run_label(by_id[r])
@@ -774,7 +837,7 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
         help="the time figure the regression check judges beside the kernel count, as "
         "`decodescope check --metric`: span, the layer's share of the step, or both",
     )
-    regressed, reasons = [], {}
+    regressed, reasons, unchecked, checked = [], {}, {}, 0
     base = by_id[baseline]
     for rid, run in by_id.items():
         if rid == baseline or not same_setup(vars_of(run), vars_of(base)):
@@ -782,8 +845,9 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
         try:
             res = regress.check(run, base, pct, metrics=(*regress.TIME_METRICS[judged], "kernels"))
         except ValueError as e:
-            reasons[rid] = [str(e)]
+            unchecked[rid] = str(e)
             continue
+        checked += 1
         if not res.ok:
             regressed.append(rid)
             reasons[rid] = res.reasons
@@ -796,8 +860,10 @@ def view_history(entries: list[Entry], runs: dict[Entry, Run]) -> None:
     else:
         st.success(
             f"No run of the baseline's setup ({', '.join(BASELINE_KEYS)}) regressed beyond "
-            f"+{pct:g}%."
+            f"+{pct:g}% ({checked} run(s) checked)."
         )
+    for rid, why in unchecked.items():  # a run the check could not judge is said, not dropped
+        st.warning(f"`{rid}` could not be checked against the baseline: {why}")
     _show(points)
     downloads("history", points, "dl-history")
 
@@ -940,7 +1006,7 @@ def page() -> None:
         "Charts": lambda: view_charts(sa, sb, pair, labels, single),
         "Timeline": lambda: view_timeline(run_a, run_b, rank, labels, single),
         "Kernels": lambda: view_kernels(sa, sb, labels, single),
-        "History": lambda: view_history(entries, runs),
+        "History": lambda: view_history(entries, runs, run_a),
         "Run metadata": lambda: view_metadata(run_a, run_b, labels, single),
     }
     for name, tab in zip(VIEWS, tabs, strict=True):

@@ -499,7 +499,9 @@ def history(
     df = frame(points)
     if df.empty or metric not in df:
         return _empty("no history: the dataset holds no runs with this metric")
-    df = df.sort_values(x)
+    # in time order whatever the x axis: commit hashes sorted as text are in no order at all
+    order = [c for c in ("created_at", "run_id") if c in df]
+    df = df.sort_values(order or x, kind="stable")
     fig = go.Figure()
     regressed = set(regressions)
     keys = [k for k in ("setup", "backend", "layer_kind") if k in df]
@@ -550,8 +552,15 @@ def history(
         height=420,
         margin=dict(t=30, b=40, l=60, r=20),
         yaxis_title=METRICS.get(metric, metric),
-        xaxis_title=x,
+        xaxis_title={
+            "created_at": "run created",
+            "git_commit": "git commit (in run order)",
+        }.get(x, x),
     )
+    if x != "created_at":  # categories in the order of the runs, not of first trace
+        fig.update_xaxes(
+            type="category", categoryorder="array", categoryarray=list(dict.fromkeys(df[x]))
+        )
     return fig
 
 
