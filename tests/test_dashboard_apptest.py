@@ -505,3 +505,59 @@ def test_history_of_a_dataset_with_a_run_without_layers(monkeypatch, tmp_path):
                for t in texts(at.caption)), texts(at.caption)  # fmt: skip
     assert set(at.dataframe[-1].value["run_id"]) == {"first", "again"}
     assert at.get("plotly_chart")
+
+
+def _spec(at: AppTest, i: int = 0) -> dict:
+    import json
+
+    return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+def _axis_titles(spec: dict) -> dict[str, str | None]:
+    lay = spec["layout"]
+    return {k: (v.get("title") or {}).get("text") for k, v in lay.items() if "axis" in k}
+
+
+def test_chart_legends_name_the_paths_and_axes_carry_units(monkeypatch):
+    """The default view (committed H200 runs, standard vs specialized): every chart's legend
+    says which path each side is ("A: standard", "B: specialized", not a bare A / B) and every
+    value axis is titled with its unit."""
+    at = run_app(monkeypatch)
+    open_view(at, "Charts")
+    no_exception(at)
+    bars, ops = _spec(at, 0), _spec(at, 1)
+    assert {t["name"] for t in bars["data"]} == {"A: standard", "B: specialized"}
+    assert _axis_titles(bars) == {
+        "xaxis": None,  # shared with the row below, which carries the title
+        "yaxis": "kernels",
+        "xaxis2": "layer (kind, index)",
+        "yaxis2": "span (us)",
+    }
+    assert _axis_titles(ops) == {"xaxis": "layer kind · run", "yaxis": "share of the step (us)"}
+    sides = {t["x"][1][0] for t in ops["data"]}  # (layer kind, run) categories
+    assert sides == {"A: standard", "B: specialized"}
+    open_view(at, "Timeline")
+    no_exception(at)
+    tl = _spec(at)
+    assert [t["name"] for t in tl["data"]] == ["A: standard", "B: specialized"]
+    assert _axis_titles(tl) == {
+        "xaxis": "us from the layer's first kernel start",
+        "yaxis": "run · CUDA stream",
+    }
+
+
+def test_a_side_without_layers_is_said_in_charts_and_timeline(monkeypatch):
+    """A: the real H100 Kineto trace (24 layers); B: the real nsys RTX 3080 export (no layer
+    ranges). The charts and the timeline draw A alone and say that B is left out and why; the bundled H100 run names its workload, its backend being "other"
+    (before, B was silently missing)."""
+    rtx = TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite"
+    at = run_app(monkeypatch, H100, rtx)
+    open_view(at, "Charts")
+    no_exception(at)
+    assert any(t.startswith("B: nsys has no kernel attributed to a layer: it is left out")
+               for t in texts(at.info)), texts(at.info)  # fmt: skip
+    assert {t["name"] for t in _spec(at)["data"]} == {"A: hf-qwen1.5-0.5b-chat eager"}
+    open_view(at, "Timeline")
+    no_exception(at)
+    assert any(t.startswith("B: nsys: no kernel in layer 0 in no step") for t in texts(at.info))
+    assert [t["name"] for t in _spec(at)["data"]] == ["A: hf-qwen1.5-0.5b-chat eager"]

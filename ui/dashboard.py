@@ -322,6 +322,14 @@ def run_label(run: Run) -> str:
     return f"{text} [{m.run_id}]"
 
 
+def path_name(run: Run) -> str:
+    """What a side is in a chart's legend: its backend (standard / specialized), else the tool
+    that recorded it (kineto, nsys); a workload named at import where the backend is "other"."""
+    m = run.meta
+    backend = m.backend if m.backend != "other" else None
+    return backend or m.workload or m.source or "run"
+
+
 # what A (standard) and B (specialized) should share; the two backends are different workloads
 PAIR_KEYS = ("preset", "batch", "tokens_per_seq", "tp_shape", "tp_world", "gpu")
 
@@ -582,6 +590,13 @@ def view_charts(
         )
         view_ranks([sa] if single else [sa, sb], labels)
         return
+    if not single:
+        for label, side in zip(labels, (sa, sb), strict=True):
+            if side["layers"].num_rows == 0:  # drawn without it: say so
+                st.info(
+                    f"{label} has no kernel attributed to a layer: it is left out of the per-layer "
+                    "and per-op charts (the Kernels tab lists its kernels)."
+                )
     fig = figures.layer_bars(sa["layers"], None if single else sb["layers"], labels)
     chart(fig, "layer_bars", "fig-layers")
     metric = st.radio(
@@ -666,8 +681,12 @@ def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool
     name = "step" if chosen is None else f"layer{chosen}"
     chart(fig, f"timeline_{name}_step{step}", "fig-timeline")
     picked = [(labels[0], ka, step)] + ([] if single else [(labels[1], kb, step_b)])
+    where = "the step" if chosen is None else f"layer {chosen}"
     for label, k, s in picked:  # what the bars add up to (analysis.timeline, as the CLI's)
         m = tl.summary(tl.layer_timeline(k, chosen, s))
+        if not m["kernels"]:  # a side with nothing to draw is said, not silently missing
+            at = "in no step" if s is None else f"in step {s}"
+            st.info(f"{label}: no kernel in {where} {at}: nothing of it to draw.")
         if m["kernels"]:
             st.caption(
                 f"{label}: {m['kernels']} kernels, span {m['span_us']:.1f} us, busy "
@@ -955,6 +974,8 @@ def page() -> None:
         st.sidebar.caption(f"Bundled default data: {', '.join(str(p) for p in DEFAULT_DATA)}")
 
     labels = ("A", "B")
+    # the charts' legends say which path each side is: "A: standard", "B: specialized"
+    named = tuple(f"{lab}: {path_name(r)}" for lab, r in zip(labels, (run_a, run_b), strict=True))
     st.caption(f"**A**: {run_label(run_a)}  \n**B**: {run_label(run_b)}")
     if single:
         st.info("A and B are the same run: pick another run for B to compare, or upload one.")
@@ -1003,8 +1024,8 @@ def page() -> None:
             view_side_by_side(pair, labels, single),
             view_floor(sa, sb, run_a, run_b, labels, single),
         ),
-        "Charts": lambda: view_charts(sa, sb, pair, labels, single),
-        "Timeline": lambda: view_timeline(run_a, run_b, rank, labels, single),
+        "Charts": lambda: view_charts(sa, sb, pair, named, single),
+        "Timeline": lambda: view_timeline(run_a, run_b, rank, named, single),
         "Kernels": lambda: view_kernels(sa, sb, labels, single),
         "History": lambda: view_history(entries, runs, run_a),
         "Run metadata": lambda: view_metadata(run_a, run_b, labels, single),

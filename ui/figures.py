@@ -210,10 +210,13 @@ def layer_bars(
                 row=row,
                 col=1,
             )
+    for row, metric in enumerate(metrics, start=1):
+        fig.update_yaxes(title_text=METRICS.get(metric, metric), row=row, col=1)
+    fig.update_xaxes(title_text="layer (kind, index)", row=len(metrics), col=1)
     fig.update_layout(
         barmode="group",
-        height=260 * len(metrics) + 60,
-        margin=dict(t=40, b=40, l=60, r=20),
+        height=260 * len(metrics) + 80,
+        margin=dict(t=40, b=60, l=70, r=20),
         legend=dict(orientation="h", y=1.06, x=0),
     )
     return fig
@@ -270,6 +273,10 @@ def rank_spans(
                 ),
                 row=2, col=1,
             )  # fmt: skip
+    fig.update_yaxes(title_text="span (us)", row=1, col=1)
+    if rows == 2:
+        fig.update_yaxes(title_text="skew (us)", row=2, col=1)
+    fig.update_xaxes(title_text="layer (kind, index)", row=rows, col=1)
     fig.update_layout(
         barmode="group",
         height=300 * rows + 60,
@@ -377,6 +384,7 @@ def op_stack(
         height=520,
         margin=dict(t=30, b=40, l=60, r=20),
         yaxis_title=METRICS.get(metric, metric),
+        xaxis_title="layer kind · run" if len(kinds) > 1 else "run",
         legend=dict(font=dict(size=10), traceorder="normal"),
     )
     if len(kinds) > 1:
@@ -474,7 +482,9 @@ def timeline(
         height=140 + 50 * len(lanes),
         margin=dict(t=30, b=40, l=140, r=20),
         xaxis_title=f"us from the {'step' if layer is None else 'layer'}'s first kernel start",
-        yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
+        yaxis=dict(
+            categoryorder="array", categoryarray=list(reversed(lanes)), title="run · CUDA stream"
+        ),
         legend=dict(orientation="h", y=1.08, x=0),
     )
     return fig
