@@ -561,3 +561,30 @@ def test_a_side_without_layers_is_said_in_charts_and_timeline(monkeypatch):
     no_exception(at)
     assert any(t.startswith("B: nsys: no kernel in layer 0 in no step") for t in texts(at.info))
     assert [t["name"] for t in _spec(at)["data"]] == ["A: hf-qwen1.5-0.5b-chat eager"]
+
+
+def test_a_folder_that_is_not_a_run_says_what_it_is(monkeypatch, tmp_path):
+    """A folder that holds no run is one line naming it and what it is: not a run folder
+    (it said 'empty dataset' for any folder), a folder of traces (name them one by one), a
+    dataset whose runs/ holds no partition; the good source beside them still renders."""
+    import shutil
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    shutil.copy(TRACES / "README.md", other / "README.md")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    shutil.copy(TRACES / "nsys_rtx3080_tiny_full_schema3.24__nsys-ai_mock.sqlite", traces)
+    empty_ds = tmp_path / "ds"
+    (empty_ds / "runs").mkdir(parents=True)
+    at = run_app(monkeypatch, other, traces, empty_ds, H100)
+    no_exception(at)
+    errors = texts(at.error)
+    assert errors == [
+        f"{other}: not a decodescope run folder or results dataset (no runs.parquet, no runs/ "
+        "partitions, no run folders in it)",
+        f"{traces}: not a run folder or results dataset: name its traces one by one (it holds "
+        "1 .json / .json.gz / .sqlite file(s))",
+        f"{empty_ds}: empty dataset: it holds no runs (no partitions under runs/)",
+    ], errors
+    assert texts(at.subheader)  # the good run still renders

@@ -126,8 +126,34 @@ def expand(source: str) -> tuple[list[Entry], list[str]]:
     found = sorted(d.parent for d in p.rglob(tracer.store.RUN_FILES["runs"]))
     found = [d for d in found if tracer.store.is_run_dir(d)]
     if not found:
-        return [], [f"{source}: empty dataset: no runs in it (no runs/ partitions, no run folders)"]
+        return [], [not_a_source(p)]
     return [Entry(source, str(d)) for d in found], []
+
+
+TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite")
+
+
+def not_a_source(p: Path) -> str:
+    """The one line for a folder that holds no run: empty, a results dataset without runs, or
+    a folder of something else (traces in it: each is a source of its own, named one by one)."""
+    if (p / "runs").is_dir():
+        return f"{p}: empty dataset: it holds no runs (no partitions under runs/)"
+    try:
+        inside = list(p.iterdir())
+    except OSError as e:
+        return f"{p}: cannot be read ({e.strerror or e})"
+    if not inside:
+        return f"{p}: empty dataset: the folder is empty (no runs/ partitions, no run folders)"
+    traces = [f for f in p.rglob("*") if f.name.endswith(TRACE_SUFFIXES)]
+    if traces:
+        return (
+            f"{p}: not a run folder or results dataset: name its traces one by one (it holds "
+            f"{len(traces)} .json / .json.gz / .sqlite file(s))"
+        )
+    return (
+        f"{p}: not a decodescope run folder or results dataset (no runs.parquet, no runs/ "
+        "partitions, no run folders in it)"
+    )
 
 
 # a folder's stamp, reused for STAMP_TTL_S: one page run asks for it once per run of a dataset
