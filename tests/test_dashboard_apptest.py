@@ -588,3 +588,20 @@ def test_a_folder_that_is_not_a_run_says_what_it_is(monkeypatch, tmp_path):
         f"{empty_ds}: empty dataset: it holds no runs (no partitions under runs/)",
     ], errors
     assert texts(at.subheader)  # the good run still renders
+
+
+def test_timeline_opens_on_the_median_step_with_the_cli_sums(monkeypatch):
+    """The default pair's Timeline opens where `decodescope timeline` does (the layer's median
+    step, step 14 of 30; it opened on step 0, whose span differs) and its sums are the CLI's
+    (analysis.timeline)."""
+    from decodescope.analysis import timeline as tl
+
+    at = run_app(monkeypatch)
+    open_view(at, "Timeline")
+    no_exception(at)
+    a = tracer.load(f"{dashboard.RESULTS_DATA}@standard-20261204T031349")
+    step = tl.median_step(a.kernels, 0)
+    assert at.selectbox(key="tl-step").value == step == 14
+    want = tl.summary(tl.layer_timeline(a.kernels, 0, step))
+    cap = next(t for t in texts(at.caption) if t.startswith("A: standard: "))
+    assert f"{want['kernels']} kernels, span {want['span_us']:.1f} us" in cap, cap

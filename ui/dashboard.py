@@ -666,6 +666,7 @@ def _choices(values: list[Any]) -> list[Any]:
 
 
 WHOLE_STEP = "(whole step)"
+STEP_HELP = "default: the median step, as `decodescope timeline`"
 
 
 def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool) -> None:
@@ -685,13 +686,25 @@ def view_timeline(run_a: Run, run_b: Run, rank: int | None, labels, single: bool
     for k in sides:
         sel = k if chosen is None else k.filter(pc.equal(k["layer"], chosen))
         steps_of.append(sorted(s for s in set(sel["step"].to_pylist()) if s is not None) or [None])
+
+    # by default the median step, as `decodescope timeline` (a typical replay, not the first;
+    # tl.median_step's choice: the lower one of an even count)
+    def mid(steps: list) -> int:
+        return (len(steps) - 1) // 2
+
     if len(steps_of) == 1 or steps_of[0] == steps_of[1]:
-        step = c2.selectbox("Step", steps_of[0], key="tl-step")
+        step = c2.selectbox(
+            "Step", steps_of[0], index=mid(steps_of[0]), key="tl-step", help=STEP_HELP
+        )
         step_b = step
     else:  # the runs number their steps differently (imported traces): one step each
         c2a, c2b = c2.columns(2)
-        step = c2a.selectbox("Step of A", steps_of[0], key="tl-step")
-        step_b = c2b.selectbox("Step of B", steps_of[1], key="tl-step-b")
+        step = c2a.selectbox(
+            "Step of A", steps_of[0], index=mid(steps_of[0]), key="tl-step", help=STEP_HELP
+        )
+        step_b = c2b.selectbox(
+            "Step of B", steps_of[1], index=mid(steps_of[1]), key="tl-step-b", help=STEP_HELP
+        )
     if chosen is None:
         n = max(len(layer_rows(k, s)) for k, s in zip(sides, (step, step_b), strict=False))
         if n > 3000:
