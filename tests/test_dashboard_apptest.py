@@ -605,3 +605,25 @@ def test_timeline_opens_on_the_median_step_with_the_cli_sums(monkeypatch):
     want = tl.summary(tl.layer_timeline(a.kernels, 0, step))
     cap = next(t for t in texts(at.caption) if t.startswith("A: standard: "))
     assert f"{want['kernels']} kernels, span {want['span_us']:.1f} us" in cap, cap
+
+
+def test_op_floors_show_compute_floors_where_the_run_measured_a_gemm_rate(monkeypatch, tmp_path):
+    """The per-op floor table: a run with its GEMM rate (set here on the real TP8 64x8 H200
+    run, 700 TFLOP/s: a synthetic rate, the run's kernels are its own) gets each op's FLOPs,
+    compute floor and bound; the standard run beside it, which recorded none, the same columns
+    empty; the caption names the rate."""
+    spec = tracer.load("results@specialized-20261204T182339-6e2c05")
+    spec = spec.replace(meta=spec.meta.replace(gemm_tflops=700.0))
+    tracer.write_run(spec, tmp_path / "spec")
+    tracer.write_run(tracer.load("results@standard-20261204T182332-6d8a10"), tmp_path / "std")
+    at = run_app(monkeypatch, tmp_path / "std", tmp_path / "spec")  # "Side by side" opens first
+    no_exception(at)
+    tables = [d.value for d in at.dataframe if "compute_floor_us" in d.value.columns]
+    assert tables, "no op-floor table with compute floors"
+    t = tables[-1]
+    b = t[t["run"] == "B"]
+    back = b[(b["layer_kind"] == "mla") & (b["op"] == "latent_norm+latent_up+add")].iloc[0]
+    assert back["bound"] == "compute"
+    assert back["compute_floor_us"] == pytest.approx(2 * 512 * 3584 * 7168 / 700e6)
+    assert t[t["run"] == "A"]["compute_floor_us"].isna().all()
+    assert any("700 TFLOP/s" in c for c in texts(at.caption))

@@ -571,8 +571,9 @@ def view_op_floors(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, singl
     """Each op's share beside the floor of its own part of the layer's bytes, for runs of
     decodescope's own workloads (``decodescope report``'s op table:
     :func:`decodescope.ui.op_floors.op_floors`)."""
-    parts, notes = [], []
+    parts, notes, rated = [], [], []
     sides = [(labels[0], sa, run_a)] + ([] if single else [(labels[1], sb, run_b)])
+    compute = ["flops", "compute_floor_us", "bound"]  # where the run measured its GEMM rate
     for lab, tables, run in sides:
         ops, why = op_floors(run, tables["ops"])
         if why:
@@ -581,18 +582,30 @@ def view_op_floors(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, singl
             continue
         t = ops.select(["layer_kind", "block", "op", "kernels", "share_us", "bytes",
                         "op_floor_us", "share_over_floor_us"])  # fmt: skip
+        if "compute_floor_us" in ops.column_names:
+            rated.append(f"{lab} {run.meta.gemm_tflops:.0f} TFLOP/s")
+            for c in compute:
+                t = t.append_column(c, ops[c])
+        else:  # the same columns, empty: this run recorded no GEMM rate
+            for c, typ in zip(compute, (pa.int64(), pa.float64(), pa.string()), strict=True):
+                t = t.append_column(c, pa.nulls(t.num_rows, typ))
         parts.append(t.add_column(0, "run", pa.array([lab] * t.num_rows, pa.string())))
     for n in notes:
         st.caption(n)
     if not parts:
         return
     table = pa.concat_tables(parts)
+    if not rated:
+        table = table.drop_columns(compute)
     with st.expander("Per op: share against the bytes floor of the op's own part of the layer"):
         st.caption(
             "An op's bytes are its part of the layer's floor (weights, state, cache; the routed "
             "experts the run's routing selected); share - floor above zero is time the bytes do "
             "not explain (latency, hand-offs), below zero an op that streamed before its wait."
-        )
+            + (" The compute floor is the op's tensor-core FLOPs at the BF16 GEMM rate measured "
+               f"beside the run ({', '.join(rated)}); bound: the larger of the two floors."
+               if rated else " These runs recorded no GEMM rate: no compute floors.")
+        )  # fmt: skip
         _show(
             table,
             column_config={
@@ -600,6 +613,8 @@ def view_op_floors(sa: Tables, sb: Tables, run_a: Run, run_b: Run, labels, singl
                 "bytes": _NUM("bytes", format="%d"),
                 "op_floor_us": _NUM("floor us", format="%.1f"),
                 "share_over_floor_us": _NUM("share - floor us", format="%+.1f"),
+                "flops": _NUM("FLOPs", format="%d"),
+                "compute_floor_us": _NUM("compute floor us", format="%.1f"),
             },
         )
         downloads("op_floors", table, "dl-op-floors")
