@@ -149,3 +149,22 @@ def test_gemm_rate_on_the_gpu():
     r = gemm_tflops(4096, 10)
     print(f"gemm_tflops: {r:.1f}")
     assert 50 < r < 1100
+
+
+def test_report_kinds_get_the_roof_floor():
+    """Per layer kind: the ops' larger floors summed (``roof_floor_us``) and share / roof, with a
+    GEMM rate (synthetic, on the real run); at 512 rows the dense layer's roof is above its
+    bytes floor (its GEMMs are bound by compute), and no kind's roof is below its bytes floor.
+    Without a rate the columns are absent."""
+    from decodescope.ui import cmd_report
+
+    kinds = cmd_report.report_data(_with_rate(SPEC), 3)["kinds"]
+    rows = {r["layer_kind"]: r for r in kinds.to_pylist()}
+    for r in rows.values():
+        assert r["roof_floor_us"] >= r["floor_us"] - 1e-6
+        assert r["share_roof"] == pytest.approx(r["share_us"] / r["roof_floor_us"])
+    assert rows["dense"]["roof_floor_us"] > 2 * rows["dense"]["floor_us"]
+    plain = cmd_report.report_data(tracer.load(SPEC), 3)["kinds"]
+    assert "roof_floor_us" not in plain.column_names
+    res = cli("report", SPEC, width=250)
+    assert "roof floor us" not in res.stdout

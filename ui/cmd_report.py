@@ -38,14 +38,38 @@ HEADERS = {
     "share_over_floor_us": "share - floor us",
     "compute_floor_us": "compute floor us",
     "bound": "bound",
+    "roof_floor_us": "roof floor us",
+    "share_roof": "share / roof",
 }
 
 
 def _floor_cols(kinds: pa.Table) -> list[str]:
-    """The bytes-floor columns, where the run measured them (our own captures)."""
+    """The bytes-floor columns, where the run measured them (our own captures), and the roof
+    floor's where it measured its GEMM rate too (:func:`with_roof`)."""
     if kinds.num_rows and kinds["floor_us"].null_count < kinds.num_rows:
-        return ["floor_us", "efficiency", "share_efficiency"]
+        roof = ["roof_floor_us", "share_roof"] if "roof_floor_us" in kinds.column_names else []
+        return ["floor_us", "efficiency", "share_efficiency", *roof]
     return []
+
+
+def with_roof(kinds: pa.Table, ops: pa.Table) -> pa.Table:
+    """The per-kind table with ``roof_floor_us``, each op's larger floor (bytes or compute,
+    :func:`decodescope.ui.op_floors.op_floors`) summed over the kind's ops, and ``share_roof``
+    = share / that: a floor no kernel of these ops can beat, tighter than the bytes floor where
+    the ops' GEMMs are bound by compute (the verify steps' 256-512 rows). Unchanged where the
+    ops have no compute floors (no GEMM rate recorded)."""
+    if "roof_floor_us" not in ops.column_names or "layer_kind" not in kinds.column_names:
+        return kinds
+    sums: dict[str, float] = {}
+    for kind, roof in zip(ops["layer_kind"].to_pylist(), ops["roof_floor_us"].to_pylist(),
+                          strict=True):  # fmt: skip
+        if kind is not None and roof is not None:
+            sums[kind] = sums.get(kind, 0.0) + roof
+    roof = [sums.get(k) for k in kinds["layer_kind"].to_pylist()]
+    share = [s / r if s is not None and r else None
+             for s, r in zip(kinds["share_us"].to_pylist(), roof, strict=True)]  # fmt: skip
+    return kinds.append_column("roof_floor_us", pa.array(roof, pa.float64())).append_column(
+        "share_roof", pa.array(share, pa.float64()))  # fmt: skip
 
 
 def dropped_records(run: Run) -> int:
@@ -206,9 +230,10 @@ def report_data(run: Run, top: int) -> dict[str, Any]:
     multi = len(metrics.ranks_of(k)) > 1
     kinds = metrics.rank_kind_table(k) if multi else metrics.kind_table(k)
     ops, why = op_floors(run, metrics.op_table(k))
+    kinds = metrics.with_floor(kinds, run.meta.layer_bytes, run.meta.copy_bw_tbs)
     out = {
         "run": run_summary(run),
-        "kinds": metrics.with_floor(kinds, run.meta.layer_bytes, run.meta.copy_bw_tbs),
+        "kinds": kinds if multi else with_roof(kinds, ops),  # the ops' rows span all ranks
         "layers": metrics.layer_table(k),
         "ops": ops,
         "kernels": metrics.kernel_table(k).slice(0, top),
