@@ -168,3 +168,14 @@ def test_report_kinds_get_the_roof_floor():
     assert "roof_floor_us" not in plain.column_names
     res = cli("report", SPEC, width=250)
     assert "roof floor us" not in res.stdout
+
+
+def test_bench_rows_carry_the_gemm_rate():
+    """``decodescope bench``'s per-kind rows (its JSON) carry the run's GEMM rate beside its copy
+    bandwidth: None for the committed runs, the rate where the run recorded one."""
+    from decodescope.ui.cmd_bench import kind_rows
+
+    rows = kind_rows(tracer.load(SPEC), "specialized", 64, 8)
+    assert rows and all(r["gemm_tflops"] is None and r["copy_bw_tbs"] for r in rows)
+    rows = kind_rows(_with_rate(SPEC, 733.0), "specialized", 64, 8)
+    assert {r["gemm_tflops"] for r in rows} == {733.0}

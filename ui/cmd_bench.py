@@ -171,6 +171,7 @@ def kind_rows(run, backend: str, batch: int, tokens_per_seq: int) -> list[dict]:
                 "share_us": r.get("share_us"),
                 "layer_bytes": lb.get(kind),
                 "copy_bw_tbs": bw,
+                "gemm_tflops": run.meta.gemm_tflops,
                 "floor_us": floor,
                 "efficiency": (r["span_us"] / floor) if floor else None,
                 "share_efficiency": (r["share_us"] / floor)
