@@ -780,7 +780,7 @@ part51b=(
 X52="DECODESCOPE_MLA_SPLIT_WAVES=1 DECODESCOPE_WIDE_BACK=addmm DECODESCOPE_WIDE_AG=1"
 B52="decodescope bench --backends specialized --layers kda,mla --batch 32,64 --spec-verify 7 --verify-only --out $R/ab"
 part52a=(
-  "130:wtest:$T49 tests/test_mla_split.py -k 'gpu_waves or gpu_strided_a_g' tests/test_flops.py"
+  "130:wtest:$T49 tests/test_mla_split.py tests/test_flops.py -k 'gpu_waves or gpu_strided_a_g or gemm_rate'"
   "170:btest:$T49 tests/test_wide_ops_gpu.py -k 'side_cast or wide_moe_block'"
   "240:xsteps:$X52 python scripts/gpu_steps.py --tp 8 16 --points 32x8 64x8 --layers kda,mla --out $R/xsteps"
 )
