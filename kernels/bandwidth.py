@@ -8,7 +8,28 @@ beside the copy bandwidth since session 38.
 
 from __future__ import annotations
 
+import functools
 import statistics
+
+
+def _median_s(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` on the current stream: three warm-up calls, then ``repeats``
+    calls each between two CUDA events."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times)
 
 
 def copy_bandwidth_tbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -24,22 +45,11 @@ def copy_bandwidth_tbs(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     n = nbytes // 2
     src = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
+    t = _median_s(functools.partial(dst.copy_, src), repeats)
     moved = 2 * src.numel() * src.element_size()
     del src, dst
     torch.cuda.empty_cache()
-    return moved / statistics.median(times) / 1e12
+    return moved / t / 1e12
 
 
 def gemm_tflops(n: int = 8192, repeats: int = 20) -> float:
@@ -55,18 +65,7 @@ def gemm_tflops(n: int = 8192, repeats: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", generator=g).to(torch.bfloat16)
     b = torch.randn(n, n, device="cuda", generator=g).to(torch.bfloat16)
     c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b, out=c)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.mm(a, b, out=c)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e-3)
+    t = _median_s(functools.partial(torch.mm, a, b, out=c), repeats)
     del a, b, c
     torch.cuda.empty_cache()
-    return 2 * n**3 / statistics.median(times) / 1e12
+    return 2 * n**3 / t / 1e12
