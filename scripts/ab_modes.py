@@ -14,7 +14,10 @@ prints, for the same layer, each kernel's duration per point and op instead: the
 the run's replays and layers, per run, each mode's runs against the baseline's mean, and the
 kernel's registers per thread where a mode changed them. Under programmatic dependent launch a
 kernel's duration includes the time it waits for the one before, so a difference there can be
-its predecessor's. Used for notes/specialized.md "Outcome of part 45".
+its predecessor's. Kernels that only a mode ran are listed too (``new``: that mode's own
+durations), and each op ends with its total (the sum of its kernels' medians), so that a knob
+that replaces kernels reads as one number per op. Several datasets: join them by commas. Used
+for notes/specialized.md "Outcome of part 45" and "Outcome of part 52".
 
     python scripts/ab_modes.py default=t8d.json,t8d2.json rn=t8r.json,t8r2.json \
         --layer mla --ops ab [--min-us 0.3]
@@ -126,21 +129,29 @@ def _run_ids(files: list[str], layer: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+TOTAL = "(op total)"
+
+
 def op_kernels(dataset: str, files: list[str], layer: str) -> dict:
     """Per (point, op, kernel): per run, (median duration in us, registers per thread), from the
     kernels table of ``dataset`` (Hive partitions, as ``decodescope export`` / bench's ``--out``
-    write it) for the runs named in ``files``."""
+    write it; several folders joined by commas) for the runs named in ``files``. Each op also
+    gets a row ``(op total)``: per run, the sum of its kernels' medians (registers 0)."""
+    import pyarrow as pa
+
     from decodescope.analysis.timeline import short_name
     from decodescope.tracer.dataset import read_table
     from decodescope.tracer.errors import TraceError
 
     ids = _run_ids(files, layer)
-    try:
-        t = read_table(dataset, "kernels", list(ids)).select(
-            ["run_id", "layer_kind", "op", "name", "start_ns", "end_ns", "registers"]
-        )
-    except TraceError as e:
-        raise ABError(f"{e} (give the bench's --out folder)") from None
+    cols = ["run_id", "layer_kind", "op", "name", "start_ns", "end_ns", "registers"]
+    tables = []
+    for folder in [d for d in dataset.split(",") if d]:
+        try:
+            tables.append(read_table(folder, "kernels", list(ids)).select(cols))
+        except TraceError as e:
+            raise ABError(f"{e} (give the bench's --out folder)") from None
+    t = pa.concat_tables(tables)
     missing = sorted(set(ids) - set(t["run_id"].to_pylist()))
     if missing:
         raise ABError(f"{dataset}: no kernels of run(s) {', '.join(missing)}")
@@ -152,58 +163,82 @@ def op_kernels(dataset: str, files: list[str], layer: str) -> dict:
         d = acc.setdefault(key, {}).setdefault(r["run_id"], ([], set()))
         d[0].append((r["end_ns"] - r["start_ns"]) / 1e3)
         d[1].add(r["registers"])
-    return {
+    out = {
         k: {run: (statistics.median(v[0]), max(v[1])) for run, v in runs.items()}
         for k, runs in acc.items()
     }
+    totals: dict = {}
+    for (point, op, _), runs in out.items():
+        tot = totals.setdefault((point, op, TOTAL), {})
+        for run, (us, _) in runs.items():
+            tot[run] = (tot.get(run, (0.0, 0))[0] + us, 0)
+    out.update(totals)
+    return out
+
+
+def _order(key: tuple) -> tuple:
+    """Points, then ops, each op's kernels by name and its total last."""
+    return key[0], key[1], key[2] == TOTAL, key[2]
 
 
 def compare_ops(modes: list[tuple[str, list[str]]], dataset: str, layer: str) -> list[dict]:
-    """Per (point, op, kernel): the baseline's mean duration and registers, each other mode's
-    per-run differences and registers."""
+    """Per (point, op, kernel) that any mode ran: the baseline's mean duration and registers
+    (None where only another mode ran the kernel), each other mode's per-run differences (its
+    own durations, with ``new`` set, where the baseline did not run it) and registers."""
     per_mode = {name: op_kernels(dataset, files, layer) for name, files in modes}
     base_name = modes[0][0]
+    base_points = {k[0] for k in per_mode[base_name]}
+    keys = {k for m in per_mode.values() for k in m if k[0] in base_points}
     rows = []
-    for key in sorted(per_mode[base_name]):
-        b = per_mode[base_name][key]
-        b_mean = statistics.mean(d for d, _ in b.values())
+    for key in sorted(keys, key=_order):
+        b = per_mode[base_name].get(key)
+        b_mean = statistics.mean(d for d, _ in b.values()) if b else None
         row = {
             "batch": key[0][0],
             "tokens_per_seq": key[0][1],
             "op": key[1],
             "kernel": key[2],
             "baseline_us": b_mean,
-            "baseline_registers": max(r for _, r in b.values()),
+            "baseline_registers": max(r for _, r in b.values()) if b else None,
             "modes": {},
         }
         for name, _ in modes[1:]:
             m = per_mode[name].get(key)
             row["modes"][name] = None if not m else {
-                "us": [d - b_mean for d, _ in m.values()],
+                "us": [d - (b_mean or 0.0) for d, _ in m.values()],
                 "registers": max(r for _, r in m.values()),
+                "new": b is None,
             }  # fmt: skip
         rows.append(row)
     return rows
 
 
 def ops_markdown(rows: list[dict], min_us: float = 0.0) -> str:
-    """The rows where some mode's mean difference is at least ``min_us`` (all for 0)."""
+    """The rows where some mode's mean difference is at least ``min_us`` (all for 0). A kernel
+    the baseline did not run shows ``-`` there and each mode's own durations as ``new``; one a
+    mode did not run shows ``-`` in that mode's column."""
     names = [n for n in rows[0]["modes"]] if rows else []
     head = ["point", "op", "kernel", "baseline us"] + [f"{n}: us (registers)" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = [r["modes"][n] for n in names]
-        if min_us and not any(m and abs(statistics.mean(m["us"])) >= min_us for m in ms):
+        moved = [
+            statistics.mean(m["us"]) if m else (r["baseline_us"] or 0.0) for m in ms
+        ]  # a kernel a mode dropped moved it by the baseline's whole duration
+        if min_us and not any(abs(v) >= min_us for v in moved):
             continue
         cells = [
             f"b{r['batch']}" + (f"x{r['tokens_per_seq']}" if r["tokens_per_seq"] > 1 else ""),
             r["op"],
             r["kernel"],
-            f"{r['baseline_us']:.2f}",
+            "-" if r["baseline_us"] is None else f"{r['baseline_us']:.2f}",
         ]
         for m in ms:
             if m is None:
                 cells.append("-")
+                continue
+            if m.get("new"):
+                cells.append("new: " + " / ".join(f"{v:.2f}" for v in m["us"]))
                 continue
             regs = "" if m["registers"] == r["baseline_registers"] else (
                 f" ({r['baseline_registers']} -> {m['registers']})")  # fmt: skip
@@ -255,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("modes", nargs="+", help="NAME=FILE[,FILE...]; the first is the baseline")
     ap.add_argument("--layer", default="mla", choices=("dense", "kda", "mla"))
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
-    ap.add_argument("--ops", metavar="DATASET", help="per kernel, from this results dataset")
+    ap.add_argument(
+        "--ops",
+        metavar="DATASET",
+        help="per kernel, from this results dataset (several: comma-separated)",
+    )
     ap.add_argument("--min-us", type=float, default=0.0,
                     help="with --ops: only kernels some mode moved by this much (mean)")  # fmt: skip
     a = ap.parse_args(argv)

@@ -91,3 +91,33 @@ def test_ops_bad_dataset(tmp_path, capsys):
     assert f"{tmp_path}: not a decodescope dataset" in capsys.readouterr().err
     assert ab.main([*modes, "--ops", str(S35 / "n2" / "ab")]) == 2  # TP16's runs, not these
     assert "no kernels of run(s) specialized-" in capsys.readouterr().err
+
+
+S39 = ROOT / "notes" / "gpu-logs" / "s39"
+
+
+def test_ops_new_kernels_and_op_totals():
+    """Part 52 (H200, session 39, TP8 32x8 / 64x8, two datasets joined by a comma): a knob that
+    replaces kernels lists the ones only it ran as ``new`` (the merged qkv_a + g_proj GEMM, the
+    up-projection adding in its epilogue), those it dropped as ``-``, and each op's total, so
+    the op's gain reads as one number."""
+    ab = _mod()
+    d, x = (f"{S39 / 'n52b' / f'v8{t}.json'},{S39 / 'n52c' / f'v8{t}2.json'}" for t in "dx")
+    modes = ab.parse_modes([f"default={d}", f"all={x}"])
+    ds = f"{S39 / 'n52b' / 'ab'},{S39 / 'n52c' / 'ab'}"
+    rows = ab.compare_ops(modes, ds, "mla")
+    op = "input_residual_norm+fused_qkv_a_proj+g_proj"
+    first = [r for r in rows if (r["batch"], r["tokens_per_seq"], r["op"]) == (32, 8, op)]
+    assert first[-1]["kernel"] == ab.TOTAL  # each op's total comes last
+    new = [r for r in first if r["baseline_us"] is None]
+    assert len(new) == 1 and new[0]["modes"]["all"]["new"]
+    assert [round(v, 2) for v in new[0]["modes"]["all"]["us"]] == [25.15, 25.3]
+    dropped = [r for r in first if r["modes"]["all"] is None]
+    assert len(dropped) == 2  # qkv_a's and g_proj's GEMMs
+    total = first[-1]
+    assert round(total["baseline_us"], 2) == 38.62
+    assert [round(v, 2) for v in total["modes"]["all"]["us"]] == [-7.87, -7.66]
+    md = ab.ops_markdown(rows, min_us=0.5)
+    assert "| new: 25.15 / 25.30 |" in md
+    assert f"| b32x8 | {op} | {ab.TOTAL} | 38.62 | -7.87 / -7.66 |" in md
+    assert ab.main([f"default={d}", f"all={x}", "--ops", ds, "--min-us", "0.5"]) == 0

@@ -307,11 +307,15 @@ def test_trace_summary_synthetic():
 
 
 def test_wave_splits(monkeypatch):
-    """``DECODESCOPE_MLA_SPLIT_WAVES=1``: the wave model's splits differ from the rule only at
+    """``DECODESCOPE_MLA_SPLIT_WAVES=1`` (the default since session 39; ``=0`` the rule): the
+    wave model's splits differ from the rule only at
     TP8 32x8 and TP16 64x8 (192 items per split on 132 SMs at one CTA each: 2 splits, 3 waves of
     9 + 2 blocks against 2 waves of 17 + 2), nowhere at one token; its plan compiles; a bad
     value is a one-line error."""
     points = [(b, t) for t in (8, 1) for b in (1, 8, 16, 32, 64)]
+    default = {(tp, b, t): msp.plan_for(get_config("kimi-k3", tp), b, t).splits
+               for tp in (8, 16) for b, t in points}  # fmt: skip
+    monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_WAVES", "0")
     rule = {(tp, b, t): msp.plan_for(get_config("kimi-k3", tp), b, t).splits
             for tp in (8, 16) for b, t in points}  # fmt: skip
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_WAVES", "1")
@@ -321,6 +325,7 @@ def test_wave_splits(monkeypatch):
         (8, 32, 8): (1, 2),
         (16, 64, 8): (1, 2),
     }
+    assert waves == default
     p = msp.plan_for(get_config("kimi-k3", 8), 32, 8)
     assert (p.splits, p.n_att, p.sms, p.ctas_per_sm) == (2, 384, 132, 1)
     assert msp.compile_plan(p) is not None

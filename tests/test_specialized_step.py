@@ -713,9 +713,12 @@ def test_chunking_token_ops_once(monkeypatch, tp, batch, n):
     for i, kind in ((1, "kda"), (2, "mla")):
         ops = [o.split(".", 2)[2] for o in p.range_names()[f"layer.{i}:{kind}"]]
         assert ops == [o.split(".", 2)[2] for o in one.range_names()[f"layer.{i - 1}:{kind}"]]
-    # KDA: norm + in_proj, n decodes, o_proj, norm; front, 3 experts, back's norm + GEMM + add
-    assert p.launches()["layer.1:kda"] == 4 + n + 7
-    assert p.launches()["layer.2:mla"] == 3 + 2 + n + 2 + 7  # MLA: qkv_a and g_proj, q_b
+    # KDA: norm + in_proj, n decodes, o_proj, norm; front, 3 experts, the back's norm (with
+    # the shared sum's side cast) + GEMM adding into the output (DECODESCOPE_WIDE_BACK=addmm,
+    # the default since session 39)
+    assert p.launches()["layer.1:kda"] == 4 + n + 6
+    # MLA: qkv_a and g_proj in one GEMM (each chunk's decode is the split kernel too), q_b
+    assert p.launches()["layer.2:mla"] == 2 + 2 + n + 2 + 6
     cfg = json.loads(p.meta["config_json"])
     assert cfg["chunks"] == {"sequences": 8, "chunks": n, "experts": "once", "token_ops": "once",
                              "dense": "once"}  # fmt: skip
@@ -757,8 +760,9 @@ def test_chunk_decode_once_plan(monkeypatch, tp, batch):
     monkeypatch.delenv(S.CHUNK_DECODE_ENV, raising=False)
     p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="dense,kda,mla")
     assert p.tokens_once and p.decode_once and p.decode_launches == 1
-    assert p.launches() == {"layer.0:dense": 4 + 1 + 3, "layer.1:kda": 4 + 1 + 7,
-                            "layer.2:mla": 3 + 2 + 1 + 2 + 7}  # fmt: skip
+    # the back in two launches, MLA's qkv_a and g_proj in one GEMM (the defaults since s39)
+    assert p.launches() == {"layer.0:dense": 4 + 1 + 3, "layer.1:kda": 4 + 1 + 6,
+                            "layer.2:mla": 2 + 2 + 1 + 2 + 6}  # fmt: skip
     cfg = json.loads(p.meta["config_json"])
     assert cfg["chunks"]["decode"] == "once" and S.CHUNK_DECODE_ENV not in cfg["kernel_env"]
     assert "every kernel runs once over all tokens" in p.meta["notes"]
@@ -822,7 +826,7 @@ def test_dry_run_token_ops_once(monkeypatch, back, ag):
     with tracer.range("step"):
         m.step()
     per_layer = _launches_by_range(p, [c[0] for c in calls])
-    fewer = 1 if back == "addmm" else 0
+    fewer = 1 if back in ("addmm", None) else 0  # addmm: the default since session 39
     assert per_layer == p.launches() == m.launches() == {"layer.0:kda": 13 - fewer,
                                                          "layer.1:mla": 16 - fewer - ag}  # fmt: skip
     kinds = [k for path, k in calls if path.startswith("step/layer.0:kda/layer.0.attn.")]
@@ -835,8 +839,8 @@ def test_dry_run_token_ops_once(monkeypatch, back, ag):
     route = ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
     assert moe == route + (["rmsnorm", "cublas"] if fewer else ["rmsnorm", "cublas_f32", "add"])
     assert json.loads(p.meta["config_json"])["launches"] == per_layer
-    if back == "addmm":
-        assert json.loads(p.meta["config_json"])["kernel_env"]["DECODESCOPE_WIDE_BACK"] == "addmm"
+    if back is not None:  # a set knob is recorded, the default is not
+        assert json.loads(p.meta["config_json"])["kernel_env"]["DECODESCOPE_WIDE_BACK"] == back
 
 
 def test_wide_back_knob_is_checked(monkeypatch):
@@ -850,7 +854,9 @@ def test_wide_back_knob_is_checked(monkeypatch):
         _model(batch=16, tokens=1, layers="kda")
     monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "addmm")
     assert mb.wide_back() == "addmm" and mb.wide_back_launches() == 2
-    monkeypatch.delenv("DECODESCOPE_WIDE_BACK")
+    monkeypatch.delenv("DECODESCOPE_WIDE_BACK")  # the default since session 39
+    assert mb.wide_back() == "addmm" and mb.wide_back_launches() == 2
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "add")
     assert mb.wide_back() == "add" and mb.wide_back_launches() == 3
 
 

@@ -1,4 +1,4 @@
-"""CPU checks of the two opt-in ways a chunked verify step's layers (more than 64 tokens, the
+"""CPU checks of the two ways (the defaults since session 39, part 52) a chunked verify step's layers (more than 64 tokens, the
 token-parallel ops once over all rows, ``step.tokens_once``) run in fewer launches:
 
 - ``DECODESCOPE_WIDE_BACK=addmm`` (``moe_block.wide_back``): the MoE back in two launches, the
@@ -40,15 +40,19 @@ def _clean(monkeypatch):
 
 @pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64), (8, 64), (16, 32)])
 def test_verify_step_launches(monkeypatch, tp, batch):
-    """The kimi-k3 verify steps past 64 tokens (B x (1 + 7)): today's 12 / 15 launches per KDA /
-    MLA layer; 11 / 14 with the two-launch back; 11 / 13 with the merged projections too (the
-    issue's target is 11). Plan only: no GPU, no weights."""
+    """The kimi-k3 verify steps past 64 tokens (B x (1 + 7)): 11 / 13 launches per KDA / MLA
+    layer by default (the two-launch back and the merged projections; the issue's target is
+    11); 12 / 15 with both off, as before session 39; 11 / 14 with the back alone; 12 / 14
+    with the merged projections alone. Plan only: no GPU, no weights."""
 
     def launches():
         p = S.plan(preset="kimi-k3", tp_shape=tp, batch=batch, tokens_per_seq=8, layers="kda,mla")
         assert p.tokens_once and p.decode_once
         return tuple(p.launches().values())
 
+    assert launches() == (11, 13)
+    monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "add")
+    monkeypatch.setenv("DECODESCOPE_WIDE_AG", "0")
     assert launches() == (12, 15)
     monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "addmm")
     assert launches() == (11, 14)
@@ -59,10 +63,12 @@ def test_verify_step_launches(monkeypatch, tp, batch):
 
 
 def test_merged_ag_conditions(monkeypatch):
-    """Off unless asked; on at the kimi-k3 verify steps where the split kernel decodes; off where
+    """On by default (off with ``DECODESCOPE_WIDE_AG=0``) at the kimi-k3 verify steps where the split kernel decodes; off where
     another kernel would (it reads ``a`` and ``g`` compact), for an FP8 cache and without the
     output gate; a bad value is a one-line error naming the variable."""
     cfg = get_config("kimi-k3", 8)
+    assert al.merged_ag(cfg, 32, 8)
+    monkeypatch.setenv("DECODESCOPE_WIDE_AG", "0")
     assert not al.merged_ag(cfg, 32, 8)
     monkeypatch.setenv("DECODESCOPE_WIDE_AG", "1")
     assert al.merged_ag(cfg, 32, 8) and al.merged_ag(get_config("kimi-k3", 16), 64, 8)

@@ -222,13 +222,13 @@ WIDE_AG_ENV = "DECODESCOPE_WIDE_AG"
 def merged_ag(cfg: Config, batch: int, tokens: int) -> bool:
     """Whether an MLA layer's all-rows attention (:class:`AttentionAllTokens`) runs its input
     projections ``qkv_a`` and ``g_proj`` as one cuBLAS GEMM over the two weights' rows into one
-    ``[rows, a + g]`` buffer, ``a`` and ``g`` its column slices (``DECODESCOPE_WIDE_AG=1``,
-    opt-in; one launch fewer). Only with the output gate, a BF16 cache and where the decode
+    ``[rows, a + g]`` buffer, ``a`` and ``g`` its column slices (``DECODESCOPE_WIDE_AG``:
+    1, the default since session 39, measured in part 52; 0 two GEMMs; one launch fewer). Only with the output gate, a BF16 cache and where the decode
     launch (``batch`` sequences of ``tokens``) runs the split kernel, the one that takes the
     slices' row strides (:attr:`.mla_decode_split.MLASplitPlan.lda`)."""
     from decodescope.kernels.specialized import env_knobs as ek
 
-    if not ek.read(WIDE_AG_ENV, (0, 1), "0") or not cfg.mla.output_gate:
+    if not ek.read(WIDE_AG_ENV, (0, 1), "1") or not cfg.mla.output_gate:
         return False
     if cfg.kv_cache_dtype != "bf16":
         return False
@@ -270,7 +270,8 @@ class AttentionAllTokens:
     too in one launch over every sequence (the kernels' grids are per sequence and head; no
     64-token limit of theirs), ``per`` then ignored.
 
-    ``DECODESCOPE_WIDE_AG=1`` (:func:`merged_ag`): MLA's ``qkv_a`` and ``g_proj`` in one GEMM.
+    ``DECODESCOPE_WIDE_AG=1`` (:func:`merged_ag`, the default since session 39): MLA's
+    ``qkv_a`` and ``g_proj`` in one GEMM where the split kernel decodes.
 
     Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``, ``chunks`` 1
     with ``decode_once`` (:func:`all_tokens_launches`); every kernel compiles at its first call

@@ -51,9 +51,9 @@ before W_UV (the tensor-core kernel keeps it FP32; the standard path rounds it t
 
 Knobs (compile key; one H200 run sweeps them): ``DECODESCOPE_MLA_SPLIT_SPLITS`` (key splits per
 sequence; 0: ``64 // batch`` below 16 sequences, ``128 // batch`` from 16, at most the 17
-blocks; ``DECODESCOPE_MLA_SPLIT_WAVES=1``, opt-in: with head groups, the splits of a wave
-model, :meth:`MLASplitPlan.wave_splits`), ``_ACHUNKS`` (column chunks of
-an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
+blocks; with head groups, ``DECODESCOPE_MLA_SPLIT_WAVES=1``, the default since session 39
+(part 52), takes the splits of a wave model, :meth:`MLASplitPlan.wave_splits`, and ``=0`` the
+rule), ``_ACHUNKS`` (column chunks of an absorption item: 1, 2, 4; default 2), ``_VROWS`` (rows per W_UV item, 1-16; 0: about 96
 items), ``_NBUF`` (key buffers 1 or 2; 0: 1 where each split has one block, which lets two CTAs
 share an SM when the shared memory fits 113 KB), ``_FUSE`` (1: no CTAs of their own for the
 absorption: the first ``n_abs`` attention CTAs absorb, publish, then attend; unset: where the
@@ -223,9 +223,10 @@ class MLASplitPlan:
     # SMs of the GPU the kernel runs on (:func:`device_sms`): :attr:`early_abs` needs the
     # whole grid resident at once, so it counts the real GPU's SMs, not the H200's 132
     sms: int = field(default_factory=lambda: device_sms())
-    # 1 (opt-in, session 37): with head groups (the verify step), the splits from the wave
-    # model of :meth:`wave_splits` instead of ``128 // (batch x groups)``; 0: the rule as before
-    waves: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_WAVES", 0))
+    # 1 (the default since session 39, measured in part 52): with head groups (the verify
+    # step), the splits from the wave model of :meth:`wave_splits` instead of
+    # ``128 // (batch x groups)``; 0: the rule as before
+    waves: int = field(default_factory=lambda: env_int("DECODESCOPE_MLA_SPLIT_WAVES", 1))
     # row strides (elements) of ``a`` and ``g`` where they are column slices of one wider
     # buffer (``DECODESCOPE_WIDE_AG``: one GEMM wrote both); 0: compact rows (``a_width``,
     # ``heads * v_dim``). The kernel reads both element by element, so only the layout changes

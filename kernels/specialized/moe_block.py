@@ -30,11 +30,13 @@ over all rows, reading each selected expert's weights once.
 
 ``wide`` (a chunked step's token-parallel ops once over all rows, ``step.tokens_once``): the
 front is one cuBLAS GEMM over all rows into the FP32 ``y_front`` (:func:`.tile_gemm.mm_f32`; like
-the ``tile`` front it zeroes nothing, the grouped route kernel zeroes ``acc``) and the back three
-launches over all rows: the latent RMSNorm of the FP32 sum (:mod:`.rmsnorm`), the up-projection
-(cuBLAS, FP32 out), the shared-expert add rounded once to BF16 (``torch.add``). With the
-grouped experts: 7 launches for any number of rows. ``DECODESCOPE_WIDE_BACK=addmm``
-(:func:`wide_back`): the back in two launches, 6 in all.
+the ``tile`` front it zeroes nothing, the grouped route kernel zeroes ``acc``) and the back two
+launches over all rows (``DECODESCOPE_WIDE_BACK=addmm``, :func:`wide_back`, the default since
+session 39): the latent RMSNorm of the FP32 sum (:mod:`.rmsnorm`), which also rounds the shared
+experts' FP32 sum into the output, then the up-projection (cuBLAS) adding into it in its
+epilogue. With the grouped experts: 6 launches for any number of rows.
+``DECODESCOPE_WIDE_BACK=add``: the back in three launches (the up-projection with FP32 output,
+then the shared-expert add rounded once to BF16, ``torch.add``), 7 in all.
 
 ``forward_residual`` runs kernel 1 with the layer's post-attention residual-add + RMSNorm in
 its prologue (range ``residual_norm+router+latent_down+shared_experts``): the attention side
@@ -80,13 +82,13 @@ WIDE_BACK = ("add", "addmm")
 
 
 def wide_back() -> str:
-    """The ``wide`` back's form (``DECODESCOPE_WIDE_BACK``, read at each call): ``add`` (the
-    default) three launches, the latent RMSNorm, cuBLAS with FP32 output, the shared add rounded
-    once (``bf16(y + shared)``); ``addmm`` two, the RMSNorm launch also rounding the shared
+    """The ``wide`` back's form (``DECODESCOPE_WIDE_BACK``, read at each call): ``addmm`` (the
+    default since session 39, measured in part 52) two launches, the RMSNorm launch also rounding the shared
     experts' FP32 sum into ``out`` (:attr:`.rmsnorm.NormPlan.side`), then one cuBLAS GEMM adding
     into ``out`` in its epilogue (``bf16(acc + bf16(shared))``: the shared sum rounded first, as
-    vLLM adds its BF16 shared output)."""
-    return str(_ek.read(WIDE_BACK_ENV, WIDE_BACK, "add"))
+    vLLM adds its BF16 shared output); ``add`` three, the latent RMSNorm, cuBLAS with FP32
+    output, the shared add rounded once (``bf16(y + shared)``)."""
+    return str(_ek.read(WIDE_BACK_ENV, WIDE_BACK, "addmm"))
 
 
 def wide_back_launches() -> int:

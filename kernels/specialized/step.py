@@ -520,8 +520,9 @@ def tokens_once_launches(cfg, spec, batch: int, tokens: int, n_chunks: int) -> i
     (:func:`tokens_once`), its decode kernel in ``n_chunks`` launches: the attention half
     (:func:`.attention_layers.all_tokens_launches`; MLA's projections merged where
     :func:`.attention_layers.merged_ag` says so),
-    then for a MoE layer the cuBLAS front, the experts range, the back's norm, GEMM and add (the
-    norm and GEMM with ``DECODESCOPE_WIDE_BACK=addmm``, :func:`.moe_block.wide_back`), for a
+    then for a MoE layer the cuBLAS front, the experts range, the back's norm and GEMM
+    (``DECODESCOPE_WIDE_BACK=addmm``, the default; with ``add`` a third launch,
+    :func:`.moe_block.wide_back`), for a
     dense layer gate_up, the activation and down."""
     from decodescope.kernels.specialized.attention_layers import all_tokens_launches, merged_ag
 
