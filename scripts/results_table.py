@@ -14,7 +14,7 @@ from pathlib import Path
 
 from decodescope.tracer.dataset import read_runs
 from decodescope.ui import cmd_bench
-from decodescope.ui.cmd_demo import _pairs
+from decodescope.ui.cmd_demo import _pairs, without_vllm
 from decodescope.ui.cmd_report import chunk_note, knobs_of
 
 KINDS = ("dense", "kda", "mla")
@@ -27,6 +27,11 @@ DESCRIBE = {
 
 def _batch(batch: int, tps: int) -> str:
     return f"{batch}" if tps == 1 else f"{batch}x{tps}"
+
+
+def _setup(run) -> str:
+    m = run.meta
+    return f"TP{m.tp_shape} x{m.tp_world or 1} {_batch(m.batch, m.tokens_per_seq or 1)}"
 
 
 def main(path: str = "results") -> None:
@@ -44,7 +49,15 @@ def main(path: str = "results") -> None:
         f"per-rank shapes of TP8 and TP16 without communication"
         + (", tp_world 2: two GPUs on NVLink with real all-reduces" if 2 in worlds else "")
         + f"), runs of {dates[0]} to {dates[-1]} UTC, commit(s) {', '.join(commits)} (the "
-        "newest run of each setup is shown; `results/` keeps them all). Each figure is the "
+        "newest run of each setup is shown, on the standard side the newest with vLLM's "
+        "compiled ops; `results/` keeps them all"
+        + (
+            "; these standard runs had none of vLLM's ops and are not the vLLM baseline: "
+            + ", ".join(sorted(_setup(r) for r in shown if without_vllm(r.meta)))
+            if any(without_vllm(r.meta) for r in shown)
+            else ""
+        )
+        + "). Each figure is the "
         "median over 30 CUDA-graph replays of one decode step of "
         + ", ".join(DESCRIBE[k] for k in KINDS if k in kinds)
         + ", BF16 weights. Batch `BxT` is "

@@ -20,11 +20,25 @@ RESULTS = REPO / "results"
 RUNS = REPO / "data" / "runs"
 
 
+def without_vllm(meta) -> bool:
+    """Whether a standard run recorded that it ran without vLLM's compiled ops (its workload
+    config has ``op_impl`` and no ``vllm_ops``: the GPU machine lacked them, so the project's
+    own stand-ins ran, e.g. a torch ``moe_align`` of some 30 launches). Such a run is not the
+    vLLM baseline. Runs that record nothing (older ones, imports) are taken as they are."""
+    if meta.backend != "standard":
+        return False
+    wl = (meta.config or {}).get("workload") or {}
+    return bool(wl.get("op_impl")) and not wl.get("vllm_ops")
+
+
 def _pairs(runs) -> dict[tuple, dict[str, object]]:
     """(preset, tp_shape, tp_world, batch, tokens_per_seq) -> {backend: run}, the newest standard
     and specialized run among the runs of the defaults (a run captured with kernel knobs,
     ``config_json["knobs"]``, measured other kernels: it stays in the dataset, out of these
-    tables; imported traces of other tools have no pair)."""
+    tables; imported traces of other tools have no pair). The standard side is the newest run
+    with vLLM's compiled ops where a setup has one (:func:`without_vllm`): a newer run without
+    them stays in the dataset, out of these tables, and is shown only where no run with them
+    exists (then ``cmd_bench.ops_line`` and the README table say so)."""
     from decodescope.ui.cmd_report import knobs_of
 
     out: dict[tuple, dict[str, object]] = {}
@@ -33,6 +47,9 @@ def _pairs(runs) -> dict[tuple, dict[str, object]]:
         if knobs_of(m) or m.backend not in ("standard", "specialized"):
             continue  # imported traces of other tools (backend "other") have no pair to show
         key = (m.preset, m.tp_shape, m.tp_world or 1, m.batch, m.tokens_per_seq or 1)
+        have = out.get(key, {}).get(m.backend)
+        if have is not None and without_vllm(m) and not without_vllm(have.meta):
+            continue  # keep the vLLM baseline
         out.setdefault(key, {})[m.backend] = r
     return out
 
