@@ -108,6 +108,8 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
     Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`)
     with ``scheme`` (default: ``analysis/naming.toml``); a run folder (or dataset run) keeps the
     range paths and steps it was written with, and gets layer, kind, block and op from them.
+    An imported trace without a usable GPU kernel is a :class:`TraceError` saying so (and what
+    was skipped): there is nothing to report.
     """
     ref = dataset_ref(path)
     if ref is not None:
@@ -126,7 +128,35 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
         from decodescope.tracer.nsys import load_nsys
 
         raw = load_nsys(path, **options)
-    return attribute(drop_backwards(raw), scheme)
+    raw = drop_backwards(raw)
+    if raw.kernels.num_rows == 0:
+        raise TraceError(path, _no_kernels(raw, kind))
+    return attribute(raw, scheme)
+
+
+def _no_kernels(run: Run, kind: str) -> str:
+    """Why an imported trace gives no run: it holds no GPU kernel, or none that could be used
+    (then how many were skipped, and why: nothing is dropped silently)."""
+    skipped: dict[str, int] = {}
+    o = run.overheads
+    if o.num_rows:
+        for r in o.select(["kind", "detail", "count"]).to_pylist():
+            detail = r["detail"] or ""
+            if r["kind"] == "skipped_events" and detail.startswith("kernel"):
+                skipped[detail] = skipped.get(detail, 0) + int(r["count"] or 0)
+    if skipped:
+        n = sum(skipped.values())
+        why = "; ".join(f"{c} {d}" for d, c in sorted(skipped.items(), key=lambda x: -x[1])[:3])
+        return f"no usable GPU kernel: all {n} kernel record(s) were skipped ({why})"
+    if kind == "nsys":
+        return (
+            "no GPU kernels: the kernel table (CUPTI_ACTIVITY_KIND_KERNEL) is empty "
+            "(was the report captured with --trace=cuda while kernels ran?)"
+        )
+    return (
+        "no GPU kernels: the trace holds no kernel events (cat 'kernel'); was it recorded with "
+        "torch.profiler's ProfilerActivity.CUDA while kernels ran?"
+    )
 
 
 def drop_backwards(run: Run) -> Run:
