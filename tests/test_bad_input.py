@@ -154,6 +154,14 @@ def _nsys_empty_kernel_table(d: Path) -> Path:
     return p
 
 
+def _named_pipe(d: Path) -> Path:
+    """Synthetic: a FIFO nobody writes to (what ``<(zcat t.json.gz)`` hands over is a pipe too);
+    reading it would block for ever."""
+    p = d / "pipe.json"
+    os.mkfifo(p)
+    return p
+
+
 BAD: dict[str, Callable[[Path], Path]] = {
     "empty file": _empty,
     "truncated gzip": _truncated_gzip,
@@ -171,6 +179,7 @@ BAD: dict[str, Callable[[Path], Path]] = {
     "Kineto trace without GPU kernels": _kineto_without_kernels,
     "Kineto trace whose every kernel is unusable": _kineto_every_kernel_unusable,
     "nsys export with an empty kernel table": _nsys_empty_kernel_table,
+    "named pipe": _named_pipe,
 }
 # the raw importers return these as runs without kernels; tracer.load (and the CLI) refuse them
 NO_KERNELS = (
@@ -226,6 +235,7 @@ def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
     # what was skipped is counted in the message: nothing is dropped silently
     unusable = problem("Kineto trace whose every kernel is unusable")
     assert "all 768 kernel record(s) were skipped" in unusable and "bad ts or dur" in unusable
+    assert "not a regular file" in problem("named pipe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,11 +274,11 @@ def test_cli_import_fails_cleanly(
     assert leftovers == [], leftovers
 
 
-@pytest.mark.parametrize("case", NO_KERNELS)
+@pytest.mark.parametrize("case", [*NO_KERNELS, "named pipe"])
 def test_cli_report_fails_cleanly(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``report`` on a trace without a usable GPU kernel: one line, exit 2, and no
+    """``report`` on a trace without a usable GPU kernel (or on a pipe): one line, exit 2, and no
     empty tables."""
     path = BAD[case](tmp_path)
     code, err = _run_main(["report", str(path)], capsys)

@@ -42,6 +42,12 @@ def detect(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     if not p.exists():
         raise TraceError(p, "no such file or directory")
+    if not p.is_dir() and not p.is_file():
+        # a pipe (``<(zcat t.json.gz)``), a device, a socket: reading its head here would use up
+        # bytes the importer never sees, and a pipe nobody writes to would block for ever
+        raise TraceError(
+            p, "not a regular file (a pipe or a device): save the trace to a file and give that"
+        )
     if p.is_dir():
         if is_run_dir(p):
             return "run"
