@@ -274,6 +274,20 @@ def test_cli_import_fails_cleanly(
     assert leftovers == [], leftovers
 
 
+def test_a_folder_of_traces_names_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profiler's output folder (vLLM writes one trace per rank into VLLM_TORCH_PROFILER_DIR)
+    handed over whole: one line that names a trace in it to give instead; nothing written."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    shutil.copyfile(KINETO_GZ, folder / "rank0.pt.trace.json.gz")
+    shutil.copyfile(HF_QWEN, folder / "rank1.pt.trace.json.gz")
+    out = tmp_path / "out"
+    code, err = _run_main(["import", str(folder), "--out", str(out)], capsys)
+    line = _one_error_line(code, err, folder)
+    assert "2 trace file(s) (rank0.pt.trace.json.gz and 1 more): give one of them" in line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("case", [*NO_KERNELS, "named pipe"])
 def test_cli_report_fails_cleanly(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

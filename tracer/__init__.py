@@ -55,7 +55,10 @@ def detect(path: str | os.PathLike[str]) -> str:
 
         if is_dataset(p):  # a results dataset holds many runs: name one
             raise TraceError(p, f"is a results dataset, not one run: name one as {p}@RUN_ID")
-        raise TraceError(p, "is a directory but not a decodescope run folder (no runs.parquet)")
+        hint = _traces_in(p)
+        raise TraceError(
+            p, "is a directory but not a decodescope run folder (no runs.parquet)" + hint
+        )
     try:
         with open(p, "rb") as f:
             head = f.read(4096)  # JSON may open with whitespace
@@ -80,6 +83,24 @@ def detect(path: str | os.PathLike[str]) -> str:
         p,
         "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder",
     )
+
+
+_TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite")
+
+
+def _traces_in(folder: Path) -> str:
+    """A hint naming the trace files in ``folder`` (a profiler's output folder, such as vLLM's
+    VLLM_TORCH_PROFILER_DIR with one trace per rank), or "" where it holds none."""
+    try:
+        names = sorted(
+            e.name for e in folder.iterdir() if e.name.endswith(_TRACE_SUFFIXES) and e.is_file()
+        )
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"; it holds {len(names)} trace file(s) ({names[0]}{more}): give one of them"
 
 
 def dataset_ref(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
