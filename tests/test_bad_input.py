@@ -122,6 +122,46 @@ def _missing(d: Path) -> Path:
     return d / "does_not_exist.json"
 
 
+def _kineto_without_kernels(d: Path) -> Path:
+    """The real vLLM trace with its kernel events taken out: CPU ops, launches, memcpys left."""
+    trace = json.loads(gzip.decompress(KINETO_GZ.read_bytes()))
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e.get("cat") not in KERNEL_CATS]
+    p = d / "no_kernels.json"
+    p.write_text(json.dumps(trace))
+    return p
+
+
+def _kineto_every_kernel_unusable(d: Path) -> Path:
+    """The real vLLM trace with a ``ts`` no kernel can have ("NaN") on every kernel event."""
+    trace = json.loads(gzip.decompress(KINETO_GZ.read_bytes()))
+    for e in trace["traceEvents"]:
+        if e.get("cat") in KERNEL_CATS:
+            e["ts"] = "NaN"
+    p = d / "bad_kernels.json"
+    p.write_text(json.dumps(trace))
+    return p
+
+
+def _nsys_empty_kernel_table(d: Path) -> Path:
+    """The real RTX 3080 export with its kernel table emptied (ranges, memcpys, overheads kept)."""
+    p = d / "no_kernels.sqlite"
+    shutil.copyfile(NSYS_SMALL, p)
+    os.chmod(p, 0o644)
+    con = sqlite3.connect(p)
+    con.execute("DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL")
+    con.commit()
+    con.close()
+    return p
+
+
+def _named_pipe(d: Path) -> Path:
+    """Synthetic: a FIFO nobody writes to (what ``<(zcat t.json.gz)`` hands over is a pipe too);
+    reading it would block for ever."""
+    p = d / "pipe.json"
+    os.mkfifo(p)
+    return p
+
+
 BAD: dict[str, Callable[[Path], Path]] = {
     "empty file": _empty,
     "truncated gzip": _truncated_gzip,
@@ -136,7 +176,17 @@ BAD: dict[str, Callable[[Path], Path]] = {
     "Nsight Systems report not exported": _nsys_report,
     "directory": _directory,
     "missing file": _missing,
+    "Kineto trace without GPU kernels": _kineto_without_kernels,
+    "Kineto trace whose every kernel is unusable": _kineto_every_kernel_unusable,
+    "nsys export with an empty kernel table": _nsys_empty_kernel_table,
+    "named pipe": _named_pipe,
 }
+# the raw importers return these as runs without kernels; tracer.load (and the CLI) refuse them
+NO_KERNELS = (
+    "Kineto trace without GPU kernels",
+    "Kineto trace whose every kernel is unusable",
+    "nsys export with an empty kernel table",
+)
 
 
 def _assert_clean(err: TraceError, path: Path) -> None:
@@ -156,7 +206,7 @@ def test_load_raises_one_line_trace_error(case: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [c for c in BAD if c not in ("SQLite without kernel tables",)],
+    [c for c in BAD if c not in ("SQLite without kernel tables", *NO_KERNELS)],
 )
 def test_load_kineto_raises_one_line_trace_error(case: str, tmp_path: Path) -> None:
     path = BAD[case](tmp_path)
@@ -180,6 +230,12 @@ def test_messages_say_what_is_wrong(tmp_path: Path) -> None:
     assert "no such file" in problem("missing file")
     assert "directory" in problem("directory")
     assert "nsys export --type sqlite" in problem("Nsight Systems report not exported")
+    assert "no GPU kernels" in problem("Kineto trace without GPU kernels")
+    assert "no GPU kernels" in problem("nsys export with an empty kernel table")
+    # what was skipped is counted in the message: nothing is dropped silently
+    unusable = problem("Kineto trace whose every kernel is unusable")
+    assert "all 768 kernel record(s) were skipped" in unusable and "bad ts or dur" in unusable
+    assert "not a regular file" in problem("named pipe")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +272,33 @@ def test_cli_import_fails_cleanly(
     assert not out.exists()
     leftovers = list((tmp_path / "out").iterdir()) if (tmp_path / "out").exists() else []
     assert leftovers == [], leftovers
+
+
+def test_a_folder_of_traces_names_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profiler's output folder (vLLM writes one trace per rank into VLLM_TORCH_PROFILER_DIR)
+    handed over whole: one line that names a trace in it to give instead; nothing written."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    shutil.copyfile(KINETO_GZ, folder / "rank0.pt.trace.json.gz")
+    shutil.copyfile(HF_QWEN, folder / "rank1.pt.trace.json.gz")
+    out = tmp_path / "out"
+    code, err = _run_main(["import", str(folder), "--out", str(out)], capsys)
+    line = _one_error_line(code, err, folder)
+    assert "2 trace file(s) (rank0.pt.trace.json.gz and 1 more): give one of them" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", [*NO_KERNELS, "named pipe"])
+def test_cli_report_fails_cleanly(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``report`` on a trace without a usable GPU kernel (or on a pipe): one line, exit 2, and no
+    empty tables."""
+    path = BAD[case](tmp_path)
+    code, err = _run_main(["report", str(path)], capsys)
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and path.name in lines[0] and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("case", ["JSON cut in half", "SQLite without kernel tables"])

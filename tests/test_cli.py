@@ -336,3 +336,37 @@ def test_report_of_a_dataset_names_the_run_syntax_and_shows_the_run_record():
                          "1").stdout)["run"]  # fmt: skip
     assert rep["git_commit"].startswith("385c2e3") and 3.5 < rep["copy_bw_tbs"] < 5
     assert rep["created_at"].startswith("2026-12-02 09:44") and "tp_world 1" in rep["notes"]
+
+
+def test_kernels_without_a_launch_record_are_said(work):
+    """Kernels whose launch record is not in the trace cannot be placed in a CPU range: import
+    and report say how many, and the count matches a scan of the trace itself (the Qwen trace's
+    GPU side starts before its CPU side: 436 kernels; the H100 x2 nsys export: 1810)."""
+    import gzip
+    import sqlite3
+
+    trace = json.loads(gzip.decompress(HF_QWEN.read_bytes()))["traceEvents"]
+    launched = {e["args"]["correlation"] for e in trace
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")}  # fmt: skip
+    orphans = sum(1 for e in trace
+                  if e.get("cat") == "kernel" and e["args"]["correlation"] not in launched)  # fmt: skip
+    assert orphans == 436
+    data = json.loads(cli("report", work / "hf", "--json", "--top", "1").stdout)
+    assert data["run"]["kernels_without_launch"] == orphans
+    p = cli("import", HF_QWEN, "--out", work / "hf_again")
+    assert f"{orphans} without a launch record" in p.stdout
+
+    nsys = TRACES / "nsys_h100x2_fastvideo_nvtx_aten__nsys-ai_h100_2gpu_1s.sqlite"
+    con = sqlite3.connect(f"file:{nsys}?mode=ro", uri=True)
+    ((orphans,),) = con.execute(
+        """SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k WHERE NOT EXISTS (
+               SELECT 1 FROM CUPTI_ACTIVITY_KIND_RUNTIME r WHERE r.correlationId = k.correlationId
+               AND r.globalTid >> 24 = k.globalPid >> 24)"""
+    ).fetchall()
+    con.close()
+    assert orphans == 1810
+    data = json.loads(cli("report", nsys, "--json", "--top", "1").stdout)
+    assert data["run"]["kernels_without_launch"] == orphans
+    # every kernel of the vLLM trace has its launch: nothing to say
+    vllm = json.loads(cli("report", work / "vllm", "--json", "--top", "1").stdout)
+    assert vllm["run"]["kernels_without_launch"] is None

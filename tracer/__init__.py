@@ -42,6 +42,12 @@ def detect(path: str | os.PathLike[str]) -> str:
     p = Path(path)
     if not p.exists():
         raise TraceError(p, "no such file or directory")
+    if not p.is_dir() and not p.is_file():
+        # a pipe (``<(zcat t.json.gz)``), a device, a socket: reading its head here would use up
+        # bytes the importer never sees, and a pipe nobody writes to would block for ever
+        raise TraceError(
+            p, "not a regular file (a pipe or a device): save the trace to a file and give that"
+        )
     if p.is_dir():
         if is_run_dir(p):
             return "run"
@@ -49,7 +55,10 @@ def detect(path: str | os.PathLike[str]) -> str:
 
         if is_dataset(p):  # a results dataset holds many runs: name one
             raise TraceError(p, f"is a results dataset, not one run: name one as {p}@RUN_ID")
-        raise TraceError(p, "is a directory but not a decodescope run folder (no runs.parquet)")
+        hint = _traces_in(p)
+        raise TraceError(
+            p, "is a directory but not a decodescope run folder (no runs.parquet)" + hint
+        )
     try:
         with open(p, "rb") as f:
             head = f.read(4096)  # JSON may open with whitespace
@@ -74,6 +83,24 @@ def detect(path: str | os.PathLike[str]) -> str:
         p,
         "unrecognised format: expected a Kineto JSON trace (.json/.json.gz), an Nsight Systems SQLite export or a run folder",
     )
+
+
+_TRACE_SUFFIXES = (".json", ".json.gz", ".sqlite")
+
+
+def _traces_in(folder: Path) -> str:
+    """A hint naming the trace files in ``folder`` (a profiler's output folder, such as vLLM's
+    VLLM_TORCH_PROFILER_DIR with one trace per rank), or "" where it holds none."""
+    try:
+        names = sorted(
+            e.name for e in folder.iterdir() if e.name.endswith(_TRACE_SUFFIXES) and e.is_file()
+        )
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"; it holds {len(names)} trace file(s) ({names[0]}{more}): give one of them"
 
 
 def dataset_ref(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
@@ -108,6 +135,8 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
     Imported traces come back attributed (:func:`decodescope.analysis.attribution.attribute`)
     with ``scheme`` (default: ``analysis/naming.toml``); a run folder (or dataset run) keeps the
     range paths and steps it was written with, and gets layer, kind, block and op from them.
+    An imported trace without a usable GPU kernel is a :class:`TraceError` saying so (and what
+    was skipped): there is nothing to report.
     """
     ref = dataset_ref(path)
     if ref is not None:
@@ -126,7 +155,35 @@ def load(path: str | os.PathLike[str], *, scheme: Scheme | None = None, **option
         from decodescope.tracer.nsys import load_nsys
 
         raw = load_nsys(path, **options)
-    return attribute(drop_backwards(raw), scheme)
+    raw = drop_backwards(raw)
+    if raw.kernels.num_rows == 0:
+        raise TraceError(path, _no_kernels(raw, kind))
+    return attribute(raw, scheme)
+
+
+def _no_kernels(run: Run, kind: str) -> str:
+    """Why an imported trace gives no run: it holds no GPU kernel, or none that could be used
+    (then how many were skipped, and why: nothing is dropped silently)."""
+    skipped: dict[str, int] = {}
+    o = run.overheads
+    if o.num_rows:
+        for r in o.select(["kind", "detail", "count"]).to_pylist():
+            detail = r["detail"] or ""
+            if r["kind"] == "skipped_events" and detail.startswith("kernel"):
+                skipped[detail] = skipped.get(detail, 0) + int(r["count"] or 0)
+    if skipped:
+        n = sum(skipped.values())
+        why = "; ".join(f"{c} {d}" for d, c in sorted(skipped.items(), key=lambda x: -x[1])[:3])
+        return f"no usable GPU kernel: all {n} kernel record(s) were skipped ({why})"
+    if kind == "nsys":
+        return (
+            "no GPU kernels: the kernel table (CUPTI_ACTIVITY_KIND_KERNEL) is empty "
+            "(was the report captured with --trace=cuda while kernels ran?)"
+        )
+    return (
+        "no GPU kernels: the trace holds no kernel events (cat 'kernel'); was it recorded with "
+        "torch.profiler's ProfilerActivity.CUDA while kernels ran?"
+    )
 
 
 def drop_backwards(run: Run) -> Run:

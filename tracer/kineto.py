@@ -233,6 +233,8 @@ def _read_bytes(p: Path) -> bytes:
         raise TraceError(p, "no such file or directory")
     if p.is_dir():
         raise TraceError(p, "is a directory, expected a Kineto JSON trace file")
+    if not p.is_file():  # a pipe nobody writes to would block the read for ever
+        raise TraceError(p, "not a regular file (a pipe or a device): save the trace to a file")
     try:
         data = p.read_bytes()
     except OSError as e:

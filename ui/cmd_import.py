@@ -45,6 +45,14 @@ def attributed_counts(run: Run) -> tuple[int, int, int]:
     return n, in_range, in_layer
 
 
+def kernels_without_launch(run: Run) -> int:
+    """Kernels whose launch (the runtime / driver API record of their correlation id) is not in
+    the trace: they cannot be placed in a CPU range, only in a GPU one, and are most often
+    unattributed (a trace cut at its start, or recorded without the CUDA runtime API)."""
+    k = run.kernels
+    return k["launch_start_ns"].null_count if k.num_rows else 0
+
+
 @app.command("import")
 def import_(
     trace: Path = typer.Argument(..., help="Kineto JSON(.gz), Nsight Systems SQLite or run folder"),
@@ -77,9 +85,11 @@ def import_(
     with progress(err_console, f"writing {out}"):
         tracer.write_run(run, out, overwrite=overwrite)
     n, in_range, in_layer = attributed_counts(run)
+    no_launch = kernels_without_launch(run)
+    launch_note = f", {no_launch} without a launch record" if no_launch else ""
     console.print(
-        f"wrote {out}: run {run.run_id}, {n} kernels ({in_range} in a range, {in_layer} in a layer), "
-        f"{run.ranges.num_rows} ranges, {run.memops.num_rows} memops",
+        f"wrote {out}: run {run.run_id}, {n} kernels ({in_range} in a range, {in_layer} in a layer"
+        f"{launch_note}), {run.ranges.num_rows} ranges, {run.memops.num_rows} memops",
         highlight=False,
         soft_wrap=True,
     )

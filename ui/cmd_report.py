@@ -12,7 +12,12 @@ import typer
 from decodescope.analysis import metrics
 from decodescope.analysis.schema import Run
 from decodescope.ui.cli import app, console
-from decodescope.ui.cmd_import import SCHEME_HELP, attributed_counts, load_with_progress
+from decodescope.ui.cmd_import import (
+    SCHEME_HELP,
+    attributed_counts,
+    kernels_without_launch,
+    load_with_progress,
+)
 from decodescope.ui.op_floors import op_floors
 from decodescope.ui.render import arrow_table, dumps
 
@@ -213,6 +218,8 @@ def run_summary(run: Run) -> dict[str, Any]:
         "kernels_in_range": in_range,
         "kernels_in_layer": in_layer,
         "kernels_unattributed": n - in_range,
+        # why many are unattributed: their launch is not in the trace (None: every one has it)
+        "kernels_without_launch": kernels_without_launch(run) or None,
         "ranges": run.ranges.num_rows,
         "memops": run.memops.num_rows,
         "dropped_records": dropped_records(run),
