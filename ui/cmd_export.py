@@ -52,14 +52,30 @@ def _connect(dataset: Path):
     for name in TABLES:
         glob = (root / name).as_posix().replace("'", "''") + "/**/*.parquet"
         if (root / name).is_dir() and any((root / name).rglob("*.parquet")):
-            con.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', "
-                "hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
-            )
+            try:
+                con.execute(
+                    f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', "
+                    "hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
+                )
+            except duckdb.Error as e:  # a damaged file: name it (DuckDB reads every footer here)
+                raise _unreadable(root / name, e) from None
     con.execute("SET allowed_directories = ?", [[root.as_posix() + "/"]])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
     return con
+
+
+def _unreadable(table_dir: Path, error: Exception) -> TraceError:
+    """A one-line error naming the first Parquet file under ``table_dir`` that cannot be read
+    (a truncated, empty or foreign file), else the table folder with DuckDB's message."""
+    import pyarrow.parquet as pq
+
+    for f in sorted(table_dir.rglob("*.parquet")):
+        try:
+            pq.read_metadata(f)
+        except (pa.ArrowException, OSError) as e:
+            return TraceError(f, f"not a readable Parquet file ({e})")
+    return TraceError(table_dir, f"unreadable dataset table: {error}")
 
 
 # Statements that only read: SELECT covers WITH, FROM, VALUES, DESCRIBE, SHOW and SUMMARIZE.
