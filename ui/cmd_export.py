@@ -10,7 +10,7 @@ import pyarrow as pa
 import typer
 from rich.markup import escape as rich_escape
 
-from decodescope.analysis.schema import TABLES
+from decodescope.analysis.schema import TABLES, Run
 from decodescope.tracer import dataset as tds
 from decodescope.tracer.errors import TraceError
 from decodescope.ui.cli import UsageError, app, console, err_console
@@ -34,9 +34,16 @@ def export(
         have = tds.run_ids(to) & set(ids)
         if have:
             raise TraceError(to, f"already holds run(s) {', '.join(sorted(have))} (pass --replace)")
-    for path, run in zip(runs, loaded, strict=True):
-        with progress(err_console, f"appending {path}"):
-            where = tds.append_run(run, to, replace=replace)
+    # all or nothing: a run that cannot be written takes the runs appended before it back out
+    current: list[Run] = []
+    try:
+        with progress(err_console, f"appending {len(loaded)} run(s) to {to}"):
+            wheres = tds.append_runs(loaded, to, replace=replace, on_run=current.append)
+    except (OSError, pa.ArrowException) as e:
+        rid = current[-1].run_id if current else "?"
+        why = getattr(e, "strerror", None) or str(e)
+        raise TraceError(to, f"cannot append run {rid}: {why}; nothing was exported") from None
+    for path, where in zip(runs, wheres, strict=True):
         console.print(f"{path} -> {where}", highlight=False, soft_wrap=True)
 
 
