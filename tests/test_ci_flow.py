@@ -34,6 +34,63 @@ def listing(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*")) if d.exists() else []
 
 
+def test_check_refuses_a_baseline_run_of_another_backend():
+    """A specialized run against a standard run (real H200 runs): that was checked silently (the
+    specialized path is faster, so "ok"); now it is refused in one line naming each field that
+    differs, exit 2. ``--allow-setup-mismatch`` compares anyway and says so in the notes."""
+    line = one_line_error(cli("check", SPEC, "--baseline", STD, "--max-regression", "5"))
+    assert "ran another setup" in line and "backend: run specialized, baseline standard" in line
+    assert "tokens_per_seq: run 8, baseline 1" in line and "--allow-setup-mismatch" in line
+    p = cli("check", SPEC, "--baseline", STD, "--max-regression", "5", "--json",
+            "--allow-setup-mismatch")  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    notes = json.loads(p.stdout)["setup_notes"]
+    assert any("tokens_per_seq" in n for n in notes)
+    assert any(n.startswith("different setups") and "backend: run specialized" in n for n in notes)
+
+
+def test_check_json_keeps_every_setup_note(tmp_path):
+    """DERIVED from the real toy graph run: the same kernels recorded as another GPU and batch.
+    With --allow-setup-mismatch the JSON used to carry the first note only (the GPU line was
+    dropped); ``setup_notes`` holds both, as the text output does."""
+    run = tracer.load(TOY_GRAPH)
+    other = tracer.write_run(
+        run.replace(meta=run.meta.replace(run_id="toy-h100", gpu="NVIDIA H100", batch=8)),
+        tmp_path / "other",
+    )
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", other, "--max-regression", "5"))
+    assert "batch: run 1, baseline 8" in line
+    assert "gpu: run NVIDIA H200, baseline NVIDIA H100" in line
+    p = cli("check", TOY_GRAPH, "--baseline", other, "--max-regression", "5", "--json",
+            "--allow-setup-mismatch")  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    notes = json.loads(p.stdout)["setup_notes"]
+    assert len(notes) == 2 and notes[0].startswith("different step shapes")
+    assert notes[1].startswith("different GPUs")
+    text = cli("check", TOY_GRAPH, "--baseline", other, "--max-regression", "5",
+               "--allow-setup-mismatch").stdout  # fmt: skip
+    assert "different GPUs" in text and "different step shapes" in text
+
+
+def test_an_eager_run_is_no_baseline_of_a_graph_run(tmp_path):
+    """The real toy runs (H200, same workload and shapes, eager vs CUDA graph: layer spans 5x
+    apart): the eager run in a dataset served as the graph run's baseline (a 80% "speed-up",
+    ok); graph_mode is now part of the setup, so the dataset has no baseline for it and the eager
+    run alone is refused."""
+    ds = tmp_path / "ds"
+    assert cli("export", TOY_EAGER, "--to", ds).returncode == 0
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "5"))
+    assert "no baseline run" in line and "graph_mode=graph" in line
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", TOY_EAGER, "--max-regression", "5"))
+    assert "graph_mode: run graph, baseline eager" in line
+    # a graph run of the same setup in the dataset is its baseline
+    g2 = tracer.load(TOY_GRAPH)
+    g2 = tracer.write_run(g2.replace(meta=g2.meta.replace(run_id="toy-graph-2")), tmp_path / "g2")
+    assert cli("export", g2, "--to", ds).returncode == 0
+    p = cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "0")
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_query_names_a_corrupt_parquet_file(tmp_path):
     """A real results run exported to a fresh dataset, then one of its files truncated: ``query``
     used to end in DuckDB's traceback; now one line naming the file."""
@@ -89,6 +146,17 @@ def test_export_is_all_or_nothing(tmp_path):
         tracer.load(TOY_EAGER).run_id,
         run.run_id,
     }
+
+
+def test_compare_says_when_one_side_ran_eager():
+    """The real toy runs, eager (A) vs CUDA graph (B): ``compare`` reported "B is 5.24x faster"
+    with no word of the graph modes; it now says so, in the tables and in the JSON."""
+    p = cli("compare", TOY_EAGER, TOY_GRAPH)
+    assert p.returncode == 0, p.stderr
+    assert "different graph modes (ratios include launch overhead): A eager; B graph" in p.stdout
+    js = json.loads(cli("compare", TOY_EAGER, TOY_GRAPH, "--json").stdout)
+    assert any("graph modes" in ln for ln in js["shapes_differ"])
+    assert json.loads(cli("compare", TOY_GRAPH, TOY_GRAPH, "--json").stdout)["shapes_differ"] == []
 
 
 def test_a_failed_replace_puts_the_old_run_back(tmp_path, monkeypatch):

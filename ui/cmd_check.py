@@ -17,10 +17,13 @@ from decodescope.ui.cmd_report import knobs_of
 from decodescope.ui.render import arrow_table, dumps
 
 
-def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dict], list[str]]:
+def _baseline(
+    path: Path, run, scheme: Path | None, allow_mismatch: bool = False
+) -> tuple[list, str, list[dict], list[str]]:
     """The baseline kernels tables, a description of where they came from, the kernel knobs of
-    each baseline run, and a line where a baseline run's step shape differs from the run's (a
-    dataset's baseline runs are chosen with the run's shape)."""
+    each baseline run, and the lines that say how a baseline run's setup differs from the run's
+    (a dataset's baseline runs are chosen with the run's setup; a baseline run of another setup
+    is refused unless ``allow_mismatch``)."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
         ids = layout.select_baseline(runs, run.meta)
@@ -58,12 +61,21 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
         origin = f"dataset {path} ({len(chosen)} run(s) {what}: median of their figures)"
         return [kernels], origin, [knobs[i] for i in chosen], []
     base = load_with_progress(path, scheme)
-    from decodescope.ui.cmd_compare import shape_lines
+    diffs = layout.setup_differences(run.meta, base.meta)
+    if diffs and not allow_mismatch:  # another setup's figures say nothing of a regression
+        raise UsageError(
+            f"{path}: baseline run {base.run_id} ran another setup than run {run.run_id} "
+            f"({'; '.join(diffs)}): not compared (--allow-setup-mismatch compares anyway)"
+        )
+    from decodescope.ui.cmd_compare import SHAPE_FIELDS, shape_lines
 
     shape = [  # a baseline of another step shape (A = the run, B = the baseline): say so
         ln.replace(": A ", ": run ", 1).replace("; B ", "; baseline ", 1)
         for ln in shape_lines(run, base)
     ]
+    other = [d for d in diffs if d.split(":", 1)[0] not in (*SHAPE_FIELDS, "gpu", "graph_mode")]
+    if other:  # what shape_lines does not say (workload, backend)
+        shape.append("different setups (the figures compare different work): " + "; ".join(other))
     return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)], shape
 
 
@@ -123,15 +135,29 @@ def check(
         "(the layer's share of the step: a path under programmatic dependent launch starts a "
         "layer's first kernel before the previous layer ends, which its span counts) or both",
     ),
+    allow_mismatch: bool = typer.Option(
+        False,
+        "--allow-setup-mismatch",
+        help="check against a baseline run of another setup (workload, preset, backend, batch, "
+        "tokens per sequence, tp_shape, tp_world, GPU, graph mode) instead of refusing it; the "
+        "differences are printed as notes",
+    ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Compare a run with a baseline per layer kind; exit 1 if span (or share) or kernel count
-    regressed."""
+    regressed, 0 if not, 2 on bad input or a baseline of another setup.
+
+    Noise: each figure is a median (per layer kind, over its layers and the run's replayed
+    steps); against a dataset, the baseline is the median over all its runs of the run's setup
+    (kernel knobs as described in the baseline line), so one slow baseline run does not move it.
+    A figure regresses when it exceeds baseline x (1 + PCT / 100): pick PCT above the
+    run-to-run spread of the figure on your GPU (two runs of one commit in results/ differ by
+    under 1% per layer kind on the H200)."""
     if metric not in CHECK_METRICS:
         raise UsageError(f"--metric {metric!r}: expected one of {tuple(CHECK_METRICS)}")
     current = load_with_progress(run, scheme)
-    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme)
+    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme, allow_mismatch)
     from decodescope.analysis import metrics
 
     for what, kern in (("the baseline", bases[0]), ("the run", current.kernels)):
@@ -163,6 +189,7 @@ def check(
                     "baseline": origin,
                     "knobs_note": knob_note,
                     "shape_note": shape_note[0] if shape_note else None,
+                    "setup_notes": shape_note,  # every line (shape, GPU, other setup fields)
                     "share_notes": share_notes,
                     "table": result.table,
                 }
