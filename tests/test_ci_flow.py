@@ -105,6 +105,22 @@ def test_query_names_a_corrupt_parquet_file(tmp_path):
     assert str(f) in one_line_error(cli("query", ds, "SELECT 1"))
 
 
+def test_check_names_a_baseline_run_without_kernels(tmp_path):
+    """DERIVED: two copies of the real toy graph run in a dataset, one of them with its kernels
+    partition deleted. The check used to take the other alone while saying "2 run(s)"; now one
+    line naming the run."""
+    ds = tmp_path / "ds"
+    run = tracer.load(TOY_GRAPH)
+    for rid in ("g-1", "g-2"):
+        tds.append_run(run.replace(meta=run.meta.replace(run_id=rid)), ds)
+    (part,) = [p for p in (ds / "kernels").rglob("run_id=g-2")]
+    for f in part.iterdir():
+        f.unlink()
+    part.rmdir()
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "5"))
+    assert "baseline run g-2 has no kernel rows" in line
+
+
 def test_export_replace_moves_a_run_whose_partition_changed(tmp_path):
     """The real toy run exported, then again with --replace after its backend was relabelled:
     the old partition used to stay, leaving two rows of one run id (and doubled kernels under
@@ -181,3 +197,25 @@ def test_a_failed_replace_puts_the_old_run_back(tmp_path, monkeypatch):
     assert listing(ds) == before
     (back,) = tds.read_runs(ds)
     assert back.meta.backend == run.meta.backend and back.kernels.num_rows == run.kernels.num_rows
+
+
+def test_check_refuses_partial_runs(tmp_path):
+    """DERIVED: the real toy graph run marked partial (as a capture that crashed or hung is
+    written). It used to be checked (and pass) as the run or as its baseline; now a partial run
+    is refused in one line, and a dataset's partial runs are left out of its baseline, said."""
+    run = tracer.load(TOY_GRAPH)
+    part = tracer.write_run(run.replace(meta=run.meta.replace(run_id="toy-partial", partial=True)),
+                            tmp_path / "partial")  # fmt: skip
+    line = one_line_error(cli("check", part, "--baseline", TOY_GRAPH, "--max-regression", "5"))
+    assert "run toy-partial is partial" in line
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", part, "--max-regression", "5"))
+    assert "baseline run toy-partial is partial" in line
+    ds = tmp_path / "ds"
+    assert cli("export", part, "--to", ds).returncode == 0
+    line = one_line_error(cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "5"))
+    assert "no baseline run" in line and "1 partial run(s) of that setup left out" in line
+    other = tracer.write_run(run.replace(meta=run.meta.replace(run_id="toy-2")), tmp_path / "t2")
+    assert cli("export", other, "--to", ds).returncode == 0
+    p = cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "5", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout)["baseline"].endswith("1 partial run(s) of the setup left out")

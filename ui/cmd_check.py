@@ -11,6 +11,7 @@ from decodescope.analysis import dataset as layout
 from decodescope.analysis import regress
 from decodescope.analysis.schema import RunMeta
 from decodescope.tracer import dataset as tds
+from decodescope.tracer.errors import TraceError
 from decodescope.ui.cli import UsageError, app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.cmd_report import knobs_of
@@ -26,7 +27,9 @@ def _baseline(
     is refused unless ``allow_mismatch``)."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
-        ids = layout.select_baseline(runs, run.meta)
+        # a partial run (its capture did not finish) is no baseline: left out, and said so
+        partial = layout.select_baseline([r for r in runs if r.get("partial")], run.meta)
+        ids = layout.select_baseline([r for r in runs if not r.get("partial")], run.meta)
         if not ids:
             keys = ", ".join(f"{k}={getattr(run.meta, k)}" for k in layout.BASELINE_KEYS)
             itself = any(r.get("run_id") == run.meta.run_id for r in runs)
@@ -36,6 +39,8 @@ def _baseline(
                 if itself
                 else ""
             )
+            if partial:
+                why += f" ({len(partial)} partial run(s) of that setup left out)"
             raise UsageError(f"{path}: no baseline run with the same {keys}{why}")
         idset = set(ids)
         knobs = {
@@ -58,9 +63,22 @@ def _baseline(
             else ("of the default kernels" if defaults else "with other kernel knobs")
         )
         kernels = tds.read_table(path, "kernels", chosen)
+        have = set(kernels["run_id"].cast("string").unique().to_pylist())
+        empty = [i for i in chosen if i not in have]
+        if empty:  # a runs row without kernels (a damaged dataset or an empty capture): said
+            raise TraceError(
+                path / "kernels",
+                f"baseline run {empty[0]} has no kernel rows (its kernels partition is missing, "
+                "or the capture recorded none"
+                + (f"; {len(empty) - 1} more run(s) too" if len(empty) > 1 else "")
+                + "): re-export the run, or remove it from the dataset",
+            )
         origin = f"dataset {path} ({len(chosen)} run(s) {what}: median of their figures)"
+        if partial:
+            origin += f"; {len(partial)} partial run(s) of the setup left out"
         return [kernels], origin, [knobs[i] for i in chosen], []
     base = load_with_progress(path, scheme)
+    _refuse_partial(path, base, "baseline run")
     diffs = layout.setup_differences(run.meta, base.meta)
     if diffs and not allow_mismatch:  # another setup's figures say nothing of a regression
         raise UsageError(
@@ -77,6 +95,15 @@ def _baseline(
     if other:  # what shape_lines does not say (workload, backend)
         shape.append("different setups (the figures compare different work): " + "; ".join(other))
     return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)], shape
+
+
+def _refuse_partial(path: Path, run, what: str) -> None:
+    """A partial run (a capture that crashed or hung: ``partial`` in its record) measured only
+    part of its steps, maybe none of some layers: neither checked nor a baseline."""
+    if run.meta.partial:
+        raise UsageError(
+            f"{path}: {what} {run.run_id} is partial (its capture did not finish): not compared"
+        )
 
 
 def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) -> str | None:
@@ -157,6 +184,7 @@ def check(
     if metric not in CHECK_METRICS:
         raise UsageError(f"--metric {metric!r}: expected one of {tuple(CHECK_METRICS)}")
     current = load_with_progress(run, scheme)
+    _refuse_partial(run, current, "run")
     bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme, allow_mismatch)
     from decodescope.analysis import metrics
 
