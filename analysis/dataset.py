@@ -23,9 +23,11 @@ from decodescope.analysis.schema import TABLES, RunMeta
 PARTITIONS = ("gpu", "preset", "backend", "run_id")
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
 PART_FILE = "part-0.parquet"
-# columns that must agree for a dataset row to serve as a baseline of a run
+# columns that must agree for a dataset row to serve as a baseline of a run (graph_mode too: an
+# eager step of the same layers takes several times a CUDA graph's replay)
 BASELINE_KEYS = (
-    "workload", "preset", "backend", "batch", "tokens_per_seq", "tp_shape", "tp_world", "gpu"
+    "workload", "preset", "backend", "batch", "tokens_per_seq", "tp_shape", "tp_world", "gpu",
+    "graph_mode",
 )  # fmt: skip
 
 _UNSAFE = set('/\\%=:*?"<>|#\n\r\t')
@@ -85,12 +87,26 @@ def same_setup(
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+def setup_differences(
+    run: RunMeta, baseline: RunMeta, keys: Sequence[str] = BASELINE_KEYS
+) -> list[str]:
+    """``"key: run X, baseline Y"`` for each setup column where a run and a baseline run both
+    record a value and the values differ ([] where they agree). A column one side leaves unset
+    (an imported trace records no preset or batch) is not a difference."""
+    out = []
+    for k in keys:
+        a, b = getattr(run, k, None), getattr(baseline, k, None)
+        if a is not None and b is not None and a != b:
+            out.append(f"{k}: run {a}, baseline {b}")
+    return out
+
+
 def select_baseline(
     runs: Sequence[Mapping[str, Any]], meta: RunMeta, keys: Sequence[str] = BASELINE_KEYS
 ) -> list[str]:
     """run_ids of the dataset rows that can serve as a baseline for ``meta``: same workload,
-    preset, backend, batch, tokens per sequence, tp_shape, tp_world and gpu; never the run
-    itself."""
+    preset, backend, batch, tokens per sequence, tp_shape, tp_world, gpu and graph mode; never
+    the run itself."""
     want = {k: getattr(meta, k) for k in keys}
     return [r["run_id"] for r in runs if r["run_id"] != meta.run_id and same_setup(r, want, keys)]
 

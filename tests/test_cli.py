@@ -194,18 +194,25 @@ def test_check_names_differing_kernel_knobs(work, tmp_path):
 
 def test_check_says_when_the_baseline_ran_another_step_shape():
     """The committed H200 runs of session 19 (TP8, same call): the 32 x 8 verify step against the
-    32 x 1 step as its baseline: the check decides on the figures (a regression: 4 chunks of
-    launches) and says the two ran different step shapes."""
+    32 x 1 step as its baseline is refused (one line naming the field; exit 2, not a
+    "regression"); with --allow-setup-mismatch the check decides on the figures (a regression: 4
+    chunks of launches) and says the two ran different step shapes."""
     results = Path(__file__).resolve().parent.parent / "results"
     run, base = f"{results}@specialized-20261202T100146", f"{results}@specialized-20261202T100041"
-    p = cli("check", run, "--baseline", base, "--max-regression", "5")
+    line = one_line_error(cli("check", run, "--baseline", base, "--max-regression", "5"))
+    assert "ran another setup" in line and "tokens_per_seq: run 8, baseline 1" in line
+    allow = ["--allow-setup-mismatch"]
+    p = cli("check", run, "--baseline", base, "--max-regression", "5", *allow)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "note: different step shapes (ratios compare different work): run tokens_per_seq 8; " \
         "baseline tokens_per_seq 1" in " ".join(p.stdout.split())  # fmt: skip
-    js = json.loads(cli("check", run, "--baseline", base, "--max-regression", "5", "--json").stdout)
+    js = json.loads(
+        cli("check", run, "--baseline", base, "--max-regression", "5", "--json", *allow).stdout
+    )
     assert js["shape_note"].endswith("run tokens_per_seq 8; baseline tokens_per_seq 1")
+    assert js["setup_notes"] == [js["shape_note"]]
     same = cli("check", run, "--baseline", run, "--max-regression", "5", "--json").stdout
-    assert json.loads(same)["shape_note"] is None
+    assert json.loads(same)["shape_note"] is None and json.loads(same)["setup_notes"] == []
 
 
 def test_check_against_dataset(work, tmp_path):

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,50 +46,134 @@ def run_ids(path: str | os.PathLike[str]) -> set[str]:
     return out
 
 
-def append_run(run: Run, dataset: str | os.PathLike[str], *, replace: bool = False) -> Path:
-    """Append one run: each table into its partition folder (temporary name, then renamed);
-    ``runs`` last, so a run is listed only once all its tables are there. On failure nothing of
-    this run is left behind."""
-    root = Path(dataset)
+def _check_root(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise TraceError(root, "exists and is not a folder: a dataset is a folder")
     if root.is_dir() and any(root.iterdir()) and not (root / "runs").is_dir():
         raise TraceError(root, "is a non-empty folder but not a decodescope dataset (no runs/)")
-    dirs = _run_dirs(root, run.meta)
-    if dirs["runs"].exists():
-        if not replace:
+
+
+def _partitions_of(root: Path, run_id: str) -> list[Path]:
+    """Every partition folder of ``run_id`` in every table, wherever its gpu, preset and backend
+    placed it (a run re-exported with other metadata lives under other partition values)."""
+    out = []
+    for name in TABLES:
+        sub = root / name
+        if not sub.is_dir():
+            continue
+        for p in sub.glob("*/*/*/run_id=*"):
+            if p.is_dir() and layout.decode_value(p.name.split("=", 1)[1]) == run_id:
+                out.append(p)
+    return out
+
+
+class _Append:
+    """Appends runs all or nothing: each table is written to a temporary name and renamed; a
+    replaced run's folders are moved aside (``DATASET/.replaced-*``, which no reader sees) and
+    dropped only once every run is in; on failure what was written goes, what was moved aside
+    comes back, and folders this append made and left empty are removed."""
+
+    def __init__(self, root: Path, replace: bool) -> None:
+        _check_root(root)
+        self.root, self.replace = root, replace
+        self.made_root = not root.exists()
+        self.written: list[Path] = []
+        self.parents: list[Path] = []  # the folders partitions went into (made here, maybe)
+        self.moved: list[tuple[Path, Path]] = []  # (where it was, where it went)
+        self.aside: Path | None = None
+
+    def add(self, run: Run) -> Path:
+        root = self.root
+        dirs = _run_dirs(root, run.meta)
+        old = _partitions_of(root, run.run_id)
+        if old and not self.replace and any(p.is_relative_to(root / "runs") for p in old):
             raise TraceError(root, f"already holds run {run.run_id!r} (pass replace to overwrite)")
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
-    order = ["kernels", "ranges", "memops", "overheads", "runs"]
-    tables = run.tables()
-    done: list[Path] = []
-    try:
-        for name in order:
+        for p in old:
+            if self.aside is None:
+                self.aside = Path(tempfile.mkdtemp(prefix=".replaced-", dir=root))
+            dest = self.aside / str(len(self.moved))
+            os.replace(p, dest)
+            self.moved.append((p, dest))
+        tables = run.tables()
+        for name in ["kernels", "ranges", "memops", "overheads", "runs"]:  # runs last
             target = dirs[name]
+            self.parents.append(target.parent)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
             try:
                 t = layout.strip_partitions(tables[name])
                 pq.write_table(t, tmp / layout.PART_FILE, compression="zstd")
-                if target.exists():
-                    shutil.rmtree(target)
                 os.replace(tmp, target)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            done.append(target)
-    except BaseException:
-        for d in done:
+            self.written.append(target)
+        return dirs["runs"]
+
+    def commit(self) -> None:
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+        for was, _ in self.moved:  # a replaced run's partition folders, if now empty
+            self._prune(was.parent)
+
+    def rollback(self) -> None:
+        for d in reversed(self.written):
             shutil.rmtree(d, ignore_errors=True)
-        raise
-    return dirs["runs"]
+        for was, now in reversed(self.moved):
+            with contextlib.suppress(OSError):
+                was.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(now, was)
+        if self.aside is not None:
+            shutil.rmtree(self.aside, ignore_errors=True)
+        for d in self.parents:  # the partition folders this append made, now empty
+            self._prune(d)
+        if self.made_root:
+            self._prune(self.root / "runs")
+            for name in TABLES:
+                with contextlib.suppress(OSError):
+                    (self.root / name).rmdir()
+            with contextlib.suppress(OSError):
+                self.root.rmdir()
+
+    def _prune(self, d: Path) -> None:
+        while d != self.root and self.root in d.parents:
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            d = d.parent
+
+
+def append_run(run: Run, dataset: str | os.PathLike[str], *, replace: bool = False) -> Path:
+    """Append one run: each table into its partition folder (temporary name, then renamed);
+    ``runs`` last, so a run is listed only once all its tables are there. ``replace`` swaps out
+    the run of the same id wherever it lies. On failure nothing of this run is left behind, and
+    a run it was replacing is back as it was."""
+    return append_runs([run], dataset, replace=replace)[0]
 
 
 def append_runs(
-    runs: Iterable[Run], dataset: str | os.PathLike[str], *, replace: bool = False
+    runs: Iterable[Run],
+    dataset: str | os.PathLike[str],
+    *,
+    replace: bool = False,
+    on_run: Callable[[Run], object] | None = None,
 ) -> list[Path]:
-    return [append_run(r, dataset, replace=replace) for r in runs]
+    """Append runs all or nothing (as :func:`append_run` each; ``on_run`` is called with each
+    run before it is written): on failure the runs appended before the one that failed are
+    removed again and the dataset is as it was."""
+    job = _Append(Path(dataset), replace)
+    out = []
+    try:
+        for r in runs:
+            if on_run is not None:
+                on_run(r)
+            out.append(job.add(r))
+    except BaseException:
+        job.rollback()
+        raise
+    job.commit()
+    return out
 
 
 def _partitioning() -> ds.Partitioning:

@@ -11,19 +11,25 @@ from decodescope.analysis import dataset as layout
 from decodescope.analysis import regress
 from decodescope.analysis.schema import RunMeta
 from decodescope.tracer import dataset as tds
+from decodescope.tracer.errors import TraceError
 from decodescope.ui.cli import UsageError, app, console
 from decodescope.ui.cmd_import import SCHEME_HELP, load_with_progress
 from decodescope.ui.cmd_report import knobs_of
 from decodescope.ui.render import arrow_table, dumps
 
 
-def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dict], list[str]]:
+def _baseline(
+    path: Path, run, scheme: Path | None, allow_mismatch: bool = False
+) -> tuple[list, str, list[dict], list[str]]:
     """The baseline kernels tables, a description of where they came from, the kernel knobs of
-    each baseline run, and a line where a baseline run's step shape differs from the run's (a
-    dataset's baseline runs are chosen with the run's shape)."""
+    each baseline run, and the lines that say how a baseline run's setup differs from the run's
+    (a dataset's baseline runs are chosen with the run's setup; a baseline run of another setup
+    is refused unless ``allow_mismatch``)."""
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
-        ids = layout.select_baseline(runs, run.meta)
+        # a partial run (its capture did not finish) is no baseline: left out, and said so
+        partial = layout.select_baseline([r for r in runs if r.get("partial")], run.meta)
+        ids = layout.select_baseline([r for r in runs if not r.get("partial")], run.meta)
         if not ids:
             keys = ", ".join(f"{k}={getattr(run.meta, k)}" for k in layout.BASELINE_KEYS)
             itself = any(r.get("run_id") == run.meta.run_id for r in runs)
@@ -33,6 +39,8 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
                 if itself
                 else ""
             )
+            if partial:
+                why += f" ({len(partial)} partial run(s) of that setup left out)"
             raise UsageError(f"{path}: no baseline run with the same {keys}{why}")
         idset = set(ids)
         knobs = {
@@ -55,16 +63,47 @@ def _baseline(path: Path, run, scheme: Path | None) -> tuple[list, str, list[dic
             else ("of the default kernels" if defaults else "with other kernel knobs")
         )
         kernels = tds.read_table(path, "kernels", chosen)
+        have = set(kernels["run_id"].cast("string").unique().to_pylist())
+        empty = [i for i in chosen if i not in have]
+        if empty:  # a runs row without kernels (a damaged dataset or an empty capture): said
+            raise TraceError(
+                path / "kernels",
+                f"baseline run {empty[0]} has no kernel rows (its kernels partition is missing, "
+                "or the capture recorded none"
+                + (f"; {len(empty) - 1} more run(s) too" if len(empty) > 1 else "")
+                + "): re-export the run, or remove it from the dataset",
+            )
         origin = f"dataset {path} ({len(chosen)} run(s) {what}: median of their figures)"
+        if partial:
+            origin += f"; {len(partial)} partial run(s) of the setup left out"
         return [kernels], origin, [knobs[i] for i in chosen], []
     base = load_with_progress(path, scheme)
-    from decodescope.ui.cmd_compare import shape_lines
+    _refuse_partial(path, base, "baseline run")
+    diffs = layout.setup_differences(run.meta, base.meta)
+    if diffs and not allow_mismatch:  # another setup's figures say nothing of a regression
+        raise UsageError(
+            f"{path}: baseline run {base.run_id} ran another setup than run {run.run_id} "
+            f"({'; '.join(diffs)}): not compared (--allow-setup-mismatch compares anyway)"
+        )
+    from decodescope.ui.cmd_compare import SHAPE_FIELDS, shape_lines
 
     shape = [  # a baseline of another step shape (A = the run, B = the baseline): say so
         ln.replace(": A ", ": run ", 1).replace("; B ", "; baseline ", 1)
         for ln in shape_lines(run, base)
     ]
+    other = [d for d in diffs if d.split(":", 1)[0] not in (*SHAPE_FIELDS, "gpu", "graph_mode")]
+    if other:  # what shape_lines does not say (workload, backend)
+        shape.append("different setups (the figures compare different work): " + "; ".join(other))
     return [base.kernels], f"run {base.run_id}", [knobs_of(base.meta)], shape
+
+
+def _refuse_partial(path: Path, run, what: str) -> None:
+    """A partial run (a capture that crashed or hung: ``partial`` in its record) measured only
+    part of its steps, maybe none of some layers: neither checked nor a baseline."""
+    if run.meta.partial:
+        raise UsageError(
+            f"{path}: {what} {run.run_id} is partial (its capture did not finish): not compared"
+        )
 
 
 def knob_difference(current: dict[str, str], baselines: list[dict[str, str]]) -> str | None:
@@ -123,15 +162,30 @@ def check(
         "(the layer's share of the step: a path under programmatic dependent launch starts a "
         "layer's first kernel before the previous layer ends, which its span counts) or both",
     ),
+    allow_mismatch: bool = typer.Option(
+        False,
+        "--allow-setup-mismatch",
+        help="check against a baseline run of another setup (workload, preset, backend, batch, "
+        "tokens per sequence, tp_shape, tp_world, GPU, graph mode) instead of refusing it; the "
+        "differences are printed as notes",
+    ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
     """Compare a run with a baseline per layer kind; exit 1 if span (or share) or kernel count
-    regressed."""
+    regressed, 0 if not, 2 on bad input or a baseline of another setup.
+
+    Noise: each figure is a median (per layer kind, over its layers and the run's replayed
+    steps); against a dataset, the baseline is the median over all its runs of the run's setup
+    (kernel knobs as described in the baseline line), so one slow baseline run does not move it.
+    A figure regresses when it exceeds baseline x (1 + PCT / 100): pick PCT above the
+    run-to-run spread of the figure on your GPU (two runs of one commit in results/ differ by
+    under 1% per layer kind on the H200)."""
     if metric not in CHECK_METRICS:
         raise UsageError(f"--metric {metric!r}: expected one of {tuple(CHECK_METRICS)}")
     current = load_with_progress(run, scheme)
-    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme)
+    _refuse_partial(run, current, "run")
+    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme, allow_mismatch)
     from decodescope.analysis import metrics
 
     for what, kern in (("the baseline", bases[0]), ("the run", current.kernels)):
@@ -163,6 +217,7 @@ def check(
                     "baseline": origin,
                     "knobs_note": knob_note,
                     "shape_note": shape_note[0] if shape_note else None,
+                    "setup_notes": shape_note,  # every line (shape, GPU, other setup fields)
                     "share_notes": share_notes,
                     "table": result.table,
                 }

@@ -74,8 +74,8 @@ SHAPE_FIELDS = ("preset", "tp_shape", "tp_world", "batch", "tokens_per_seq")
 def shape_lines(a: Run, b: Run) -> list[str]:
     """One line naming the step shapes where A and B were captured at different ones (preset,
     tp_shape, tp_world, batch, tokens per sequence; fields a side does not record are left out):
-    their layers then do different work, and the ratios are not a speedup; and a line where they
-    ran on different GPUs. [] where they agree."""
+    their layers then do different work, and the ratios are not a speedup; and a line each where
+    they ran on different GPUs or in different graph modes. [] where they agree."""
     diff = [
         f
         for f in SHAPE_FIELDS
@@ -87,6 +87,9 @@ def shape_lines(a: Run, b: Run) -> list[str]:
     ga, gb = a.meta.gpu, b.meta.gpu
     if ga and gb and ga != gb:
         out.append(f"different GPUs (ratios compare different hardware): A {ga}; B {gb}")
+    ma, mb = a.meta.graph_mode, b.meta.graph_mode
+    if ma and mb and ma != mb:  # eager launches vs a CUDA graph's replay: launch gaps differ
+        out.append(f"different graph modes (ratios include launch overhead): A {ma}; B {mb}")
     if not diff:
         return out
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import typer
 from rich.markup import escape as rich_escape
 
-from decodescope.analysis.schema import TABLES
+from decodescope.analysis.schema import TABLES, Run
 from decodescope.tracer import dataset as tds
 from decodescope.tracer.errors import TraceError
 from decodescope.ui.cli import UsageError, app, console, err_console
@@ -34,9 +34,16 @@ def export(
         have = tds.run_ids(to) & set(ids)
         if have:
             raise TraceError(to, f"already holds run(s) {', '.join(sorted(have))} (pass --replace)")
-    for path, run in zip(runs, loaded, strict=True):
-        with progress(err_console, f"appending {path}"):
-            where = tds.append_run(run, to, replace=replace)
+    # all or nothing: a run that cannot be written takes the runs appended before it back out
+    current: list[Run] = []
+    try:
+        with progress(err_console, f"appending {len(loaded)} run(s) to {to}"):
+            wheres = tds.append_runs(loaded, to, replace=replace, on_run=current.append)
+    except (OSError, pa.ArrowException) as e:
+        rid = current[-1].run_id if current else "?"
+        why = getattr(e, "strerror", None) or str(e)
+        raise TraceError(to, f"cannot append run {rid}: {why}; nothing was exported") from None
+    for path, where in zip(runs, wheres, strict=True):
         console.print(f"{path} -> {where}", highlight=False, soft_wrap=True)
 
 
@@ -52,14 +59,30 @@ def _connect(dataset: Path):
     for name in TABLES:
         glob = (root / name).as_posix().replace("'", "''") + "/**/*.parquet"
         if (root / name).is_dir() and any((root / name).rglob("*.parquet")):
-            con.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', "
-                "hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
-            )
+            try:
+                con.execute(
+                    f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{glob}', "
+                    "hive_partitioning = true, hive_types_autocast = false, union_by_name = true)"
+                )
+            except duckdb.Error as e:  # a damaged file: name it (DuckDB reads every footer here)
+                raise _unreadable(root / name, e) from None
     con.execute("SET allowed_directories = ?", [[root.as_posix() + "/"]])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
     return con
+
+
+def _unreadable(table_dir: Path, error: Exception) -> TraceError:
+    """A one-line error naming the first Parquet file under ``table_dir`` that cannot be read
+    (a truncated, empty or foreign file), else the table folder with DuckDB's message."""
+    import pyarrow.parquet as pq
+
+    for f in sorted(table_dir.rglob("*.parquet")):
+        try:
+            pq.read_metadata(f)
+        except (pa.ArrowException, OSError) as e:
+            return TraceError(f, f"not a readable Parquet file ({e})")
+    return TraceError(table_dir, f"unreadable dataset table: {error}")
 
 
 # Statements that only read: SELECT covers WITH, FROM, VALUES, DESCRIBE, SHOW and SUMMARIZE.
