@@ -64,17 +64,21 @@ def test_pair_floor_is_the_faster_copy():
 def test_standard_side_is_the_vllm_baseline():
     """Session 39's verify-step runs (eb1204e) ran on a GPU machine without vLLM's compiled ops:
     their standard runs used the project's stand-ins (a torch ``moe_align`` of some 30 launches,
-    54 kernels per KDA layer at TP8 32x8 against 22). The tables keep the newest standard run
-    with vLLM's ops (ae03bef) beside the newest specialized one; the other stays in the dataset."""
+    54 kernels per KDA layer at TP8 32x8 against 22). They are kept apart from ``results/``
+    (``notes/gpu-logs/s39/std_no_vllm``); read with it, the tables keep the newest standard run
+    with vLLM's ops (ae03bef) beside the newest specialized one."""
     from decodescope.tracer.dataset import read_runs
     from decodescope.ui.cmd_demo import _pairs, without_vllm
 
-    runs = read_runs(ROOT / "results")
+    runs = read_runs(ROOT / "results") + read_runs(ROOT / "notes/gpu-logs/s39/std_no_vllm")
     by_id = {r.run_id: r for r in runs}
     new = by_id["standard-20261205T023411-a8683b"]  # TP8 32x8, eb1204e, no vLLM ops
     old = by_id["standard-20261204T182246-263a94"]  # TP8 32x8, ae03bef, vLLM's ops
     assert without_vllm(new.meta) and not without_vllm(old.meta)
+    assert new.meta.created_at > old.meta.created_at
     pair = _pairs(runs)[("kimi-k3", 8, 1, 32, 8)]
     assert pair["standard"].run_id == old.run_id
     assert (pair["specialized"].meta.git_commit or "").startswith("eb1204e")
     assert not any(without_vllm(r.meta) for by in _pairs(runs).values() for r in by.values())
+    only_new = _pairs([new])[("kimi-k3", 8, 1, 32, 8)]  # no run with vLLM's ops: shown
+    assert only_new["standard"].run_id == new.run_id
