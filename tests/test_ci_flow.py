@@ -219,3 +219,28 @@ def test_check_refuses_partial_runs(tmp_path):
     p = cli("check", TOY_GRAPH, "--baseline", ds, "--max-regression", "5", "--json")
     assert p.returncode == 0, p.stdout + p.stderr
     assert json.loads(p.stdout)["baseline"].endswith("1 partial run(s) of the setup left out")
+
+
+def test_check_last_takes_the_newest_runs_of_the_setup():
+    """``--last N`` against the real results dataset: the TP8 batch-1 (1+7 tokens) specialized
+    run is checked against the N newest other runs of its setup only (the whole history by
+    default); the baseline line says how many of how many. ``--last`` with one baseline run is
+    a one-line error."""
+    p = cli("check", SPEC, "--baseline", str(RESULTS), "--max-regression", "50", "--json")
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    everything = json.loads(p.stdout)["baseline"]
+    n_all = int(everything.split("(", 1)[1].split(" run(s)", 1)[0])
+    assert n_all > 2
+    p = cli("check", SPEC, "--baseline", str(RESULTS), "--max-regression", "50", "--json",
+            "--last", "2")  # fmt: skip
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    origin = json.loads(p.stdout)["baseline"]
+    assert (
+        origin.startswith(f"dataset {RESULTS} (2 run(s) ") and f"the 2 newest of {n_all}" in origin
+    )
+    p = cli("check", SPEC, "--baseline", str(RESULTS), "--max-regression", "50", "--json",
+            "--last", str(n_all + 5))  # fmt: skip
+    assert json.loads(p.stdout)["baseline"] == everything  # more than there are: all of them
+    line = one_line_error(cli("check", SPEC, "--baseline", STD, "--max-regression", "5",
+                              "--last", "2"))  # fmt: skip
+    assert "--last chooses among a dataset's runs" in line

@@ -19,12 +19,14 @@ from decodescope.ui.render import arrow_table, dumps
 
 
 def _baseline(
-    path: Path, run, scheme: Path | None, allow_mismatch: bool = False
+    path: Path, run, scheme: Path | None, allow_mismatch: bool = False, last: int | None = None
 ) -> tuple[list, str, list[dict], list[str]]:
     """The baseline kernels tables, a description of where they came from, the kernel knobs of
     each baseline run, and the lines that say how a baseline run's setup differs from the run's
-    (a dataset's baseline runs are chosen with the run's setup; a baseline run of another setup
-    is refused unless ``allow_mismatch``)."""
+    (a dataset's baseline runs are chosen with the run's setup, the ``last`` newest of them
+    where given; a baseline run of another setup is refused unless ``allow_mismatch``)."""
+    if last is not None and not tds.is_dataset(path):
+        raise UsageError(f"{path}: --last chooses among a dataset's runs; this is one run")
     if tds.is_dataset(path):
         runs = tds.read_table(path, "runs").to_pylist()
         # a partial run (its capture did not finish) is no baseline: left out, and said so
@@ -62,6 +64,11 @@ def _baseline(
             if same
             else ("of the default kernels" if defaults else "with other kernel knobs")
         )
+        n_setup = len(chosen)
+        if last is not None and last < len(chosen):  # the newest: a baseline of recent history
+            when = {r["run_id"]: str(r.get("created_at") or "") for r in runs}
+            chosen = sorted(chosen, key=lambda i: (when.get(i, ""), i))[-last:]
+            what += f", the {last} newest of {n_setup}"
         kernels = tds.read_table(path, "kernels", chosen)
         have = set(kernels["run_id"].cast("string").unique().to_pylist())
         empty = [i for i in chosen if i not in have]
@@ -169,6 +176,13 @@ def check(
         "tokens per sequence, tp_shape, tp_world, GPU, graph mode) instead of refusing it; the "
         "differences are printed as notes",
     ),
+    last: int | None = typer.Option(
+        None,
+        "--last",
+        min=1,
+        help="against a dataset: only its N newest runs of the run's setup form the baseline "
+        "(default: all of them, the whole history)",
+    ),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     scheme: Path | None = typer.Option(None, "--scheme", help=SCHEME_HELP),
 ) -> None:
@@ -177,7 +191,9 @@ def check(
 
     Noise: each figure is a median (per layer kind, over its layers and the run's replayed
     steps); against a dataset, the baseline is the median over all its runs of the run's setup
-    (kernel knobs as described in the baseline line), so one slow baseline run does not move it.
+    (kernel knobs as described in the baseline line), so one slow baseline run does not move it;
+    ``--last N`` keeps the N newest of them, so that an old slow period does not hide a
+    regression against the recent runs.
     A figure regresses when it exceeds baseline x (1 + PCT / 100): pick PCT above the
     run-to-run spread of the figure on your GPU (two runs of one commit in results/ differ by
     under 1% per layer kind on the H200)."""
@@ -185,7 +201,9 @@ def check(
         raise UsageError(f"--metric {metric!r}: expected one of {tuple(CHECK_METRICS)}")
     current = load_with_progress(run, scheme)
     _refuse_partial(run, current, "run")
-    bases, origin, base_knobs, shape_note = _baseline(baseline, current, scheme, allow_mismatch)
+    bases, origin, base_knobs, shape_note = _baseline(
+        baseline, current, scheme, allow_mismatch, last
+    )
     from decodescope.analysis import metrics
 
     for what, kern in (("the baseline", bases[0]), ("the run", current.kernels)):
