@@ -65,6 +65,27 @@ def load() -> str | None:
     return how or None
 
 
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def missing() -> str | None:
+    """Why vLLM's compiled ops cannot be there, found without loading anything (None: a source
+    exists: vllm is importable, or ``$VLLM_OPS_DIR`` holds both libraries). A source that exists
+    can still fail to load; :func:`load` then records why."""
+    if vllm_installed():
+        return None
+    d = os.environ.get("VLLM_OPS_DIR", "")
+    if not d:
+        return "vllm is not installed and VLLM_OPS_DIR is not set"
+    lacking = [n for n in LIBS if not glob.glob(os.path.join(d, "**", n), recursive=True)]
+    if lacking:
+        return f"VLLM_OPS_DIR={d} lacks {', '.join(lacking)}"
+    return None
+
+
 def errors() -> list[str]:
     return list(_state["errors"])
 

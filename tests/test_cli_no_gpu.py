@@ -290,3 +290,43 @@ def test_default_capture_folder_name_needs_no_quoting():
 
     assert _folder_name("print(1)") == "print_1"
     assert _folder_name("train.py") == "train.py" and _folder_name("()") == "capture"
+
+
+NO_VLLM = Path(__file__).resolve().parent.parent / "notes/gpu-logs/s39/std_no_vllm"
+
+
+def test_bench_require_vllm_ops(captures, tmp_path, monkeypatch):
+    """--require-vllm-ops: without vllm or VLLM_OPS_DIR, one line before any capture (the
+    standard path would not be the vLLM baseline); specialized alone needs none. With a
+    source there but a standard run that ran without the ops (the real session-39 run of a
+    machine without them), that job is a failure line, kept out of --out, exit 1."""
+    from decodescope.kernels import vllm_ops
+
+    monkeypatch.delenv("VLLM_OPS_DIR", raising=False)
+    monkeypatch.setattr(vllm_ops, "vllm_installed", lambda: False)
+    one_line_error(cli("bench", "--batch", "1", "--require-vllm-ops"), "--require-vllm-ops",
+                   "vllm is not installed and VLLM_OPS_DIR is not set")  # fmt: skip
+    assert captures == []
+    d = tmp_path / "ops"
+    d.mkdir()
+    (d / vllm_ops.LIBS[0]).write_bytes(b"")
+    monkeypatch.setenv("VLLM_OPS_DIR", str(d))
+    line = one_line_error(cli("bench", "--batch", "1", "--require-vllm-ops"), "lacks")
+    assert vllm_ops.LIBS[1] in line and captures == []
+    p = cli("bench", "--batch", "1", "--backends", "specialized", "--require-vllm-ops",
+            "--runs-dir", tmp_path / "r0")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    (d / vllm_ops.LIBS[1]).write_bytes(b"")  # both there: the check passes
+    (no_ops,) = read_runs(NO_VLLM, ["standard-20261205T023411-a8683b"])
+
+    def fake(spec, out, timeout, echo=True, **kw):
+        write_run(no_ops, out, overwrite=True)
+        return cap.CaptureResult(run=no_ops, out=out, ok=True, message=None, returncode=0)
+
+    monkeypatch.setattr(cap, "run_capture", fake)
+    p = cli("bench", "--batch", "32", "--spec-verify", "7", "--verify-only", "--backends",
+            "standard", "--require-vllm-ops", "--out", tmp_path / "ds",
+            "--runs-dir", tmp_path / "r1")  # fmt: skip
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "WITHOUT vLLM's compiled ops" in p.stderr and "(--require-vllm-ops)" in p.stderr
+    assert not (tmp_path / "ds" / "runs").exists() or run_ids(tmp_path / "ds") == []

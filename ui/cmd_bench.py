@@ -482,6 +482,13 @@ def bench_cmd(
         help="Specialized path's reductions at --tp-world 2: fused (inside its kernels, peer "
         "memory) | nccl (explicit NCCL all-reduce launches around its single-GPU kernels).",
     ),
+    require_vllm_ops: bool = typer.Option(
+        False,
+        "--require-vllm-ops",
+        help="Refuse to run (exit 2) where vLLM's compiled ops are not there (vllm installed, or "
+        "VLLM_OPS_DIR), and keep a standard run that ran without them out of --out: without "
+        "them the standard path is not the vLLM baseline.",
+    ),
 ) -> None:
     """Run both decode paths under CUDA graphs, capture, and print the reference-style table
     (``BENCH_HELP``, what ``--help`` shows)."""
@@ -510,6 +517,15 @@ def bench_cmd(
         why = folder_problem(runs_dir)
         if why:
             raise UsageError(f"--runs-dir {runs_dir}: {why}")
+    if require_vllm_ops and "standard" in bks:
+        from decodescope.kernels import vllm_ops
+
+        why = vllm_ops.missing()
+        if why:
+            raise UsageError(
+                f"--require-vllm-ops: vLLM's compiled ops are not there ({why}); without them the "
+                "standard path is not the vLLM baseline"
+            )
     require_cuda_driver("bench")
     tps_list = ([] if verify_only else [1]) + ([1 + spec_verify] if spec_verify else [])
     jobs = [(b, n, t) for t in tps_list for n in batches for b in bks]
@@ -569,6 +585,13 @@ def bench_cmd(
                 progress.advance(task)
                 continue
             run = tracer.load(res.out)
+            if require_vllm_ops and backend == "standard":
+                from decodescope.ui.cmd_demo import without_vllm
+
+                if without_vllm(run.meta):  # found but not loaded: not the baseline asked for
+                    failures.append(f"{name}: {impl_line(run)} (--require-vllm-ops)")
+                    progress.advance(task)
+                    continue
             runs.append(run)
             if out is not None:  # each run as it completes: a later failure or timeout keeps it
                 from decodescope.tracer.dataset import append_run

@@ -796,6 +796,25 @@ part52c=(
   "110:v16x2:$X52 $B52 --tp-shape 16 --json $R/v16x2.json"
   "110:v16d2:$B52 --tp-shape 16 --json $R/v16d2.json"
 )
+# Part 53 (session 39, staged; one H200, no vLLM parts needed): where the MLA decode's 141-258
+# us go at the verify steps past 64 tokens (the split kernel's phase timelines, `split trace`,
+# against the standard path's kernels for the same ops), and what slowed the experts by about 1%
+# at TP8 64x8 in part 52's runs with KDA and MLA layers in one process: the new defaults against
+# the old paths, then each MLA knob off alone. Prediction: notes/specialized.md "Part 53".
+B53="decodescope bench --backends specialized --layers kda,mla --batch 64 --spec-verify 7 --verify-only --tp-shape 8 --out $R/ab"
+OLD53="DECODESCOPE_WIDE_BACK=add DECODESCOPE_WIDE_AG=0 DECODESCOPE_MLA_SPLIT_WAVES=0"
+part53a=(
+  "260:mtrace:python scripts/gpu_mla_tc.py --out $R/mtrace --tp 8 16 --points 32x8 64x8 --variants split 'split trace' --no-sweep --no-diag --budget 230"
+  "90:p8n:$B53 --json $R/p8n.json"
+  "90:p8o:$OLD53 $B53 --json $R/p8o.json"
+)
+part53b=(
+  "90:p8o2:$OLD53 $B53 --json $R/p8o2.json"
+  "90:p8n2:$B53 --json $R/p8n2.json"
+  "90:p8ag0:DECODESCOPE_WIDE_AG=0 $B53 --json $R/p8ag0.json"
+  "90:p8wv0:DECODESCOPE_MLA_SPLIT_WAVES=0 $B53 --json $R/p8wv0.json"
+  "90:p8bk0:DECODESCOPE_WIDE_BACK=add $B53 --json $R/p8bk0.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -878,5 +897,7 @@ case "${1:-1}" in
   52a) exec bash "$here/run_stages.sh" "${part52a[@]}" ;;
   52b) exec bash "$here/run_stages.sh" "${part52b[@]}" ;;
   52c) exec bash "$here/run_stages.sh" "${part52c[@]}" ;;
+  53a) exec bash "$here/run_stages.sh" "${part53a[@]}" ;;
+  53b) exec bash "$here/run_stages.sh" "${part53b[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b, 50a-b, 51a-b or 52a-c, got '$1'" >&2; exit 2 ;;
 esac
