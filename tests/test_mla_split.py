@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 # the package's interface module first: it sets CUTE_DSL_ARCH (sm_90a) before cutlass loads
 pytest.importorskip("decodescope.kernels.specialized.interface")
 
-from decodescope.kernels.config import get_config  # noqa: E402
+from decodescope.kernels.config import LayerSpec, get_config  # noqa: E402
 from decodescope.kernels.reference import rel_l2  # noqa: E402
 from decodescope.kernels.specialized import interface as itf  # noqa: E402
 from decodescope.kernels.specialized import mla_decode as mla  # noqa: E402
@@ -652,3 +652,92 @@ def test_tail_auto(tail_env, monkeypatch):
     assert msp.plan_for(cfg, 8, 1).tail == 0 and msp.plan_for(cfg, 8, 1).splits == 8
     monkeypatch.setenv("DECODESCOPE_MLA_SPLIT_TAIL", "1")
     assert msp.plan_for(cfg, 1, 1).tail == 1
+
+
+@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64)])
+def test_qnorm_compiles_and_adds_only_the_rstd(tp, batch):
+    """``qnorm`` (``DECODESCOPE_WIDE_QNORM``): the plan compiles for sm_90a at the verify steps
+    past 64 tokens; its PTX adds one ``rsqrt`` (the q_a rstd), one warp reduction (5 shuffles)
+    and the four score scalings over the plan without it, which stays as it was."""
+    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, 8)
+    p1 = dataclasses.replace(p0, qnorm=1)
+    x0 = itf.ptx_text(msp.MLADecodeSplit(p0), *msp._fake_args(p0))
+    x1 = itf.ptx_text(msp.MLADecodeSplit(p1), *msp._fake_args(p1))
+    assert x1.count("rsqrt") == x0.count("rsqrt") + 1
+    assert x1.count("shfl.sync") == x0.count("shfl.sync") + 5
+    assert x1.count("mul.f32") == x0.count("mul.f32") + 4
+    with pytest.raises(ValueError, match="qnorm 0 or 1"):
+        dataclasses.replace(p0, qnorm=2)
+
+
+def test_qnorm_reference_is_the_normalized_q():
+    """The algebra the ``qnorm`` kernel rests on, in the FP32 reference on the CPU (TP16, one
+    sequence of 1+7 tokens, random weights): q_b on the raw ``q_a`` with the norm weight folded
+    in, the scores times each row's ``q_a`` rstd (``q_raw``), gives the output of q_b on the
+    normalized ``q_a``, within BF16 rounding; without the rstd it does not."""
+    from decodescope.kernels.specialized.tile_gemm import fold_norm_weight
+    from decodescope.kernels.weights import make_state
+
+    cfg = get_config("kimi-k3", 16)
+    m, nh, T = cfg.mla, cfg.mla_heads, 8
+    g = torch.Generator().manual_seed(5)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    s = m.kv_lora_rank**-0.5
+    w = {"kv_a_norm": (1 + 0.1 * torch.randn(m.kv_lora_rank, generator=g)).to(torch.bfloat16),
+         "w_uk": rnd(nh, m.qk_nope_head_dim, m.kv_lora_rank, std=s),
+         "w_uv": rnd(nh, m.kv_lora_rank, m.v_head_dim, std=s),
+         "q_a_norm": (1 + 0.1 * torch.randn(m.q_lora_rank, generator=g)).to(torch.bfloat16),
+         "q_b": rnd(cfg.mla_q_b_out, m.q_lora_rank, std=m.q_lora_rank**-0.5)}  # fmt: skip
+    cache = make_state(cfg, LayerSpec(7, "mla", "moe"), 1, T, seed=5)["kv_cache"]
+    a = rnd(T, cfg.mla_qkv_a_out, std=3.0)  # q_a's rms far from 1: the rstd matters
+    gate = rnd(T, cfg.mla_v_dim)
+    q_a = a[:, : m.q_lora_rank].float()
+    q_a_n = (q_a * torch.rsqrt(q_a.pow(2).mean(-1, keepdim=True) + cfg.eps)).to(torch.bfloat16)
+    q_n = ((q_a_n.float() * w["q_a_norm"].float()) @ w["q_b"].float().t()).to(torch.bfloat16)
+    q_raw = (q_a @ fold_norm_weight(w["q_b"], w["q_a_norm"]).float().t()).to(torch.bfloat16)
+    want, c1 = mla.mla_decode_ref(cfg, w, a, q_n, gate, cache, T)
+    got, c2 = mla.mla_decode_ref(cfg, w, a, q_raw, gate, cache, T, q_raw=True)
+    assert rel_l2(got, want) < 2e-2 and torch.equal(c1, c2)
+    unscaled, _ = mla.mla_decode_ref(cfg, w, a, q_raw, gate, cache, T)
+    assert rel_l2(unscaled, want) > 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64), (8, 8)])
+def test_gpu_qnorm(tp, batch):
+    """``qnorm`` on the H200: the kernel with ``q_raw`` against the reference with ``q_raw``
+    (``a``'s q_a columns at rms 3, so the rstd matters), poisoned outputs, three launches and a
+    CUDA graph replay; the error word stays 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from test_mla_decode_tc import _inputs
+
+    T = 8
+    cfg = get_config("kimi-k3", tp)
+    w, cache0, a, q, g = _inputs(cfg, batch, T, 500 + batch)
+    a = (a.float() * 3.0).to(a.dtype)
+    ctx = cfg.context_len
+    ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T, q_raw=True)
+    plain, _ = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T)
+    assert rel_l2(plain, ref) > 5e-2  # the rstd changes the result
+    plan = dataclasses.replace(msp.plan_for(cfg, batch, T), qnorm=1)
+    out = torch.empty_like(ref)
+    cache = cache0.clone()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        cache[:, ctx:].fill_(float("nan"))
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out, T, q_raw=True)
+        torch.cuda.synchronize()
+        assert msp.error_word(plan, out.device) == 0
+        assert bool(torch.isfinite(out).all()) and rel_l2(out, ref) < 2e-2
+        assert rel_l2(cache[:, ctx:], rcache[:, ctx:]) < 1e-2
+    out_g = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        msp.mla_decode_split(cfg, w, a, q, g, cache, out_g, T, q_raw=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert msp.error_word(plan, out.device) == 0 and rel_l2(out_g, out) < 1e-6

@@ -803,16 +803,18 @@ def _record_launches(monkeypatch) -> list[tuple[str, str]]:
     return calls
 
 
-@pytest.mark.parametrize("back,ag", [(None, False), ("add", False), ("addmm", False),
-                                     (None, True), ("addmm", True)])  # fmt: skip
-def test_dry_run_token_ops_once(monkeypatch, back, ag):
+@pytest.mark.parametrize("back,ag,qf", [(None, False, False), ("add", False, False),
+                                        ("addmm", False, False), (None, True, False),
+                                        ("addmm", True, False), (None, True, True)])  # fmt: skip
+def test_dry_run_token_ops_once(monkeypatch, back, ag, qf):
     """Every launch (CuTe kernels through interface.compiled, the cuBLAS GEMMs and the back's
     add through their module functions) under the range the plan names, in order; the plan's,
     the model's and the trace's launch counts agree. ``DECODESCOPE_WIDE_BACK=addmm``: the back's
     add rides in the RMSNorm launch (the shared sum's rounding) and the GEMM's epilogue, one
     launch fewer per MoE layer. ``ag``: MLA's qkv_a and g_proj in one GEMM
     (``attention_layers.merged_ag`` forced on: the tiny preset's decode is not the split
-    kernel's), one launch fewer per MLA layer."""
+    kernel's), one launch fewer per MLA layer. ``qf``: q_b on the raw q_a, its norm launch gone
+    (``attention_layers.folded_q_b`` forced on, ``DECODESCOPE_WIDE_QNORM``)."""
     from decodescope.kernels.specialized import attention_layers as al
 
     calls = _record_launches(monkeypatch)
@@ -821,6 +823,15 @@ def test_dry_run_token_ops_once(monkeypatch, back, ag):
         monkeypatch.setenv("DECODESCOPE_WIDE_BACK", back)
     if ag:
         monkeypatch.setattr(al, "merged_ag", lambda cfg, batch, tokens: True)
+    raws = []
+    if qf:  # the decode asked for q_raw (the split kernel's, which the tiny preset cannot plan)
+        monkeypatch.setattr(al, "folded_q_b", lambda cfg, batch, tokens: True)
+
+        def decode(cfg, w, a, q, g, cache, out, T, q_raw=False):
+            raws.append(q_raw)
+            calls.append((tracer.current_path(), "mla_decode"))
+
+        monkeypatch.setattr(al._mla, "mla_decode", decode)
     p, m = _model(batch=16, tokens=1, layers="kda,mla")
     assert m.chunks == 2 and m.tokens_once and p.tokens_once
     with tracer.range("step"):
@@ -828,13 +839,15 @@ def test_dry_run_token_ops_once(monkeypatch, back, ag):
     per_layer = _launches_by_range(p, [c[0] for c in calls])
     fewer = 1 if back in ("addmm", None) else 0  # addmm: the default since session 39
     assert per_layer == p.launches() == m.launches() == {"layer.0:kda": 13 - fewer,
-                                                         "layer.1:mla": 16 - fewer - ag}  # fmt: skip
+                                                         "layer.1:mla": 16 - fewer - ag - qf}  # fmt: skip
     kinds = [k for path, k in calls if path.startswith("step/layer.0:kda/layer.0.attn.")]
     assert kinds == ["rmsnorm", "cublas", "kda_decode", "kda_decode", "cublas", "rmsnorm"]
     mla = [k for path, k in calls if path.startswith("step/layer.1:mla/layer.1.attn.")]
     proj = ["rmsnorm", "cublas"] + ([] if ag else ["cublas"])
-    assert mla == proj + ["rmsnorm", "cublas", "mla_decode", "mla_decode", "cublas", "rmsnorm"]
-    assert (m.attn_all[1].w_ag is not None) == ag
+    q_b = ["cublas"] if qf else ["rmsnorm", "cublas"]
+    assert mla == proj + q_b + ["mla_decode", "mla_decode", "cublas", "rmsnorm"]
+    assert (m.attn_all[1].w_ag is not None) == ag and (m.attn_all[1].w_qb is not None) == qf
+    assert raws == ([True] * 2 if qf else [])  # one decode per chunk
     moe = [k for path, k in calls if "layer.1.moe." in path]
     route = ["cublas_f32", "moe_grouped_route", "moe_grouped_w13", "moe_grouped_w2"]
     assert moe == route + (["rmsnorm", "cublas"] if fewer else ["rmsnorm", "cublas_f32", "add"])
@@ -945,11 +958,12 @@ def test_token_ops_once_dense_with_reference_kernels_matches_standard(monkeypatc
     assert _rel(out, dm.dense_mlp_wide_ref(p.cfg, w0, h)) < 1e-2
 
 
-@pytest.mark.parametrize("back,ag", [("add", False), ("addmm", True)])
+@pytest.mark.parametrize("back,ag,qf", [("add", False, False), ("addmm", True, False),
+                                        ("addmm", True, True)])  # fmt: skip
 @pytest.mark.parametrize("decode", ["chunk", "once"])
 @pytest.mark.parametrize("batch, tokens", [(16, 1), (4, 3), (6, 2)])
 def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, batch, tokens,
-                                                                decode, back, ag):  # fmt: skip
+                                                                decode, back, ag, qf):  # fmt: skip
     """The all-rows path itself (the cuBLAS projections as torch matmuls on the CPU), with each
     CuTe kernel replaced by its torch reference (the RMSNorm launches, the KDA recurrence and
     MLA decode per chunk on row and state views, the grouped experts from the front's FP32
@@ -957,7 +971,8 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     ``DECODESCOPE_WIDE_BACK`` (``addmm``: the norm launch's side cast of the shared sum, then
     the up-projection adding into the layer's output); ``ag``: MLA's qkv_a and g_proj in one
     GEMM, the decode reading ``a`` and ``g`` as column slices of its output (forced on: the
-    tiny preset's decode is not the split kernel's)."""
+    tiny preset's decode is not the split kernel's); ``qf``: q_b on the raw q_a with its norm
+    weight folded in, the decode scaling the scores by q_a's rstd (``q_raw``, forced on)."""
     from decodescope.kernels.specialized import attention_layers as al
     from decodescope.kernels.specialized import moe_block as mb
     from decodescope.kernels.specialized import moe_experts as me
@@ -970,7 +985,9 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     monkeypatch.setenv("DECODESCOPE_WIDE_BACK", back)
     if ag:
         monkeypatch.setattr(al, "merged_ag", lambda cfg, batch, tokens: True)
-    decodes, sides, strides = [], [], []
+    if qf:
+        monkeypatch.setattr(al, "folded_q_b", lambda cfg, batch, tokens: True)
+    decodes, sides, strides, raws = [], [], [], []
 
     def norm(x, w, y, eps, residual=None, residual_out=None, side_in=None, side_out=None):
         if residual is not None:
@@ -987,10 +1004,11 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
         s.copy_(s2)
         c.copy_(c2)
 
-    def mla(cfg, w, a, q, g, cache, out, T):
+    def mla(cfg, w, a, q, g, cache, out, T, q_raw=False):
         decodes.append(a.shape[0])
         strides.append((a.stride(0), g.stride(0)))
-        o, cache2 = al._mla.mla_decode_ref(cfg, w, a, q, g, cache, T)
+        raws.append(q_raw)
+        o, cache2 = al._mla.mla_decode_ref(cfg, w, a, q, g, cache, T, q_raw=q_raw)
         out.copy_(o)
         cache.copy_(cache2)
 
@@ -1021,6 +1039,7 @@ def test_token_ops_once_with_reference_kernels_matches_standard(monkeypatch, bat
     assert sides == ([(batch * tokens, p.cfg.hidden)] * 3 if back == "addmm" else [])
     na, ng = p.cfg.mla_qkv_a_out, p.cfg.mla_v_dim
     assert set(strides) == {(na + ng, na + ng) if ag else (na, ng)}
+    assert set(raws) == {qf}
     _assert_step_matches(p, m, std, batch, tokens)
 
 

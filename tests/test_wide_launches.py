@@ -29,7 +29,8 @@ from decodescope.kernels.specialized import mla_decode_split as ms  # noqa: E402
 from decodescope.kernels.specialized import step as S  # noqa: E402
 from decodescope.kernels.weights import make_layer_weights  # noqa: E402
 
-KNOBS = ("DECODESCOPE_WIDE_BACK", "DECODESCOPE_WIDE_AG", "DECODESCOPE_MLA_KERNEL")
+KNOBS = ("DECODESCOPE_WIDE_BACK", "DECODESCOPE_WIDE_AG", "DECODESCOPE_WIDE_QNORM",
+         "DECODESCOPE_MLA_KERNEL")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +61,9 @@ def test_verify_step_launches(monkeypatch, tp, batch):
     assert launches() == (11, 13)
     monkeypatch.setenv("DECODESCOPE_WIDE_BACK", "add")
     assert launches() == (12, 14)
+    monkeypatch.delenv("DECODESCOPE_WIDE_BACK")  # DECODESCOPE_WIDE_QNORM=1 (opt-in): q_b's norm
+    monkeypatch.setenv("DECODESCOPE_WIDE_QNORM", "1")  # launch goes, the decode applies it
+    assert launches() == (11, 12)
 
 
 def test_merged_ag_conditions(monkeypatch):
@@ -160,3 +164,20 @@ def test_split_call_derives_strides(monkeypatch):
     with pytest.raises(ValueError, match="unit column strides"):
         ms.mla_decode_split(cfg, w, torch.empty(na, rows, dtype=torch.bfloat16).t(), q,
                             ag[:, na:], cache, None, 8)  # fmt: skip
+
+
+def test_folded_q_b_conditions(monkeypatch):
+    """``DECODESCOPE_WIDE_QNORM`` (opt-in, session 39): off unless asked; on at the kimi-k3
+    verify steps where the split kernel decodes (the kernel that applies the rstd); off where
+    another kernel would and for an FP8 cache; a bad value is a one-line error."""
+    cfg = get_config("kimi-k3", 8)
+    assert not al.folded_q_b(cfg, 32, 8)
+    monkeypatch.setenv("DECODESCOPE_WIDE_QNORM", "1")
+    assert al.folded_q_b(cfg, 32, 8) and al.folded_q_b(get_config("kimi-k3", 16), 64, 8)
+    monkeypatch.setenv("DECODESCOPE_MLA_KERNEL", "tc")
+    assert not al.folded_q_b(cfg, 32, 8)
+    monkeypatch.delenv("DECODESCOPE_MLA_KERNEL")
+    assert not al.folded_q_b(dataclasses.replace(cfg, kv_cache_dtype="fp8_e4m3"), 32, 8)
+    monkeypatch.setenv("DECODESCOPE_WIDE_QNORM", "yes")
+    with pytest.raises(ValueError, match="DECODESCOPE_WIDE_QNORM='yes': expected 0..1"):
+        al.folded_q_b(cfg, 32, 8)

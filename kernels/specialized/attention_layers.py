@@ -235,6 +235,25 @@ def merged_ag(cfg: Config, batch: int, tokens: int) -> bool:
     return _mla.kernel_choice(BF16, "", batch, tokens, cfg) == "split"
 
 
+WIDE_QNORM_ENV = "DECODESCOPE_WIDE_QNORM"
+
+
+def folded_q_b(cfg: Config, batch: int, tokens: int) -> bool:
+    """Whether an MLA layer's all-rows attention drops q_b's RMSNorm launch
+    (``DECODESCOPE_WIDE_QNORM=1``, opt-in, session 39, not yet measured): q_b as one cuBLAS GEMM
+    on the raw ``q_a`` with the norm weight folded into its weight
+    (:func:`.tile_gemm.fold_norm_weight`), and the split decode kernel scaling each score row by
+    its token's ``q_a`` rstd (:attr:`.mla_decode_split.MLASplitPlan.qnorm`: scores are linear in
+    ``q``). Same conditions as :func:`merged_ag`: a BF16 cache and the split kernel decoding."""
+    from decodescope.kernels.specialized import env_knobs as ek
+
+    if not ek.read(WIDE_QNORM_ENV, (0, 1), "0"):
+        return False
+    if cfg.kv_cache_dtype != "bf16":
+        return False
+    return _mla.kernel_choice(BF16, "", batch, tokens, cfg) == "split"
+
+
 def merged_rows(w: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
     """The weights ``names`` as one ``[sum N, K]`` tensor: a view where they are adjacent row
     blocks of one storage (as :func:`decodescope.kernels.weights.make_layer_weights` makes MLA's
@@ -296,6 +315,10 @@ class AttentionAllTokens:
             self.w_ag = merged_rows(w, ("qkv_a", "g_proj"))
             self.ag = torch.empty(self.N, na + cfg.mla_v_dim, dtype=BF16, device=self.w_ag.device)
             self.a, self.g = self.ag[:, :na], self.ag[:, na:]
+        # q_b on the raw q_a, its norm's weight folded in; the decode applies the rstd
+        self.w_qb = None
+        if spec.attn == "mla" and folded_q_b(cfg, per, tokens):
+            self.w_qb = _tg.fold_norm_weight(w["q_b"], w["q_a_norm"])
         nc = per * tokens  # rows per decode launch
         self.rows = [slice(c * nc, (c + 1) * nc) for c in range(self.chunks)]
         self.state_c = [{k: v[c * per : (c + 1) * per] for k, v in state.items()}
@@ -312,7 +335,7 @@ class AttentionAllTokens:
                                 self.o[rows], T)  # fmt: skip
             else:
                 _mla.mla_decode(cfg, w, self.a[rows], self.q[rows], self.g[rows], st["kv_cache"],
-                                self.o[rows], T)  # fmt: skip
+                                self.o[rows], T, q_raw=self.w_qb is not None)  # fmt: skip
 
     def stages(self, x_in, r_in, r_out, h_out) -> list[tuple[str, Callable[[], None]]]:
         """The launches in order as ``(op name, thunk)``; ``forward`` runs them."""
@@ -330,7 +353,12 @@ class AttentionAllTokens:
             else:
                 proj = (ops[0], lambda: _nqp.norm_qkv_proj(cfg, w, "mla", x_in, r_in, self.r_mid,
                                                            outs))  # fmt: skip
-            first = [proj, (ops[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q))]
+            if self.w_qb is not None:  # folded_q_b: one GEMM, no norm launch
+                q_a = self.a[:, : cfg.mla.q_lora_rank]
+                q_b = (ops[1], lambda: _tg.project_wide(q_a, [self.w_qb], [self.q]))
+            else:
+                q_b = (ops[1], lambda: _op.q_b_proj(cfg, w, self.a, self.q))
+            first = [proj, q_b]
         return first + [
             (ops[-3], self._decode),
             (ops[-2], lambda: _op.oproj_residual(cfg, w, self.o, self.r_mid, r_out)),
@@ -344,13 +372,15 @@ class AttentionAllTokens:
                 fn()
 
 
-def all_tokens_launches(cfg: Config, kind: str, chunks: int, merged: bool = False) -> int:
+def all_tokens_launches(cfg: Config, kind: str, chunks: int, merged: bool = False,
+                        q_fold: bool = False) -> int:  # fmt: skip
     """Launches of :class:`AttentionAllTokens`: the norm and one GEMM per input projection (one
-    in all where ``merged``, :func:`merged_ag`), (MLA) q_b's norm and GEMM, the decode kernel
-    per chunk, o_proj, the RMSNorm."""
+    in all where ``merged``, :func:`merged_ag`), (MLA) q_b's norm and GEMM (the GEMM alone where
+    ``q_fold``, :func:`folded_q_b`), the decode kernel per chunk, o_proj, the RMSNorm."""
     if kind == "kda":
         return 2 + chunks + 2
-    return 1 + (2 if cfg.mla.output_gate and not merged else 1) + 2 + chunks + 2
+    q_b = 1 if q_fold else 2
+    return 1 + (2 if cfg.mla.output_gate and not merged else 1) + q_b + chunks + 2
 
 
 def attention_ref(cfg: Config, spec: LayerSpec, w, state, x_in, r_in, tokens: int):

@@ -572,11 +572,14 @@ def compile_for(cfg, batch: int, tokens: int, kernel: str = "") -> object:
 
 
 def mla_decode(
-    cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0, kernel: str = ""
-) -> None:
+    cfg, w: dict, a, q, g, kv_cache, out, tokens: int, heads_per_cta: int = 0, kernel: str = "",
+    q_raw: bool = False,
+) -> None:  # fmt: skip
     """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows.
 
     ``kernel``: see :func:`kernel_choice` (by batch and tokens for a BF16 cache).
+    ``q_raw``: ``q`` came from the raw ``q_a`` through q_b's norm-folded weight; only the split
+    kernel takes it (:attr:`.mla_decode_split.MLASplitPlan.qnorm`, ``DECODESCOPE_WIDE_QNORM``).
     ``heads_per_cta`` (0: ``DECODESCOPE_MLA_HEADS_PER_CTA``, else the kernel's default: 1 for
     ``simt``, by batch for ``tc``): heads sharing one CTA's key reads."""
     cache_dtype = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}.get(kv_cache.dtype)
@@ -584,10 +587,12 @@ def mla_decode(
         raise NotImplementedError(f"mla_decode: no {kv_cache.dtype} latent cache (bf16, fp8 e4m3)")
     env_hpc = int(os.environ.get("DECODESCOPE_MLA_HEADS_PER_CTA", "0") or 0)
     choice = kernel_choice(kv_cache.dtype, kernel, a.shape[0] // tokens, tokens, cfg)
+    if q_raw and choice != "split":
+        raise ValueError(f"mla_decode: q_raw needs the split kernel, not {choice!r}")
     if choice == "split":
         from decodescope.kernels.specialized.mla_decode_split import mla_decode_split
 
-        mla_decode_split(cfg, w, a, q, g, kv_cache, out, tokens)
+        mla_decode_split(cfg, w, a, q, g, kv_cache, out, tokens, q_raw=q_raw)
         return
     if choice == "tc":
         from decodescope.kernels.specialized.mla_decode_tc import mla_decode_tc
@@ -619,8 +624,10 @@ def _workspace(p: MLAPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
     return ws
 
 
-def mla_decode_ref(cfg, w: dict, a, q, g, kv_cache, tokens: int):
-    """FP32 torch reference of the kernel. Returns ``(out bf16, cache')`` (new tensors)."""
+def mla_decode_ref(cfg, w: dict, a, q, g, kv_cache, tokens: int, q_raw: bool = False):
+    """FP32 torch reference of the kernel. Returns ``(out bf16, cache')`` (new tensors).
+    ``q_raw``: the scores of each row times ``rsqrt(mean(q_a^2) + eps)`` (``q_a = a[:, :q_lora]``),
+    as the split kernel's ``qnorm`` applies it."""
     m = cfg.mla
     f32 = torch.float32
     nh, ctx, T = cfg.mla_heads, cfg.context_len, tokens
@@ -637,6 +644,9 @@ def mla_decode_ref(cfg, w: dict, a, q, g, kv_cache, tokens: int):
     q_nope, q_pe = qf.split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
     q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w["w_uk"].float())
     q576 = torch.cat([q_lat, q_pe], -1).view(B, T, nh, -1) / math.sqrt(m.qk_head_dim)
+    if q_raw:  # scores are linear in q: the q_a norm's rstd per row, applied to them
+        q_a = a[:, : m.q_lora_rank].float()
+        q576 = q576 * torch.rsqrt(q_a.pow(2).mean(-1) + cfg.eps).view(B, T, 1, 1)
     o_lat = torch.empty(B, T, nh, m.kv_lora_rank, dtype=f32, device=a.device)
     for t in range(T):
         keys = kv[:, : ctx + t + 1]

@@ -134,6 +134,7 @@ from decodescope.kernels.specialized.utils import (
     pdl_begin,
     pdl_enabled,
     sigmoid,
+    warp_sum,
 )
 
 WPAD = 8  # bf16 padding of staged rows: 16-byte aligned ldmatrix rows, 4-word bank offset
@@ -232,6 +233,12 @@ class MLASplitPlan:
     # ``heads * v_dim``). The kernel reads both element by element, so only the layout changes
     lda: int = 0
     ldg: int = 0
+    # 1 (``DECODESCOPE_WIDE_QNORM=1``, set by the caller): ``q`` came from the raw ``q_a``
+    # (``a[:, :q_lora]``, not normalized) through q_b's weight with the q_a RMSNorm's weight
+    # folded in; each attention item computes its tokens' ``rstd`` of ``q_a`` and scales its
+    # score rows by it (scores are linear in ``q``: ``q_lat`` and ``q_pe`` alike), so q_b's norm
+    # launch goes. 0: ``q`` is normalized already
+    qnorm: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= ROWS:
@@ -265,6 +272,8 @@ class MLASplitPlan:
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_EARLYABS: 0 or 1, got {self.earlyabs}")
         if self.waves not in (0, 1):
             raise ValueError(f"DECODESCOPE_MLA_SPLIT_WAVES: 0 or 1, got {self.waves}")
+        if self.qnorm not in (0, 1):
+            raise ValueError(f"mla_decode_split: qnorm 0 or 1, got {self.qnorm}")
         for name, ld, width in (("a", self.lda, self.a_width), ("g", self.ldg,
                                                                self.heads * self.v_dim)):  # fmt: skip
             if ld and (ld < width or ld % 2):
@@ -615,7 +624,7 @@ class MLADecodeSplit(MLADecodeTC):
             if tk < A + p.n_att:
                 self.attend_item(
                     tk - A, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc,
-                    sTm, tidx, ep,
+                    sTm, tidx, ep, sWgt,
                 )  # fmt: skip
             else:
                 self.uv_item(
@@ -792,8 +801,9 @@ class MLADecodeSplit(MLADecodeTC):
     # -- 2. attention ------------------------------------------------------------------------
     @cute.jit
     def attend_item(
-        self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx, ep
-    ):
+        self, it, mA, mKvNorm, mQ, mCache, mQl, mPart, mCnt, base, sRed, sMisc, sTm, tidx, ep,
+        sWgt,
+    ):  # fmt: skip
         p = self.p
         LP, KVL, T, R, NB, S = p.lp, p.kv_lora, p.tokens, p.rows, p.nbuf, p.splits
         NBA = p.nblk_all
@@ -848,6 +858,10 @@ class MLADecodeSplit(MLADecodeTC):
         # q_pe scaled; the padding rows zero
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
         self.stage_q_pe(mQ, sQ, b, h0, scale, tidx)
+        rs0 = Float32(1.0)  # the score rows' q_a rstd (qnorm), rows r0 = g and r1 = g + 8
+        rs1 = Float32(1.0)
+        if cutlass.const_expr(p.qnorm):
+            rs0, rs1 = self.q_rstd(mA, sWgt, b, tidx)
 
         # q_lat of this sequence's rows, once every absorption item is done
         self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
@@ -894,6 +908,11 @@ class MLADecodeSplit(MLADecodeTC):
             sacc = cute.make_rmem_tensor((4, 1, 1), Float32)
             sacc.fill(0.0)
             self.scores_ldsm(atom, sacc, fa, fb, sQ, sK, buf, warp, lane)
+            if cutlass.const_expr(p.qnorm):  # rows r0 (c0, c1) and r1 (c2, c3)
+                sacc[0] = sacc[0] * rs0
+                sacc[1] = sacc[1] * rs0
+                sacc[2] = sacc[2] * rs1
+                sacc[3] = sacc[3] * rs1
             pv, l0, l1, m0, m1 = self.softmax_step(
                 sacc, sRed, oacc, kb, k_end, warp, c, r0, r1, t0, t1, m0, m1, l0, l1
             )
@@ -955,6 +974,32 @@ class MLADecodeSplit(MLADecodeTC):
                 mPart[b, ps, r1, KVL + 1] = la1
         self.mark(sTm, 6, tidx)  # thread 0's partial stores issued
         self.publish(mCnt, C_ATT, tidx)
+
+    @cute.jit
+    def q_rstd(self, mA, sRs, b, tidx):
+        """``qnorm``: each of the sequence's tokens' ``rsqrt(mean(q_a^2) + eps)`` (``q_a``: the
+        first ``q_lora`` columns of ``a``, raw), a warp per token (no block barrier but the one
+        after), into ``sRs`` (the W_UV items' weights scratch, unused by attention items); returns
+        this thread's rows' values, rows ``g`` and ``g + 8`` (token ``row % T``)."""
+        p = self.p
+        T, QL = p.tokens, p.q_lora
+        warp = tidx // 32
+        lane = tidx % 32
+        for tw in cutlass.range_constexpr((T + WARPS - 1) // WARPS):
+            t = warp + tw * WARPS
+            if t < T:
+                ss = Float32(0.0)
+                for i in cutlass.range_constexpr((QL + 31) // 32):
+                    cc = lane + i * 32
+                    if cc < QL:
+                        x = mA[b * T + t, cc].to(Float32)
+                        ss = ss + x * x
+                ss = warp_sum(ss)
+                if lane == 0:
+                    sRs[t, 0] = cute.math.rsqrt(ss / Float32(QL) + Float32(p.eps))
+        cute.arch.sync_threads()
+        g = lane // 4
+        return sRs[g % T, 0], sRs[(g + 8) % T, 0]
 
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
     @cute.jit
@@ -1457,8 +1502,11 @@ def error_word(p: MLASplitPlan, device) -> int:
     return int(workspace(p, device)[2][C_ERR].item())
 
 
-def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
-    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows (BF16 cache)."""
+def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int,
+                     q_raw: bool = False) -> None:  # fmt: skip
+    """One launch; writes ``out [B*T, heads*v]`` and the T new cache rows (BF16 cache).
+    ``q_raw``: ``q`` was projected from the raw ``q_a`` with the norm weight folded into q_b
+    (:attr:`MLASplitPlan.qnorm`): the kernel applies ``q_a``'s rstd to the scores."""
     if kv_cache.dtype != torch.bfloat16:
         raise NotImplementedError(f"mla_decode_split: BF16 latent cache only, got {kv_cache.dtype}")
     if q.data_ptr() % 16:
@@ -1471,6 +1519,8 @@ def mla_decode_split(cfg, w: dict, a, q, g, kv_cache, out, tokens: int) -> None:
     ldg = int(g.stride(0)) if g.stride(0) != plan.heads * plan.v_dim else 0
     if lda or ldg:  # column slices of one wider buffer (DECODESCOPE_WIDE_AG)
         plan = dataclasses.replace(plan, lda=lda, ldg=ldg)
+    if q_raw:  # DECODESCOPE_WIDE_QNORM
+        plan = dataclasses.replace(plan, qnorm=1)
     fn = compile_plan(plan)
     ql, part, cnt, trace = workspace(plan, a.device)
     fn(a, q, g, w["kv_a_norm"], w["w_uk"], w["w_uv"], kv_cache, ql, part, cnt, trace, out)

@@ -524,10 +524,15 @@ def tokens_once_launches(cfg, spec, batch: int, tokens: int, n_chunks: int) -> i
     (``DECODESCOPE_WIDE_BACK=addmm``, the default; with ``add`` a third launch,
     :func:`.moe_block.wide_back`), for a
     dense layer gate_up, the activation and down."""
-    from decodescope.kernels.specialized.attention_layers import all_tokens_launches, merged_ag
+    from decodescope.kernels.specialized.attention_layers import (
+        all_tokens_launches,
+        folded_q_b,
+        merged_ag,
+    )
 
     merged = spec.attn == "mla" and merged_ag(cfg, batch // n_chunks, tokens)
-    attn = all_tokens_launches(cfg, spec.attn, n_chunks, merged)
+    q_fold = spec.attn == "mla" and folded_q_b(cfg, batch // n_chunks, tokens)
+    attn = all_tokens_launches(cfg, spec.attn, n_chunks, merged, q_fold)
     if spec.mlp == "dense":
         from decodescope.kernels.specialized.dense_mlp import WIDE_OPS
 

@@ -815,6 +815,25 @@ part53b=(
   "90:p8wv0:DECODESCOPE_MLA_SPLIT_WAVES=0 $B53 --json $R/p8wv0.json"
   "90:p8bk0:DECODESCOPE_WIDE_BACK=add $B53 --json $R/p8bk0.json"
 )
+# Part 54 (session 39, staged; one H200): DECODESCOPE_WIDE_QNORM=1, MLA's q_b on the raw q_a
+# (its RMSNorm weight folded into q_b's), the split decode kernel scaling each score row by its
+# token's q_a rstd: 13 -> 12 launches per MLA layer past 64 tokens. 53c: its GPU test and the
+# whole step; 53d: the A/B, MLA layer, TP8 and TP16, each mode twice. Prediction:
+# notes/specialized.md "Part 54".
+Q54="DECODESCOPE_WIDE_QNORM=1"
+B54="decodescope bench --backends specialized --layers mla --batch 32,64 --spec-verify 7 --verify-only --out $R/ab"
+part53c=(
+  "150:qtest:$T49 tests/test_mla_split.py -k gpu_qnorm"
+  "200:qsteps:$Q54 python scripts/gpu_steps.py --tp 8 16 --points 32x8 64x8 --layers kda,mla --out $R/qsteps"
+)
+part53d=(
+  "80:q8d:$B54 --tp-shape 8 --json $R/q8d.json"
+  "80:q8q:$Q54 $B54 --tp-shape 8 --json $R/q8q.json"
+  "80:q16d:$B54 --tp-shape 16 --json $R/q16d.json"
+  "80:q16q:$Q54 $B54 --tp-shape 16 --json $R/q16q.json"
+  "80:q8q2:$Q54 $B54 --tp-shape 8 --json $R/q8q2.json"
+  "80:q8d2:$B54 --tp-shape 8 --json $R/q8d2.json"
+)
 # one call per part (each under the 600 s a call may run): next_round.sh 1 | 2 | ... | 34b
 case "${1:-1}" in
   1) exec bash "$here/run_stages.sh" "${part1[@]}" ;;
@@ -899,5 +918,7 @@ case "${1:-1}" in
   52c) exec bash "$here/run_stages.sh" "${part52c[@]}" ;;
   53a) exec bash "$here/run_stages.sh" "${part53a[@]}" ;;
   53b) exec bash "$here/run_stages.sh" "${part53b[@]}" ;;
+  53c) exec bash "$here/run_stages.sh" "${part53c[@]}" ;;
+  53d) exec bash "$here/run_stages.sh" "${part53d[@]}" ;;
   *) echo "next_round.sh: part 1 to 31, 32a-c, 33, 34a-b, 35a-c, 36a-b, 37a-d, 38a-b, 39a-c, 40a-c, 41, 42a-b, 43a-e, 44a-b, 45a-c, 46a-b, 47a-b, 49a-b, 50a-b, 51a-b or 52a-c, got '$1'" >&2; exit 2 ;;
 esac
