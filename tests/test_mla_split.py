@@ -654,12 +654,34 @@ def test_tail_auto(tail_env, monkeypatch):
     assert msp.plan_for(cfg, 1, 1).tail == 1
 
 
-@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64)])
-def test_qnorm_compiles_and_adds_only_the_rstd(tp, batch):
+def _spread_q_a(a: torch.Tensor, q_lora: int, gen: torch.Generator) -> torch.Tensor:
+    """``a`` with each row's q_a columns scaled by its own factor in [e^-1.4, e^1.4], so that
+    every token's rstd differs and a scale on the wrong row shows."""
+    f = torch.exp((torch.rand(a.shape[0], 1, generator=gen, device=gen.device) * 2 - 1) * 1.4)
+    out = a.float()
+    out[:, :q_lora] *= f
+    return out.to(a.dtype)
+
+
+def _shifted_rows(a: torch.Tensor, T: int, q_lora: int, seq: bool) -> torch.Tensor:
+    """``a`` whose q_a rows are those of the next token of the same sequence (``seq`` False)
+    or of the same token of the next sequence: the reference with them is what a kernel
+    scaling each row by another row's rstd would give."""
+    n = torch.arange(a.shape[0], device=a.device)
+    B = a.shape[0] // T
+    idx = (n // T) * T + (n % T + 1) % T if not seq else ((n // T + 1) % B) * T + n % T
+    out = a.clone()
+    out[:, :q_lora] = a[idx, :q_lora]
+    return out
+
+
+@pytest.mark.parametrize("tp,batch,tokens", [(8, 32, 8), (16, 64, 8), (8, 6, 3)])
+def test_qnorm_compiles_and_adds_only_the_rstd(tp, batch, tokens):
     """``qnorm`` (``DECODESCOPE_WIDE_QNORM``): the plan compiles for sm_90a at the verify steps
-    past 64 tokens; its PTX adds one ``rsqrt`` (the q_a rstd), one warp reduction (5 shuffles)
-    and the four score scalings over the plan without it, which stays as it was."""
-    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, 8)
+    past 64 tokens (and at 3 tokens per sequence, where a thread's two score rows are two
+    tokens); its PTX adds one ``rsqrt`` (the q_a rstd), one warp reduction (5 shuffles) and the
+    four score scalings over the plan without it, which stays as it was."""
+    p0 = msp.plan_for(get_config("kimi-k3", tp), batch, tokens)
     p1 = dataclasses.replace(p0, qnorm=1)
     x0 = itf.ptx_text(msp.MLADecodeSplit(p0), *msp._fake_args(p0))
     x1 = itf.ptx_text(msp.MLADecodeSplit(p1), *msp._fake_args(p1))
@@ -671,15 +693,17 @@ def test_qnorm_compiles_and_adds_only_the_rstd(tp, batch):
 
 
 def test_qnorm_reference_is_the_normalized_q():
-    """The algebra the ``qnorm`` kernel rests on, in the FP32 reference on the CPU (TP16, one
-    sequence of 1+7 tokens, random weights): q_b on the raw ``q_a`` with the norm weight folded
-    in, the scores times each row's ``q_a`` rstd (``q_raw``), gives the output of q_b on the
-    normalized ``q_a``, within BF16 rounding; without the rstd it does not."""
+    """The algebra the ``qnorm`` kernel rests on, in the FP32 reference on the CPU (TP16, two
+    sequences of 1+7 tokens, random weights, each row's q_a at its own scale): q_b on the raw
+    ``q_a`` with the norm weight folded in, the scores times each row's ``q_a`` rstd
+    (``q_raw``), gives the output of q_b on the normalized ``q_a``, within BF16 rounding;
+    without the rstd, or with another row's (the next token's, the next sequence's), it does
+    not. ``mla_decode`` refuses ``q_raw`` for a kernel other than the split one."""
     from decodescope.kernels.specialized.tile_gemm import fold_norm_weight
     from decodescope.kernels.weights import make_state
 
     cfg = get_config("kimi-k3", 16)
-    m, nh, T = cfg.mla, cfg.mla_heads, 8
+    m, nh, B, T = cfg.mla, cfg.mla_heads, 2, 8
     g = torch.Generator().manual_seed(5)
 
     def rnd(*shape, std=1.0):
@@ -691,9 +715,9 @@ def test_qnorm_reference_is_the_normalized_q():
          "w_uv": rnd(nh, m.kv_lora_rank, m.v_head_dim, std=s),
          "q_a_norm": (1 + 0.1 * torch.randn(m.q_lora_rank, generator=g)).to(torch.bfloat16),
          "q_b": rnd(cfg.mla_q_b_out, m.q_lora_rank, std=m.q_lora_rank**-0.5)}  # fmt: skip
-    cache = make_state(cfg, LayerSpec(7, "mla", "moe"), 1, T, seed=5)["kv_cache"]
-    a = rnd(T, cfg.mla_qkv_a_out, std=3.0)  # q_a's rms far from 1: the rstd matters
-    gate = rnd(T, cfg.mla_v_dim)
+    cache = make_state(cfg, LayerSpec(7, "mla", "moe"), B, T, seed=5)["kv_cache"]
+    a = _spread_q_a(rnd(B * T, cfg.mla_qkv_a_out), m.q_lora_rank, g)
+    gate = rnd(B * T, cfg.mla_v_dim)
     q_a = a[:, : m.q_lora_rank].float()
     q_a_n = (q_a * torch.rsqrt(q_a.pow(2).mean(-1, keepdim=True) + cfg.eps)).to(torch.bfloat16)
     q_n = ((q_a_n.float() * w["q_a_norm"].float()) @ w["q_b"].float().t()).to(torch.bfloat16)
@@ -702,28 +726,54 @@ def test_qnorm_reference_is_the_normalized_q():
     got, c2 = mla.mla_decode_ref(cfg, w, a, q_raw, gate, cache, T, q_raw=True)
     assert rel_l2(got, want) < 2e-2 and torch.equal(c1, c2)
     unscaled, _ = mla.mla_decode_ref(cfg, w, a, q_raw, gate, cache, T)
-    assert rel_l2(unscaled, want) > 5e-2
+    assert rel_l2(unscaled, want) > 0.2
+    for seq in (False, True):
+        other = _shifted_rows(a, T, m.q_lora_rank, seq)
+        wrong, _ = mla.mla_decode_ref(cfg, w, other, q_raw, gate, cache, T, q_raw=True)
+        assert rel_l2(wrong, want) > 0.2
+    with pytest.raises(ValueError, match="q_raw needs the split kernel"):
+        mla.mla_decode(cfg, w, a, q_raw, gate, cache.clone(), torch.empty_like(want), T,
+                       kernel="tc", q_raw=True)  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp,batch", [(8, 32), (16, 64), (8, 8)])
-def test_gpu_qnorm(tp, batch):
-    """``qnorm`` on the H200: the kernel with ``q_raw`` against the reference with ``q_raw``
-    (``a``'s q_a columns at rms 3, so the rstd matters), poisoned outputs, three launches and a
-    CUDA graph replay; the error word stays 0."""
+@pytest.mark.parametrize("tp,batch,tokens,strided", [(8, 32, 8, True), (16, 64, 8, True),
+                                                     (8, 8, 8, False), (8, 6, 3, False),
+                                                     (16, 4, 5, True)])  # fmt: skip
+def test_gpu_qnorm(tp, batch, tokens, strided):
+    """``qnorm`` on the H200: the kernel with ``q_raw`` against the reference with ``q_raw``,
+    each row's q_a at its own scale (a scale on another token's or sequence's row would be
+    off by more than 0.2, checked on the reference first), poisoned outputs, three launches and
+    a CUDA graph replay; the error word stays 0. ``strided``: ``a`` and ``g`` as column slices
+    of one ``[rows, a + g]`` buffer (``DECODESCOPE_WIDE_AG``, the default layout); 3 and 5
+    tokens: a thread's two score rows are two tokens, and the padding rows are there."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from test_mla_decode_tc import _inputs
 
-    T = 8
+    T = tokens
     cfg = get_config("kimi-k3", tp)
     w, cache0, a, q, g = _inputs(cfg, batch, T, 500 + batch)
-    a = (a.float() * 3.0).to(a.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(600 + batch)
+    a = _spread_q_a(a, cfg.mla.q_lora_rank, gen)
     ctx = cfg.context_len
     ref, rcache = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T, q_raw=True)
     plain, _ = mla.mla_decode_ref(cfg, w, a, q, g, cache0, T)
-    assert rel_l2(plain, ref) > 5e-2  # the rstd changes the result
-    plan = dataclasses.replace(msp.plan_for(cfg, batch, T), qnorm=1)
+    assert rel_l2(plain, ref) > 0.2  # the rstd changes the result
+    for seq in (False, True) if batch > 1 else (False,):
+        other = _shifted_rows(a, T, cfg.mla.q_lora_rank, seq)
+        wrong, _ = mla.mla_decode_ref(cfg, w, other, q, g, cache0, T, q_raw=True)
+        assert rel_l2(wrong, ref) > 0.2  # another row's rstd would show
+    if strided:
+        na = a.shape[1]
+        ag = torch.full((a.shape[0], na + g.shape[1]), float("nan"), dtype=a.dtype,
+                        device=a.device)  # fmt: skip
+        ag[:, :na], ag[:, na:] = a, g
+        a, g = ag[:, :na], ag[:, na:]
+    plan = msp.plan_for(cfg, batch, T)
+    if strided:
+        plan = dataclasses.replace(plan, lda=a.stride(0), ldg=g.stride(0))
+    plan = dataclasses.replace(plan, qnorm=1)
     out = torch.empty_like(ref)
     cache = cache0.clone()
     for _ in range(3):

@@ -292,7 +292,11 @@ class AttentionAllTokens:
     ``DECODESCOPE_WIDE_AG=1`` (:func:`merged_ag`, the default since session 39): MLA's
     ``qkv_a`` and ``g_proj`` in one GEMM where the split kernel decodes.
 
-    Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + 2 + chunks + 2``, ``chunks`` 1
+    ``DECODESCOPE_WIDE_QNORM=1`` (:func:`folded_q_b`, opt-in): q_b's norm launch folded into
+    the split decode kernel (q_b on the raw q_a with the norm weight folded in).
+
+    Launches: KDA ``2 + chunks + 2``, MLA ``(1 + projections) + q_b + chunks + 2`` (``q_b``: 2,
+    1 with the fold), ``chunks`` 1
     with ``decode_once`` (:func:`all_tokens_launches`); every kernel compiles at its first call
     (the model's guarded warm-up step)."""
 
@@ -318,7 +322,7 @@ class AttentionAllTokens:
         # q_b on the raw q_a, its norm's weight folded in; the decode applies the rstd
         self.w_qb = None
         if spec.attn == "mla" and folded_q_b(cfg, per, tokens):
-            self.w_qb = _tg.fold_norm_weight(w["q_b"], w["q_a_norm"])
+            self.w_qb = _tg.folded_weight(w["q_b"], w["q_a_norm"])  # one per weight tensor
         nc = per * tokens  # rows per decode launch
         self.rows = [slice(c * nc, (c + 1) * nc) for c in range(self.chunks)]
         self.state_c = [{k: v[c * per : (c + 1) * per] for k, v in state.items()}

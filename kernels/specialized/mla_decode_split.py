@@ -858,16 +858,19 @@ class MLADecodeSplit(MLADecodeTC):
         # q_pe scaled; the padding rows zero
         scale = Float32(1.0 / math.sqrt(p.nope + p.rope))
         self.stage_q_pe(mQ, sQ, b, h0, scale, tidx)
-        rs0 = Float32(1.0)  # the score rows' q_a rstd (qnorm), rows r0 = g and r1 = g + 8
-        rs1 = Float32(1.0)
-        if cutlass.const_expr(p.qnorm):
-            rs0, rs1 = self.q_rstd(mA, sWgt, b, tidx)
+        if cutlass.const_expr(p.qnorm):  # the tokens' q_a rstd into sWgt, read after the wait
+            self.q_rstd(mA, sWgt, b, tidx)
 
         # q_lat of this sequence's rows, once every absorption item is done
         self.mark(sTm, 7, tidx)  # the work before the wait done (thread 0's part)
         if tidx == 0:
             self.wait_count(mCnt, C_ABS, p.n_abs, sTm)
         cute.arch.sync_threads()
+        rs0 = Float32(1.0)  # the score rows' q_a rstd (qnorm): rows r0 = g and r1 = g + 8
+        rs1 = Float32(1.0)
+        if cutlass.const_expr(p.qnorm):  # every warp's rstd written before the barrier above
+            rs0 = sWgt[g % T, 0]
+            rs1 = sWgt[(g + 8) % T, 0]
         nv = KVL // 8
         for i in cutlass.range_constexpr((R * nv + NT - 1) // NT):
             idx = tidx + i * NT
@@ -978,9 +981,10 @@ class MLADecodeSplit(MLADecodeTC):
     @cute.jit
     def q_rstd(self, mA, sRs, b, tidx):
         """``qnorm``: each of the sequence's tokens' ``rsqrt(mean(q_a^2) + eps)`` (``q_a``: the
-        first ``q_lora`` columns of ``a``, raw), a warp per token (no block barrier but the one
-        after), into ``sRs`` (the W_UV items' weights scratch, unused by attention items); returns
-        this thread's rows' values, rows ``g`` and ``g + 8`` (token ``row % T``)."""
+        first ``q_lora`` columns of ``a``, raw), a warp per token, into ``sRs[t, 0]`` (the W_UV
+        items' weights scratch, which attention items do not use). No barrier of its own: the
+        caller reads it after the barrier that follows the absorption wait, so the reductions
+        overlap thread 0's poll."""
         p = self.p
         T, QL = p.tokens, p.q_lora
         warp = tidx // 32
@@ -997,9 +1001,6 @@ class MLADecodeSplit(MLADecodeTC):
                 ss = warp_sum(ss)
                 if lane == 0:
                     sRs[t, 0] = cute.math.rsqrt(ss / Float32(QL) + Float32(p.eps))
-        cute.arch.sync_threads()
-        g = lane // 4
-        return sRs[g % T, 0], sRs[(g + 8) % T, 0]
 
     # -- 3. merge + W_UV + gate --------------------------------------------------------------
     @cute.jit
